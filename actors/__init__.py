@@ -1,0 +1,1 @@
+"""The protocol messages and the Engine, Worker and Transfer actors."""

@@ -1,0 +1,1 @@
+"""Actor runtime: wire codec, command line, benchmarks, and (later) the run loop and supervisor."""

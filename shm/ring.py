@@ -1,0 +1,343 @@
+"""Single-producer single-consumer rings of variable-length frames in shared memory.
+
+Byte layout of a ring segment (all words u64, little-endian)::
+
+    offset   0  line 0  magic "RFRING01", layout version, data capacity, max payload
+    offset  64  line 1  head (written by the producer only), producer pid, start ticks
+    offset 128  line 2  tail, tail_seq (written by the consumer only), consumer pid, start ticks
+    offset 256          data: ``capacity`` bytes, a multiple of 8
+
+``head`` and ``tail`` are byte positions that only grow; a position's place in the
+data area is ``position % capacity``. ``head - tail`` bytes are published and not
+yet consumed. Each side writes its own counters with one aligned 8-byte store.
+
+A frame is 8-byte aligned and never wraps::
+
+    u32 length   payload bytes (not counting header or padding); 0xFFFFFFFF = wrap marker
+    u32 kind     opaque to the ring (the codec puts the message tag and version here)
+    u64 seq      transport sequence number: 1, 2, 3, ... per ring, no gaps
+    payload, then zero padding to a multiple of 8
+
+When a frame does not fit between its position and the end of the data area, the
+producer writes a wrap marker there and the frame starts at offset 0; the bytes
+after the marker are skipped. Because of that, a frame of more than half the
+capacity could be unplaceable even in an empty ring, so ``max_payload`` is
+``capacity // 2 - 16`` and a larger message is a ``ValueError`` up front.
+
+Ordering: the producer writes the payload, then the frame header, then ``head``;
+the consumer loads ``head``, then the frame. On x86-64 (TSO) stores are not
+reordered with stores nor loads with loads, so this is enough; see ``barrier.py``.
+
+Durable consumption: the consumer reads frames at a private cursor and advances the
+shared ``tail`` only when it :meth:`RingReader.commit`\\s, after the work is done. A
+consumer that dies before committing leaves the frame in the ring, and its
+successor resumes at the committed tail. The commit writes ``tail_seq`` before
+``tail``, so after a crash between the two stores the frame at ``tail`` carries
+either ``tail_seq + 1`` or ``tail_seq`` (then it is redone: the op in flight).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from ringfence.shm.doorbell import Doorbell
+from ringfence.shm.errors import (
+    ActorDead,
+    EndpointTaken,
+    ProtocolError,
+    RingEmpty,
+    RingFull,
+    SegmentLayoutError,
+)
+from ringfence.shm.liveness import ProcessStamp
+from ringfence.shm.segment import Segment
+
+MAGIC = int.from_bytes(b"RFRING01", "little")
+LAYOUT_VERSION = 1
+HEADER_BYTES = 256
+FRAME = struct.Struct("<IIQ")  # length, kind, seq
+LENGTH = struct.Struct("<I")  # a wrap marker may sit in the last 8 bytes: only its length word
+WRAP = 0xFFFFFFFF
+MIN_CAPACITY = 256
+
+# Word indexes into the header (u64 words).
+_MAGIC, _VERSION, _CAPACITY, _MAX_PAYLOAD = 0, 1, 2, 3
+_HEAD, _PROD_PID, _PROD_TICKS = 8, 9, 10
+_TAIL, _TAIL_SEQ, _CONS_PID, _CONS_TICKS = 16, 17, 18, 19
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+class Frame(NamedTuple):
+    """One received frame. ``end`` is the ring position just past it (what commit stores)."""
+
+    kind: int
+    seq: int
+    payload: bytes
+    end: int
+
+
+class Ring:
+    """The shared segment of one ring. The creator unlinks it; each side opens an endpoint.
+
+    ``RingWriter(ring, ...)`` and ``RingReader(ring, ...)`` are the two endpoints;
+    each must be used by one thread of one process at a time.
+    """
+
+    def __init__(self, segment: Segment, capacity: int | None = None) -> None:
+        self.segment = segment
+        self.name = segment.name
+        words = segment.u64(0, HEADER_BYTES // 8)
+        if capacity is not None:
+            words[_CAPACITY] = capacity
+            words[_MAX_PAYLOAD] = capacity // 2 - FRAME.size
+            words[_VERSION] = LAYOUT_VERSION
+            words[_MAGIC] = MAGIC
+        elif words[_MAGIC] != MAGIC or words[_VERSION] != LAYOUT_VERSION:
+            raise SegmentLayoutError(f"{self.name} is not a ringfence ring (layout v{LAYOUT_VERSION})")
+        self.capacity = int(words[_CAPACITY])
+        self.max_payload = int(words[_MAX_PAYLOAD])
+        if self.capacity % 8 or HEADER_BYTES + self.capacity > segment.size:
+            raise SegmentLayoutError(f"{self.name}: capacity {self.capacity} does not fit its segment")
+        self.words = words
+        self.data = segment.view(HEADER_BYTES, self.capacity)
+
+    @classmethod
+    def create(cls, name: str, capacity: int) -> Ring:
+        """Create ring ``name`` with ``capacity`` data bytes (a multiple of 8, >= 256)."""
+        if capacity < MIN_CAPACITY or capacity % 8:
+            raise ValueError(f"ring {name}: capacity must be a multiple of 8 and >= {MIN_CAPACITY}, got {capacity}")
+        seg = Segment.create(name, HEADER_BYTES + capacity)
+        try:
+            return cls(seg, capacity)
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> Ring:
+        seg = Segment.attach(name)
+        try:
+            return cls(seg)
+        except BaseException:
+            seg.close()
+            raise
+
+    def used_bytes(self) -> int:
+        return int(self.words[_HEAD] - self.words[_TAIL])
+
+    def close(self) -> None:
+        self.segment.close()
+
+    def unlink(self) -> None:
+        self.segment.unlink()
+
+    def __repr__(self) -> str:
+        return f"<Ring {self.name} capacity={self.capacity}>"
+
+
+def _peer(words: memoryview, pid_word: int) -> ProcessStamp | None:
+    pid = words[pid_word]
+    return ProcessStamp(pid=pid, start_ticks=words[pid_word + 1]) if pid else None
+
+
+def _claim(words: memoryview, pid_word: int, what: str) -> None:
+    """Record this process as the endpoint's owner; refuse if another live process owns it."""
+    stamp = ProcessStamp.current()
+    owner = _peer(words, pid_word)
+    if owner is not None and owner.pid != stamp.pid and owner.is_alive():
+        raise EndpointTaken(f"{what} is already open in live process {owner.pid}")
+    words[pid_word + 1] = stamp.start_ticks
+    words[pid_word] = stamp.pid
+
+
+class RingWriter:
+    """The producer endpoint.
+
+    ``wake`` is the consumer's doorbell (rung after each publish); ``space`` is this
+    producer's own doorbell, which the consumer rings after it frees room, and on
+    which :meth:`put` sleeps while the ring is full.
+    """
+
+    def __init__(self, ring: Ring, *, wake: Doorbell, space: Doorbell) -> None:
+        self.ring = ring
+        self.wake = wake
+        self.space = space
+        words = ring.words
+        self._words = words
+        self._data = ring.data
+        self._cap = ring.capacity
+        self._head = int(words[_HEAD])
+        self._next_seq = self._last_published_seq() + 1
+        _claim(words, _PROD_PID, f"producer end of ring {ring.name}")
+
+    def _last_published_seq(self) -> int:
+        """The seq of the newest published frame: scan what the consumer has not committed."""
+        words = self._words
+        pos = int(words[_TAIL])
+        last = int(words[_TAIL_SEQ])
+        while pos < self._head:
+            off = pos % self._cap
+            if LENGTH.unpack_from(self._data, off)[0] == WRAP:
+                pos += self._cap - off
+                continue
+            length, _kind, seq = FRAME.unpack_from(self._data, off)
+            if length > self.ring.max_payload:
+                raise ProtocolError(f"ring {self.ring.name}: corrupt frame at position {pos}")
+            last = seq
+            pos += FRAME.size + _pad8(length)
+        return last
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    def free_bytes(self) -> int:
+        return self._cap - (self._head - int(self._words[_TAIL]))
+
+    def _needed(self, size: int) -> int:
+        rem = self._cap - self._head % self._cap
+        return size if size <= rem else rem + size
+
+    def put(self, kind: int, payload: bytes | bytearray | memoryview, timeout: float) -> int:
+        """Publish one frame; returns its seq. Waits up to ``timeout`` seconds for room.
+
+        Raises ``ValueError`` if the payload can never fit, :class:`RingFull` if the
+        deadline passes (nothing was written), :class:`ActorDead` if by then the
+        consumer's process is gone.
+        """
+        n = len(payload)
+        if n > self.ring.max_payload:
+            raise ValueError(
+                f"ring {self.ring.name}: a {n}-byte message exceeds its {self.ring.max_payload}-byte limit"
+            )
+        if not 0 <= kind < WRAP:
+            raise ValueError(f"ring {self.ring.name}: frame kind {kind} outside u32")
+        size = FRAME.size + _pad8(n)
+        need = self._needed(size)
+        if self.free_bytes() < need and not self.space.wait_until(lambda: self.free_bytes() >= need, timeout):
+            consumer = _peer(self._words, _CONS_PID)
+            if consumer is not None and not consumer.is_alive():
+                raise ActorDead(f"ring {self.ring.name}: consumer pid {consumer.pid} is gone")
+            raise RingFull(f"ring {self.ring.name}: no room for {need} bytes within {timeout}s")
+        head, data = self._head, self._data
+        off = head % self._cap
+        if size > self._cap - off:
+            LENGTH.pack_into(data, off, WRAP)
+            head += self._cap - off
+            off = 0
+        seq = self._next_seq
+        data[off + FRAME.size : off + FRAME.size + n] = payload
+        FRAME.pack_into(data, off, n, kind, seq)
+        self._head = head + size
+        self._next_seq = seq + 1
+        self._words[_HEAD] = self._head  # publish: the frame's stores precede this one
+        self.wake.ring()
+        return seq
+
+
+class RingReader:
+    """The consumer endpoint.
+
+    ``bell`` is this consumer's own doorbell (it sleeps there while the ring is
+    empty); ``space`` is the producer's doorbell, rung after each commit.
+    """
+
+    def __init__(self, ring: Ring, *, bell: Doorbell, space: Doorbell) -> None:
+        self.ring = ring
+        self.bell = bell
+        self.space = space
+        self._words = ring.words
+        self._data = ring.data
+        self._cap = ring.capacity
+        self._max = ring.max_payload
+        _claim(self._words, _CONS_PID, f"consumer end of ring {ring.name}")
+        self.rewind()
+
+    def rewind(self) -> None:
+        """Move the read cursor back to the committed tail: uncommitted frames come again."""
+        self._pos = int(self._words[_TAIL])
+        self._committed_seq = int(self._words[_TAIL_SEQ])
+        self._expected = self._committed_seq + 1
+        # After a crash mid-commit the frame at the tail may carry tail_seq itself.
+        self._resume_seq: int | None = self._committed_seq or None
+
+    def pending(self) -> bool:
+        """True if a frame is published beyond the read cursor."""
+        return self._words[_HEAD] > self._pos
+
+    def recv(self, timeout: float) -> Frame:
+        """The next frame after the read cursor, without committing it.
+
+        Waits up to ``timeout`` seconds. Raises :class:`RingEmpty` at the deadline,
+        :class:`ActorDead` if by then the producer is gone, :class:`ProtocolError`
+        on a malformed frame or a sequence gap or duplicate (the cursor stays put).
+        """
+        if not self.pending() and not self.bell.wait_until(self.pending, timeout):
+            producer = _peer(self._words, _PROD_PID)
+            if producer is not None and not producer.is_alive():
+                raise ActorDead(f"ring {self.ring.name}: producer pid {producer.pid} is gone")
+            raise RingEmpty(f"ring {self.ring.name}: no frame within {timeout}s")
+        return self._read()
+
+    def _read(self) -> Frame:
+        head = int(self._words[_HEAD])
+        pos, data, cap = self._pos, self._data, self._cap
+        off = pos % cap
+        if LENGTH.unpack_from(data, off)[0] == WRAP:
+            pos += cap - off
+            off = 0
+            if pos >= head:
+                raise ProtocolError(f"ring {self.ring.name}: wrap marker at {pos} with nothing after it")
+        if cap - off < FRAME.size:
+            raise ProtocolError(f"ring {self.ring.name}: frame at position {pos} overlaps the end of the ring")
+        length, kind, seq = FRAME.unpack_from(data, off)
+        end = pos + FRAME.size + _pad8(length)
+        if length > self._max or end > head or off + (end - pos) > cap:
+            raise ProtocolError(
+                f"ring {self.ring.name}: frame at position {pos} claims {length} bytes "
+                f"but {head - pos - FRAME.size} are published (limit {self._max})"
+            )
+        if seq != self._expected and seq != self._resume_seq:
+            what = "gap" if seq > self._expected else "duplicate"
+            raise ProtocolError(f"ring {self.ring.name}: sequence {what}: expected {self._expected}, got {seq}")
+        self._resume_seq = None
+        payload = bytes(data[off + FRAME.size : off + FRAME.size + length])
+        self._pos = end
+        self._expected = seq + 1
+        return Frame(kind, seq, payload, end)
+
+    def commit(self, frame: Frame | None = None) -> None:
+        """Release every frame up to and including ``frame`` (default: all read so far)."""
+        end, seq = (self._pos, self._expected - 1) if frame is None else (frame.end, frame.seq)
+        if end > self._pos or end < int(self._words[_TAIL]):
+            raise ValueError(f"ring {self.ring.name}: commit to {end} outside [tail, read cursor]")
+        # tail_seq first: a crash between the two stores then redoes the frame rather than losing it.
+        self._words[_TAIL_SEQ] = seq
+        self._words[_TAIL] = end
+        self._committed_seq = seq
+        self.space.ring()
+
+    def get(self, timeout: float) -> Frame:
+        """:meth:`recv` and :meth:`commit` in one: for work that need not survive a crash."""
+        frame = self.recv(timeout)
+        self.commit(frame)
+        return frame
+
+    def drain(self, max_frames: int = 1 << 30) -> list[Frame]:
+        """Every frame available now (up to ``max_frames``), committed together; never waits."""
+        frames: list[Frame] = []
+        while len(frames) < max_frames and self.pending():
+            frames.append(self._read())
+        if frames:
+            self.commit()
+        return frames
+
+    def wait_pending(self, timeout: float) -> bool:
+        """Wait until a frame is available, without reading it; False at the deadline."""
+        return self.pending() or self.bell.wait_until(self.pending, timeout)
+
