@@ -145,6 +145,12 @@ def _peer(words: memoryview, pid_word: int) -> ProcessStamp | None:
     return ProcessStamp(pid=pid, start_ticks=words[pid_word + 1]) if pid else None
 
 
+def _release(words: memoryview, pid_word: int) -> None:
+    """Give up ownership of an endpoint, if this process holds it."""
+    if words[pid_word] == ProcessStamp.current().pid:
+        words[pid_word] = 0
+
+
 def _claim(words: memoryview, pid_word: int, what: str) -> None:
     """Record this process as the endpoint's owner; refuse if another live process owns it."""
     stamp = ProcessStamp.current()
@@ -173,6 +179,7 @@ class RingWriter:
         self._cap = ring.capacity
         self._head = int(words[_HEAD])
         self._next_seq = self._last_published_seq() + 1
+        self.full_waits = 0  # how often put() found the ring full and had to wait for room
         _claim(words, _PROD_PID, f"producer end of ring {ring.name}")
 
     def _last_published_seq(self) -> int:
@@ -203,6 +210,14 @@ class RingWriter:
         rem = self._cap - self._head % self._cap
         return size if size <= rem else rem + size
 
+    def close(self) -> None:
+        """Give up the producer end so another process may open it. The ring stays."""
+        _release(self._words, _PROD_PID)
+
+    def _wait_for_room(self, need: int, timeout: float) -> bool:
+        self.full_waits += 1
+        return self.space.wait_until(lambda: self.free_bytes() >= need, timeout)
+
     def put(self, kind: int, payload: bytes | bytearray | memoryview, timeout: float) -> int:
         """Publish one frame; returns its seq. Waits up to ``timeout`` seconds for room.
 
@@ -219,7 +234,7 @@ class RingWriter:
             raise ValueError(f"ring {self.ring.name}: frame kind {kind} outside u32")
         size = FRAME.size + _pad8(n)
         need = self._needed(size)
-        if self.free_bytes() < need and not self.space.wait_until(lambda: self.free_bytes() >= need, timeout):
+        if self.free_bytes() < need and not self._wait_for_room(need, timeout):
             consumer = _peer(self._words, _CONS_PID)
             if consumer is not None and not consumer.is_alive():
                 raise ActorDead(f"ring {self.ring.name}: consumer pid {consumer.pid} is gone")
@@ -265,6 +280,10 @@ class RingReader:
         self._expected = self._committed_seq + 1
         # After a crash mid-commit the frame at the tail may carry tail_seq itself.
         self._resume_seq: int | None = self._committed_seq or None
+
+    def close(self) -> None:
+        """Give up the consumer end so another process may open it. The ring stays."""
+        _release(self._words, _CONS_PID)
 
     def pending(self) -> bool:
         """True if a frame is published beyond the read cursor."""

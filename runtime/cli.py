@@ -1,0 +1,99 @@
+"""The ``ringfence`` command: ``bench NAME`` and ``clean``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, cast
+
+import orjson
+
+from ringfence.shm import names
+
+MANIFEST = "names.json"
+
+# Benchmarks by name -> module implementing ``add_arguments(parser)`` and ``main(args) -> int``.
+# Imported only when chosen, so the command starts fast.
+BENCHMARKS = {
+    "ring": "ringfence.runtime.bench_ring",
+}
+
+
+class _Bench(Protocol):
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+    def main(self, args: argparse.Namespace) -> int: ...
+
+
+def _bench_module(name: str) -> _Bench:
+    return cast(_Bench, importlib.import_module(BENCHMARKS[name]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringfence", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    bench = sub.add_parser("bench", help="run a benchmark against its baselines, side by side")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name in BENCHMARKS:
+        p = benches.add_parser(name, help=f"benchmark: {name}")
+        p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
+        _bench_module(name).add_arguments(p)
+
+    clean = sub.add_parser("clean", help="remove the shared-memory names of dead runs")
+    target = clean.add_mutually_exclusive_group(required=True)
+    target.add_argument("run", nargs="?", help="a run dir (its names manifest) or a run id")
+    target.add_argument("--all", action="store_true", help="every run whose creator is dead")
+    clean.add_argument("--force", action="store_true", help="also remove names of live runs")
+    return parser
+
+
+def run_id_of(target: str) -> str:
+    """The run id named by a run dir (its manifest, else its folder name) or given directly."""
+    path = Path(target)
+    if path.is_dir():
+        manifest = path / MANIFEST
+        if manifest.is_file():
+            try:
+                return names.check_run_id(str(orjson.loads(manifest.read_bytes())["run_id"]))
+            except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{manifest}: not a ringfence names manifest ({e})") from e
+        return names.check_run_id(path.name)
+    return names.check_run_id(target)
+
+
+def _clean(args: argparse.Namespace) -> int:
+    if args.all:
+        report = names.clean_all(force=args.force)
+        for name in report.removed:
+            print(f"removed {name}")
+        for run_id in report.live_runs:
+            print(f"kept run {run_id}: its creator is alive (--force removes it)")
+        print(f"{len(report.removed)} names removed")
+        return 0
+    run_id = run_id_of(args.run)
+    if not args.force and names.run_is_live(run_id):
+        print(f"run {run_id} is live; not cleaning it (--force to remove its names anyway)", file=sys.stderr)
+        return 1
+    removed = names.clean_run(run_id)
+    for name in removed:
+        print(f"removed {name}")
+    print(f"{len(removed)} names removed")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "bench":
+            return _bench_module(args.bench).main(args)
+        return _clean(args)
+    except ValueError as e:
+        print(f"ringfence {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Test helpers shipped with the package: builders for rings and doorbells, and leak checks.
+
+Used by ringfence's own tests and by anyone embedding ringfence who wants the same
+guarantees in theirs (no shared-memory name left behind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+from ringfence.shm import names
+from ringfence.shm.doorbell import Doorbell
+from ringfence.shm.ring import Ring, RingReader, RingWriter
+
+SHM_PREFIXES = (names.PREFIX, "sem." + names.PREFIX)
+
+
+def shm_names() -> set[str]:
+    """Every ringfence file in /dev/shm (segments and semaphores), by file name."""
+    try:
+        files = names.SHM_DIR.iterdir()
+        return {f.name for f in files if f.name.startswith(SHM_PREFIXES)}
+    except FileNotFoundError:
+        return set()
+
+
+@dataclass(frozen=True, slots=True)
+class RingPair:
+    """A ring with both endpoints open in this process, and the doorbells behind them."""
+
+    run_id: str
+    ring: Ring
+    writer: RingWriter
+    reader: RingReader
+    producer_bell: Doorbell  # the producer's own bell (space)
+    consumer_bell: Doorbell  # the consumer's own bell (wake)
+
+
+@contextmanager
+def ring_pair(capacity: int = 4096, *, spin_us: float = 50.0, run_id: str | None = None) -> Iterator[RingPair]:
+    """Create a ring and two doorbells; close and unlink all of them on exit."""
+    run_id = run_id or names.new_run_id()
+    with ExitStack() as stack:
+        ring = Ring.create(names.posix_name(run_id, "ring"), capacity)
+        stack.callback(ring.unlink)
+        stack.callback(ring.close)
+        bells = []
+        for obj in ("producer", "consumer"):
+            bell = Doorbell.create(names.posix_name(run_id, obj), spin_us=spin_us)
+            stack.callback(bell.unlink)
+            stack.callback(bell.close)
+            bells.append(bell)
+        producer_bell, consumer_bell = bells
+        writer = RingWriter(ring, wake=consumer_bell, space=producer_bell)
+        reader = RingReader(ring, bell=consumer_bell, space=producer_bell)
+        yield RingPair(run_id, ring, writer, reader, producer_bell, consumer_bell)

@@ -1,0 +1,37 @@
+"""Fixtures shared by every test: the shared-memory leak guard and a seeded RNG."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from ringfence.shm import names
+from ringfence.shm.testing import shm_names
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_shm_names():
+    """Fail any test that leaves a ringfence name in /dev/shm (and remove what it left)."""
+    before = shm_names()
+    yield
+    leaked = shm_names() - before
+    for file in leaked:
+        is_sem = file.startswith("sem.")
+        base = file[4:] if is_sem else file
+        names.unlink_name(names.ShmEntry(name="/" + base, run_id="", is_semaphore=is_sem))
+    assert not leaked, f"test left shared-memory names behind: {sorted(leaked)}"
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    """A random generator whose seed is printed, so a failing randomized run can be replayed."""
+    seed = int(os.environ.get("RINGFENCE_TEST_SEED", random.randrange(1 << 32)))
+    print(f"{request.node.nodeid}: seed {seed} (RINGFENCE_TEST_SEED={seed} replays it)")
+    return random.Random(seed)
+
+
+@pytest.fixture
+def run_id() -> str:
+    return names.new_run_id()

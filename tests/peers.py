@@ -1,0 +1,112 @@
+"""Child-process bodies for the cross-process tests (spawned with multiprocess, so module-level)."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+import zlib
+
+from ringfence.shm.counter import CounterBlock
+from ringfence.shm.doorbell import Doorbell
+from ringfence.shm.ring import Ring, RingReader, RingWriter
+from ringfence.shm.segment import Segment
+
+STOP = 0xFFFF
+POOL_BYTES = 1 << 16
+
+
+def payload_plan(seed: int, count: int, max_size: int):
+    """The (kind, payload) of every frame of a stress stream; both sides derive it from the seed."""
+    rng = random.Random(seed)
+    pool = rng.randbytes(POOL_BYTES + max_size)
+    for _ in range(count):
+        size = rng.randrange(max_size + 1)
+        off = rng.randrange(POOL_BYTES)
+        body = pool[off : off + size]
+        yield size & 0xFFFF, zlib.crc32(body).to_bytes(4, "little") + body
+
+
+def stress_producer(ring_name: str, wake_name: str, space_name: str, seed: int, count: int, max_size: int):
+    ring, wake, space = Ring.attach(ring_name), Doorbell.attach(wake_name), Doorbell.attach(space_name)
+    try:
+        writer = RingWriter(ring, wake=wake, space=space)
+        for kind, payload in payload_plan(seed, count, max_size):
+            writer.put(kind, payload, timeout=30)
+    finally:
+        for obj in (ring, wake, space):
+            obj.close()
+
+
+def durable_consumer(
+    ring_name: str, bell_name: str, space_name: str, counts_name: str, marks_name: str, watch_name: str
+):
+    """Consume until STOP: count each frame's work in shared memory, then commit, then report.
+
+    marks[0] is the last committed seq (rings ``watch``); marks[1] the first seq this
+    incarnation received.
+    """
+    ring, bell, space = Ring.attach(ring_name), Doorbell.attach(bell_name), Doorbell.attach(space_name)
+    counts_seg, marks, watch = Segment.attach(counts_name), CounterBlock.attach(marks_name), Doorbell.attach(watch_name)
+    try:
+        counts = counts_seg.u64(0, counts_seg.size // 8)
+        progress, first = marks[0], marks[1]
+        progress.claim(notify=[watch])
+        first.claim()
+        reader = RingReader(ring, bell=bell, space=space)
+        seen_first = False
+        while True:
+            frame = reader.recv(timeout=30)
+            if not seen_first:
+                first.advance(frame.seq)
+                seen_first = True
+            if frame.kind == STOP:
+                reader.commit(frame)
+                return
+            counts[frame.seq] += 1  # the work: done before the commit, so a crash redoes it
+            reader.commit(frame)
+            progress.advance(frame.seq)
+    finally:
+        for obj in (ring, bell, space, counts_seg, marks, watch):
+            obj.close()
+
+
+def slow_consumer(ring_name: str, bell_name: str, space_name: str, count: int, work_s: float):
+    """Take ``count`` frames, each after ``work_s`` of simulated work; exit 1 on any disorder."""
+    ring, bell, space = Ring.attach(ring_name), Doorbell.attach(bell_name), Doorbell.attach(space_name)
+    try:
+        reader = RingReader(ring, bell=bell, space=space)
+        for i in range(count):
+            frame = reader.get(timeout=30)
+            if frame.payload != i.to_bytes(4, "little") * 8:
+                sys.exit(1)
+            time.sleep(work_s)  # simulated per-frame work, not a wait for anything
+    finally:
+        for obj in (ring, bell, space):
+            obj.close()
+
+
+def attach_and_exit(ring_name: str, bell_name: str, space_name: str, role: str):
+    """Open one end of a ring, publish one frame if producer, then exit (a peer that dies)."""
+    ring, bell, space = Ring.attach(ring_name), Doorbell.attach(bell_name), Doorbell.attach(space_name)
+    try:
+        if role == "producer":
+            RingWriter(ring, wake=bell, space=space).put(1, b"last words", timeout=5)
+        else:
+            RingReader(ring, bell=bell, space=space)
+    finally:
+        for obj in (ring, bell, space):
+            obj.close()
+
+
+def counter_writer(marks_name: str, watch_name: str, count: int):
+    """Advance counter 0 through values whose two 32-bit halves are equal (a torn read shows)."""
+    marks, watch = CounterBlock.attach(marks_name), Doorbell.attach(watch_name)
+    try:
+        mark = marks[0]
+        mark.claim(notify=[watch])
+        for k in range(1, count + 1):
+            mark.advance(k << 32 | k)
+    finally:
+        marks.close()
+        watch.close()

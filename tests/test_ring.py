@@ -1,0 +1,231 @@
+"""The SPSC ring within one process: framing, limits, deadlines, durable consumption, bad frames."""
+
+from __future__ import annotations
+
+import queue
+import struct
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringfence.shm import names
+from ringfence.shm.doorbell import Doorbell
+from ringfence.shm.errors import EndpointTaken, ProtocolError, RingEmpty, RingFull, SegmentLayoutError
+from ringfence.shm.ring import FRAME, HEADER_BYTES, Ring, RingReader, RingWriter
+from ringfence.shm.segment import Segment
+from ringfence.shm.testing import ring_pair
+
+
+def frame_bytes(n: int) -> int:
+    return FRAME.size + (n + 7) // 8 * 8
+
+
+def test_a_frame_round_trips_with_its_kind_and_sequence_number():
+    with ring_pair() as p:
+        assert p.writer.put(7, b"hello", timeout=1) == 1
+        assert p.writer.put(9, b"", timeout=1) == 2
+        first, second = p.reader.get(timeout=1), p.reader.get(timeout=1)
+        assert (first.kind, first.seq, first.payload) == (7, 1, b"hello")
+        assert (second.kind, second.seq, second.payload) == (9, 2, b"")
+
+
+def test_a_message_larger_than_half_the_ring_is_a_value_error_up_front():
+    with ring_pair(capacity=1024) as p:
+        limit = p.ring.max_payload
+        assert limit == 1024 // 2 - FRAME.size
+        p.writer.put(1, bytes(limit), timeout=1)
+        with pytest.raises(ValueError, match=f"{limit + 1}-byte message exceeds its {limit}-byte limit"):
+            p.writer.put(1, bytes(limit + 1), timeout=1)
+        assert p.reader.get(timeout=1).payload == bytes(limit)
+        assert not p.reader.pending()
+
+
+def test_a_full_ring_raises_ring_full_at_the_deadline_and_writes_nothing():
+    with ring_pair(capacity=256) as p:
+        sent = 0
+        while p.writer.free_bytes() >= frame_bytes(40):
+            p.writer.put(1, bytes([sent]) * 40, timeout=0)
+            sent += 1
+        used = p.ring.used_bytes()
+        with pytest.raises(RingFull) as err:
+            p.writer.put(1, bytes(40), timeout=0.02)
+        assert isinstance(err.value, queue.Full)
+        assert p.ring.used_bytes() == used
+        assert [f.payload for f in p.reader.drain()] == [bytes([i]) * 40 for i in range(sent)]
+        assert p.writer.put(1, b"after", timeout=0) == sent + 1
+
+
+def test_an_empty_ring_raises_ring_empty_at_the_deadline():
+    with ring_pair() as p, pytest.raises(RingEmpty) as err:
+        p.reader.get(timeout=0.01)
+    assert isinstance(err.value, queue.Empty)
+
+
+def test_a_frame_that_does_not_fit_before_the_end_wraps_to_the_start():
+    with ring_pair(capacity=1024) as p:
+        # Frames of 496 + 496 + 24 bytes leave exactly 8 bytes at the end: room for the
+        # wrap marker's length word only.
+        for kind, size in ((1, 480), (2, 480), (3, 8)):
+            p.writer.put(kind, bytes(size), timeout=0)
+            assert p.reader.get(timeout=0).kind == kind
+        p.writer.put(4, b"x" * 30, timeout=0)
+        frame = p.reader.get(timeout=0)
+        assert (frame.kind, frame.payload) == (4, b"x" * 30)
+        assert frame.end == 1024 + frame_bytes(30)
+
+
+def test_commit_is_durable_and_uncommitted_frames_come_again_after_rewind():
+    with ring_pair() as p:
+        for i in range(5):
+            p.writer.put(1, bytes([i]), timeout=0)
+        a, b = p.reader.recv(timeout=0), p.reader.recv(timeout=0)
+        p.reader.commit(a)
+        p.reader.recv(timeout=0)
+        p.reader.rewind()
+        assert p.reader.recv(timeout=0) == b
+        p.reader.commit()
+        assert [f.seq for f in p.reader.drain()] == [3, 4, 5]
+
+
+def test_a_new_consumer_resumes_at_the_committed_tail(run_id):
+    with ring_pair(run_id=run_id) as p:
+        for i in range(4):
+            p.writer.put(1, bytes([i]), timeout=0)
+        p.reader.commit(p.reader.recv(timeout=0))
+        p.reader.recv(timeout=0)  # read but never committed: the successor must see it
+        successor = RingReader(p.ring, bell=p.consumer_bell, space=p.producer_bell)
+        assert [f.seq for f in successor.drain()] == [2, 3, 4]
+
+
+def test_a_consumer_that_died_between_its_two_commit_stores_redoes_that_frame():
+    with ring_pair() as p:
+        for i in range(3):
+            p.writer.put(1, bytes([i]), timeout=0)
+        p.reader.recv(timeout=0)
+        p.ring.words[17] = 1  # tail_seq stored, tail not yet: the crash window of commit()
+        successor = RingReader(p.ring, bell=p.consumer_bell, space=p.producer_bell)
+        assert [f.seq for f in successor.drain()] == [1, 2, 3]
+
+
+def test_a_restarted_producer_continues_the_sequence_after_unconsumed_frames():
+    with ring_pair() as p:
+        for i in range(3):
+            p.writer.put(1, bytes([i]), timeout=0)
+        p.reader.get(timeout=0)
+        restarted = RingWriter(p.ring, wake=p.consumer_bell, space=p.producer_bell)
+        assert restarted.put(1, b"new", timeout=0) == 4
+        assert [f.seq for f in p.reader.drain()] == [2, 3, 4]
+
+
+def test_a_sequence_gap_is_a_protocol_error_and_the_cursor_stays():
+    with ring_pair() as p:
+        p.writer.put(1, b"a", timeout=0)
+        p.writer._next_seq = 5  # a producer that skipped numbers
+        p.writer.put(1, b"b", timeout=0)
+        assert p.reader.get(timeout=0).seq == 1
+        with pytest.raises(ProtocolError, match="sequence gap: expected 2, got 5"):
+            p.reader.get(timeout=0)
+        with pytest.raises(ProtocolError, match="gap"):
+            p.reader.get(timeout=0)
+
+
+def test_a_duplicate_sequence_number_is_a_protocol_error():
+    with ring_pair() as p:
+        p.writer.put(1, b"a", timeout=0)
+        p.writer._next_seq = 1
+        p.writer.put(1, b"b", timeout=0)
+        p.reader.get(timeout=0)
+        with pytest.raises(ProtocolError, match="sequence duplicate: expected 2, got 1"):
+            p.reader.get(timeout=0)
+
+
+def test_a_frame_that_claims_more_bytes_than_were_published_is_a_protocol_error():
+    with ring_pair(capacity=1024) as p:
+        p.writer.put(1, b"abc", timeout=0)
+        FRAME.pack_into(p.ring.data, 0, 400, 1, 1)
+        with pytest.raises(ProtocolError, match="claims 400 bytes"):
+            p.reader.get(timeout=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(garbage=st.binary(min_size=8, max_size=600), head=st.integers(min_value=1, max_value=1024))
+def test_garbage_in_the_data_area_is_rejected_with_protocol_error_or_read_as_frames(garbage, head):
+    with ring_pair(capacity=1024) as p:
+        p.ring.data[: len(garbage)] = garbage
+        p.ring.words[8] = head  # a producer that published garbage
+        for _ in range(64):
+            try:
+                frame = p.reader.get(timeout=0)
+            except ProtocolError:
+                return
+            except RingEmpty:
+                return
+            assert len(frame.payload) <= p.ring.max_payload
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(st.integers(min_value=0, max_value=236), st.sampled_from(["get", "drain", "rewind"])),
+        max_size=120,
+    )
+)
+def test_any_interleaving_of_puts_and_gets_delivers_every_frame_once_in_order(ops):
+    with ring_pair(capacity=512) as p:
+        model: deque[bytes] = deque()
+        sent = 0
+        for op in ops:
+            if isinstance(op, int):
+                payload = struct.pack("<I", sent) + bytes([sent % 251]) * op
+                try:
+                    p.writer.put(sent % 7, payload, timeout=0)
+                except RingFull:
+                    assert p.writer.free_bytes() < p.writer._needed(frame_bytes(len(payload)))
+                    continue
+                model.append(payload)
+                sent += 1
+            elif op == "get" and model:
+                assert p.reader.get(timeout=0).payload == model.popleft()
+            elif op == "drain":
+                assert [f.payload for f in p.reader.drain()] == list(model)
+                model.clear()
+            elif op == "rewind":
+                p.reader.rewind()
+        assert [f.payload for f in p.reader.drain()] == list(model)
+
+
+def test_a_second_live_producer_is_refused(run_id):
+    with ring_pair(run_id=run_id) as p:
+        p.ring.words[9] = 1  # pid 1 (init) is alive and is not us
+        p.ring.words[10] = 0
+        with pytest.raises(EndpointTaken, match="producer end"):
+            RingWriter(p.ring, wake=p.consumer_bell, space=p.producer_bell)
+
+
+def test_attaching_something_that_is_not_a_ring_is_a_layout_error(run_id):
+    seg = Segment.create(names.posix_name(run_id, "notring"), HEADER_BYTES + 256)
+    try:
+        with pytest.raises(SegmentLayoutError, match="not a ringfence ring"):
+            Ring.attach(seg.name)
+    finally:
+        seg.close()
+        seg.unlink()
+
+
+def test_a_ring_capacity_must_be_a_multiple_of_8(run_id):
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Ring.create(names.posix_name(run_id, "r"), 1001)
+
+
+def test_bells_and_rings_can_be_attached_by_name_in_another_endpoint(run_id):
+    with ring_pair(run_id=run_id) as p:
+        ring = Ring.attach(p.ring.name)
+        bell = Doorbell.attach(p.consumer_bell.name)
+        try:
+            p.writer.put(3, b"by name", timeout=0)
+            assert ring.used_bytes() == frame_bytes(7)
+        finally:
+            ring.close()
+            bell.close()
