@@ -110,3 +110,26 @@ def counter_writer(marks_name: str, watch_name: str, count: int):
     finally:
         marks.close()
         watch.close()
+
+
+def counter_echo(marks_name: str, own_bell: str, peer_bell: str, count: int, spin_us: float):
+    """Ping-pong: wait for counter 0 to reach k, then advance counter 1 to k, for k = 1..count."""
+    marks = CounterBlock.attach(marks_name)
+    bell, peer = Doorbell.attach(own_bell, spin_us=spin_us), Doorbell.attach(peer_bell)
+    try:
+        ping, pong = marks[0], marks[1]
+        pong.claim(notify=[peer])
+        for k in range(1, count + 1):
+            ping.wait_for(k, timeout=10, bell=bell)
+            pong.advance(k)
+    finally:
+        for obj in (marks, bell, peer):
+            obj.close()
+
+
+def lease_and_exit(run_id: str):
+    """Create a run's lease and one segment, then die without cleaning (a killed supervisor)."""
+    from ringfence.shm import names
+
+    names.write_lease(run_id)
+    Segment.create(names.posix_name(run_id, "orphan"), 64).close()

@@ -1,0 +1,156 @@
+"""Doorbells and watermarks: wake-ups across processes, deadlines, spin back-off, no torn values."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import multiprocess
+import pytest
+
+import peers
+from ringfence.shm import names
+from ringfence.shm.counter import CounterBlock
+from ringfence.shm.doorbell import Doorbell, SpinPolicy
+from ringfence.shm.errors import ActorDead, SegmentLayoutError, WaitTimeout
+from ringfence.shm.segment import Segment
+
+SPAWN = multiprocess.get_context("spawn")
+
+
+@pytest.fixture
+def block(run_id):
+    marks = CounterBlock.create(names.posix_name(run_id, "marks"), 4)
+    bell = Doorbell.create(names.posix_name(run_id, "bell"))
+    yield marks, bell
+    for obj in (marks, bell):
+        obj.close()
+        obj.unlink()
+
+
+def test_a_watermark_only_moves_forward(block):
+    marks, _ = block
+    marks[0].advance(5)
+    marks[0].advance(5)
+    with pytest.raises(ValueError, match="cannot go back from 5 to 4"):
+        marks[0].advance(4)
+    assert [marks[i].value() for i in range(4)] == [5, 0, 0, 0]
+
+
+def test_waiting_for_a_value_already_reached_returns_at_once(block):
+    marks, bell = block
+    marks[1].advance(3)
+    assert marks[1].wait_for(2, timeout=0, bell=bell) == 3
+
+
+def test_a_wait_that_times_out_with_a_live_writer_raises_wait_timeout(block):
+    marks, bell = block
+    marks[0].claim()
+    with pytest.raises(WaitTimeout, match=r"at 0 did not reach 1"):
+        marks[0].wait_for(1, timeout=0.02, bell=bell)
+
+
+def test_a_wait_on_a_dead_writer_raises_actor_dead_at_its_deadline(block):
+    marks, bell = block
+    proc = SPAWN.Process(target=peers.counter_writer, args=(marks.segment.name, bell.name, 3))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0
+    with pytest.raises(ActorDead, match=f"writer pid {proc.pid} is gone"):
+        marks[0].wait_for(4 << 32 | 4, timeout=0.05, bell=bell)
+
+
+def test_a_reader_never_sees_a_torn_counter_value(block):
+    # Every value written has equal 32-bit halves; a torn 8-byte store would break that.
+    marks, bell = block
+    count = 300_000
+    proc = SPAWN.Process(target=peers.counter_writer, args=(marks.segment.name, bell.name, count))
+    proc.start()
+    try:
+        mark, reads, last = marks[0], 0, 0
+        while last != (count << 32 | count):
+            value = mark.value()
+            assert value >> 32 == value & 0xFFFFFFFF, f"torn read {value:#x}"
+            assert value >= last
+            last, reads = value, reads + 1
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(5)
+
+
+@pytest.mark.parametrize("spin_us", [0, 50])
+def test_a_ping_pong_of_watermarks_never_loses_a_wake_up(run_id, spin_us):
+    # Every step needs the other process to wake: with spin 0 each one is a real sleep on
+    # the semaphore, and a lost wake-up would stall a wait until its 10 s deadline.
+    rounds = 3000
+    marks = CounterBlock.create(names.posix_name(run_id, "marks"), 2)
+    mine = Doorbell.create(names.posix_name(run_id, "mine"), spin_us=spin_us)
+    theirs = Doorbell.create(names.posix_name(run_id, "theirs"))
+    proc = SPAWN.Process(target=peers.counter_echo, args=(marks.segment.name, theirs.name, mine.name, rounds, spin_us))
+    try:
+        proc.start()
+        ping, pong = marks[0], marks[1]
+        ping.claim(notify=[theirs])
+        for k in range(1, rounds + 1):
+            ping.advance(k)
+            pong.wait_for(k, timeout=10, bell=mine)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(5)
+        for obj in (marks, mine, theirs):
+            obj.close()
+            obj.unlink()
+
+
+def test_a_doorbell_wakes_a_blocked_thread_and_a_stale_post_is_harmless(run_id):
+    bell = Doorbell.create(names.posix_name(run_id, "bell"), spin_us=0)
+    try:
+        flag = threading.Event()
+        bell.ring()  # nobody sleeping: no post
+        waker = threading.Timer(0.05, lambda: (flag.set(), bell.ring()))
+        waker.start()
+        assert bell.wait_until(flag.is_set, timeout=10)
+        waker.join()
+        bell._sem.release()  # a stale post, as from a producer that raced a re-check
+        assert not bell.wait_until(lambda: False, timeout=0.02)
+    finally:
+        bell.close()
+        bell.unlink()
+
+
+def test_the_spin_window_collapses_to_blocking_when_spins_keep_missing_and_probes_again():
+    policy = SpinPolicy(spin_us=50)
+    assert policy.next_window() == 50_000
+    for _ in range(5):
+        policy.spun_and_missed()
+    assert policy.window_ns == 0
+    windows = []
+    for _ in range(64):
+        windows.append(policy.next_window())
+        policy.blocked_waits += 1
+    assert windows.count(50_000) == 1 and windows.count(0) == 63
+    policy.spun_and_caught(50_000)
+    assert policy.next_window() == 50_000
+
+
+def test_a_negative_spin_window_is_refused():
+    with pytest.raises(ValueError, match="runtime.spin_us"):
+        SpinPolicy(-1)
+
+
+def test_attaching_a_segment_that_is_not_a_counter_block_is_a_layout_error(run_id):
+    seg = Segment.create(names.posix_name(run_id, "x"), 128)
+    try:
+        with pytest.raises(SegmentLayoutError, match="not a ringfence counter block"):
+            CounterBlock.attach(seg.name)
+    finally:
+        seg.close()
+        seg.unlink()
