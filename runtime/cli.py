@@ -75,7 +75,10 @@ def _clean(args: argparse.Namespace) -> int:
         return 0
     run_id = run_id_of(args.run)
     if not args.force and names.run_is_live(run_id):
-        print(f"run {run_id} is live; not cleaning it (--force to remove its names anyway)", file=sys.stderr)
+        print(
+            f"run {run_id} is live; not cleaning it (--force to remove its names anyway)",
+            file=sys.stderr,
+        )
         return 1
     removed = names.clean_run(run_id)
     for name in removed:

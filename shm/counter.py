@@ -42,7 +42,9 @@ class CounterBlock:
             words[_H_VERSION] = LAYOUT_VERSION
             words[_H_MAGIC] = MAGIC
         elif words[_H_MAGIC] != MAGIC or words[_H_VERSION] != LAYOUT_VERSION:
-            raise SegmentLayoutError(f"{segment.name} is not a ringfence counter block (v{LAYOUT_VERSION})")
+            raise SegmentLayoutError(
+                f"{segment.name} is not a ringfence counter block (v{LAYOUT_VERSION})"
+            )
         self.count = words[_H_COUNT]
         if segment.size < LINE_WORDS * 8 * (self.count + 1):
             raise SegmentLayoutError(f"{segment.name}: {self.count} counters need a larger segment")
@@ -132,6 +134,11 @@ class Watermark:
         if not bell.wait_until(lambda: words[slot] >= target, timeout):
             writer = self.writer()
             if writer is not None and not writer.is_alive():
-                raise ActorDead(f"watermark {self.name}: writer pid {writer.pid} is gone at {self.value()} < {target}")
-            raise WaitTimeout(f"watermark {self.name} at {self.value()} did not reach {target} in {timeout}s")
+                raise ActorDead(
+                    f"watermark {self.name}: writer pid {writer.pid} is gone "
+                    f"at {self.value()} < {target}"
+                )
+            raise WaitTimeout(
+                f"watermark {self.name} at {self.value()} did not reach {target} in {timeout}s"
+            )
         return int(words[slot])

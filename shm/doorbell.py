@@ -28,6 +28,7 @@ padded to 64 bytes so it shares no cache line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -59,7 +60,11 @@ class SpinPolicy:
 
     def next_window(self) -> int:
         """The spin budget in nanoseconds for the next wait."""
-        if self.window_ns == 0 and self.max_ns and self.blocked_waits % _PROBE_EVERY == _PROBE_EVERY - 1:
+        if (
+            self.window_ns == 0
+            and self.max_ns
+            and self.blocked_waits % _PROBE_EVERY == _PROBE_EVERY - 1
+        ):
             return self.max_ns
         return self.window_ns
 
@@ -82,7 +87,9 @@ class Doorbell:
     _sem: posix_ipc.Semaphore | None = None
     _seg: Segment | None = None
 
-    def __init__(self, name: str, *, create: bool = False, spin_us: float = DEFAULT_SPIN_US) -> None:
+    def __init__(
+        self, name: str, *, create: bool = False, spin_us: float = DEFAULT_SPIN_US
+    ) -> None:
         self.name = name
         self.is_creator = create
         self.spin = SpinPolicy(spin_us)
@@ -177,9 +184,7 @@ class Doorbell:
         if not self.is_creator:
             return
         for unlink in (posix_ipc.unlink_semaphore, posix_ipc.unlink_shared_memory):
-            try:
+            with contextlib.suppress(posix_ipc.ExistentialError):
                 unlink(self.name)
-            except posix_ipc.ExistentialError:
-                pass
         if self._seg is not None:
             self._seg.unlink()

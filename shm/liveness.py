@@ -12,7 +12,7 @@ _STAMP = struct.Struct("<QQ")
 
 
 def _read_stat(pid: int) -> tuple[bytes, int] | None:
-    """State letter and start time (clock ticks since boot) of ``pid``; None if it does not exist."""
+    """State letter and start time (ticks since boot) of ``pid``; None if there is no such pid."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()

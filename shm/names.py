@@ -47,7 +47,9 @@ def posix_name(run_id: str, obj: str) -> str:
     """The POSIX name (with its leading slash) of object ``obj`` of run ``run_id``."""
     check_run_id(run_id)
     if not OBJECT_RE.match(obj):
-        raise ValueError(f"shared-memory object name {obj!r} must be 1-100 characters of [A-Za-z0-9_.]")
+        raise ValueError(
+            f"shared-memory object name {obj!r} must be 1-100 characters of [A-Za-z0-9_.]"
+        )
     return f"/{PREFIX}{run_id}-{obj}"
 
 

@@ -97,11 +97,15 @@ class Ring:
             words[_VERSION] = LAYOUT_VERSION
             words[_MAGIC] = MAGIC
         elif words[_MAGIC] != MAGIC or words[_VERSION] != LAYOUT_VERSION:
-            raise SegmentLayoutError(f"{self.name} is not a ringfence ring (layout v{LAYOUT_VERSION})")
+            raise SegmentLayoutError(
+                f"{self.name} is not a ringfence ring (layout v{LAYOUT_VERSION})"
+            )
         self.capacity = int(words[_CAPACITY])
         self.max_payload = int(words[_MAX_PAYLOAD])
         if self.capacity % 8 or HEADER_BYTES + self.capacity > segment.size:
-            raise SegmentLayoutError(f"{self.name}: capacity {self.capacity} does not fit its segment")
+            raise SegmentLayoutError(
+                f"{self.name}: capacity {self.capacity} does not fit its segment"
+            )
         self.words = words
         self.data = segment.view(HEADER_BYTES, self.capacity)
 
@@ -109,7 +113,10 @@ class Ring:
     def create(cls, name: str, capacity: int) -> Ring:
         """Create ring ``name`` with ``capacity`` data bytes (a multiple of 8, >= 256)."""
         if capacity < MIN_CAPACITY or capacity % 8:
-            raise ValueError(f"ring {name}: capacity must be a multiple of 8 and >= {MIN_CAPACITY}, got {capacity}")
+            raise ValueError(
+                f"ring {name}: capacity must be a multiple of 8 and >= {MIN_CAPACITY}, "
+                f"got {capacity}"
+            )
         seg = Segment.create(name, HEADER_BYTES + capacity)
         try:
             return cls(seg, capacity)
@@ -228,7 +235,8 @@ class RingWriter:
         n = len(payload)
         if n > self.ring.max_payload:
             raise ValueError(
-                f"ring {self.ring.name}: a {n}-byte message exceeds its {self.ring.max_payload}-byte limit"
+                f"ring {self.ring.name}: a {n}-byte message exceeds its "
+                f"{self.ring.max_payload}-byte limit"
             )
         if not 0 <= kind < WRAP:
             raise ValueError(f"ring {self.ring.name}: frame kind {kind} outside u32")
@@ -311,9 +319,13 @@ class RingReader:
             pos += cap - off
             off = 0
             if pos >= head:
-                raise ProtocolError(f"ring {self.ring.name}: wrap marker at {pos} with nothing after it")
+                raise ProtocolError(
+                    f"ring {self.ring.name}: wrap marker at {pos} with nothing after it"
+                )
         if cap - off < FRAME.size:
-            raise ProtocolError(f"ring {self.ring.name}: frame at position {pos} overlaps the end of the ring")
+            raise ProtocolError(
+                f"ring {self.ring.name}: frame at position {pos} overlaps the end of the ring"
+            )
         length, kind, seq = FRAME.unpack_from(data, off)
         end = pos + FRAME.size + _pad8(length)
         if length > self._max or end > head or off + (end - pos) > cap:
@@ -321,9 +333,11 @@ class RingReader:
                 f"ring {self.ring.name}: frame at position {pos} claims {length} bytes "
                 f"but {head - pos - FRAME.size} are published (limit {self._max})"
             )
-        if seq != self._expected and seq != self._resume_seq:
+        if seq not in (self._expected, self._resume_seq):
             what = "gap" if seq > self._expected else "duplicate"
-            raise ProtocolError(f"ring {self.ring.name}: sequence {what}: expected {self._expected}, got {seq}")
+            raise ProtocolError(
+                f"ring {self.ring.name}: sequence {what}: expected {self._expected}, got {seq}"
+            )
         self._resume_seq = None
         payload = bytes(data[off + FRAME.size : off + FRAME.size + length])
         self._pos = end
@@ -335,7 +349,7 @@ class RingReader:
         end, seq = (self._pos, self._expected - 1) if frame is None else (frame.end, frame.seq)
         if end > self._pos or end < int(self._words[_TAIL]):
             raise ValueError(f"ring {self.ring.name}: commit to {end} outside [tail, read cursor]")
-        # tail_seq first: a crash between the two stores then redoes the frame rather than losing it.
+        # tail_seq first: a crash between the two stores then redoes the frame, never loses it.
         self._words[_TAIL_SEQ] = seq
         self._words[_TAIL] = end
         self._committed_seq = seq
@@ -359,4 +373,3 @@ class RingReader:
     def wait_pending(self, timeout: float) -> bool:
         """Wait until a frame is available, without reading it; False at the deadline."""
         return self.pending() or self.bell.wait_until(self.pending, timeout)
-

@@ -8,6 +8,7 @@ how far construction got.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from types import TracebackType
 
@@ -76,7 +77,9 @@ class Segment:
         if self._mmap is None:
             raise ValueError(f"segment {self.name} is closed")
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise ValueError(f"segment {self.name}: view [{offset}, +{length}) outside {self.size} bytes")
+            raise ValueError(
+                f"segment {self.name}: view [{offset}, +{length}) outside {self.size} bytes"
+            )
         mv = memoryview(self._mmap)[offset : offset + length]
         self._views.append(mv)
         return mv
@@ -104,21 +107,17 @@ class Segment:
             mv.release()
         mm, self._mmap = self._mmap, None
         if mm is not None:
-            try:
+            # A caller may still hold a derived view; the mapping then goes away with it.
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:
-                # A caller still holds a derived view; the mapping goes away with it.
-                pass
 
     def unlink(self) -> None:
         """Remove the name (creator only). Idempotent; mappings stay valid until closed."""
         if self._unlinked:
             return
         self._unlinked = True
-        try:
+        with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            pass
 
     def __enter__(self) -> Segment:
         return self

@@ -39,7 +39,9 @@ class RingPair:
 
 
 @contextmanager
-def ring_pair(capacity: int = 4096, *, spin_us: float = 50.0, run_id: str | None = None) -> Iterator[RingPair]:
+def ring_pair(
+    capacity: int = 4096, *, spin_us: float = 50.0, run_id: str | None = None
+) -> Iterator[RingPair]:
     """Create a ring and two doorbells; close and unlink all of them on exit."""
     run_id = run_id or names.new_run_id()
     with ExitStack() as stack:

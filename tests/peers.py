@@ -27,8 +27,14 @@ def payload_plan(seed: int, count: int, max_size: int):
         yield size & 0xFFFF, zlib.crc32(body).to_bytes(4, "little") + body
 
 
-def stress_producer(ring_name: str, wake_name: str, space_name: str, seed: int, count: int, max_size: int):
-    ring, wake, space = Ring.attach(ring_name), Doorbell.attach(wake_name), Doorbell.attach(space_name)
+def stress_producer(
+    ring_name: str, wake_name: str, space_name: str, seed: int, count: int, max_size: int
+):
+    ring, wake, space = (
+        Ring.attach(ring_name),
+        Doorbell.attach(wake_name),
+        Doorbell.attach(space_name),
+    )
     try:
         writer = RingWriter(ring, wake=wake, space=space)
         for kind, payload in payload_plan(seed, count, max_size):
@@ -39,15 +45,28 @@ def stress_producer(ring_name: str, wake_name: str, space_name: str, seed: int, 
 
 
 def durable_consumer(
-    ring_name: str, bell_name: str, space_name: str, counts_name: str, marks_name: str, watch_name: str
+    ring_name: str,
+    bell_name: str,
+    space_name: str,
+    counts_name: str,
+    marks_name: str,
+    watch_name: str,
 ):
     """Consume until STOP: count each frame's work in shared memory, then commit, then report.
 
     marks[0] is the last committed seq (rings ``watch``); marks[1] the first seq this
     incarnation received.
     """
-    ring, bell, space = Ring.attach(ring_name), Doorbell.attach(bell_name), Doorbell.attach(space_name)
-    counts_seg, marks, watch = Segment.attach(counts_name), CounterBlock.attach(marks_name), Doorbell.attach(watch_name)
+    ring, bell, space = (
+        Ring.attach(ring_name),
+        Doorbell.attach(bell_name),
+        Doorbell.attach(space_name),
+    )
+    counts_seg, marks, watch = (
+        Segment.attach(counts_name),
+        CounterBlock.attach(marks_name),
+        Doorbell.attach(watch_name),
+    )
     try:
         counts = counts_seg.u64(0, counts_seg.size // 8)
         progress, first = marks[0], marks[1]
@@ -73,7 +92,11 @@ def durable_consumer(
 
 def slow_consumer(ring_name: str, bell_name: str, space_name: str, count: int, work_s: float):
     """Take ``count`` frames, each after ``work_s`` of simulated work; exit 1 on any disorder."""
-    ring, bell, space = Ring.attach(ring_name), Doorbell.attach(bell_name), Doorbell.attach(space_name)
+    ring, bell, space = (
+        Ring.attach(ring_name),
+        Doorbell.attach(bell_name),
+        Doorbell.attach(space_name),
+    )
     try:
         reader = RingReader(ring, bell=bell, space=space)
         for i in range(count):
@@ -88,7 +111,11 @@ def slow_consumer(ring_name: str, bell_name: str, space_name: str, count: int, w
 
 def attach_and_exit(ring_name: str, bell_name: str, space_name: str, role: str):
     """Open one end of a ring, publish one frame if producer, then exit (a peer that dies)."""
-    ring, bell, space = Ring.attach(ring_name), Doorbell.attach(bell_name), Doorbell.attach(space_name)
+    ring, bell, space = (
+        Ring.attach(ring_name),
+        Doorbell.attach(bell_name),
+        Doorbell.attach(space_name),
+    )
     try:
         if role == "producer":
             RingWriter(ring, wake=bell, space=space).put(1, b"last words", timeout=5)

@@ -555,7 +555,7 @@ def test_an_unsupported_annotation_is_a_type_error_naming_the_field(annotation, 
 )
 def test_a_bad_nested_or_literal_annotation_is_a_type_error(field_type, reason):
     namespace = {"__annotations__": {"x": field_type}, "__module__": __name__}
-    bad = dataclass(frozen=True, slots=True, kw_only=True)(type("Bad", (), namespace))
+    bad: type = dataclass(frozen=True, slots=True, kw_only=True)(type("Bad", (), namespace))
     with pytest.raises(TypeError, match=reason):
         message(Registry("r"), tag=1)(bad)
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import multiprocess
+import peers
 import pytest
 
-import peers
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell, SpinPolicy
@@ -91,7 +90,10 @@ def test_a_ping_pong_of_watermarks_never_loses_a_wake_up(run_id, spin_us):
     marks = CounterBlock.create(names.posix_name(run_id, "marks"), 2)
     mine = Doorbell.create(names.posix_name(run_id, "mine"), spin_us=spin_us)
     theirs = Doorbell.create(names.posix_name(run_id, "theirs"))
-    proc = SPAWN.Process(target=peers.counter_echo, args=(marks.segment.name, theirs.name, mine.name, rounds, spin_us))
+    proc = SPAWN.Process(
+        target=peers.counter_echo,
+        args=(marks.segment.name, theirs.name, mine.name, rounds, spin_us),
+    )
     try:
         proc.start()
         ping, pong = marks[0], marks[1]
@@ -115,10 +117,16 @@ def test_a_doorbell_wakes_a_blocked_thread_and_a_stale_post_is_harmless(run_id):
     try:
         flag = threading.Event()
         bell.ring()  # nobody sleeping: no post
-        waker = threading.Timer(0.05, lambda: (flag.set(), bell.ring()))
+
+        def wake():
+            flag.set()
+            bell.ring()
+
+        waker = threading.Timer(0.05, wake)
         waker.start()
         assert bell.wait_until(flag.is_set, timeout=10)
         waker.join()
+        assert bell._sem is not None
         bell._sem.release()  # a stale post, as from a producer that raced a re-check
         assert not bell.wait_until(lambda: False, timeout=0.02)
     finally:
@@ -142,7 +150,7 @@ def test_the_spin_window_collapses_to_blocking_when_spins_keep_missing_and_probe
 
 
 def test_a_negative_spin_window_is_refused():
-    with pytest.raises(ValueError, match="runtime.spin_us"):
+    with pytest.raises(ValueError, match=r"runtime\.spin_us"):
         SpinPolicy(-1)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import multiprocess
 import orjson
+import peers
 import pytest
 
-import peers
 from ringfence.runtime.cli import main
 from ringfence.shm import names
 from ringfence.shm.doorbell import Doorbell

@@ -20,7 +20,9 @@ def run(*cmd: str, cwd: Path, env_path: Path | None = None) -> str:
         import os
 
         env = {**os.environ, "PYTHONPATH": str(env_path)}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -35,7 +37,19 @@ def wheel(tmp_path_factory) -> Path:
         else:
             shutil.copy(path, src / item)
     out = tmp_path_factory.mktemp("wheel")
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), ".", cwd=src)
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(out),
+        ".",
+        cwd=src,
+    )
     (built,) = out.glob("ringfence-*.whl")
     return built
 
@@ -49,17 +63,33 @@ def test_the_wheel_holds_ringfence_subpackages_and_no_top_level_ones(wheel):
         assert f"ringfence/{pkg}/py.typed" in files
     assert "ringfence/shm/ring.py" in files
     assert "ringfence/__init__.py" not in files  # a namespace package: no folder of its own
-    entry_points = zipfile.ZipFile(wheel).read(next(f for f in files if f.endswith("entry_points.txt")))
+    entry_points = zipfile.ZipFile(wheel).read(
+        next(f for f in files if f.endswith("entry_points.txt"))
+    )
     assert b"ringfence = ringfence.runtime.cli:main" in entry_points
 
 
-def test_an_installed_wheel_imports_from_site_packages_and_leaves_the_stdlib_sched_alone(wheel, tmp_path):
+def test_an_installed_wheel_imports_from_site_packages_and_leaves_the_stdlib_sched_alone(
+    wheel, tmp_path
+):
     target = tmp_path / "site"
-    run(sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel), cwd=tmp_path)
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "-q",
+        "--target",
+        str(target),
+        str(wheel),
+        cwd=tmp_path,
+    )
     out = run(
         sys.executable,
         "-c",
-        "import sched, ringfence.shm.ring as r, ringfence.sched; print(sched.__file__); print(r.__file__)",
+        "import sched, ringfence.shm.ring as r, ringfence.sched\n"
+        "print(sched.__file__); print(r.__file__)",
         cwd=tmp_path,
         env_path=target,
     )
@@ -70,7 +100,8 @@ def test_an_installed_wheel_imports_from_site_packages_and_leaves_the_stdlib_sch
 
 def imported_by(module: str) -> set[str]:
     code = f"import sys, importlib, pkgutil; m = importlib.import_module({module!r})\n"
-    code += "for i in pkgutil.walk_packages(m.__path__, m.__name__ + '.'): importlib.import_module(i.name)\n"
+    code += "for i in pkgutil.walk_packages(m.__path__, m.__name__ + '.'):\n"
+    code += "    importlib.import_module(i.name)\n"
     code += "print(' '.join(sorted(k.split('.')[0] for k in sys.modules)))"
     return set(run(sys.executable, "-c", code, cwd=ROOT.parent).split())
 

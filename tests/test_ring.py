@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 from ringfence.shm import names
 from ringfence.shm.doorbell import Doorbell
-from ringfence.shm.errors import EndpointTaken, ProtocolError, RingEmpty, RingFull, SegmentLayoutError
+from ringfence.shm.errors import (
+    EndpointTaken,
+    ProtocolError,
+    RingEmpty,
+    RingFull,
+    SegmentLayoutError,
+)
 from ringfence.shm.ring import FRAME, HEADER_BYTES, Ring, RingReader, RingWriter
 from ringfence.shm.segment import Segment
 from ringfence.shm.testing import ring_pair
@@ -36,7 +42,9 @@ def test_a_message_larger_than_half_the_ring_is_a_value_error_up_front():
         limit = p.ring.max_payload
         assert limit == 1024 // 2 - FRAME.size
         p.writer.put(1, bytes(limit), timeout=1)
-        with pytest.raises(ValueError, match=f"{limit + 1}-byte message exceeds its {limit}-byte limit"):
+        with pytest.raises(
+            ValueError, match=f"{limit + 1}-byte message exceeds its {limit}-byte limit"
+        ):
             p.writer.put(1, bytes(limit + 1), timeout=1)
         assert p.reader.get(timeout=1).payload == bytes(limit)
         assert not p.reader.pending()
@@ -168,7 +176,9 @@ def test_garbage_in_the_data_area_is_rejected_with_protocol_error_or_read_as_fra
 @settings(max_examples=200, deadline=None)
 @given(
     ops=st.lists(
-        st.one_of(st.integers(min_value=0, max_value=236), st.sampled_from(["get", "drain", "rewind"])),
+        st.one_of(
+            st.integers(min_value=0, max_value=236), st.sampled_from(["get", "drain", "rewind"])
+        ),
         max_size=120,
     )
 )

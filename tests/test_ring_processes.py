@@ -8,9 +8,9 @@ import threading
 import zlib
 
 import multiprocess
+import peers
 import pytest
 
-import peers
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
@@ -40,7 +40,13 @@ def stress(frames: int, capacity: int, max_size: int, seed: int):
     with ring_pair(capacity=capacity) as p:
         p.writer.close()
         producer = start(
-            peers.stress_producer, p.ring.name, p.consumer_bell.name, p.producer_bell.name, seed, frames, max_size
+            peers.stress_producer,
+            p.ring.name,
+            p.consumer_bell.name,
+            p.producer_bell.name,
+            seed,
+            frames,
+            max_size,
         )
         try:
             expected = peers.payload_plan(seed, frames, max_size)
@@ -51,7 +57,9 @@ def stress(frames: int, capacity: int, max_size: int, seed: int):
                     received += 1
                     assert frame.seq == received, "frames out of order"
                     assert frame.kind == kind
-                    assert zlib.crc32(frame.payload[4:]) == int.from_bytes(frame.payload[:4], "little")
+                    assert zlib.crc32(frame.payload[4:]) == int.from_bytes(
+                        frame.payload[:4], "little"
+                    )
                     assert frame.payload == payload
             assert finish(producer) == 0
             assert p.ring.used_bytes() == 0
@@ -75,7 +83,14 @@ def test_a_slow_consumer_makes_the_producer_wait_and_nothing_is_lost_or_reordere
     count = 400
     with ring_pair(capacity=512) as p:
         p.reader.close()
-        consumer = start(peers.slow_consumer, p.ring.name, p.consumer_bell.name, p.producer_bell.name, count, 0.0005)
+        consumer = start(
+            peers.slow_consumer,
+            p.ring.name,
+            p.consumer_bell.name,
+            p.producer_bell.name,
+            count,
+            0.0005,
+        )
         try:
             for i in range(count):
                 p.writer.put(1, i.to_bytes(4, "little") * 8, timeout=30)
@@ -84,7 +99,9 @@ def test_a_slow_consumer_makes_the_producer_wait_and_nothing_is_lost_or_reordere
             if consumer.is_alive():
                 os.kill(consumer.pid, signal.SIGKILL)
                 consumer.join(5)
-        assert p.writer.full_waits > count // 2, "the producer should have waited for room most of the time"
+        assert p.writer.full_waits > count // 2, (
+            "the producer should have waited for room most of the time"
+        )
 
 
 class Producer(threading.Thread):
@@ -97,7 +114,9 @@ class Producer(threading.Thread):
     def run(self):
         try:
             for i in range(self.count + 1):
-                kind, payload = (peers.STOP, b"") if i == self.count else (1, i.to_bytes(8, "little"))
+                kind, payload = (
+                    (peers.STOP, b"") if i == self.count else (1, i.to_bytes(8, "little"))
+                )
                 while True:
                     try:
                         self.writer.put(kind, payload, timeout=1)
@@ -119,7 +138,14 @@ def test_a_consumer_killed_mid_stream_is_resumed_exactly_at_the_committed_tail(r
         procs = []
         try:
             producer.start()
-            args = (p.ring.name, p.consumer_bell.name, p.producer_bell.name, counts.name, marks.segment.name, watch.name)
+            args = (
+                p.ring.name,
+                p.consumer_bell.name,
+                p.producer_bell.name,
+                counts.name,
+                marks.segment.name,
+                watch.name,
+            )
             redone = set()
             for _ in range(kills):
                 tail_seq = p.ring.words[17]
@@ -129,7 +155,7 @@ def test_a_consumer_killed_mid_stream_is_resumed_exactly_at_the_committed_tail(r
                 os.kill(procs[-1].pid, signal.SIGKILL)
                 procs[-1].join(10)
                 first = marks[1].value()
-                assert first in (tail_seq + 1, tail_seq) or tail_seq == 0 and first == 1, (
+                assert first in (tail_seq + 1, tail_seq) or (tail_seq == 0 and first == 1), (
                     f"resumed at {first}, committed tail was {tail_seq}"
                 )
                 if first == tail_seq:
@@ -141,7 +167,9 @@ def test_a_consumer_killed_mid_stream_is_resumed_exactly_at_the_committed_tail(r
             assert producer.error is None
             work = counts.u64(0, count + 2)
             for seq in range(1, count + 1):
-                assert work[seq] == 1 or (work[seq] == 2 and seq in redone), f"frame {seq} done {work[seq]} times"
+                assert work[seq] == 1 or (work[seq] == 2 and seq in redone), (
+                    f"frame {seq} done {work[seq]} times"
+                )
             assert p.ring.used_bytes() == 0
         finally:
             for proc in procs:
@@ -156,7 +184,18 @@ def test_a_consumer_killed_mid_stream_is_resumed_exactly_at_the_committed_tail(r
 def test_a_consumer_waiting_on_a_dead_producer_gets_actor_dead_not_a_hang():
     with ring_pair() as p:
         p.writer.close()
-        assert finish(start(peers.attach_and_exit, p.ring.name, p.consumer_bell.name, p.producer_bell.name, "producer")) == 0
+        assert (
+            finish(
+                start(
+                    peers.attach_and_exit,
+                    p.ring.name,
+                    p.consumer_bell.name,
+                    p.producer_bell.name,
+                    "producer",
+                )
+            )
+            == 0
+        )
         assert p.reader.get(timeout=1).payload == b"last words"
         with pytest.raises(ActorDead, match="producer pid"):
             p.reader.get(timeout=0.05)
@@ -165,7 +204,18 @@ def test_a_consumer_waiting_on_a_dead_producer_gets_actor_dead_not_a_hang():
 def test_a_producer_facing_a_full_ring_and_a_dead_consumer_gets_actor_dead():
     with ring_pair(capacity=256) as p:
         p.reader.close()
-        assert finish(start(peers.attach_and_exit, p.ring.name, p.consumer_bell.name, p.producer_bell.name, "consumer")) == 0
+        assert (
+            finish(
+                start(
+                    peers.attach_and_exit,
+                    p.ring.name,
+                    p.consumer_bell.name,
+                    p.producer_bell.name,
+                    "consumer",
+                )
+            )
+            == 0
+        )
         with pytest.raises(ActorDead, match="consumer pid"):
             for _ in range(100):
                 p.writer.put(1, bytes(64), timeout=0.05)
