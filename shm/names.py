@@ -32,9 +32,16 @@ OBJECT_RE = re.compile(r"^[A-Za-z0-9_.]{1,100}$")
 LEASE_OBJECT = "lease"
 
 
+# Run ids issued by this process, so leak checks judge only this process's runs and
+# never another live run's names on the same machine.
+ISSUED_RUN_IDS: set[str] = set()
+
+
 def new_run_id() -> str:
     """A fresh run id: 12 lowercase hex digits, unique with overwhelming probability."""
-    return secrets.token_hex(6)
+    run_id = secrets.token_hex(6)
+    ISSUED_RUN_IDS.add(run_id)
+    return run_id
 
 
 def check_run_id(run_id: str) -> str:

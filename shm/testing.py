@@ -19,11 +19,20 @@ SHM_PREFIXES = (names.PREFIX, "sem." + names.PREFIX)
 
 def shm_names() -> set[str]:
     """Every ringfence file in /dev/shm (segments and semaphores), by file name."""
-    try:
-        files = names.SHM_DIR.iterdir()
-        return {f.name for f in files if f.name.startswith(SHM_PREFIXES)}
-    except FileNotFoundError:
-        return set()
+    return {
+        e.name.lstrip("/") if not e.is_semaphore else "sem." + e.name.lstrip("/")
+        for e in names.list_names()
+    }
+
+
+def leaked_names(before: set[str]) -> list[names.ShmEntry]:
+    """Names of runs issued by this process that exist now but were not in ``before``."""
+    return [
+        e
+        for e in names.list_names()
+        if e.run_id in names.ISSUED_RUN_IDS
+        and ("sem." if e.is_semaphore else "") + e.name.lstrip("/") not in before
+    ]
 
 
 @dataclass(frozen=True, slots=True)

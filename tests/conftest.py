@@ -8,7 +8,7 @@ import random
 import pytest
 
 from ringfence.shm import names
-from ringfence.shm.testing import shm_names
+from ringfence.shm.testing import leaked_names, shm_names
 
 
 @pytest.fixture(autouse=True)
@@ -16,12 +16,10 @@ def no_leaked_shm_names():
     """Fail any test that leaves a ringfence name in /dev/shm (and remove what it left)."""
     before = shm_names()
     yield
-    leaked = shm_names() - before
-    for file in leaked:
-        is_sem = file.startswith("sem.")
-        base = file[4:] if is_sem else file
-        names.unlink_name(names.ShmEntry(name="/" + base, run_id="", is_semaphore=is_sem))
-    assert not leaked, f"test left shared-memory names behind: {sorted(leaked)}"
+    leaked = leaked_names(before)
+    for entry in leaked:
+        names.unlink_name(entry)
+    assert not leaked, f"test left shared-memory names behind: {[e.name for e in leaked]}"
 
 
 @pytest.fixture
