@@ -3,7 +3,7 @@
 Byte layout of a ring segment (all words u64, little-endian)::
 
     offset   0  line 0  magic "RFRING01", layout version, data capacity, max payload
-    offset  64  line 1  head (written by the producer only), producer pid, start ticks
+    offset  64  line 1  head, room_wanted (written by the producer only), producer pid, ticks
     offset 128  line 2  tail, tail_seq (written by the consumer only), consumer pid, start ticks
     offset 256          data: ``capacity`` bytes, a multiple of 8
 
@@ -28,6 +28,13 @@ Ordering: the producer writes the payload, then the frame header, then ``head``;
 the consumer loads ``head``, then the frame. On x86-64 (TSO) stores are not
 reordered with stores nor loads with loads, so this is enough; see ``barrier.py``.
 
+Room wake-ups: a process has one doorbell for everything it waits on, so the
+consumer must not ring the producer's bell on every commit (the producer, asleep
+waiting for a reply, would wake for nothing). The producer sets ``room_wanted``
+before it waits for room, then a full barrier; the consumer stores ``tail``, a full
+barrier, then rings only if it sees ``room_wanted``: the same Dekker pattern as the
+doorbell's own flag, so a wake-up for room is never lost.
+
 Durable consumption: the consumer reads frames at a private cursor and advances the
 shared ``tail`` only when it :meth:`RingReader.commit`\\s, after the work is done. A
 consumer that dies before committing leaves the frame in the ring, and its
@@ -39,8 +46,9 @@ either ``tail_seq + 1`` or ``tail_seq`` (then it is redone: the op in flight).
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
+from ringfence.shm.barrier import TSO, full_barrier
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import (
     ActorDead,
@@ -59,16 +67,15 @@ HEADER_BYTES = 256
 FRAME = struct.Struct("<IIQ")  # length, kind, seq
 LENGTH = struct.Struct("<I")  # a wrap marker may sit in the last 8 bytes: only its length word
 WRAP = 0xFFFFFFFF
+_HEADER = FRAME.size
+_pack_frame, _unpack_frame = FRAME.pack_into, FRAME.unpack_from
+_pack_length, _unpack_length = LENGTH.pack_into, LENGTH.unpack_from
 MIN_CAPACITY = 256
 
 # Word indexes into the header (u64 words).
 _MAGIC, _VERSION, _CAPACITY, _MAX_PAYLOAD = 0, 1, 2, 3
-_HEAD, _PROD_PID, _PROD_TICKS = 8, 9, 10
+_HEAD, _ROOM_WANTED, _PROD_PID, _PROD_TICKS = 8, 11, 9, 10
 _TAIL, _TAIL_SEQ, _CONS_PID, _CONS_TICKS = 16, 17, 18, 19
-
-
-def _pad8(n: int) -> int:
-    return (n + 7) & ~7
 
 
 class Frame(NamedTuple):
@@ -184,6 +191,7 @@ class RingWriter:
         self._words = words
         self._data = ring.data
         self._cap = ring.capacity
+        self._max = ring.max_payload
         self._head = int(words[_HEAD])
         self._next_seq = self._last_published_seq() + 1
         self.full_waits = 0  # how often put() found the ring full and had to wait for room
@@ -196,19 +204,26 @@ class RingWriter:
         last = int(words[_TAIL_SEQ])
         while pos < self._head:
             off = pos % self._cap
-            if LENGTH.unpack_from(self._data, off)[0] == WRAP:
+            if self._cap - off < _HEADER or _unpack_length(self._data, off)[0] == WRAP:
                 pos += self._cap - off
                 continue
             length, _kind, seq = FRAME.unpack_from(self._data, off)
             if length > self.ring.max_payload:
                 raise ProtocolError(f"ring {self.ring.name}: corrupt frame at position {pos}")
             last = seq
-            pos += FRAME.size + _pad8(length)
+            pos += _HEADER + ((length + 7) & ~7)
         return last
 
     @property
     def next_seq(self) -> int:
         return self._next_seq
+
+    def _refuse(self, n: int, kind: int) -> None:
+        if n > self._max:
+            raise ValueError(
+                f"ring {self.ring.name}: a {n}-byte message exceeds its {self._max}-byte limit"
+            )
+        raise ValueError(f"ring {self.ring.name}: frame kind {kind} outside u32")
 
     def free_bytes(self) -> int:
         return self._cap - (self._head - int(self._words[_TAIL]))
@@ -223,7 +238,13 @@ class RingWriter:
 
     def _wait_for_room(self, need: int, timeout: float) -> bool:
         self.full_waits += 1
-        return self.space.wait_until(lambda: self.free_bytes() >= need, timeout)
+        words = self._words
+        words[_ROOM_WANTED] = 1
+        full_barrier()
+        try:
+            return self.space.wait_until(lambda: self.free_bytes() >= need, timeout)
+        finally:
+            words[_ROOM_WANTED] = 0
 
     def put(self, kind: int, payload: bytes | bytearray | memoryview, timeout: float) -> int:
         """Publish one frame; returns its seq. Waits up to ``timeout`` seconds for room.
@@ -233,29 +254,27 @@ class RingWriter:
         consumer's process is gone.
         """
         n = len(payload)
-        if n > self.ring.max_payload:
-            raise ValueError(
-                f"ring {self.ring.name}: a {n}-byte message exceeds its "
-                f"{self.ring.max_payload}-byte limit"
-            )
-        if not 0 <= kind < WRAP:
-            raise ValueError(f"ring {self.ring.name}: frame kind {kind} outside u32")
-        size = FRAME.size + _pad8(n)
-        need = self._needed(size)
-        if self.free_bytes() < need and not self._wait_for_room(need, timeout):
+        if n > self._max or not 0 <= kind < WRAP:
+            self._refuse(n, kind)
+        # The hot path is inlined: at 64 B, Python call overhead is most of a put's cost.
+        cap, head = self._cap, self._head
+        size = _HEADER + ((n + 7) & ~7)
+        rem = cap - head % cap
+        need = size if size <= rem else rem + size
+        if cap - (head - self._words[_TAIL]) < need and not self._wait_for_room(need, timeout):
             consumer = _peer(self._words, _CONS_PID)
             if consumer is not None and not consumer.is_alive():
                 raise ActorDead(f"ring {self.ring.name}: consumer pid {consumer.pid} is gone")
             raise RingFull(f"ring {self.ring.name}: no room for {need} bytes within {timeout}s")
-        head, data = self._head, self._data
-        off = head % self._cap
-        if size > self._cap - off:
-            LENGTH.pack_into(data, off, WRAP)
-            head += self._cap - off
+        data = self._data
+        off = cap - rem
+        if size > rem:
+            _pack_length(data, off, WRAP)
+            head += rem
             off = 0
         seq = self._next_seq
-        data[off + FRAME.size : off + FRAME.size + n] = payload
-        FRAME.pack_into(data, off, n, kind, seq)
+        data[off + _HEADER : off + _HEADER + n] = payload
+        _pack_frame(data, off, n, kind, seq)
         self._head = head + size
         self._next_seq = seq + 1
         self._words[_HEAD] = self._head  # publish: the frame's stores precede this one
@@ -283,11 +302,18 @@ class RingReader:
 
     def rewind(self) -> None:
         """Move the read cursor back to the committed tail: uncommitted frames come again."""
-        self._pos = int(self._words[_TAIL])
-        self._committed_seq = int(self._words[_TAIL_SEQ])
+        words = self._words
+        self._pos = int(words[_TAIL])
+        self._committed_seq = int(words[_TAIL_SEQ])
         self._expected = self._committed_seq + 1
-        # After a crash mid-commit the frame at the tail may carry tail_seq itself.
-        self._resume_seq: int | None = self._committed_seq or None
+        # After a crash between commit's two stores, the frame at the tail carries
+        # tail_seq itself: that frame is redone.
+        if self._committed_seq and words[_HEAD] > self._pos:
+            off = self._pos % self._cap
+            if self._cap - off < _HEADER or _unpack_length(self._data, off)[0] == WRAP:
+                off = 0
+            if _unpack_frame(self._data, off)[2] == self._committed_seq:
+                self._expected = self._committed_seq
 
     def close(self) -> None:
         """Give up the consumer end so another process may open it. The ring stays."""
@@ -304,56 +330,63 @@ class RingReader:
         :class:`ActorDead` if by then the producer is gone, :class:`ProtocolError`
         on a malformed frame or a sequence gap or duplicate (the cursor stays put).
         """
-        if not self.pending() and not self.bell.wait_until(self.pending, timeout):
+        head = self._words[_HEAD]
+        if head > self._pos:
+            return self._read(head)
+        if not self.bell.wait_until(self.pending, timeout):
             producer = _peer(self._words, _PROD_PID)
             if producer is not None and not producer.is_alive():
                 raise ActorDead(f"ring {self.ring.name}: producer pid {producer.pid} is gone")
             raise RingEmpty(f"ring {self.ring.name}: no frame within {timeout}s")
-        return self._read()
+        return self._read(self._words[_HEAD])
 
-    def _read(self) -> Frame:
-        head = int(self._words[_HEAD])
+    def _read(self, head: int) -> Frame:
+        """Parse the frame at the read cursor (``head`` already loaded) and move past it."""
         pos, data, cap = self._pos, self._data, self._cap
         off = pos % cap
-        if LENGTH.unpack_from(data, off)[0] == WRAP:
+        if cap - off >= _HEADER:
+            length, kind, seq = _unpack_frame(data, off)
+        else:  # only a wrap marker's length word fits in the last 8 bytes
+            length, kind, seq = _unpack_length(data, off)[0], 0, 0
+            if length != WRAP:
+                self._corrupt(f"frame at position {pos} overlaps the end of the ring")
+        if length == WRAP:
             pos += cap - off
             off = 0
             if pos >= head:
-                raise ProtocolError(
-                    f"ring {self.ring.name}: wrap marker at {pos} with nothing after it"
-                )
-        if cap - off < FRAME.size:
-            raise ProtocolError(
-                f"ring {self.ring.name}: frame at position {pos} overlaps the end of the ring"
+                self._corrupt(f"wrap marker at {pos} with nothing after it")
+            length, kind, seq = _unpack_frame(data, 0)
+        end = pos + _HEADER + ((length + 7) & ~7)
+        if length > self._max or end > head or off + end - pos > cap:
+            self._corrupt(
+                f"frame at position {pos} claims {length} bytes but {head - pos - _HEADER} "
+                f"are published (limit {self._max})"
             )
-        length, kind, seq = FRAME.unpack_from(data, off)
-        end = pos + FRAME.size + _pad8(length)
-        if length > self._max or end > head or off + (end - pos) > cap:
-            raise ProtocolError(
-                f"ring {self.ring.name}: frame at position {pos} claims {length} bytes "
-                f"but {head - pos - FRAME.size} are published (limit {self._max})"
-            )
-        if seq not in (self._expected, self._resume_seq):
+        if seq != self._expected:
             what = "gap" if seq > self._expected else "duplicate"
-            raise ProtocolError(
-                f"ring {self.ring.name}: sequence {what}: expected {self._expected}, got {seq}"
-            )
-        self._resume_seq = None
-        payload = bytes(data[off + FRAME.size : off + FRAME.size + length])
+            self._corrupt(f"sequence {what}: expected {self._expected}, got {seq}")
+        start = off + _HEADER
+        payload = data[start : start + length].tobytes()
         self._pos = end
         self._expected = seq + 1
         return Frame(kind, seq, payload, end)
 
+    def _corrupt(self, what: str) -> NoReturn:
+        raise ProtocolError(f"ring {self.ring.name}: {what}")
+
     def commit(self, frame: Frame | None = None) -> None:
         """Release every frame up to and including ``frame`` (default: all read so far)."""
+        words = self._words
         end, seq = (self._pos, self._expected - 1) if frame is None else (frame.end, frame.seq)
-        if end > self._pos or end < int(self._words[_TAIL]):
+        if end > self._pos or end < words[_TAIL]:
             raise ValueError(f"ring {self.ring.name}: commit to {end} outside [tail, read cursor]")
         # tail_seq first: a crash between the two stores then redoes the frame, never loses it.
-        self._words[_TAIL_SEQ] = seq
-        self._words[_TAIL] = end
+        words[_TAIL_SEQ] = seq
+        words[_TAIL] = end
         self._committed_seq = seq
-        self.space.ring()
+        full_barrier()
+        if words[_ROOM_WANTED] or not TSO:
+            self.space.ring()
 
     def get(self, timeout: float) -> Frame:
         """:meth:`recv` and :meth:`commit` in one: for work that need not survive a crash."""
@@ -364,8 +397,9 @@ class RingReader:
     def drain(self, max_frames: int = 1 << 30) -> list[Frame]:
         """Every frame available now (up to ``max_frames``), committed together; never waits."""
         frames: list[Frame] = []
-        while len(frames) < max_frames and self.pending():
-            frames.append(self._read())
+        head = self._words[_HEAD]
+        while self._pos < head and len(frames) < max_frames:
+            frames.append(self._read(head))
         if frames:
             self.commit()
         return frames

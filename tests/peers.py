@@ -160,3 +160,32 @@ def lease_and_exit(run_id: str):
 
     names.write_lease(run_id)
     Segment.create(names.posix_name(run_id, "orphan"), 64).close()
+
+
+def count_wakeups(bell_name: str, marks_name: str, watch_name: str):
+    """Sleep on ``bell`` until counter 0 reaches 1; store how often the condition was checked.
+
+    Counter 2 goes to 1 when the sleeper is about to block (rings ``watch``); counter 1
+    holds the number of checks at the end.
+    """
+    bell, marks, watch = (
+        Doorbell.attach(bell_name, spin_us=0),
+        CounterBlock.attach(marks_name),
+        Doorbell.attach(watch_name),
+    )
+    try:
+        armed = marks[2]
+        armed.claim(notify=[watch])
+        checks = []
+
+        def reply_arrived():
+            checks.append(1)
+            if len(checks) == 2:
+                armed.advance(1)
+            return marks[0].value() >= 1
+
+        assert bell.wait_until(reply_arrived, 10)
+        marks[1].advance(len(checks))
+    finally:
+        for obj in (bell, marks, watch):
+            obj.close()

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import queue
 import struct
+import threading
 from collections import deque
 
+import multiprocess
+import peers
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringfence.shm import names
+from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import (
     EndpointTaken,
@@ -22,6 +26,8 @@ from ringfence.shm.errors import (
 from ringfence.shm.ring import FRAME, HEADER_BYTES, Ring, RingReader, RingWriter
 from ringfence.shm.segment import Segment
 from ringfence.shm.testing import ring_pair
+
+SPAWN = multiprocess.get_context("spawn")
 
 
 def frame_bytes(n: int) -> int:
@@ -239,3 +245,48 @@ def test_bells_and_rings_can_be_attached_by_name_in_another_endpoint(run_id):
         finally:
             ring.close()
             bell.close()
+
+
+def test_commits_do_not_wake_a_producer_that_sleeps_for_another_reason(run_id):
+    # The producer's one doorbell also serves its own inbox: a commit must ring it only
+    # when the producer is waiting for room, or every commit is a wasted wake-up.
+    with ring_pair(spin_us=0, run_id=run_id) as p:
+        marks = CounterBlock.create(names.posix_name(run_id, "marks"), 3)
+        watch = Doorbell.create(names.posix_name(run_id, "watch"))
+        sleeper = SPAWN.Process(
+            target=peers.count_wakeups, args=(p.producer_bell.name, marks.segment.name, watch.name)
+        )
+        try:
+            for i in range(20):
+                p.writer.put(1, bytes([i]), timeout=0)
+            sleeper.start()
+            marks[2].wait_for(1, timeout=30, bell=watch)
+            for _ in range(20):
+                p.reader.get(timeout=0)
+            marks[0].advance(1)
+            p.producer_bell.ring()
+            sleeper.join(30)
+            assert sleeper.exitcode == 0
+            assert marks[1].value() <= 4, f"the sleeper checked {marks[1].value()} times"
+        finally:
+            if sleeper.is_alive():
+                sleeper.kill()
+                sleeper.join(5)
+            for obj in (marks, watch):
+                obj.close()
+                obj.unlink()
+
+
+def test_a_producer_waiting_for_room_is_woken_by_the_commit_that_frees_it():
+    with ring_pair(capacity=256, spin_us=0) as p:
+        with pytest.raises(RingFull):
+            while True:
+                p.writer.put(1, b"full", timeout=0)
+        done = threading.Event()
+        putter = threading.Thread(target=lambda: (p.writer.put(2, b"late", timeout=10), done.set()))
+        putter.start()
+        assert not done.wait(0.05)
+        p.reader.get(timeout=0)
+        assert done.wait(10)
+        putter.join(10)
+        assert [f.kind for f in p.reader.drain()][-1] == 2
