@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import struct
 import threading
+import time
 from collections import deque
 
 import multiprocess
@@ -263,6 +264,9 @@ def test_commits_do_not_wake_a_producer_that_sleeps_for_another_reason(run_id):
             marks[2].wait_for(1, timeout=30, bell=watch)
             for _ in range(20):
                 p.reader.get(timeout=0)
+                # Give a wrongly woken sleeper time to fall asleep again, so that each
+                # spurious ring shows up as a wake-up; not a wait for any condition.
+                time.sleep(0.001)
             marks[0].advance(1)
             p.producer_bell.ring()
             sleeper.join(30)
