@@ -287,7 +287,12 @@ def test_a_producer_waiting_for_room_is_woken_by_the_commit_that_frees_it():
             while True:
                 p.writer.put(1, b"full", timeout=0)
         done = threading.Event()
-        putter = threading.Thread(target=lambda: (p.writer.put(2, b"late", timeout=10), done.set()))
+
+        def put_late():
+            p.writer.put(2, b"late", timeout=10)
+            done.set()
+
+        putter = threading.Thread(target=put_late)
         putter.start()
         assert not done.wait(0.05)
         p.reader.get(timeout=0)
