@@ -6,9 +6,12 @@ guarantees in theirs (no shared-memory name left behind).
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from ringfence.shm import names
 from ringfence.shm.doorbell import Doorbell
@@ -67,3 +70,17 @@ def ring_pair(
         writer = RingWriter(ring, wake=consumer_bell, space=producer_bell)
         reader = RingReader(ring, bell=consumer_bell, space=producer_bell)
         yield RingPair(run_id, ring, writer, reader, producer_bell, consumer_bell)
+
+
+class _Child(Protocol):
+    pid: int | None
+
+    def is_alive(self) -> bool: ...
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+def reap(proc: _Child, timeout: float = 5.0) -> None:
+    """End a child this test started, by its own pid, if it still runs; then join it."""
+    if proc.is_alive() and proc.pid is not None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 
 import multiprocess
@@ -15,6 +13,7 @@ from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell, SpinPolicy
 from ringfence.shm.errors import ActorDead, SegmentLayoutError, WaitTimeout
 from ringfence.shm.segment import Segment
+from ringfence.shm.testing import reap
 
 SPAWN = multiprocess.get_context("spawn")
 
@@ -77,9 +76,7 @@ def test_a_reader_never_sees_a_torn_counter_value(block):
         proc.join(30)
         assert proc.exitcode == 0
     finally:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(5)
+        reap(proc)
 
 
 @pytest.mark.parametrize("spin_us", [0, 50])
@@ -104,9 +101,7 @@ def test_a_ping_pong_of_watermarks_never_loses_a_wake_up(run_id, spin_us):
         proc.join(30)
         assert proc.exitcode == 0
     finally:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(5)
+        reap(proc)
         for obj in (marks, mine, theirs):
             obj.close()
             obj.unlink()

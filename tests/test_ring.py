@@ -26,7 +26,7 @@ from ringfence.shm.errors import (
 )
 from ringfence.shm.ring import FRAME, HEADER_BYTES, Ring, RingReader, RingWriter
 from ringfence.shm.segment import Segment
-from ringfence.shm.testing import ring_pair
+from ringfence.shm.testing import reap, ring_pair
 
 SPAWN = multiprocess.get_context("spawn")
 
@@ -273,9 +273,7 @@ def test_commits_do_not_wake_a_producer_that_sleeps_for_another_reason(run_id):
             assert sleeper.exitcode == 0
             assert marks[1].value() <= 4, f"the sleeper checked {marks[1].value()} times"
         finally:
-            if sleeper.is_alive():
-                sleeper.kill()
-                sleeper.join(5)
+            reap(sleeper)
             for obj in (marks, watch):
                 obj.close()
                 obj.unlink()

@@ -16,7 +16,7 @@ from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import ActorDead, RingFull
 from ringfence.shm.segment import Segment
-from ringfence.shm.testing import ring_pair
+from ringfence.shm.testing import reap, ring_pair
 
 SPAWN = multiprocess.get_context("spawn")
 
@@ -30,8 +30,7 @@ def start(target, *args):
 def finish(proc, timeout=60):
     proc.join(timeout)
     if proc.is_alive():
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(5)
+        reap(proc)
         pytest.fail(f"child {proc.pid} did not finish within {timeout}s")
     return proc.exitcode
 
@@ -64,9 +63,7 @@ def stress(frames: int, capacity: int, max_size: int, seed: int):
             assert finish(producer) == 0
             assert p.ring.used_bytes() == 0
         finally:
-            if producer.is_alive():
-                os.kill(producer.pid, signal.SIGKILL)
-                producer.join(5)
+            reap(producer)
 
 
 def test_a_million_frames_of_random_sizes_pass_a_small_ring_intact_and_in_order(rng):
@@ -96,9 +93,7 @@ def test_a_slow_consumer_makes_the_producer_wait_and_nothing_is_lost_or_reordere
                 p.writer.put(1, i.to_bytes(4, "little") * 8, timeout=30)
             assert finish(consumer) == 0
         finally:
-            if consumer.is_alive():
-                os.kill(consumer.pid, signal.SIGKILL)
-                consumer.join(5)
+            reap(consumer)
         assert p.writer.full_waits > count // 2, (
             "the producer should have waited for room most of the time"
         )
@@ -173,9 +168,7 @@ def test_a_consumer_killed_mid_stream_is_resumed_exactly_at_the_committed_tail(r
             assert p.ring.used_bytes() == 0
         finally:
             for proc in procs:
-                if proc.is_alive():
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.join(5)
+                reap(proc)
             for obj in (counts, marks, watch):
                 obj.close()
                 obj.unlink()
