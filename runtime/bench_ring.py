@@ -1,71 +1,51 @@
 """``ringfence bench ring``: ringfence rings against stdlib IPC, side by side, two processes.
 
-Transports: ``ringfence`` (two rings, one doorbell per process), ``queue``
-(multiprocessing.Queue), ``pipe`` (multiprocessing.Pipe) and ``manager`` (a
-BaseManager-served queue.Queue that the consumer polls with ``get_nowait`` in a tight
-loop, as the legacy cache task queue does). Placements: ``cross`` (two CPUs),
-``same`` (one CPU), ``loaded`` (unpinned, beside a process that burns a CPU).
-
-A spawned peer speaks a tiny protocol over the transport under test: ``E`` starts an
-echo phase, ``S`` a sink phase (it answers with the count), ``Q`` quits, an empty
-message ends a phase; payloads are never empty. A stream's clock stops when the
-peer's count comes back. A Queue ``put`` never blocks (a feeder thread buffers), so a
-measured stream is capped at twice what the warm-up rate delivers in its time box.
-Every wait has a deadline; a Pipe send into a full socket, the one call without a
-timeout, ends when a watchdog kills a peer that outlives its session.
-
-Why about 650 lines, not under 300: both ends of four transports, the peer protocol,
-three placements with a CPU burner, the idle probe, the target checks and the report
-are asked of this one module. The natural split (the transports' ends and openers in
-a module of their own) is left for when another benchmark needs them.
+Placements: ``cross`` (two CPUs), ``same`` (one CPU), ``loaded`` (unpinned, beside a
+process that burns a CPU). For every transport of ``bench_link`` and every size it
+measures echo round trips and a one-way stream whose clock stops when the peer's count
+comes back. A Queue ``put`` never blocks (a feeder thread buffers), so a measured
+stream is capped at twice what the warm-up rate delivers in its time box. Then it
+reads the CPU time of an idle blocked ringfence consumer, checks the DESIGN targets
+(for information only) and prints or writes the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import multiprocessing
 import os
 import platform
-import queue
-import select
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnContext, SpawnProcess
-from multiprocessing.managers import SyncManager
-from multiprocessing.queues import Queue as MPQueue
+from multiprocessing.context import SpawnContext
 from multiprocessing.synchronize import Event
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import orjson
 
+from ringfence.runtime.bench_link import (
+    ECHO,
+    RING_BYTES,
+    SINK,
+    START_TIMEOUT,
+    STOP,
+    BenchError,
+    Link,
+    Session,
+    stop_process,
+)
 from ringfence.shm import names
-from ringfence.shm.doorbell import DEFAULT_SPIN_US, Doorbell
-from ringfence.shm.errors import RingfenceError
-from ringfence.shm.ring import FRAME, Ring, RingReader, RingWriter
+from ringfence.shm.doorbell import DEFAULT_SPIN_US
+from ringfence.shm.ring import FRAME
 
 PLACEMENTS = ("cross", "same", "loaded")
 TRANSPORTS = ("ringfence", "queue", "pipe", "manager")
-RING_BYTES = 1 << 20  # data bytes per ring: room to stream 64 KiB frames
-ECHO, SINK, QUIT, READY, STOP = b"E", b"S", b"Q", b"R", b""
-START_TIMEOUT = 60.0  # for a spawned child to report in (spawning is slow under load)
-REPLY_TIMEOUT = 10.0  # for any one reply, in the parent
-SEND_TIMEOUT = 10.0  # for room in a ring
-LIVENESS_STEP = 1.0  # a waiting parent re-checks this often that its peer lives
-JOIN_TIMEOUT = 5.0
-STOP_GRACE = 0.5  # for a child still running when its session unwinds
 SETTLE_S = 0.2  # before the idle window, on top of the spin window
 WARM_MSGS, WARM_BYTES, MIN_STREAM_MSGS = 2000, 32 << 20, 100
-
-
-class BenchError(RingfenceError, RuntimeError):
-    """A measurement failed: its peer died, timed out, or answered wrongly."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +62,28 @@ class BenchOptions:
     box_s: float  # time box of the measured round trips and of the stream's sender
     peer_timeout_s: float  # a peer gives up after waiting this long for a message
     session_limit_s: float  # the watchdog kills a peer that lives longer
+
+
+@dataclass(frozen=True, slots=True)
+class _Env:
+    """What every session of a run shares."""
+
+    ctx: SpawnContext
+    run_id: str
+    opts: BenchOptions
+    cpus: tuple[int, ...]  # the parent's affinity when the run began
+
+    def session(self, tag: str) -> Session:
+        o = self.opts
+        return Session(
+            ctx=self.ctx,
+            run_id=self.run_id,
+            tag=tag,
+            spin_us=o.spin_us,
+            peer_timeout_s=o.peer_timeout_s,
+            session_limit_s=o.session_limit_s,
+            cpus=self.cpus,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,120 +173,6 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     )
 
 
-class _End(NamedTuple):
-    """One side of a transport, for one thread of one process.
-
-    ``recv(timeout)`` raises ``queue.Empty`` at its deadline and OSError/EOFError once
-    the peer is gone. ``sink(timeout)``, where given, receives until STOP and returns
-    the count; otherwise the peer counts with ``recv``.
-    """
-
-    send: Callable[[bytes], object]
-    recv: Callable[[float], bytes]
-    sink: Callable[[float], int] | None = None
-
-
-def _ring_end(out: Ring, inbox: Ring, own: Doorbell, peer: Doorbell) -> _End:
-    """Writer and reader share this side's doorbell; the stream sink drains in batches."""
-    writer = RingWriter(out, wake=peer, space=own)
-    reader = RingReader(inbox, bell=own, space=peer)
-
-    def sink(timeout: float) -> int:
-        count = 0
-        while reader.wait_pending(timeout):
-            for frame in reader.drain():
-                if not frame.payload:
-                    return count
-                count += 1
-        raise queue.Empty(f"no frame within {timeout} s")
-
-    return _End(lambda b: writer.put(0, b, SEND_TIMEOUT), lambda t: reader.get(t).payload, sink)
-
-
-_Shm = TypeVar("_Shm", Ring, Doorbell)
-
-
-def _held(stack: ExitStack, obj: _Shm, *, owner: bool = False) -> _Shm:
-    """Close ``obj`` when ``stack`` unwinds; unlink it too if this process created it."""
-    if owner:
-        stack.callback(obj.unlink)
-    stack.callback(obj.close)
-    return obj
-
-
-def _attach_ring(stack: ExitStack, shm: tuple[str, ...], spin_us: float) -> _End:
-    """The peer's side of the names ``_open_ring`` made: it writes pong and reads ping."""
-    ping, pong, parent_bell, peer_bell = shm
-    bell, wake = (
-        _held(stack, Doorbell.attach(n, spin_us=spin_us)) for n in (peer_bell, parent_bell)
-    )
-    return _ring_end(_held(stack, Ring.attach(pong)), _held(stack, Ring.attach(ping)), bell, wake)
-
-
-def _queue_end(stack: ExitStack, inbox: MPQueue[bytes], outbox: MPQueue[bytes]) -> _End:
-    for q in (inbox, outbox):  # by unwind every message was acknowledged: never wait on a flush
-        stack.callback(q.close)
-        stack.callback(q.cancel_join_thread)
-    return _End(outbox.put, lambda t: inbox.get(timeout=t))
-
-
-def _pipe_end(stack: ExitStack, conn: Connection) -> _End:
-    """send_bytes/recv_bytes; one poll(2) before each receive gives it a deadline."""
-    stack.callback(conn.close)
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN)
-
-    def recv(timeout: float) -> bytes:
-        if not poller.poll(timeout * 1000):
-            raise queue.Empty(f"no message within {timeout} s")
-        return conn.recv_bytes()
-
-    return _End(conn.send_bytes, recv)
-
-
-def _manager_end(stack: ExitStack, inbox: Any, outbox: Any) -> _End:
-    """Manager proxies; the consumer polls ``get_nowait`` with no sleep, its best case."""
-    get, put = inbox.get_nowait, outbox.put
-
-    def recv(timeout: float) -> bytes:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return get()  # type: ignore[no-any-return]
-            except queue.Empty:
-                if time.monotonic() >= deadline:
-                    raise
-
-    return _End(put, recv)
-
-
-PEER_ENDS: dict[str, Callable[..., _End]] = {
-    "ringfence": _attach_ring,
-    "queue": _queue_end,
-    "pipe": _pipe_end,
-    "manager": _manager_end,
-}
-
-
-def _peer(transport: str, cpu: int | None, handles: tuple[Any, ...], timeout: float) -> None:
-    """Child: pin to ``cpu`` (None: unpinned), build its end from ``handles``, serve until QUIT."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    with ExitStack() as stack:
-        end = PEER_ENDS[transport](stack, *handles)
-        end.send(READY)
-        while (command := end.recv(timeout)) != QUIT:
-            if command == ECHO:
-                while message := end.recv(timeout):
-                    end.send(message)
-            elif command == SINK:
-                counted = iter(functools.partial(end.recv, timeout), STOP)
-                count = end.sink(timeout) if end.sink else sum(1 for _ in counted)
-                end.send(count.to_bytes(8, "little"))
-            else:
-                raise ValueError(f"bench peer: unknown command {command[:8]!r}")
-
-
 def _burn(stop: Event, started: Event, max_seconds: float) -> None:
     """Load: burn a CPU until ``stop`` is set, or ``max_seconds`` pass if the bench died."""
     started.set()
@@ -294,129 +182,7 @@ def _burn(stop: Event, started: Event, max_seconds: float) -> None:
             pass
 
 
-def _stop(proc: SpawnProcess) -> None:
-    """Join ``proc``; terminate, then kill it if it does not exit. Always joins.
-
-    A peer that finished normally was joined already; one still running here is stuck
-    or waiting for a parent that gave up, so it gets only a short grace.
-    """
-    proc.join(STOP_GRACE)
-    for end_it in (proc.terminate, proc.kill):
-        if proc.is_alive():
-            end_it()
-            proc.join(JOIN_TIMEOUT)
-
-
-@dataclass(frozen=True, slots=True)
-class _Env:
-    """What a session needs."""
-
-    ctx: SpawnContext
-    run_id: str
-    tag: str  # prefix of this session's shared-memory names: "<placement>.<transport>"
-    opts: BenchOptions
-    cpus: tuple[int, ...]  # the parent's affinity when the run began
-
-
-_Opener = Callable[[_Env, ExitStack], tuple[_End, tuple[Any, ...]]]
-
-
-def _open_ring(env: _Env, stack: ExitStack) -> tuple[_End, tuple[Any, ...]]:
-    """Create both rings and both doorbells (this process unlinks them)."""
-    shm = tuple(
-        names.posix_name(env.run_id, f"{env.tag}.{o}") for o in ("ping", "pong", "pb", "cb")
-    )
-    ping, pong = (_held(stack, Ring.create(n, RING_BYTES), owner=True) for n in shm[:2])
-    spin = env.opts.spin_us
-    bell, wake = (_held(stack, Doorbell.create(n, spin_us=spin), owner=True) for n in shm[2:])
-    return _ring_end(ping, pong, bell, wake), (shm, spin)
-
-
-def _open_queue(env: _Env, stack: ExitStack) -> tuple[_End, tuple[Any, ...]]:
-    ping: MPQueue[bytes] = env.ctx.Queue()
-    pong: MPQueue[bytes] = env.ctx.Queue()
-    return _queue_end(stack, pong, ping), (ping, pong)
-
-
-def _open_pipe(env: _Env, stack: ExitStack) -> tuple[_End, tuple[Any, ...]]:
-    mine, theirs = env.ctx.Pipe()
-    return _pipe_end(stack, mine), (theirs,)
-
-
-def _open_manager(env: _Env, stack: ExitStack) -> tuple[_End, tuple[Any, ...]]:
-    """SyncManager: the stdlib BaseManager subclass that serves queue.Queue as ``Queue``."""
-    manager = SyncManager(ctx=env.ctx)
-    manager.start(os.sched_setaffinity, (0, env.cpus))  # its server: unpinned in every placement
-    stack.enter_context(manager)  # holds it: dropping the last reference shuts it down
-    ping, pong = manager.Queue(), manager.Queue()
-    return _manager_end(stack, pong, ping), (ping, pong)
-
-
-OPENERS: dict[str, _Opener] = {
-    "ringfence": _open_ring,
-    "queue": _open_queue,
-    "pipe": _open_pipe,
-    "manager": _open_manager,
-}
-
-
-class _Link:
-    """The parent's side of one session; a transport failure becomes a BenchError."""
-
-    def __init__(self, env: _Env, stack: ExitStack, transport: str, cpu: int | None) -> None:
-        """Open ``transport``, spawn its peer pinned to ``cpu``, wait for READY.
-
-        On unwind of ``stack`` the watchdog is cancelled, the peer joined (killed if it
-        must be), and everything the opener made is closed and unlinked.
-        """
-        self.name = transport
-        self.end, handles = OPENERS[transport](env, stack)
-        args = (transport, cpu, handles, env.opts.peer_timeout_s)
-        self.proc = env.ctx.Process(target=_peer, args=args, name=f"bench-{env.tag}", daemon=True)
-        self.proc.start()
-        stack.callback(_stop, self.proc)
-        watchdog = threading.Timer(env.opts.session_limit_s, self.proc.kill)
-        watchdog.daemon = True
-        watchdog.start()
-        stack.callback(watchdog.cancel)
-        for handle in handles:  # the child has its own copy; without ours its exit reads as EOF
-            if isinstance(handle, Connection):
-                handle.close()
-        if self.recv(START_TIMEOUT) != READY:
-            raise self.failure("it did not start with READY")
-
-    def send(self, data: bytes) -> None:
-        try:
-            self.end.send(data)
-        except (OSError, EOFError, queue.Full) as e:
-            raise self.failure(f"send failed: {e!r}") from e
-
-    def recv(self, timeout: float = REPLY_TIMEOUT) -> bytes:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self.end.recv(LIVENESS_STEP)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise self.failure("it exited without replying") from None
-                if time.monotonic() >= deadline:
-                    raise self.failure(f"no reply within {timeout:g} s") from None
-            except (OSError, EOFError) as e:
-                raise self.failure(f"receive failed: {e!r}") from e
-
-    def quit(self) -> None:
-        self.send(QUIT)
-        self.proc.join(JOIN_TIMEOUT)
-        if self.proc.exitcode != 0:
-            raise self.failure("it did not exit cleanly after QUIT")
-
-    def failure(self, what: str) -> BenchError:
-        code = self.proc.exitcode
-        state = "is running" if code is None else f"exited with code {code}"
-        return BenchError(f"{self.name} peer (pid {self.proc.pid}) {state}: {what}")
-
-
-def _round_trips(link: _Link, size: int, seconds: float) -> list[int]:
+def _round_trips(link: Link, size: int, seconds: float) -> list[int]:
     """Echo round trips of ``size`` bytes for ``seconds`` (at least one); ns each."""
     message, clock, samples = b"\xa5" * size, time.perf_counter_ns, list[int]()
     link.send(ECHO)
@@ -434,7 +200,7 @@ def _round_trips(link: _Link, size: int, seconds: float) -> list[int]:
             return samples
 
 
-def _stream(link: _Link, size: int, seconds: float, cap: int) -> tuple[int, float]:
+def _stream(link: Link, size: int, seconds: float, cap: int) -> tuple[int, float]:
     """Send up to ``cap`` messages for at most ``seconds``, then STOP.
 
     Returns (messages, seconds from the first send until the peer's count came back).
@@ -455,7 +221,7 @@ def _stream(link: _Link, size: int, seconds: float, cap: int) -> tuple[int, floa
     return count, elapsed
 
 
-def _measure_size(link: _Link, size: int, opts: BenchOptions) -> Figures:
+def _measure_size(link: Link, size: int, opts: BenchOptions) -> Figures:
     _round_trips(link, size, opts.warmup_s)
     rtts = sorted(_round_trips(link, size, opts.box_s))
     warm_cap = max(MIN_STREAM_MSGS, min(WARM_MSGS, WARM_BYTES // size))
@@ -472,10 +238,10 @@ def _measure_size(link: _Link, size: int, opts: BenchOptions) -> Figures:
     )
 
 
-def _measure_transport(env: _Env, transport: str, cpu: int | None) -> dict[int, Figures]:
+def _measure_transport(env: _Env, tag: str, transport: str, cpu: int | None) -> dict[int, Figures]:
     """Spawn one peer and measure every size; all it made is gone on return or raise."""
     with ExitStack() as stack:
-        link = _Link(env, stack, transport, cpu)
+        link = Link(env.session(tag), stack, transport, cpu)
         figures = {size: _measure_size(link, size, env.opts) for size in env.opts.sizes}
         link.quit()
         return figures
@@ -497,7 +263,7 @@ def _start_burner(ctx: SpawnContext, stack: ExitStack, max_seconds: float) -> No
     stop, started = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=_burn, args=(stop, started, max_seconds), daemon=True)
     proc.start()
-    stack.callback(_stop, proc)
+    stack.callback(stop_process, proc)
     stack.callback(stop.set)  # runs first: an ExitStack unwinds last in, first out
     if not started.wait(START_TIMEOUT):
         raise BenchError(f"the CPU burner did not start within {START_TIMEOUT:g} s")
@@ -522,9 +288,8 @@ def _run_placement(env: _Env, name: str) -> PlacementResult:
             if pins[0] is not None:
                 os.sched_setaffinity(0, {pins[0]})
             for t in env.opts.transports:
-                session = dataclasses.replace(env, tag=f"{name}.{t}")
                 try:
-                    result.figures[t] = _measure_transport(session, t, pins[1])
+                    result.figures[t] = _measure_transport(env, f"{name}.{t}", t, pins[1])
                 except (BenchError, OSError, EOFError) as e:
                     result.errors[t] = str(e) or repr(e)
         except BenchError as e:
@@ -533,7 +298,7 @@ def _run_placement(env: _Env, name: str) -> PlacementResult:
     return result
 
 
-def _cpu_seconds(link: _Link) -> float:
+def _cpu_seconds(link: Link) -> float:
     """utime + stime of the peer, from /proc (clock-tick resolution)."""
     if not link.proc.is_alive():
         raise link.failure("it died while idle")
@@ -549,7 +314,7 @@ def _measure_idle(env: _Env) -> dict[str, Any]:
     """
     try:
         with ExitStack() as stack:
-            link = _Link(env, stack, "ringfence", None)  # after READY it waits in recv
+            link = Link(env.session("idle"), stack, "ringfence", None)  # then waits in recv
             link.proc.join(SETTLE_S + env.opts.spin_us / 1e6)  # one-off: past its spin window
             cpu0, t0 = _cpu_seconds(link), time.monotonic()
             link.proc.join(env.opts.idle_seconds)  # returns early only if the peer died
@@ -623,7 +388,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark, print tables and target checks; 1 if a measurement failed."""
     opts, began = _options(args), time.monotonic()
     cpus = tuple(sorted(os.sched_getaffinity(0)))
-    env = _Env(multiprocessing.get_context("spawn"), names.new_run_id(), "", opts, cpus)
+    env = _Env(multiprocessing.get_context("spawn"), names.new_run_id(), opts, cpus)
     machine = {"cpu_count": os.cpu_count(), "usable_cpus": cpus, "platform": platform.platform()}
     print(f"ringfence bench ring: run {env.run_id}; {machine}")
     print("rtt: round trip; msg/s, MB/s: one-way stream; x: peer / ringfence, > 1: ringfence ahead")
@@ -634,7 +399,7 @@ def main(args: argparse.Namespace) -> int:
             results[name] = _run_placement(env, name)
             _print_placement(name, results[name], opts)
             sys.stdout.flush()
-        idle = _measure_idle(dataclasses.replace(env, tag="idle"))
+        idle = _measure_idle(env)
         if "error" in idle:
             print(f"\nidle ringfence consumer FAILED: {idle['error']}")
         else:
@@ -642,8 +407,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"\nidle ringfence consumer: {pct:.2f}% of a core over {secs:.1f} s", end="")
             print(f" (resolution {idle['resolution_percent']:.2f}%)")
     finally:
-        lease = names.posix_name(env.run_id, names.LEASE_OBJECT)
-        names.unlink_name(names.ShmEntry(name=lease, run_id=env.run_id, is_semaphore=False))
+        names.remove_lease(env.run_id)
     targets = _targets(results, idle)
     for t in targets:
         print(f"{'PASS' if t.passed else 'FAIL'} {t.name}: {t.detail}")

@@ -113,6 +113,11 @@ def write_lease(run_id: str) -> None:
         shm.close_fd()
 
 
+def remove_lease(run_id: str) -> None:
+    """Unlink the run's lease (its creator does this last). Idempotent."""
+    unlink_name(ShmEntry(name=posix_name(run_id, LEASE_OBJECT), run_id=run_id, is_semaphore=False))
+
+
 def read_lease(run_id: str) -> ProcessStamp | None:
     """The stamp in the run's lease, or None if it has none (or an unreadable one)."""
     try:

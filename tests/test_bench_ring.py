@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from ringfence.runtime import bench_ring, cli
+from ringfence.runtime import bench_link, cli
 from ringfence.shm.testing import shm_names
 
 PEERS = ("queue", "pipe", "manager")
@@ -65,13 +65,13 @@ def test_a_quick_run_reports_every_placement_transport_and_size_with_a_ratio_per
 def test_a_peer_that_dies_fails_only_its_own_measurement_and_leaves_no_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_open_ring = bench_ring.OPENERS["ringfence"]
+    real_open_ring = bench_link.OPENERS["ringfence"]
 
     def open_ring_with_a_wrong_name(env: Any, stack: ExitStack) -> tuple[Any, tuple[Any, ...]]:
         end, (shm, spin_us) = real_open_ring(env, stack)
         return end, ((shm[0] + "x", *shm[1:]), spin_us)  # the peer cannot attach: it dies
 
-    monkeypatch.setitem(bench_ring.OPENERS, "ringfence", open_ring_with_a_wrong_name)
+    monkeypatch.setitem(bench_link.OPENERS, "ringfence", open_ring_with_a_wrong_name)
     options = ("--placements", "same", "--transports", "ringfence,pipe", "--sizes", "64")
     status, report = run_bench(tmp_path, *options)
     assert status == 1
