@@ -48,7 +48,11 @@ class CounterBlock:
         self.count = words[_H_COUNT]
         if segment.size < LINE_WORDS * 8 * (self.count + 1):
             raise SegmentLayoutError(f"{segment.name}: {self.count} counters need a larger segment")
-        self._words = words
+        # One wrapper per counter, kept: claim() stores the notify list on it.
+        self._marks = tuple(
+            Watermark(words, LINE_WORDS * (i + 1), f"{segment.name}[{i}]")
+            for i in range(self.count)
+        )
 
     @classmethod
     def create(cls, name: str, count: int) -> CounterBlock:
@@ -74,9 +78,10 @@ class CounterBlock:
     def __getitem__(self, index: int) -> Watermark:
         if not 0 <= index < self.count:
             raise IndexError(f"{self.segment.name}: counter {index} of {self.count}")
-        return Watermark(self._words, LINE_WORDS * (index + 1), f"{self.segment.name}[{index}]")
+        return self._marks[index]
 
     def close(self) -> None:
+        self._marks = ()
         self.segment.close()
 
     def unlink(self) -> None:

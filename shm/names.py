@@ -68,6 +68,11 @@ class ShmEntry:
     run_id: str
     is_semaphore: bool
 
+    @property
+    def file(self) -> str:
+        """Its file name in /dev/shm (semaphores carry a ``sem.`` prefix there)."""
+        return (_SEM_FILE_PREFIX if self.is_semaphore else "") + self.name[1:]
+
 
 def list_names(run_id: str | None = None) -> list[ShmEntry]:
     """Every ringfence name in /dev/shm, or only those of ``run_id``. Reads, changes nothing."""

@@ -3,7 +3,7 @@
 Byte layout of a ring segment (all words u64, little-endian)::
 
     offset   0  line 0  magic "RFRING01", layout version, data capacity, max payload
-    offset  64  line 1  head, room_wanted (written by the producer only), producer pid, ticks
+    offset  64  line 1  head, producer pid, start ticks, room_wanted (written by the producer only)
     offset 128  line 2  tail, tail_seq (written by the consumer only), consumer pid, start ticks
     offset 256          data: ``capacity`` bytes, a multiple of 8
 
@@ -74,7 +74,7 @@ MIN_CAPACITY = 256
 
 # Word indexes into the header (u64 words).
 _MAGIC, _VERSION, _CAPACITY, _MAX_PAYLOAD = 0, 1, 2, 3
-_HEAD, _ROOM_WANTED, _PROD_PID, _PROD_TICKS = 8, 11, 9, 10
+_HEAD, _PROD_PID, _PROD_TICKS, _ROOM_WANTED = 8, 9, 10, 11
 _TAIL, _TAIL_SEQ, _CONS_PID, _CONS_TICKS = 16, 17, 18, 19
 
 
@@ -207,8 +207,8 @@ class RingWriter:
             if self._cap - off < _HEADER or _unpack_length(self._data, off)[0] == WRAP:
                 pos += self._cap - off
                 continue
-            length, _kind, seq = FRAME.unpack_from(self._data, off)
-            if length > self.ring.max_payload:
+            length, _kind, seq = _unpack_frame(self._data, off)
+            if length > self._max:
                 raise ProtocolError(f"ring {self.ring.name}: corrupt frame at position {pos}")
             last = seq
             pos += _HEADER + ((length + 7) & ~7)
@@ -218,7 +218,7 @@ class RingWriter:
     def next_seq(self) -> int:
         return self._next_seq
 
-    def _refuse(self, n: int, kind: int) -> None:
+    def _refuse(self, n: int, kind: int) -> NoReturn:
         if n > self._max:
             raise ValueError(
                 f"ring {self.ring.name}: a {n}-byte message exceeds its {self._max}-byte limit"
@@ -227,10 +227,6 @@ class RingWriter:
 
     def free_bytes(self) -> int:
         return self._cap - (self._head - int(self._words[_TAIL]))
-
-    def _needed(self, size: int) -> int:
-        rem = self._cap - self._head % self._cap
-        return size if size <= rem else rem + size
 
     def close(self) -> None:
         """Give up the producer end so another process may open it. The ring stays."""
@@ -286,7 +282,8 @@ class RingReader:
     """The consumer endpoint.
 
     ``bell`` is this consumer's own doorbell (it sleeps there while the ring is
-    empty); ``space`` is the producer's doorbell, rung after each commit.
+    empty); ``space`` is the producer's doorbell, rung after a commit when the
+    producer is waiting for room.
     """
 
     def __init__(self, ring: Ring, *, bell: Doorbell, space: Doorbell) -> None:
@@ -304,16 +301,16 @@ class RingReader:
         """Move the read cursor back to the committed tail: uncommitted frames come again."""
         words = self._words
         self._pos = int(words[_TAIL])
-        self._committed_seq = int(words[_TAIL_SEQ])
-        self._expected = self._committed_seq + 1
+        committed = int(words[_TAIL_SEQ])
+        self._expected = committed + 1
         # After a crash between commit's two stores, the frame at the tail carries
         # tail_seq itself: that frame is redone.
-        if self._committed_seq and words[_HEAD] > self._pos:
+        if committed and words[_HEAD] > self._pos:
             off = self._pos % self._cap
             if self._cap - off < _HEADER or _unpack_length(self._data, off)[0] == WRAP:
                 off = 0
-            if _unpack_frame(self._data, off)[2] == self._committed_seq:
-                self._expected = self._committed_seq
+            if _unpack_frame(self._data, off)[2] == committed:
+                self._expected = committed
 
     def close(self) -> None:
         """Give up the consumer end so another process may open it. The ring stays."""
@@ -383,7 +380,6 @@ class RingReader:
         # tail_seq first: a crash between the two stores then redoes the frame, never loses it.
         words[_TAIL_SEQ] = seq
         words[_TAIL] = end
-        self._committed_seq = seq
         full_barrier()
         if words[_ROOM_WANTED] or not TSO:
             self.space.ring()

@@ -17,24 +17,16 @@ from ringfence.shm import names
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.ring import Ring, RingReader, RingWriter
 
-SHM_PREFIXES = (names.PREFIX, "sem." + names.PREFIX)
-
 
 def shm_names() -> set[str]:
     """Every ringfence file in /dev/shm (segments and semaphores), by file name."""
-    return {
-        e.name.lstrip("/") if not e.is_semaphore else "sem." + e.name.lstrip("/")
-        for e in names.list_names()
-    }
+    return {e.file for e in names.list_names()}
 
 
 def leaked_names(before: set[str]) -> list[names.ShmEntry]:
     """Names of runs issued by this process that exist now but were not in ``before``."""
     return [
-        e
-        for e in names.list_names()
-        if e.run_id in names.ISSUED_RUN_IDS
-        and ("sem." if e.is_semaphore else "") + e.name.lstrip("/") not in before
+        e for e in names.list_names() if e.run_id in names.ISSUED_RUN_IDS and e.file not in before
     ]
 
 

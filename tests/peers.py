@@ -6,6 +6,9 @@ import random
 import sys
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
@@ -14,6 +17,20 @@ from ringfence.shm.segment import Segment
 
 STOP = 0xFFFF
 POOL_BYTES = 1 << 16
+
+
+@contextmanager
+def ring_ends(ring_name: str, *bell_names: str) -> Iterator[tuple[Any, ...]]:
+    """Attach a ring and doorbells by name; close them all on the way out."""
+    opened: tuple[Ring | Doorbell, ...] = (
+        Ring.attach(ring_name),
+        *(Doorbell.attach(n) for n in bell_names),
+    )
+    try:
+        yield opened
+    finally:
+        for obj in opened:
+            obj.close()
 
 
 def payload_plan(seed: int, count: int, max_size: int):
@@ -30,18 +47,10 @@ def payload_plan(seed: int, count: int, max_size: int):
 def stress_producer(
     ring_name: str, wake_name: str, space_name: str, seed: int, count: int, max_size: int
 ):
-    ring, wake, space = (
-        Ring.attach(ring_name),
-        Doorbell.attach(wake_name),
-        Doorbell.attach(space_name),
-    )
-    try:
+    with ring_ends(ring_name, wake_name, space_name) as (ring, wake, space):
         writer = RingWriter(ring, wake=wake, space=space)
         for kind, payload in payload_plan(seed, count, max_size):
             writer.put(kind, payload, timeout=30)
-    finally:
-        for obj in (ring, wake, space):
-            obj.close()
 
 
 def durable_consumer(
@@ -57,73 +66,50 @@ def durable_consumer(
     marks[0] is the last committed seq (rings ``watch``); marks[1] the first seq this
     incarnation received.
     """
-    ring, bell, space = (
-        Ring.attach(ring_name),
-        Doorbell.attach(bell_name),
-        Doorbell.attach(space_name),
-    )
-    counts_seg, marks, watch = (
-        Segment.attach(counts_name),
-        CounterBlock.attach(marks_name),
-        Doorbell.attach(watch_name),
-    )
-    try:
-        counts = counts_seg.u64(0, counts_seg.size // 8)
-        progress, first = marks[0], marks[1]
-        progress.claim(notify=[watch])
-        first.claim()
-        reader = RingReader(ring, bell=bell, space=space)
-        seen_first = False
-        while True:
-            frame = reader.recv(timeout=30)
-            if not seen_first:
-                first.advance(frame.seq)
-                seen_first = True
-            if frame.kind == STOP:
+    with ring_ends(ring_name, bell_name, space_name) as (ring, bell, space):
+        counts_seg = Segment.attach(counts_name)
+        marks, watch = CounterBlock.attach(marks_name), Doorbell.attach(watch_name)
+        try:
+            counts = counts_seg.u64(0, counts_seg.size // 8)
+            progress, first = marks[0], marks[1]
+            progress.claim(notify=[watch])
+            first.claim()
+            reader = RingReader(ring, bell=bell, space=space)
+            seen_first = False
+            while True:
+                frame = reader.recv(timeout=30)
+                if not seen_first:
+                    first.advance(frame.seq)
+                    seen_first = True
+                if frame.kind == STOP:
+                    reader.commit(frame)
+                    return
+                counts[frame.seq] += 1  # the work: done before the commit, so a crash redoes it
                 reader.commit(frame)
-                return
-            counts[frame.seq] += 1  # the work: done before the commit, so a crash redoes it
-            reader.commit(frame)
-            progress.advance(frame.seq)
-    finally:
-        for obj in (ring, bell, space, counts_seg, marks, watch):
-            obj.close()
+                progress.advance(frame.seq)
+        finally:
+            for obj in (counts_seg, marks, watch):
+                obj.close()
 
 
 def slow_consumer(ring_name: str, bell_name: str, space_name: str, count: int, work_s: float):
     """Take ``count`` frames, each after ``work_s`` of simulated work; exit 1 on any disorder."""
-    ring, bell, space = (
-        Ring.attach(ring_name),
-        Doorbell.attach(bell_name),
-        Doorbell.attach(space_name),
-    )
-    try:
+    with ring_ends(ring_name, bell_name, space_name) as (ring, bell, space):
         reader = RingReader(ring, bell=bell, space=space)
         for i in range(count):
             frame = reader.get(timeout=30)
             if frame.payload != i.to_bytes(4, "little") * 8:
                 sys.exit(1)
             time.sleep(work_s)  # simulated per-frame work, not a wait for anything
-    finally:
-        for obj in (ring, bell, space):
-            obj.close()
 
 
 def attach_and_exit(ring_name: str, bell_name: str, space_name: str, role: str):
     """Open one end of a ring, publish one frame if producer, then exit (a peer that dies)."""
-    ring, bell, space = (
-        Ring.attach(ring_name),
-        Doorbell.attach(bell_name),
-        Doorbell.attach(space_name),
-    )
-    try:
+    with ring_ends(ring_name, bell_name, space_name) as (ring, bell, space):
         if role == "producer":
             RingWriter(ring, wake=bell, space=space).put(1, b"last words", timeout=5)
         else:
             RingReader(ring, bell=bell, space=space)
-    finally:
-        for obj in (ring, bell, space):
-            obj.close()
 
 
 def counter_writer(marks_name: str, watch_name: str, count: int):

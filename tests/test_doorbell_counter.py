@@ -37,6 +37,15 @@ def test_a_watermark_only_moves_forward(block):
     assert [marks[i].value() for i in range(4)] == [5, 0, 0, 0]
 
 
+def test_a_counter_keeps_the_doorbells_its_writer_claimed_with(block):
+    # claim() through one index expression and advance() through another must ring the
+    # same bells: a fresh wrapper per index would drop the list and lose every wake-up.
+    marks, bell = block
+    marks[2].claim(notify=[bell])
+    assert marks[2] is marks[2]
+    assert marks[2].notify == (bell,)
+
+
 def test_waiting_for_a_value_already_reached_returns_at_once(block):
     marks, bell = block
     marks[1].advance(3)

@@ -35,6 +35,12 @@ def frame_bytes(n: int) -> int:
     return FRAME.size + (n + 7) // 8 * 8
 
 
+def needed_bytes(p, n: int) -> int:
+    """Room a put of ``n`` bytes needs now: its frame, plus the tail skipped if it wraps."""
+    rem = p.ring.capacity - p.ring.words[8] % p.ring.capacity
+    return frame_bytes(n) if frame_bytes(n) <= rem else rem + frame_bytes(n)
+
+
 def test_a_frame_round_trips_with_its_kind_and_sequence_number():
     with ring_pair() as p:
         assert p.writer.put(7, b"hello", timeout=1) == 1
@@ -199,7 +205,7 @@ def test_any_interleaving_of_puts_and_gets_delivers_every_frame_once_in_order(op
                 try:
                     p.writer.put(sent % 7, payload, timeout=0)
                 except RingFull:
-                    assert p.writer.free_bytes() < p.writer._needed(frame_bytes(len(payload)))
+                    assert p.writer.free_bytes() < needed_bytes(p, len(payload))
                     continue
                 model.append(payload)
                 sent += 1
@@ -236,16 +242,20 @@ def test_a_ring_capacity_must_be_a_multiple_of_8(run_id):
         Ring.create(names.posix_name(run_id, "r"), 1001)
 
 
-def test_bells_and_rings_can_be_attached_by_name_in_another_endpoint(run_id):
+def test_a_consumer_that_attaches_by_name_reads_what_the_producer_published(run_id):
     with ring_pair(run_id=run_id) as p:
+        p.writer.put(3, b"by name", timeout=0)
+        p.reader.close()  # hand the consumer end over
         ring = Ring.attach(p.ring.name)
         bell = Doorbell.attach(p.consumer_bell.name)
+        space = Doorbell.attach(p.producer_bell.name)
         try:
-            p.writer.put(3, b"by name", timeout=0)
-            assert ring.used_bytes() == frame_bytes(7)
+            reader = RingReader(ring, bell=bell, space=space)
+            assert reader.get(timeout=1) == (3, 1, b"by name", frame_bytes(7))
+            assert p.ring.used_bytes() == 0
         finally:
-            ring.close()
-            bell.close()
+            for obj in (ring, bell, space):
+                obj.close()
 
 
 def test_commits_do_not_wake_a_producer_that_sleeps_for_another_reason(run_id):

@@ -174,21 +174,16 @@ def test_a_consumer_killed_mid_stream_is_resumed_exactly_at_the_committed_tail(r
                 obj.unlink()
 
 
+def peer_that_exits(p, role: str) -> None:
+    """Hand ``role``'s end of the pair's ring to a child that opens it and exits."""
+    (p.writer if role == "producer" else p.reader).close()
+    names_ = (p.ring.name, p.consumer_bell.name, p.producer_bell.name)
+    assert finish(start(peers.attach_and_exit, *names_, role)) == 0
+
+
 def test_a_consumer_waiting_on_a_dead_producer_gets_actor_dead_not_a_hang():
     with ring_pair() as p:
-        p.writer.close()
-        assert (
-            finish(
-                start(
-                    peers.attach_and_exit,
-                    p.ring.name,
-                    p.consumer_bell.name,
-                    p.producer_bell.name,
-                    "producer",
-                )
-            )
-            == 0
-        )
+        peer_that_exits(p, "producer")
         assert p.reader.get(timeout=1).payload == b"last words"
         with pytest.raises(ActorDead, match="producer pid"):
             p.reader.get(timeout=0.05)
@@ -196,19 +191,7 @@ def test_a_consumer_waiting_on_a_dead_producer_gets_actor_dead_not_a_hang():
 
 def test_a_producer_facing_a_full_ring_and_a_dead_consumer_gets_actor_dead():
     with ring_pair(capacity=256) as p:
-        p.reader.close()
-        assert (
-            finish(
-                start(
-                    peers.attach_and_exit,
-                    p.ring.name,
-                    p.consumer_bell.name,
-                    p.producer_bell.name,
-                    "consumer",
-                )
-            )
-            == 0
-        )
+        peer_that_exits(p, "consumer")
         with pytest.raises(ActorDead, match="consumer pid"):
             for _ in range(100):
                 p.writer.put(1, bytes(64), timeout=0.05)
