@@ -319,6 +319,16 @@ class Registry:
             raise ProtocolError(f"{self.name}: unknown tag {tag}", tag=tag)
         return entry.cls
 
+    def tag_of(self, cls: type) -> int:
+        """The wire tag ``cls`` is registered under; KeyError if it is not registered here."""
+        entry = self._by_cls.get(cls)
+        if entry is None:
+            raise KeyError(f"{self.name}: {cls.__name__} is not a registered message")
+        return entry.tag
+
+    def __contains__(self, cls: object) -> bool:
+        return cls in self._by_cls
+
     def __iter__(self) -> Iterator[type]:
         """The registered classes, in registration order."""
         return iter([entry.cls for entry in self._by_tag.values()])

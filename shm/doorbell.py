@@ -166,6 +166,10 @@ class Doorbell:
             except posix_ipc.BusyError:
                 word[_SLEEPING] = 0
                 return ready()
+            except posix_ipc.SignalError:
+                # A signal handler ran (sem_wait is never restarted): its effect may be
+                # what ``ready`` looks for, so re-check like any other wake-up.
+                pass
             word[_SLEEPING] = 0
             if ready():
                 return True

@@ -58,3 +58,11 @@ class NameMissing(RingfenceError, FileNotFoundError):
 
 class SegmentLayoutError(RingfenceError, ValueError):
     """An attached segment does not hold the layout its opener expected."""
+
+
+class ConfigError(RingfenceError, ValueError):
+    """A configuration key is unknown, mistyped or out of range. ``key`` is its dotted name."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key

@@ -337,6 +337,11 @@ class RingReader:
             raise RingEmpty(f"ring {self.ring.name}: no frame within {timeout}s")
         return self._read(self._words[_HEAD])
 
+    def poll(self) -> Frame | None:
+        """The next frame after the read cursor if one is published, else None; never waits."""
+        head = self._words[_HEAD]
+        return self._read(head) if head > self._pos else None
+
     def _read(self, head: int) -> Frame:
         """Parse the frame at the read cursor (``head`` already loaded) and move past it."""
         pos, data, cap = self._pos, self._data, self._cap
