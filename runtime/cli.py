@@ -1,4 +1,4 @@
-"""The ``ringfence`` command: ``bench NAME`` and ``clean``."""
+"""The ``ringfence`` command: ``launch``, ``bench NAME`` and ``clean``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
         p = benches.add_parser(name, help=f"benchmark: {name}")
         p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
         _bench_module(name).add_arguments(p)
+
+    launch = sub.add_parser("launch", help="start a run: create its names, spawn and watch actors")
+    launch.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
+    launch.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="override one config key, e.g. runtime.log_level=trace (repeatable)",
+    )
+    launch.add_argument(
+        "--run-dir",
+        type=Path,
+        metavar="DIR",
+        help="the run dir (default: runtime.run_dir/<run id>)",
+    )
 
     clean = sub.add_parser("clean", help="remove the shared-memory names of dead runs")
     target = clean.add_mutually_exclusive_group(required=True)
@@ -87,11 +104,27 @@ def _clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from ringfence.runtime.config import load_config
+    from ringfence.runtime.supervisor import Supervisor
+
+    supervisor = Supervisor(load_config(args.config, args.overrides), args.run_dir)
+    print(f"ringfence launch: run {supervisor.run_id} in {supervisor.run_dir}", flush=True)
+    code = supervisor.run()
+    print(
+        f"ringfence launch: run {supervisor.run_id} ended ({supervisor.stop_reason}), "
+        f"exit status {code}"
+    )
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":
             return _bench_module(args.bench).main(args)
+        if args.command == "launch":
+            return _launch(args)
         return _clean(args)
     except ValueError as e:
         print(f"ringfence {args.command}: {e}", file=sys.stderr)

@@ -1,0 +1,189 @@
+"""The Actor base class: a handler table checked at class creation, lifecycle hooks, services.
+
+An actor is a class with one method per message type it accepts::
+
+    class Relay(Actor):
+        config_section = "demo"          # ctx.config is the [demo] section
+        tick_s = 1.0                     # a Tick message every second
+
+        @handles(Item)
+        def on_item(self, msg: Item) -> None:
+            self.send("sink", msg)
+
+The table from message type to method name is built when the class is created,
+so a method that takes the wrong arguments, a non-message type, or two methods for
+one type in the same class are a ``TypeError`` at import, not at the first message.
+A subclass overrides a handler by handling the same type again, or by redefining
+the method under the same name. A :class:`~ringfence.runtime.driver.Driver` runs
+the actor: it calls ``on_start``, hands it one message at a time in its own thread,
+and calls ``on_stop`` at the end; ``on_failure`` hears of every handler that
+raised (the driver logs it and answers the sender first). An actor that wants a
+failure to be fatal re-raises in ``on_failure``: the driver then stops with an
+error and the supervisor applies the restart policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+from ringfence.runtime.messages import Failed, Stop
+
+if TYPE_CHECKING:
+    from ringfence.runtime.config import RuntimeConfig
+    from ringfence.runtime.log import ActorLog
+    from ringfence.runtime.mailbox import Delivery
+    from ringfence.shm.counter import CounterBlock
+
+F = TypeVar("F", bound=Callable[..., None])
+_MARK = "__ringfence_handles__"
+
+
+def handles(*types: type) -> Callable[[F], F]:
+    """Mark a method as the handler of the given message types."""
+    if not types:
+        raise TypeError("@handles needs at least one message type")
+
+    def mark(fn: F) -> F:
+        setattr(fn, _MARK, getattr(fn, _MARK, ()) + types)
+        return fn
+
+    return mark
+
+
+class Services(Protocol):
+    """What the driver offers an actor; reached through :class:`Actor` methods."""
+
+    def send(self, to: str, msg: object, timeout: float | None) -> int: ...
+    def schedule(self, delay_s: float, msg: object) -> None: ...
+    def stop(self, reason: str) -> None: ...
+    def request_shutdown(self, reason: str) -> None: ...
+    @property
+    def current(self) -> Delivery | None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActorContext:
+    """Everything an actor instance knows about where it runs. Built by the driver."""
+
+    name: str  # role name, e.g. "relay"
+    rank: int
+    run_id: str  # "" for an actor that runs outside any launched run (local tests)
+    run_dir: Path | None
+    placement: str  # "spawn", "external" (attached by a host process) or "local"
+    incarnation: int  # 1 for the first start of this instance, +1 per restart or re-attach
+    epoch: int  # the run epoch when this incarnation started (bumped on every restart)
+    config: object | None  # the actor's own config section (Actor.config_section), or None
+    runtime: RuntimeConfig
+    log: ActorLog
+    counters: Mapping[str, CounterBlock]  # the topology's counter blocks, by name
+    services: Services
+
+    @property
+    def instance(self) -> str:
+        return f"{self.name}-{self.rank}"
+
+
+def _check_handler(owner: type, attr: str, fn: Callable[..., None], msg_type: type) -> None:
+    where = f"{owner.__qualname__}.{attr}"
+    if not (isinstance(msg_type, type) and dataclasses.is_dataclass(msg_type)):
+        raise TypeError(f"{where}: @handles({msg_type!r}): not a message dataclass")
+    params = list(inspect.signature(fn).parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) != 2 or any(p.kind not in positional for p in params):
+        raise TypeError(f"{where}: a handler takes (self, msg), got {inspect.signature(fn)}")
+
+
+def _build_table(cls: type) -> dict[type, str]:
+    """Message type -> method name, from the bases down; a class may not handle a type twice."""
+    table: dict[type, str] = {}
+    for klass in reversed(cls.__mro__):
+        own: dict[type, str] = {}
+        for attr, fn in vars(klass).items():
+            for msg_type in getattr(fn, _MARK, ()):
+                _check_handler(klass, attr, fn, msg_type)
+                if msg_type in own:
+                    raise TypeError(
+                        f"{klass.__qualname__}: {msg_type.__name__} is handled by both "
+                        f"{own[msg_type]} and {attr}"
+                    )
+                own[msg_type] = attr
+        table.update(own)
+    return table
+
+
+class Actor:
+    """Base of every actor. Subclasses add ``@handles`` methods and may override the hooks.
+
+    All methods run in the driver's thread, one at a time; an actor needs no locks.
+    """
+
+    config_section: ClassVar[str | None] = None  # TOML section handed over as ctx.config
+    tick_s: ClassVar[float | None] = None  # period of Tick messages; None: no ticks
+    handlers: ClassVar[Mapping[type, str]]  # message type -> method name, built per class
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.tick_s is not None and not cls.tick_s > 0:
+            raise TypeError(f"{cls.__qualname__}.tick_s must be > 0 or None")
+        cls.handlers = _build_table(cls)
+
+    def __init__(self, ctx: ActorContext) -> None:
+        self.ctx = ctx
+        self.log = ctx.log
+
+    # Hooks.
+
+    def on_start(self) -> None:
+        """Before the first message. Raising here fails the start (exit code 1)."""
+
+    def on_stop(self) -> None:
+        """After the last message, before the mailbox closes."""
+
+    def on_failure(self, error: Exception, delivery: Delivery) -> None:
+        """A handler raised ``error``; it was logged and answered. Re-raise to die instead."""
+
+    # Services.
+
+    def send(self, to: str, msg: object, *, timeout: float | None = None) -> int:
+        """Send to instance ``to`` ("sink-0"), or to actor ``to`` when that is unambiguous.
+
+        Blocks while the ring is full, up to ``timeout`` (default: half the heartbeat
+        timeout). Returns the transport seq. RingFull or ActorDead at the deadline.
+        """
+        return self.ctx.services.send(to, msg, timeout)
+
+    def schedule(self, delay_s: float, msg: object) -> None:
+        """Hand ``msg`` to this actor's own handler after ``delay_s`` (a timer is a message)."""
+        self.ctx.services.schedule(delay_s, msg)
+
+    def stop(self, reason: str) -> None:
+        """Stop this instance after the current message (the run goes on)."""
+        self.ctx.services.stop(reason)
+
+    def request_shutdown(self, reason: str) -> None:
+        """Ask the supervisor to stop the whole run in order (e.g. the workload is done)."""
+        self.ctx.services.request_shutdown(reason)
+
+    @handles(Stop)
+    def handle_stop(self, msg: Stop) -> None:
+        self.stop(msg.reason)
+
+    @handles(Failed)
+    def handle_failed(self, msg: Failed) -> None:
+        sender = self.ctx.services.current
+        self.log.warning(
+            "msg.refused",
+            peer=sender.peer if sender else None,
+            seq=msg.seq,
+            type=msg.type,
+            error=msg.error,
+            message=msg.message,
+        )
+
+
+Actor.handlers = _build_table(Actor)

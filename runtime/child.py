@@ -1,0 +1,40 @@
+"""The body of a process the supervisor spawns: attach one instance, run it, exit with its status.
+
+Exit status: 0 when the instance stopped as asked (or found the supervisor gone),
+1 when it failed (the error is in its log). SIGINT is ignored, because a Ctrl-C at
+the terminal reaches the whole process group and the supervisor alone decides the
+order of the shutdown; SIGTERM keeps its default (the process ends at once, which
+the supervisor treats as a failure).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    run_dir: str
+    name: str
+    rank: int
+    incarnation: int
+
+
+def main(spec: ChildSpec) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from ringfence.runtime.embed import attach
+
+    try:
+        driver = attach(
+            spec.run_dir, spec.name, spec.rank, placement="spawn", incarnation=spec.incarnation
+        )
+    except Exception as e:
+        print(f"ringfence: {spec.name}-{spec.rank} could not attach: {e}", file=sys.stderr)
+        sys.exit(1)
+    try:
+        driver.run()
+    except Exception:
+        sys.exit(1)  # logged by the driver, with its traceback
+    sys.exit(0)

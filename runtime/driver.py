@@ -1,0 +1,395 @@
+"""The Driver: runs one actor instance: its message loop, timers, heartbeat and lifecycle.
+
+The loop, in the thread that calls :meth:`Driver.run` (or :meth:`Driver.poll`)::
+
+    on_start; mark ready
+    until stopped:
+        for each inbox (the supervisor's control inbox first), up to BATCH messages:
+            read -> handler -> commit          (commit only after the handler returned)
+        fire due timers (Tick, schedule())
+        every heartbeat_s: advance the heartbeat, check the supervisor is alive
+        nothing to do: sleep on the mailbox until a message, the next timer or beat
+    on_stop; mark exited; close the mailbox
+
+This is the only place with a catch-all ``except``: a handler that raises is
+logged (``msg.failed``), answered with :class:`~ringfence.runtime.messages.Failed`
+when the sender expects a reply (its class sets ``expects_reply = True``) or the
+frame could not be decoded at all, and reported to ``on_failure``; the actor lives
+on. What escapes ``on_failure`` or ``on_start``, and a corrupt ring, end the
+instance with an error (the supervisor then applies the restart policy).
+
+Delivery is at least once: a message whose handler was cut short by a crash is
+handed to the restarted instance again, so handlers are made idempotent with the
+sequence numbers their messages carry.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ringfence.runtime.actor import Actor, ActorContext
+from ringfence.runtime.mailbox import Delivery, Mailbox, Outbox
+from ringfence.runtime.messages import Failed, Tick
+from ringfence.shm.errors import ProtocolError, RingfenceError
+
+if TYPE_CHECKING:
+    from ringfence.runtime.config import RuntimeConfig
+    from ringfence.runtime.control import InstanceControl
+    from ringfence.runtime.log import ActorLog
+    from ringfence.shm.counter import CounterBlock
+    from ringfence.shm.liveness import ProcessStamp
+
+BATCH = 64  # messages taken from one inbox before looking at the others
+REPLY_TIMEOUT_S = 1.0  # how long an error reply may wait for room
+
+
+class Driver:
+    """Runs one actor. Use from one thread: ``run()``, or ``poll()`` from a host loop, or
+    ``start_thread()``; ``stop()`` may be called from any thread.
+
+    The driver owns the mailbox and (when ``owns_log``) the log, and closes both when
+    the actor stops. It installs no signal handlers and never exits the process.
+    """
+
+    def __init__(
+        self,
+        actor_cls: type[Actor],
+        *,
+        name: str,
+        rank: int,
+        mailbox: Mailbox,
+        runtime: RuntimeConfig,
+        log: ActorLog,
+        config: object | None = None,
+        run_id: str = "",
+        run_dir: Path | None = None,
+        placement: str = "local",
+        incarnation: int = 1,
+        counters: Mapping[str, CounterBlock] | None = None,
+        control: InstanceControl | None = None,
+        supervisor: ProcessStamp | None = None,
+        owns_log: bool = True,
+    ) -> None:
+        self.mailbox = mailbox
+        self.runtime = runtime
+        self.log = log
+        self._control = control
+        self._supervisor = supervisor
+        self._owns_log = owns_log
+        self._incarnation = incarnation
+        self._send_timeout = runtime.heartbeat_timeout_s / 2
+        self.ctx = ActorContext(
+            name=name,
+            rank=rank,
+            run_id=run_id,
+            run_dir=run_dir,
+            placement=placement,
+            incarnation=incarnation,
+            epoch=control.epoch.value() if control else 0,
+            config=config,
+            runtime=runtime,
+            log=log,
+            counters=counters or {},
+            services=self,
+        )
+        self.actor = actor_cls(self.ctx)
+        self._table = {t: getattr(self.actor, m) for t, m in actor_cls.handlers.items()}
+        self._timers: list[tuple[float, int, object]] = []
+        self._timer_ids = itertools.count()
+        self._ticks = 0
+        self._beats = 0
+        self._next_beat = 0.0
+        self._current: Delivery | None = None
+        self._routes: dict[str, Outbox] = {}
+        self.handled = 0  # messages handed to a handler (failed ones included)
+        self.failures = 0  # handlers that raised, and frames that could not be decoded
+        self.started = False
+        self.stop_reason: str | None = None
+        self.closed = False
+        self.error: BaseException | None = None  # what ended the instance, if anything did
+        self._thread: threading.Thread | None = None
+
+    # Services offered to the actor (see actor.Services).
+
+    @property
+    def current(self) -> Delivery | None:
+        return self._current
+
+    def _route(self, to: str) -> Outbox:
+        outbox = self._routes.get(to)
+        if outbox is not None:
+            return outbox
+        outboxes = self.mailbox.outboxes
+        same_rank = f"{to}-{self.ctx.rank}"
+        named = [peer for peer in outboxes if peer.rsplit("-", 1)[0] == to]
+        if to in outboxes:
+            outbox = outboxes[to]
+        elif same_rank in outboxes:
+            outbox = outboxes[same_rank]
+        elif len(named) == 1:
+            outbox = outboxes[named[0]]
+        else:
+            raise KeyError(f"{self.ctx.instance} has no single outbox to {to!r}: {list(outboxes)}")
+        self._routes[to] = outbox
+        return outbox
+
+    def send(self, to: str, msg: object, timeout: float | None) -> int:
+        outbox = self._route(to)
+        seq = outbox.send(msg, self._send_timeout if timeout is None else timeout)
+        if self.log.tracing:
+            self.log.trace("msg.send", peer=outbox.peer, seq=seq, type=type(msg).__name__)
+        return seq
+
+    def schedule(self, delay_s: float, msg: object) -> None:
+        if type(msg) not in self._table:
+            raise ProtocolError(f"{self.ctx.instance}: no handler for {type(msg).__name__}")
+        heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_ids), msg))
+
+    def stop(self, reason: str) -> None:
+        """Stop after the current message (any thread). The first reason given is kept."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self.mailbox.wake()
+
+    def request_shutdown(self, reason: str) -> None:
+        self.log.info("run.shutdown_requested", reason=reason)
+        if self._control is None:
+            self.stop(reason)
+            return
+        shutdown = self._control.shutdown
+        shutdown.advance(shutdown.value() + 1)
+
+    # Lifecycle.
+
+    def start(self) -> None:
+        """Run ``on_start`` and report ready. Called by run()/poll() if not called before."""
+        if self.started:
+            return
+        self.started = True
+        cls = type(self.actor)
+        self.log.info(
+            "actor.start",
+            incarnation=self._incarnation,
+            placement=self.ctx.placement,
+            target=f"{cls.__module__}:{cls.__qualname__}",
+            inboxes=[inbox.peer for inbox in self.mailbox.inboxes],
+            outboxes=list(self.mailbox.outboxes),
+        )
+        try:
+            self.actor.on_start()
+        except BaseException as e:
+            self._fail("on_start", e)
+            raise
+        if cls.tick_s is not None:
+            self.schedule(cls.tick_s, Tick(n=0, late_s=0.0))
+        if self._control is not None:
+            self._control.ready.advance(self._incarnation)
+        self._next_beat = time.monotonic()
+
+    def run(self) -> str:
+        """Start, then handle messages until stopped; close; return the stop reason.
+
+        Raises what ended the instance abnormally (after logging it and closing).
+        """
+        try:
+            self.start()
+            while self.stop_reason is None:
+                self.poll(self.runtime.heartbeat_s)
+        finally:
+            self.close()
+        assert self.stop_reason is not None
+        return self.stop_reason
+
+    def poll(self, timeout: float) -> int:
+        """Handle what is there (waiting up to ``timeout`` for something); return how many.
+
+        For a host's own loop. Starts the actor on the first call; once stopped, closes
+        it and returns 0 (check :attr:`stop_reason`).
+        """
+        if self.closed:
+            return 0
+        try:
+            self.start()
+            handled = self._turn(timeout)
+        except BaseException as e:
+            self._fail("loop", e)
+            self.close()
+            raise
+        if self.stop_reason is not None:
+            self.close()
+        return handled
+
+    def start_thread(self) -> threading.Thread:
+        """Run the actor in a daemon thread of this process; ``stop()`` then ``join()`` it."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.ctx.instance} already runs in {self._thread.name}")
+
+        def body() -> None:
+            try:
+                self.run()
+            except BaseException:  # already logged and kept in self.error
+                return
+
+        self._thread = threading.Thread(target=body, name=f"ringfence-{self.ctx.instance}")
+        self._thread.daemon = True
+        self._thread.start()
+        return self._thread
+
+    def join(self, timeout: float) -> bool:
+        """Wait for the thread of start_thread() to end; True if it did."""
+        if self._thread is None:
+            return self.closed
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def close(self) -> None:
+        """Run ``on_stop`` (if started), report exited, close the mailbox. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.stop_reason is None:
+            self.stop_reason = "closed" if self.error is None else "failed"
+        try:
+            if self.started and self.error is None:
+                self.actor.on_stop()
+        except Exception as e:
+            self._fail("on_stop", e)
+        finally:
+            self.log.info(
+                "actor.stop",
+                reason=self.stop_reason,
+                handled=self.handled,
+                failures=self.failures,
+                error=None if self.error is None else repr(self.error),
+            )
+            if self._control is not None and self.error is None:
+                self._control.exited.advance(self._incarnation)
+            self.mailbox.close()
+            if self._owns_log:
+                self.log.close()
+
+    # The loop.
+
+    def _turn(self, timeout: float) -> int:
+        handled = self._drain()
+        now = time.monotonic()
+        if self._timers and self._timers[0][0] <= now:
+            handled += self._fire_timers(now)
+        if now >= self._next_beat:
+            self._beat(now)
+        if handled or self.stop_reason is not None:
+            return handled
+        wake_at = min(self._next_beat, now + timeout)
+        if self._timers:
+            wake_at = min(wake_at, self._timers[0][0])
+        if wake_at > now:
+            self.mailbox.wait(wake_at - now)
+        return 0
+
+    def _drain(self) -> int:
+        handled = 0
+        for inbox in self.mailbox.inboxes:
+            for _ in range(BATCH):
+                delivery = inbox.read()
+                if delivery is None:
+                    break
+                self._dispatch(delivery)
+                inbox.commit()  # after the handler: a crash before here redoes the message
+                handled += 1
+                if self.stop_reason is not None:
+                    return handled
+        return handled
+
+    def _dispatch(self, delivery: Delivery) -> None:
+        self.handled += 1
+        msg = delivery.msg
+        if msg is None:
+            assert delivery.error is not None
+            self._failed(delivery, delivery.error)
+            return
+        if self.log.tracing:
+            self.log.trace(
+                "msg.recv", peer=delivery.peer, seq=delivery.seq, type=type(msg).__name__
+            )
+        self._current = delivery
+        try:
+            handler = self._table.get(type(msg))
+            if handler is None:
+                raise ProtocolError(f"{self.ctx.instance}: no handler for {type(msg).__name__}")
+            handler(msg)
+        except Exception as e:  # the one catch-all: a failed handler becomes a reply and a log
+            self._failed(delivery, e)
+        finally:
+            self._current = None
+
+    def _failed(self, delivery: Delivery, error: Exception) -> None:
+        self.failures += 1
+        msg = delivery.msg
+        type_name = type(msg).__name__ if msg is not None else _undecoded(error)
+        replied = False
+        wants_reply = msg is None or getattr(type(msg), "expects_reply", False)
+        outbox = self.mailbox.outboxes.get(delivery.peer)
+        if wants_reply and outbox is not None and not isinstance(msg, Failed):
+            reply = Failed(
+                seq=delivery.seq, type=type_name, error=type(error).__name__, message=str(error)
+            )
+            try:
+                outbox.send(reply, REPLY_TIMEOUT_S)
+                replied = True
+            except RingfenceError as e:
+                self.log.warning(
+                    "msg.reply_lost", peer=delivery.peer, seq=delivery.seq, error=repr(e)
+                )
+        self.log.error(
+            "msg.failed",
+            peer=delivery.peer,
+            seq=delivery.seq,
+            type=type_name,
+            error=type(error).__name__,
+            message=str(error),
+            replied=replied,
+            exc_info=error if msg is not None else None,
+        )
+        self.actor.on_failure(error, delivery)
+
+    def _fire_timers(self, now: float) -> int:
+        fired = 0
+        tick_s = type(self.actor).tick_s
+        while self._timers and self._timers[0][0] <= now and self.stop_reason is None:
+            due, _, msg = heapq.heappop(self._timers)
+            if isinstance(msg, Tick):
+                assert tick_s is not None
+                self._ticks += 1
+                msg = Tick(n=self._ticks, late_s=now - due)
+                following = due + tick_s if due + tick_s > now else now + tick_s  # skip missed
+                heapq.heappush(self._timers, (following, next(self._timer_ids), msg))
+            self._dispatch(Delivery(self.ctx.instance, 0, msg, None))
+            fired += 1
+        return fired
+
+    def _beat(self, now: float) -> None:
+        self._beats += 1
+        self._next_beat = now + self.runtime.heartbeat_s
+        if self._control is not None:
+            self._control.heartbeat.advance(self._beats)
+        if self._supervisor is not None and not self._supervisor.is_alive():
+            self.log.warning("supervisor.lost", supervisor_pid=self._supervisor.pid)
+            self.stop("supervisor lost")
+
+    def _fail(self, where: str, error: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = error
+        exc: Any = error if isinstance(error, Exception) else None
+        self.log.error("actor.failed", where=where, error=repr(error), exc_info=exc)
+
+
+def _undecoded(error: Exception) -> str:
+    tag = getattr(error, "tag", None)
+    return f"tag {tag}" if tag is not None else "undecodable"

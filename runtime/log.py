@@ -1,0 +1,128 @@
+"""Structured logs: one JSON-lines file per actor instance, written through structlog.
+
+Every line is one orjson-rendered object whose first keys are always::
+
+    ts        wall-clock time, seconds since the epoch (float)
+    mono_ns   time.monotonic_ns() of the writing process (merge key within one machine)
+    level     "info", "trace", "warning" or "error"
+    actor     the actor's name ("supervisor" for the supervisor)
+    rank      its rank
+    pid       the writing process
+    epoch     the run epoch the instance started in (see supervisor.py)
+    event     the event name, ``noun.verb``; every name and its fields are in events.py
+
+followed by the event's own fields. Lines are appended with one ``write`` each on
+an ``O_APPEND`` descriptor, so a process killed mid-run leaves only whole lines, and
+a restarted instance appends to the same file.
+
+Cost: the structlog chain (a bound logger, two processors, orjson) is built once
+per instance, never per call, and no structlog global configuration is touched, so
+an actor embedded in a host process leaves the host's own structlog setup alone.
+At level ``info`` the ``trace`` method is structlog's no-op; hot paths test
+:attr:`ActorLog.tracing` first so they do not even build the keyword arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
+
+LEVELS: Final = {"info": logging.INFO, "trace": logging.DEBUG}
+# structlog method name -> the level written in the line ("debug" is our trace level).
+_LEVEL_NAMES: Final = {"debug": "trace", "info": "info", "warning": "warning", "error": "error"}
+
+
+class _LineWriter:
+    """The wrapped logger structlog writes rendered lines to: one ``os.write`` per line."""
+
+    __slots__ = ("_fd",)
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def msg(self, line: bytes) -> None:
+        if self._fd is not None:
+            os.write(self._fd, line + b"\n")
+
+    debug = info = warning = error = msg
+
+
+def _stamp(_logger: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
+    """Put the timestamps and level first, then the bound context, event and fields."""
+    return {
+        "ts": time.time(),
+        "mono_ns": time.monotonic_ns(),
+        "level": _LEVEL_NAMES.get(method, method),
+        **event_dict,
+    }
+
+
+_PROCESSORS: Final[list[Processor]] = [
+    _stamp,
+    structlog.processors.format_exc_info,
+    structlog.processors.JSONRenderer(serializer=orjson.dumps),
+]
+
+
+class ActorLog:
+    """The pre-bound logger of one actor instance (or the supervisor).
+
+    ``info``/``warning``/``error``/``trace`` take ``(event, **fields)``. Safe to use
+    from several threads of one process: the bound context is immutable and each
+    line is one ``write``. ``close`` releases the file; logging after it is dropped.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        *,
+        actor: str,
+        rank: int,
+        epoch: int,
+        level: str = "info",
+    ) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"runtime.log_level must be one of {sorted(LEVELS)}, got {level!r}")
+        self.level = level
+        self.tracing = level == "trace"  # hot paths check this before building fields
+        self.path = Path(path) if path is not None else None
+        fd = None
+        if self.path is not None:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._writer = _LineWriter(fd)
+        wrapper = structlog.make_filtering_bound_logger(LEVELS[level])
+        logger: Any = structlog.wrap_logger(
+            self._writer, processors=_PROCESSORS, wrapper_class=wrapper, context_class=dict
+        )
+        self._logger = logger.bind(actor=actor, rank=rank, pid=os.getpid(), epoch=epoch)
+        self._bind_methods()
+
+    def _bind_methods(self) -> None:
+        bound = self._logger
+        self.info = bound.info
+        self.warning = bound.warning
+        self.error = bound.error
+        self.trace = bound.debug
+
+    def rebind(self, **context: Any) -> None:
+        """Replace bound context fields (e.g. ``epoch`` after a cache reset) for later lines."""
+        self._logger = self._logger.bind(**context)
+        self._bind_methods()
+
+    def close(self) -> None:
+        """Close the file. Idempotent; later calls write nothing."""
+        fd, self._writer._fd = self._writer._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def log_path(run_dir: str | os.PathLike[str], actor: str, rank: int) -> Path:
+    """``<run dir>/<actor>-<rank>.jsonl``."""
+    return Path(run_dir) / f"{actor}-{rank}.jsonl"

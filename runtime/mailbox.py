@@ -1,0 +1,240 @@
+"""Mailboxes: an actor's inboxes and outboxes behind one interface, shared-memory or in-process.
+
+A :class:`Mailbox` holds the inboxes an actor reads, the outboxes it writes, and
+one *waiter* it sleeps on until any inbox has something. Two kinds of inbox
+exist and may be mixed in one mailbox:
+
+- :class:`RingInbox` / :class:`RingOutbox`: a shared-memory ring from or to another
+  process. The waiter is then the actor's :class:`~ringfence.shm.doorbell.Doorbell`.
+- :class:`LocalInbox` / :class:`LocalOutbox`: a deque in this process, posted to by
+  other threads (tests, or a host process driving an embedded actor). Posting
+  rings the mailbox's waiter, so a local post wakes an actor asleep on its
+  doorbell exactly like a ring frame does.
+
+Consumption is durable where the inbox is: ``read`` hands out the next message and
+``commit`` releases everything read so far. The run loop commits after the handler
+returned, so a ring frame whose handler was interrupted by a crash is read again by
+the restarted actor. Local inboxes hold nothing across a crash of their process.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, Protocol
+
+from ringfence.runtime.codec import Registry
+from ringfence.runtime.messages import RESERVED_TAG, RUNTIME
+from ringfence.shm.errors import ProtocolError
+from ringfence.shm.ring import RingReader, RingWriter
+
+
+class Delivery(NamedTuple):
+    """One message handed to the run loop."""
+
+    peer: str  # the sending instance, e.g. "source-0", "supervisor-0", or a local name
+    seq: int  # its transport seq on this inbox (1, 2, ...)
+    msg: object | None  # the decoded message, or None if it could not be decoded
+    error: ProtocolError | None  # why it could not be decoded
+
+
+class Waiter(Protocol):
+    """What a mailbox sleeps on. A Doorbell is one; :class:`ConditionWaiter` is the other."""
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float) -> bool: ...
+    def ring(self) -> None: ...
+
+
+class Inbox(Protocol):
+    peer: str
+
+    def pending(self) -> bool: ...
+    def read(self) -> Delivery | None: ...
+    def commit(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Outbox(Protocol):
+    peer: str
+
+    def send(self, msg: object, timeout: float) -> int: ...
+    def close(self) -> None: ...
+
+
+def _encode(registry: Registry, msg: object) -> tuple[int, bytes]:
+    return (RUNTIME if type(msg) in RUNTIME else registry).encode(msg)
+
+
+class RingInbox:
+    """Frames from a shared-memory ring, decoded with the channel's registry."""
+
+    def __init__(self, peer: str, reader: RingReader, registry: Registry) -> None:
+        self.peer = peer
+        self.reader = reader
+        self.registry = registry
+        self.pending = reader.pending
+
+    def read(self) -> Delivery | None:
+        """The next frame decoded, or None. A ring corruption raises ProtocolError."""
+        frame = self.reader.poll()
+        if frame is None:
+            return None
+        registry = RUNTIME if frame.kind >> 16 >= RESERVED_TAG else self.registry
+        try:
+            msg = registry.decode(frame.kind, frame.payload)
+        except ProtocolError as e:
+            return Delivery(self.peer, frame.seq, None, e)
+        return Delivery(self.peer, frame.seq, msg, None)
+
+    def commit(self) -> None:
+        self.reader.commit()
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class RingOutbox:
+    """Messages encoded onto a shared-memory ring to ``peer``."""
+
+    def __init__(self, peer: str, writer: RingWriter, registry: Registry) -> None:
+        self.peer = peer
+        self.writer = writer
+        self.registry = registry
+
+    def send(self, msg: object, timeout: float) -> int:
+        """Encode and publish; returns the transport seq. RingFull/ActorDead at the deadline."""
+        kind, payload = _encode(self.registry, msg)
+        return self.writer.put(kind, payload, timeout)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class ConditionWaiter:
+    """A waiter for mailboxes with only local inboxes: a condition variable, no shared memory."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(ready, timeout)
+
+    def ring(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class LocalInbox:
+    """An unbounded in-process inbox. ``post`` may be called from any thread.
+
+    Messages are not encoded, but each must be a class of the inbox's registry (or
+    a runtime message), so a test on local inboxes catches what the codec would.
+    """
+
+    def __init__(self, peer: str, registry: Registry, waiter: Waiter) -> None:
+        self.peer = peer
+        self.registry = registry
+        self._waiter = waiter
+        self._queue: collections.deque[tuple[int, object]] = collections.deque()
+        self._seqs = itertools.count(1)
+        self._lock = threading.Lock()  # orders seq assignment with appends across posters
+
+    def post(self, msg: object) -> int:
+        """Append ``msg`` and wake the mailbox; returns its seq. ProtocolError if unregistered."""
+        if type(msg) not in self.registry and type(msg) not in RUNTIME:
+            raise ProtocolError(f"{self.registry.name}: {type(msg).__name__} is not a message here")
+        with self._lock:
+            seq = next(self._seqs)
+            self._queue.append((seq, msg))
+        self._waiter.ring()
+        return seq
+
+    def pending(self) -> bool:
+        return bool(self._queue)
+
+    def read(self) -> Delivery | None:
+        try:
+            seq, msg = self._queue.popleft()
+        except IndexError:
+            return None
+        return Delivery(self.peer, seq, msg, None)
+
+    def commit(self) -> None:
+        """Nothing to release: a local message is gone once read."""
+
+    def close(self) -> None:
+        self._queue.clear()
+
+
+class LocalOutbox:
+    """Sends into a :class:`LocalInbox` (of another in-process actor, or one a host reads)."""
+
+    def __init__(self, peer: str, target: LocalInbox) -> None:
+        self.peer = peer
+        self.target = target
+
+    def send(self, msg: object, timeout: float) -> int:
+        return self.target.post(msg)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class Mailbox:
+    """The inboxes an actor reads, the outboxes it writes (by peer), and its waiter.
+
+    Owned by the thread that runs the actor; only ``wake`` and local posts may come
+    from other threads. ``close`` closes every endpoint and then every extra
+    resource handed in (attached rings and doorbells), in reverse order.
+    """
+
+    def __init__(
+        self,
+        waiter: Waiter,
+        inboxes: Iterable[Inbox] = (),
+        outboxes: Iterable[Outbox] = (),
+        resources: Iterable[object] = (),
+    ) -> None:
+        self.waiter = waiter
+        self.inboxes: list[Inbox] = list(inboxes)
+        self.outboxes: dict[str, Outbox] = {o.peer: o for o in outboxes}
+        self._resources = list(resources)
+        self._woken = False
+
+    def add_local_inbox(self, peer: str, registry: Registry) -> LocalInbox:
+        """A new in-process inbox from ``peer`` that wakes this mailbox."""
+        inbox = LocalInbox(peer, registry, self.waiter)
+        self.inboxes.append(inbox)
+        return inbox
+
+    def add_outbox(self, outbox: Outbox) -> None:
+        self.outboxes[outbox.peer] = outbox
+
+    def _ready(self) -> bool:
+        return self._woken or any(inbox.pending() for inbox in self.inboxes)
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until an inbox has something or :meth:`wake` is called; False at the deadline."""
+        ready = self.waiter.wait_until(self._ready, timeout)
+        self._woken = False
+        return ready
+
+    def wake(self) -> None:
+        """Make the current or next :meth:`wait` return (any thread)."""
+        self._woken = True
+        self.waiter.ring()
+
+    def close(self) -> None:
+        """Close every endpoint and resource. Idempotent."""
+        endpoints: list[Inbox | Outbox] = [*self.inboxes, *self.outboxes.values()]
+        self.inboxes, self.outboxes = [], {}
+        for endpoint in endpoints:
+            endpoint.close()
+        resources, self._resources = self._resources, []
+        for resource in reversed(resources):
+            close = getattr(resource, "close", None)
+            if close is not None:
+                close()

@@ -1,0 +1,521 @@
+"""The supervisor (``ringfence launch``): creates a run, spawns and watches its actors, ends it.
+
+A run, in order:
+
+1. import and check the topology (every receiver handles its channels' messages)
+   and the per-actor config, before anything is created;
+2. take the run dir (cleaning what a dead earlier run left there), write the lease,
+   the names manifest and the resolved config, then create every doorbell, ring and
+   counter block the manifest names;
+3. spawn every ``placement = "spawn"`` instance with multiprocess (spawn context) and
+   wait, with a deadline, for each one (and each external one) to report ready;
+4. watch: a child's exit (its process sentinel), a stale heartbeat (the child is
+   killed) and the restart policy; a shutdown request from an actor; SIGINT/SIGTERM;
+5. stop: a Stop on each actor's control ring in topology order, each awaited within
+   the stop deadline, then SIGKILL for what is left; unlink every name; remove the
+   lease. Step 5 runs on every exit path, errors included.
+
+The supervisor sleeps on its own doorbell and never polls: actors ring it when
+their ``ready``/``exited``/``shutdown`` watermarks move, a waker thread rings it
+when a child exits or a signal arrives, and the wait's deadline is the next timer
+(a heartbeat deadline, a restart backoff, the ready or stop deadline).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+import orjson
+
+from ringfence.runtime import child
+from ringfence.runtime.config import Config, check_actor_names, dump_config
+from ringfence.runtime.control import InstanceControl, control_count
+from ringfence.runtime.embed import CONFIG_FILE
+from ringfence.runtime.log import ActorLog, log_path
+from ringfence.runtime.manifest import (
+    MANIFEST_FILE,
+    InstanceEntry,
+    Manifest,
+    build_manifest,
+    read_manifest,
+    write_atomic,
+    write_manifest,
+)
+from ringfence.runtime.messages import RUNTIME, Stop
+from ringfence.runtime.topology import SUPERVISOR, Topology, import_target
+from ringfence.shm import names
+from ringfence.shm.counter import CounterBlock
+from ringfence.shm.doorbell import Doorbell
+from ringfence.shm.liveness import ProcessStamp
+from ringfence.shm.ring import Ring, RingWriter
+
+ACTORS_FILE = "actors.json"
+EXIT_FAILED = 1
+REAP_TIMEOUT_S = 5.0  # a child whose sentinel fired is past its last Python code
+
+
+@dataclass(slots=True)
+class Slot:
+    """The supervisor's view of one instance."""
+
+    entry: InstanceEntry
+    control: InstanceControl
+    writer: RingWriter  # the control ring to it
+    proc: Any = None  # the multiprocess.Process of a spawned instance
+    pid: int | None = None
+    incarnation: int = 0  # the one spawned (or expected to attach) last
+    restarts: int = 0
+    state: str = "starting"  # starting, ready, restarting, exited, failed, stopped
+    exitcode: int | None = None
+    deadline: float = 0.0  # ready deadline while starting; restart time while restarting
+    beat: int = -1  # last heartbeat value seen ...
+    beat_at: float = 0.0  # ... and when it was first seen
+    started_at: float = 0.0
+    shutdowns: int = 0  # shutdown requests seen so far
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("starting", "ready")
+
+
+@dataclass
+class _Run:
+    manifest: Manifest
+    bell: Doorbell
+    control: CounterBlock
+    slots: list[Slot] = field(default_factory=list)
+
+
+def load_topology(config: Config) -> Topology:
+    topology = import_target(config.runtime.topology)
+    if not isinstance(topology, Topology):
+        raise ValueError(f"runtime.topology: {config.runtime.topology} is not a Topology")
+    topology.check()
+    check_actor_names(config, [a.name for a in topology.actors], "config")
+    return topology
+
+
+def prepare_run_dir(run_dir: Path) -> str | None:
+    """Make ``run_dir`` usable; if a dead run left names there, remove them. Returns its id."""
+    if not (run_dir / MANIFEST_FILE).exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return None
+    old = read_manifest(run_dir)
+    if names.run_is_live(old.run_id):
+        raise ValueError(f"run dir {run_dir} belongs to live run {old.run_id}")
+    names.clean_run(old.run_id)
+    return old.run_id
+
+
+class Supervisor:
+    """Runs one launch. Main thread only (it installs signal handlers for its duration)."""
+
+    def __init__(self, config: Config, run_dir: Path | None = None) -> None:
+        self.config = config
+        self.topology = load_topology(config)
+        self.run_id = names.new_run_id()
+        self.run_dir = run_dir or Path(config.runtime.run_dir) / self.run_id
+        self.log: ActorLog | None = None
+        self.exit_code = 0
+        self._stop_reason: str | None = None
+        self._context = multiprocess.get_context("spawn")
+        self._by_sentinel: dict[int, Slot] = {}
+
+    # Setup and teardown.
+
+    def _create(self, stack: ExitStack) -> _Run:
+        rt = self.config.runtime
+        stale = prepare_run_dir(self.run_dir)
+        stamp = ProcessStamp.current()
+        placements = {a.name: self.config.actor(a.name).placement for a in self.topology.actors}
+        manifest = build_manifest(
+            self.run_id,
+            self.topology,
+            placements=placements,
+            ring_bytes=rt.ring_bytes,
+            supervisor_pid=stamp.pid,
+            supervisor_start_ticks=stamp.start_ticks,
+        )
+        names.write_lease(self.run_id)
+        stack.callback(names.remove_lease, self.run_id)
+        stack.callback(names.clean_run, self.run_id)  # whatever an error left half-made
+        write_manifest(self.run_dir, manifest)
+        (self.run_dir / CONFIG_FILE).write_text(dump_config(self.config))
+        self.log = ActorLog(
+            log_path(self.run_dir, SUPERVISOR, 0),
+            actor=SUPERVISOR,
+            rank=0,
+            epoch=0,
+            level=rt.log_level,
+        )
+        stack.callback(self.log.close)
+        if stale:
+            self.log.info("run.clean", run_id=stale)
+
+        def made(obj: Any) -> Any:
+            stack.callback(obj.unlink)
+            stack.callback(obj.close)
+            return obj
+
+        bell = made(Doorbell.create(manifest.supervisor_bell, spin_us=0))
+        control = made(
+            CounterBlock.create(manifest.control, control_count(len(manifest.instances)))
+        )
+        control[0].claim()
+        for counter in manifest.counters:
+            made(CounterBlock.create(counter.posix, counter.count))
+        for entry in manifest.instances:
+            made(Doorbell.create(entry.bell, spin_us=0))
+        run = _Run(manifest, bell, control)
+        for entry in manifest.instances:
+            rings = [made(Ring.create(ep.ring, ep.capacity)) for ep in entry.inboxes]
+            peer = Doorbell.attach(entry.bell, spin_us=0)
+            stack.callback(peer.close)
+            writer = RingWriter(rings[0], wake=peer, space=bell)  # inboxes[0]: the control ring
+            stack.callback(writer.close)
+            inst = InstanceControl.of(control, entry.index)
+            run.slots.append(Slot(entry=entry, control=inst, writer=writer))
+        return run
+
+    def _write_actors(self, run: _Run) -> None:
+        rows = [
+            {
+                "id": s.entry.id,
+                "name": s.entry.name,
+                "rank": s.entry.rank,
+                "placement": s.entry.placement,
+                "pid": s.pid,
+                "incarnation": s.incarnation,
+                "restarts": s.restarts,
+                "state": s.state,
+                "exitcode": s.exitcode,
+            }
+            for s in run.slots
+        ]
+        write_atomic(self.run_dir / ACTORS_FILE, orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+
+    def run(self) -> int:
+        """Launch, supervise until stopped, tear down. Returns the process exit status."""
+        from ringfence.runtime.waker import Waker
+
+        started = time.monotonic()
+        with ExitStack() as stack:
+            run = self._create(stack)
+            assert self.log is not None
+            waker = Waker(run.bell)
+            waker.start()
+            stack.callback(waker.close)
+            stack.callback(self._reap_all, run)
+            self.log.info(
+                "run.start",
+                run_id=self.run_id,
+                run_dir=str(self.run_dir),
+                topology=self.config.runtime.topology,
+                instances=[s.entry.id for s in run.slots],
+            )
+            try:
+                for slot in run.slots:
+                    self._start(run, slot, waker)
+                self._supervise(run, waker)
+                self._stop_all(run, waker)
+            except BaseException as e:
+                self.log.error(
+                    "run.error", error=repr(e), exc_info=e if isinstance(e, Exception) else None
+                )
+                self.exit_code = EXIT_FAILED
+                raise
+            finally:
+                self._write_actors(run)
+                self.log.info(
+                    "run.end",
+                    reason=self._stop_reason,
+                    exit_code=self.exit_code,
+                    duration_s=round(time.monotonic() - started, 3),
+                    names=len(run.manifest.names),
+                )
+        return self.exit_code
+
+    # Starting and watching.
+
+    def _start(self, run: _Run, slot: Slot, waker: Any) -> None:
+        assert self.log is not None
+        now = time.monotonic()
+        slot.state, slot.started_at = "starting", now
+        slot.deadline = now + self.config.runtime.ready_timeout_s
+        if slot.entry.placement == "external":
+            slot.incarnation = slot.control.ready.value() + 1
+            self.log.info("actor.await", instance=slot.entry.id, incarnation=slot.incarnation)
+            self._write_actors(run)
+            return
+        slot.incarnation += 1
+        spec = child.ChildSpec(
+            str(self.run_dir), slot.entry.name, slot.entry.rank, slot.incarnation
+        )
+        proc = self._context.Process(target=child.main, args=(spec,), name=f"rf-{slot.entry.id}")
+        proc.start()
+        slot.proc, slot.pid, slot.exitcode = proc, proc.pid, None
+        self._by_sentinel[proc.sentinel] = slot
+        waker.watch([proc.sentinel])
+        self.log.info(
+            "actor.spawn",
+            instance=slot.entry.id,
+            instance_pid=proc.pid,
+            incarnation=slot.incarnation,
+        )
+        self._write_actors(run)
+
+    @staticmethod
+    def _marks(run: _Run) -> list[int]:
+        return [
+            mark.value()
+            for s in run.slots
+            for mark in (s.control.ready, s.control.exited, s.control.shutdown)
+        ]
+
+    def _next_deadline(self, run: _Run) -> float:
+        timeout = self.config.runtime.heartbeat_timeout_s
+        wake = [time.monotonic() + timeout]
+        for s in run.slots:
+            if s.state in ("starting", "restarting"):
+                wake.append(s.deadline)
+            elif s.state == "ready":
+                wake.append(s.beat_at + timeout)
+        return min(wake)
+
+    def _supervise(self, run: _Run, waker: Any) -> None:
+        while True:
+            self._collect(run, waker)
+            if self._stop_reason is not None:
+                return
+            marks = self._marks(run)
+
+            def moved(marks: list[int] = marks) -> bool:
+                return waker.pending or self._marks(run) != marks
+
+            remaining = self._next_deadline(run) - time.monotonic()
+            if remaining > 0:
+                run.bell.wait_until(moved, remaining)
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    def _begin_stop(self, reason: str, exit_code: int) -> None:
+        if self._stop_reason is None:
+            self._stop_reason = reason
+            self.exit_code = exit_code
+
+    def _collect(self, run: _Run, waker: Any) -> None:
+        assert self.log is not None
+        signals, fired = waker.take()
+        for signum in signals:
+            name = signal.Signals(signum).name
+            self.log.info("run.signal", signal=name)
+            self._begin_stop(f"signal {name}", 128 + signum)
+        self._reap_fired(run, fired)
+        now = time.monotonic()
+        for slot in run.slots:
+            ctl = slot.control
+            if slot.state == "starting" and ctl.ready.value() >= slot.incarnation:
+                slot.state, slot.beat, slot.beat_at = "ready", ctl.heartbeat.value(), now
+                if slot.entry.placement == "external":
+                    writer = ctl.ready.writer()
+                    slot.pid = writer.pid if writer else None
+                self.log.info(
+                    "actor.ready",
+                    instance=slot.entry.id,
+                    instance_pid=slot.pid,
+                    incarnation=slot.incarnation,
+                    startup_s=round(now - slot.started_at, 3),
+                )
+                self._write_actors(run)
+            if ctl.shutdown.value() > slot.shutdowns:
+                slot.shutdowns = ctl.shutdown.value()
+                self._begin_stop(f"shutdown requested by {slot.entry.id}", 0)
+            if slot.state == "ready":
+                self._check_heartbeat(run, slot, now)
+            elif slot.state == "starting" and now > slot.deadline:
+                self._late(run, slot)
+            elif slot.state == "restarting" and now >= slot.deadline and self._stop_reason is None:
+                self._start(run, slot, waker)
+        if (
+            self._stop_reason is None
+            and run.slots
+            and not any(s.live or s.state == "restarting" for s in run.slots)
+        ):
+            self._begin_stop("every actor exited", 0)
+
+    def _check_heartbeat(self, run: _Run, slot: Slot, now: float) -> None:
+        assert self.log is not None
+        ctl = slot.control
+        if slot.entry.placement == "external" and (
+            ctl.exited.value() >= slot.incarnation or not _alive(ctl.ready.writer())
+        ):
+            clean = ctl.exited.value() >= slot.incarnation
+            self.log.info(
+                "actor.detach", instance=slot.entry.id, instance_pid=slot.pid, clean=clean
+            )
+            self._start(run, slot, None)  # wait for the next attach
+            return
+        beat = ctl.heartbeat.value()
+        if beat != slot.beat:
+            slot.beat, slot.beat_at = beat, now
+            return
+        age = now - slot.beat_at
+        if age <= self.config.runtime.heartbeat_timeout_s:
+            return
+        self.log.warning(
+            "actor.hung",
+            instance=slot.entry.id,
+            instance_pid=slot.pid,
+            heartbeat_age_s=round(age, 3),
+        )
+        if slot.entry.placement == "external":
+            slot.beat_at = now  # not ours to kill; warn once per timeout
+        else:
+            self._kill(slot, "heartbeat stale")
+
+    def _late(self, run: _Run, slot: Slot) -> None:
+        assert self.log is not None
+        timeout = self.config.runtime.ready_timeout_s
+        self.log.error(
+            "actor.late", instance=slot.entry.id, instance_pid=slot.pid, ready_timeout_s=timeout
+        )
+        if slot.entry.placement == "external":
+            slot.state = "failed"
+            self._begin_stop(f"{slot.entry.id} did not attach within {timeout}s", EXIT_FAILED)
+        else:
+            self._kill(slot, "not ready in time")
+
+    def _kill(self, slot: Slot, reason: str) -> None:
+        """SIGKILL a child this supervisor spawned, by its own pid; its exit is collected later."""
+        assert self.log is not None
+        if slot.proc is not None and slot.proc.is_alive() and slot.pid is not None:
+            self.log.warning(
+                "actor.kill", instance=slot.entry.id, instance_pid=slot.pid, reason=reason
+            )
+            os.kill(slot.pid, signal.SIGKILL)
+
+    def _reap_fired(self, run: _Run, sentinels: set[int]) -> None:
+        """Collect the children whose sentinels fired (their exit status follows shortly)."""
+        for fd in sentinels:
+            slot = self._by_sentinel.pop(fd, None)
+            if slot is not None and slot.proc is not None:
+                slot.proc.join(REAP_TIMEOUT_S)
+                self._exited(run, slot)
+
+    def _exited(self, run: _Run, slot: Slot) -> None:
+        assert self.log is not None
+        code = slot.proc.exitcode
+        slot.proc.close()
+        slot.proc, slot.exitcode = None, code
+        clean = code == 0 and slot.control.exited.value() >= slot.incarnation
+        self.log.info(
+            "actor.exit",
+            instance=slot.entry.id,
+            instance_pid=slot.pid,
+            exitcode=code,
+            incarnation=slot.incarnation,
+            clean=clean,
+        )
+        if self._stop_reason is not None or clean:
+            slot.state = "stopped" if self._stop_reason is not None else "exited"
+        else:
+            self._failed(run, slot)
+        self._write_actors(run)
+
+    def _failed(self, run: _Run, slot: Slot) -> None:
+        assert self.log is not None
+        policy = self.config.actor(slot.entry.name)
+        if policy.restart == "never" or slot.restarts >= policy.max_restarts:
+            slot.state = "failed"
+            self.log.error(
+                "actor.gave_up",
+                instance=slot.entry.id,
+                restarts=slot.restarts,
+                restart=policy.restart,
+            )
+            self._begin_stop(f"{slot.entry.id} failed", EXIT_FAILED)
+            return
+        backoff = min(policy.backoff_s * 2**slot.restarts, policy.backoff_max_s)
+        slot.restarts += 1
+        slot.state, slot.deadline = "restarting", time.monotonic() + backoff
+        epoch = run.control[0]
+        epoch.advance(epoch.value() + 1)
+        self.log.info(
+            "actor.restart",
+            instance=slot.entry.id,
+            restarts=slot.restarts,
+            backoff_s=backoff,
+            epoch=epoch.value(),
+        )
+
+    # Stopping.
+
+    def _stop_all(self, run: _Run, waker: Any) -> None:
+        assert self.log is not None and self._stop_reason is not None
+        rt = self.config.runtime
+        deadline = time.monotonic() + rt.stop_timeout_s
+        self.log.info("run.stop", reason=self._stop_reason, stop_timeout_s=rt.stop_timeout_s)
+        for spec in self.topology.actors:
+            group = [s for s in run.slots if s.entry.name == spec.name and s.state == "ready"]
+            kind, payload = RUNTIME.encode(Stop(reason=self._stop_reason))
+            for slot in group:
+                slot.writer.put(kind, payload, timeout=1.0)
+            if not self._await_exit(run, group, waker, deadline):
+                break
+        for slot in run.slots:
+            if slot.state in ("starting", "restarting"):
+                slot.state = "stopped"
+            self._kill(slot, "stop deadline passed")
+
+    def _await_exit(self, run: _Run, group: Sequence[Slot], waker: Any, deadline: float) -> bool:
+        """Wait until every slot of ``group`` has exited; False at the deadline or a 2nd signal."""
+
+        def done() -> bool:
+            return waker.pending or all(
+                s.proc is None
+                if s.entry.placement == "spawn"
+                else s.control.exited.value() >= s.incarnation
+                or not _alive(s.control.ready.writer())
+                for s in group
+            )
+
+        while True:
+            signals, fired = waker.take()
+            self._reap_fired(run, fired)
+            finished = done()
+            for slot in group:
+                if slot.entry.placement == "external" and slot.live and finished:
+                    slot.state = "stopped"
+            if signals:
+                assert self.log is not None
+                self.log.warning(
+                    "run.signal", signal=signal.Signals(signals[0]).name, during="stop"
+                )
+                return False
+            remaining = deadline - time.monotonic()
+            if finished or remaining <= 0:
+                return finished
+            run.bell.wait_until(done, remaining)
+
+    def _reap_all(self, run: _Run) -> None:
+        """Last step on every exit path: no child of this run outlives the supervisor."""
+        for slot in run.slots:
+            if slot.proc is not None:
+                self._kill(slot, "supervisor exiting")
+                slot.proc.join(REAP_TIMEOUT_S)
+                slot.exitcode = slot.proc.exitcode
+                slot.proc = None  # not closed: the waker may still hold its sentinel
+
+
+def _alive(stamp: ProcessStamp | None) -> bool:
+    return stamp is not None and stamp.is_alive()

@@ -1,0 +1,161 @@
+"""Topologies: which actors a run has, how many ranks each, and which channels join them.
+
+The runtime knows actors only by import path (``"package.module:Class"``), so it
+never imports an actor package statically; a topology is itself named by import
+path in ``runtime.topology``. A channel ``src -> dst`` becomes one single-producer
+single-consumer ring per pair of instances: rank to same rank when both actors
+have several ranks, and one to each rank when either side has a single instance.
+Besides its channels, every instance has a control ring from the supervisor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ringfence.runtime.codec import Registry
+from ringfence.runtime.messages import RESERVED_TAG
+
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+TARGET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+SUPERVISOR = "supervisor"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActorSpec:
+    name: str  # role name; instances are "<name>-<rank>", logs "<name>-<rank>.jsonl"
+    target: str  # import path of the Actor subclass, "package.module:Class"
+    ranks: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChannelSpec:
+    src: str  # sending actor's name
+    dst: str  # receiving actor's name
+    protocol: str  # import path of the channel's codec Registry, "package.module:NAME"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CounterSpec:
+    name: str  # counter block name; actors open it with ctx.counters[name]
+    count: int  # counters in the block, each with one writer
+
+
+class Instance(NamedTuple):
+    name: str
+    rank: int
+
+    @property
+    def id(self) -> str:
+        """``"<name>-<rank>"``: how logs, manifests and peers name an instance."""
+        return f"{self.name}-{self.rank}"
+
+    @property
+    def obj(self) -> str:
+        """``"<name>.<rank>"``: the instance as part of a shared-memory object name."""
+        return f"{self.name}.{self.rank}"
+
+
+class Link(NamedTuple):
+    src: Instance
+    dst: Instance
+    protocol: str
+
+
+def import_target(path: str) -> object:
+    """Import ``"package.module:NAME"`` and return the attribute; ValueError naming the path."""
+    if not TARGET_RE.match(path):
+        raise ValueError(f"import path {path!r} must look like 'package.module:NAME'")
+    module_name, attr = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r} for {path!r}: {e}") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+    """Actors, in stop order (the first is stopped first), channels and counter blocks."""
+
+    actors: tuple[ActorSpec, ...]
+    channels: tuple[ChannelSpec, ...] = ()
+    counters: tuple[CounterSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.actors]
+        for spec in self.actors:
+            if not NAME_RE.match(spec.name) or spec.name == SUPERVISOR:
+                raise ValueError(f"topology: bad actor name {spec.name!r}")
+            if not TARGET_RE.match(spec.target):
+                raise ValueError(f"topology: actor {spec.name}: bad target {spec.target!r}")
+            if spec.ranks < 1:
+                raise ValueError(f"topology: actor {spec.name}: ranks must be >= 1")
+        if len(set(names)) != len(names):
+            raise ValueError(f"topology: duplicate actor names in {names}")
+        seen = set()
+        for ch in self.channels:
+            for end in (ch.src, ch.dst):
+                if end not in names:
+                    raise ValueError(f"topology: channel {ch.src}->{ch.dst}: no actor {end!r}")
+            if ch.src == ch.dst or (ch.src, ch.dst) in seen:
+                raise ValueError(f"topology: channel {ch.src}->{ch.dst} is a loop or a duplicate")
+            seen.add((ch.src, ch.dst))
+        for counter in self.counters:
+            if not NAME_RE.match(counter.name) or counter.count < 1:
+                raise ValueError(f"topology: bad counter block {counter}")
+
+    def actor(self, name: str) -> ActorSpec:
+        for spec in self.actors:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"topology has no actor {name!r}; it has {[a.name for a in self.actors]}")
+
+    def instances(self) -> list[Instance]:
+        return [Instance(a.name, r) for a in self.actors for r in range(a.ranks)]
+
+    def links(self) -> Iterator[Link]:
+        """Every ring of every channel, as (src instance, dst instance, protocol)."""
+        for ch in self.channels:
+            src, dst = self.actor(ch.src), self.actor(ch.dst)
+            for sr in range(src.ranks):
+                for dr in range(dst.ranks):
+                    if sr == dr or src.ranks == 1 or dst.ranks == 1:
+                        yield Link(Instance(src.name, sr), Instance(dst.name, dr), ch.protocol)
+
+    def check(self) -> None:
+        """Import every actor and protocol; check each receiver handles its channels' messages.
+
+        Raises ValueError naming the actor, channel or message at fault. The supervisor
+        calls this before it creates anything, so a wiring mistake never half-starts a run.
+        """
+        from ringfence.runtime.actor import Actor
+
+        classes: dict[str, type[Actor]] = {}
+        for spec in self.actors:
+            cls = import_target(spec.target)
+            if not (isinstance(cls, type) and issubclass(cls, Actor)):
+                raise ValueError(f"actor {spec.name}: {spec.target} is not an Actor subclass")
+            classes[spec.name] = cls
+        for ch in self.channels:
+            registry = import_target(ch.protocol)
+            if not isinstance(registry, Registry):
+                raise ValueError(f"channel {ch.src}->{ch.dst}: {ch.protocol} is not a Registry")
+            handled = classes[ch.dst].handlers
+            for msg_cls in registry:
+                if registry.tag_of(msg_cls) >= RESERVED_TAG:
+                    raise ValueError(
+                        f"channel {ch.src}->{ch.dst}: {msg_cls.__name__} uses a tag reserved "
+                        f"for the runtime (>= {RESERVED_TAG:#x})"
+                    )
+                if msg_cls not in handled:
+                    raise ValueError(
+                        f"channel {ch.src}->{ch.dst}: actor {ch.dst} ({classes[ch.dst].__name__})"
+                        f" has no handler for {msg_cls.__name__}"
+                    )
