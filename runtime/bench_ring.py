@@ -200,7 +200,7 @@ def _round_trips(link: Link, size: int, seconds: float) -> list[int]:
             return samples
 
 
-def _stream(link: Link, size: int, seconds: float, cap: int) -> tuple[int, float]:
+def stream(link: Link, size: int, seconds: float, cap: int) -> tuple[int, float]:
     """Send up to ``cap`` messages for at most ``seconds``, then STOP.
 
     Returns (messages, seconds from the first send until the peer's count came back).
@@ -225,9 +225,9 @@ def _measure_size(link: Link, size: int, opts: BenchOptions) -> Figures:
     _round_trips(link, size, opts.warmup_s)
     rtts = sorted(_round_trips(link, size, opts.box_s))
     warm_cap = max(MIN_STREAM_MSGS, min(WARM_MSGS, WARM_BYTES // size))
-    warm_count, warm_s = _stream(link, size, opts.warmup_s, warm_cap)
+    warm_count, warm_s = stream(link, size, opts.warmup_s, warm_cap)
     cap = max(MIN_STREAM_MSGS, int(2 * opts.box_s * warm_count / warm_s))
-    count, seconds = _stream(link, size, opts.box_s, cap)
+    count, seconds = stream(link, size, opts.box_s, cap)
     return Figures(
         rtt_p50_us=rtts[len(rtts) // 2] / 1e3,
         rtt_p99_us=rtts[min(len(rtts) - 1, len(rtts) * 99 // 100)] / 1e3,

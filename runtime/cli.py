@@ -19,6 +19,7 @@ MANIFEST = "names.json"
 # Imported only when chosen, so the command starts fast.
 BENCHMARKS = {
     "ring": "ringfence.runtime.bench_ring",
+    "hop": "ringfence.runtime.bench_hop",
 }
 
 

@@ -289,6 +289,7 @@ class Driver:
         if self._timers:
             wake_at = min(wake_at, self._timers[0][0])
         if wake_at > now:
+            self.log.flush()  # buffered trace lines reach the file before we go idle
             self.mailbox.wait(wake_at - now)
         return 0
 

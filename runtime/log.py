@@ -11,9 +11,10 @@ Every line is one orjson-rendered object whose first keys are always::
     epoch     the run epoch the instance started in (see supervisor.py)
     event     the event name, ``noun.verb``; every name and its fields are in events.py
 
-followed by the event's own fields. Lines are appended with one ``write`` each on
-an ``O_APPEND`` descriptor, so a process killed mid-run leaves only whole lines, and
-a restarted instance appends to the same file.
+followed by the event's own fields. Lines are appended to an ``O_APPEND``
+descriptor in whole lines, so a process killed mid-run leaves only whole lines, and
+a restarted instance appends to the same file. Trace lines are buffered between the
+driver's sleeps (see :class:`_LineWriter`); all other lines are written at once.
 
 Cost: the structlog chain (a bound logger, two processors, orjson) is built once
 per instance, never per call, and no structlog global configuration is touched, so
@@ -35,23 +36,59 @@ import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
 LEVELS: Final = {"info": logging.INFO, "trace": logging.DEBUG}
+TRACE_BUFFER_BYTES: Final = 64 << 10
 # structlog method name -> the level written in the line ("debug" is our trace level).
 _LEVEL_NAMES: Final = {"debug": "trace", "info": "info", "warning": "warning", "error": "error"}
 
 
 class _LineWriter:
-    """The wrapped logger structlog writes rendered lines to: one ``os.write`` per line."""
+    """The wrapped logger structlog writes rendered lines to.
 
-    __slots__ = ("_fd",)
+    ``info``/``warning``/``error`` lines are written at once (with any buffered trace
+    lines before them, so the file keeps the order of the calls). ``trace`` lines
+    (structlog's ``debug``) are buffered and written when the buffer passes
+    ``TRACE_BUFFER_BYTES``, on :meth:`flush` (the driver flushes before it sleeps)
+    and on close: a trace line costs no system call of its own, and a process killed
+    mid-burst loses at most the trace lines of that burst, never an info line.
+    """
+
+    __slots__ = ("_buffer", "_buffered", "_fd")
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
+        self._buffer: list[bytes] = []
+        self._buffered = 0
 
     def msg(self, line: bytes) -> None:
-        if self._fd is not None:
-            os.write(self._fd, line + b"\n")
+        if self._fd is None:
+            return
+        self._buffer.append(line + b"\n")
+        self.flush()
 
-    debug = info = warning = error = msg
+    def debug(self, line: bytes) -> None:
+        if self._fd is None:
+            return
+        self._buffer.append(line + b"\n")
+        self._buffered += len(line) + 1
+        if self._buffered >= TRACE_BUFFER_BYTES:
+            self.flush()
+
+    info = warning = error = msg
+
+    def flush(self) -> None:
+        if not self._buffer or self._fd is None:
+            return
+        data = memoryview(b"".join(self._buffer))
+        self._buffer.clear()
+        self._buffered = 0
+        while data:
+            data = data[os.write(self._fd, data) :]
+
+    def close(self) -> None:
+        self.flush()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def _stamp(_logger: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
@@ -116,11 +153,13 @@ class ActorLog:
         self._logger = self._logger.bind(**context)
         self._bind_methods()
 
+    def flush(self) -> None:
+        """Write buffered trace lines now (the driver calls this before it sleeps)."""
+        self._writer.flush()
+
     def close(self) -> None:
-        """Close the file. Idempotent; later calls write nothing."""
-        fd, self._writer._fd = self._writer._fd, None
-        if fd is not None:
-            os.close(fd)
+        """Flush and close the file. Idempotent; later calls write nothing."""
+        self._writer.close()
 
 
 def log_path(run_dir: str | os.PathLike[str], actor: str, rank: int) -> Path:

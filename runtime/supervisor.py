@@ -496,6 +496,10 @@ class Supervisor:
             for slot in group:
                 if slot.entry.placement == "external" and slot.live and finished:
                     slot.state = "stopped"
+                    clean = slot.control.exited.value() >= slot.incarnation
+                    self.log.info(
+                        "actor.detach", instance=slot.entry.id, instance_pid=slot.pid, clean=clean
+                    )
             if signals:
                 assert self.log is not None
                 self.log.warning(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import multiprocess
@@ -166,3 +167,20 @@ def test_attaching_a_segment_that_is_not_a_counter_block_is_a_layout_error(run_i
     finally:
         seg.close()
         seg.unlink()
+
+
+def test_a_signal_handled_during_a_blocked_wait_is_a_wake_up_not_an_error(run_id):
+    """sem_wait is never restarted after a handler ran: the wait re-checks instead of raising."""
+    handled = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda *_: handled.set())
+    bell = Doorbell.create(names.posix_name(run_id, "bell"), spin_us=0)
+    main = threading.get_ident()
+    sender = threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGUSR1))
+    try:
+        sender.start()
+        assert bell.wait_until(handled.is_set, timeout=30.0)
+    finally:
+        sender.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        bell.close()
+        bell.unlink()

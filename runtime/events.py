@@ -1,0 +1,83 @@
+"""Every log event ringfence writes, with its fields: the contract log replay depends on.
+
+Each line of ``<run dir>/<actor>-<rank>.jsonl`` carries the :data:`COMMON` fields
+(see log.py), then the fields listed here for its event; an event logged with an
+exception also carries ``exception`` (the formatted traceback). Names are
+``noun.verb``. Add fields freely; renaming or removing one breaks replay. A test
+parses the code and fails if it logs an event or a field not listed here.
+"""
+
+from __future__ import annotations
+
+from typing import Final, NamedTuple
+
+COMMON: Final = ("ts", "mono_ns", "level", "actor", "rank", "pid", "epoch", "event")
+EXCEPTION_FIELD: Final = "exception"
+
+
+class Event(NamedTuple):
+    level: str  # "info", "trace", "warning" or "error"
+    fields: tuple[str, ...]
+    doc: str
+
+
+def _e(level: str, fields: str, doc: str) -> Event:
+    return Event(level, tuple(fields.split()), doc)
+
+
+EVENTS: Final[dict[str, Event]] = {
+    # The supervisor (actor "supervisor", rank 0). ``instance`` is "<name>-<rank>";
+    # ``instance_pid`` its process (``pid`` is always the writer's own).
+    "run.start": _e("info", "run_id run_dir topology instances", "a launch began"),
+    "run.clean": _e("info", "run_id", "names a dead earlier run left in this run dir were removed"),
+    "run.signal": _e("info", "signal during", "SIGINT/SIGTERM received (during='stop': a 2nd)"),
+    "run.stop": _e("info", "reason stop_timeout_s", "the ordered stop of every actor began"),
+    "run.error": _e("error", "error", "the supervisor itself failed; the run is torn down"),
+    "run.end": _e("info", "reason exit_code duration_s names", "every name unlinked; exiting"),
+    "actor.spawn": _e("info", "instance instance_pid incarnation", "a child process started"),
+    "actor.await": _e("info", "instance incarnation", "waiting for an external actor to attach"),
+    "actor.ready": _e(
+        "info", "instance instance_pid incarnation startup_s", "on_start returned; serving"
+    ),
+    "actor.exit": _e(
+        "info",
+        "instance instance_pid exitcode incarnation clean",
+        "a child ended; clean: exit 0 after it reported exited",
+    ),
+    "actor.detach": _e("info", "instance instance_pid clean", "an external actor went away"),
+    "actor.hung": _e("warning", "instance instance_pid heartbeat_age_s", "heartbeat stale"),
+    "actor.late": _e("error", "instance instance_pid ready_timeout_s", "not ready in time"),
+    "actor.kill": _e("warning", "instance instance_pid reason", "SIGKILL sent to a child"),
+    "actor.restart": _e(
+        "info", "instance restarts backoff_s epoch", "a failed child will be spawned again"
+    ),
+    "actor.gave_up": _e(
+        "error", "instance restarts restart", "restart policy exhausted; the run stops"
+    ),
+    # Every actor instance.
+    "actor.start": _e(
+        "info", "incarnation placement target inboxes outboxes", "attached; on_start is next"
+    ),
+    "actor.stop": _e("info", "reason handled failures error", "the instance closed"),
+    "actor.failed": _e("error", "where error", "on_start, on_stop or the loop raised"),
+    "msg.recv": _e("trace", "peer seq type", "a message is handed to its handler"),
+    "msg.send": _e("trace", "peer seq type", "a message was published to a peer"),
+    "msg.failed": _e(
+        "error",
+        "peer seq type error message replied",
+        "a handler raised or a frame could not be decoded; replied: a Failed was sent back",
+    ),
+    "msg.reply_lost": _e("warning", "peer seq error", "the Failed reply could not be sent"),
+    "msg.refused": _e(
+        "warning", "peer seq type error message", "a peer answered our message with Failed"
+    ),
+    "run.shutdown_requested": _e("info", "reason", "this actor asked to end the run"),
+    "supervisor.lost": _e("warning", "supervisor_pid", "the supervisor is gone; stopping"),
+    # The demo pipeline (ringfence.runtime.demo).
+    "demo.sent": _e("info", "messages", "the source sent its last item"),
+    "demo.done": _e(
+        "info",
+        "messages received elapsed_s per_s repeats",
+        "the sink applied the last item; received and per_s count this incarnation",
+    ),
+}
