@@ -117,8 +117,8 @@ def _log_costs(workdir: Path) -> dict[str, float]:
 
 
 def main(args: argparse.Namespace) -> int:
-    count = args.messages or (5000 if args.quick else 200_000)
-    rounds = args.rounds or (1 if args.quick else 3)
+    count = args.messages if args.messages is not None else 5000 if args.quick else 200_000
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
     if count < 1 or rounds < 1 or not 0 <= args.payload_bytes <= 65536:
         raise ValueError("--messages and --rounds must be >= 1, --payload-bytes 0..65536")
     size = len(DEMO.encode(make_item(count, args.payload_bytes))[1])
