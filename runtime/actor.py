@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from ringfence.runtime.messages import Failed, Stop
+from ringfence.runtime.messages import Failed, Stop, Tick
 
 if TYPE_CHECKING:
     from ringfence.runtime.config import RuntimeConfig
@@ -131,6 +131,8 @@ class Actor:
         if cls.tick_s is not None and not cls.tick_s > 0:
             raise TypeError(f"{cls.__qualname__}.tick_s must be > 0 or None")
         cls.handlers = _build_table(cls)
+        if cls.tick_s is not None and Tick not in cls.handlers:
+            raise TypeError(f"{cls.__qualname__}.tick_s is set but no method handles Tick")
 
     def __init__(self, ctx: ActorContext) -> None:
         self.ctx = ctx

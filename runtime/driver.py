@@ -183,19 +183,20 @@ class Driver:
         )
         try:
             self.actor.on_start()
+            if cls.tick_s is not None:
+                self.schedule(cls.tick_s, Tick(n=0, late_s=0.0))
+            if self._control is not None:
+                self._control.ready.advance(self._incarnation)
         except BaseException as e:
             self._fail("on_start", e)
             raise
-        if cls.tick_s is not None:
-            self.schedule(cls.tick_s, Tick(n=0, late_s=0.0))
-        if self._control is not None:
-            self._control.ready.advance(self._incarnation)
         self._next_beat = time.monotonic()
 
     def run(self) -> str:
         """Start, then handle messages until stopped; close; return the stop reason.
 
-        Raises what ended the instance abnormally (after logging it and closing).
+        Raises what ended the instance abnormally (after logging it and closing), an
+        ``on_stop`` that raised included.
         """
         try:
             self.start()
@@ -203,6 +204,8 @@ class Driver:
                 self.poll(self.runtime.heartbeat_s)
         finally:
             self.close()
+        if self.error is not None:
+            raise self.error
         assert self.stop_reason is not None
         return self.stop_reason
 

@@ -49,7 +49,7 @@ EVENTS: Final[dict[str, Event]] = {
     "actor.late": _e("error", "instance instance_pid ready_timeout_s", "not ready in time"),
     "actor.kill": _e("warning", "instance instance_pid reason", "SIGKILL sent to a child"),
     "actor.restart": _e(
-        "info", "instance restarts backoff_s epoch", "a failed child will be spawned again"
+        "info", "instance restarts backoff_s new_epoch", "a failed child will be spawned again"
     ),
     "actor.gave_up": _e(
         "error", "instance restarts restart", "restart policy exhausted; the run stops"

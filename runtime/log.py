@@ -9,9 +9,9 @@ Every line is one orjson-rendered object whose first keys are always::
     rank      its rank
     pid       the writing process
     epoch     the run epoch the instance started in (see supervisor.py)
-    event     the event name, ``noun.verb``; every name and its fields are in events.py
 
-followed by the event's own fields. Lines are appended to an ``O_APPEND``
+followed by the event's own fields, and last ``event``: the event name, ``noun.verb``
+(every name and its fields are listed in events.py). Lines are appended to an ``O_APPEND``
 descriptor in whole lines, so a process killed mid-run leaves only whole lines, and
 a restarted instance appends to the same file. Trace lines are buffered between the
 driver's sleeps (see :class:`_LineWriter`); all other lines are written at once.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -52,30 +53,38 @@ class _LineWriter:
     mid-burst loses at most the trace lines of that burst, never an info line.
     """
 
-    __slots__ = ("_buffer", "_buffered", "_fd")
+    __slots__ = ("_buffer", "_buffered", "_fd", "_lock")
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
         self._buffer: list[bytes] = []
         self._buffered = 0
+        self._lock = threading.Lock()  # threads of one process may share a log
 
     def msg(self, line: bytes) -> None:
         if self._fd is None:
             return
-        self._buffer.append(line + b"\n")
-        self.flush()
+        with self._lock:
+            self._buffer.append(line + b"\n")
+            self._write_buffer()
 
     def debug(self, line: bytes) -> None:
         if self._fd is None:
             return
-        self._buffer.append(line + b"\n")
-        self._buffered += len(line) + 1
-        if self._buffered >= TRACE_BUFFER_BYTES:
-            self.flush()
+        with self._lock:
+            self._buffer.append(line + b"\n")
+            self._buffered += len(line) + 1
+            if self._buffered >= TRACE_BUFFER_BYTES:
+                self._write_buffer()
 
     info = warning = error = msg
 
     def flush(self) -> None:
+        if self._buffer:
+            with self._lock:
+                self._write_buffer()
+
+    def _write_buffer(self) -> None:
         if not self._buffer or self._fd is None:
             return
         data = memoryview(b"".join(self._buffer))

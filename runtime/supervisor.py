@@ -455,7 +455,7 @@ class Supervisor:
             instance=slot.entry.id,
             restarts=slot.restarts,
             backoff_s=backoff,
-            epoch=epoch.value(),
+            new_epoch=epoch.value(),
         )
 
     # Stopping.
@@ -502,9 +502,7 @@ class Supervisor:
                     )
             if signals:
                 assert self.log is not None
-                self.log.warning(
-                    "run.signal", signal=signal.Signals(signals[0]).name, during="stop"
-                )
+                self.log.info("run.signal", signal=signal.Signals(signals[0]).name, during="stop")
                 return False
             remaining = deadline - time.monotonic()
             if finished or remaining <= 0:

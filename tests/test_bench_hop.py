@@ -1,4 +1,4 @@
-"""``ringfence bench hop``: the report has every figure and ratio, and the runs leave nothing behind.
+"""``ringfence bench hop``: the report has every figure and ratio; the runs leave nothing behind.
 
 No timing thresholds: the figures are noisy on a shared machine; this checks the harness.
 """
