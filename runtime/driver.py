@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ringfence.runtime.actor import Actor, ActorContext
 from ringfence.runtime.mailbox import Delivery, Mailbox, Outbox
 from ringfence.runtime.messages import Failed, Tick
-from ringfence.shm.errors import ProtocolError, RingfenceError
+from ringfence.shm.errors import ActorDead, ProtocolError, RingfenceError, RingFull
 
 if TYPE_CHECKING:
     from ringfence.runtime.config import RuntimeConfig
@@ -46,6 +46,12 @@ if TYPE_CHECKING:
     from ringfence.shm.liveness import ProcessStamp
 
 BATCH = 64  # messages taken from one inbox before looking at the others
+# Raised from a handler, these mean "downstream is full or its process is down", not "this
+# message is bad": the message is handed over again (after the other inboxes had a turn)
+# rather than failed, so backpressure and a peer's restart lose nothing. Handlers are
+# idempotent by their sequence numbers, so the part of the work already done is redone
+# harmlessly.
+BLOCKED = (RingFull, ActorDead)
 REPLY_TIMEOUT_S = 1.0  # how long an error reply may wait for room
 
 
@@ -103,12 +109,12 @@ class Driver:
         self._timers: list[tuple[float, int, object]] = []
         self._timer_ids = itertools.count()
         self._ticks = 0
-        self._beats = 0
         self._next_beat = 0.0
         self._current: Delivery | None = None
         self._routes: dict[str, Outbox] = {}
         self.handled = 0  # messages handed to a handler (failed ones included)
         self.failures = 0  # handlers that raised, and frames that could not be decoded
+        self.deferred = 0  # messages handed over again because a send or wait was blocked
         self.started = False
         self.stop_reason: str | None = None
         self.closed = False
@@ -303,20 +309,23 @@ class Driver:
                 delivery = inbox.read()
                 if delivery is None:
                     break
-                self._dispatch(delivery)
-                inbox.commit()  # after the handler: a crash before here redoes the message
                 handled += 1
+                if not self._dispatch(delivery):
+                    inbox.redeliver(delivery)  # blocked downstream: this inbox waits its turn
+                    break
+                inbox.commit()  # after the handler: a crash before here redoes the message
                 if self.stop_reason is not None:
                     return handled
         return handled
 
-    def _dispatch(self, delivery: Delivery) -> None:
+    def _dispatch(self, delivery: Delivery) -> bool:
+        """Hand one message to its handler. False: it must be handed over again later."""
         self.handled += 1
         msg = delivery.msg
         if msg is None:
             assert delivery.error is not None
             self._failed(delivery, delivery.error)
-            return
+            return True
         if self.log.tracing:
             self.log.trace(
                 "msg.recv", peer=delivery.peer, seq=delivery.seq, type=type(msg).__name__
@@ -327,10 +336,22 @@ class Driver:
             if handler is None:
                 raise ProtocolError(f"{self.ctx.instance}: no handler for {type(msg).__name__}")
             handler(msg)
+        except BLOCKED as e:  # a full ring or a dead peer downstream: not this message's fault
+            self.deferred += 1
+            self.log.warning(
+                "msg.deferred",
+                peer=delivery.peer,
+                seq=delivery.seq,
+                type=type(msg).__name__,
+                error=type(e).__name__,
+                message=str(e),
+            )
+            return False
         except Exception as e:  # the one catch-all: a failed handler becomes a reply and a log
             self._failed(delivery, e)
         finally:
             self._current = None
+        return True
 
     def _failed(self, delivery: Delivery, error: Exception) -> None:
         self.failures += 1
@@ -373,15 +394,19 @@ class Driver:
                 msg = Tick(n=self._ticks, late_s=now - due)
                 following = due + tick_s if due + tick_s > now else now + tick_s  # skip missed
                 heapq.heappush(self._timers, (following, next(self._timer_ids), msg))
-            self._dispatch(Delivery(self.ctx.instance, 0, msg, None))
             fired += 1
+            if not self._dispatch(Delivery(self.ctx.instance, 0, msg, None)):
+                if not isinstance(msg, Tick):  # the next tick comes anyway
+                    heapq.heappush(self._timers, (now, next(self._timer_ids), msg))
+                break
         return fired
 
     def _beat(self, now: float) -> None:
-        self._beats += 1
         self._next_beat = now + self.runtime.heartbeat_s
         if self._control is not None:
-            self._control.heartbeat.advance(self._beats)
+            # From the counter, not a count of our own: it outlives incarnations.
+            heartbeat = self._control.heartbeat
+            heartbeat.advance(heartbeat.value() + 1)
         if self._supervisor is not None and not self._supervisor.is_alive():
             self.log.warning("supervisor.lost", supervisor_pid=self._supervisor.pid)
             self.stop("supervisor lost")

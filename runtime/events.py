@@ -67,6 +67,11 @@ EVENTS: Final[dict[str, Event]] = {
         "peer seq type error message replied",
         "a handler raised or a frame could not be decoded; replied: a Failed was sent back",
     ),
+    "msg.deferred": _e(
+        "warning",
+        "peer seq type error message",
+        "a handler found a ring full or a peer dead; the message is handed over again",
+    ),
     "msg.reply_lost": _e("warning", "peer seq error", "the Failed reply could not be sent"),
     "msg.refused": _e(
         "warning", "peer seq type error message", "a peer answered our message with Failed"

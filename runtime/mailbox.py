@@ -11,10 +11,12 @@ exist and may be mixed in one mailbox:
   rings the mailbox's waiter, so a local post wakes an actor asleep on its
   doorbell exactly like a ring frame does.
 
-Consumption is durable where the inbox is: ``read`` hands out the next message and
-``commit`` releases everything read so far. The run loop commits after the handler
-returned, so a ring frame whose handler was interrupted by a crash is read again by
-the restarted actor. Local inboxes hold nothing across a crash of their process.
+Consumption is durable where the inbox is: ``read`` hands out the next message,
+``commit`` releases everything read so far, and ``redeliver`` hands the last one read
+out again (the driver's answer to a handler blocked by a full ring downstream). The
+run loop commits after the handler returned, so a ring frame whose handler was
+interrupted by a crash is read again by the restarted actor. Local inboxes hold
+nothing across a crash of their process.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Inbox(Protocol):
     def pending(self) -> bool: ...
     def read(self) -> Delivery | None: ...
     def commit(self) -> None: ...
+    def redeliver(self, delivery: Delivery) -> None: ...
     def close(self) -> None: ...
 
 
@@ -90,6 +93,10 @@ class RingInbox:
 
     def commit(self) -> None:
         self.reader.commit()
+
+    def redeliver(self, delivery: Delivery) -> None:
+        """Read ``delivery`` (the last one read, not committed) again next time."""
+        self.reader.rewind()
 
     def close(self) -> None:
         self.reader.close()
@@ -164,6 +171,10 @@ class LocalInbox:
 
     def commit(self) -> None:
         """Nothing to release: a local message is gone once read."""
+
+    def redeliver(self, delivery: Delivery) -> None:
+        """Put ``delivery`` back at the head of the queue."""
+        self._queue.appendleft((delivery.seq, delivery.msg))
 
     def close(self) -> None:
         self._queue.clear()

@@ -123,7 +123,8 @@ class Supervisor:
         self.topology = load_topology(config)
         self.run_id = names.new_run_id()
         self.run_dir = run_dir or Path(config.runtime.run_dir) / self.run_id
-        self.log: ActorLog | None = None
+        # Replaced by the run's log once the run dir exists; until then lines go nowhere.
+        self.log = ActorLog(None, actor=SUPERVISOR, rank=0, epoch=0)
         self.exit_code = 0
         self._stop_reason: str | None = None
         self._context = multiprocess.get_context("spawn")
@@ -209,7 +210,6 @@ class Supervisor:
         started = time.monotonic()
         with ExitStack() as stack:
             run = self._create(stack)
-            assert self.log is not None
             waker = Waker(run.bell)
             waker.start()
             stack.callback(waker.close)
@@ -246,7 +246,6 @@ class Supervisor:
     # Starting and watching.
 
     def _start(self, run: _Run, slot: Slot, waker: Any) -> None:
-        assert self.log is not None
         now = time.monotonic()
         slot.state, slot.started_at = "starting", now
         slot.deadline = now + self.config.runtime.ready_timeout_s
@@ -314,7 +313,6 @@ class Supervisor:
             self.exit_code = exit_code
 
     def _collect(self, run: _Run, waker: Any) -> None:
-        assert self.log is not None
         signals, fired = waker.take()
         for signum in signals:
             name = signal.Signals(signum).name
@@ -354,7 +352,6 @@ class Supervisor:
             self._begin_stop("every actor exited", 0)
 
     def _check_heartbeat(self, run: _Run, slot: Slot, now: float) -> None:
-        assert self.log is not None
         ctl = slot.control
         if slot.entry.placement == "external" and (
             ctl.exited.value() >= slot.incarnation or not _alive(ctl.ready.writer())
@@ -384,7 +381,6 @@ class Supervisor:
             self._kill(slot, "heartbeat stale")
 
     def _late(self, run: _Run, slot: Slot) -> None:
-        assert self.log is not None
         timeout = self.config.runtime.ready_timeout_s
         self.log.error(
             "actor.late", instance=slot.entry.id, instance_pid=slot.pid, ready_timeout_s=timeout
@@ -397,7 +393,6 @@ class Supervisor:
 
     def _kill(self, slot: Slot, reason: str) -> None:
         """SIGKILL a child this supervisor spawned, by its own pid; its exit is collected later."""
-        assert self.log is not None
         if slot.proc is not None and slot.proc.is_alive() and slot.pid is not None:
             self.log.warning(
                 "actor.kill", instance=slot.entry.id, instance_pid=slot.pid, reason=reason
@@ -413,7 +408,6 @@ class Supervisor:
                 self._exited(run, slot)
 
     def _exited(self, run: _Run, slot: Slot) -> None:
-        assert self.log is not None
         code = slot.proc.exitcode
         slot.proc.close()
         slot.proc, slot.exitcode = None, code
@@ -433,7 +427,6 @@ class Supervisor:
         self._write_actors(run)
 
     def _failed(self, run: _Run, slot: Slot) -> None:
-        assert self.log is not None
         policy = self.config.actor(slot.entry.name)
         if policy.restart == "never" or slot.restarts >= policy.max_restarts:
             slot.state = "failed"
@@ -461,7 +454,7 @@ class Supervisor:
     # Stopping.
 
     def _stop_all(self, run: _Run, waker: Any) -> None:
-        assert self.log is not None and self._stop_reason is not None
+        assert self._stop_reason is not None
         rt = self.config.runtime
         deadline = time.monotonic() + rt.stop_timeout_s
         self.log.info("run.stop", reason=self._stop_reason, stop_timeout_s=rt.stop_timeout_s)
@@ -501,7 +494,6 @@ class Supervisor:
                         "actor.detach", instance=slot.entry.id, instance_pid=slot.pid, clean=clean
                     )
             if signals:
-                assert self.log is not None
                 self.log.info("run.signal", signal=signal.Signals(signals[0]).name, during="stop")
                 return False
             remaining = deadline - time.monotonic()

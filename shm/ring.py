@@ -166,11 +166,16 @@ def _release(words: memoryview, pid_word: int) -> None:
 
 
 def _claim(words: memoryview, pid_word: int, what: str) -> None:
-    """Record this process as the endpoint's owner; refuse if another live process owns it."""
+    """Record this process as the endpoint's owner; refuse while a live process owns it.
+
+    This process included: an endpoint open twice in one process would have two read
+    cursors (or two heads), and closing either would release the other's claim.
+    """
     stamp = ProcessStamp.current()
     owner = _peer(words, pid_word)
-    if owner is not None and owner.pid != stamp.pid and owner.is_alive():
-        raise EndpointTaken(f"{what} is already open in live process {owner.pid}")
+    if owner is not None and owner.is_alive():
+        whose = "this process" if owner.pid == stamp.pid else f"live process {owner.pid}"
+        raise EndpointTaken(f"{what} is already open in {whose}")
     words[pid_word + 1] = stamp.start_ticks
     words[pid_word] = stamp.pid
 

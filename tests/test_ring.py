@@ -116,6 +116,7 @@ def test_a_new_consumer_resumes_at_the_committed_tail(run_id):
             p.writer.put(1, bytes([i]), timeout=0)
         p.reader.commit(p.reader.recv(timeout=0))
         p.reader.recv(timeout=0)  # read but never committed: the successor must see it
+        p.reader.close()  # the predecessor is gone
         successor = RingReader(p.ring, bell=p.consumer_bell, space=p.producer_bell)
         assert [f.seq for f in successor.drain()] == [2, 3, 4]
 
@@ -126,6 +127,7 @@ def test_a_consumer_that_died_between_its_two_commit_stores_redoes_that_frame():
             p.writer.put(1, bytes([i]), timeout=0)
         p.reader.recv(timeout=0)
         p.ring.words[17] = 1  # tail_seq stored, tail not yet: the crash window of commit()
+        p.reader.close()  # the predecessor is gone
         successor = RingReader(p.ring, bell=p.consumer_bell, space=p.producer_bell)
         assert [f.seq for f in successor.drain()] == [1, 2, 3]
 
@@ -135,6 +137,7 @@ def test_a_restarted_producer_continues_the_sequence_after_unconsumed_frames():
         for i in range(3):
             p.writer.put(1, bytes([i]), timeout=0)
         p.reader.get(timeout=0)
+        p.writer.close()  # the predecessor is gone
         restarted = RingWriter(p.ring, wake=p.consumer_bell, space=p.producer_bell)
         assert restarted.put(1, b"new", timeout=0) == 4
         assert [f.seq for f in p.reader.drain()] == [2, 3, 4]
@@ -225,6 +228,14 @@ def test_a_second_live_producer_is_refused(run_id):
         p.ring.words[10] = 0
         with pytest.raises(EndpointTaken, match="producer end"):
             RingWriter(p.ring, wake=p.consumer_bell, space=p.producer_bell)
+
+
+def test_an_end_already_open_in_this_process_is_refused_until_it_is_closed(run_id):
+    with ring_pair(run_id=run_id) as p:
+        with pytest.raises(EndpointTaken, match="consumer end .* this process"):
+            RingReader(p.ring, bell=p.consumer_bell, space=p.producer_bell)
+        p.reader.close()
+        RingReader(p.ring, bell=p.consumer_bell, space=p.producer_bell).close()
 
 
 def test_attaching_something_that_is_not_a_ring_is_a_layout_error(run_id):
