@@ -99,38 +99,21 @@ def build_manifest(
     def ring(src: Instance, dst: Instance) -> str:
         return names.posix_name(run_id, f"ring.{src.obj}.{dst.obj}")
 
+    def endpoint(peer: Instance, ring_name: str, protocol: str, capacity: int) -> Endpoint:
+        return Endpoint(
+            peer=peer.id, ring=ring_name, peer_bell=bell(peer), protocol=protocol, capacity=capacity
+        )
+
     sup = SUPERVISOR_INSTANCE
     inboxes: dict[Instance, list[Endpoint]] = {}
     outboxes: dict[Instance, list[Endpoint]] = {}
     for inst in topology.instances():
-        control_ring = Endpoint(
-            peer=sup.id,
-            ring=ring(sup, inst),
-            peer_bell=bell(sup),
-            protocol=CONTROL_PROTOCOL,
-            capacity=CONTROL_RING_BYTES,
-        )
+        control_ring = endpoint(sup, ring(sup, inst), CONTROL_PROTOCOL, CONTROL_RING_BYTES)
         inboxes[inst], outboxes[inst] = [control_ring], []
     for link in topology.links():
         name = ring(link.src, link.dst)
-        inboxes[link.dst].append(
-            Endpoint(
-                peer=link.src.id,
-                ring=name,
-                peer_bell=bell(link.src),
-                protocol=link.protocol,
-                capacity=ring_bytes,
-            )
-        )
-        outboxes[link.src].append(
-            Endpoint(
-                peer=link.dst.id,
-                ring=name,
-                peer_bell=bell(link.dst),
-                protocol=link.protocol,
-                capacity=ring_bytes,
-            )
-        )
+        inboxes[link.dst].append(endpoint(link.src, name, link.protocol, ring_bytes))
+        outboxes[link.src].append(endpoint(link.dst, name, link.protocol, ring_bytes))
     instances = tuple(
         InstanceEntry(
             id=inst.id,
