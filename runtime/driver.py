@@ -275,6 +275,7 @@ class Driver:
                 reason=self.stop_reason,
                 handled=self.handled,
                 failures=self.failures,
+                deferred=self.deferred,
                 error=None if self.error is None else repr(self.error),
             )
             if self._control is not None and self.error is None:

@@ -58,7 +58,7 @@ EVENTS: Final[dict[str, Event]] = {
     "actor.start": _e(
         "info", "incarnation placement target inboxes outboxes", "attached; on_start is next"
     ),
-    "actor.stop": _e("info", "reason handled failures error", "the instance closed"),
+    "actor.stop": _e("info", "reason handled failures deferred error", "the instance closed"),
     "actor.failed": _e("error", "where error", "on_start, on_stop or the loop raised"),
     "msg.recv": _e("trace", "peer seq type", "a message is handed to its handler"),
     "msg.send": _e("trace", "peer seq type", "a message was published to a peer"),
