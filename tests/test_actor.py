@@ -28,7 +28,7 @@ from ringfence.runtime.mailbox import (
     Waiter,
 )
 from ringfence.runtime.messages import Failed, Stop, Tick
-from ringfence.shm.errors import ProtocolError
+from ringfence.shm.errors import ActorDead, ProtocolError, RingFull
 from ringfence.shm.testing import RingPair, ring_pair
 
 PROTO = Registry("host->x", verify=True)
@@ -612,3 +612,56 @@ def test_messages_received_and_sent_are_traced_only_at_level_trace(make_rig, lev
         {"event": "msg.send", "level": "trace", "peer": "sink-0", "seq": 1, "type": "Item"},
     ]
     assert [pick(x, tuple(expected[0])) for x in traced] == (expected if level == "trace" else [])
+
+
+class BlockedOutbox:
+    """An outbox to "down" that raises ``errors`` one by one before it lets sends through."""
+
+    def __init__(self, peer: str, target: LocalInbox, errors: list[Exception]) -> None:
+        self.peer, self.target, self.errors = peer, target, errors
+
+    def send(self, msg: object, timeout: float) -> int:
+        if self.errors:
+            raise self.errors.pop(0)
+        return self.target.post(msg)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class Forwarder(Recorder):
+    @handles(Item)
+    def on_item(self, msg: Item) -> None:
+        self.seen.append(msg)
+        self.send("down", msg)
+
+
+@pytest.mark.parametrize("error", [RingFull("ring full"), ActorDead("consumer pid 7 is gone")])
+def test_a_handler_blocked_downstream_gets_its_message_again_and_nothing_is_lost(make_rig, error):
+    rig = make_rig(Forwarder)
+    down = Mailbox(ConditionWaiter()).add_local_inbox("x-0", PROTO)
+    rig.driver.mailbox.add_outbox(BlockedOutbox("down", down, [error]))
+    rig.post(Item(n=1), Item(n=2))
+    poll_until(rig.driver, lambda: len(down._queue) == 2)
+    assert drain(down) == [Item(n=1), Item(n=2)]
+    assert rig.actor.seen == ["start", Item(n=1), Item(n=1), Item(n=2)]
+    assert (rig.driver.deferred, rig.driver.failures, rig.actor.failed) == (1, 0, [])
+    (deferred,) = rig.events("msg.deferred")
+    assert pick(deferred, ("peer", "seq", "type", "error")) == {
+        "peer": "host",
+        "seq": 1,
+        "type": "Item",
+        "error": type(error).__name__,
+    }
+
+
+def test_a_timer_whose_handler_is_blocked_downstream_fires_again(make_rig):
+    rig = make_rig(Forwarder)
+    down = Mailbox(ConditionWaiter()).add_local_inbox("x-0", PROTO)
+    rig.driver.mailbox.add_outbox(BlockedOutbox("down", down, [RingFull("full"), RingFull("full")]))
+    rig.driver.start()
+    rig.driver.schedule(0.0, Item(n=5))
+    poll_until(rig.driver, lambda: bool(down._queue))
+    assert drain(down) == [Item(n=5)]
+    assert rig.actor.seen == ["start", Item(n=5), Item(n=5), Item(n=5)]
+    assert rig.driver.deferred == 2
