@@ -291,6 +291,7 @@ class Driver:
         now = time.monotonic()
         if self._timers and self._timers[0][0] <= now:
             handled += self._fire_timers(now)
+            now = time.monotonic()  # a timer's handler may have waited on a full ring
         if now >= self._next_beat:
             self._beat(now)
         if handled or self.stop_reason is not None:

@@ -73,7 +73,7 @@ class Slot:
     pid: int | None = None
     incarnation: int = 0  # the one spawned (or expected to attach) last
     restarts: int = 0
-    state: str = "starting"  # starting, ready, restarting, exited, failed, stopped
+    state: str = "starting"  # starting, ready, killing, restarting, exited, failed, stopped
     exitcode: int | None = None
     deadline: float = 0.0  # ready deadline while starting; restart time while restarting
     beat: int = -1  # last heartbeat value seen ...
@@ -83,7 +83,7 @@ class Slot:
 
     @property
     def live(self) -> bool:
-        return self.state in ("starting", "ready")
+        return self.state in ("starting", "ready", "killing")
 
 
 @dataclass
@@ -379,6 +379,7 @@ class Supervisor:
             slot.beat_at = now  # not ours to kill; warn once per timeout
         else:
             self._kill(slot, "heartbeat stale")
+            slot.state = "killing"  # no more checks: its exit comes through the waker
 
     def _late(self, run: _Run, slot: Slot) -> None:
         timeout = self.config.runtime.ready_timeout_s
@@ -390,6 +391,7 @@ class Supervisor:
             self._begin_stop(f"{slot.entry.id} did not attach within {timeout}s", EXIT_FAILED)
         else:
             self._kill(slot, "not ready in time")
+            slot.state = "killing"
 
     def _kill(self, slot: Slot, reason: str) -> None:
         """SIGKILL a child this supervisor spawned, by its own pid; its exit is collected later."""
@@ -468,7 +470,7 @@ class Supervisor:
         for slot in run.slots:
             if slot.state in ("starting", "restarting"):
                 slot.state = "stopped"
-            self._kill(slot, "stop deadline passed")
+            self._kill(slot, "stop deadline passed" if slot.state == "ready" else "run stopped")
 
     def _await_exit(self, run: _Run, group: Sequence[Slot], waker: Any, deadline: float) -> bool:
         """Wait until every slot of ``group`` has exited; False at the deadline or a 2nd signal."""

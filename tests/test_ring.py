@@ -232,7 +232,7 @@ def test_a_second_live_producer_is_refused(run_id):
 
 def test_an_end_already_open_in_this_process_is_refused_until_it_is_closed(run_id):
     with ring_pair(run_id=run_id) as p:
-        with pytest.raises(EndpointTaken, match="consumer end .* this process"):
+        with pytest.raises(EndpointTaken, match=r"consumer end .* this process"):
             RingReader(p.ring, bell=p.consumer_bell, space=p.producer_bell)
         p.reader.close()
         RingReader(p.ring, bell=p.consumer_bell, space=p.producer_bell).close()
