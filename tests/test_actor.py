@@ -631,7 +631,7 @@ class BlockedOutbox:
 
 class Forwarder(Recorder):
     @handles(Item)
-    def on_item(self, msg: Item) -> None:
+    def on_item(self, msg: Item | Ask) -> None:
         self.seen.append(msg)
         self.send("down", msg)
 
