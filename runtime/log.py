@@ -20,7 +20,9 @@ Cost: the structlog chain (a bound logger, two processors, orjson) is built once
 per instance, never per call, and no structlog global configuration is touched, so
 an actor embedded in a host process leaves the host's own structlog setup alone.
 At level ``info`` the ``trace`` method is structlog's no-op; hot paths test
-:attr:`ActorLog.tracing` first so they do not even build the keyword arguments.
+:attr:`ActorLog.tracing` first so they do not even build the keyword arguments. At
+level ``trace`` it is the one path that skips structlog's processor chain (it runs
+per message; the chain is most of a line's cost) and renders the same line itself.
 """
 
 from __future__ import annotations
@@ -110,6 +112,12 @@ def _stamp(_logger: WrappedLogger, method: str, event_dict: EventDict) -> EventD
     }
 
 
+def _fallback(obj: object) -> object:
+    """What JSONRenderer writes for a value JSON cannot hold: ``__structlog__()``, else repr."""
+    render = getattr(obj, "__structlog__", None)
+    return render() if render is not None else repr(obj)
+
+
 _PROCESSORS: Final[list[Processor]] = [
     _stamp,
     structlog.processors.format_exc_info,
@@ -155,7 +163,22 @@ class ActorLog:
         self.info = bound.info
         self.warning = bound.warning
         self.error = bound.error
-        self.trace = bound.debug
+        # At info, structlog's no-op. At trace, the per-message path skips the processor
+        # chain (about 3/4 of its cost) and renders the same keys in the same order as
+        # _stamp + JSONRenderer, fallback included; test_log compares the two.
+        self.trace = self._trace if self.tracing else bound.debug
+        self._context = dict(bound._context)
+
+    def _trace(self, event: str, **fields: Any) -> None:
+        line = {
+            "ts": time.time(),
+            "mono_ns": time.monotonic_ns(),
+            "level": "trace",
+            **self._context,
+            **fields,
+            "event": event,
+        }
+        self._writer.debug(orjson.dumps(line, default=_fallback))
 
     def rebind(self, **context: Any) -> None:
         """Replace bound context fields (e.g. ``epoch`` after a cache reset) for later lines."""

@@ -265,3 +265,15 @@ def test_an_actor_log_leaves_the_global_structlog_configuration_alone(tmp_path):
 def test_log_path_is_the_instance_file_in_the_run_dir(tmp_path):
     assert log_path(tmp_path, "sink", 1) == tmp_path / "sink-1.jsonl"
     assert log_path(str(tmp_path), "supervisor", 0) == tmp_path / "supervisor-0.jsonl"
+
+
+def test_the_fast_trace_path_renders_what_the_structlog_chain_renders(tmp_path):
+    log = make_log(tmp_path, level="trace")
+    fields = {"peer": "source-0", "seq": 7, "path": Path("/x"), "ids": (1, 2)}
+    log.trace("msg.recv", **fields)  # the per-message path
+    log._logger.debug("msg.recv", **fields)  # the structlog processor chain, same level
+    log.close()
+    fast, chain = read_lines(log)
+    for line in (fast, chain):
+        del line["ts"], line["mono_ns"]
+    assert list(fast.items()) == list(chain.items())
