@@ -12,6 +12,7 @@ from the field annotations. Floats must be finite: orjson writes NaN as null.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import reprlib
 import types
@@ -206,37 +207,68 @@ def _dataclass_converter(cls: type, seen: frozenset[type], where: str) -> _Conv:
         hints = typing.get_type_hints(cls)
     except NameError as e:
         raise TypeError(f"cannot resolve the annotations of {cls.__name__}: {e}") from e
-    specs: list[tuple[str, _Conv, bool]] = []
+    specs: list[tuple[str, _Conv, Callable[[], object] | None, Callable[[object, object], None]]]
+    specs = []
     for f in dataclasses.fields(cls):
         if not f.init:
             raise TypeError(f"{cls.__name__}.{f.name}: init=False fields cannot be decoded")
         convert = _converter(hints[f.name], f"{cls.__name__}.{f.name}", seen | {cls})
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        specs.append((f.name, convert, required))
-    names = frozenset(name for name, _, _ in specs)
+        default: Callable[[], object] | None = None
+        if f.default is not dataclasses.MISSING:
+            default = functools.partial(_same, f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory
+        specs.append((f.name, convert, default, _setter(cls, f.name)))
+    names = frozenset(spec[0] for spec in specs)
+    new = object.__new__
+    post_init = getattr(cls, "__post_init__", None)
 
     def conv(v: object) -> object:
         if type(v) is not dict:
             raise _expected("object", v)
-        kwargs = {}
-        for name, field_conv, required in specs:
+        obj: object = new(cls)
+        found = 0
+        for name, field_conv, default, store in specs:
             if (x := v.get(name, _ABSENT)) is not _ABSENT:
+                found += 1
                 try:
-                    kwargs[name] = field_conv(x)
+                    store(obj, field_conv(x))
                 except _Mismatch as e:
                     e.path.append(name)
                     raise
-            elif required:
+            elif default is None:
                 raise _Mismatch("required but missing", name)
-        if len(kwargs) != len(v):  # every known key went into kwargs, so the rest are unknown
+            else:
+                store(obj, default())
+        if found != len(v):  # every known key was found, so the rest are unknown
             extra = next(k for k in v if k not in names)
             raise _Mismatch(f"not a field of {cls.__name__}", extra)
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as e:  # raised by a __post_init__ check
-            raise _Mismatch(f"rejected by {cls.__name__}: {e}") from e
+        if post_init is not None:
+            try:
+                post_init(obj)
+            except (TypeError, ValueError) as e:  # a __post_init__ check refused the values
+                raise _Mismatch(f"rejected by {cls.__name__}: {e}") from e
+        return obj
 
     return conv
+
+
+def _same(value: object) -> object:
+    return value
+
+
+def _setter(cls: type, name: str) -> Callable[[object, object], None]:
+    """Store a field of a new instance directly through its slot.
+
+    A frozen dataclass's ``__init__`` goes through ``object.__setattr__`` once per field
+    and costs about three times as much; the decoder fills the same slots, in the same
+    order, then runs ``__post_init__`` as ``__init__`` would.
+    """
+    slot = getattr(cls, name, None)
+    store = getattr(slot, "__set__", None)
+    if store is None or not isinstance(slot, types.MemberDescriptorType):
+        return lambda obj, value: object.__setattr__(obj, name, value)
+    return typing.cast(Callable[[object, object], None], store)
 
 
 class _Entry(NamedTuple):

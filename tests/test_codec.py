@@ -190,6 +190,15 @@ def test_a_field_with_a_default_may_be_omitted():
     obj = rich_json()
     del obj["deep"], obj["nested_opt"]
     assert REG.decode(RICH_KIND, orjson.dumps(obj)) == make_rich(deep={}, nested_opt=None)
+    first, second = (REG.decode(RICH_KIND, orjson.dumps(obj)) for _ in range(2))
+    assert isinstance(first, Rich) and isinstance(second, Rich)
+    assert first.deep is not second.deep  # the default factory runs once per decode
+
+
+def test_a_decoded_message_is_as_frozen_as_a_constructed_one():
+    back = REG.decode(STEP_KIND, orjson.dumps(step_json()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        back.step = 8  # type: ignore[misc]
 
 
 def test_an_int_is_accepted_for_a_float_field_and_becomes_a_float():
