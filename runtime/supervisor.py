@@ -6,7 +6,7 @@ A run, in order:
    and the per-actor config, before anything is created;
 2. take the run dir (cleaning what a dead earlier run left there), write the lease,
    the names manifest and the resolved config, then create every doorbell, ring and
-   counter block the manifest names;
+   counter block the manifest names (run.py);
 3. spawn every ``placement = "spawn"`` instance with multiprocess (spawn context) and
    wait, with a deadline, for each one (and each external one) to report ready;
 4. watch: a child's exit (its process sentinel), a stale heartbeat (the child is
@@ -28,91 +28,22 @@ import signal
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import multiprocess
-import orjson
 
 from ringfence.runtime import child
-from ringfence.runtime.config import Config, check_actor_names, dump_config
-from ringfence.runtime.control import InstanceControl, control_count
-from ringfence.runtime.embed import CONFIG_FILE
+from ringfence.runtime.config import Config
 from ringfence.runtime.log import ActorLog, log_path
-from ringfence.runtime.manifest import (
-    MANIFEST_FILE,
-    InstanceEntry,
-    Manifest,
-    build_manifest,
-    read_manifest,
-    write_atomic,
-    write_manifest,
-)
 from ringfence.runtime.messages import RUNTIME, Stop
-from ringfence.runtime.topology import SUPERVISOR, Topology, import_target
+from ringfence.runtime.run import Run, Slot, create_run, load_topology, write_actors
+from ringfence.runtime.topology import SUPERVISOR
 from ringfence.shm import names
-from ringfence.shm.counter import CounterBlock
-from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.liveness import ProcessStamp
-from ringfence.shm.ring import Ring, RingWriter
 
-ACTORS_FILE = "actors.json"
 EXIT_FAILED = 1
 REAP_TIMEOUT_S = 5.0  # a child whose sentinel fired is past its last Python code
-
-
-@dataclass(slots=True)
-class Slot:
-    """The supervisor's view of one instance."""
-
-    entry: InstanceEntry
-    control: InstanceControl
-    writer: RingWriter  # the control ring to it
-    proc: Any = None  # the multiprocess.Process of a spawned instance
-    pid: int | None = None
-    incarnation: int = 0  # the one spawned (or expected to attach) last
-    restarts: int = 0
-    state: str = "starting"  # starting, ready, killing, restarting, exited, failed, stopped
-    exitcode: int | None = None
-    deadline: float = 0.0  # ready deadline while starting; restart time while restarting
-    beat: int = -1  # last heartbeat value seen ...
-    beat_at: float = 0.0  # ... and when it was first seen
-    started_at: float = 0.0
-    shutdowns: int = 0  # shutdown requests seen so far
-
-    @property
-    def live(self) -> bool:
-        return self.state in ("starting", "ready", "killing")
-
-
-@dataclass
-class _Run:
-    manifest: Manifest
-    bell: Doorbell
-    control: CounterBlock
-    slots: list[Slot] = field(default_factory=list)
-
-
-def load_topology(config: Config) -> Topology:
-    topology = import_target(config.runtime.topology)
-    if not isinstance(topology, Topology):
-        raise ValueError(f"runtime.topology: {config.runtime.topology} is not a Topology")
-    topology.check()
-    check_actor_names(config, [a.name for a in topology.actors], "config")
-    return topology
-
-
-def prepare_run_dir(run_dir: Path) -> str | None:
-    """Make ``run_dir`` usable; if a dead run left names there, remove them. Returns its id."""
-    if not (run_dir / MANIFEST_FILE).exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return None
-    old = read_manifest(run_dir)
-    if names.run_is_live(old.run_id):
-        raise ValueError(f"run dir {run_dir} belongs to live run {old.run_id}")
-    names.clean_run(old.run_id)
-    return old.run_id
 
 
 class Supervisor:
@@ -132,76 +63,19 @@ class Supervisor:
 
     # Setup and teardown.
 
-    def _create(self, stack: ExitStack) -> _Run:
-        rt = self.config.runtime
-        stale = prepare_run_dir(self.run_dir)
-        stamp = ProcessStamp.current()
-        placements = {a.name: self.config.actor(a.name).placement for a in self.topology.actors}
-        manifest = build_manifest(
-            self.run_id,
-            self.topology,
-            placements=placements,
-            ring_bytes=rt.ring_bytes,
-            supervisor_pid=stamp.pid,
-            supervisor_start_ticks=stamp.start_ticks,
-        )
-        names.write_lease(self.run_id)
-        stack.callback(names.remove_lease, self.run_id)
-        stack.callback(names.clean_run, self.run_id)  # whatever an error left half-made
-        write_manifest(self.run_dir, manifest)
-        (self.run_dir / CONFIG_FILE).write_text(dump_config(self.config))
+    def _create(self, stack: ExitStack) -> Run:
+        run, stale = create_run(stack, self.config, self.topology, self.run_id, self.run_dir)
         self.log = ActorLog(
             log_path(self.run_dir, SUPERVISOR, 0),
             actor=SUPERVISOR,
             rank=0,
             epoch=0,
-            level=rt.log_level,
+            level=self.config.runtime.log_level,
         )
         stack.callback(self.log.close)
         if stale:
             self.log.info("run.clean", run_id=stale)
-
-        def made(obj: Any) -> Any:
-            stack.callback(obj.unlink)
-            stack.callback(obj.close)
-            return obj
-
-        bell = made(Doorbell.create(manifest.supervisor_bell, spin_us=0))
-        control = made(
-            CounterBlock.create(manifest.control, control_count(len(manifest.instances)))
-        )
-        control[0].claim()
-        for counter in manifest.counters:
-            made(CounterBlock.create(counter.posix, counter.count))
-        for entry in manifest.instances:
-            made(Doorbell.create(entry.bell, spin_us=0))
-        run = _Run(manifest, bell, control)
-        for entry in manifest.instances:
-            rings = [made(Ring.create(ep.ring, ep.capacity)) for ep in entry.inboxes]
-            peer = Doorbell.attach(entry.bell, spin_us=0)
-            stack.callback(peer.close)
-            writer = RingWriter(rings[0], wake=peer, space=bell)  # inboxes[0]: the control ring
-            stack.callback(writer.close)
-            inst = InstanceControl.of(control, entry.index)
-            run.slots.append(Slot(entry=entry, control=inst, writer=writer))
         return run
-
-    def _write_actors(self, run: _Run) -> None:
-        rows = [
-            {
-                "id": s.entry.id,
-                "name": s.entry.name,
-                "rank": s.entry.rank,
-                "placement": s.entry.placement,
-                "pid": s.pid,
-                "incarnation": s.incarnation,
-                "restarts": s.restarts,
-                "state": s.state,
-                "exitcode": s.exitcode,
-            }
-            for s in run.slots
-        ]
-        write_atomic(self.run_dir / ACTORS_FILE, orjson.dumps(rows, option=orjson.OPT_INDENT_2))
 
     def run(self) -> int:
         """Launch, supervise until stopped, tear down. Returns the process exit status."""
@@ -233,7 +107,7 @@ class Supervisor:
                 self.exit_code = EXIT_FAILED
                 raise
             finally:
-                self._write_actors(run)
+                write_actors(self.run_dir, run)
                 self.log.info(
                     "run.end",
                     reason=self._stop_reason,
@@ -245,14 +119,14 @@ class Supervisor:
 
     # Starting and watching.
 
-    def _start(self, run: _Run, slot: Slot, waker: Any) -> None:
+    def _start(self, run: Run, slot: Slot, waker: Any) -> None:
         now = time.monotonic()
         slot.state, slot.started_at = "starting", now
         slot.deadline = now + self.config.runtime.ready_timeout_s
         if slot.entry.placement == "external":
             slot.incarnation = slot.control.ready.value() + 1
             self.log.info("actor.await", instance=slot.entry.id, incarnation=slot.incarnation)
-            self._write_actors(run)
+            write_actors(self.run_dir, run)
             return
         slot.incarnation += 1
         spec = child.ChildSpec(
@@ -269,17 +143,17 @@ class Supervisor:
             instance_pid=proc.pid,
             incarnation=slot.incarnation,
         )
-        self._write_actors(run)
+        write_actors(self.run_dir, run)
 
     @staticmethod
-    def _marks(run: _Run) -> list[int]:
+    def _marks(run: Run) -> list[int]:
         return [
             mark.value()
             for s in run.slots
             for mark in (s.control.ready, s.control.exited, s.control.shutdown)
         ]
 
-    def _next_deadline(self, run: _Run) -> float:
+    def _next_deadline(self, run: Run) -> float:
         timeout = self.config.runtime.heartbeat_timeout_s
         wake = [time.monotonic() + timeout]
         for s in run.slots:
@@ -289,7 +163,7 @@ class Supervisor:
                 wake.append(s.beat_at + timeout)
         return min(wake)
 
-    def _supervise(self, run: _Run, waker: Any) -> None:
+    def _supervise(self, run: Run, waker: Any) -> None:
         while True:
             self._collect(run, waker)
             if self._stop_reason is not None:
@@ -312,7 +186,7 @@ class Supervisor:
             self._stop_reason = reason
             self.exit_code = exit_code
 
-    def _collect(self, run: _Run, waker: Any) -> None:
+    def _collect(self, run: Run, waker: Any) -> None:
         signals, fired = waker.take()
         for signum in signals:
             name = signal.Signals(signum).name
@@ -334,7 +208,7 @@ class Supervisor:
                     incarnation=slot.incarnation,
                     startup_s=round(now - slot.started_at, 3),
                 )
-                self._write_actors(run)
+                write_actors(self.run_dir, run)
             if ctl.shutdown.value() > slot.shutdowns:
                 slot.shutdowns = ctl.shutdown.value()
                 self._begin_stop(f"shutdown requested by {slot.entry.id}", 0)
@@ -351,7 +225,7 @@ class Supervisor:
         ):
             self._begin_stop("every actor exited", 0)
 
-    def _check_heartbeat(self, run: _Run, slot: Slot, now: float) -> None:
+    def _check_heartbeat(self, run: Run, slot: Slot, now: float) -> None:
         ctl = slot.control
         if slot.entry.placement == "external" and (
             ctl.exited.value() >= slot.incarnation or not _alive(ctl.ready.writer())
@@ -381,7 +255,7 @@ class Supervisor:
             self._kill(slot, "heartbeat stale")
             slot.state = "killing"  # no more checks: its exit comes through the waker
 
-    def _late(self, run: _Run, slot: Slot) -> None:
+    def _late(self, run: Run, slot: Slot) -> None:
         timeout = self.config.runtime.ready_timeout_s
         self.log.error(
             "actor.late", instance=slot.entry.id, instance_pid=slot.pid, ready_timeout_s=timeout
@@ -401,7 +275,7 @@ class Supervisor:
             )
             os.kill(slot.pid, signal.SIGKILL)
 
-    def _reap_fired(self, run: _Run, sentinels: set[int]) -> None:
+    def _reap_fired(self, run: Run, sentinels: set[int]) -> None:
         """Collect the children whose sentinels fired (their exit status follows shortly)."""
         for fd in sentinels:
             slot = self._by_sentinel.pop(fd, None)
@@ -409,7 +283,7 @@ class Supervisor:
                 slot.proc.join(REAP_TIMEOUT_S)
                 self._exited(run, slot)
 
-    def _exited(self, run: _Run, slot: Slot) -> None:
+    def _exited(self, run: Run, slot: Slot) -> None:
         code = slot.proc.exitcode
         slot.proc.close()
         slot.proc, slot.exitcode = None, code
@@ -426,9 +300,9 @@ class Supervisor:
             slot.state = "stopped" if self._stop_reason is not None else "exited"
         else:
             self._failed(run, slot)
-        self._write_actors(run)
+        write_actors(self.run_dir, run)
 
-    def _failed(self, run: _Run, slot: Slot) -> None:
+    def _failed(self, run: Run, slot: Slot) -> None:
         policy = self.config.actor(slot.entry.name)
         if policy.restart == "never" or slot.restarts >= policy.max_restarts:
             slot.state = "failed"
@@ -455,7 +329,7 @@ class Supervisor:
 
     # Stopping.
 
-    def _stop_all(self, run: _Run, waker: Any) -> None:
+    def _stop_all(self, run: Run, waker: Any) -> None:
         assert self._stop_reason is not None
         rt = self.config.runtime
         deadline = time.monotonic() + rt.stop_timeout_s
@@ -472,7 +346,7 @@ class Supervisor:
                 slot.state = "stopped"
             self._kill(slot, "stop deadline passed" if slot.state == "ready" else "run stopped")
 
-    def _await_exit(self, run: _Run, group: Sequence[Slot], waker: Any, deadline: float) -> bool:
+    def _await_exit(self, run: Run, group: Sequence[Slot], waker: Any, deadline: float) -> bool:
         """Wait until every slot of ``group`` has exited; False at the deadline or a 2nd signal."""
 
         def done() -> bool:
@@ -503,7 +377,7 @@ class Supervisor:
                 return finished
             run.bell.wait_until(done, remaining)
 
-    def _reap_all(self, run: _Run) -> None:
+    def _reap_all(self, run: Run) -> None:
         """Last step on every exit path: no child of this run outlives the supervisor."""
         for slot in run.slots:
             if slot.proc is not None:

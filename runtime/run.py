@@ -1,0 +1,155 @@
+"""The objects of one launched run: its dir, its shared-memory names, and a slot per instance.
+
+:func:`create_run` takes the run dir (cleaning what a dead earlier run left there),
+writes the lease, the names manifest and the resolved config, then creates every
+doorbell, ring and counter block the manifest names, registering each one's close
+and unlink on the caller's ExitStack, so that every exit path removes every name.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ringfence.runtime.config import Config, check_actor_names, dump_config
+from ringfence.runtime.control import InstanceControl, control_count
+from ringfence.runtime.embed import CONFIG_FILE
+from ringfence.runtime.manifest import (
+    MANIFEST_FILE,
+    InstanceEntry,
+    Manifest,
+    build_manifest,
+    read_manifest,
+    write_atomic,
+    write_manifest,
+)
+from ringfence.runtime.topology import Topology, import_target
+from ringfence.shm import names
+from ringfence.shm.counter import CounterBlock
+from ringfence.shm.doorbell import Doorbell
+from ringfence.shm.liveness import ProcessStamp
+from ringfence.shm.ring import Ring, RingWriter
+
+ACTORS_FILE = "actors.json"
+
+
+@dataclass(slots=True)
+class Slot:
+    """The supervisor's view of one instance."""
+
+    entry: InstanceEntry
+    control: InstanceControl
+    writer: RingWriter  # the control ring to it
+    proc: Any = None  # the multiprocess.Process of a spawned instance
+    pid: int | None = None
+    incarnation: int = 0  # the one spawned (or expected to attach) last
+    restarts: int = 0
+    state: str = "starting"  # starting, ready, killing, restarting, exited, failed, stopped
+    exitcode: int | None = None
+    deadline: float = 0.0  # ready deadline while starting; restart time while restarting
+    beat: int = -1  # last heartbeat value seen ...
+    beat_at: float = 0.0  # ... and when it was first seen
+    started_at: float = 0.0
+    shutdowns: int = 0  # shutdown requests seen so far
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("starting", "ready", "killing")
+
+
+@dataclass
+class Run:
+    manifest: Manifest
+    bell: Doorbell
+    control: CounterBlock
+    slots: list[Slot] = field(default_factory=list)
+
+
+def load_topology(config: Config) -> Topology:
+    topology = import_target(config.runtime.topology)
+    if not isinstance(topology, Topology):
+        raise ValueError(f"runtime.topology: {config.runtime.topology} is not a Topology")
+    topology.check()
+    check_actor_names(config, [a.name for a in topology.actors], "config")
+    return topology
+
+
+def prepare_run_dir(run_dir: Path) -> str | None:
+    """Make ``run_dir`` usable; if a dead run left names there, remove them. Returns its id."""
+    if not (run_dir / MANIFEST_FILE).exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return None
+    old = read_manifest(run_dir)
+    if names.run_is_live(old.run_id):
+        raise ValueError(f"run dir {run_dir} belongs to live run {old.run_id}")
+    names.clean_run(old.run_id)
+    return old.run_id
+
+
+def create_run(
+    stack: ExitStack, config: Config, topology: Topology, run_id: str, run_dir: Path
+) -> tuple[Run, str | None]:
+    """Everything a run needs, made; and the id of a dead run whose names were cleaned first."""
+    rt = config.runtime
+    stale = prepare_run_dir(run_dir)
+    stamp = ProcessStamp.current()
+    placements = {a.name: config.actor(a.name).placement for a in topology.actors}
+    manifest = build_manifest(
+        run_id,
+        topology,
+        placements=placements,
+        ring_bytes=rt.ring_bytes,
+        supervisor_pid=stamp.pid,
+        supervisor_start_ticks=stamp.start_ticks,
+    )
+    names.write_lease(run_id)
+    stack.callback(names.remove_lease, run_id)
+    stack.callback(names.clean_run, run_id)  # whatever an error left half-made
+    write_manifest(run_dir, manifest)
+    (run_dir / CONFIG_FILE).write_text(dump_config(config))
+
+    def made(obj: Any) -> Any:
+        stack.callback(obj.unlink)
+        stack.callback(obj.close)
+        return obj
+
+    bell = made(Doorbell.create(manifest.supervisor_bell, spin_us=0))
+    control = made(CounterBlock.create(manifest.control, control_count(len(manifest.instances))))
+    control[0].claim()
+    for counter in manifest.counters:
+        made(CounterBlock.create(counter.posix, counter.count))
+    for entry in manifest.instances:
+        made(Doorbell.create(entry.bell, spin_us=0))
+    run = Run(manifest, bell, control)
+    for entry in manifest.instances:
+        rings = [made(Ring.create(ep.ring, ep.capacity)) for ep in entry.inboxes]
+        peer = Doorbell.attach(entry.bell, spin_us=0)
+        stack.callback(peer.close)
+        writer = RingWriter(rings[0], wake=peer, space=bell)  # inboxes[0]: the control ring
+        stack.callback(writer.close)
+        inst = InstanceControl.of(control, entry.index)
+        run.slots.append(Slot(entry=entry, control=inst, writer=writer))
+    return run, stale
+
+
+def write_actors(run_dir: Path, run: Run) -> None:
+    """``actors.json``: each instance's pid, incarnation, restarts and state, replaced whole."""
+    rows = [
+        {
+            "id": s.entry.id,
+            "name": s.entry.name,
+            "rank": s.entry.rank,
+            "placement": s.entry.placement,
+            "pid": s.pid,
+            "incarnation": s.incarnation,
+            "restarts": s.restarts,
+            "state": s.state,
+            "exitcode": s.exitcode,
+        }
+        for s in run.slots
+    ]
+    write_atomic(run_dir / ACTORS_FILE, orjson.dumps(rows, option=orjson.OPT_INDENT_2))
