@@ -66,3 +66,7 @@ class ConfigError(RingfenceError, ValueError):
     def __init__(self, message: str, *, key: str | None = None):
         super().__init__(message)
         self.key = key
+
+
+class OutOfBlocks(RingfenceError, MemoryError):
+    """A block pool cannot supply the blocks asked for; nothing was allocated."""
