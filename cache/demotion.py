@@ -43,7 +43,7 @@ class CopyDown(NamedTuple):
 def _check(policy: str) -> Policy:
     if policy not in POLICIES:
         raise ValueError(f"demotion policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    return policy  # type: ignore[return-value]
+    return policy
 
 
 def on_filled(
