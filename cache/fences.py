@@ -1,0 +1,261 @@
+"""Fences: which watermarks an op must wait for before it touches its blocks.
+
+Three lanes are each executed in issue order by exactly one executor per rank: ``step``
+(the Worker: model steps read and write device blocks), ``swap`` (Transfer: a swap-in
+reads host blocks and writes device blocks, a swap-out reads device blocks and writes
+host blocks) and ``store`` (Transfer: a write-back reads host blocks, a prefetch writes
+host blocks). The Engine is the only issuer of every op number, and each lane has a
+watermark: every op of the lane numbered up to it is done.
+
+The rule. For every device block and every host block the tracker remembers, per lane,
+the last op that wrote it and the last op that read or wrote it. An op of lane L that
+reads blocks R and writes blocks W gets, for each other lane L', the fence value
+
+    max(max(last_writer[L'][b] for b in R), max(last_access[L'][b] for b in W), 0)
+
+and its executor must not touch the blocks until the watermark of every such L' has
+reached its value. Readers never wait for readers. The fence has no entry for L itself:
+ops of one lane are ordered by the lane's FIFO. The op is then recorded as the last
+access (and, for W, the last write) of its blocks in lane L. Storage is keyed by content
+hash, so its keys are never reused for other bytes and its ops are idempotent: it
+needs no fence. A fence orders ops and says nothing of their outcome: a prefetch can
+fail, so the Engine issues nothing that reads prefetched blocks before it has the
+prefetch's completion status.
+
+The rule yields the four invariants of DESIGN "Sequence numbers, watermarks, fences":
+
+- I1: a step never reads a device block before the swap-in that fills it is done (the
+  step reads the block, whose last swap writer is that swap-in);
+- I2: a swap-out never reads a device block before the step that wrote it is done
+  (the swap-out reads the block, whose last step writer is that step);
+- I3: a swap-in never overwrites a device block that an unfinished step still uses
+  (the swap-in writes the block, whose last step access is that step), so a block can
+  be handed to a new request the moment it is freed: free at issue, fence at use;
+- I4: a write-back never reads a host block before the swap-out that fills it is done,
+  and a new swap-out never overwrites a host block that a pending write-back still
+  reads (or, by the swap FIFO, that a pending swap-in still reads); likewise a swap-in
+  never reads a host block before the prefetch that fills it is done, and a prefetch
+  never overwrites a host block that a pending swap-in still reads.
+
+Why the rule is enough: a fence names only ops issued before the op that carries it, so
+every wait points back in issue order and no cycle of waits can form (no deadlock); and
+two ops of different lanes that touch a common block, at least one of them writing it,
+run in issue order, so every execution equals the sequential execution of the ops in
+the order they were issued. The later op of such a pair waits for a number at least the
+earlier op's (the last writer or last access of the block in that lane), and a
+watermark covers every op of its lane up to its value.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from ringfence.cache.ids import BlockId, Seq
+
+
+class Lane(enum.StrEnum):
+    """A lane of ops; each is executed in issue order by exactly one executor per rank."""
+
+    STEP = "step"  # Worker: model steps, read and write device blocks
+    SWAP = "swap"  # Transfer: swap-in (host -> device) and swap-out (device -> host)
+    STORE = "store"  # Transfer: write-back (host -> storage) and prefetch (storage -> host)
+
+
+class Tier(enum.StrEnum):
+    """A fenced tier of blocks; each has its own id space (storage is content-addressed)."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+_LANES = (Lane.STEP, Lane.SWAP, Lane.STORE)  # the order of the fields of Fence
+_LANE_INDEX = {lane: i for i, lane in enumerate(_LANES)}
+_TIERS = (Tier.DEVICE, Tier.HOST)  # the order of the per-tier records
+_TIER_INDEX = {tier: t for t, tier in enumerate(_TIERS)}
+# Per tier, each lane whose ops touch it, mapped to the other such lane. Steps never touch
+# host blocks and store ops never touch device blocks, so on each tier an op has exactly
+# one other lane to wait for, and the tier keeps a record for two lanes only.
+_OTHER_LANE = ({0: 1, 1: 0}, {1: 2, 2: 1})
+# The blocks an op reads and writes, per tier in the order of _TIERS.
+_Blocks = Collection[BlockId]
+_PerTier = tuple[tuple[_Blocks, _Blocks], tuple[_Blocks, _Blocks]]
+_NO_WAIT_SEQ = Seq(0)  # a fence field that waits for nothing
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fence:
+    """The watermark value each lane must reach before an op may touch its blocks.
+
+    0 means no wait. The field of the op's own lane is always 0: the lane's FIFO orders
+    the op after every earlier op of its lane.
+    """
+
+    step: Seq = _NO_WAIT_SEQ  # step_done must reach this
+    swap: Seq = _NO_WAIT_SEQ  # swap_done must reach this
+    store: Seq = _NO_WAIT_SEQ  # store_done must reach this
+
+    def waits(self) -> dict[Lane, Seq]:
+        """The lanes this fence waits for, with their values; empty when it waits for none."""
+        pairs = ((Lane.STEP, self.step), (Lane.SWAP, self.swap), (Lane.STORE, self.store))
+        return {lane: seq for lane, seq in pairs if seq}
+
+    def is_satisfied(self, *, step_done: int, swap_done: int, store_done: int) -> bool:
+        """Whether watermarks with these values let the op run."""
+        return step_done >= self.step and swap_done >= self.swap and store_done >= self.store
+
+
+NO_WAIT = Fence()  # the fence of an op that waits for nothing
+
+
+class FenceTracker:
+    """The Engine's per-block record of the last write and last access in every lane.
+
+    Owned by the Engine (one per rank); not thread-safe. Each tier keeps, for each of the
+    two lanes that touch it, two flat ``array('q')`` indexed by block id: the number of
+    the lane's last op that wrote the block, and of its last op that read or wrote it (0
+    for none). That is 32 bytes per block and tier, no per-block objects, and an op costs
+    time in the number of blocks it touches only. Plain loops over the block ids are the
+    fastest stdlib way to index an array (``map(a.__getitem__, ...)`` was slower).
+
+    Fences of one lane are also monotone: each field is at least the same field of the
+    lane's previous fence. That costs no extra wait (the FIFO predecessor already waited
+    for it and watermarks never go back) and makes a fence the whole precondition of its
+    op, so an executor resuming at any op, or a reader of a trace, needs no earlier op.
+    """
+
+    __slots__ = ("_last_issued", "_num_blocks", "_previous", "_previous_fence", "_records")
+
+    def __init__(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        if num_device_blocks < 0 or num_host_blocks < 0:
+            raise ValueError(
+                f"block counts must be >= 0: got {num_device_blocks} device, {num_host_blocks} host"
+            )
+        self._num_blocks = (num_device_blocks, num_host_blocks)  # per tier
+        # [tier][lane] -> (last write, last access) per block, for the lanes touching the tier.
+        self._records = tuple(
+            {lane: (_zeros(n), _zeros(n)) for lane in _OTHER_LANE[t]}
+            for t, n in enumerate(self._num_blocks)
+        )
+        self._last_issued = [0, 0, 0]  # [lane]: the number of the last op issued
+        self._previous = [[0, 0, 0] for _ in _LANES]  # [lane]: the lane's last fence, by lane
+        # [lane]: the same as a Fence; with monotone fences, consecutive ones are often equal,
+        # and reusing the object saves most of the fixed cost of an op.
+        self._previous_fence = [NO_WAIT for _ in _LANES]
+
+    def issue(
+        self,
+        lane: Lane,
+        seq: Seq,
+        *,
+        read_device: Collection[BlockId] = (),
+        write_device: Collection[BlockId] = (),
+        read_host: Collection[BlockId] = (),
+        write_host: Collection[BlockId] = (),
+    ) -> Fence:
+        """Compute the fence of op ``seq`` of ``lane``, record the op, and return the fence.
+
+        A block may be both read and written. Mutates the tracker, or nothing when it
+        raises ``ValueError``: ``seq`` is not above the last number issued in the lane,
+        the lane does not touch a tier it was given blocks of (steps touch only device
+        blocks, store ops only host blocks), or a block id is out of range.
+        """
+        i = _LANE_INDEX[lane]
+        if seq <= self._last_issued[i]:
+            raise ValueError(
+                f"{lane} op numbers must increase: got {seq} after {self._last_issued[i]}"
+            )
+        per_tier = ((read_device, write_device), (read_host, write_host))
+        waits = self._fence(i, per_tier)
+        # Recorded only now: every check above and in _fence passed, so nothing is half done.
+        self._last_issued[i] = seq
+        if waits != self._previous[i]:
+            self._previous[i] = waits
+            self._previous_fence[i] = _as_fence(waits)
+        for t, (reads, writes) in enumerate(per_tier):
+            if reads or writes:
+                last_write, last_access = self._records[t][i]
+                for block in reads:
+                    last_access[block] = seq
+                for block in writes:
+                    last_access[block] = seq
+                    last_write[block] = seq
+        return self._previous_fence[i]
+
+    def fence_for(
+        self,
+        lane: Lane,
+        *,
+        read_device: Collection[BlockId] = (),
+        write_device: Collection[BlockId] = (),
+        read_host: Collection[BlockId] = (),
+        write_host: Collection[BlockId] = (),
+    ) -> Fence:
+        """The fence that the next op of ``lane`` would get; mutates nothing.
+
+        Raises ``ValueError`` as :meth:`issue` does for tiers and block ids.
+        """
+        per_tier = ((read_device, write_device), (read_host, write_host))
+        return _as_fence(self._fence(_LANE_INDEX[lane], per_tier))
+
+    def last_issued(self, lane: Lane) -> Seq:
+        """The number of the last op issued in ``lane``; 0 before the first."""
+        return Seq(self._last_issued[_LANE_INDEX[lane]])
+
+    def reset_tier(self, tier: Tier) -> None:
+        """Forget which ops touched the blocks of ``tier``, as after a Worker restart.
+
+        Later ops of any lane then wait for no earlier op on account of those blocks.
+        That is safe only once no op issued before the reset can still touch the tier:
+        every lane has drained past its last op, or the epoch was bumped so that the
+        executors cancel every older op without touching its blocks. Lane numbers and
+        the monotone floor of each lane's fences are kept. Mutates the tier's record.
+        """
+        t = _TIER_INDEX[tier]
+        zeros = _zeros(self._num_blocks[t])
+        for last_write, last_access in self._records[t].values():
+            last_write[:] = zeros
+            last_access[:] = zeros
+
+    def _fence(self, i: int, per_tier: _PerTier) -> list[int]:
+        """The fence of an op of lane index ``i`` as a list by lane; checks, mutates nothing."""
+        waits = list(self._previous[i])  # its own field is always 0
+        for t, (reads, writes) in enumerate(per_tier):
+            if not reads and not writes:
+                continue
+            if i not in _OTHER_LANE[t]:
+                raise ValueError(f"a {_LANES[i]} op touches no {_TIERS[t]} blocks: got some")
+            j = _OTHER_LANE[t][i]
+            last_write, last_access = self._records[t][j]
+            try:
+                # A read waits for the last write; a write waits for the last read or write.
+                waits[j] = _latest(last_write, reads, waits[j])
+                waits[j] = _latest(last_access, writes, waits[j])
+            except IndexError:
+                n = self._num_blocks[t]
+                bad = sorted({b for b in (*reads, *writes) if not 0 <= b < n})
+                raise ValueError(f"{_TIERS[t]} block ids must lie in [0, {n}): got {bad}") from None
+        return waits
+
+
+def _latest(seqs: array[int], blocks: Collection[BlockId], floor: int) -> int:
+    """The largest of ``floor`` and ``seqs[b]`` for b in ``blocks``; IndexError out of range."""
+    latest = floor
+    for block in blocks:
+        if block < 0:  # an array would silently index from its end
+            raise IndexError(block)
+        seq = seqs[block]
+        if seq > latest:  # noqa: PLR1730 (a call to max() per block costs 3x the loop)
+            latest = seq
+    return latest
+
+
+def _as_fence(waits: list[int]) -> Fence:
+    return Fence(step=Seq(waits[0]), swap=Seq(waits[1]), store=Seq(waits[2]))
+
+
+def _zeros(num_blocks: int) -> array[int]:
+    """An array of ``num_blocks`` sequence numbers, all 0."""
+    return array("q", bytes(8 * num_blocks))
