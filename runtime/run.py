@@ -80,8 +80,13 @@ def load_topology(config: Config) -> Topology:
 
 def prepare_run_dir(run_dir: Path) -> str | None:
     """Make ``run_dir`` usable; if a dead run left names there, remove them. Returns its id."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run dir {run_dir} exists and is not a directory")
     if not (run_dir / MANIFEST_FILE).exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"run dir {run_dir}: cannot create it: {e.strerror}") from e
         return None
     old = read_manifest(run_dir)
     if names.run_is_live(old.run_id):

@@ -283,9 +283,13 @@ class Supervisor:
                 slot.proc.join(REAP_TIMEOUT_S)
                 self._exited(run, slot)
 
-    def _exited(self, run: Run, slot: Slot) -> None:
+    def _exited(self, run: Run, slot: Slot, *, close: bool = True) -> None:
+        """Record a child's exit (already joined). ``close=False`` leaves its sentinel open for
+        a waker that may not have seen it fire yet (the sentinel's fd number must not be
+        reused while the waker still watches it)."""
         code = slot.proc.exitcode
-        slot.proc.close()
+        if close:
+            slot.proc.close()
         slot.proc, slot.exitcode = None, code
         clean = code == 0 and slot.control.exited.value() >= slot.incarnation
         self.log.info(
@@ -334,20 +338,29 @@ class Supervisor:
         rt = self.config.runtime
         deadline = time.monotonic() + rt.stop_timeout_s
         self.log.info("run.stop", reason=self._stop_reason, stop_timeout_s=rt.stop_timeout_s)
+        cut_short: str | None = None
         for spec in self.topology.actors:
             group = [s for s in run.slots if s.entry.name == spec.name and s.state == "ready"]
             kind, payload = RUNTIME.encode(Stop(reason=self._stop_reason))
             for slot in group:
                 slot.writer.put(kind, payload, timeout=1.0)
-            if not self._await_exit(run, group, waker, deadline):
+            cut_short = self._await_exit(run, group, waker, deadline)
+            if cut_short is not None:
                 break
         for slot in run.slots:
             if slot.state in ("starting", "restarting"):
                 slot.state = "stopped"
-            self._kill(slot, "stop deadline passed" if slot.state == "ready" else "run stopped")
+            self._kill(slot, cut_short if slot.state == "ready" and cut_short else "run stopped")
+        for slot in run.slots:  # what was killed: collected here, so the record is complete
+            if slot.proc is not None:
+                self._by_sentinel.pop(slot.proc.sentinel, None)
+                slot.proc.join(REAP_TIMEOUT_S)
+                self._exited(run, slot, close=False)
 
-    def _await_exit(self, run: Run, group: Sequence[Slot], waker: Any, deadline: float) -> bool:
-        """Wait until every slot of ``group`` has exited; False at the deadline or a 2nd signal."""
+    def _await_exit(
+        self, run: Run, group: Sequence[Slot], waker: Any, deadline: float
+    ) -> str | None:
+        """Wait until every slot of ``group`` has exited: None; else why the wait was cut short."""
 
         def done() -> bool:
             return waker.pending or all(
@@ -370,11 +383,14 @@ class Supervisor:
                         "actor.detach", instance=slot.entry.id, instance_pid=slot.pid, clean=clean
                     )
             if signals:
-                self.log.info("run.signal", signal=signal.Signals(signals[0]).name, during="stop")
-                return False
+                name = signal.Signals(signals[0]).name
+                self.log.info("run.signal", signal=name, during="stop")
+                return f"stop cut short by {name}"
+            if finished:
+                return None
             remaining = deadline - time.monotonic()
-            if finished or remaining <= 0:
-                return finished
+            if remaining <= 0:
+                return "stop deadline passed"
             run.bell.wait_until(done, remaining)
 
     def _reap_all(self, run: Run) -> None:

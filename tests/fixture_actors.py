@@ -11,8 +11,11 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from ringfence.runtime.demo import TOPOLOGY, Item, Relay, Sink
-from ringfence.runtime.topology import Topology
+from ringfence.runtime.actor import Actor, handles
+from ringfence.runtime.config import DemoConfig
+from ringfence.runtime.demo import TOPOLOGY, Item, LostItem, Relay, Sink, Source
+from ringfence.runtime.messages import Tick
+from ringfence.runtime.topology import ActorSpec, CounterSpec, Topology
 
 HANG_AT = 100  # the item whose handler HangingSink blocks in, in its first incarnation
 HANG_S = 60.0  # far longer than any heartbeat timeout a test sets
@@ -52,3 +55,122 @@ def _swap(name: str, target: str) -> Topology:
 
 HUNG_SINK = _swap("sink", f"{__name__}:HangingSink")
 FAILING_START = _swap("relay", f"{__name__}:FailingStartRelay")
+
+
+# Fixtures of test_supervisor_edges.py: a slow stop, a run the test ends, a relay of 2 ranks.
+
+STOP_BLOCK_S = 30.0  # far longer than a test waits: only a SIGKILL cuts SlowStopSink's stop
+FINISH_FILE = "finish"  # GatedSink asks to end the run once <run dir>/finish exists
+RELAYS = 2  # ranks of the relay in RANKED
+# Counters of the "ranks" block of RANKED: FORWARDED_BY[r] is written by relay-r, and
+# APPLIED_FROM[r] (items of relay-r applied so far) by the sink.
+FORWARDED_BY = (0, 1)
+APPLIED_FROM = (2, 3)
+
+
+class SlowStopSink(Sink):
+    """The demo sink, except that its ``on_stop`` blocks for STOP_BLOCK_S."""
+
+    def on_stop(self) -> None:
+        threading.Event().wait(STOP_BLOCK_S)
+
+
+class GatedSink(Sink):
+    """The demo sink, except that it asks once to end the run when <run dir>/FINISH_FILE exists.
+
+    With ``demo.messages = 0`` the test ends a streaming run with status 0 when it chooses.
+    """
+
+    tick_s = 0.05
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.finishing = False
+
+    @handles(Tick)
+    def on_tick(self, msg: Tick) -> None:
+        run_dir = self.ctx.run_dir
+        if not self.finishing and run_dir is not None and (run_dir / FINISH_FILE).exists():
+            self.finishing = True
+            self.request_shutdown("finish file found")
+
+
+class RoundRobinSource(Source):
+    """The demo source, except that item n goes to instance relay-((n - 1) % RELAYS)."""
+
+    def send(self, to: str, msg: object, *, timeout: float | None = None) -> int:
+        assert isinstance(msg, Item)
+        return super().send(f"{to}-{(msg.n - 1) % RELAYS}", msg, timeout=timeout)
+
+
+class RankedRelay(Actor):
+    """Forwards each item once to the sink; each rank records the progress of its own items."""
+
+    def on_start(self) -> None:
+        self.forwarded = self.ctx.counters["ranks"][FORWARDED_BY[self.ctx.rank]]
+        self.forwarded.claim()
+
+    @handles(Item)
+    def on_item(self, msg: Item) -> None:
+        if msg.n <= self.forwarded.value():
+            return  # a repeat
+        self.send("sink", msg)
+        self.forwarded.advance(msg.n)
+
+
+class MergingSink(Actor):
+    """Applies the items of each relay rank in their order, exactly once; ends the run after all.
+
+    Relay r carries items r + 1, r + 1 + RELAYS, ...; the ranks' streams interleave in any
+    order, so the sink keeps a count per rank: the next item from relay r is
+    r + 1 + RELAYS * count_r. An earlier one is a repeat; a later one, or an item from the
+    wrong rank, is a lost item.
+    """
+
+    config_section = "demo"
+
+    def on_start(self) -> None:
+        assert isinstance(self.ctx.config, DemoConfig)
+        self.total = self.ctx.config.messages
+        block = self.ctx.counters["ranks"]
+        self.applied = [block[i] for i in APPLIED_FROM]
+        for counter in self.applied:
+            counter.claim()
+
+    @handles(Item)
+    def on_item(self, msg: Item) -> None:
+        rank = (msg.n - 1) % RELAYS
+        delivery = self.ctx.services.current
+        assert delivery is not None
+        if delivery.peer != f"relay-{rank}":
+            raise LostItem(f"item {msg.n} came from {delivery.peer}, not relay-{rank}")
+        applied = self.applied[rank]
+        expected = rank + 1 + RELAYS * applied.value()
+        if msg.n < expected:
+            return  # a repeat
+        if msg.n != expected:
+            raise LostItem(f"item {msg.n} from relay-{rank} arrived before {expected}")
+        applied.advance(applied.value() + 1)
+        if sum(counter.value() for counter in self.applied) == self.total:
+            self.request_shutdown(f"ranks: {self.total} items delivered")
+
+    def on_failure(self, error: Exception, delivery: object) -> None:
+        if isinstance(error, LostItem):
+            raise error
+
+
+SLOW_STOP_SINK = _swap("sink", f"{__name__}:SlowStopSink")
+GATED_SINK = _swap("sink", f"{__name__}:GatedSink")
+# source (1 rank) -> relay (RELAYS ranks) -> sink (1 rank), on the demo's channels.
+RANKED = Topology(
+    actors=(
+        ActorSpec(name="source", target=f"{__name__}:RoundRobinSource"),
+        ActorSpec(name="relay", target=f"{__name__}:RankedRelay", ranks=RELAYS),
+        ActorSpec(name="sink", target=f"{__name__}:MergingSink"),
+    ),
+    channels=TOPOLOGY.channels,
+    counters=(
+        *TOPOLOGY.counters,
+        CounterSpec(name="ranks", count=len(FORWARDED_BY + APPLIED_FROM)),
+    ),
+)
