@@ -1,0 +1,261 @@
+"""Storage backends: the tier below host memory, where blocks are kept by content key.
+
+A backend maps a :data:`~ringfence.cache.ids.BlockHash` to a block's bytes. Keys are
+content hashes, so writing a key twice stores the same bytes and write-back and
+prefetch are idempotent. Every value is stored as a blob (see :mod:`.blob`): the
+block's bytes and a trailer naming the format version, the writer's fingerprint, the
+key, the length and a checksum; a blob that is short, corrupt or from another
+fingerprint reads as a miss, is reported as a ``storage.corrupt`` error and is
+deleted, never returned as data.
+
+Package helpers for tests (a recording log, raw access to stored blobs) are in
+:mod:`.testing`.
+
+Backends, picked by name with :func:`open_backend` (``cache.storage.backend``):
+
+- ``local`` (:mod:`.local`): one file per block in a directory, bounded by
+  ``max_bytes`` with LRU eviction; several processes may share the directory.
+- ``redis`` (:mod:`.redis_backend`): a Redis server that instances on several
+  machines share; importing this package does not import redis.
+- ``memory`` (:mod:`.memory`): a dict, for tests, through the same blob checks.
+- ``none``: no storage tier: nothing is stored and every lookup misses.
+
+Log events (error level), all with fields ``backend`` (the name above), ``key`` (hex)
+and ``reason`` (a :class:`~.blob.CorruptBlock` reason):
+
+- ``storage.corrupt``: a blob failed its checks; it was treated as a miss and deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final, Protocol
+
+from ringfence.cache.ids import BlockHash
+from ringfence.cache.storage.blob import Buffer, CorruptBlock, check_key
+from ringfence.shm.errors import ConfigError, RingfenceError
+
+__all__ = [
+    "BACKENDS",
+    "Buffer",
+    "CorruptBlock",
+    "StorageBackend",
+    "StorageLog",
+    "StorageStats",
+    "StorageUnavailable",
+    "open_backend",
+]
+
+
+class StorageUnavailable(RingfenceError, ConnectionError):
+    """The storage server could not be reached or failed mid-request (redis)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StorageStats:
+    """A snapshot of one backend's counters, taken by :meth:`StorageBackend.stats`."""
+
+    num_blocks: int  # blocks stored (local: as this process last saw the directory)
+    num_bytes: int  # bytes of those blobs, headers included
+    num_puts: int  # blocks this backend wrote (keys already present are skipped, not counted)
+    hits: int  # keys get_many returned data for
+    misses: int  # keys get_many returned None for, corrupt ones included
+    corrupt: int  # blobs that failed their checks (each also counts as a miss)
+    evictions: int  # blocks this backend deleted to stay within max_bytes
+
+
+class StorageLog(Protocol):
+    """Where a backend reports errors; a structlog bound logger fits as it is."""
+
+    def error(self, event: str, **fields: object) -> None: ...
+
+
+class _StdlibLog:
+    """The default :class:`StorageLog`: the ``logging`` logger ``ringfence.cache.storage``."""
+
+    def __init__(self) -> None:
+        self._logger = logging.getLogger(__name__)
+
+    def error(self, event: str, **fields: object) -> None:
+        text = " ".join(f"{name}={value}" for name, value in fields.items())
+        self._logger.error("%s %s", event, text, extra={"event": event, "fields": fields})
+
+
+class StorageBackend(Protocol):
+    """A storage tier. Owner: one thread of one process (the Transfer actor's store lane).
+
+    Keys are 16-byte :data:`BlockHash` digests (anything else raises ``ValueError``).
+    Payloads may be any contiguous buffer; a backend never keeps a reference to one.
+    Methods other than ``close`` and ``stats`` raise ``ValueError`` after ``close``.
+    """
+
+    name: str  # the registry name: "local", "redis", "memory" or "none"
+
+    def put_many(self, items: Iterable[tuple[BlockHash, Buffer]]) -> int:
+        """Store each block; returns how many were written.
+
+        A key that is already stored may be skipped (it holds the same bytes), so a
+        repeated write-back is cheap. A block becomes visible only when it is whole.
+        """
+        ...
+
+    def get_many(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
+        """The payload of each key, or None for a miss; one entry per key, in order.
+
+        A blob that fails its checks is a miss: it is reported (``storage.corrupt``),
+        counted and deleted. A hit refreshes the key's recency for eviction.
+        """
+        ...
+
+    def get_into(self, items: Sequence[tuple[BlockHash, Buffer]]) -> list[bool]:
+        """Read each key's payload straight into its buffer; True where it was a hit.
+
+        The zero-allocation form of :meth:`get_many` for a reader that owns its
+        destination (a host KV block): a buffer must be writable, contiguous and
+        exactly the payload's size, else ``ValueError``. Where the answer is False
+        the buffer holds unspecified bytes (a corrupt blob may have been read into
+        it). Misses, corrupt blobs and recency are handled as in :meth:`get_many`.
+        """
+        ...
+
+    def longest_prefix(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading ``keys`` are stored (0 if the first is not).
+
+        Looks at presence only, not payloads, and changes nothing (no recency): a
+        corrupt blob counts as present here and reads as a miss in :meth:`get_many`,
+        so a prefetch planned from this answer can still fail and be recomputed.
+        """
+        ...
+
+    def delete(self, keys: Iterable[BlockHash]) -> int:
+        """Remove each key; returns how many were stored."""
+        ...
+
+    def stats(self) -> StorageStats:
+        """A snapshot of the counters; does not change them."""
+        ...
+
+    def close(self) -> None:
+        """Release files, threads and connections. Idempotent."""
+        ...
+
+
+class Counters:
+    """The mutable counters behind :class:`StorageStats`, and the corrupt-blob report.
+
+    Shared by every backend so they count and report the same way.
+    """
+
+    __slots__ = ("backend", "corrupt", "evictions", "hits", "log", "misses", "num_puts")
+
+    def __init__(self, backend: str, log: StorageLog | None) -> None:
+        self.backend = backend  # the registry name, written in every report
+        self.log: StorageLog = log if log is not None else _StdlibLog()
+        self.num_puts = 0
+        self.hits = 0
+        self.misses = 0
+        self.corrupt = 0
+        self.evictions = 0
+
+    def report(self, error: CorruptBlock) -> None:
+        """Count and log a blob that failed its checks (the caller turns it into a miss)."""
+        self.corrupt += 1
+        self.log.error(
+            "storage.corrupt", backend=self.backend, key=error.key.hex(), reason=error.reason
+        )
+
+    def snapshot(self, *, num_blocks: int, num_bytes: int) -> StorageStats:
+        return StorageStats(
+            num_blocks=num_blocks,
+            num_bytes=num_bytes,
+            num_puts=self.num_puts,
+            hits=self.hits,
+            misses=self.misses,
+            corrupt=self.corrupt,
+            evictions=self.evictions,
+        )
+
+
+# (fingerprint, path, url, max_bytes, log) -> backend; each imports its module on use.
+Factory = Callable[[bytes, str, str, int, StorageLog | None], StorageBackend]
+
+
+def _open_local(
+    fp: bytes, path: str, url: str, max_bytes: int, log: StorageLog | None
+) -> StorageBackend:
+    from ringfence.cache.storage.local import LocalBackend
+
+    if not path:
+        raise ConfigError(
+            "cache.storage.path: the local backend needs a directory", key="cache.storage.path"
+        )
+    return LocalBackend(path, fingerprint=fp, max_bytes=max_bytes, log=log)
+
+
+def _open_redis(
+    fp: bytes, path: str, url: str, max_bytes: int, log: StorageLog | None
+) -> StorageBackend:
+    from ringfence.cache.storage.redis_backend import RedisBackend
+
+    if not url:
+        raise ConfigError(
+            "cache.storage.url: the redis backend needs a URL", key="cache.storage.url"
+        )
+    return RedisBackend(url, fingerprint=fp, log=log)
+
+
+def _open_memory(
+    fp: bytes, path: str, url: str, max_bytes: int, log: StorageLog | None
+) -> StorageBackend:
+    from ringfence.cache.storage.memory import MemoryBackend
+
+    return MemoryBackend(fingerprint=fp, max_bytes=max_bytes, log=log)
+
+
+def _open_none(
+    fp: bytes, path: str, url: str, max_bytes: int, log: StorageLog | None
+) -> StorageBackend:
+    from ringfence.cache.storage.memory import NullBackend
+
+    return NullBackend()
+
+
+BACKENDS: Final[dict[str, Factory]] = {
+    "local": _open_local,
+    "redis": _open_redis,
+    "memory": _open_memory,
+    "none": _open_none,
+}
+
+
+def open_backend(
+    name: str,
+    *,
+    fingerprint: bytes,
+    path: str = "",
+    url: str = "",
+    max_bytes: int = 1 << 30,
+    log: StorageLog | None = None,
+) -> StorageBackend:
+    """Open the backend registered as ``name`` with the ``cache.storage`` settings.
+
+    ``fingerprint`` is the 16-byte namespace of the blocks (``Fingerprint.digest()``):
+    blobs written under another one read as misses. ``max_bytes`` bounds ``local``
+    and ``memory`` (0: no bound); on ``redis`` the server's ``maxmemory`` does.
+    Raises :class:`ConfigError` naming the key for an unknown backend or a missing
+    ``path``/``url``, and :class:`StorageUnavailable` if a server cannot be reached.
+    """
+    if name not in BACKENDS:
+        known = ", ".join(repr(n) for n in BACKENDS)
+        raise ConfigError(
+            f"cache.storage.backend: must be one of {known}, got {name!r}",
+            key="cache.storage.backend",
+        )
+    if max_bytes < 0:
+        raise ConfigError(
+            f"cache.storage.max_bytes: must be >= 0, got {max_bytes}", key="cache.storage.max_bytes"
+        )
+    check_key(fingerprint, "fingerprint")
+    return BACKENDS[name](fingerprint, path, url, max_bytes, log)

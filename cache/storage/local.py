@@ -1,0 +1,360 @@
+"""The ``local`` backend: one file per block in a directory that processes may share.
+
+Layout under the root directory::
+
+    <root>/<k0>/<key hex>              a stored blob (see blob.py); <k0> = the key's first
+                                       byte in hex, so no directory holds more than
+                                       1/256 of the blocks
+    <root>/<k0>/.tmp-<pid>-<random>    a blob being written by process <pid>
+
+A block is written to a temp file in its final directory, flushed with
+``fdatasync``, and renamed over its final name with ``os.replace``, which is atomic:
+a reader sees no file or a whole one, and a writer killed at any point leaves at
+most a temp file, which every scan ignores and the scan of another process removes
+once ``<pid>`` is dead (the directory is assumed to be shared by processes of one
+machine). Two processes writing the same key both succeed; the later rename wins and
+either blob is whole. A file is never changed once visible, so a reader that opened
+it reads it whole even if it is replaced or evicted meanwhile.
+
+Durability: the file is flushed before the rename, so a block that is visible after
+a machine crash is whole; the directory is not flushed after the rename (one more
+flush per block), so a crash may forget recent blocks, which costs only misses.
+With ``fsync=False`` nothing is flushed: a crash may then leave a visible but torn
+file, which the checksum turns into a miss, so this is safe for a cache and runs at
+the speed of a plain write; the flush costs most of the write time on a disk
+(measured here: a plain write with an fsync per file ran at 0.4x of one without).
+
+Eviction, by least recent use: each process keeps an index of the blocks it knows
+(an ordered dict, least recently used first, with each blob's size). A put and a
+hit also set the file's mtime to ``time.time_ns()``, so a scan of the directory,
+which orders by mtime, reproduces every process's uses in one order. The index is
+built by a scan on open and rebuilt by one whenever this process has written
+``max_bytes / 8`` since the last, so it learns of other processes' blocks; it then
+evicts its oldest blocks while its total exceeds ``max_bytes``. The directory may
+thus exceed ``max_bytes`` by about ``max_bytes / 8`` per writing process between
+scans. A block that another process evicted is a miss here and leaves the index.
+A corrupt blob is deleted when found; if another process had just renamed a good
+copy over it, that copy goes too, which costs a miss, never wrong data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final, NamedTuple, TypeVar
+
+from ringfence.cache.ids import BlockHash
+from ringfence.cache.storage import Counters, StorageLog, StorageStats
+from ringfence.cache.storage.blob import (
+    KEY_BYTES,
+    TRAILER,
+    Buffer,
+    CorruptBlock,
+    as_bytes_view,
+    check_fits,
+    check_key,
+    read_trailer,
+    trailer,
+    verify,
+)
+
+TMP_PREFIX: Final = ".tmp-"
+RESCAN_FRACTION: Final = 8  # rescan after writing max_bytes / RESCAN_FRACTION
+_O_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+_O_READ: Final = os.O_RDONLY | os.O_CLOEXEC
+_HEX: Final = frozenset("0123456789abcdef")
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class _Stored(NamedTuple):
+    size: int  # bytes of the blob now stored under the key
+    written: bool  # False: it was already stored and only its recency was refreshed
+
+
+class _Loaded(NamedTuple):
+    hit: bool  # a whole, valid blob was read
+    payload: bytes | None  # what was read, when read into no buffer of the caller's
+    size: int  # bytes of the blob, if there was one
+    error: CorruptBlock | None  # why a blob that exists was refused
+
+
+class LocalBackend:
+    """Blocks as files under ``root``; see the module docstring for layout and eviction.
+
+    Owner: one thread. A call with several blocks does their file I/O and checksums
+    on up to ``num_threads`` pool threads (both release the GIL), so flushes overlap
+    each other and checksums overlap reads; the index and counters are updated by
+    the calling thread only. Measured on 2 CPUs, 64 blocks of 256 KiB: puts with
+    fsync went from 0.43x to 0.69x of a plain ``open().write()``, gets from 0.6x to
+    0.7x of a plain ``read()``.
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fingerprint: bytes,
+        max_bytes: int = 0,
+        log: StorageLog | None = None,
+        fsync: bool = True,
+        num_threads: int = 4,
+    ) -> None:
+        check_key(fingerprint, "fingerprint")
+        self.root = os.fspath(root)
+        self.fingerprint = fingerprint
+        self.max_bytes = max_bytes  # 0: no bound
+        self.fsync = fsync
+        self._num_threads = num_threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._counters = Counters(self.name, log)
+        self._index: OrderedDict[BlockHash, int] = OrderedDict()  # key -> blob bytes, LRU first
+        self._num_bytes = 0  # sum of the index's sizes
+        self._written_since_scan = 0
+        self._last_stamp = 0
+        self._closed = False
+        os.makedirs(self.root, exist_ok=True)
+        self.rescan()
+        self._bound()
+
+    def path_for(self, key: BlockHash) -> str:
+        """The file a key is stored in (whether or not it exists)."""
+        name = key.hex()
+        return os.path.join(self.root, name[:2], name)
+
+    def put_many(self, items: Iterable[tuple[BlockHash, Buffer]]) -> int:
+        self._check_open()
+        jobs = [(key, as_bytes_view(payload)) for key, payload in items]
+        for key, _ in jobs:
+            check_key(key)
+        # Stamped here, in order, so the mtimes keep the order of the items.
+        views = [(key, view, self._stamp()) for key, view in jobs]
+        results = self._map(self._store, views)
+        written = 0
+        for (key, _, _), stored in zip(views, results, strict=True):
+            self._remember(key, stored.size)
+            if stored.written:
+                self._written_since_scan += stored.size
+                written += 1
+        self._counters.num_puts += written
+        if self.max_bytes and self._written_since_scan * RESCAN_FRACTION >= self.max_bytes:
+            self.rescan()
+        self._bound()
+        return written
+
+    def get_many(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
+        self._check_open()
+        loaded = self._load_many([(key, None) for key in keys])
+        return [got.payload for got in loaded]
+
+    def get_into(self, items: Sequence[tuple[BlockHash, Buffer]]) -> list[bool]:
+        self._check_open()
+        loaded = self._load_many([(key, as_bytes_view(buffer)) for key, buffer in items])
+        return [got.hit for got in loaded]
+
+    def longest_prefix(self, keys: Sequence[BlockHash]) -> int:
+        self._check_open()
+        for i, key in enumerate(keys):
+            check_key(key)
+            if not os.path.exists(self.path_for(key)):  # the index may be stale; the file is not
+                return i
+        return len(keys)
+
+    def delete(self, keys: Iterable[BlockHash]) -> int:
+        self._check_open()
+        removed = 0
+        for key in keys:
+            check_key(key)
+            removed += self._unlink(key)
+        return removed
+
+    def stats(self) -> StorageStats:
+        """Counters of this backend; ``num_blocks``/``num_bytes`` as of its index."""
+        return self._counters.snapshot(num_blocks=len(self._index), num_bytes=self._num_bytes)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def rescan(self) -> None:
+        """Rebuild the index from the directory, and remove temp files of dead processes."""
+        found: list[tuple[int, str, int]] = []  # (mtime ns, key hex, size)
+        with os.scandir(self.root) as shards:
+            shard_paths = [e.path for e in shards if len(e.name) == 2 and e.is_dir()]
+        for shard in shard_paths:
+            with contextlib.suppress(FileNotFoundError), os.scandir(shard) as entries:
+                for entry in entries:
+                    if entry.name.startswith(TMP_PREFIX):
+                        _remove_if_orphaned(entry.path, entry.name)
+                    elif _is_key_name(entry.name):
+                        with contextlib.suppress(FileNotFoundError):
+                            st = entry.stat()
+                            found.append((st.st_mtime_ns, entry.name, st.st_size))
+        found.sort()
+        self._index = OrderedDict((BlockHash(bytes.fromhex(name)), size) for _, name, size in found)
+        self._num_bytes = sum(self._index.values())
+        self._written_since_scan = 0
+
+    def _store(self, item: tuple[BlockHash, memoryview, int]) -> _Stored:
+        """Write one block with mtime ``stamp``, unless it is already stored.
+
+        Runs on pool threads: touches no state of ``self`` but its settings.
+        """
+        key, view, stamp = item
+        path = self.path_for(key)
+        try:
+            size = os.stat(path).st_size
+            _touch(path, stamp)  # the same bytes are stored (content key): refresh their recency
+            return _Stored(size, written=False)
+        except FileNotFoundError:
+            pass
+        shard = os.path.dirname(path)
+        tmp = os.path.join(shard, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+        tail = trailer(self.fingerprint, key, view)
+        try:
+            fd = os.open(tmp, _O_CREATE, 0o644)
+        except FileNotFoundError:
+            os.makedirs(shard, exist_ok=True)
+            fd = os.open(tmp, _O_CREATE, 0o644)
+        try:
+            self._write_blob(fd, view, tail)
+            os.utime(fd, ns=(stamp, stamp))
+            if self.fsync:
+                os.fdatasync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)  # the point where the block becomes visible, whole
+        return _Stored(len(view) + len(tail), written=True)
+
+    def _write_blob(self, fd: int, view: memoryview, tail: bytes) -> None:
+        """Write payload and trailer to the temp file (tests override it to stop half-way)."""
+        total = len(view) + len(tail)
+        done = os.writev(fd, (view, tail))
+        while done < total:  # a short write (disk nearly full): write the rest, or fail
+            rest: list[Buffer] = (
+                [view[done:], tail] if done < len(view) else [tail[done - len(view) :]]
+            )
+            done += os.writev(fd, rest)
+
+    def _load_many(self, items: list[tuple[BlockHash, memoryview | None]]) -> list[_Loaded]:
+        """Load each key (into its buffer, if it has one), then count, index and report."""
+        for key, _ in items:
+            check_key(key)
+        loaded = self._map(self._load, [(key, dest, self._stamp()) for key, dest in items])
+        for (key, _), got in zip(items, loaded, strict=True):
+            if got.error is not None:
+                self._counters.report(got.error)
+                self._unlink(key)
+            if got.hit:
+                self._counters.hits += 1
+                self._remember(key, got.size)
+            else:
+                self._counters.misses += 1
+                self._forget(key)
+        return loaded
+
+    def _load(self, item: tuple[BlockHash, memoryview | None, int]) -> _Loaded:
+        """Read and check one block, and set its mtime to ``stamp`` if it is whole.
+
+        Reads the payload into ``dest`` if given, else into a new ``bytes``. Runs on
+        pool threads: touches no state of ``self`` but its settings.
+        """
+        key, dest, stamp = item
+        try:
+            fd = os.open(self.path_for(key), _O_READ)
+        except FileNotFoundError:
+            return _Loaded(False, None, 0, None)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                end = os.pread(fd, TRAILER.size, max(0, size - TRAILER.size))
+                tail = read_trailer(self.fingerprint, key, end, size)  # bounds the read below
+                payload = None
+                if dest is None:
+                    payload = os.pread(fd, tail.length, 0)
+                    verify(key, tail, payload)
+                else:
+                    check_fits(key, tail.length, dest)
+                    verify(key, tail, dest[: os.preadv(fd, [dest], 0)])  # a read cut short fails
+            except CorruptBlock as error:
+                return _Loaded(False, None, size, error)
+            _touch(fd, stamp)
+        finally:
+            os.close(fd)
+        return _Loaded(True, payload, size, None)
+
+    def _map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
+        """``fn`` over ``items``, on the pool when there are several (results in order)."""
+        if self._num_threads <= 1 or len(items) <= 1:
+            return [fn(item) for item in items]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="rf-local")
+        return list(self._pool.map(fn, items))
+
+    def _stamp(self) -> int:
+        """A recency stamp for an mtime: ns since the epoch, increasing within this backend."""
+        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+        return self._last_stamp
+
+    def _remember(self, key: BlockHash, size: int) -> None:
+        self._num_bytes += size - self._index.get(key, 0)
+        self._index[key] = size
+        self._index.move_to_end(key)
+
+    def _forget(self, key: BlockHash) -> None:
+        self._num_bytes -= self._index.pop(key, 0)
+
+    def _unlink(self, key: BlockHash) -> bool:
+        self._forget(key)
+        try:
+            os.unlink(self.path_for(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _bound(self) -> None:
+        while self.max_bytes and self._num_bytes > self.max_bytes:
+            self._unlink(next(iter(self._index)))
+            self._counters.evictions += 1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("storage backend 'local' is closed")
+
+
+def _touch(target: str | int, stamp: int) -> None:
+    """Set a blob's mtime to ``stamp``, the recency every process's scan orders by."""
+    # Another user's file in a shared directory cannot be touched: it keeps its age.
+    with contextlib.suppress(PermissionError):
+        os.utime(target, ns=(stamp, stamp))
+
+
+def _is_key_name(name: str) -> bool:
+    """Whether a file name is a key in hex (any other file in the directory is left alone)."""
+    return len(name) == 2 * KEY_BYTES and all(c in _HEX for c in name)
+
+
+def _remove_if_orphaned(path: str, name: str) -> None:
+    """Remove a temp file whose writer process no longer exists."""
+    pid_text = name[len(TMP_PREFIX) :].partition("-")[0]
+    if not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    except PermissionError:
+        pass  # alive, under another user

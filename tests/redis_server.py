@@ -1,0 +1,103 @@
+"""A throwaway redis-server for tests: loopback only, no persistence, stopped by its PID."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REDIS_SERVER = shutil.which("redis-server")  # None: the redis tests skip
+READY_LINE = b"Ready to accept connections"
+START_ATTEMPTS = 3  # a free port can be taken between choosing it and the server binding it
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class _Output:
+    """Drains the server's log from its pipe on a thread, and tells when it is ready.
+
+    Draining also keeps the server from ever blocking on a full pipe.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        self._pipe = proc.stdout
+        self.text = b""
+        self.settled = threading.Event()  # set on the ready line, or when the log ends
+        self.ready = False
+        self._thread = threading.Thread(target=self._drain, name="redis-log", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        for line in self._pipe:
+            self.text += line
+            if READY_LINE in line:
+                self.ready = True
+                self.settled.set()
+        self.settled.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        self._pipe.close()
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM the server by its PID, SIGKILL it if it does not exit in time, and reap it."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout_s)
+
+
+@contextmanager
+def redis_server(workdir: Path, *, timeout_s: float = 10.0) -> Iterator[str]:
+    """Run redis-server on a free 127.0.0.1 port with ``workdir`` as its dir; yield its URL.
+
+    Ready means: its log said it accepts connections (no polling) and it answered a
+    PING. Raises ``RuntimeError`` with the server's log if it never got there.
+    """
+    import redis
+
+    if REDIS_SERVER is None:
+        raise RuntimeError("redis-server is not on PATH")
+    log = b""
+    for _ in range(START_ATTEMPTS):
+        port = free_port()
+        args = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(workdir)]
+        args += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", ""]
+        proc = subprocess.Popen(
+            args,
+            cwd=workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        output = _Output(proc)
+        try:
+            output.settled.wait(timeout_s)
+            if output.ready:
+                url = f"redis://127.0.0.1:{port}/0"
+                with redis.Redis.from_url(url, socket_timeout=timeout_s) as client:
+                    assert client.ping()
+                yield url
+                return
+        finally:
+            _stop(proc)
+            output.join(timeout_s)
+        log = output.text
+    raise RuntimeError(f"redis-server did not start:\n{log.decode(errors='replace')}")
