@@ -78,6 +78,10 @@ EVENTS: Final[dict[str, Event]] = {
     ),
     "run.shutdown_requested": _e("info", "reason", "this actor asked to end the run"),
     "supervisor.lost": _e("warning", "supervisor_pid", "the supervisor is gone; stopping"),
+    # The storage tier (ringfence.cache.storage), through the engine's log.
+    "storage.corrupt": _e(
+        "error", "backend key reason", "a stored block failed its checks: a miss, deleted"
+    ),
     # The demo pipeline (ringfence.runtime.demo).
     "demo.sent": _e("info", "messages", "the source sent its last item"),
     "demo.done": _e(
