@@ -20,6 +20,7 @@ MANIFEST = "names.json"
 BENCHMARKS = {
     "ring": "ringfence.runtime.bench_ring",
     "hop": "ringfence.runtime.bench_hop",
+    "cache": "ringfence.cache.bench",
 }
 
 

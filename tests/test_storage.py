@@ -14,7 +14,6 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from redis_server import REDIS_SERVER, free_port, redis_server
 
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import (
@@ -25,6 +24,7 @@ from ringfence.cache.storage.blob import TRAILER, CorruptBlock, decode, encode
 from ringfence.cache.storage.local import TMP_PREFIX, LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
+from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port, redis_server
 from ringfence.cache.storage.testing import RecordingLog, read_blob, write_blob
 from ringfence.shm.errors import ConfigError
 

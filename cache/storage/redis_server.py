@@ -1,4 +1,4 @@
-"""A throwaway redis-server for tests: loopback only, no persistence, stopped by its PID."""
+"""A throwaway redis-server for tests and benchmarks: loopback, no persistence, stopped by PID."""
 
 from __future__ import annotations
 
