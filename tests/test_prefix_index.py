@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ringfence.cache.block_hash import Fingerprint, block_keys
 from ringfence.cache.block_pool import BlockPool
@@ -153,3 +154,78 @@ def test_the_match_is_the_longest_prefix_held_anywhere_in_its_fastest_tier(layou
     match = index.match(KEYS[: len(layout)])
     assert list(match.where) == expected
     assert match.keys == tuple(KEYS[: len(expected)])
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Random pool and storage changes; after each, the index agrees with a brute-force scan
+    of every block's key, matching changes nothing, and both pools conserve their blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storage = Storage()
+        self.index, self.device, self.host = make_index(self.storage)
+        self.held: dict[str, list[BlockId]] = {"device": [], "host": []}  # refs we hold
+
+    def pool(self, name: str) -> BlockPool:
+        return self.device if name == "device" else self.host
+
+    @rule(tier=st.sampled_from(["device", "host"]), position=st.integers(0, 7), keep=st.booleans())
+    def cache_a_block(self, tier: str, position: int, keep: bool) -> None:
+        pool = self.pool(tier)
+        allocation = pool.try_allocate(1)
+        if allocation is None:
+            return
+        (block,) = allocation.block_ids
+        holder = pool.set_key(block, KEYS[position])
+        if keep:
+            self.held[tier].append(block)
+        else:
+            pool.free([block])
+        assert holder == block or pool.key_of(block) is None
+
+    @rule(tier=st.sampled_from(["device", "host"]), data=st.data())
+    def release_one(self, tier: str, data: st.DataObject) -> None:
+        if self.held[tier]:
+            block = data.draw(st.sampled_from(self.held[tier]))
+            self.held[tier].remove(block)
+            self.pool(tier).free([block])
+
+    @rule(position=st.integers(0, 7), present=st.booleans())
+    def change_storage(self, position: int, present: bool) -> None:
+        (self.storage.keys.add if present else self.storage.keys.discard)(KEYS[position])
+
+    @rule(upto=st.integers(1, 8))
+    def acquire_and_release_a_match(self, upto: int) -> None:
+        match = self.index.match(KEYS[:upto])
+        self.index.acquire(match)
+        for tier, block in zip(match.where, match.block_ids, strict=True):
+            if block is not None:
+                self.pool(tier).free([block])
+
+    def brute_force(self, upto: int) -> list[str]:
+        held = {tier: {self.pool(tier).key_of(BlockId(b)) for b in range(8)} for tier in self.held}
+        where: list[str] = []
+        for key in KEYS[:upto]:
+            tier = next(
+                (t for t in ("device", "host") if key in held[t]),
+                "storage" if key in self.storage.keys else None,
+            )
+            if tier is None:
+                break
+            where.append(tier)
+        return where
+
+    @invariant()
+    def the_index_agrees_with_a_scan_and_matching_changes_nothing(self) -> None:
+        pools = (self.device, self.host)
+        before = [(p.free_order(), [p.ref_count(BlockId(b)) for b in range(8)]) for p in pools]
+        for upto in (1, 4, 8):
+            assert list(self.index.match(KEYS[:upto]).where) == self.brute_force(upto)
+        after = [(p.free_order(), [p.ref_count(BlockId(b)) for b in range(8)]) for p in pools]
+        assert after == before
+        for p in pools:
+            assert p.num_free + p.num_used == p.num_blocks
+
+
+IndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_the_index_follows_random_pool_and_storage_changes = IndexMachine.TestCase
