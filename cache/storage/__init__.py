@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Protocol
 
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage.blob import Buffer, CorruptBlock, check_key
+from ringfence.cache.storage.blob import Buffer, CorruptBlock, check_key, decode, decode_into
 from ringfence.shm.errors import ConfigError, RingfenceError
 
 __all__ = [
@@ -165,6 +165,35 @@ class Counters:
         self.log.error(
             "storage.corrupt", backend=self.backend, key=error.key.hex(), reason=error.reason
         )
+
+    def payload(
+        self, fingerprint: bytes, key: BlockHash, blob: Buffer, drop: Callable[[BlockHash], object]
+    ) -> bytes | None:
+        """The payload of ``blob``; or, for a blob that fails its checks, report it, ``drop``
+        it (so a later write-back can store it again) and return None: a miss."""
+        try:
+            return decode(fingerprint, key, blob)
+        except CorruptBlock as error:
+            self.report(error)
+            drop(key)
+            return None
+
+    def fill(
+        self,
+        fingerprint: bytes,
+        key: BlockHash,
+        blob: Buffer,
+        dest: memoryview,
+        drop: Callable[[BlockHash], object],
+    ) -> bool:
+        """As :meth:`payload`, into ``dest``; True on a hit."""
+        try:
+            decode_into(fingerprint, key, blob, dest)
+        except CorruptBlock as error:
+            self.report(error)
+            drop(key)
+            return False
+        return True
 
     def snapshot(self, *, num_blocks: int, num_bytes: int) -> StorageStats:
         return StorageStats(

@@ -9,11 +9,8 @@ from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import Counters, StorageLog, StorageStats
 from ringfence.cache.storage.blob import (
     Buffer,
-    CorruptBlock,
     as_bytes_view,
     check_key,
-    decode,
-    decode_into,
     encode,
 )
 
@@ -56,11 +53,12 @@ class MemoryBackend:
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
         self._check_open()
+        fp = self.fingerprint
         out: list[bytes | None] = []
         for key in keys:
             check_key(key)
             blob = self.blobs.get(key)
-            payload = None if blob is None else self._decode(key, blob)
+            payload = None if blob is None else self._counters.payload(fp, key, blob, self._remove)
             if payload is None:
                 self._counters.misses += 1
             else:
@@ -71,11 +69,13 @@ class MemoryBackend:
 
     def get_into(self, items: Sequence[tuple[BlockHash, Buffer]]) -> list[bool]:
         self._check_open()
+        fp = self.fingerprint
         out: list[bool] = []
         for key, buffer in items:
             check_key(key)
             blob = self.blobs.get(key)
-            hit = blob is not None and self._decode_into(key, blob, as_bytes_view(buffer))
+            dest = as_bytes_view(buffer)
+            hit = blob is not None and self._counters.fill(fp, key, blob, dest, self._remove)
             if hit:
                 self._counters.hits += 1
                 self.blobs.move_to_end(key)
@@ -107,23 +107,6 @@ class MemoryBackend:
         self._remove(key)
         self.blobs[key] = blob
         self._num_bytes += len(blob)
-
-    def _decode(self, key: BlockHash, blob: bytes) -> bytes | None:
-        try:
-            return decode(self.fingerprint, key, blob)
-        except CorruptBlock as error:
-            self._counters.report(error)
-            self._remove(key)
-            return None
-
-    def _decode_into(self, key: BlockHash, blob: bytes, dest: memoryview) -> bool:
-        try:
-            decode_into(self.fingerprint, key, blob, dest)
-        except CorruptBlock as error:
-            self._counters.report(error)
-            self._remove(key)
-            return False
-        return True
 
     def _remove(self, key: BlockHash) -> bool:
         check_key(key)

@@ -30,11 +30,8 @@ from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import Counters, StorageLog, StorageStats, StorageUnavailable
 from ringfence.cache.storage.blob import (
     Buffer,
-    CorruptBlock,
     as_bytes_view,
     check_key,
-    decode,
-    decode_into,
     encode,
 )
 
@@ -105,23 +102,25 @@ class RedisBackend:
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
         self._check_open()
+        counters, fp = self._counters, self.fingerprint
         out: list[bytes | None] = []
         for chunk in _chunks(keys, CHUNK_KEYS):
             blobs = self._pipelined(lambda pipe, k: pipe.get(self.redis_key(k)), chunk)
             for key, blob in zip(chunk, blobs, strict=True):
-                payload = None if blob is None else self._decode(key, blob)
+                payload = None if blob is None else counters.payload(fp, key, blob, self._drop)
                 self._count(payload is not None)
                 out.append(payload)
         return out
 
     def get_into(self, items: Sequence[tuple[BlockHash, Buffer]]) -> list[bool]:
         self._check_open()
+        counters, fp = self._counters, self.fingerprint
         out: list[bool] = []
         for chunk in _chunks(items, CHUNK_KEYS):
             blobs = self._pipelined(lambda pipe, item: pipe.get(self.redis_key(item[0])), chunk)
             for (key, buffer), blob in zip(chunk, blobs, strict=True):
                 dest = as_bytes_view(buffer)
-                hit = blob is not None and self._decode_into(key, blob, dest)
+                hit = blob is not None and counters.fill(fp, key, blob, dest, self._drop)
                 self._count(hit)
                 out.append(hit)
         return out
@@ -163,26 +162,10 @@ class RedisBackend:
         done = self._pipelined(lambda pipe, item: pipe.set(item[0], item[1], nx=True), batch)
         return sum(1 for ok in done if ok)
 
-    def _decode(self, key: BlockHash, blob: bytes) -> bytes | None:
-        try:
-            return decode(self.fingerprint, key, blob)
-        except CorruptBlock as error:
-            self._drop(error)
-            return None
-
-    def _decode_into(self, key: BlockHash, blob: bytes, dest: memoryview) -> bool:
-        try:
-            decode_into(self.fingerprint, key, blob, dest)
-        except CorruptBlock as error:
-            self._drop(error)
-            return False
-        return True
-
-    def _drop(self, error: CorruptBlock) -> None:
-        """Report a corrupt blob and delete it, so a later write-back can store it again."""
-        self._counters.report(error)
+    def _drop(self, key: BlockHash) -> None:
+        """Delete a blob that failed its checks (already reported as corrupt)."""
         with contextlib.suppress(*self._errors):
-            self.client.unlink(self.prefix + error.key.hex().encode())
+            self.client.unlink(self.redis_key(key))
 
     def _count(self, hit: bool) -> None:
         if hit:
