@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ringfence.shm import names
 from ringfence.shm.doorbell import Doorbell
@@ -76,3 +77,15 @@ def reap(proc: _Child, timeout: float = 5.0) -> None:
     if proc.is_alive() and proc.pid is not None:
         os.kill(proc.pid, signal.SIGKILL)
     proc.join(timeout)
+
+
+def reap_subprocess(proc: subprocess.Popen[Any], timeout: float = 5.0) -> int:
+    """As :func:`reap`, for a ``subprocess.Popen``: SIGKILL by pid if it still runs, wait for
+    it, close its pipes. Returns its exit status."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    status = proc.wait(timeout)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    return status

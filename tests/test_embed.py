@@ -23,6 +23,7 @@ from ringfence.runtime.driver import Driver
 from ringfence.runtime.embed import attach
 from ringfence.shm import names
 from ringfence.shm.errors import EndpointTaken
+from ringfence.shm.testing import reap_subprocess
 
 EXTERNAL_SINK = "actors.sink.placement=external"
 POLL_TIMEOUT_S = 0.05
@@ -55,12 +56,7 @@ def hosted(run: Launch, mode: str) -> Iterator[subprocess.Popen[str]]:
     try:
         yield host
     finally:
-        if host.poll() is None:
-            os.kill(host.pid, signal.SIGKILL)
-        host.wait(HOST_TIMEOUT_S)
-        for stream in (host.stdout, host.stderr):
-            if stream is not None:
-                stream.close()
+        reap_subprocess(host, HOST_TIMEOUT_S)
 
 
 def poll_until(driver: Driver, done, timeout: float = HOST_TIMEOUT_S) -> int:

@@ -27,6 +27,7 @@ from ringfence.cache.storage.redis_backend import RedisBackend
 from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port, redis_server
 from ringfence.cache.storage.testing import RecordingLog, read_blob, write_blob
 from ringfence.shm.errors import ConfigError
+from ringfence.shm.testing import reap_subprocess
 
 FP = hashlib.blake2b(b"model-a", digest_size=16).digest()
 OTHER_FP = hashlib.blake2b(b"model-b", digest_size=16).digest()
@@ -369,13 +370,8 @@ def start_child(code: str, *args: str, cwd: Path) -> subprocess.Popen[bytes]:
 
 
 def reap(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a child by its pid if it still runs, and wait for it."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(CHILD_TIMEOUT_S)
-    for pipe in (proc.stdin, proc.stdout):
-        if pipe is not None:
-            pipe.close()
+    """SIGKILL a child by its pid if it still runs, wait for it, close its pipes."""
+    reap_subprocess(proc, CHILD_TIMEOUT_S)
 
 
 STALLING_WRITER = """
