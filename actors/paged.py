@@ -87,7 +87,8 @@ class PagedExecutor:
         self.num_blocks = kv.shape[0]
         self.block_size = kv.shape[3]
 
-    def _check(self, pieces: Sequence[Piece]) -> None:
+    def check(self, pieces: Sequence[Piece]) -> None:
+        """Refuse a step that would touch anything outside its pieces' own slots (ValueError)."""
         if not pieces:
             raise ValueError("a step needs at least one piece")
         written: set[tuple[int, int]] = set()
@@ -108,12 +109,26 @@ class PagedExecutor:
                     f"block table of piece {i} has {len(piece.block_table)} blocks; positions "
                     f"0..{end - 1} need {needed} at block_size {self.block_size}"
                 )
-            for block in piece.block_table[:needed]:
+            if len(piece.block_table) > self.num_blocks:
+                raise ValueError(
+                    f"block table of piece {i} has {len(piece.block_table)} blocks, more than "
+                    f"the pool's {self.num_blocks}"
+                )
+            for block in piece.block_table:
                 if not 0 <= block < self.num_blocks:
                     raise ValueError(
                         f"block id {block} of piece {i} is outside the KV tensor's "
                         f"{self.num_blocks} blocks"
                     )
+            if len(set(piece.block_table)) != len(piece.block_table):
+                raise ValueError(f"block table of piece {i} names a block twice")
+            vocab = self.model.config.vocab_size
+            lo, hi = min(piece.token_ids), max(piece.token_ids)
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"token id {bad} of piece {i} is outside the vocabulary of {vocab}"
+                )
             for pos in range(piece.start, end):
                 slot = (piece.block_table[pos // self.block_size], pos % self.block_size)
                 if slot in written:
@@ -153,7 +168,7 @@ class PagedExecutor:
         Mutates ``kv`` (the slots of the pieces' positions only); reads nothing else of it
         beyond each piece's positions 0..start+len-1.
         """
-        self._check(pieces)
+        self.check(pieces)
         model, c, bs = self.model, self.model.config, self.block_size
         ix = self._index(pieces)
         # One gather buffer each for K and V per step, sized for the longest table:

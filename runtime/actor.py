@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ringfence.runtime.config import RuntimeConfig
     from ringfence.runtime.log import ActorLog
     from ringfence.runtime.mailbox import Delivery
-    from ringfence.shm.counter import CounterBlock
+    from ringfence.shm.counter import CounterBlock, Waker
 
 F = TypeVar("F", bound=Callable[..., None])
 _MARK = "__ringfence_handles__"
@@ -62,6 +62,9 @@ class Services(Protocol):
     def schedule(self, delay_s: float, msg: object) -> None: ...
     def stop(self, reason: str) -> None: ...
     def request_shutdown(self, reason: str) -> None: ...
+    def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool: ...
+    def current_epoch(self) -> int: ...
+    def bell_of(self, instance: str) -> Waker | None: ...
     @property
     def current(self) -> Delivery | None: ...
 
@@ -122,7 +125,8 @@ class Actor:
     All methods run in the driver's thread, one at a time; an actor needs no locks.
     """
 
-    config_section: ClassVar[str | None] = None  # TOML section handed over as ctx.config
+    # TOML section handed over as ctx.config; "" hands over the whole Config.
+    config_section: ClassVar[str | None] = None
     tick_s: ClassVar[float | None] = None  # period of Tick messages; None: no ticks
     handlers: ClassVar[Mapping[type, str]]  # message type -> method name, built per class
 
@@ -170,6 +174,26 @@ class Actor:
     def request_shutdown(self, reason: str) -> None:
         """Ask the supervisor to stop the whole run in order (e.g. the workload is done)."""
         self.ctx.services.request_shutdown(reason)
+
+    def wait_until(self, ready: Callable[[], bool], *, timeout: float | None = None) -> bool:
+        """Sleep on this actor's own doorbell until ``ready()`` is true; False at the deadline.
+
+        For a handler that must wait for a watermark written by another actor (the
+        writer rings this actor's bell, see :meth:`bell_of`). The default deadline is
+        the send timeout, half the heartbeat timeout, so the heartbeat never lapses;
+        a handler that runs out of time raises a ``WaitTimeout`` and the driver hands
+        the message over again later (``msg.deferred``).
+        """
+        return self.ctx.services.wait_until(ready, timeout)
+
+    def current_epoch(self) -> int:
+        """The run epoch now (the supervisor bumps it on every restart); ctx.epoch at start."""
+        return self.ctx.services.current_epoch()
+
+    def bell_of(self, instance: str) -> Waker | None:
+        """The doorbell of instance ``instance`` ("engine-0") of this run, to ring after an
+        advance of a watermark it waits on; None when the run has no such instance."""
+        return self.ctx.services.bell_of(instance)
 
     @handles(Stop)
     def handle_stop(self, msg: Stop) -> None:

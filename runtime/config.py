@@ -197,8 +197,13 @@ class Config:
         return self.actors.get(name, ActorPolicy())
 
     def section(self, name: str) -> object:
-        """The section dataclass of TOML table ``name`` (``"cache"``, ``"cache.storage"``)."""
+        """The section dataclass of TOML table ``name`` (``"cache"``, ``"cache.storage"``).
+
+        ``""`` names the whole config (for actors that read several sections).
+        """
         node: Any = self
+        if not name:
+            return node
         parts = name.split(".")
         for depth, part in enumerate(parts):
             tables = [n for n, tp in _hints(node.__class__).items() if dataclasses.is_dataclass(tp)]

@@ -29,14 +29,21 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ringfence.runtime.actor import Actor, ActorContext
 from ringfence.runtime.mailbox import Delivery, Mailbox, Outbox
 from ringfence.runtime.messages import Failed, Tick
-from ringfence.shm.errors import ActorDead, ProtocolError, RingfenceError, RingFull
+from ringfence.shm.doorbell import Doorbell
+from ringfence.shm.errors import (
+    ActorDead,
+    ProtocolError,
+    RingfenceError,
+    RingFull,
+    WaitTimeout,
+)
 
 if TYPE_CHECKING:
     from ringfence.runtime.config import RuntimeConfig
@@ -51,7 +58,9 @@ BATCH = 64  # messages taken from one inbox before looking at the others
 # rather than failed, so backpressure and a peer's restart lose nothing. Handlers are
 # idempotent by their sequence numbers, so the part of the work already done is redone
 # harmlessly.
-BLOCKED = (RingFull, ActorDead)
+# A full ring downstream, a dead peer, or a wait for another actor's watermark that ran
+# past its deadline: not the message's fault, so it is handed over again later.
+BLOCKED = (RingFull, ActorDead, WaitTimeout)
 REPLY_TIMEOUT_S = 1.0  # how long an error reply may wait for room
 
 
@@ -81,6 +90,7 @@ class Driver:
         control: InstanceControl | None = None,
         supervisor: ProcessStamp | None = None,
         owns_log: bool = True,
+        bells: Mapping[str, str] | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.runtime = runtime
@@ -90,6 +100,8 @@ class Driver:
         self._owns_log = owns_log
         self._incarnation = incarnation
         self._send_timeout = runtime.heartbeat_timeout_s / 2
+        self._bell_names = dict(bells or {})  # instance id -> POSIX name of its doorbell
+        self._bells: dict[str, Doorbell] = {}
         self.ctx = ActorContext(
             name=name,
             rank=rank,
@@ -170,6 +182,21 @@ class Driver:
             return
         shutdown = self._control.shutdown
         shutdown.advance(shutdown.value() + 1)
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        return self.mailbox.waiter.wait_until(
+            ready, self._send_timeout if timeout is None else timeout
+        )
+
+    def current_epoch(self) -> int:
+        return self._control.epoch.value() if self._control is not None else self.ctx.epoch
+
+    def bell_of(self, instance: str) -> Doorbell | None:
+        bell = self._bells.get(instance)
+        if bell is None and instance in self._bell_names:
+            bell = Doorbell.attach(self._bell_names[instance], spin_us=self.runtime.spin_us)
+            self._bells[instance] = bell
+        return bell
 
     # Lifecycle.
 
@@ -281,6 +308,9 @@ class Driver:
             if self._control is not None and self.error is None:
                 self._control.exited.advance(self._incarnation)
             self.mailbox.close()
+            bells, self._bells = self._bells, {}
+            for bell in bells.values():
+                bell.close()
             if self._owns_log:
                 self.log.close()
 
@@ -338,7 +368,7 @@ class Driver:
             if handler is None:
                 raise ProtocolError(f"{self.ctx.instance}: no handler for {type(msg).__name__}")
             handler(msg)
-        except BLOCKED as e:  # a full ring or a dead peer downstream: not this message's fault
+        except BLOCKED as e:  # blocked on a peer: not this message's fault
             self.deferred += 1
             self.log.warning(
                 "msg.deferred",

@@ -68,7 +68,7 @@ def attach(
         if not (isinstance(target, type) and issubclass(target, Actor)):
             raise ValueError(f"{entry.target} is not an Actor subclass")
         actor_cls = target
-    section = config.section(actor_cls.config_section) if actor_cls.config_section else None
+    section = None if actor_cls.config_section is None else config.section(actor_cls.config_section)
     spin_us = config.runtime.spin_us
     with ExitStack() as stack:
         bell = Doorbell.attach(entry.bell, spin_us=spin_us)
@@ -133,6 +133,7 @@ def attach(
             supervisor=ProcessStamp(
                 pid=manifest.supervisor_pid, start_ticks=manifest.supervisor_start_ticks
             ),
+            bells={inst.id: inst.bell for inst in manifest.instances},
         )
         stack.pop_all()  # the driver owns everything now
     return driver

@@ -82,6 +82,27 @@ EVENTS: Final[dict[str, Event]] = {
     "storage.corrupt": _e(
         "error", "backend key reason", "a stored block failed its checks: a miss, deleted"
     ),
+    # The Worker (ringfence.actors.worker): the step lane's executor.
+    "worker.ready": _e(
+        "info",
+        "model_id device kv_shm num_blocks block_bytes step_done",
+        "the model is loaded and the device KV tensor is mapped; step_done it resumes from",
+    ),
+    "step.done": _e(
+        "info",
+        "step plan_epoch status fence_swap fence_store seen_swap seen_store pieces tokens poison "
+        "wait_ns exec_ns error",
+        "step_done reached step; status ok, rejected (malformed, nothing touched) or cancelled "
+        "(stale epoch); seen_* are the watermarks observed once the fence was reached",
+    ),
+    "step.refused": _e(
+        "error", "step plan_epoch error", "a plan out of lane order, answered; step_done unchanged"
+    ),
+    "step.repeat": _e(
+        "warning",
+        "step plan_epoch resent",
+        "a plan at or below step_done came again (redelivery); resent: its result went again",
+    ),
     # The demo pipeline (ringfence.runtime.demo).
     "demo.sent": _e("info", "messages", "the source sent its last item"),
     "demo.done": _e(

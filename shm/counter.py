@@ -18,6 +18,7 @@ writer from a dead one.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import ActorDead, SegmentLayoutError, WaitTimeout
@@ -29,6 +30,12 @@ LAYOUT_VERSION = 1
 LINE_WORDS = 8  # 64-byte lines
 _H_MAGIC, _H_VERSION, _H_COUNT = 0, 1, 2
 _VALUE, _PID, _TICKS = 0, 1, 2
+
+
+class Waker(Protocol):
+    """What a writer rings after an advance: a :class:`Doorbell`, or an in-process waiter."""
+
+    def ring(self) -> None: ...
 
 
 class CounterBlock:
@@ -101,12 +108,12 @@ class Watermark:
         self._words = words
         self._base = base
         self.name = name
-        self.notify: tuple[Doorbell, ...] = ()
+        self.notify: tuple[Waker, ...] = ()
 
     def value(self) -> int:
         return int(self._words[self._base + _VALUE])
 
-    def claim(self, notify: Iterable[Doorbell] = ()) -> None:
+    def claim(self, notify: Iterable[Waker] = ()) -> None:
         """Become the writer: record this process's stamp and whom to ring on advance."""
         stamp = ProcessStamp.current()
         self._words[self._base + _TICKS] = stamp.start_ticks

@@ -9,12 +9,14 @@ from typing import NamedTuple
 
 import pytest
 
+import ringfence.actors
 import ringfence.cache
 import ringfence.runtime
 from ringfence.runtime.events import COMMON, EVENTS
 
 RUNTIME_DIR = Path(ringfence.runtime.__file__).parent
 CACHE_DIR = Path(ringfence.cache.__file__).parent
+ACTORS_DIR = Path(ringfence.actors.__file__).parent
 EMBED_EXAMPLE = RUNTIME_DIR.parent / "scripts" / "embed_example"  # absent from a wheel install
 # The method called on an ActorLog -> the level written in the line.
 METHODS = {"info": "info", "warning": "warning", "error": "error", "trace": "trace"}
@@ -31,8 +33,8 @@ class Emit(NamedTuple):
 
 
 def sources() -> list[Path]:
-    """The modules to scan: every runtime and cache module, and the embedding example."""
-    paths = sorted([*RUNTIME_DIR.glob("*.py"), *CACHE_DIR.rglob("*.py")])
+    """The modules to scan: every runtime, cache and actors module, and the embedding example."""
+    paths = sorted([*RUNTIME_DIR.glob("*.py"), *CACHE_DIR.rglob("*.py"), *ACTORS_DIR.rglob("*.py")])
     return [*paths, EMBED_EXAMPLE] if EMBED_EXAMPLE.is_file() else paths
 
 

@@ -1,0 +1,228 @@
+"""The KV tensor's memory, shared between the actors that touch it.
+
+The Worker owns the device KV tensor; the Transfer actor copies blocks in and out of
+it. On CPU the tensor lives in a named shared-memory segment of the run
+(``rf-<run>-kv.device.<rank>``), so the Transfer actor maps the same bytes; on CUDA
+it is a device tensor exported by CUDA IPC. Either way the owner describes it with a
+:class:`KVHandle` (a plain message field) and a peer opens it with
+:func:`open_kv`. The layout is block-major, ``[num_blocks, layers, 2, block_size,
+kv_heads, head_dim]`` (DESIGN.md, "Blocks and tiers"), so one block is one
+contiguous run of ``block_bytes`` bytes.
+
+The segment's name belongs to the run: the supervisor unlinks every name of the run
+when it ends, and a restarted Worker maps the segment its predecessor created (same
+name, same size), so a peer's mapping stays valid across the restart.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import pickle
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import posix_ipc
+import torch
+from torch import Tensor
+
+from ringfence.shm.errors import NameExists, NameMissing, SegmentLayoutError
+from ringfence.shm.segment import Segment
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+LAYOUT_NAME = "block-major-v1"  # the Fingerprint's kv_layout of this layout
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name; ValueError naming the known ones."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVLayout:
+    """Shape and element type of a block-major KV tensor."""
+
+    num_blocks: int
+    layers: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # "float32", "bfloat16" or "float64"
+
+    def __post_init__(self) -> None:
+        for field in ("num_blocks", "layers", "block_size", "kv_heads", "head_dim"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"KV layout: {field} must be >= 1, got {getattr(self, field)}")
+        torch_dtype(self.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_blocks, self.layers, 2, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def block_elements(self) -> int:
+        return self.layers * 2 * self.block_size * self.kv_heads * self.head_dim
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_elements * self.torch_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVHandle:
+    """How a peer process opens a KV tensor: a shared-memory name, or a CUDA IPC export."""
+
+    layout: KVLayout
+    device: str  # "cpu" or "cuda:N"
+    shm: str = ""  # POSIX name of the segment (CPU); "" for a process-private tensor
+    cuda_ipc: str = ""  # base64 of torch's CUDA IPC rebuild record (CUDA)
+    owner_pid: int = 0
+
+
+class SharedKV:
+    """A KV tensor and what keeps its memory alive. ``close`` releases this process's share.
+
+    The creator (the Worker) builds it with :func:`create_kv`, a peer with
+    :func:`open_kv`. Nothing here unlinks the segment's name: it belongs to the run.
+    """
+
+    def __init__(self, tensor: Tensor, handle: KVHandle, segment: Segment | None) -> None:
+        self.tensor: Tensor | None = tensor
+        self.handle = handle
+        self.layout = handle.layout
+        self._segment = segment
+
+    @property
+    def kv(self) -> Tensor:
+        if self.tensor is None:
+            raise ValueError("the KV tensor is closed")
+        return self.tensor
+
+    def poison(self, block_ids: Iterable[int]) -> None:
+        """Fill whole blocks with NaN (the debug aid ``cache.poison_freed``)."""
+        ids = list(block_ids)
+        if ids:
+            index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+            self.kv.index_fill_(0, index, float("nan"))
+
+    def close(self) -> None:
+        """Drop this process's tensor and mapping. Idempotent.
+
+        Callers must drop their own references to :attr:`kv` first; a mapping still
+        referenced by a live tensor goes away with that tensor instead.
+        """
+        self.tensor = None
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            with contextlib.suppress(BufferError):
+                segment.close()
+
+
+def create_kv(layout: KVLayout, device: str, *, shm_name: str = "") -> SharedKV:
+    """The KV tensor of ``layout`` on ``device``, shareable with peer processes.
+
+    CPU with ``shm_name``: the named segment (mapped again when it exists with this
+    layout's size, recreated when its size differs). CPU without a name: a private
+    tensor (local runs and tests). CUDA: a device tensor exported by CUDA IPC.
+    Contents are unspecified until written.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"model.device is {device!r} but torch sees no CUDA device")
+        tensor = torch.empty(layout.shape, dtype=layout.torch_dtype, device=dev)
+        handle = KVHandle(
+            layout=layout,
+            device=str(tensor.device),
+            cuda_ipc=_export_cuda(tensor),
+            owner_pid=os.getpid(),
+        )
+        return SharedKV(tensor, handle, None)
+    if dev.type != "cpu":
+        raise ValueError(f"KV device {device!r} is neither cpu nor cuda")
+    if not shm_name:
+        tensor = torch.empty(layout.shape, dtype=layout.torch_dtype)
+        return SharedKV(tensor, KVHandle(layout=layout, device="cpu", owner_pid=os.getpid()), None)
+    segment = _segment_for(shm_name, layout.nbytes)
+    handle = KVHandle(layout=layout, device="cpu", shm=shm_name, owner_pid=os.getpid())
+    return SharedKV(_view(segment, layout), handle, segment)
+
+
+def open_kv(handle: KVHandle) -> SharedKV:
+    """Open the KV tensor another process created (the Transfer actor's side)."""
+    layout = handle.layout
+    if handle.cuda_ipc:
+        tensor = _import_cuda(handle.cuda_ipc)
+        if tuple(tensor.shape) != layout.shape or tensor.dtype != layout.torch_dtype:
+            raise SegmentLayoutError(
+                f"CUDA KV tensor is {tuple(tensor.shape)} {tensor.dtype}, the handle says "
+                f"{layout.shape} {layout.dtype}"
+            )
+        return SharedKV(tensor, handle, None)
+    if not handle.shm:
+        raise ValueError("this KV tensor is private to its process: it has no shared name")
+    segment = Segment.attach(handle.shm)
+    if segment.size != layout.nbytes:
+        segment.close()
+        raise SegmentLayoutError(
+            f"KV segment {handle.shm} has {segment.size} bytes; the layout needs {layout.nbytes}"
+        )
+    return SharedKV(_view(segment, layout), handle, segment)
+
+
+def _segment_for(name: str, nbytes: int) -> Segment:
+    try:
+        return Segment.create(name, nbytes)
+    except NameExists:
+        pass
+    try:
+        segment = Segment.attach(name)
+    except NameMissing:  # unlinked in between: make it again
+        return Segment.create(name, nbytes)
+    if segment.size == nbytes:
+        return segment
+    # An earlier incarnation ran with another layout: a new segment under the name;
+    # peers that still map the old one keep it until they open the new handle.
+    segment.close()
+    with contextlib.suppress(posix_ipc.ExistentialError):
+        posix_ipc.unlink_shared_memory(name)
+    return Segment.create(name, nbytes)
+
+
+def _view(segment: Segment, layout: KVLayout) -> Tensor:
+    count = layout.nbytes // layout.torch_dtype.itemsize
+    flat = torch.frombuffer(segment.buf, dtype=layout.torch_dtype, count=count)
+    return flat.view(layout.shape)
+
+
+def _export_cuda(tensor: Tensor) -> str:
+    # torch's own CUDA IPC record (device, memory handle, offsets, reference counter,
+    # event): the same route torch.multiprocessing takes. Only ever read by processes
+    # of the same run on the same machine.
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(tensor)  # type: ignore[no-untyped-call]
+    return base64.b64encode(pickle.dumps((rebuild, args))).decode("ascii")
+
+
+def _import_cuda(record: str) -> Tensor:
+    rebuild, args = pickle.loads(base64.b64decode(record))  # the own run's record only
+    tensor = rebuild(*args)
+    assert isinstance(tensor, Tensor)
+    return tensor

@@ -1,0 +1,476 @@
+"""The Worker actor: step plans in, fenced, run on the paged KV tensor, results out.
+
+The worker runs in a thread of the test process on a real driver, with shared-memory
+watermarks; the test plays the Engine (posting plans, reading results) and the
+Transfer actor's swap lane (writing blocks, then advancing ``swap_done``, ringing the
+worker like the real writer does). Every output is compared with a contiguous forward
+of the same model over the whole sequence, in float64.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import torch
+
+from ringfence.actors.kvspace import open_kv
+from ringfence.actors.model import Model
+from ringfence.actors.protocol import (
+    FROM_WORKER,
+    TO_WORKER,
+    PlanPiece,
+    StepPlan,
+    StepResult,
+    WorkerReady,
+)
+from ringfence.actors.worker import LANE_SLOTS, LANES, Worker, lane_counter
+from ringfence.cache.fences import Fence, Lane
+from ringfence.cache.ids import Seq as SeqNo
+from ringfence.runtime.config import Config, load_config
+from ringfence.runtime.control import InstanceControl
+from ringfence.runtime.driver import Driver
+from ringfence.runtime.log import ActorLog
+from ringfence.runtime.mailbox import ConditionWaiter, LocalInbox, LocalOutbox, Mailbox
+from ringfence.shm import names
+from ringfence.shm.counter import CounterBlock, Watermark
+
+BLOCK = 4  # tokens per block: small, so sequences span many blocks
+POOL = 40  # device blocks
+WAIT_S = 10.0  # deadline of every wait for a result
+SETTINGS = (
+    "model.preset=tiny",
+    "model.dtype=float64",
+    f"cache.block_size={BLOCK}",
+    f"cache.device_blocks={POOL}",
+    "runtime.heartbeat_s=0.05",
+    "runtime.heartbeat_timeout_s=0.6",  # a fence wait gives up (and is retried) after 0.3 s
+)
+
+
+@dataclass
+class Rig:
+    """A running worker-0 and the test's ends of its protocol."""
+
+    driver: Driver
+    plans: LocalInbox  # engine -> worker
+    results: LocalInbox  # worker -> engine
+    results_box: Mailbox
+    lanes: CounterBlock
+    control: CounterBlock
+    log_path: Path
+    seen: list[object] = field(default_factory=list)
+
+    @property
+    def worker(self) -> Worker:
+        actor = self.driver.actor
+        assert isinstance(actor, Worker)
+        return actor
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.worker.kv
+
+    def mark(self, lane: Lane) -> Watermark:
+        return lane_counter(self.lanes, 0, lane)
+
+    def post(self, plan: StepPlan) -> None:
+        self.plans.post(plan)
+
+    def next_message(self) -> object:
+        """The next message from the worker, waiting up to WAIT_S."""
+        assert self.results_box.waiter.wait_until(self.results.pending, WAIT_S), "no reply"
+        delivery = self.results.read()
+        assert delivery is not None
+        self.seen.append(delivery.msg)
+        return delivery.msg
+
+    def result(self, step: int) -> StepResult:
+        msg = self.next_message()
+        assert isinstance(msg, StepResult), msg
+        assert msg.step == step, msg
+        return msg
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        self.driver.log.flush()
+        lines = [orjson.loads(line) for line in self.log_path.read_bytes().splitlines()]
+        return [line for line in lines if line["event"] == name]
+
+    def swap_in(self, to: int, write: Callable[[], None] = lambda: None) -> None:
+        """Play the swap lane: do its copy, then publish swap_done = ``to``."""
+        write()
+        self.mark(Lane.SWAP).advance(to)
+
+
+@pytest.fixture
+def make_rig(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
+    rigs: list[Rig] = []
+
+    def make(*overrides: str, worker_cls: type[Worker] = Worker, epoch: int = 0) -> Rig:
+        config: Config = load_config(None, [*SETTINGS, *overrides])
+        lanes = CounterBlock.create(names.posix_name(run_id, LANES), LANE_SLOTS)
+        control = CounterBlock.create(names.posix_name(run_id, "control"), 6)
+        control[0].advance(epoch)
+        waiter = ConditionWaiter()
+        mailbox = Mailbox(waiter)
+        plans = mailbox.add_local_inbox("engine-0", TO_WORKER)
+        results_box = Mailbox(ConditionWaiter())
+        results = results_box.add_local_inbox("worker-0", FROM_WORKER)
+        mailbox.add_outbox(LocalOutbox("engine-0", results))
+        log_path = tmp_path / "worker-0.jsonl"
+        driver = Driver(
+            worker_cls,
+            name="worker",
+            rank=0,
+            mailbox=mailbox,
+            runtime=config.runtime,
+            log=ActorLog(log_path, actor="worker", rank=0, epoch=0),
+            config=config,
+            run_id=run_id,
+            counters={LANES: lanes},
+            control=InstanceControl.of(control, 0),
+        )
+        rig = Rig(driver, plans, results, results_box, lanes, control, log_path)
+        # The test writes the swap and store lanes; it rings the worker as Transfer would.
+        rig.mark(Lane.SWAP).claim(notify=[waiter])
+        rig.mark(Lane.STORE).claim(notify=[waiter])
+        rigs.append(rig)
+        driver.start_thread()
+        ready = rig.next_message()
+        assert isinstance(ready, WorkerReady)
+        return rig
+
+    yield make
+    for rig in rigs:
+        rig.driver.stop("test over")
+        assert rig.driver.join(WAIT_S)
+        rig.lanes.close()
+        rig.control.close()
+    names.clean_run(run_id)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Model:
+    return Model.from_preset("tiny", torch.float64, seed=0).eval()
+
+
+@dataclass
+class Seq:
+    """One sequence of a scripted program: its prompt, blocks, and what the worker returned."""
+
+    seq_id: int
+    prompt: list[int]
+    blocks: list[int]
+    done: int = 0  # tokens already in the KV blocks
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+def next_piece(seq: Seq, rng: random.Random) -> PlanPiece:
+    """The sequence's next prefill chunk (random length) or its next decode token."""
+    if seq.done < len(seq.prompt):
+        size = rng.randint(1, len(seq.prompt) - seq.done)
+        ids = seq.prompt[seq.done : seq.done + size]
+        last = seq.done + size == len(seq.prompt)
+    else:
+        ids, last = [seq.generated[-1]], True
+    return PlanPiece(
+        seq_id=seq.seq_id,
+        token_ids=tuple(ids),
+        start=seq.done,
+        block_table=tuple(seq.blocks),
+        sample=last,
+    )
+
+
+def run_program(rig: Rig, seqs: list[Seq], rng: random.Random, decode: int, step: int = 1) -> int:
+    """Steps of mixed pieces until every sequence decoded ``decode`` tokens; the next step."""
+    while any(len(s.generated) < decode for s in seqs):
+        active = [s for s in seqs if len(s.generated) < decode]
+        pieces = tuple(next_piece(s, rng) for s in active)
+        rig.post(StepPlan(step=step, epoch=0, fence=Fence(), pieces=pieces))
+        result = rig.result(step)
+        assert result.status == "ok", result.error
+        by_id = {out.seq_id: out for out in result.outputs}
+        for seq, piece in zip(active, pieces, strict=True):
+            seq.done = piece.start + len(piece.token_ids)
+            if piece.sample:
+                out = by_id.pop(seq.seq_id)
+                assert out.position == seq.done
+                seq.generated.append(out.token_id)
+                seq.logprobs.append(out.logprob)
+        assert not by_id, "an output for a piece that did not ask for one"
+        step += 1
+    return step
+
+
+def check_against_reference(model: Model, seq: Seq) -> None:
+    """Every generated token is the greedy pick of a contiguous forward, logprob within 1e-9."""
+    logits = model.forward_contiguous(torch.tensor(seq.tokens))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for k, (token, logprob) in enumerate(zip(seq.generated, seq.logprobs, strict=True)):
+        row = len(seq.prompt) + k - 1  # the logits that predicted generated token k
+        assert token == int(torch.argmax(logits[row])), f"seq {seq.seq_id} token {k}"
+        assert abs(logprob - float(logprobs[row, token])) < 1e-9
+
+
+def make_seqs(rng: random.Random, count: int, free: list[int], decode: int) -> list[Seq]:
+    seqs = []
+    for i in range(count):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(3, 22))]
+        need = -(-(len(prompt) + decode) // BLOCK)
+        seqs.append(Seq(seq_id=100 + i, prompt=prompt, blocks=[free.pop() for _ in range(need)]))
+    return seqs
+
+
+def test_the_worker_announces_its_model_and_a_kv_tensor_a_peer_can_open(make_rig) -> None:
+    rig = make_rig()
+    ready = next(m for m in rig.seen if isinstance(m, WorkerReady))
+    assert ready.model.model_id == "preset-tiny-seed0"
+    assert (ready.model.vocab_size, ready.model.dtype) == (259, "float64")
+    assert ready.kv.shm == names.posix_name(rig.driver.ctx.run_id, "kv.device.0")
+    assert ready.kv.layout.shape == tuple(rig.kv.shape) and ready.kv.layout.num_blocks == POOL
+    peer = open_kv(ready.kv)
+    try:
+        peer.kv[7].fill_(0.25)  # what the Transfer actor writes, the worker reads
+        assert bool((rig.kv[7] == 0.25).all())
+    finally:
+        peer.close()
+
+
+def test_mixed_steps_of_random_chunks_give_the_tokens_of_a_contiguous_forward(
+    make_rig, reference: Model, rng: random.Random
+) -> None:
+    rig = make_rig()
+    free = list(range(POOL))
+    rng.shuffle(free)
+    seqs = make_seqs(rng, 4, free, decode=5)
+    run_program(rig, seqs, rng, decode=5)
+    for seq in seqs:
+        check_against_reference(reference, seq)
+    assert rig.mark(Lane.STEP).value() == len(rig.events("step.done"))
+
+
+class NoFenceWorker(Worker):
+    """A worker that skips the fence wait: a debug switch the tests use to show their teeth."""
+
+    wait_fences = False
+
+
+@pytest.mark.parametrize("worker_cls", [Worker, NoFenceWorker], ids=["fenced", "unfenced"])
+def test_a_step_reads_swapped_in_blocks_only_after_the_swap_watermark_reaches_its_fence(
+    make_rig, reference: Model, rng: random.Random, worker_cls: type[Worker]
+) -> None:
+    """I1: a step does not read a device block before the swap-in that fills it is done.
+
+    The sequence's blocks are poisoned (NaN) by a step, as after a swap-out; the decode
+    step that reads them is posted with fence swap=1 while a delayed "swap-in" restores
+    them and only then advances swap_done. Without the wait the step reads NaN.
+    """
+    rig = make_rig(worker_cls=worker_cls)
+    free = list(range(POOL))
+    rng.shuffle(free)
+    [seq] = make_seqs(rng, 1, free, decode=2)
+    step = run_program(rig, [seq], rng, decode=1)
+    saved = rig.kv[list(seq.blocks)].clone()
+    rig.post(StepPlan(step=step, epoch=0, fence=Fence(), pieces=(), poison=tuple(seq.blocks)))
+    assert rig.result(step).status == "ok"
+    assert bool(torch.isnan(rig.kv[list(seq.blocks)]).all())
+
+    def restore() -> None:
+        rig.kv[list(seq.blocks)] = saved
+
+    swapper = threading.Timer(0.2, rig.swap_in, args=(1, restore))
+    swapper.start()
+    try:
+        piece = next_piece(seq, rng)
+        rig.post(StepPlan(step=step + 1, epoch=0, fence=Fence(swap=SeqNo(1)), pieces=(piece,)))
+        result = rig.result(step + 1)
+    finally:
+        swapper.join(WAIT_S)
+    [out] = result.outputs
+    if worker_cls is Worker:
+        seq.generated.append(out.token_id)
+        seq.logprobs.append(out.logprob)
+        check_against_reference(reference, seq)
+        [line] = [e for e in rig.events("step.done") if e["step"] == step + 1]
+        assert line["fence_swap"] == 1 and line["seen_swap"] >= 1
+    else:
+        assert out.logprob != out.logprob, "the unfenced step should have read the NaN blocks"
+
+
+def test_a_fence_wait_past_its_deadline_defers_the_plan_and_runs_it_when_the_swap_is_done(
+    make_rig, reference: Model, rng: random.Random
+) -> None:
+    rig = make_rig()
+    free = list(range(POOL))
+    rng.shuffle(free)
+    [seq] = make_seqs(rng, 1, free, decode=2)
+    step = run_program(rig, [seq], rng, decode=1)
+    # The swap lane is slower than the worker's wait slice (0.3 s): deferred, then run.
+    swapper = threading.Timer(1.0, rig.swap_in, args=(3,))
+    swapper.start()
+    try:
+        piece = next_piece(seq, rng)
+        rig.post(StepPlan(step=step, epoch=0, fence=Fence(swap=SeqNo(3)), pieces=(piece,)))
+        result = rig.result(step)
+    finally:
+        swapper.join(WAIT_S)
+    assert result.status == "ok" and result.wait_ns > 0
+    seq.generated.append(result.outputs[0].token_id)
+    seq.logprobs.append(result.outputs[0].logprob)
+    check_against_reference(reference, seq)
+    deferred = rig.events("msg.deferred")
+    assert deferred and all(e["error"] == "WaitTimeout" for e in deferred)
+
+
+def test_a_plan_whose_fence_is_not_reached_is_cancelled_once_its_epoch_has_passed(
+    make_rig, rng: random.Random
+) -> None:
+    rig = make_rig()
+    piece = PlanPiece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
+    epoch = rig.control[0]
+    epoch.claim()
+    bump = threading.Timer(0.1, epoch.advance, args=(1,))  # a restart elsewhere: epoch 1
+    bump.start()
+    try:
+        rig.post(StepPlan(step=1, epoch=0, fence=Fence(swap=SeqNo(5)), pieces=(piece,)))
+        result = rig.result(1)
+    finally:
+        bump.join(WAIT_S)
+    assert result.status == "cancelled" and "epoch 0" in result.error
+    assert result.outputs == () and rig.mark(Lane.STEP).value() == 1
+    # The lane goes on with the next step.
+    rig.post(StepPlan(step=2, epoch=1, fence=Fence(), pieces=(piece,)))
+    assert rig.result(2).status == "ok"
+
+
+def test_a_plan_from_before_the_worker_started_is_cancelled_without_waiting(make_rig) -> None:
+    rig = make_rig(epoch=2)  # this worker started in epoch 2
+    piece = PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True)
+    rig.post(StepPlan(step=1, epoch=1, fence=Fence(swap=SeqNo(99)), pieces=(piece,)))
+    result = rig.result(1)
+    assert result.status == "cancelled" and "epoch 1" in result.error
+
+
+def test_poisoned_blocks_are_nan_and_the_outputs_of_other_sequences_do_not_change(
+    make_rig, reference: Model, rng: random.Random
+) -> None:
+    rig = make_rig("cache.poison_freed=true")
+    assert bool(torch.isnan(rig.kv).all()), "poison_freed starts from an all-NaN pool"
+    free = list(range(POOL))
+    rng.shuffle(free)
+    seqs = make_seqs(rng, 2, free, decode=3)
+    step = run_program(rig, seqs, rng, decode=2)
+    doomed, kept = seqs
+    piece = next_piece(kept, rng)
+    plan = StepPlan(step=step, epoch=0, fence=Fence(), pieces=(piece,), poison=tuple(doomed.blocks))
+    rig.post(plan)
+    [out] = rig.result(step).outputs
+    kept.generated.append(out.token_id)
+    kept.logprobs.append(out.logprob)
+    check_against_reference(reference, kept)
+    assert bool(torch.isnan(rig.kv[doomed.blocks]).all())
+
+
+def bits(kv: torch.Tensor) -> torch.Tensor:
+    return kv.view(torch.int64).clone()  # NaN-safe equality
+
+
+PIECE = PlanPiece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
+            PlanPiece(seq_id=1, token_ids=(1, 2), start=0, block_table=(POOL,), sample=True),
+        )), f"block id {POOL}"),
+        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
+            PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=tuple(range(POOL + 1)),
+                      sample=True),
+        )), f"more than the pool's {POOL}"),
+        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
+            PlanPiece(seq_id=1, token_ids=(1,), start=4096, block_table=(0,), sample=True),
+        )), "past max_position"),
+        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
+            PlanPiece(seq_id=1, token_ids=(1, 2, 3, 4, 5), start=0, block_table=(0,), sample=True),
+        )), "need 2"),
+        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
+            PlanPiece(seq_id=1, token_ids=(1, 999), start=0, block_table=(0,), sample=True),
+        )), "token id 999"),
+        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
+            PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=(3, 3), sample=True),
+        )), "names a block twice"),
+        (StepPlan(step=1, epoch=0, fence=Fence(step=SeqNo(1)), pieces=(PIECE,)), "step lane"),
+        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(PIECE,), poison=(-1,)), "poison block"),
+        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
+            PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True,
+                      temperature=-1.0),
+        )), "negative temperature"),
+    ],
+    ids=["unknown-block", "table-past-pool", "past-max-position", "short-table", "bad-token",
+         "repeated-block", "own-lane-fence", "bad-poison", "negative-temperature"],
+)  # fmt: skip
+def test_a_malformed_plan_is_rejected_naming_the_problem_and_touches_no_block(
+    make_rig, plan: StepPlan, message: str
+) -> None:
+    rig = make_rig()
+    before = bits(rig.kv)
+    rig.post(plan)
+    result = rig.result(1)
+    assert result.status == "rejected" and message in result.error, result.error
+    assert torch.equal(bits(rig.kv), before)
+    # Rejected is done (nothing to wait for): the lane moves on to step 2.
+    assert rig.mark(Lane.STEP).value() == 1
+    rig.post(StepPlan(step=2, epoch=0, fence=Fence(), pieces=(PIECE,)))
+    assert rig.result(2).status == "ok"
+
+
+def test_a_step_out_of_lane_order_is_refused_and_the_watermark_stays(make_rig) -> None:
+    rig = make_rig()
+    rig.post(StepPlan(step=2, epoch=0, fence=Fence(), pieces=(PIECE,)))
+    result = rig.result(2)
+    assert result.status == "rejected" and "1 is next" in result.error
+    assert rig.mark(Lane.STEP).value() == 0
+    [line] = rig.events("step.refused")
+    assert line["step"] == 2
+
+
+def test_a_repeated_plan_is_answered_with_the_kept_result_and_not_run_again(make_rig) -> None:
+    rig = make_rig()
+    plan = StepPlan(step=1, epoch=0, fence=Fence(), pieces=(PIECE,))
+    rig.post(plan)
+    first = rig.result(1)
+    rig.post(plan)
+    assert rig.result(1) == first
+    assert rig.worker.steps == 1
+    [line] = rig.events("step.repeat")
+    assert line["resent"] is True
+
+
+def test_sampled_tokens_are_reproducible_per_seed_and_position(make_rig) -> None:
+    rig = make_rig()
+    picks = []
+    for step in (1, 2):  # the same prompt under 6 seeds, twice, in other blocks
+        pieces = tuple(
+            PlanPiece(
+                seq_id=seed, token_ids=(5, 6, 7), start=0, block_table=(6 * step + seed,),
+                sample=True, temperature=1.5, seed=seed,
+            )
+            for seed in range(6)
+        )  # fmt: skip
+        rig.post(StepPlan(step=step, epoch=0, fence=Fence(), pieces=pieces))
+        picks.append(rig.result(step).outputs)
+    assert picks[0] == picks[1]
+    assert len({out.token_id for out in picks[0]}) > 1, "every seed drew the same token"
