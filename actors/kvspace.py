@@ -22,12 +22,14 @@ import os
 import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import posix_ipc
 import torch
 from torch import Tensor
 
 from ringfence.shm.errors import NameExists, NameMissing, SegmentLayoutError
+from ringfence.shm.names import SHM_DIR
 from ringfence.shm.segment import Segment
 
 DTYPES: dict[str, torch.dtype] = {
@@ -96,17 +98,17 @@ class KVHandle:
 
 
 class SharedKV:
-    """A KV tensor and what keeps its memory alive. ``close`` releases this process's share.
+    """A KV tensor. The tensor owns its memory: a mapping made by torch itself (CPU) or
+    the device allocation (CUDA), freed when the last tensor viewing it is gone.
 
     The creator (the Worker) builds it with :func:`create_kv`, a peer with
     :func:`open_kv`. Nothing here unlinks the segment's name: it belongs to the run.
     """
 
-    def __init__(self, tensor: Tensor, handle: KVHandle, segment: Segment | None) -> None:
+    def __init__(self, tensor: Tensor, handle: KVHandle) -> None:
         self.tensor: Tensor | None = tensor
         self.handle = handle
         self.layout = handle.layout
-        self._segment = segment
 
     @property
     def kv(self) -> Tensor:
@@ -122,16 +124,9 @@ class SharedKV:
             self.kv.index_fill_(0, index, float("nan"))
 
     def close(self) -> None:
-        """Drop this process's tensor and mapping. Idempotent.
-
-        Callers must drop their own references to :attr:`kv` first; a mapping still
-        referenced by a live tensor goes away with that tensor instead.
-        """
+        """Drop this object's reference. Idempotent. Views a caller still holds stay valid:
+        the mapping goes away with the last of them, never under one."""
         self.tensor = None
-        segment, self._segment = self._segment, None
-        if segment is not None:
-            with contextlib.suppress(BufferError):
-                segment.close()
 
 
 def create_kv(layout: KVLayout, device: str, *, shm_name: str = "") -> SharedKV:
@@ -153,15 +148,15 @@ def create_kv(layout: KVLayout, device: str, *, shm_name: str = "") -> SharedKV:
             cuda_ipc=_export_cuda(tensor),
             owner_pid=os.getpid(),
         )
-        return SharedKV(tensor, handle, None)
+        return SharedKV(tensor, handle)
     if dev.type != "cpu":
         raise ValueError(f"KV device {device!r} is neither cpu nor cuda")
     if not shm_name:
         tensor = torch.empty(layout.shape, dtype=layout.torch_dtype)
-        return SharedKV(tensor, KVHandle(layout=layout, device="cpu", owner_pid=os.getpid()), None)
-    segment = _segment_for(shm_name, layout.nbytes)
+        return SharedKV(tensor, KVHandle(layout=layout, device="cpu", owner_pid=os.getpid()))
+    _ensure_segment(shm_name, layout.nbytes)
     handle = KVHandle(layout=layout, device="cpu", shm=shm_name, owner_pid=os.getpid())
-    return SharedKV(_view(segment, layout), handle, segment)
+    return SharedKV(_map(shm_name, layout), handle)
 
 
 def open_kv(handle: KVHandle) -> SharedKV:
@@ -174,40 +169,50 @@ def open_kv(handle: KVHandle) -> SharedKV:
                 f"CUDA KV tensor is {tuple(tensor.shape)} {tensor.dtype}, the handle says "
                 f"{layout.shape} {layout.dtype}"
             )
-        return SharedKV(tensor, handle, None)
+        return SharedKV(tensor, handle)
     if not handle.shm:
         raise ValueError("this KV tensor is private to its process: it has no shared name")
-    segment = Segment.attach(handle.shm)
-    if segment.size != layout.nbytes:
-        segment.close()
+    size = _segment_size(handle.shm)
+    if size is None:
+        raise NameMissing(f"shared-memory segment {handle.shm} does not exist")
+    if size != layout.nbytes:
         raise SegmentLayoutError(
-            f"KV segment {handle.shm} has {segment.size} bytes; the layout needs {layout.nbytes}"
+            f"KV segment {handle.shm} has {size} bytes; the layout needs {layout.nbytes}"
         )
-    return SharedKV(_view(segment, layout), handle, segment)
+    return SharedKV(_map(handle.shm, layout), handle)
 
 
-def _segment_for(name: str, nbytes: int) -> Segment:
+def _shm_file(name: str) -> Path:
+    return SHM_DIR / name.lstrip("/")
+
+
+def _segment_size(name: str) -> int | None:
     try:
-        return Segment.create(name, nbytes)
-    except NameExists:
-        pass
-    try:
-        segment = Segment.attach(name)
-    except NameMissing:  # unlinked in between: make it again
-        return Segment.create(name, nbytes)
-    if segment.size == nbytes:
-        return segment
-    # An earlier incarnation ran with another layout: a new segment under the name;
-    # peers that still map the old one keep it until they open the new handle.
-    segment.close()
-    with contextlib.suppress(posix_ipc.ExistentialError):
-        posix_ipc.unlink_shared_memory(name)
-    return Segment.create(name, nbytes)
+        return _shm_file(name).stat().st_size
+    except FileNotFoundError:
+        return None
 
 
-def _view(segment: Segment, layout: KVLayout) -> Tensor:
+def _ensure_segment(name: str, nbytes: int) -> None:
+    """Make ``name`` a segment of ``nbytes``: keep one of that size, else create it anew."""
+    size = _segment_size(name)
+    if size == nbytes:
+        return
+    if size is not None:
+        # An earlier incarnation ran with another layout: a new segment under the name;
+        # peers that still map the old one keep it until they open the new handle.
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(name)
+    with contextlib.suppress(NameExists):  # made in between by another process: kept
+        Segment.create(name, nbytes).close()
+
+
+def _map(name: str, layout: KVLayout) -> Tensor:
+    # torch maps the file itself (MAP_SHARED) and its storage owns the mapping, so the
+    # memory lives exactly as long as some tensor views it. (A tensor made with
+    # torch.frombuffer over our own mmap would not keep that mmap alive.)
     count = layout.nbytes // layout.torch_dtype.itemsize
-    flat = torch.frombuffer(segment.buf, dtype=layout.torch_dtype, count=count)
+    flat = torch.from_file(str(_shm_file(name)), shared=True, size=count, dtype=layout.torch_dtype)
     return flat.view(layout.shape)
 
 
