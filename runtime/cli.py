@@ -21,6 +21,7 @@ BENCHMARKS = {
     "ring": "ringfence.runtime.bench_ring",
     "hop": "ringfence.runtime.bench_hop",
     "cache": "ringfence.cache.bench",
+    "worker": "ringfence.actors.bench",
 }
 
 
