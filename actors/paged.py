@@ -29,6 +29,26 @@ class Piece:
     block_table: Sequence[int]  # block ids covering positions 0..start+len-1 (more are allowed)
 
 
+class _Decodes(NamedTuple):
+    """The one-token pieces of a step, attended in one batched call per layer."""
+
+    rows: Tensor  # [D] their rows in the step's token order
+    table: Tensor  # [D * width] block ids, each piece's table padded to width blocks
+    valid: Tensor  # [D, width * block_size] True at positions 0..end-1 of the piece
+    hidden: Tensor  # flat indices of the other positions (zeroed after each gather)
+    width: int
+
+
+class _Chunk(NamedTuple):
+    """A prefill chunk (two or more tokens), attended on its own."""
+
+    first: int  # its first row in the step's token order
+    length: int
+    table: Tensor  # the blocks covering positions 0..end-1
+    end: int  # start + length
+    mask: Tensor | None  # [length, end] causal mask with offset; None when start == 0
+
+
 class _StepIndex(NamedTuple):
     """Index tensors of one step, built once and used by every layer."""
 
@@ -37,8 +57,8 @@ class _StepIndex(NamedTuple):
     positions: Tensor  # [T] position of each token in its sequence
     slot_blocks: Tensor  # [T] block each token's K/V is written to
     slot_offsets: Tensor  # [T] slot in that block
-    tables: list[Tensor]  # per piece: the blocks covering positions 0..end-1
-    masks: list[Tensor]  # per piece: [length, end] True where a query may attend
+    decodes: _Decodes | None
+    chunks: list[_Chunk]
 
 
 class StepOutput(NamedTuple):
@@ -143,64 +163,106 @@ class PagedExecutor:
         blocks = [
             p.block_table[pos // bs] for p, span in zip(pieces, spans, strict=True) for pos in span
         ]
+        decodes, chunks, first = [], [], 0
+        for p, span in zip(pieces, spans, strict=True):
+            if len(span) == 1:
+                decodes.append((first, p.block_table[: -(-span.stop // bs)], span.stop))
+            else:
+                mask = None
+                if p.start:  # query at position pos sees keys 0..pos
+                    mask = torch.arange(span.stop).unsqueeze(0) <= torch.tensor(span).unsqueeze(1)
+                table = torch.tensor(p.block_table[: -(-span.stop // bs)], dtype=torch.long)
+                chunks.append(_Chunk(first, len(span), table, span.stop, mask))
+            first += len(span)
         return _StepIndex(
             lengths=lengths,
             token_ids=torch.tensor([t for p in pieces for t in p.token_ids], dtype=torch.long),
             positions=positions,
             slot_blocks=torch.tensor(blocks, dtype=torch.long),
             slot_offsets=positions % bs,
-            tables=[
-                torch.tensor(p.block_table[: -(-span.stop // bs)], dtype=torch.long)
-                for p, span in zip(pieces, spans, strict=True)
-            ],
-            # Query at position pos sees keys 0..pos: [piece length, end] booleans.
-            masks=[
-                torch.arange(span.stop).unsqueeze(0) <= torch.tensor(span).unsqueeze(1)
-                for span in spans
-            ],
+            decodes=_decodes(decodes, bs) if decodes else None,
+            chunks=chunks,
         )
 
     @torch.inference_mode()
     def step(self, pieces: Sequence[Piece], *, all_logits: bool = False) -> StepOutput:
         """Run one step: write each token's K/V into its slot, attend causally, return logits.
 
-        Linear layers run once over all tokens of the step; attention loops per piece.
-        Mutates ``kv`` (the slots of the pieces' positions only); reads nothing else of it
-        beyond each piece's positions 0..start+len-1.
+        Linear layers run once over all tokens of the step. Attention runs once per layer
+        for all one-token (decode) pieces together, over their tables gathered into one
+        padded buffer, and once per layer for each longer (prefill) chunk. Mutates ``kv``
+        (the slots of the pieces' positions only); reads nothing else of it beyond each
+        piece's positions 0..start+len-1: every position past a piece's end is masked out
+        and zeroed before any arithmetic, since a free block or an unwritten slot may hold
+        NaN, and NaN * 0 is still NaN.
         """
         self.check(pieces)
-        model, c, bs = self.model, self.model.config, self.block_size
+        model, c = self.model, self.model.config
         ix = self._index(pieces)
-        # One gather buffer each for K and V per step, sized for the longest table:
-        # index_select writes into them instead of allocating per sequence and layer.
-        shape = (max(len(t) for t in ix.tables), bs, c.kv_heads, c.head_dim)
-        k_buf = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
-        v_buf = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
+        kv, dec = self.kv, ix.decodes
+        if dec is not None:  # gather buffers, reused by every layer
+            shape = (len(dec.table), self.block_size, c.kv_heads, c.head_dim)
+            k_dec = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+            v_dec = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+            dec_mask = dec.valid.view(len(dec.rows), 1, 1, -1)
         x = model.embed(ix.token_ids)
         for layer in range(c.layers):
             q, k, v = model.attention_inputs(layer, x, ix.positions)
             # Write before reading: a piece's queries attend to its own new tokens too.
-            self.kv[ix.slot_blocks, layer, 0, ix.slot_offsets] = k
-            self.kv[ix.slot_blocks, layer, 1, ix.slot_offsets] = v
-            outs = []
-            for q_piece, table, mask in zip(
-                torch.split(q, ix.lengths), ix.tables, ix.masks, strict=True
-            ):
-                end = mask.shape[1]
-                keys, values = k_buf[: len(table)], v_buf[: len(table)]
-                torch.index_select(self.kv[:, layer, 0], 0, table, out=keys)
-                torch.index_select(self.kv[:, layer, 1], 0, table, out=values)
-                # Slice to positions 0..end-1 before any arithmetic: the unwritten tail of
-                # the last block may be NaN, and NaN * 0 is still NaN.
-                keys = keys.view(-1, c.kv_heads, c.head_dim)[:end].transpose(0, 1)
-                values = values.view(-1, c.kv_heads, c.head_dim)[:end].transpose(0, 1)
-                out = F.scaled_dot_product_attention(
-                    q_piece.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True
+            kv[ix.slot_blocks, layer, 0, ix.slot_offsets] = k
+            kv[ix.slot_blocks, layer, 1, ix.slot_offsets] = v
+            out = torch.empty(q.shape[0], c.heads * c.head_dim, dtype=q.dtype, device=q.device)
+            if dec is not None:
+                n = len(dec.rows)
+                torch.index_select(kv[:, layer, 0], 0, dec.table, out=k_dec)
+                torch.index_select(kv[:, layer, 1], 0, dec.table, out=v_dec)
+                if len(dec.hidden):  # only the tails past each end, not the whole buffer
+                    k_dec.view(-1, c.kv_heads, c.head_dim).index_fill_(0, dec.hidden, 0)
+                    v_dec.view(-1, c.kv_heads, c.head_dim).index_fill_(0, dec.hidden, 0)
+                keys = k_dec.view(n, -1, c.kv_heads, c.head_dim)
+                values = v_dec.view(n, -1, c.kv_heads, c.head_dim)
+                attended = F.scaled_dot_product_attention(
+                    q[dec.rows].unsqueeze(2),  # [n, heads, 1, dim]
+                    keys.transpose(1, 2),
+                    values.transpose(1, 2),
+                    attn_mask=dec_mask,
+                    enable_gqa=True,
                 )
-                outs.append(out.transpose(0, 1).reshape(mask.shape[0], -1))
-            x = model.finish_layer(layer, x, torch.cat(outs))
+                out[dec.rows] = attended.view(n, -1)
+            for chunk in ix.chunks:
+                rows = slice(chunk.first, chunk.first + chunk.length)
+                # Slice to positions 0..end-1: the unwritten tail of the last block may be NaN.
+                keys = kv[chunk.table, layer, 0].view(-1, c.kv_heads, c.head_dim)[: chunk.end]
+                values = kv[chunk.table, layer, 1].view(-1, c.kv_heads, c.head_dim)[: chunk.end]
+                attended = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1).unsqueeze(0),  # [1, heads, length, dim]
+                    keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0),
+                    attn_mask=None
+                    if chunk.mask is None
+                    else chunk.mask.view(1, 1, *chunk.mask.shape),
+                    is_causal=chunk.mask is None,
+                    enable_gqa=True,
+                )
+                out[rows] = attended[0].transpose(0, 1).reshape(chunk.length, -1)
+            x = model.finish_layer(layer, x, out)
         last = torch.tensor(ix.lengths).cumsum(0) - 1
         if all_logits:
             logits = model.logits(x)
             return StepOutput(logits[last], logits)
         return StepOutput(model.logits(x[last]), None)
+
+
+def _decodes(decodes: list[tuple[int, Sequence[int], int]], block_size: int) -> _Decodes:
+    """Pad the decode pieces' tables to one width (with their own first block, masked)."""
+    width = max(len(table) for _, table, _ in decodes)
+    table = [b for _, t, _ in decodes for b in (*t, *(t[0],) * (width - len(t)))]
+    ends = torch.tensor([end for _, _, end in decodes]).unsqueeze(1)
+    valid = torch.arange(width * block_size).unsqueeze(0) < ends
+    return _Decodes(
+        rows=torch.tensor([row for row, _, _ in decodes], dtype=torch.long),
+        table=torch.tensor(table, dtype=torch.long),
+        valid=valid,
+        hidden=torch.nonzero(~valid.flatten()).flatten(),
+        width=width,
+    )
