@@ -251,7 +251,8 @@ def sample(logits: Tensor, *, temperature: float, seed: int, position: int) -> S
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    wide = logits.detach().to(torch.float64)
+    # On the CPU in float64 whatever the model's device: the same draw on every machine.
+    wide = logits.detach().to(device="cpu", dtype=torch.float64)
     if temperature == 0:
         token = int(torch.argmax(wide))
     else:

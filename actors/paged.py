@@ -57,6 +57,7 @@ class _StepIndex(NamedTuple):
     positions: Tensor  # [T] position of each token in its sequence
     slot_blocks: Tensor  # [T] block each token's K/V is written to
     slot_offsets: Tensor  # [T] slot in that block
+    last: Tensor  # [pieces] the row of each piece's last token
     decodes: _Decodes | None
     chunks: list[_Chunk]
 
@@ -156,31 +157,38 @@ class PagedExecutor:
                 written.add(slot)
 
     def _index(self, pieces: Sequence[Piece]) -> _StepIndex:
-        bs = self.block_size
+        """The step's index tensors, made on the KV tensor's device."""
+        bs, dev = self.block_size, self.kv.device
         lengths = [len(p.token_ids) for p in pieces]
         spans = [range(p.start, p.start + n) for p, n in zip(pieces, lengths, strict=True)]
-        positions = torch.tensor([pos for span in spans for pos in span], dtype=torch.long)
+        flat = [pos for span in spans for pos in span]
         blocks = [
             p.block_table[pos // bs] for p, span in zip(pieces, spans, strict=True) for pos in span
         ]
         decodes, chunks, first = [], [], 0
         for p, span in zip(pieces, spans, strict=True):
+            table = p.block_table[: -(-span.stop // bs)]
             if len(span) == 1:
-                decodes.append((first, p.block_table[: -(-span.stop // bs)], span.stop))
+                decodes.append((first, table, span.stop))
             else:
                 mask = None
                 if p.start:  # query at position pos sees keys 0..pos
-                    mask = torch.arange(span.stop).unsqueeze(0) <= torch.tensor(span).unsqueeze(1)
-                table = torch.tensor(p.block_table[: -(-span.stop // bs)], dtype=torch.long)
-                chunks.append(_Chunk(first, len(span), table, span.stop, mask))
+                    keys = torch.arange(span.stop, device=dev).unsqueeze(0)
+                    mask = keys <= torch.tensor(span, device=dev).unsqueeze(1)
+                index = torch.tensor(table, dtype=torch.long, device=dev)
+                chunks.append(_Chunk(first, len(span), index, span.stop, mask))
             first += len(span)
+        positions = torch.tensor(flat, dtype=torch.long, device=dev)
         return _StepIndex(
             lengths=lengths,
-            token_ids=torch.tensor([t for p in pieces for t in p.token_ids], dtype=torch.long),
+            token_ids=torch.tensor(
+                [t for p in pieces for t in p.token_ids], dtype=torch.long, device=dev
+            ),
             positions=positions,
-            slot_blocks=torch.tensor(blocks, dtype=torch.long),
+            slot_blocks=torch.tensor(blocks, dtype=torch.long, device=dev),
             slot_offsets=positions % bs,
-            decodes=_decodes(decodes, bs) if decodes else None,
+            last=torch.tensor(lengths, device=dev).cumsum(0) - 1,
+            decodes=_decodes(decodes, bs, dev) if decodes else None,
             chunks=chunks,
         )
 
@@ -246,22 +254,23 @@ class PagedExecutor:
                 )
                 out[rows] = attended[0].transpose(0, 1).reshape(chunk.length, -1)
             x = model.finish_layer(layer, x, out)
-        last = torch.tensor(ix.lengths).cumsum(0) - 1
         if all_logits:
             logits = model.logits(x)
-            return StepOutput(logits[last], logits)
-        return StepOutput(model.logits(x[last]), None)
+            return StepOutput(logits[ix.last], logits)
+        return StepOutput(model.logits(x[ix.last]), None)
 
 
-def _decodes(decodes: list[tuple[int, Sequence[int], int]], block_size: int) -> _Decodes:
+def _decodes(
+    decodes: list[tuple[int, Sequence[int], int]], block_size: int, device: torch.device
+) -> _Decodes:
     """Pad the decode pieces' tables to one width (with their own first block, masked)."""
     width = max(len(table) for _, table, _ in decodes)
     table = [b for _, t, _ in decodes for b in (*t, *(t[0],) * (width - len(t)))]
-    ends = torch.tensor([end for _, _, end in decodes]).unsqueeze(1)
-    valid = torch.arange(width * block_size).unsqueeze(0) < ends
+    ends = torch.tensor([end for _, _, end in decodes], device=device).unsqueeze(1)
+    valid = torch.arange(width * block_size, device=device).unsqueeze(0) < ends
     return _Decodes(
-        rows=torch.tensor([row for row, _, _ in decodes], dtype=torch.long),
-        table=torch.tensor(table, dtype=torch.long),
+        rows=torch.tensor([row for row, _, _ in decodes], dtype=torch.long, device=device),
+        table=torch.tensor(table, dtype=torch.long, device=device),
         valid=valid,
         hidden=torch.nonzero(~valid.flatten()).flatten(),
         width=width,

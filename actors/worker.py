@@ -267,16 +267,17 @@ class Worker(Actor):
         assert self.space is not None and self.executor is not None
         self.space.poison(plan.poison)
         if not pieces:
+            if self.cuda:  # step_done covers the writes: done, not merely queued
+                torch.cuda.current_stream(self.kv.device).synchronize()
             return ()
-        out = self.executor.step(pieces)
+        # One copy for all pieces; on CUDA it waits for the step, KV writes included.
+        logits = self.executor.step(pieces).last_logits.to("cpu")
         outputs = []
         for row, (p, piece) in enumerate(zip(plan.pieces, pieces, strict=True)):
             if not p.sample:
                 continue
             position = piece.start + len(piece.token_ids)
-            token = sample(
-                out.last_logits[row], temperature=p.temperature, seed=p.seed, position=position
-            )
+            token = sample(logits[row], temperature=p.temperature, seed=p.seed, position=position)
             outputs.append(
                 SampledToken(
                     seq_id=p.seq_id,
@@ -285,8 +286,6 @@ class Worker(Actor):
                     logprob=token.logprob,
                 )
             )
-        if self.cuda:
-            torch.cuda.current_stream(self.kv.device).synchronize()  # KV writes are done
         return tuple(outputs)
 
     def _finish(

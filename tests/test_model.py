@@ -282,3 +282,22 @@ def test_a_kv_tensor_of_the_wrong_shape_or_dtype_is_refused() -> None:
         PagedExecutor(tiny(), torch.zeros(4, 3, 2, 4, 2, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="kv dtype"):
         PagedExecutor(tiny(), make_kv_cache(tiny().config, 4, 4, torch.float32))
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the CUDA path of paged execution"
+)
+
+
+@needs_cuda
+def test_on_cuda_paged_steps_over_nan_free_blocks_equal_the_cpu_run(rng: random.Random) -> None:
+    plan = make_plan(rng)
+    cpu = run_plan(plan, make_executor(tiny()))
+    model = tiny().to("cuda")
+    kv = make_kv_cache(model.config, NUM_BLOCKS, BLOCK_SIZE, model.dtype, "cuda").fill_(
+        float("nan")
+    )
+    cuda = run_plan(plan, PagedExecutor(model, kv), poison_free=True)
+    assert cuda.generated == cpu.generated
+    assert max(abs(a - b) for s in range(len(plan.prompts)) for a, b in zip(
+        cuda.logprobs[s], cpu.logprobs[s], strict=True)) < 1e-9  # fmt: skip

@@ -474,3 +474,23 @@ def test_sampled_tokens_are_reproducible_per_seed_and_position(make_rig) -> None
         picks.append(rig.result(step).outputs)
     assert picks[0] == picks[1]
     assert len({out.token_id for out in picks[0]}) > 1, "every seed drew the same token"
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the worker's CUDA path needs one"
+)
+
+
+@needs_cuda
+def test_on_cuda_the_worker_shares_its_kv_by_ipc_and_gives_the_contiguous_forwards_tokens(
+    make_rig, reference: Model, rng: random.Random
+) -> None:
+    rig = make_rig("model.device=cuda", "cache.poison_freed=true")
+    ready = next(m for m in rig.seen if isinstance(m, WorkerReady))
+    assert rig.kv.is_cuda and ready.kv.cuda_ipc and ready.kv.shm == ""
+    free = list(range(POOL))
+    rng.shuffle(free)
+    seqs = make_seqs(rng, 3, free, decode=4)
+    run_program(rig, seqs, rng, decode=4)
+    for seq in seqs:
+        check_against_reference(reference, seq)
