@@ -317,6 +317,13 @@ def _special_id(raw: dict[str, Any], key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def special_ids(path: str | Path) -> tuple[int | None, int | None]:
+    """The ``bos_token_id`` and ``eos_token_id`` that config.json names (None if it does not)."""
+    config = Path(path) / "config.json"
+    raw = orjson.loads(config.read_bytes()) if config.exists() else {}
+    return _special_id(raw, "bos_token_id"), _special_id(raw, "eos_token_id")
+
+
 def load_tokenizer(path: str | Path) -> CheckpointTokenizer | None:
     """The checkpoint's tokenizer, or None when it has no ``tokenizer.json``."""
     root = Path(path)
@@ -327,10 +334,5 @@ def load_tokenizer(path: str | Path) -> CheckpointTokenizer | None:
         from tokenizers import Tokenizer
     except ImportError as exc:
         raise ImportError(f"{file} needs the 'tokenizers' package, which is not installed") from exc
-    config = root / "config.json"
-    raw = orjson.loads(config.read_bytes()) if config.exists() else {}
-    return CheckpointTokenizer(
-        Tokenizer.from_file(str(file)),
-        bos=_special_id(raw, "bos_token_id"),
-        eos=_special_id(raw, "eos_token_id"),
-    )
+    bos, eos = special_ids(root)
+    return CheckpointTokenizer(Tokenizer.from_file(str(file)), bos=bos, eos=eos)

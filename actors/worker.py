@@ -32,7 +32,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from ringfence.actors.checkpoint import checkpoint_fingerprint_id, load_checkpoint, load_tokenizer
+from ringfence.actors.checkpoint import checkpoint_fingerprint_id, load_checkpoint, special_ids
 from ringfence.actors.kvspace import KVLayout, SharedKV, create_kv, torch_dtype
 from ringfence.actors.model import Model, sample
 from ringfence.actors.paged import PagedExecutor, Piece
@@ -81,9 +81,7 @@ def load_model(settings: ModelSettings) -> LoadedModel:
     if settings.path:
         model = load_checkpoint(settings.path, dtype=dtype, device=device)
         model_id = checkpoint_fingerprint_id(settings.path)
-        tokenizer = load_tokenizer(settings.path)
-        bos = tokenizer.bos if tokenizer is not None else None
-        eos = tokenizer.eos if tokenizer is not None else None
+        bos, eos = special_ids(settings.path)
     else:
         model = Model.from_preset(settings.preset, dtype, settings.seed).to(device)
         model_id = f"preset-{settings.preset}-seed{settings.seed}"

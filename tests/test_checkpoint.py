@@ -13,6 +13,9 @@ import torch
 from ringfence.actors.checkpoint import checkpoint_fingerprint_id, load_checkpoint, load_tokenizer
 from ringfence.actors.model import Model, ModelConfig
 from ringfence.actors.paged import PagedExecutor, Piece, make_kv_cache
+from ringfence.actors.tokenizer import EOS
+from ringfence.actors.worker import load_model
+from ringfence.runtime.config import ModelConfig as ModelSettings
 
 TINY = ModelConfig(
     vocab_size=300, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
@@ -318,3 +321,20 @@ def test_the_checkpoint_tokenizer_encodes_and_decodes_like_the_byte_tokenizer(
     assert loaded.encode("hello world", bos=True) == [1, 3, 4]
     assert loaded.encode("hello moon") == [3, 0]
     assert loaded.decode([1, 3, 4, 2]) == "hello world"
+
+
+def test_the_worker_loads_model_path_before_the_preset_with_its_id_and_special_tokens(
+    tmp_path: Path,
+) -> None:
+    root = write_checkpoint(tmp_path, tiny_tensors(), eos_token_id=[2, 9])
+    settings = ModelSettings(preset="small", path=str(root), dtype="float64")
+    model, info = load_model(settings)
+    assert model.dtype == torch.float64 and model.config.vocab_size == 300
+    assert info.model_id == checkpoint_fingerprint_id(root)
+    assert (info.bos_token_id, info.eos_token_id, info.vocab_size) == (1, 2, 300)
+    ids = random_ids()
+    reference = Model(model.config, torch.float64, seed=3)
+    assert torch.equal(model.forward_contiguous(ids), reference.forward_contiguous(ids))
+    preset_model, preset_info = load_model(ModelSettings(preset="tiny", seed=4))
+    assert preset_info.model_id == "preset-tiny-seed4" and preset_info.eos_token_id == EOS
+    assert preset_model.dtype == torch.float32
