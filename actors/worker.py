@@ -51,7 +51,6 @@ from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.config import Config
 from ringfence.runtime.config import ModelConfig as ModelSettings
 from ringfence.shm.counter import CounterBlock, Watermark
-from ringfence.shm.errors import ActorDead, WaitTimeout
 from ringfence.shm.names import posix_name
 
 LANES = "lanes"  # the topology's counter block of the lane watermarks
@@ -249,15 +248,7 @@ class Worker(Actor):
                 epoch = self.current_epoch()
                 if plan.epoch < epoch:
                     raise _Cancelled(_stale(plan.epoch, epoch))
-                writer = mark.writer()
-                if writer is not None and not writer.is_alive():
-                    raise ActorDead(
-                        f"step {plan.step}: the {lane} lane's writer pid {writer.pid} is gone "
-                        f"at {mark.value()} < {target}"
-                    )
-                raise WaitTimeout(
-                    f"step {plan.step}: {lane}_done at {mark.value()} has not reached {target}"
-                )
+                raise mark.overdue(target, f"for step {plan.step} ({lane} lane)")
             seen.append(mark.value())
         return seen[0], seen[1]
 

@@ -144,13 +144,19 @@ class Watermark:
         """
         words, slot = self._words, self._base + _VALUE
         if not bell.wait_until(lambda: words[slot] >= target, timeout):
-            writer = self.writer()
-            if writer is not None and not writer.is_alive():
-                raise ActorDead(
-                    f"watermark {self.name}: writer pid {writer.pid} is gone "
-                    f"at {self.value()} < {target}"
-                )
-            raise WaitTimeout(
-                f"watermark {self.name} at {self.value()} did not reach {target} in {timeout}s"
-            )
+            raise self.overdue(target, f"in {timeout}s")
         return int(words[slot])
+
+    def overdue(self, target: int, detail: str = "") -> ActorDead | WaitTimeout:
+        """The error for a wait on ``target`` that ran out of time: ActorDead if the
+        writer's process is gone (it will never get there), else WaitTimeout."""
+        writer = self.writer()
+        if writer is not None and not writer.is_alive():
+            return ActorDead(
+                f"watermark {self.name}: writer pid {writer.pid} is gone "
+                f"at {self.value()} < {target}"
+            )
+        suffix = f" {detail}" if detail else ""
+        return WaitTimeout(
+            f"watermark {self.name} at {self.value()} did not reach {target}{suffix}"
+        )

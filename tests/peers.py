@@ -6,17 +6,38 @@ import random
 import sys
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import multiprocess
 
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.ring import Ring, RingReader, RingWriter
 from ringfence.shm.segment import Segment
+from ringfence.shm.testing import reap
 
 STOP = 0xFFFF
 POOL_BYTES = 1 << 16
+# Children are spawned, never forked: no inherited threads, locks or CUDA context.
+SPAWN = multiprocess.get_context("spawn")
+
+
+def start(target: Callable[..., None], *args: Any) -> Any:
+    """Start ``target(*args)`` (module-level, so picklable) in a spawned daemon child."""
+    proc = SPAWN.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def finish(proc: Any, timeout: float = 60) -> int:
+    """The child's exit code once it ended; past ``timeout`` it is killed and the test fails."""
+    proc.join(timeout)
+    if proc.is_alive():
+        reap(proc)
+        raise AssertionError(f"child {proc.pid} did not finish within {timeout}s")
+    return int(proc.exitcode)
 
 
 @contextmanager

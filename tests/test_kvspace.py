@@ -6,9 +6,9 @@ import dataclasses
 import os
 import pickle
 
-import multiprocess
 import pytest
 import torch
+from peers import finish, start
 from torch import Tensor
 
 from ringfence.actors.kvspace import (
@@ -24,12 +24,10 @@ from ringfence.shm.errors import NameMissing, SegmentLayoutError
 from ringfence.shm.segment import Segment
 from ringfence.shm.testing import reap
 
-# Children are spawned, never forked: a child must not inherit the parent's CUDA
-# context (or any torch thread state). The child functions below are module-level, so
-# multiprocess pickles them by reference and the child imports this module afresh
-# (the tests folder reaches it through the sys.path the spawn context hands over).
-# Importing torch there initialises no CUDA context: torch does that lazily.
-SPAWN = multiprocess.get_context("spawn")
+# Children are spawned (peers.start), never forked: a child must not inherit the
+# parent's CUDA context. The child functions below are module-level, so multiprocess
+# pickles them by reference and the child imports this module afresh. Importing torch
+# there initialises no CUDA context: torch does that lazily.
 
 LAYOUT = KVLayout(num_blocks=4, layers=2, block_size=4, kv_heads=2, head_dim=8, dtype="float32")
 # Same-width integer dtypes, to compare float tensors bit for bit (NaN != NaN otherwise).
@@ -48,20 +46,6 @@ def pattern(lay: KVLayout, block: int, salt: float = 0.0) -> Tensor:
     """Distinct, reproducible contents for one block (on CPU); both processes derive them."""
     values = torch.arange(lay.block_elements, dtype=torch.float64) + 1000.0 * block + salt
     return values.to(lay.torch_dtype).view(lay.shape[1:])
-
-
-def start(target, *args):
-    proc = SPAWN.Process(target=target, args=args, daemon=True)
-    proc.start()
-    return proc
-
-
-def finish(proc, timeout=60):
-    proc.join(timeout)
-    if proc.is_alive():
-        reap(proc)
-        pytest.fail(f"child {proc.pid} did not finish within {timeout}s")
-    return proc.exitcode
 
 
 def bits(t: Tensor) -> Tensor:

@@ -7,9 +7,9 @@ import signal
 import threading
 import zlib
 
-import multiprocess
 import peers
 import pytest
+from peers import finish, start
 
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
@@ -17,22 +17,6 @@ from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import ActorDead, RingFull
 from ringfence.shm.segment import Segment
 from ringfence.shm.testing import reap, ring_pair
-
-SPAWN = multiprocess.get_context("spawn")
-
-
-def start(target, *args):
-    proc = SPAWN.Process(target=target, args=args, daemon=True)
-    proc.start()
-    return proc
-
-
-def finish(proc, timeout=60):
-    proc.join(timeout)
-    if proc.is_alive():
-        reap(proc)
-        pytest.fail(f"child {proc.pid} did not finish within {timeout}s")
-    return proc.exitcode
 
 
 def stress(frames: int, capacity: int, max_size: int, seed: int):
