@@ -28,12 +28,13 @@ repeat, answered with the kept result when it is the last step, else dropped.
 from __future__ import annotations
 
 import time
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ringfence.actors.checkpoint import checkpoint_fingerprint_id, load_checkpoint, special_ids
 from ringfence.actors.kvspace import KVLayout, SharedKV, create_kv, torch_dtype
+from ringfence.actors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.model import Model, sample
 from ringfence.actors.paged import PagedExecutor, Piece
 from ringfence.actors.protocol import (
@@ -47,23 +48,9 @@ from ringfence.actors.protocol import (
 )
 from ringfence.actors.tokenizer import ByteTokenizer
 from ringfence.cache.fences import Lane
-from ringfence.runtime.actor import Actor, handles
-from ringfence.runtime.config import Config
+from ringfence.runtime.actor import handles
 from ringfence.runtime.config import ModelConfig as ModelSettings
-from ringfence.shm.counter import CounterBlock, Watermark
 from ringfence.shm.names import posix_name
-
-LANES = "lanes"  # the topology's counter block of the lane watermarks
-LANE_SLOTS = 4  # counters per rank in it: step_done, swap_done, store_done, one spare
-_LANE_SLOT = {Lane.STEP: 0, Lane.SWAP: 1, Lane.STORE: 2}
-
-
-def lane_counter(block: CounterBlock, rank: int, lane: Lane) -> Watermark:
-    """The watermark of ``lane`` at ``rank`` in the ``lanes`` counter block."""
-    index = rank * LANE_SLOTS + _LANE_SLOT[lane]
-    if index >= block.count:
-        raise ValueError(f"rank {rank} has no {lane} watermark in a block of {block.count}")
-    return block[index]
 
 
 class LoadedModel(NamedTuple):
@@ -96,26 +83,14 @@ def load_model(settings: ModelSettings) -> LoadedModel:
     return LoadedModel(model.eval(), info)
 
 
-class _Cancelled(Exception):
-    """A fence that will never be reached: the plan's epoch has passed."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class Worker(Actor):
+class Worker(LaneExecutor):
     """The model and the device KV tensor of one rank; the step lane's only executor."""
 
-    config_section = ""  # the whole config: [model], [cache] and [runtime]
-    # Debug only, never a setting: False skips the fence wait, so that tests can show
-    # that they detect a missing fence.
-    wait_fences: ClassVar[bool] = True
+    lane = Lane.STEP
 
     def on_start(self) -> None:
-        config = self.ctx.config
-        assert isinstance(config, Config)
-        rank = self.ctx.rank
+        super().on_start()
+        config, rank = self.config, self.ctx.rank
         self.model, self.info = load_model(config.model)
         c = self.model.config
         layout = KVLayout(
@@ -132,16 +107,6 @@ class Worker(Actor):
             self.space.poison(range(layout.num_blocks))
         self.executor: PagedExecutor | None = PagedExecutor(self.model, self.space.kv)
         self.cuda = self.space.kv.device.type == "cuda"
-        lanes = self.ctx.counters.get(LANES)
-        if lanes is None:
-            raise RuntimeError(f"the topology has no {LANES!r} counter block for the watermarks")
-        self.step_done = lane_counter(lanes, rank, Lane.STEP)
-        self.swap_done = lane_counter(lanes, rank, Lane.SWAP)
-        self.store_done = lane_counter(lanes, rank, Lane.STORE)
-        # The Transfer actor waits on step_done (a swap-out reads what a step wrote: I2).
-        wakers = [self.bell_of(f"transfer-{rank}")]
-        self.step_done.claim(notify=[w for w in wakers if w is not None])
-        self.last: StepResult | None = None  # kept to answer a repeat of the last plan
         self.steps = 0
         self.log.info(
             "worker.ready",
@@ -150,7 +115,7 @@ class Worker(Actor):
             kv_shm=self.space.handle.shm,
             num_blocks=layout.num_blocks,
             block_bytes=layout.block_bytes,
-            step_done=self.step_done.value(),
+            step_done=self.done.value(),
         )
         self.send(
             "engine",
@@ -158,7 +123,7 @@ class Worker(Actor):
                 rank=rank,
                 epoch=self.ctx.epoch,
                 incarnation=self.ctx.incarnation,
-                step_done=self.step_done.value(),
+                step_done=self.done.value(),
                 model=self.info,
                 kv=self.space.handle,
             ),
@@ -177,29 +142,31 @@ class Worker(Actor):
 
     @handles(StepPlan)
     def on_plan(self, plan: StepPlan) -> None:
-        done = self.step_done.value()
-        if plan.step <= done:
-            self._repeat(plan)
+        order = self.order(plan.step)
+        if order == "repeat":
+            resent = self.answer_repeat(plan.step)
+            self.log.warning("step.repeat", step=plan.step, plan_epoch=plan.epoch, resent=resent)
             return
-        if plan.step != done + 1:
-            # A hole in the lane: running it would claim the missing steps were done.
-            self._reply(plan, "rejected", f"step {plan.step} arrived when {done + 1} is next")
+        if order == "hole":  # running it would claim that the missing steps were done
+            error = f"step {plan.step} arrived when {self.done.value() + 1} is next"
+            self.log.error("step.refused", step=plan.step, plan_epoch=plan.epoch, error=error)
+            self.send(
+                "engine",
+                StepResult(step=plan.step, epoch=plan.epoch, status="rejected", error=error),
+            )
             return
         pieces = [_piece(p) for p in plan.pieces]
         problem = self._problem(plan, pieces)
         if problem:
             self._finish(plan, "rejected", error=problem)
             return
-        if plan.epoch < self.ctx.epoch:
+        if plan.epoch < self.ctx.epoch:  # issued for the device tier before this restart
             self._finish(plan, "cancelled", error=_stale(plan.epoch, self.ctx.epoch))
             return
         started = time.perf_counter_ns()
         try:
-            if self.wait_fences:
-                seen_swap, seen_store = self._wait_fence(plan)
-            else:
-                seen_swap, seen_store = self.swap_done.value(), self.store_done.value()
-        except _Cancelled as e:
+            seen = self.wait_fence(plan.step, plan.epoch, plan.fence)
+        except Cancelled as e:
             self._finish(plan, "cancelled", error=e.reason)
             return
         waited = time.perf_counter_ns()
@@ -210,8 +177,8 @@ class Worker(Actor):
             outputs=outputs,
             wait_ns=waited - started,
             exec_ns=time.perf_counter_ns() - waited,
-            seen_swap=seen_swap,
-            seen_store=seen_store,
+            seen_swap=seen.get(Lane.SWAP),
+            seen_store=seen.get(Lane.STORE),
         )
 
     def _problem(self, plan: StepPlan, pieces: list[Piece]) -> str:
@@ -232,25 +199,6 @@ class Worker(Actor):
             except ValueError as e:
                 return str(e)
         return ""
-
-    def _wait_fence(self, plan: StepPlan) -> tuple[int, int]:
-        """Sleep until swap_done and store_done reach the fence; the values seen."""
-        seen = []
-        for lane, mark, target in (
-            (Lane.SWAP, self.swap_done, plan.fence.swap),
-            (Lane.STORE, self.store_done, plan.fence.store),
-        ):
-
-            def reached(mark: Watermark = mark, target: int = target) -> bool:
-                return mark.value() >= target
-
-            if not reached() and not self.wait_until(reached):
-                epoch = self.current_epoch()
-                if plan.epoch < epoch:
-                    raise _Cancelled(_stale(plan.epoch, epoch))
-                raise mark.overdue(target, f"for step {plan.step} ({lane} lane)")
-            seen.append(mark.value())
-        return seen[0], seen[1]
 
     def _execute(self, plan: StepPlan, pieces: list[Piece]) -> tuple[SampledToken, ...]:
         assert self.space is not None and self.executor is not None
@@ -290,7 +238,6 @@ class Worker(Actor):
         seen_store: int | None = None,
     ) -> None:
         """Advance step_done past the plan, then report it."""
-        self.step_done.advance(plan.step)
         self.steps += 1
         self.log.info(
             "step.done",
@@ -308,7 +255,7 @@ class Worker(Actor):
             exec_ns=exec_ns,
             error=error or None,
         )
-        self.last = StepResult(
+        result = StepResult(
             step=plan.step,
             epoch=plan.epoch,
             status=status,
@@ -317,22 +264,7 @@ class Worker(Actor):
             wait_ns=wait_ns,
             exec_ns=exec_ns,
         )
-        self.send("engine", self.last)
-
-    def _reply(self, plan: StepPlan, status: StepStatus, error: str) -> None:
-        """Answer a plan without running it or moving the watermark."""
-        self.log.error("step.refused", step=plan.step, plan_epoch=plan.epoch, error=error)
-        self.send(
-            "engine", StepResult(step=plan.step, epoch=plan.epoch, status=status, error=error)
-        )
-
-    def _repeat(self, plan: StepPlan) -> None:
-        last = self.last
-        resent = last is not None and last.step == plan.step
-        self.log.warning("step.repeat", step=plan.step, plan_epoch=plan.epoch, resent=resent)
-        if resent:
-            assert last is not None
-            self.send("engine", last)
+        self.complete(plan.step, result)
 
 
 def _piece(p: PlanPiece) -> Piece:

@@ -122,6 +122,9 @@ class TransferConfig:
 
     mode: TransferMode = setting("fence", "fence (asynchronous, ordered by fences) or sync")
     chaos_delay_ms: float = setting(0.0, "random delay per transfer op, in ms (debug)", ge=0)
+    skip_fences: bool = setting(
+        False, "debug only: executors do not wait for fences (tests show they catch it)"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

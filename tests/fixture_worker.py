@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import orjson
 import torch
 
+from ringfence.actors.lanes import LANE_SLOTS, LANES
 from ringfence.actors.model import Model
 from ringfence.actors.protocol import PlanPiece, StepPlan, StepResult, WorkerReady
-from ringfence.actors.worker import LANE_SLOTS, LANES
 from ringfence.cache.fences import Fence
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.actor import Actor, handles

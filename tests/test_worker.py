@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ringfence.actors.kvspace import open_kv
+from ringfence.actors.lanes import LANE_SLOTS, LANES, lane_counter
 from ringfence.actors.model import Model
 from ringfence.actors.protocol import (
     FROM_WORKER,
@@ -30,7 +31,7 @@ from ringfence.actors.protocol import (
     StepResult,
     WorkerReady,
 )
-from ringfence.actors.worker import LANE_SLOTS, LANES, Worker, lane_counter
+from ringfence.actors.worker import Worker
 from ringfence.cache.fences import Fence, Lane
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.config import Config, load_config
@@ -112,7 +113,7 @@ class Rig:
 def make_rig(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
 
-    def make(*overrides: str, worker_cls: type[Worker] = Worker, epoch: int = 0) -> Rig:
+    def make(*overrides: str, epoch: int = 0) -> Rig:
         config: Config = load_config(None, [*SETTINGS, *overrides])
         lanes = CounterBlock.create(names.posix_name(run_id, LANES), LANE_SLOTS)
         control = CounterBlock.create(names.posix_name(run_id, "control"), 6)
@@ -125,7 +126,7 @@ def make_rig(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
         mailbox.add_outbox(LocalOutbox("engine-0", results))
         log_path = tmp_path / "worker-0.jsonl"
         driver = Driver(
-            worker_cls,
+            Worker,
             name="worker",
             rank=0,
             mailbox=mailbox,
@@ -261,23 +262,18 @@ def test_mixed_steps_of_random_chunks_give_the_tokens_of_a_contiguous_forward(
     assert rig.mark(Lane.STEP).value() == len(rig.events("step.done"))
 
 
-class NoFenceWorker(Worker):
-    """A worker that skips the fence wait: a debug switch the tests use to show their teeth."""
-
-    wait_fences = False
-
-
-@pytest.mark.parametrize("worker_cls", [Worker, NoFenceWorker], ids=["fenced", "unfenced"])
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "unfenced"])
 def test_a_step_reads_swapped_in_blocks_only_after_the_swap_watermark_reaches_its_fence(
-    make_rig, reference: Model, rng: random.Random, worker_cls: type[Worker]
+    make_rig, reference: Model, rng: random.Random, fenced: bool
 ) -> None:
     """I1: a step does not read a device block before the swap-in that fills it is done.
 
     The sequence's blocks are poisoned (NaN) by a step, as after a swap-out; the decode
     step that reads them is posted with fence swap=1 while a delayed "swap-in" restores
-    them and only then advances swap_done. Without the wait the step reads NaN.
+    them and only then advances swap_done. Without the wait (``transfer.skip_fences``,
+    debug only) the step reads NaN.
     """
-    rig = make_rig(worker_cls=worker_cls)
+    rig = make_rig(f"transfer.skip_fences={str(not fenced).lower()}")
     free = list(range(POOL))
     rng.shuffle(free)
     [seq] = make_seqs(rng, 1, free, decode=2)
@@ -299,7 +295,7 @@ def test_a_step_reads_swapped_in_blocks_only_after_the_swap_watermark_reaches_it
     finally:
         swapper.join(WAIT_S)
     [out] = result.outputs
-    if worker_cls is Worker:
+    if fenced:
         seq.generated.append(out.token_id)
         seq.logprobs.append(out.logprob)
         check_against_reference(reference, seq)

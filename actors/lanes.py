@@ -1,0 +1,122 @@
+"""What every lane executor shares: its watermark, fence waits, lane order, completions.
+
+Three lanes run per rank (DESIGN.md "Sequence numbers, watermarks, fences"): ``step``
+(the Worker), ``swap`` and ``store`` (the two Transfer lanes). Each is executed in
+issue order by exactly one actor, which publishes how far it got in the ``lanes``
+counter block of the run (``LANE_SLOTS`` counters per rank: step_done, swap_done,
+store_done). :class:`LaneExecutor` is the base of the three: for an op numbered ``n``
+it tells a repeat (``n <= done``: answered with the kept completion) and a hole in the
+lane (``n > done + 1``: refused, the watermark stays) from the next op; waits, sleeping
+on its own doorbell, until every other lane's watermark has reached the op's fence;
+and completes an op by advancing its watermark *before* it reports, so a completion
+never announces work that a crash could still undo.
+
+A fence wait that runs past the deadline (half the heartbeat timeout) cancels the op
+when its epoch has passed, and otherwise hands it back to the driver to be tried
+again after a heartbeat (``msg.deferred``): nothing waits forever on a dead peer.
+``transfer.skip_fences`` (debug only) skips every wait, so that tests can show they
+would catch a missing fence.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ringfence.cache.fences import Fence, Lane
+from ringfence.runtime.actor import Actor
+from ringfence.runtime.config import Config
+from ringfence.shm.counter import CounterBlock, Watermark
+
+LANES = "lanes"  # the topology's counter block of the lane watermarks
+LANE_SLOTS = 4  # counters per rank in it: step_done, swap_done, store_done, one spare
+_LANE_SLOT = {Lane.STEP: 0, Lane.SWAP: 1, Lane.STORE: 2}
+# The actor executing each lane, and the actors that wait on its watermark (and so are
+# rung after each advance): a swap-out waits for steps (I2), a step for swap-ins (I1,
+# I3), a write-back for swap-outs and a swap-in for prefetches (I4).
+EXECUTOR = {Lane.STEP: "worker", Lane.SWAP: "swap", Lane.STORE: "store"}
+WAITERS = {Lane.STEP: ("swap",), Lane.SWAP: ("worker", "store"), Lane.STORE: ("swap",)}
+
+
+def lane_counter(block: CounterBlock, rank: int, lane: Lane) -> Watermark:
+    """The watermark of ``lane`` at ``rank`` in the ``lanes`` counter block."""
+    index = rank * LANE_SLOTS + _LANE_SLOT[lane]
+    if index >= block.count:
+        raise ValueError(f"rank {rank} has no {lane} watermark in a block of {block.count}")
+    return block[index]
+
+
+class Cancelled(Exception):
+    """The op will not run: its fence was not reached and its epoch has passed, or it was
+    issued for a tier that has been reset since."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class LaneExecutor(Actor):
+    """Base of the Worker and the Transfer lanes: one lane, executed in order."""
+
+    config_section = ""  # the whole config: each lane reads several sections
+    lane: ClassVar[Lane]
+
+    def on_start(self) -> None:
+        config = self.ctx.config
+        assert isinstance(config, Config)
+        self.config = config
+        self.skip_fences = config.transfer.skip_fences
+        block = self.ctx.counters.get(LANES)
+        if block is None:
+            raise RuntimeError(f"the topology has no {LANES!r} counter block for the watermarks")
+        rank = self.ctx.rank
+        self.marks = {lane: lane_counter(block, rank, lane) for lane in Lane}
+        self.done = self.marks[self.lane]
+        bells = [self.bell_of(f"{name}-{rank}") for name in WAITERS[self.lane]]
+        self.done.claim(notify=[bell for bell in bells if bell is not None])
+        self.last: object | None = None  # the last completion sent, to answer a repeat
+        self.last_op = 0
+
+    def order(self, op: int) -> str:
+        """``"next"``, ``"repeat"`` (at or below the watermark) or ``"hole"`` (past the next)."""
+        done = self.done.value()
+        if op <= done:
+            return "repeat"
+        return "next" if op == done + 1 else "hole"
+
+    def wait_fence(self, op: int, epoch: int, fence: Fence) -> dict[Lane, int]:
+        """Sleep until every other lane's watermark reaches ``fence``; the values seen.
+
+        Raises :class:`Cancelled` when the deadline passed and the op's epoch is older
+        than the run's; ``WaitTimeout`` (or ``ActorDead``) to have it handed over later.
+        """
+        own = fence.waits().get(self.lane)
+        if own:
+            raise ValueError(f"the fence of a {self.lane} op names its own lane ({own})")
+        seen = {}
+        for lane, target in fence.waits().items():
+            mark = self.marks[lane]
+            if not self.skip_fences and mark.value() < target:
+
+                def reached(mark: Watermark = mark, target: int = target) -> bool:
+                    return mark.value() >= target
+
+                if not self.wait_until(reached):
+                    now = self.current_epoch()
+                    if epoch < now:
+                        raise Cancelled(f"op of epoch {epoch} is older than the run's epoch {now}")
+                    raise mark.overdue(target, f"for {self.lane} op {op}")
+            seen[lane] = mark.value()
+        return seen
+
+    def complete(self, op: int, report: object) -> None:
+        """Publish op ``op`` done, then send ``report`` to the engine (kept for repeats)."""
+        self.done.advance(op)
+        self.last, self.last_op = report, op
+        self.send("engine", report)
+
+    def answer_repeat(self, op: int) -> bool:
+        """Send the kept completion again if ``op`` was the last one; whether it was."""
+        if self.last is not None and self.last_op == op:
+            self.send("engine", self.last)
+            return True
+        return False
