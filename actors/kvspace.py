@@ -28,7 +28,7 @@ import posix_ipc
 import torch
 from torch import Tensor
 
-from ringfence.shm.errors import NameExists, NameMissing, SegmentLayoutError
+from ringfence.shm.errors import NameMissing, SegmentLayoutError
 from ringfence.shm.names import SHM_DIR
 from ringfence.shm.segment import Segment
 
@@ -194,7 +194,12 @@ def _segment_size(name: str) -> int | None:
 
 
 def _ensure_segment(name: str, nbytes: int) -> None:
-    """Make ``name`` a segment of ``nbytes``: keep one of that size, else create it anew."""
+    """Make ``name`` a segment of ``nbytes``: keep one of that size, else create it anew.
+
+    Safe when several processes do it at once (the swap and store lanes both map the
+    host tier): the segment is made whole under a private name, then linked into place,
+    and a link fails if the name exists. A racing process never sees it half-sized.
+    """
     size = _segment_size(name)
     if size == nbytes:
         return
@@ -203,8 +208,19 @@ def _ensure_segment(name: str, nbytes: int) -> None:
         # peers that still map the old one keep it until they open the new handle.
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(name)
-    with contextlib.suppress(NameExists):  # made in between by another process: kept
-        Segment.create(name, nbytes).close()
+    private = f"{name}.new{os.getpid()}"
+    Segment.create(private, nbytes).close()
+    try:
+        os.link(_shm_file(private), _shm_file(name))
+    except FileExistsError:
+        if _segment_size(name) != nbytes:
+            raise SegmentLayoutError(
+                f"KV segment {name} was made by another process with {_segment_size(name)} "
+                f"bytes; this layout needs {nbytes}"
+            ) from None
+    finally:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(private)
 
 
 def _map(name: str, layout: KVLayout) -> Tensor:

@@ -97,3 +97,84 @@ class StepResult:
     error: str = ""
     wait_ns: int = 0  # time spent waiting for the fence
     exec_ns: int = 0  # time spent running the model
+
+
+# The Transfer lanes: engine -> swap / store (TO_TRANSFER), and back (FROM_TRANSFER).
+
+TO_TRANSFER = Registry("engine-to-transfer")
+FROM_TRANSFER = Registry("transfer-to-engine")
+
+OpStatus = Literal["ok", "rejected", "cancelled"]
+
+
+@message(TO_TRANSFER, tag=1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceTier:
+    """The device KV tensor the swap lane copies to and from, valid from ``epoch`` on.
+
+    Sent after every WorkerReady: swap ops of an older epoch name blocks of a device
+    tier that has been reset since, and are cancelled.
+    """
+
+    epoch: int
+    kv: KVHandle
+
+
+@message(TO_TRANSFER, tag=2)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwapOp:
+    """Swap op ``op``: copy device block ``device_blocks[i]`` to or from ``host_blocks[i]``."""
+
+    op: int  # 1, 2, ...: the swap lane's sequence number
+    epoch: int
+    fence: Fence  # step_done and store_done values to wait for (its swap field is 0)
+    direction: Literal["in", "out"]  # in: host -> device; out: device -> host
+    device_blocks: tuple[int, ...]
+    host_blocks: tuple[int, ...]
+
+
+@message(TO_TRANSFER, tag=3)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreOp:
+    """Store op ``op``: write host blocks to storage under ``keys``, or read them back."""
+
+    op: int  # 1, 2, ...: the store lane's sequence number
+    epoch: int
+    fence: Fence  # swap_done values to wait for (its store field is 0)
+    direction: Literal["write", "read"]  # write-back (host -> storage) or prefetch
+    host_blocks: tuple[int, ...]
+    keys: tuple[str, ...]  # hex of each block's 16-byte content key
+
+
+@message(FROM_TRANSFER, tag=1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaneReady:
+    """Sent by each Transfer lane on every start, with the watermark it resumes from."""
+
+    lane: Literal["swap", "store"]
+    rank: int
+    epoch: int
+    incarnation: int
+    done: int
+    host: KVHandle  # the host KV tensor (the same segment for both lanes)
+
+
+@message(FROM_TRANSFER, tag=2)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpDone:
+    """The outcome of a swap or store op; the lane's watermark already covers it.
+
+    ``missing`` (prefetch only) lists the positions in the op's blocks that storage
+    did not have whole and valid: those host blocks hold nothing usable.
+    """
+
+    lane: Literal["swap", "store"]
+    op: int
+    epoch: int
+    status: OpStatus
+    error: str = ""
+    missing: tuple[int, ...] = ()
+    blocks: int = 0
+    bytes: int = 0
+    wait_ns: int = 0
+    copy_ns: int = 0

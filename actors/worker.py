@@ -32,9 +32,10 @@ from typing import NamedTuple
 
 import torch
 
-from ringfence.actors.checkpoint import checkpoint_fingerprint_id, load_checkpoint, special_ids
-from ringfence.actors.kvspace import KVLayout, SharedKV, create_kv, torch_dtype
+from ringfence.actors.checkpoint import load_checkpoint, special_ids
+from ringfence.actors.kvspace import SharedKV, create_kv, torch_dtype
 from ringfence.actors.lanes import Cancelled, LaneExecutor
+from ringfence.actors.layout import kv_layout, model_id
 from ringfence.actors.model import Model, sample
 from ringfence.actors.paged import PagedExecutor, Piece
 from ringfence.actors.protocol import (
@@ -47,7 +48,7 @@ from ringfence.actors.protocol import (
     WorkerReady,
 )
 from ringfence.actors.tokenizer import ByteTokenizer
-from ringfence.cache.fences import Lane
+from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
 from ringfence.runtime.config import ModelConfig as ModelSettings
 from ringfence.shm.names import posix_name
@@ -66,14 +67,12 @@ def load_model(settings: ModelSettings) -> LoadedModel:
         raise RuntimeError(f"model.device is {device!r} but torch sees no CUDA device")
     if settings.path:
         model = load_checkpoint(settings.path, dtype=dtype, device=device)
-        model_id = checkpoint_fingerprint_id(settings.path)
         bos, eos = special_ids(settings.path)
     else:
         model = Model.from_preset(settings.preset, dtype, settings.seed).to(device)
-        model_id = f"preset-{settings.preset}-seed{settings.seed}"
         bos, eos = ByteTokenizer.bos, ByteTokenizer.eos
     info = ModelInfo(
-        model_id=model_id,
+        model_id=model_id(settings),
         vocab_size=model.config.vocab_size,
         max_position=model.config.max_position,
         dtype=settings.dtype,
@@ -92,15 +91,7 @@ class Worker(LaneExecutor):
         super().on_start()
         config, rank = self.config, self.ctx.rank
         self.model, self.info = load_model(config.model)
-        c = self.model.config
-        layout = KVLayout(
-            num_blocks=config.cache.device_blocks,
-            layers=c.layers,
-            block_size=config.cache.block_size,
-            kv_heads=c.kv_heads,
-            head_dim=c.head_dim,
-            dtype=config.model.dtype,
-        )
+        layout = kv_layout(config, Tier.DEVICE, self.model.config)
         shm_name = posix_name(self.ctx.run_id, f"kv.device.{rank}") if self.ctx.run_id else ""
         self.space: SharedKV | None = create_kv(layout, config.model.device, shm_name=shm_name)
         if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN

@@ -103,6 +103,30 @@ EVENTS: Final[dict[str, Event]] = {
         "step plan_epoch resent",
         "a plan at or below step_done came again (redelivery); resent: its result went again",
     ),
+    # The Transfer lanes (ringfence.actors.transfer): "swap" and "store" actors.
+    "lane.ready": _e(
+        "info",
+        "lane done host_shm host_blocks block_bytes",
+        "a Transfer lane mapped the host tier; done is the watermark it resumes from",
+    ),
+    "lane.repeat": _e(
+        "warning",
+        "lane op op_epoch resent",
+        "an op at or below the lane's watermark came again; resent: its completion went again",
+    ),
+    "lane.refused": _e(
+        "error", "lane op op_epoch error", "an op out of lane order, answered; watermark unchanged"
+    ),
+    "swap.tier": _e(
+        "info", "tier_epoch device kv_shm num_blocks", "the swap lane opened a (new) device tier"
+    ),
+    "lane.done": _e(
+        "info",
+        "lane op op_epoch status direction fence_step fence_swap fence_store seen_step "
+        "seen_swap seen_store error missing blocks wait_ns copy_ns",
+        "the lane's watermark reached op: a swap-in (in), swap-out (out), write-back (write) "
+        "or prefetch (read), ok, rejected or cancelled; missing: positions storage lacked",
+    ),
     # The demo pipeline (ringfence.runtime.demo).
     "demo.sent": _e("info", "messages", "the source sent its last item"),
     "demo.done": _e(

@@ -1,0 +1,377 @@
+"""The Transfer actor's two lanes: ``swap`` (device <-> host) and ``store`` (host <-> storage).
+
+Each lane is its own actor process with its own ring from the engine, executing its
+ops strictly in order (``t = 1, 2, ...`` and ``u = 1, 2, ...``) on the lane machinery
+of :mod:`ringfence.actors.lanes`: wait until the watermarks named in the op's fence
+are reached, copy, advance the lane's watermark, then report an :class:`OpDone` (and
+only then is the ring frame released, so a restarted lane redoes the op in flight;
+copies are idempotent, and so are content-keyed writes).
+
+The lanes are separate processes rather than two lanes of one loop because each must
+be free to wait for its fence while the other runs: a swap-in waits for the prefetch
+that fills its host blocks (the store lane), and a write-back waits for the swap-out
+that fills its host blocks (the swap lane). In one loop, an op blocked at the head of
+one lane would stall the op of the other lane it waits for. Separate processes also
+keep storage I/O from holding up swaps.
+
+Both lanes map the same host KV tensor, a shared-memory segment of the run
+(``rf-<run>-kv.host.<rank>``; pinned and registered with CUDA when the device tier is
+on a GPU, where swaps run on the lane's own CUDA stream and complete on an event).
+The swap lane learns the device tensor from the engine's :class:`DeviceTier` message
+(after each WorkerReady); a swap op of an older epoch than the device tier's names
+blocks of a reset tier and is cancelled, never copied.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from ringfence.actors.blockcopy import block_buffer, copy_blocks
+from ringfence.actors.kvspace import SharedKV, create_kv, open_kv
+from ringfence.actors.lanes import Cancelled, LaneExecutor
+from ringfence.actors.layout import block_fingerprint, kv_layout
+from ringfence.actors.protocol import DeviceTier, LaneReady, OpDone, OpStatus, StoreOp, SwapOp
+from ringfence.cache.fences import Fence, Lane, Tier
+from ringfence.cache.ids import BlockHash
+from ringfence.cache.storage import StorageBackend, open_backend
+from ringfence.runtime.actor import handles
+from ringfence.shm.names import posix_name
+
+
+class TransferLane(LaneExecutor):
+    """What both lanes share: the host tier, chaos delays, op order and reporting."""
+
+    lane_name: ClassVar[Literal["swap", "store"]]
+
+    def on_start(self) -> None:
+        super().on_start()
+        layout = kv_layout(self.config, Tier.HOST)
+        run_id, rank = self.ctx.run_id, self.ctx.rank
+        name = posix_name(run_id, f"kv.host.{rank}") if run_id else ""
+        self.host: SharedKV | None = create_kv(layout, "cpu", shm_name=name)
+        self.chaos_s = self.config.transfer.chaos_delay_ms / 1000
+        self.rng = random.Random()
+        self.ops = 0
+        self.log.info(
+            "lane.ready",
+            lane=str(self.lane),
+            done=self.done.value(),
+            host_shm=name,
+            host_blocks=layout.num_blocks,
+            block_bytes=layout.block_bytes,
+        )
+        self.send(
+            "engine",
+            LaneReady(
+                lane=self.lane_name,
+                rank=rank,
+                epoch=self.ctx.epoch,
+                incarnation=self.ctx.incarnation,
+                done=self.done.value(),
+                host=self.host.handle,
+            ),
+        )
+
+    def on_stop(self) -> None:
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+
+    @property
+    def host_kv(self) -> torch.Tensor:
+        assert self.host is not None
+        return self.host.kv
+
+    def admit(self, op: int, epoch: int) -> bool:
+        """Whether op ``op`` is the lane's next one; a repeat or a hole is answered here."""
+        order = self.order(op)
+        if order == "next":
+            return True
+        if order == "repeat":
+            resent = self.answer_repeat(op)
+            self.log.warning(
+                "lane.repeat", lane=str(self.lane), op=op, op_epoch=epoch, resent=resent
+            )
+            return False
+        error = f"{self.lane} op {op} arrived when {self.done.value() + 1} is next"
+        self.log.error("lane.refused", lane=str(self.lane), op=op, op_epoch=epoch, error=error)
+        self.send("engine", self.report(op, epoch, "rejected", error=error))
+        return False
+
+    def chaos(self) -> None:
+        """transfer.chaos_delay_ms: hold the op a random while (debug: shakes the ordering)."""
+        if self.chaos_s:
+            time.sleep(self.rng.uniform(0, self.chaos_s))
+
+    def report(self, op: int, epoch: int, status: OpStatus, **fields: Any) -> OpDone:
+        return OpDone(lane=self.lane_name, op=op, epoch=epoch, status=status, **fields)
+
+    def finish(
+        self,
+        op: int,
+        epoch: int,
+        fence: Fence,
+        status: OpStatus,
+        *,
+        direction: str,
+        seen: dict[Lane, int] | None = None,
+        **fields: Any,
+    ) -> None:
+        """Advance the watermark past ``op`` and report it (every status moves the lane on)."""
+        self.ops += 1
+        seen = seen or {}
+        self.log.info(
+            "lane.done",
+            lane=self.lane_name,
+            op=op,
+            op_epoch=epoch,
+            status=status,
+            direction=direction,
+            fence_step=fence.step,
+            fence_swap=fence.swap,
+            fence_store=fence.store,
+            seen_step=seen.get(Lane.STEP),
+            seen_swap=seen.get(Lane.SWAP),
+            seen_store=seen.get(Lane.STORE),
+            error=fields.get("error"),
+            missing=fields.get("missing"),
+            blocks=fields.get("blocks"),
+            wait_ns=fields.get("wait_ns"),
+            copy_ns=fields.get("copy_ns"),
+        )
+        self.complete(op, self.report(op, epoch, status, **fields))
+
+
+class SwapLane(TransferLane):
+    """Swap-ins (host -> device) and swap-outs (device -> host), in order."""
+
+    lane = Lane.SWAP
+    lane_name = "swap"
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.device: SharedKV | None = None
+        self.device_epoch = -1
+        self.stream: Any = None  # a CUDA stream once the device tier is on a GPU
+        self.registered = False
+
+    def on_stop(self) -> None:
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+        if self.registered and self.host is not None:
+            _cudart().cudaHostUnregister(self.host_kv.data_ptr())
+            self.registered = False
+        super().on_stop()
+
+    @handles(DeviceTier)
+    def on_device_tier(self, msg: DeviceTier) -> None:
+        device = open_kv(msg.kv)
+        host = self.host_kv
+        if device.kv.shape[1:] != host.shape[1:] or device.kv.dtype != host.dtype:
+            device.close()
+            raise ValueError(
+                f"device blocks {tuple(msg.kv.layout.shape[1:])} {msg.kv.layout.dtype} differ "
+                f"from host blocks {tuple(host.shape[1:])} {host.dtype}"
+            )
+        if self.device is not None:
+            self.device.close()
+        self.device, self.device_epoch = device, msg.epoch
+        if device.kv.is_cuda:
+            self._use_cuda(device.kv.device)
+        self.log.info(
+            "swap.tier",
+            tier_epoch=msg.epoch,
+            device=msg.kv.device,
+            kv_shm=msg.kv.shm,
+            num_blocks=msg.kv.layout.num_blocks,
+        )
+
+    def _use_cuda(self, device: torch.device) -> None:
+        """Pin the host tier (page-locked, registered with CUDA) and make the lane's stream."""
+        if not self.registered:
+            host = self.host_kv
+            nbytes = host.numel() * host.element_size()
+            code = _cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
+            if int(code) != 0:
+                raise RuntimeError(f"cudaHostRegister of the host KV tier failed: {code}")
+            self.registered = True
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    @handles(SwapOp)
+    def on_swap(self, msg: SwapOp) -> None:
+        if not self.admit(msg.op, msg.epoch):
+            return
+        problem = self._problem(msg)
+        if problem:
+            self.finish(
+                msg.op, msg.epoch, msg.fence, "rejected", direction=msg.direction, error=problem
+            )
+            return
+        if msg.epoch < self.device_epoch:
+            error = (
+                f"op of epoch {msg.epoch} names blocks of the device tier reset at epoch "
+                f"{self.device_epoch}"
+            )
+            self.finish(
+                msg.op, msg.epoch, msg.fence, "cancelled", direction=msg.direction, error=error
+            )
+            return
+        started = time.perf_counter_ns()
+        try:
+            seen = self.wait_fence(msg.op, msg.epoch, msg.fence)
+        except Cancelled as e:
+            self.finish(
+                msg.op, msg.epoch, msg.fence, "cancelled", direction=msg.direction, error=e.reason
+            )
+            return
+        self.chaos()
+        waited = time.perf_counter_ns()
+        copied = self._copy(msg)
+        self.finish(
+            msg.op,
+            msg.epoch,
+            msg.fence,
+            "ok",
+            direction=msg.direction,
+            seen=seen,
+            blocks=len(msg.device_blocks),
+            bytes=copied,
+            wait_ns=waited - started,
+            copy_ns=time.perf_counter_ns() - waited,
+        )
+
+    def _problem(self, msg: SwapOp) -> str:
+        if self.device is None:
+            return "no device tier yet: DeviceTier must come before the first swap op"
+        if len(msg.device_blocks) != len(msg.host_blocks):
+            return f"{len(msg.device_blocks)} device blocks but {len(msg.host_blocks)} host blocks"
+        for tier, ids, count in (
+            ("device", msg.device_blocks, self.device.kv.shape[0]),
+            ("host", msg.host_blocks, self.host_kv.shape[0]),
+        ):
+            bad = [b for b in ids if not 0 <= b < count]
+            if bad:
+                return f"{tier} block id {bad[0]} is outside the pool's {count} blocks"
+        written = msg.device_blocks if msg.direction == "in" else msg.host_blocks
+        if len(set(written)) != len(written):
+            return "a destination block is written twice"
+        return ""
+
+    def _copy(self, msg: SwapOp) -> int:
+        assert self.device is not None
+        device, host = self.device.kv, self.host_kv
+        if msg.direction == "in":
+            src, src_ids, dst, dst_ids = host, msg.host_blocks, device, msg.device_blocks
+        else:
+            src, src_ids, dst, dst_ids = device, msg.device_blocks, host, msg.host_blocks
+        if self.stream is None:
+            return copy_blocks(src, src_ids, dst, dst_ids)
+        with torch.cuda.stream(self.stream):
+            copied = copy_blocks(src, src_ids, dst, dst_ids, non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self.stream)
+        done.synchronize()  # the copies have landed before swap_done says so
+        return copied
+
+
+class StoreLane(TransferLane):
+    """Write-backs (host -> storage) and prefetches (storage -> host), in order."""
+
+    lane = Lane.STORE
+    lane_name = "store"
+
+    def on_start(self) -> None:
+        super().on_start()
+        settings = self.config.cache.storage
+        path = settings.path
+        if settings.backend == "local" and not path and self.ctx.run_dir is not None:
+            path = str(Path(self.ctx.run_dir) / "storage")
+        self.backend: StorageBackend | None = open_backend(
+            settings.backend,
+            fingerprint=block_fingerprint(self.config).digest(),
+            path=path,
+            url=settings.url,
+            max_bytes=settings.max_bytes,
+            log=self.log,
+        )
+
+    def on_stop(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+        super().on_stop()
+
+    @handles(StoreOp)
+    def on_store(self, msg: StoreOp) -> None:
+        if not self.admit(msg.op, msg.epoch):
+            return
+        keys, problem = self._keys(msg)
+        if problem:
+            self.finish(
+                msg.op, msg.epoch, msg.fence, "rejected", direction=msg.direction, error=problem
+            )
+            return
+        started = time.perf_counter_ns()
+        try:
+            seen = self.wait_fence(msg.op, msg.epoch, msg.fence)
+        except Cancelled as e:
+            self.finish(
+                msg.op, msg.epoch, msg.fence, "cancelled", direction=msg.direction, error=e.reason
+            )
+            return
+        self.chaos()
+        waited = time.perf_counter_ns()
+        assert self.backend is not None
+        host = self.host_kv
+        items = [(key, block_buffer(host, b)) for key, b in zip(keys, msg.host_blocks, strict=True)]
+        missing: tuple[int, ...] = ()
+        if msg.direction == "write":
+            self.backend.put_many(items)
+        else:
+            hits = self.backend.get_into(items)
+            missing = tuple(i for i, hit in enumerate(hits) if not hit)
+            if missing and self.config.cache.poison_freed:  # what failed holds nothing usable
+                host[[msg.host_blocks[i] for i in missing]] = float("nan")
+        self.finish(
+            msg.op,
+            msg.epoch,
+            msg.fence,
+            "ok",
+            direction=msg.direction,
+            seen=seen,
+            missing=missing,
+            blocks=len(keys),
+            bytes=len(keys) * host[0].numel() * host.element_size(),
+            wait_ns=waited - started,
+            copy_ns=time.perf_counter_ns() - waited,
+        )
+
+    def _keys(self, msg: StoreOp) -> tuple[list[BlockHash], str]:
+        if len(msg.keys) != len(msg.host_blocks):
+            return [], f"{len(msg.host_blocks)} host blocks but {len(msg.keys)} keys"
+        count = self.host_kv.shape[0]
+        bad = [b for b in msg.host_blocks if not 0 <= b < count]
+        if bad:
+            return [], f"host block id {bad[0]} is outside the pool's {count} blocks"
+        if msg.direction == "read" and len(set(msg.host_blocks)) != len(msg.host_blocks):
+            return [], "a destination block is written twice"
+        keys = []
+        for text in msg.keys:
+            try:
+                key = bytes.fromhex(text)
+            except ValueError:
+                return [], f"key {text!r} is not hex"
+            if len(key) != 16:
+                return [], f"key {text!r} is not 16 bytes"
+            keys.append(BlockHash(key))
+        return keys, ""
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
