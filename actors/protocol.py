@@ -20,7 +20,7 @@ from ringfence.runtime.codec import Registry, message
 TO_WORKER = Registry("engine-to-worker")
 FROM_WORKER = Registry("worker-to-engine")
 
-StepStatus = Literal["ok", "rejected", "cancelled"]
+StepStatus = Literal["ok", "rejected", "cancelled", "failed"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +88,7 @@ class StepResult:
 
     ``rejected``: the plan was malformed (``error`` says how); no block was touched.
     ``cancelled``: its fence was not reached in time and its epoch had passed.
+    ``failed``: it ran and raised (``error`` says what): its blocks hold nothing usable.
     """
 
     step: int
@@ -99,15 +100,17 @@ class StepResult:
     exec_ns: int = 0  # time spent running the model
 
 
-# The Transfer lanes: engine -> swap / store (TO_TRANSFER), and back (FROM_TRANSFER).
+# The Transfer lanes: engine -> swap lane (TO_SWAP), engine -> store lane (TO_STORE),
+# and back from either (FROM_TRANSFER).
 
-TO_TRANSFER = Registry("engine-to-transfer")
+TO_SWAP = Registry("engine-to-swap")
+TO_STORE = Registry("engine-to-store")
 FROM_TRANSFER = Registry("transfer-to-engine")
 
-OpStatus = Literal["ok", "rejected", "cancelled"]
+OpStatus = Literal["ok", "rejected", "cancelled", "failed"]
 
 
-@message(TO_TRANSFER, tag=1)
+@message(TO_SWAP, tag=1)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceTier:
     """The device KV tensor the swap lane copies to and from, valid from ``epoch`` on.
@@ -120,7 +123,7 @@ class DeviceTier:
     kv: KVHandle
 
 
-@message(TO_TRANSFER, tag=2)
+@message(TO_SWAP, tag=2)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SwapOp:
     """Swap op ``op``: copy device block ``device_blocks[i]`` to or from ``host_blocks[i]``."""
@@ -133,7 +136,7 @@ class SwapOp:
     host_blocks: tuple[int, ...]
 
 
-@message(TO_TRANSFER, tag=3)
+@message(TO_STORE, tag=1)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreOp:
     """Store op ``op``: write host blocks to storage under ``keys``, or read them back."""

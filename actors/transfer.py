@@ -232,7 +232,15 @@ class SwapLane(TransferLane):
             return
         self.chaos()
         waited = time.perf_counter_ns()
-        copied = self._copy(msg)
+        try:
+            copied = self._copy(msg)
+        except Exception as e:  # the lane moves on; the engine is told the blocks are unusable
+            self.log.error("lane.failed", lane=self.lane_name, op=msg.op, error=repr(e), exc_info=e)
+            self.finish(
+                msg.op, msg.epoch, msg.fence, "failed", direction=msg.direction,
+                error=f"{type(e).__name__}: {e}",
+            )  # fmt: skip
+            return
         self.finish(
             msg.op,
             msg.epoch,
@@ -331,13 +339,21 @@ class StoreLane(TransferLane):
         host = self.host_kv
         items = [(key, block_buffer(host, b)) for key, b in zip(keys, msg.host_blocks, strict=True)]
         missing: tuple[int, ...] = ()
-        if msg.direction == "write":
-            self.backend.put_many(items)
-        else:
-            hits = self.backend.get_into(items)
-            missing = tuple(i for i, hit in enumerate(hits) if not hit)
-            if missing and self.config.cache.poison_freed:  # what failed holds nothing usable
-                host[[msg.host_blocks[i] for i in missing]] = float("nan")
+        try:
+            if msg.direction == "write":
+                self.backend.put_many(items)
+            else:
+                hits = self.backend.get_into(items)
+                missing = tuple(i for i, hit in enumerate(hits) if not hit)
+        except Exception as e:  # storage down or full: the lane moves on, the engine is told
+            self.log.error("lane.failed", lane=self.lane_name, op=msg.op, error=repr(e), exc_info=e)
+            self.finish(
+                msg.op, msg.epoch, msg.fence, "failed", direction=msg.direction,
+                error=f"{type(e).__name__}: {e}", missing=tuple(range(len(keys))),
+            )  # fmt: skip
+            return
+        if missing and self.config.cache.poison_freed:  # what failed holds nothing usable
+            host[[msg.host_blocks[i] for i in missing]] = float("nan")
         self.finish(
             msg.op,
             msg.epoch,

@@ -28,6 +28,7 @@ repeat, answered with the kept result when it is the last step, else dropped.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -161,7 +162,12 @@ class Worker(LaneExecutor):
             self._finish(plan, "cancelled", error=e.reason)
             return
         waited = time.perf_counter_ns()
-        outputs = self._execute(plan, pieces)
+        try:
+            outputs = self._execute(plan, pieces)
+        except Exception as e:  # it ran part way: the lane moves on, the engine is told
+            self.log.error("step.failed", step=plan.step, error=repr(e), exc_info=e)
+            self._finish(plan, "failed", error=f"{type(e).__name__}: {e}")
+            return
         self._finish(
             plan,
             "ok",
@@ -199,22 +205,7 @@ class Worker(LaneExecutor):
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return ()
         # One copy for all pieces; on CUDA it waits for the step, KV writes included.
-        logits = self.executor.step(pieces).last_logits.to("cpu")
-        outputs = []
-        for row, (p, piece) in enumerate(zip(plan.pieces, pieces, strict=True)):
-            if not p.sample:
-                continue
-            position = piece.start + len(piece.token_ids)
-            token = sample(logits[row], temperature=p.temperature, seed=p.seed, position=position)
-            outputs.append(
-                SampledToken(
-                    seq_id=p.seq_id,
-                    position=position,
-                    token_id=token.token_id,
-                    logprob=token.logprob,
-                )
-            )
-        return tuple(outputs)
+        return sample_pieces(plan.pieces, self.executor.step(pieces).last_logits.to("cpu"))
 
     def _finish(
         self,
@@ -256,6 +247,42 @@ class Worker(LaneExecutor):
             exec_ns=exec_ns,
         )
         self.complete(plan.step, result)
+
+
+class NonFiniteLogits(ArithmeticError):
+    """A step produced NaN or infinite logits: it read blocks it should not have."""
+
+
+def sample_pieces(
+    pieces: Sequence[PlanPiece], last_logits: torch.Tensor
+) -> tuple[SampledToken, ...]:
+    """The next token of every piece that asks for one, from its row of ``last_logits``."""
+    outputs = []
+    for row, p in enumerate(pieces):
+        if p.sample:
+            if not bool(torch.isfinite(last_logits[row]).all()):
+                raise NonFiniteLogits(
+                    f"the logits of sequence {p.seq_id} are not finite: the step read KV "
+                    "that was never written, or was poisoned (a missing fence?)"
+                )
+            position = p.start + len(p.token_ids)
+            token = sample(
+                last_logits[row], temperature=p.temperature, seed=p.seed, position=position
+            )
+            outputs.append(
+                SampledToken(
+                    seq_id=p.seq_id,
+                    position=position,
+                    token_id=token.token_id,
+                    logprob=token.logprob,
+                )
+            )
+    return tuple(outputs)
+
+
+def plan_pieces(plan: StepPlan) -> list[Piece]:
+    """The executor's pieces of a plan."""
+    return [_piece(p) for p in plan.pieces]
 
 
 def _piece(p: PlanPiece) -> Piece:

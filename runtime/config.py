@@ -156,6 +156,16 @@ class DemoConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HarnessConfig:
+    """[harness]: the protocol harness (a scripted engine over random programs)."""
+
+    programs: int = setting(20, "random programs to run, one after another", ge=1)
+    ops: int = setting(40, "ops per program (steps, swaps, write-backs, prefetches)", ge=1)
+    seed: int = setting(0, "seed of the first program; program k uses seed + k", ge=0)
+    check: bool = setting(True, "compare each program with its sequential interpretation")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ActorPolicy:
     """[actors.<name>]: where one actor runs and how the supervisor restarts it."""
 
@@ -181,6 +191,7 @@ class Config:
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     demo: DemoConfig = dataclasses.field(default_factory=DemoConfig)
+    harness: HarnessConfig = dataclasses.field(default_factory=HarnessConfig)
     actors: Mapping[str, ActorPolicy] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}),
         hash=False,

@@ -95,6 +95,9 @@ EVENTS: Final[dict[str, Event]] = {
         "step_done reached step; status ok, rejected (malformed, nothing touched) or cancelled "
         "(stale epoch); seen_* are the watermarks observed once the fence was reached",
     ),
+    "step.failed": _e(
+        "error", "step error", "a step raised while it ran; reported failed, the lane moves on"
+    ),
     "step.refused": _e(
         "error", "step plan_epoch error", "a plan out of lane order, answered; step_done unchanged"
     ),
@@ -114,6 +117,9 @@ EVENTS: Final[dict[str, Event]] = {
         "lane op op_epoch resent",
         "an op at or below the lane's watermark came again; resent: its completion went again",
     ),
+    "lane.failed": _e(
+        "error", "lane op error", "a copy or storage call raised; reported failed, lane moves on"
+    ),
     "lane.refused": _e(
         "error", "lane op op_epoch error", "an op out of lane order, answered; watermark unchanged"
     ),
@@ -126,6 +132,15 @@ EVENTS: Final[dict[str, Event]] = {
         "seen_swap seen_store error missing blocks wait_ns copy_ns",
         "the lane's watermark reached op: a swap-in (in), swap-out (out), write-back (write) "
         "or prefetch (read), ok, rejected or cancelled; missing: positions storage lacked",
+    ),
+    # The protocol harness (ringfence.actors.harness), as actor "engine".
+    "harness.mismatch": _e(
+        "warning",
+        "program differences",
+        "a program's outcome differs from its sequential interpretation (or an op failed)",
+    ),
+    "harness.done": _e(
+        "info", "programs ops mismatched busy_s", "every program ran; see harness.json"
     ),
     # The demo pipeline (ringfence.runtime.demo).
     "demo.sent": _e("info", "messages", "the source sent its last item"),

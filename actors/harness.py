@@ -1,0 +1,534 @@
+"""The protocol harness: a scripted engine that proves the fenced protocol against an oracle.
+
+Before the scheduler exists, :class:`Harness` plays the Engine's part against the real
+Worker and the real Transfer lanes, each in its own process. It runs ``harness.programs``
+random programs one after another. A program (:func:`generate`) is ``harness.ops`` ops
+over small device and host pools, so blocks are reused all the time: model steps (mixed
+prefill chunks and decode tokens, with the freed blocks to poison), swap-outs, swap-ins,
+write-backs and prefetches, each with the fence that ``ringfence.cache.FenceTracker``
+computes in issue order. Decode tokens are fixed in advance (teacher forcing), so a
+whole program is known before it runs and the issuer never waits for an output.
+
+The issuer streams a program with a few ops in flight per lane (credits) and collects
+every completion. Then, when ``harness.check`` is on, it interprets the same program
+sequentially in its own process (:func:`interpret`: one op at a time, in issue order,
+on copies of the tiers as they were before the program) and compares every step's
+tokens and logprobs and the final contents of every device and host block. By the
+argument in DESIGN.md, a correct protocol makes the two equal exactly.
+
+``transfer.mode = "sync"`` is the baseline design: the issuer holds an op until the
+completions of every op its fence names have arrived, then sends it with no fence.
+``transfer.skip_fences`` (debug only) makes the executors ignore fences: the harness
+must then see differences, and reports in how many programs it did.
+
+The run ends by writing ``harness.json`` into the run dir and asking for shutdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import orjson
+import torch
+
+from ringfence.actors.blockcopy import copy_blocks
+from ringfence.actors.kvspace import SharedKV, open_kv
+from ringfence.actors.lanes import LANE_SLOTS, LANES
+from ringfence.actors.model import Model
+from ringfence.actors.paged import PagedExecutor
+from ringfence.actors.protocol import (
+    DeviceTier,
+    LaneReady,
+    OpDone,
+    PlanPiece,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    StoreOp,
+    SwapOp,
+    WorkerReady,
+)
+from ringfence.actors.worker import load_model, plan_pieces, sample_pieces
+from ringfence.cache.fences import NO_WAIT, Fence, FenceTracker, Lane
+from ringfence.cache.ids import BlockId, Seq
+from ringfence.runtime.actor import Actor, handles
+from ringfence.runtime.config import Config
+from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
+
+REPORT = "harness.json"
+CREDITS = 8  # ops in flight per lane
+MAX_PIECES = 4  # sequences per step
+MAX_CHUNK = 8  # tokens per prefill chunk
+TARGET = {Lane.STEP: "worker", Lane.SWAP: "swap", Lane.STORE: "store"}
+
+Op = StepPlan | SwapOp | StoreOp
+
+
+def lane_of(op: Op) -> Lane:
+    if isinstance(op, StepPlan):
+        return Lane.STEP
+    return Lane.SWAP if isinstance(op, SwapOp) else Lane.STORE
+
+
+def number_of(op: Op) -> int:
+    return op.step if isinstance(op, StepPlan) else op.op
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    tokens: list[int]  # the prompt, then the decode tokens fed in order
+    prompt: int  # prompt length
+    done: int = 0  # tokens whose K/V are written
+    where: str = "device"  # device, host or storage
+    device: list[int] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # content keys of its stored blocks
+
+
+class Shape(NamedTuple):
+    """The pools and model a program is drawn for."""
+
+    device_blocks: int
+    host_blocks: int
+    block_size: int
+    vocab: int
+    poison: bool  # free device blocks are poisoned by the next step
+
+
+class _Generator:
+    """Draws one program; the pools start all free, op numbers at ``starts``."""
+
+    def __init__(self, rng: random.Random, shape: Shape, starts: dict[Lane, int], epoch: int):
+        self.rng, self.shape, self.epoch = rng, shape, epoch
+        self.next = dict(starts)
+        self.tracker = FenceTracker(shape.device_blocks, shape.host_blocks)
+        self.device_free = list(range(shape.device_blocks))
+        self.host_free = list(range(shape.host_blocks))
+        rng.shuffle(self.device_free)
+        rng.shuffle(self.host_free)
+        self.to_poison: list[int] = []  # freed device blocks, held until a step poisons them
+        self.seqs: dict[int, _Seq] = {}
+        self.seq_ids = 0
+        self.ops: list[Op] = []
+
+    def take(self, free: list[int], count: int) -> list[int] | None:
+        if count > len(free):
+            return None
+        return [free.pop(self.rng.randrange(len(free))) for _ in range(count)]
+
+    def free_device(self, blocks: list[int]) -> None:
+        (self.to_poison if self.shape.poison else self.device_free).extend(blocks)
+
+    def issue(self, lane: Lane, **blocks: Sequence[int]) -> tuple[int, Fence]:
+        number = self.next[lane]
+        self.next[lane] += 1
+        ids = {name: [BlockId(b) for b in value] for name, value in blocks.items()}
+        return number, self.tracker.issue(lane, Seq(number), **ids)
+
+    def program(self, count: int) -> list[Op]:
+        moves = (self.step, self.swap_out, self.swap_in, self.write_back, self.prefetch)
+        weights = (5, 2, 2, 1, 1)
+        attempts = 0
+        while len(self.ops) < count and attempts < 50 * count:
+            attempts += 1
+            if len(self.seqs) < 3 or self.rng.random() < 0.1:
+                self.new_seq()
+            self.rng.choices(moves, weights)[0]()
+        return self.ops
+
+    def new_seq(self) -> None:
+        rng, vocab = self.rng, min(self.shape.vocab, 256)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(2, 20))]
+        decode = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        self.seq_ids += 1
+        self.seqs[self.seq_ids] = _Seq(self.seq_ids, prompt + decode, len(prompt))
+
+    def step(self) -> None:
+        bs, rng = self.shape.block_size, self.rng
+        ready = [s for s in self.seqs.values() if s.where == "device" and s.done < len(s.tokens)]
+        chosen = rng.sample(ready, min(len(ready), rng.randint(1, MAX_PIECES)))
+        pieces, reads, writes = [], [], []
+        for seq in chosen:
+            left = seq.prompt - seq.done
+            size = rng.randint(1, min(left, MAX_CHUNK)) if left > 0 else 1
+            end = seq.done + size
+            need = -(-end // bs) - len(seq.device)
+            if need > 0:
+                more = self.take(self.device_free, need)
+                if more is None:
+                    continue
+                seq.device += more
+            table = seq.device[: -(-end // bs)]
+            pieces.append(
+                PlanPiece(
+                    seq_id=seq.seq_id,
+                    token_ids=tuple(seq.tokens[seq.done : end]),
+                    start=seq.done,
+                    block_table=tuple(table),
+                    sample=end >= seq.prompt,
+                    temperature=rng.choice((0.0, 0.0, 0.9)),
+                    seed=seq.seq_id,
+                )
+            )
+            reads += table
+            writes += table[seq.done // bs :]
+            seq.done = end
+        poison, self.to_poison = self.to_poison, []
+        if not pieces and not poison:
+            return
+        number, fence = self.issue(Lane.STEP, read_device=reads, write_device=writes + poison)
+        self.ops.append(
+            StepPlan(
+                step=number,
+                epoch=self.epoch,
+                fence=fence,
+                pieces=tuple(pieces),
+                poison=tuple(poison),
+            )
+        )
+        self.device_free += poison
+        for seq in chosen:
+            if seq.done == len(seq.tokens):  # finished: its blocks are freed
+                self.free_device(seq.device)
+                del self.seqs[seq.seq_id]
+
+    def swap_out(self) -> None:
+        bs = self.shape.block_size
+        cands = [s for s in self.seqs.values() if s.where == "device" and s.done > 0]
+        if not cands:
+            return
+        seq = self.rng.choice(cands)
+        used = -(-seq.done // bs)
+        host = self.take(self.host_free, used)
+        if host is None:
+            return
+        device = seq.device[:used]
+        number, fence = self.issue(Lane.SWAP, read_device=device, write_host=host)
+        self.ops.append(
+            SwapOp(op=number, epoch=self.epoch, fence=fence, direction="out",
+                   device_blocks=tuple(device), host_blocks=tuple(host))
+        )  # fmt: skip
+        self.free_device(seq.device)
+        seq.device, seq.host, seq.where = [], host, "host"
+
+    def swap_in(self) -> None:
+        cands = [s for s in self.seqs.values() if s.where == "host"]
+        if not cands:
+            return
+        seq = self.rng.choice(cands)
+        device = self.take(self.device_free, len(seq.host))
+        if device is None:
+            return
+        number, fence = self.issue(Lane.SWAP, read_host=seq.host, write_device=device)
+        self.ops.append(
+            SwapOp(op=number, epoch=self.epoch, fence=fence, direction="in",
+                   device_blocks=tuple(device), host_blocks=tuple(seq.host))
+        )  # fmt: skip
+        self.host_free += seq.host
+        seq.device, seq.host, seq.keys, seq.where = device, [], [], "device"
+
+    def write_back(self) -> None:
+        cands = [s for s in self.seqs.values() if s.where == "host"]
+        if not cands:
+            return
+        seq = self.rng.choice(cands)
+        if not seq.keys:
+            seq.keys = [self.rng.randbytes(16).hex() for _ in seq.host]
+            number, fence = self.issue(Lane.STORE, read_host=seq.host)
+            self.ops.append(
+                StoreOp(op=number, epoch=self.epoch, fence=fence, direction="write",
+                        host_blocks=tuple(seq.host), keys=tuple(seq.keys))
+            )  # fmt: skip
+        if self.rng.random() < 0.6:  # evicted from host: only storage has it now
+            self.host_free += seq.host
+            seq.host, seq.where = [], "storage"
+
+    def prefetch(self) -> None:
+        cands = [s for s in self.seqs.values() if s.where == "storage"]
+        if not cands:
+            return
+        seq = self.rng.choice(cands)
+        host = self.take(self.host_free, len(seq.keys))
+        if host is None:
+            return
+        number, fence = self.issue(Lane.STORE, write_host=host)
+        self.ops.append(
+            StoreOp(op=number, epoch=self.epoch, fence=fence, direction="read",
+                    host_blocks=tuple(host), keys=tuple(seq.keys))
+        )  # fmt: skip
+        seq.host, seq.where = host, "host"
+
+
+def generate(
+    seed: int, count: int, shape: Shape, starts: dict[Lane, int], epoch: int = 0
+) -> list[Op]:
+    """A random program of about ``count`` ops, numbered from ``starts``; a pure function."""
+    return _Generator(random.Random(seed), shape, starts, epoch).program(count)
+
+
+class Expected(NamedTuple):
+    outputs: dict[int, tuple[SampledToken, ...]]  # step -> its sampled tokens
+    missing: dict[int, tuple[int, ...]]  # prefetch op -> positions storage lacked
+    device: torch.Tensor
+    host: torch.Tensor
+
+
+def interpret(
+    ops: Sequence[Op], model: Model, device: torch.Tensor, host: torch.Tensor
+) -> Expected:
+    """The sequential interpretation: every op alone, in issue order, on these tensors."""
+    executor = PagedExecutor(model, device)
+    storage: dict[str, torch.Tensor] = {}
+    outputs, missing = {}, {}
+    for op in ops:
+        if isinstance(op, StepPlan):
+            if op.poison:
+                device[list(op.poison)] = float("nan")
+            pieces = plan_pieces(op)
+            last = executor.step(pieces).last_logits if pieces else None
+            outputs[op.step] = sample_pieces(op.pieces, last) if last is not None else ()
+        elif isinstance(op, SwapOp):
+            if op.direction == "in":
+                copy_blocks(host, op.host_blocks, device, op.device_blocks)
+            else:
+                copy_blocks(device, op.device_blocks, host, op.host_blocks)
+        elif op.direction == "write":
+            for key, block in zip(op.keys, op.host_blocks, strict=True):
+                storage[key] = host[block].clone()
+        else:
+            lacked = []
+            for i, (key, block) in enumerate(zip(op.keys, op.host_blocks, strict=True)):
+                if key in storage:
+                    host[block] = storage[key]
+                else:
+                    lacked.append(i)
+            missing[op.op] = tuple(lacked)
+    return Expected(outputs, missing, device, host)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN equals NaN of the same bits)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+def differing_blocks(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    return [i for i in range(a.shape[0]) if not same_bits(a[i], b[i])]
+
+
+class Harness(Actor):
+    """The scripted engine. See the module docstring."""
+
+    config_section = ""
+
+    def on_start(self) -> None:
+        config = self.ctx.config
+        assert isinstance(config, Config)
+        self.config, self.settings = config, config.harness
+        self.sync = config.transfer.mode == "sync"
+        self.model = load_model(dataclasses.replace(config.model, device="cpu")).model
+        self.device: SharedKV | None = None
+        self.host: SharedKV | None = None
+        self.ready: set[str] = set()
+        self.next = {Lane.STEP: 1, Lane.SWAP: 1, Lane.STORE: 1}
+        self.completed = dict.fromkeys(Lane, 0)
+        self.in_flight = dict.fromkeys(Lane, 0)
+        self.queue: deque[Op] = deque()
+        self.ops: list[Op] = []
+        self.outputs: dict[int, tuple[SampledToken, ...]] = {}
+        self.missing: dict[int, tuple[int, ...]] = {}
+        self.problems: list[str] = []
+        self.program = -1
+        self.mismatched: list[dict[str, Any]] = []
+        self.counts = dict.fromkeys(("step", "swap", "store", "blocks"), 0)
+        self.busy_s = 0.0
+        self.started = 0.0
+        self.before: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def on_stop(self) -> None:
+        for space in (self.device, self.host):
+            if space is not None:
+                space.close()
+
+    @handles(WorkerReady)
+    def on_worker(self, msg: WorkerReady) -> None:
+        if self.device is not None:
+            raise RuntimeError("the worker restarted: the harness does not recover from that")
+        self.device = open_kv(msg.kv)
+        self.next[Lane.STEP] = msg.step_done + 1
+        self.send("swap", DeviceTier(epoch=msg.epoch, kv=msg.kv))
+        self.ready.add("worker")
+        self.maybe_begin()
+
+    @handles(LaneReady)
+    def on_lane(self, msg: LaneReady) -> None:
+        if msg.lane in self.ready:
+            raise RuntimeError(f"the {msg.lane} lane restarted: the harness does not recover")
+        if self.host is None:
+            self.host = open_kv(msg.host)
+        self.next[Lane.SWAP if msg.lane == "swap" else Lane.STORE] = msg.done + 1
+        self.ready.add(msg.lane)
+        self.maybe_begin()
+
+    def maybe_begin(self) -> None:
+        if self.ready == {"worker", "swap", "store"} and self.program < 0:
+            self.begin(0)
+
+    def begin(self, index: int) -> None:
+        assert self.device is not None and self.host is not None
+        self.program = index
+        c = self.config
+        shape = Shape(
+            device_blocks=c.cache.device_blocks,
+            host_blocks=self.host.kv.shape[0],
+            block_size=c.cache.block_size,
+            vocab=self.model.config.vocab_size,
+            poison=c.cache.poison_freed,
+        )
+        self.ops = generate(
+            self.settings.seed + index, self.settings.ops, shape, self.next, self.ctx.epoch
+        )
+        for op in self.ops:
+            self.next[lane_of(op)] = number_of(op) + 1
+        if self.settings.check:  # quiescent now: the tiers as the program finds them
+            self.before = (self.device.kv.clone(), self.host.kv.clone())
+        self.outputs, self.missing, self.problems = {}, {}, []
+        self.queue = deque(self.ops)
+        self.started = time.perf_counter()
+        self.pump()
+
+    def pump(self) -> None:
+        """Send ops in issue order while their lane has credit (and, in sync mode, while the
+        completions their fence names have arrived)."""
+        while self.queue:
+            op = self.queue[0]
+            lane = lane_of(op)
+            if self.in_flight[lane] >= CREDITS:
+                return
+            if self.sync:
+                waits = op.fence.waits()
+                if any(self.completed[other] < seq for other, seq in waits.items()):
+                    return
+                op = dataclasses.replace(op, fence=NO_WAIT)
+            self.queue.popleft()
+            self.in_flight[lane] += 1
+            self.send(TARGET[lane], op)
+        if not any(self.in_flight.values()):
+            self.end()
+
+    def settle(self, lane: Lane, number: int, status: str, error: str) -> None:
+        if status != "ok":
+            self.problems.append(f"{lane} op {number}: {status}: {error}")
+        self.completed[lane] = max(self.completed[lane], number)
+        self.in_flight[lane] -= 1
+        self.pump()
+
+    @handles(StepResult)
+    def on_step(self, msg: StepResult) -> None:
+        self.outputs[msg.step] = msg.outputs
+        self.settle(Lane.STEP, msg.step, msg.status, msg.error)
+
+    @handles(OpDone)
+    def on_op(self, msg: OpDone) -> None:
+        if msg.lane == "store":
+            self.missing[msg.op] = msg.missing
+        self.settle(Lane.SWAP if msg.lane == "swap" else Lane.STORE, msg.op, msg.status, msg.error)
+
+    def end(self) -> None:
+        self.busy_s += time.perf_counter() - self.started
+        for op in self.ops:
+            lane = lane_of(op)
+            self.counts[str(lane)] += 1
+            if not isinstance(op, StepPlan):
+                self.counts["blocks"] += len(op.host_blocks)
+        differences = list(self.problems)
+        if self.settings.check:
+            differences += self.compare()
+        if differences:
+            self.mismatched.append({"program": self.program, "differences": differences[:5]})
+            self.log.warning("harness.mismatch", program=self.program, differences=differences[:5])
+        if self.program + 1 < self.settings.programs:
+            self.begin(self.program + 1)
+        else:
+            self.finish()
+
+    def compare(self) -> list[str]:
+        assert self.before is not None and self.device is not None and self.host is not None
+        expected = interpret(self.ops, self.model, *self.before)
+        found = []
+        for step, outputs in expected.outputs.items():
+            got = self.outputs.get(step)
+            if got != outputs:
+                found.append(f"step {step}: outputs {got} != {outputs}")
+        for op, lacked in expected.missing.items():
+            if self.missing.get(op) != lacked:
+                found.append(f"prefetch {op}: missing {self.missing.get(op)} != {lacked}")
+        for tier, actual, wanted in (
+            ("device", self.device.kv, expected.device),
+            ("host", self.host.kv, expected.host),
+        ):
+            blocks = differing_blocks(actual, wanted)
+            if blocks:
+                found.append(f"{tier} blocks {blocks} differ")
+        return found
+
+    def finish(self) -> None:
+        c = self.config
+        total = sum(self.counts[k] for k in ("step", "swap", "store"))
+        report = {
+            "mode": c.transfer.mode,
+            "skip_fences": c.transfer.skip_fences,
+            "chaos_delay_ms": c.transfer.chaos_delay_ms,
+            "poison_freed": c.cache.poison_freed,
+            "programs": self.settings.programs,
+            "ops_per_program": self.settings.ops,
+            "checked": self.settings.check,
+            "ops": total,
+            "counts": self.counts,
+            "busy_s": round(self.busy_s, 6),
+            "ops_per_s": round(total / self.busy_s, 1) if self.busy_s else None,
+            "mismatched_programs": len(self.mismatched),
+            "detection_rate": len(self.mismatched) / self.settings.programs,
+            "mismatches": self.mismatched[:20],
+        }
+        assert self.ctx.run_dir is not None
+        (Path(self.ctx.run_dir) / REPORT).write_bytes(
+            orjson.dumps(report, option=orjson.OPT_INDENT_2)
+        )
+        self.log.info(
+            "harness.done",
+            programs=self.settings.programs,
+            ops=total,
+            mismatched=len(self.mismatched),
+            busy_s=report["busy_s"],
+        )
+        self.request_shutdown(f"harness: {self.settings.programs} programs done")
+
+
+_P = "ringfence.actors.protocol"
+# Stop order: the harness first, so no op is sent to a lane that already stopped.
+TOPOLOGY = Topology(
+    actors=(
+        ActorSpec(name="engine", target=f"{__name__}:Harness"),
+        ActorSpec(name="worker", target="ringfence.actors.worker:Worker"),
+        ActorSpec(name="swap", target="ringfence.actors.transfer:SwapLane"),
+        ActorSpec(name="store", target="ringfence.actors.transfer:StoreLane"),
+    ),
+    channels=(
+        ChannelSpec(src="engine", dst="worker", protocol=f"{_P}:TO_WORKER"),
+        ChannelSpec(src="worker", dst="engine", protocol=f"{_P}:FROM_WORKER"),
+        ChannelSpec(src="engine", dst="swap", protocol=f"{_P}:TO_SWAP"),
+        ChannelSpec(src="swap", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
+        ChannelSpec(src="engine", dst="store", protocol=f"{_P}:TO_STORE"),
+        ChannelSpec(src="store", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
+    ),
+    counters=(CounterSpec(name=LANES, count=LANE_SLOTS),),
+)
