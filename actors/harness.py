@@ -338,13 +338,16 @@ class Harness(Actor):
         self.device: SharedKV | None = None
         self.host: SharedKV | None = None
         self.ready: set[str] = set()
+        self.restarts: dict[str, int] = {}
+        self.tier: DeviceTier | None = None
         self.next = {Lane.STEP: 1, Lane.SWAP: 1, Lane.STORE: 1}
         self.completed = dict.fromkeys(Lane, 0)
         self.in_flight = dict.fromkeys(Lane, 0)
         self.queue: deque[Op] = deque()
         self.ops: list[Op] = []
         self.outputs: dict[int, tuple[SampledToken, ...]] = {}
-        self.missing: dict[int, tuple[int, ...]] = {}
+        self.missing: dict[int, tuple[int, ...] | None] = {}
+        self.settled: set[tuple[Lane, int]] = set()
         self.problems: list[str] = []
         self.program = -1
         self.mismatched: list[dict[str, Any]] = []
@@ -364,14 +367,18 @@ class Harness(Actor):
             raise RuntimeError("the worker restarted: the harness does not recover from that")
         self.device = open_kv(msg.kv)
         self.next[Lane.STEP] = msg.step_done + 1
-        self.send("swap", DeviceTier(epoch=msg.epoch, kv=msg.kv))
+        self.tier = DeviceTier(epoch=msg.epoch, kv=msg.kv)
+        self.send("swap", self.tier)
         self.ready.add("worker")
         self.maybe_begin()
 
     @handles(LaneReady)
     def on_lane(self, msg: LaneReady) -> None:
-        if msg.lane in self.ready:
-            raise RuntimeError(f"the {msg.lane} lane restarted: the harness does not recover")
+        if msg.lane in self.ready:  # restarted: it redoes its op in flight from its ring
+            self.restarts[msg.lane] = self.restarts.get(msg.lane, 0) + 1
+            if msg.lane == "swap" and self.tier is not None:
+                self.send("swap", self.tier)  # the new incarnation has no device tier yet
+            return
         if self.host is None:
             self.host = open_kv(msg.host)
         self.next[Lane.SWAP if msg.lane == "swap" else Lane.STORE] = msg.done + 1
@@ -400,7 +407,7 @@ class Harness(Actor):
             self.next[lane_of(op)] = number_of(op) + 1
         if self.settings.check:  # quiescent now: the tiers as the program finds them
             self.before = (self.device.kv.clone(), self.host.kv.clone())
-        self.outputs, self.missing, self.problems = {}, {}, []
+        self.outputs, self.missing, self.problems, self.settled = {}, {}, [], set()
         self.queue = deque(self.ops)
         self.started = time.perf_counter()
         self.pump()
@@ -425,6 +432,9 @@ class Harness(Actor):
             self.end()
 
     def settle(self, lane: Lane, number: int, status: str, error: str) -> None:
+        if (lane, number) in self.settled:  # a completion sent again by a restarted lane
+            return
+        self.settled.add((lane, number))
         if status != "ok":
             self.problems.append(f"{lane} op {number}: {status}: {error}")
         self.completed[lane] = max(self.completed[lane], number)
@@ -438,8 +448,9 @@ class Harness(Actor):
 
     @handles(OpDone)
     def on_op(self, msg: OpDone) -> None:
-        if msg.lane == "store":
-            self.missing[msg.op] = msg.missing
+        if msg.lane == "store" and (msg.op not in self.missing or not msg.error):
+            # A report resent after a restart cannot know what a prefetch found: skipped.
+            self.missing[msg.op] = None if msg.error else msg.missing
         self.settle(Lane.SWAP if msg.lane == "swap" else Lane.STORE, msg.op, msg.status, msg.error)
 
     def end(self) -> None:
@@ -469,7 +480,7 @@ class Harness(Actor):
             if got != outputs:
                 found.append(f"step {step}: outputs {got} != {outputs}")
         for op, lacked in expected.missing.items():
-            if self.missing.get(op) != lacked:
+            if self.missing.get(op, ()) is not None and self.missing.get(op) != lacked:
                 found.append(f"prefetch {op}: missing {self.missing.get(op)} != {lacked}")
         for tier, actual, wanted in (
             ("device", self.device.kv, expected.device),
@@ -495,6 +506,7 @@ class Harness(Actor):
             "counts": self.counts,
             "busy_s": round(self.busy_s, 6),
             "ops_per_s": round(total / self.busy_s, 1) if self.busy_s else None,
+            "lane_restarts": self.restarts,
             "mismatched_programs": len(self.mismatched),
             "detection_rate": len(self.mismatched) / self.settings.programs,
             "mismatches": self.mismatched[:20],

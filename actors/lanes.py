@@ -83,15 +83,21 @@ class LaneExecutor(Actor):
             return "repeat"
         return "next" if op == done + 1 else "hole"
 
+    def fence_problem(self, fence: Fence) -> str:
+        """Why ``fence`` cannot be an op's fence in this lane, or "": it may not name the
+        lane itself (the lane's FIFO orders its ops; waiting on itself would never end)."""
+        own = fence.waits().get(self.lane)
+        return f"the fence of a {self.lane} op names its own lane ({own})" if own else ""
+
     def wait_fence(self, op: int, epoch: int, fence: Fence) -> dict[Lane, int]:
         """Sleep until every other lane's watermark reaches ``fence``; the values seen.
 
         Raises :class:`Cancelled` when the deadline passed and the op's epoch is older
         than the run's; ``WaitTimeout`` (or ``ActorDead``) to have it handed over later.
         """
-        own = fence.waits().get(self.lane)
-        if own:
-            raise ValueError(f"the fence of a {self.lane} op names its own lane ({own})")
+        problem = self.fence_problem(fence)
+        if problem:  # callers reject such an op before they wait (see fence_problem)
+            raise ValueError(problem)
         seen = {}
         for lane, target in fence.waits().items():
             mark = self.marks[lane]
@@ -114,9 +120,6 @@ class LaneExecutor(Actor):
         self.last, self.last_op = report, op
         self.send("engine", report)
 
-    def answer_repeat(self, op: int) -> bool:
-        """Send the kept completion again if ``op`` was the last one; whether it was."""
-        if self.last is not None and self.last_op == op:
-            self.send("engine", self.last)
-            return True
-        return False
+    def kept(self, op: int) -> object | None:
+        """The completion sent for ``op`` if it was this incarnation's last one, else None."""
+        return self.last if self.last is not None and self.last_op == op else None

@@ -29,17 +29,27 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import orjson
 import torch
 
 from ringfence.actors.blockcopy import block_buffer, copy_blocks
 from ringfence.actors.kvspace import SharedKV, create_kv, open_kv
 from ringfence.actors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.layout import block_fingerprint, kv_layout
-from ringfence.actors.protocol import DeviceTier, LaneReady, OpDone, OpStatus, StoreOp, SwapOp
+from ringfence.actors.protocol import (
+    TO_SWAP,
+    DeviceTier,
+    LaneReady,
+    OpDone,
+    OpStatus,
+    StoreOp,
+    SwapOp,
+)
 from ringfence.cache.fences import Fence, Lane, Tier
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import StorageBackend, open_backend
 from ringfence.runtime.actor import handles
+from ringfence.runtime.manifest import write_atomic
 from ringfence.shm.names import posix_name
 
 
@@ -87,21 +97,30 @@ class TransferLane(LaneExecutor):
         assert self.host is not None
         return self.host.kv
 
-    def admit(self, op: int, epoch: int) -> bool:
-        """Whether op ``op`` is the lane's next one; a repeat or a hole is answered here."""
+    def admit(self, msg: SwapOp | StoreOp) -> bool:
+        """Whether ``msg`` is the lane's next op; a repeat or a hole is answered here."""
+        op, epoch = msg.op, msg.epoch
         order = self.order(op)
         if order == "next":
             return True
         if order == "repeat":
-            resent = self.answer_repeat(op)
+            kept = self.kept(op)
             self.log.warning(
-                "lane.repeat", lane=str(self.lane), op=op, op_epoch=epoch, resent=resent
+                "lane.repeat", lane=str(self.lane), op=op, op_epoch=epoch, resent=kept is not None
             )
+            # Without a kept completion, it went with the incarnation that did the op. Never
+            # redo it: later ops of other lanes may already have relied on its watermark.
+            self.send("engine", kept if kept is not None else self.lost_completion(msg))
             return False
         error = f"{self.lane} op {op} arrived when {self.done.value() + 1} is next"
         self.log.error("lane.refused", lane=str(self.lane), op=op, op_epoch=epoch, error=error)
         self.send("engine", self.report(op, epoch, "rejected", error=error))
         return False
+
+    def lost_completion(self, msg: SwapOp | StoreOp) -> OpDone:
+        """The completion of a done op whose report was lost in a restart. A copy either
+        happened whole or the watermark would not say it is done."""
+        return self.report(msg.op, msg.epoch, "ok", error="completion resent after a restart")
 
     def chaos(self) -> None:
         """transfer.chaos_delay_ms: hold the op a random while (debug: shakes the ordering)."""
@@ -159,6 +178,9 @@ class SwapLane(TransferLane):
         self.device_epoch = -1
         self.stream: Any = None  # a CUDA stream once the device tier is on a GPU
         self.registered = False
+        run_dir = self.ctx.run_dir
+        self._tier_file = None if run_dir is None else Path(run_dir) / f"swap-{self.ctx.rank}.tier"
+        self._resume_tier()
 
     def on_stop(self) -> None:
         if self.device is not None:
@@ -171,6 +193,25 @@ class SwapLane(TransferLane):
 
     @handles(DeviceTier)
     def on_device_tier(self, msg: DeviceTier) -> None:
+        self._open_tier(msg)
+        if self._tier_file is not None:  # kept for a restarted incarnation (see on_start)
+            kind, payload = TO_SWAP.encode(msg)
+            write_atomic(self._tier_file, orjson.dumps({"kind": kind, "payload": payload.decode()}))
+
+    def _resume_tier(self) -> None:
+        """Reopen the device tier the previous incarnation was given. Ops redelivered by the
+        ring after a restart come before any new DeviceTier, so the lane must know it."""
+        if self._tier_file is None or not self._tier_file.exists():
+            return
+        saved = orjson.loads(self._tier_file.read_bytes())
+        msg = TO_SWAP.decode(saved["kind"], saved["payload"].encode())
+        assert isinstance(msg, DeviceTier)
+        try:
+            self._open_tier(msg)
+        except Exception as e:  # the worker that exported it is gone: wait for a new one
+            self.log.warning("swap.tier_lost", tier_epoch=msg.epoch, error=repr(e))
+
+    def _open_tier(self, msg: DeviceTier) -> None:
         device = open_kv(msg.kv)
         host = self.host_kv
         if device.kv.shape[1:] != host.shape[1:] or device.kv.dtype != host.dtype:
@@ -205,7 +246,7 @@ class SwapLane(TransferLane):
 
     @handles(SwapOp)
     def on_swap(self, msg: SwapOp) -> None:
-        if not self.admit(msg.op, msg.epoch):
+        if not self.admit(msg):
             return
         problem = self._problem(msg)
         if problem:
@@ -255,6 +296,8 @@ class SwapLane(TransferLane):
         )
 
     def _problem(self, msg: SwapOp) -> str:
+        if self.fence_problem(msg.fence):
+            return self.fence_problem(msg.fence)
         if self.device is None:
             return "no device tier yet: DeviceTier must come before the first swap op"
         if len(msg.device_blocks) != len(msg.host_blocks):
@@ -315,9 +358,19 @@ class StoreLane(TransferLane):
             self.backend = None
         super().on_stop()
 
+    def lost_completion(self, msg: SwapOp | StoreOp) -> OpDone:
+        """Which blocks a prefetch found is lost with its report: all count as missing (the
+        engine recomputes them). A write-back is whole once the watermark says done."""
+        if not isinstance(msg, StoreOp) or msg.direction == "write":
+            return super().lost_completion(msg)
+        return self.report(
+            msg.op, msg.epoch, "ok", missing=tuple(range(len(msg.host_blocks))),
+            error="completion lost in a restart: every block counts as missing",
+        )  # fmt: skip
+
     @handles(StoreOp)
     def on_store(self, msg: StoreOp) -> None:
-        if not self.admit(msg.op, msg.epoch):
+        if not self.admit(msg):
             return
         keys, problem = self._keys(msg)
         if problem:
@@ -369,6 +422,8 @@ class StoreLane(TransferLane):
         )
 
     def _keys(self, msg: StoreOp) -> tuple[list[BlockHash], str]:
+        if self.fence_problem(msg.fence):
+            return [], self.fence_problem(msg.fence)
         if len(msg.keys) != len(msg.host_blocks):
             return [], f"{len(msg.host_blocks)} host blocks but {len(msg.keys)} keys"
         count = self.host_kv.shape[0]

@@ -136,8 +136,11 @@ class Worker(LaneExecutor):
     def on_plan(self, plan: StepPlan) -> None:
         order = self.order(plan.step)
         if order == "repeat":
-            resent = self.answer_repeat(plan.step)
+            kept = self.kept(plan.step)
+            resent = kept is not None
             self.log.warning("step.repeat", step=plan.step, plan_epoch=plan.epoch, resent=resent)
+            if kept is not None:
+                self.send("engine", kept)
             return
         if order == "hole":  # running it would claim that the missing steps were done
             error = f"step {plan.step} arrived when {self.done.value() + 1} is next"
@@ -181,8 +184,8 @@ class Worker(LaneExecutor):
     def _problem(self, plan: StepPlan, pieces: list[Piece]) -> str:
         """Why the plan must not run, or ""."""
         assert self.executor is not None
-        if plan.fence.step:
-            return f"the fence of a step plan names the step lane ({plan.fence.step})"
+        if self.fence_problem(plan.fence):
+            return self.fence_problem(plan.fence)
         num_blocks = self.executor.num_blocks
         bad = [b for b in plan.poison if not 0 <= b < num_blocks]
         if bad:

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "hop": "ringfence.runtime.bench_hop",
     "cache": "ringfence.cache.bench",
     "worker": "ringfence.actors.bench",
+    "transfer": "ringfence.actors.bench_transfer",
 }
 
 

@@ -123,6 +123,9 @@ EVENTS: Final[dict[str, Event]] = {
     "lane.refused": _e(
         "error", "lane op op_epoch error", "an op out of lane order, answered; watermark unchanged"
     ),
+    "swap.tier_lost": _e(
+        "warning", "tier_epoch error", "a restarted swap lane could not reopen its device tier"
+    ),
     "swap.tier": _e(
         "info", "tier_epoch device kv_shm num_blocks", "the swap lane opened a (new) device tier"
     ),

@@ -409,7 +409,7 @@ PIECE = PlanPiece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), samp
         (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
             PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=(3, 3), sample=True),
         )), "names a block twice"),
-        (StepPlan(step=1, epoch=0, fence=Fence(step=SeqNo(1)), pieces=(PIECE,)), "step lane"),
+        (StepPlan(step=1, epoch=0, fence=Fence(step=SeqNo(1)), pieces=(PIECE,)), "own lane"),
         (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(PIECE,), poison=(-1,)), "poison block"),
         (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
             PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True,
