@@ -18,7 +18,7 @@ import pytest
 import torch
 from launching import QUICK, Launch, launched
 
-from ringfence.actors.harness import REPORT, Shape, generate, interpret, lane_of, number_of
+from ringfence.actors.harness import REPORT, Op, Shape, generate, interpret, lane_of, number_of
 from ringfence.actors.model import Model
 from ringfence.actors.paged import make_kv_cache
 from ringfence.actors.protocol import StepPlan, StoreOp, SwapOp
@@ -149,7 +149,7 @@ def test_the_interpretation_round_trips_blocks_through_host_and_storage(rng: ran
     host = make_kv_cache(model.config, 12, 4, torch.float64).zero_()
     original = device[[3, 4]].clone()
     key_a, key_b = rng.randbytes(16).hex(), rng.randbytes(16).hex()
-    ops = [
+    ops: list[Op] = [
         SwapOp(op=1, epoch=0, fence=NO_WAIT, direction="out", device_blocks=(3, 4),
                host_blocks=(9, 1)),
         StoreOp(op=1, epoch=0, fence=NO_WAIT, direction="write", host_blocks=(9, 1),
