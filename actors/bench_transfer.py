@@ -468,20 +468,25 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     batches = QUICK_BATCHES if args.quick else BATCHES
+    start = time.perf_counter()
+    bandwidth = bench_bandwidth(
+        preset, batches, counts["rounds"], QUICK_REP_BLOCKS if args.quick else REP_BLOCKS
+    )
     report: dict[str, Any] = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "counts": counts,
-        "bandwidth": bench_bandwidth(
-            preset, batches, counts["rounds"], QUICK_REP_BLOCKS if args.quick else REP_BLOCKS
-        ),
+        "bandwidth": bandwidth,
+        "wall_s": {"bandwidth": round(time.perf_counter() - start, 3)},
     }
     if not args.skip_harness:
+        start = time.perf_counter()
         try:
             report["harness"] = bench_harness(
                 preset, counts["programs"], counts["ops"], threads, counts["timeout"]
             )
+            report["wall_s"]["harness"] = round(time.perf_counter() - start, 3)
         except HarnessError as e:
             _print(report)
             print(f"ringfence bench transfer: harness: {e}", file=sys.stderr)

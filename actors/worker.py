@@ -108,6 +108,7 @@ class Worker(LaneExecutor):
             num_blocks=layout.num_blocks,
             block_bytes=layout.block_bytes,
             step_done=self.done.value(),
+            threads=torch.get_num_threads(),
         )
         self.send(
             "engine",

@@ -9,6 +9,7 @@ the supervisor treats as a failure).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -20,10 +21,14 @@ class ChildSpec:
     name: str
     rank: int
     incarnation: int
+    threads: int = 0  # [actors.<name>] threads: 0 leaves the libraries' default
 
 
 def main(spec: ChildSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.threads:  # before the actor's module (and torch) is imported by attach
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(spec.threads)
     from ringfence.runtime.embed import attach
 
     try:

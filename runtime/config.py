@@ -174,6 +174,9 @@ class ActorPolicy:
     max_restarts: int = setting(3, "restarts before the supervisor gives up", ge=0)
     backoff_s: float = setting(0.5, "delay before a restart; doubles after each one", ge=0)
     backoff_max_s: float = setting(10.0, "cap of the doubled restart delay", ge=0)
+    threads: int = setting(
+        0, "CPU threads of its process for torch/OpenMP (OMP_NUM_THREADS); 0 = their default", ge=0
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -348,6 +348,9 @@ class Driver:
                 inbox.commit()  # after the handler: a crash before here redoes the message
                 if self.stop_reason is not None:
                     return handled
+                now = time.monotonic()
+                if now >= self._next_beat:  # slow handlers in a row must not look hung
+                    self._beat(now)
         return handled
 
     def _dispatch(self, delivery: Delivery) -> bool:

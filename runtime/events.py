@@ -85,7 +85,7 @@ EVENTS: Final[dict[str, Event]] = {
     # The Worker (ringfence.actors.worker): the step lane's executor.
     "worker.ready": _e(
         "info",
-        "model_id device kv_shm num_blocks block_bytes step_done",
+        "model_id device kv_shm num_blocks block_bytes step_done threads",
         "the model is loaded and the device KV tensor is mapped; step_done it resumes from",
     ),
     "step.done": _e(

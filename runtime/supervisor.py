@@ -130,7 +130,11 @@ class Supervisor:
             return
         slot.incarnation += 1
         spec = child.ChildSpec(
-            str(self.run_dir), slot.entry.name, slot.entry.rank, slot.incarnation
+            str(self.run_dir),
+            slot.entry.name,
+            slot.entry.rank,
+            slot.incarnation,
+            threads=self.config.actor(slot.entry.name).threads,
         )
         proc = self._context.Process(target=child.main, args=(spec,), name=f"rf-{slot.entry.id}")
         proc.start()

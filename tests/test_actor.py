@@ -388,6 +388,22 @@ def test_a_control_block_hears_ready_a_beat_a_shutdown_request_and_a_clean_exit(
     assert values == {"epoch": [], "heartbeat": [1], "ready": [1], "exited": [1], "shutdown": [1]}
 
 
+class Slow(Recorder):
+    @handles(Item, Ask)
+    def on_item(self, msg: Item | Ask) -> None:
+        super().on_item(msg)
+        threading.Event().wait(0.02)  # slow work, longer than a heartbeat period
+
+
+def test_heartbeats_go_on_between_slow_messages_handled_in_one_drain(make_rig):
+    control = fake_control()
+    beat = RuntimeConfig(heartbeat_s=0.005, heartbeat_timeout_s=0.05)
+    rig = make_rig(Slow, control=control, runtime=beat)
+    rig.post(*(Item(n=n) for n in range(10)))
+    assert rig.driver.poll(0) == 10  # one drain handles all ten
+    assert len(control.heartbeat.values) >= 9, "a run of slow messages looked like a hang"
+
+
 # Failures.
 
 

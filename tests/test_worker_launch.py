@@ -24,6 +24,7 @@ SETTINGS = (
     "cache.device_blocks=96",
     "cache.poison_freed=true",  # every block starts NaN: a read of an unwritten one shows
     "actors.worker.backoff_s=0.1",
+    "actors.worker.threads=1",
     "runtime.heartbeat_timeout_s=4.0",  # the worker's fence wait gives up after 2 s
     *QUICK,
 )
@@ -43,6 +44,7 @@ def test_a_launched_worker_runs_a_scripted_program_to_the_contiguous_forwards_to
         assert len(result["generated"]) == SEQUENCES
         [ready] = run.events("worker.ready", log="worker-0")
         assert ready["kv_shm"] == names.posix_name(run.run_id, "kv.device.0")
+        assert ready["threads"] == 1  # actors.worker.threads reached torch in the child
         steps = run.events("step.done", log="worker-0")
         assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
         assert {s["status"] for s in steps} == {"ok"}
