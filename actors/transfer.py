@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -45,7 +46,7 @@ from ringfence.actors.protocol import (
     StoreOp,
     SwapOp,
 )
-from ringfence.cache.fences import Fence, Lane, Tier
+from ringfence.cache.fences import Lane, Tier
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import StorageBackend, open_backend
 from ringfence.runtime.actor import handles
@@ -130,27 +131,56 @@ class TransferLane(LaneExecutor):
     def report(self, op: int, epoch: int, status: OpStatus, **fields: Any) -> OpDone:
         return OpDone(lane=self.lane_name, op=op, epoch=epoch, status=status, **fields)
 
+    def run(
+        self,
+        msg: SwapOp | StoreOp,
+        problem: str,
+        work: Callable[[], dict[str, Any]],
+        *,
+        failed_missing: int = 0,
+    ) -> None:
+        """One admitted op: refuse it, or wait for its fence (cancel it if that will never
+        come), hold it a chaos delay, do ``work``, and finish it with what work returned."""
+        if problem:
+            self.finish(msg, "rejected", error=problem)
+            return
+        started = time.perf_counter_ns()
+        try:
+            seen = self.wait_fence(msg.op, msg.epoch, msg.fence)
+        except Cancelled as e:
+            self.finish(msg, "cancelled", error=e.reason)
+            return
+        self.chaos()
+        waited = time.perf_counter_ns()
+        try:
+            fields = work()
+        except Exception as e:  # storage down, a bad copy: the lane moves on, the engine is told
+            self.log.error("lane.failed", lane=self.lane_name, op=msg.op, error=repr(e), exc_info=e)
+            missing = tuple(range(failed_missing))
+            self.finish(msg, "failed", error=f"{type(e).__name__}: {e}", missing=missing)
+            return
+        done = time.perf_counter_ns()
+        self.finish(msg, "ok", seen=seen, wait_ns=waited - started, copy_ns=done - waited, **fields)
+
     def finish(
         self,
-        op: int,
-        epoch: int,
-        fence: Fence,
+        msg: SwapOp | StoreOp,
         status: OpStatus,
         *,
-        direction: str,
         seen: dict[Lane, int] | None = None,
         **fields: Any,
     ) -> None:
-        """Advance the watermark past ``op`` and report it (every status moves the lane on)."""
+        """Advance the watermark past ``msg`` and report it (every status moves the lane on)."""
         self.ops += 1
         seen = seen or {}
+        fence = msg.fence
         self.log.info(
             "lane.done",
             lane=self.lane_name,
-            op=op,
-            op_epoch=epoch,
+            op=msg.op,
+            op_epoch=msg.epoch,
             status=status,
-            direction=direction,
+            direction=msg.direction,
             fence_step=fence.step,
             fence_swap=fence.swap,
             fence_store=fence.store,
@@ -163,7 +193,7 @@ class TransferLane(LaneExecutor):
             wait_ns=fields.get("wait_ns"),
             copy_ns=fields.get("copy_ns"),
         )
-        self.complete(op, self.report(op, epoch, status, **fields))
+        self.complete(msg.op, self.report(msg.op, msg.epoch, status, **fields))
 
 
 class SwapLane(TransferLane):
@@ -249,51 +279,14 @@ class SwapLane(TransferLane):
         if not self.admit(msg):
             return
         problem = self._problem(msg)
-        if problem:
-            self.finish(
-                msg.op, msg.epoch, msg.fence, "rejected", direction=msg.direction, error=problem
-            )
-            return
-        if msg.epoch < self.device_epoch:
+        if not problem and msg.epoch < self.device_epoch:
             error = (
                 f"op of epoch {msg.epoch} names blocks of the device tier reset at epoch "
                 f"{self.device_epoch}"
             )
-            self.finish(
-                msg.op, msg.epoch, msg.fence, "cancelled", direction=msg.direction, error=error
-            )
+            self.finish(msg, "cancelled", error=error)
             return
-        started = time.perf_counter_ns()
-        try:
-            seen = self.wait_fence(msg.op, msg.epoch, msg.fence)
-        except Cancelled as e:
-            self.finish(
-                msg.op, msg.epoch, msg.fence, "cancelled", direction=msg.direction, error=e.reason
-            )
-            return
-        self.chaos()
-        waited = time.perf_counter_ns()
-        try:
-            copied = self._copy(msg)
-        except Exception as e:  # the lane moves on; the engine is told the blocks are unusable
-            self.log.error("lane.failed", lane=self.lane_name, op=msg.op, error=repr(e), exc_info=e)
-            self.finish(
-                msg.op, msg.epoch, msg.fence, "failed", direction=msg.direction,
-                error=f"{type(e).__name__}: {e}",
-            )  # fmt: skip
-            return
-        self.finish(
-            msg.op,
-            msg.epoch,
-            msg.fence,
-            "ok",
-            direction=msg.direction,
-            seen=seen,
-            blocks=len(msg.device_blocks),
-            bytes=copied,
-            wait_ns=waited - started,
-            copy_ns=time.perf_counter_ns() - waited,
-        )
+        self.run(msg, problem, lambda: {"blocks": len(msg.device_blocks), "bytes": self._copy(msg)})
 
     def _problem(self, msg: SwapOp) -> str:
         if self.fence_problem(msg.fence):
@@ -373,53 +366,22 @@ class StoreLane(TransferLane):
         if not self.admit(msg):
             return
         keys, problem = self._keys(msg)
-        if problem:
-            self.finish(
-                msg.op, msg.epoch, msg.fence, "rejected", direction=msg.direction, error=problem
-            )
-            return
-        started = time.perf_counter_ns()
-        try:
-            seen = self.wait_fence(msg.op, msg.epoch, msg.fence)
-        except Cancelled as e:
-            self.finish(
-                msg.op, msg.epoch, msg.fence, "cancelled", direction=msg.direction, error=e.reason
-            )
-            return
-        self.chaos()
-        waited = time.perf_counter_ns()
+        self.run(msg, problem, lambda: self._store(msg, keys), failed_missing=len(keys))
+
+    def _store(self, msg: StoreOp, keys: list[BlockHash]) -> dict[str, Any]:
         assert self.backend is not None
         host = self.host_kv
         items = [(key, block_buffer(host, b)) for key, b in zip(keys, msg.host_blocks, strict=True)]
         missing: tuple[int, ...] = ()
-        try:
-            if msg.direction == "write":
-                self.backend.put_many(items)
-            else:
-                hits = self.backend.get_into(items)
-                missing = tuple(i for i, hit in enumerate(hits) if not hit)
-        except Exception as e:  # storage down or full: the lane moves on, the engine is told
-            self.log.error("lane.failed", lane=self.lane_name, op=msg.op, error=repr(e), exc_info=e)
-            self.finish(
-                msg.op, msg.epoch, msg.fence, "failed", direction=msg.direction,
-                error=f"{type(e).__name__}: {e}", missing=tuple(range(len(keys))),
-            )  # fmt: skip
-            return
-        if missing and self.config.cache.poison_freed:  # what failed holds nothing usable
-            host[[msg.host_blocks[i] for i in missing]] = float("nan")
-        self.finish(
-            msg.op,
-            msg.epoch,
-            msg.fence,
-            "ok",
-            direction=msg.direction,
-            seen=seen,
-            missing=missing,
-            blocks=len(keys),
-            bytes=len(keys) * host[0].numel() * host.element_size(),
-            wait_ns=waited - started,
-            copy_ns=time.perf_counter_ns() - waited,
-        )
+        if msg.direction == "write":
+            self.backend.put_many(items)
+        else:
+            hits = self.backend.get_into(items)
+            missing = tuple(i for i, hit in enumerate(hits) if not hit)
+            if missing and self.config.cache.poison_freed:  # what failed holds nothing usable
+                host[[msg.host_blocks[i] for i in missing]] = float("nan")
+        nbytes = len(keys) * host[0].numel() * host.element_size()
+        return {"missing": missing, "blocks": len(keys), "bytes": nbytes}
 
     def _keys(self, msg: StoreOp) -> tuple[list[BlockHash], str]:
         if self.fence_problem(msg.fence):
