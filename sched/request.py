@@ -1,0 +1,278 @@
+"""One request as the scheduler sees it: sampling parameters, lifecycle state, token counts.
+
+Pure bookkeeping: no clock (arrival times are given by the caller), no I/O, no tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TypeGuard
+
+from ringfence.shm.errors import RingfenceError
+
+TIERS = ("device", "host", "storage")  # where a cached prompt token can come from
+
+
+class RequestError(RingfenceError, ValueError):
+    """A request, its sampling parameters or a state change is invalid.
+
+    ``field`` names the offending field when one is to blame, so a caller that
+    parsed the value from a file can point at the key.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    # bool is an int subclass, but True is never a meaningful token id or count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_token_ids(field: str, value: object, *, allow_empty: bool = True) -> tuple[int, ...]:
+    """A tuple copy of ``value``, a list or tuple of non-negative ints; RequestError otherwise.
+
+    The copy keeps the caller's list out of the request: token lists are copied,
+    never shared and mutated (DESIGN.md, "Blocks and tiers").
+    """
+    if not isinstance(value, list | tuple):
+        raise RequestError(
+            f"{field} must be a list of token ids, got {type(value).__name__}", field=field
+        )
+    for position, token in enumerate(value):
+        if not _is_int(token) or token < 0:
+            raise RequestError(
+                f"{field}[{position}] must be a non-negative int token id, got {token!r}",
+                field=field,
+            )
+    if not value and not allow_empty:
+        raise RequestError(f"{field} must not be empty", field=field)
+    return tuple(value)
+
+
+def check_number(field: str, value: object, *, minimum: float = 0.0) -> float:
+    """``value`` as a float if a finite int or float >= ``minimum``; RequestError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"{field} must be a number, got {value!r}", field=field)
+    if not math.isfinite(value) or value < minimum:
+        raise RequestError(f"{field} must be finite and >= {minimum:g}, got {value!r}", field=field)
+    return float(value)
+
+
+def _check_int(field: str, value: object, *, minimum: int) -> None:
+    if not _is_int(value):
+        raise RequestError(f"{field} must be an int, got {value!r}", field=field)
+    if value < minimum:
+        raise RequestError(f"{field} must be >= {minimum}, got {value}", field=field)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How to sample one request's output. Immutable, so requests may share one instance."""
+
+    max_tokens: int = 16  # output tokens at most; reaching it finishes with "length"
+    temperature: float = 0.0  # 0: greedy; > 0: seeded random sampling
+    seed: int = 0  # sampling is seeded per request and position, so replays agree
+    stop_token_ids: tuple[int, ...] = ()  # sampling one of these finishes with "stop"
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        object.__setattr__(self, "temperature", check_number("temperature", self.temperature))
+        _check_int("seed", self.seed, minimum=0)
+        # frozen, so normalise through object.__setattr__: an int temperature to a
+        # float, a caller's list of stop tokens to the tuple the field promises.
+        stops = check_token_ids("stop_token_ids", self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", stops)
+
+
+class RequestState(enum.StrEnum):
+    WAITING = "waiting"  # queued, no KV blocks held
+    WAITING_FOR_PREFETCH = "waiting_for_prefetch"  # its prefix is being fetched from storage
+    RUNNING = "running"  # in the batch, holding device blocks
+    PREEMPTED = "preempted"  # taken out of the batch; its KV recomputed, swapped or saved
+    FINISHED = "finished"  # stopped by a stop token or max_tokens (terminal)
+    ABORTED = "aborted"  # cancelled by the client or the engine (terminal)
+
+
+# The lifecycle as data, so the scheduler, the replay checker and the tests read one table.
+# A prefetch that completes (or fails: its blocks are then recomputed) sends the request
+# back to WAITING or straight to RUNNING; a preempted request resumes by running again
+# (recompute, swap) or by prefetching its saved blocks first (save).
+TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = MappingProxyType(
+    {
+        RequestState.WAITING: frozenset(
+            {RequestState.WAITING_FOR_PREFETCH, RequestState.RUNNING, RequestState.ABORTED}
+        ),
+        RequestState.WAITING_FOR_PREFETCH: frozenset(
+            {RequestState.WAITING, RequestState.RUNNING, RequestState.ABORTED}
+        ),
+        RequestState.RUNNING: frozenset(
+            {RequestState.PREEMPTED, RequestState.FINISHED, RequestState.ABORTED}
+        ),
+        RequestState.PREEMPTED: frozenset(
+            {RequestState.WAITING_FOR_PREFETCH, RequestState.RUNNING, RequestState.ABORTED}
+        ),
+        RequestState.FINISHED: frozenset(),
+        RequestState.ABORTED: frozenset(),
+    }
+)
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # sampled a stop token
+    LENGTH = "length"  # reached max_tokens
+    ABORT = "abort"  # aborted
+
+
+class Request:
+    """The scheduler's record of one request, from arrival to finish or abort.
+
+    Owned and mutated by one caller (the engine's scheduler); not thread-safe. The
+    prompt is an immutable tuple copy; ``output_token_ids`` grows only through
+    :meth:`append_output`, and the state changes only through :meth:`transition`,
+    :meth:`append_output` and :meth:`abort`, which check the lifecycle table
+    ``TRANSITIONS`` and raise RequestError, changing nothing, on an illegal move.
+    """
+
+    __slots__ = (
+        "_num_computed_tokens",
+        "arrival",
+        "cached_tokens",
+        "finish_reason",
+        "output_token_ids",
+        "params",
+        "prompt_token_ids",
+        "request_id",
+        "state",
+    )
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...] | list[int],
+        params: SamplingParams | None = None,
+        arrival: float = 0.0,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(
+                f"request_id must be a non-empty string, got {request_id!r}", field="request_id"
+            )
+        self.request_id = request_id
+        self.prompt_token_ids = check_token_ids(
+            "prompt_token_ids", prompt_token_ids, allow_empty=False
+        )
+        self.params = params if params is not None else SamplingParams()
+        # Seconds since the workload started, given by the caller: sched reads no clock.
+        self.arrival = check_number("arrival", arrival)
+        self.state = RequestState.WAITING
+        self.output_token_ids: list[int] = []  # sampled tokens, in order
+        self._num_computed_tokens = 0  # tokens (prompt, then output) whose KV is in the cache
+        # Prompt tokens whose KV came from each tier instead of being computed.
+        self.cached_tokens: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self.finish_reason: FinishReason | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, state={self.state.value}, "
+            f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
+            f"computed={self._num_computed_tokens})"
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        """Prompt then output, as a new tuple: a snapshot the caller may keep."""
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        # A count past the known tokens or below zero is a scheduler bug: raise, never clamp.
+        if not _is_int(value) or not 0 <= value <= self.num_tokens:
+            raise RequestError(
+                f"request {self.request_id!r}: num_computed_tokens must lie in "
+                f"0..{self.num_tokens}, got {value!r}",
+                field="num_computed_tokens",
+            )
+        self._num_computed_tokens = value
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens to compute before the next token can be decoded one at a time.
+
+        Every known token without KV, except the newest output token, which is the
+        input of the next decode step. Counts outputs too: after a recompute
+        preemption the outputs are prefilled again along with the prompt.
+        """
+        decode_input = 1 if self.output_token_ids else 0
+        return max(0, self.num_tokens - decode_input - self._num_computed_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        """Finished or aborted: no transition leaves these states."""
+        return not TRANSITIONS[self.state]
+
+    def transition(self, to: RequestState) -> None:
+        """Move to state ``to``; RequestError (state unchanged) if the table forbids it."""
+        if to not in TRANSITIONS[self.state]:
+            raise RequestError(
+                f"request {self.request_id!r}: illegal transition {self.state.value} -> "
+                f"{RequestState(to).value}",
+                field="state",
+            )
+        self.state = to
+
+    def append_output(self, token_id: int) -> FinishReason | None:
+        """Record one sampled token; finish the request if it ends it.
+
+        The token is kept even when it is a stop token. A stop token wins over
+        max_tokens when both apply. Returns the finish reason, or None if the
+        request goes on. Only a RUNNING request samples tokens.
+        """
+        if self.state is not RequestState.RUNNING:
+            raise RequestError(
+                f"request {self.request_id!r}: cannot append output in state {self.state.value}",
+                field="state",
+            )
+        if not _is_int(token_id) or token_id < 0:
+            raise RequestError(
+                f"request {self.request_id!r}: token id must be a non-negative int, "
+                f"got {token_id!r}",
+                field="token_id",
+            )
+        self.output_token_ids.append(token_id)
+        if token_id in self.params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif len(self.output_token_ids) >= self.params.max_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            return None
+        self.transition(RequestState.FINISHED)
+        self.finish_reason = reason
+        return reason
+
+    def abort(self) -> None:
+        """Abort from any live state; RequestError if already finished or aborted."""
+        self.transition(RequestState.ABORTED)
+        self.finish_reason = FinishReason.ABORT

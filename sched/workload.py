@@ -1,0 +1,312 @@
+"""Workloads: request lists parsed from JSON lines, and built-in synthetic ones.
+
+A workload line is one JSON object with ``id``, ``prompt`` (text) or
+``prompt_token_ids``, and optional ``max_tokens``, ``temperature``, ``seed``,
+``stop_token_ids`` and ``arrival_s`` (DESIGN.md, "Interfaces users and scripts rely
+on"). Parsing takes the lines the caller read: this package does no I/O. Synthetic
+workloads are pure functions of their name, seed and size, with token ids in
+0..255, the byte tokenizer's range, so any model of this project can run them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from ringfence.sched.request import RequestError, SamplingParams, check_number, check_token_ids
+from ringfence.shm.errors import RingfenceError
+
+KEYS = (
+    "id",
+    "prompt",
+    "prompt_token_ids",
+    "max_tokens",
+    "temperature",
+    "seed",
+    "stop_token_ids",
+    "arrival_s",
+)
+_PARAM_KEYS = ("max_tokens", "temperature", "seed", "stop_token_ids")
+VOCAB = 256  # synthetic token ids lie in 0..VOCAB-1
+
+
+class WorkloadError(RingfenceError, ValueError):
+    """A workload line, or a synthetic workload's name or size, is invalid.
+
+    The message starts with ``source:line``; ``line`` and ``key`` name what was
+    wrong when known.
+    """
+
+    def __init__(self, message: str, *, line: int | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.line = line
+        self.key = key
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkloadRequest:
+    """One request of a workload, before tokenization (for a text prompt) and admission."""
+
+    id: str  # unique within the workload
+    prompt_token_ids: tuple[int, ...] | None  # exactly one of prompt_token_ids and prompt
+    prompt: str | None  # text for the tokenizer
+    params: SamplingParams
+    arrival_s: float = 0.0  # seconds after the workload starts
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise RequestError(f"id must be a non-empty string, got {self.id!r}", field="id")
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise RequestError(
+                f"request {self.id!r}: give exactly one of prompt and prompt_token_ids",
+                field="prompt",
+            )
+        if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
+            raise RequestError(
+                f"prompt must be a non-empty string, got {self.prompt!r}", field="prompt"
+            )
+        if self.prompt_token_ids is not None:
+            ids = check_token_ids("prompt_token_ids", self.prompt_token_ids, allow_empty=False)
+            object.__setattr__(self, "prompt_token_ids", ids)
+        if not isinstance(self.params, SamplingParams):
+            raise RequestError(
+                f"params must be SamplingParams, got {self.params!r}", field="params"
+            )
+        object.__setattr__(self, "arrival_s", check_number("arrival_s", self.arrival_s))
+
+
+def parse_workload(
+    lines: Iterable[str | bytes] | str | bytes, *, source: str = "<workload>"
+) -> list[WorkloadRequest]:
+    """Parse JSON lines into requests sorted by (arrival_s, line order).
+
+    ``lines`` is what the caller read: an iterable of lines, or one str or bytes that
+    is split into lines. Blank lines are skipped. The first bad line raises
+    WorkloadError naming ``source:line`` and the key.
+    """
+    if isinstance(lines, str | bytes):
+        lines = lines.splitlines()
+    requests: list[WorkloadRequest] = []
+    first_line: dict[str, int] = {}  # id -> the line that used it first
+    for number, raw in enumerate(lines, start=1):
+        where = f"{source}:{number}"
+        try:
+            text = raw.decode() if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError as exc:
+            raise WorkloadError(f"{where}: not UTF-8: {exc.reason}", line=number) from None
+        if not text.strip():
+            continue
+        request = _parse_line(text, where, number)
+        if request.id in first_line:
+            raise WorkloadError(
+                f"{where}: id: duplicate id {request.id!r} (first used on line "
+                f"{first_line[request.id]})",
+                line=number,
+                key="id",
+            )
+        first_line[request.id] = number
+        requests.append(request)
+    # sorted() is stable, so requests arriving together keep their line order.
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise WorkloadError(f"{key}: key given twice", key=key)
+        obj[key] = value
+    return obj
+
+
+def _parse_line(text: str, where: str, number: int) -> WorkloadRequest:
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except WorkloadError as exc:
+        raise WorkloadError(f"{where}: {exc}", line=number, key=exc.key) from None
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{where}: invalid JSON: {exc}", line=number) from None
+    if not isinstance(obj, dict):
+        raise WorkloadError(
+            f"{where}: expected a JSON object, got {type(obj).__name__}", line=number
+        )
+    for key in obj:
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise WorkloadError(f"{where}: {key}: unknown key{hint}", line=number, key=key)
+    if "id" not in obj:
+        raise WorkloadError(f"{where}: id: missing", line=number, key="id")
+    if ("prompt" in obj) == ("prompt_token_ids" in obj):
+        raise WorkloadError(
+            f"{where}: prompt: give exactly one of prompt and prompt_token_ids",
+            line=number,
+            key="prompt",
+        )
+    try:
+        params = SamplingParams(**{k: obj[k] for k in _PARAM_KEYS if k in obj})
+        return WorkloadRequest(
+            id=obj["id"],
+            prompt=obj.get("prompt"),
+            prompt_token_ids=obj.get("prompt_token_ids"),
+            params=params,
+            arrival_s=obj.get("arrival_s", 0.0),
+        )
+    except RequestError as exc:
+        # The fields are named as the keys, so the field is the key to point at.
+        raise WorkloadError(f"{where}: {exc}", line=number, key=exc.field) from None
+
+
+# Synthetic workloads
+
+
+class _Synthetic(NamedTuple):
+    build: Callable[[random.Random, int], list[WorkloadRequest]]
+    default_requests: int
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def _distinct_heads(rng: random.Random, count: int) -> list[list[int]]:
+    """``count`` distinct token prefixes, as short as can be distinct (1 token up to 256).
+
+    Starting each prompt with its own head guarantees that no two prompts share a
+    prefix as long as the head, whatever the random tokens after it.
+    """
+    width = 1
+    while VOCAB**width < count:
+        width += 1
+    picks = rng.sample(range(VOCAB**width), count)
+    return [[(p // VOCAB**i) % VOCAB for i in reversed(range(width))] for p in picks]
+
+
+MULTITURN_SYSTEM_TOKENS = 256
+MULTITURN_TURNS = 4
+
+
+def _multiturn(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
+    """Chats of 4 turns behind one shared 256-token system prompt (default 24 requests).
+
+    Turn 1's prompt is the system prompt and a user message (24-48 tokens); turn
+    k+1's prompt is turn k's prompt, a stand-in for its answer (24-48 tokens) and a
+    new user message, so every turn extends the previous one and the fourth is at
+    most 256 + 7 * 48 = 592 tokens. max_tokens 16-32. Chat c starts at 0.25 c
+    seconds and its turns come 2 s apart, in order. The last chat is cut short when
+    ``requests`` is not a multiple of 4.
+    """
+    system = _tokens(rng, MULTITURN_SYSTEM_TOKENS)
+    num_chats = -(-num_requests // MULTITURN_TURNS)
+    out: list[WorkloadRequest] = []
+    for chat in range(num_chats):
+        prompt = system + _tokens(rng, rng.randint(24, 48))
+        for turn in range(MULTITURN_TURNS):
+            if len(out) == num_requests:
+                break
+            if turn:
+                prompt = (
+                    prompt + _tokens(rng, rng.randint(24, 48)) + _tokens(rng, rng.randint(24, 48))
+                )
+            out.append(
+                WorkloadRequest(
+                    id=f"multiturn-c{chat}-t{turn}",
+                    prompt_token_ids=tuple(prompt),
+                    prompt=None,
+                    params=SamplingParams(max_tokens=rng.randint(16, 32), seed=len(out)),
+                    arrival_s=0.25 * chat + 2.0 * turn,
+                )
+            )
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def _unique(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
+    """Random prompts of 100-300 tokens that share no prefix (default 24 requests).
+
+    Every prompt starts with its own head (one token while requests <= 256), so no
+    two share even that: nothing is reusable across requests. max_tokens 16-32;
+    arrivals 0-100 ms apart.
+    """
+    out: list[WorkloadRequest] = []
+    arrival_ms = 0
+    for index, head in enumerate(_distinct_heads(rng, num_requests)):
+        prompt = head + _tokens(rng, rng.randint(100, 300) - len(head))
+        out.append(
+            WorkloadRequest(
+                id=f"unique-{index}",
+                prompt_token_ids=tuple(prompt),
+                prompt=None,
+                params=SamplingParams(max_tokens=rng.randint(16, 32), seed=index),
+                arrival_s=arrival_ms / 1000,
+            )
+        )
+        arrival_ms += rng.randint(0, 100)
+    return out
+
+
+PRESSURE_MIN_TOKENS_PER_REQUEST = 300 + 32  # shortest prompt + smallest max_tokens
+
+
+def _pressure(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
+    """Long prompts (300-500 tokens) and outputs (max_tokens 32-64), all at t=0 (default 32).
+
+    No shared prefixes (each prompt has its own head), so the default's at least
+    32 * (300 + 32) = 10,624 tokens need at least 664 blocks of 16 tokens when all
+    run at once: more than the default 512-block device pool, and far more than
+    the small pools tests use. Forces preemption or queueing.
+    """
+    out: list[WorkloadRequest] = []
+    for index, head in enumerate(_distinct_heads(rng, num_requests)):
+        prompt = head + _tokens(rng, rng.randint(300, 500) - len(head))
+        out.append(
+            WorkloadRequest(
+                id=f"pressure-{index}",
+                prompt_token_ids=tuple(prompt),
+                prompt=None,
+                params=SamplingParams(max_tokens=rng.randint(32, 64), seed=index),
+                arrival_s=0.0,
+            )
+        )
+    return out
+
+
+SYNTHETIC: Mapping[str, _Synthetic] = MappingProxyType(
+    {
+        "multiturn": _Synthetic(_multiturn, 24),
+        "unique": _Synthetic(_unique, 24),
+        "pressure": _Synthetic(_pressure, 32),
+    }
+)
+
+
+def synthetic(name: str, *, seed: int = 0, requests: int | None = None) -> list[WorkloadRequest]:
+    """The built-in workload ``name`` (see SYNTHETIC), sorted by arrival.
+
+    The same (name, seed, requests) always gives the same requests; ``requests``
+    defaults to the workload's own size.
+    """
+    spec = SYNTHETIC.get(name)
+    if spec is None:
+        raise WorkloadError(
+            f"unknown synthetic workload {name!r}; known: {', '.join(SYNTHETIC)}", key="name"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise WorkloadError(f"seed must be an int >= 0, got {seed!r}", key="seed")
+    if requests is None:
+        requests = spec.default_requests
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+        raise WorkloadError(f"requests must be an int >= 1, got {requests!r}", key="requests")
+    # A string seed is hashed with SHA-512: stable across runs and Python versions.
+    rng = random.Random(f"ringfence.sched.workload:{name}:{seed}")
+    return spec.build(rng, requests)
+
+
+def describe(name: str) -> str:
+    """The first line of a synthetic workload's docstring, for help texts."""
+    doc = SYNTHETIC[name].build.__doc__ or ""
+    return doc.strip().splitlines()[0] if doc else name
