@@ -18,9 +18,10 @@ import pytest
 import torch
 from launching import QUICK, Launch, launched
 
-from ringfence.actors.harness import REPORT, Op, Shape, generate, interpret, lane_of, number_of
+from ringfence.actors.harness import REPORT
 from ringfence.actors.model import Model
 from ringfence.actors.paged import make_kv_cache
+from ringfence.actors.programs import Op, Shape, generate, interpret, lane_of, number_of
 from ringfence.actors.protocol import StepPlan, StoreOp, SwapOp
 from ringfence.cache.fences import NO_WAIT, Lane
 
