@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ringfence.actors.benchopts import add_counts, resolve_counts, resolve_preset
+
 if TYPE_CHECKING:
     from ringfence.actors.model import Model
     from ringfence.actors.paged import PagedExecutor
@@ -77,9 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny preset, short lengths (tests)")
     parser.add_argument("--preset", help="model preset (small; quick: tiny)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="%(default)s")
-    for name, (default, quick, text) in COUNTS.items():
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, type=int, help=f"{text} ({default}; quick {quick})")
+    add_counts(parser, COUNTS)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (torch's default)")
 
 
@@ -412,20 +412,8 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    counts: dict[str, int] = {
-        name: value if (value := getattr(args, name)) is not None else quick if args.quick else full
-        for name, (full, quick, _) in COUNTS.items()
-    }
-    bad = [f"--{k.replace('_', '-')} {v}" for k, v in counts.items() if v < 1]
-    if bad:
-        raise ValueError(f"counts must be >= 1, got {', '.join(bad)}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    preset = args.preset or ("tiny" if args.quick else "small")
-    from ringfence.actors.model import PRESETS
-
-    if preset not in PRESETS:
-        raise ValueError(f"--preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    counts = resolve_counts(args, COUNTS)
+    preset = resolve_preset(args)
     try:
         transformers = importlib.import_module("transformers")
     except ImportError as exc:

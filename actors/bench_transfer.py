@@ -74,6 +74,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ringfence.actors.benchopts import add_counts, resolve_counts, resolve_preset
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -110,8 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register this benchmark's options (``--json`` is added by the CLI)."""
     parser.add_argument("--quick", action="store_true", help="tiny blocks, small runs (tests)")
     parser.add_argument("--preset", help="model preset of the blocks and the harness (small)")
-    for name, (default, quick, text) in COUNTS.items():
-        parser.add_argument(f"--{name}", type=int, help=f"{text} ({default}; quick {quick})")
+    add_counts(parser, COUNTS)
     parser.add_argument(
         "--threads",
         type=int,
@@ -444,27 +445,10 @@ def _print(report: dict[str, Any]) -> None:
     print("(targets are informational)")
 
 
-def _counts(args: argparse.Namespace) -> dict[str, int]:
-    counts: dict[str, int] = {
-        name: value if (value := getattr(args, name)) is not None else quick if args.quick else full
-        for name, (full, quick, _) in COUNTS.items()
-    }
-    bad = [f"--{k} {v}" for k, v in counts.items() if v < 1]
-    if args.threads is not None and args.threads < 1:
-        bad.append(f"--threads {args.threads}")
-    if bad:
-        raise ValueError(f"counts must be >= 1, got {', '.join(bad)}")
-    return counts
-
-
 def main(args: argparse.Namespace) -> int:
-    counts = _counts(args)
+    counts = resolve_counts(args, COUNTS)
     threads = args.threads or max(1, (os.cpu_count() or 1) // 4)
-    preset = args.preset or ("tiny" if args.quick else "small")
-    from ringfence.actors.model import PRESETS
-
-    if preset not in PRESETS:
-        raise ValueError(f"--preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    preset = resolve_preset(args)
     import torch
 
     batches = QUICK_BATCHES if args.quick else BATCHES
