@@ -20,9 +20,10 @@ from typing import Any, Literal
 import orjson
 import pytest
 import torch
+from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.kvspace import SharedKV, create_kv, open_kv
-from ringfence.actors.lanes import LANE_SLOTS, LANES, lane_counter
+from ringfence.actors.lanes import lane_counter
 from ringfence.actors.layout import kv_layout
 from ringfence.actors.protocol import (
     FROM_TRANSFER,
@@ -38,15 +39,12 @@ from ringfence.actors.transfer import StoreLane, SwapLane, TransferLane
 from ringfence.cache.fences import NO_WAIT, Fence, Lane, Tier
 from ringfence.cache.ids import Seq
 from ringfence.runtime.config import Config, load_config
-from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.driver import Driver
-from ringfence.runtime.log import ActorLog
-from ringfence.runtime.mailbox import ConditionWaiter, LocalInbox, LocalOutbox, Mailbox
+from ringfence.runtime.mailbox import ConditionWaiter, LocalInbox, Mailbox
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock, Watermark
 
 BLOCKS = 16  # blocks in the device pool and in the host pool
-WAIT_S = 10.0  # deadline of every wait for a completion
 SETTINGS = (
     "model.preset=tiny",
     "model.dtype=float64",
@@ -137,47 +135,26 @@ class Rig:
 @pytest.fixture
 def make_lane(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
-    made: list[tuple[Driver, CounterBlock, CounterBlock]] = []
+    made: list[Executor] = []
 
     def make(lane_cls: type[TransferLane], *overrides: str, device: bool = True) -> Rig:
         name = lane_cls.lane_name
         storage = tmp_path / "storage" if lane_cls is StoreLane else None
         extra = ("cache.storage.backend=local", f"cache.storage.path={storage}") if storage else ()
         config: Config = load_config(None, [*SETTINGS, *extra, *overrides])
-        lanes = CounterBlock.create(names.posix_name(run_id, LANES), LANE_SLOTS)
-        control = CounterBlock.create(names.posix_name(run_id, "control"), 6)
-        waiter = ConditionWaiter()
-        mailbox = Mailbox(waiter)
         registry = TO_SWAP if lane_cls is SwapLane else TO_STORE
-        ops = mailbox.add_local_inbox("engine-0", registry)
-        replies_box = Mailbox(ConditionWaiter())
-        replies = replies_box.add_local_inbox(f"{name}-0", FROM_TRANSFER)
-        mailbox.add_outbox(LocalOutbox("engine-0", replies))
-        log_path = tmp_path / f"{name}-0.jsonl"
-        driver = Driver(
-            lane_cls,
-            name=name,
-            rank=0,
-            mailbox=mailbox,
-            runtime=config.runtime,
-            log=ActorLog(log_path, actor=name, rank=0, epoch=0),
-            config=config,
-            run_id=run_id,
-            counters={LANES: lanes},
-            control=InstanceControl.of(control, 0),
-        )
-        made.append((driver, lanes, control))
-        driver.start_thread()
-        assert replies_box.waiter.wait_until(replies.pending, WAIT_S), "no LaneReady"
-        delivery = replies.read()
-        assert delivery is not None
-        ready = delivery.msg
+        ex = start_executor(
+            lane_cls, name, config=config, run_id=run_id, log_dir=tmp_path,
+            inbox=registry, replies=FROM_TRANSFER,
+        )  # fmt: skip
+        made.append(ex)
+        ready = ex.next_reply()
         assert isinstance(ready, LaneReady), ready
         assert (ready.lane, ready.rank, ready.done) == (name, 0, 0)
         assert ready.host.shm == names.posix_name(run_id, "kv.host.0")
         rig = Rig(
-            driver, ops, replies, replies_box, waiter, lanes, control, log_path, ready,
-            host=open_kv(ready.host), storage=storage,
+            ex.driver, ex.inbox, ex.replies, ex.replies_box, ex.waiter, ex.lanes, ex.control,
+            ex.log_path, ready, host=open_kv(ready.host), storage=storage,
         )  # fmt: skip
         rigs.append(rig)
         if lane_cls is SwapLane and device:
@@ -185,11 +162,8 @@ def make_lane(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
         return rig
 
     yield make
-    for driver, lanes, control in made:
-        driver.stop("test over")
-        assert driver.join(WAIT_S)
-        lanes.close()
-        control.close()
+    for ex in made:
+        ex.stop()
     for rig in rigs:
         rig.host.close()
         if rig.device is not None:

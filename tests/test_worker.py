@@ -19,9 +19,10 @@ from typing import Any
 import orjson
 import pytest
 import torch
+from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.kvspace import open_kv
-from ringfence.actors.lanes import LANE_SLOTS, LANES, lane_counter
+from ringfence.actors.lanes import lane_counter
 from ringfence.actors.model import Model
 from ringfence.actors.protocol import (
     FROM_WORKER,
@@ -35,16 +36,13 @@ from ringfence.actors.worker import Worker
 from ringfence.cache.fences import Fence, Lane
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.config import Config, load_config
-from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.driver import Driver
-from ringfence.runtime.log import ActorLog
-from ringfence.runtime.mailbox import ConditionWaiter, LocalInbox, LocalOutbox, Mailbox
+from ringfence.runtime.mailbox import LocalInbox, Mailbox
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock, Watermark
 
 BLOCK = 4  # tokens per block: small, so sequences span many blocks
 POOL = 40  # device blocks
-WAIT_S = 10.0  # deadline of every wait for a result
 SETTINGS = (
     "model.preset=tiny",
     "model.dtype=float64",
@@ -111,48 +109,28 @@ class Rig:
 
 @pytest.fixture
 def make_rig(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
-    rigs: list[Rig] = []
+    started: list[Executor] = []
 
     def make(*overrides: str, epoch: int = 0) -> Rig:
         config: Config = load_config(None, [*SETTINGS, *overrides])
-        lanes = CounterBlock.create(names.posix_name(run_id, LANES), LANE_SLOTS)
-        control = CounterBlock.create(names.posix_name(run_id, "control"), 6)
-        control[0].advance(epoch)
-        waiter = ConditionWaiter()
-        mailbox = Mailbox(waiter)
-        plans = mailbox.add_local_inbox("engine-0", TO_WORKER)
-        results_box = Mailbox(ConditionWaiter())
-        results = results_box.add_local_inbox("worker-0", FROM_WORKER)
-        mailbox.add_outbox(LocalOutbox("engine-0", results))
-        log_path = tmp_path / "worker-0.jsonl"
-        driver = Driver(
-            Worker,
-            name="worker",
-            rank=0,
-            mailbox=mailbox,
-            runtime=config.runtime,
-            log=ActorLog(log_path, actor="worker", rank=0, epoch=0),
-            config=config,
-            run_id=run_id,
-            counters={LANES: lanes},
-            control=InstanceControl.of(control, 0),
+        ex = start_executor(
+            Worker, "worker", config=config, run_id=run_id, log_dir=tmp_path,
+            inbox=TO_WORKER, replies=FROM_WORKER, epoch=epoch,
+        )  # fmt: skip
+        started.append(ex)
+        rig = Rig(
+            ex.driver, ex.inbox, ex.replies, ex.replies_box, ex.lanes, ex.control, ex.log_path
         )
-        rig = Rig(driver, plans, results, results_box, lanes, control, log_path)
         # The test writes the swap and store lanes; it rings the worker as Transfer would.
-        rig.mark(Lane.SWAP).claim(notify=[waiter])
-        rig.mark(Lane.STORE).claim(notify=[waiter])
-        rigs.append(rig)
-        driver.start_thread()
+        rig.mark(Lane.SWAP).claim(notify=[ex.waiter])
+        rig.mark(Lane.STORE).claim(notify=[ex.waiter])
         ready = rig.next_message()
         assert isinstance(ready, WorkerReady)
         return rig
 
     yield make
-    for rig in rigs:
-        rig.driver.stop("test over")
-        assert rig.driver.join(WAIT_S)
-        rig.lanes.close()
-        rig.control.close()
+    for ex in started:
+        ex.stop()
     names.clean_run(run_id)
 
 
