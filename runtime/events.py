@@ -145,6 +145,18 @@ EVENTS: Final[dict[str, Event]] = {
     "harness.done": _e(
         "info", "programs ops mismatched busy_s", "every program ran; see harness.json"
     ),
+    # The engine's clients (ringfence.actors.clienthub), through the engine's log. ``peer``
+    # is the client instance ("client-2"), ``incarnation`` its attach count.
+    "client.hello": _e(
+        "info",
+        "peer incarnation client_pid aborted",
+        "a client attached; aborted: live requests of its previous incarnation, dropped",
+    ),
+    "client.lost": _e(
+        "warning",
+        "peer incarnation reason aborted",
+        "a client's process is gone or it stopped reading its output; its requests end",
+    ),
     # The demo pipeline (ringfence.runtime.demo).
     "demo.sent": _e("info", "messages", "the source sent its last item"),
     "demo.done": _e(

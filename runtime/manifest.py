@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 
 from ringfence.runtime.codec import Registry, make_kind, message
-from ringfence.runtime.topology import SUPERVISOR, Instance, Topology
+from ringfence.runtime.topology import SUPERVISOR, Attach, Instance, Topology
 from ringfence.shm import names
 from ringfence.shm.errors import ProtocolError
 
@@ -47,7 +47,8 @@ class InstanceEntry:
     rank: int
     index: int  # position in the control block (see control.py)
     target: str  # import path of the Actor subclass
-    placement: str  # "spawn" or "external"
+    placement: str  # "spawn" or "external" (always "external" for an optional actor)
+    attach: Attach = "required"  # "optional": a slot processes attach to at will (topology.py)
     bell: str  # POSIX name of its doorbell
     inboxes: tuple[Endpoint, ...]  # the supervisor's control ring first
     outboxes: tuple[Endpoint, ...]
@@ -91,7 +92,10 @@ def build_manifest(
     supervisor_pid: int,
     supervisor_start_ticks: int,
 ) -> Manifest:
-    """Name every object of a run of ``topology``. Pure: creates nothing."""
+    """Name every object of a run of ``topology``. Pure: creates nothing.
+
+    An optional actor's instances are placed "external" whatever ``placements`` says.
+    """
 
     def bell(inst: Instance) -> str:
         return names.posix_name(run_id, f"bell.{inst.obj}")
@@ -121,7 +125,12 @@ def build_manifest(
             rank=inst.rank,
             index=index,
             target=topology.actor(inst.name).target,
-            placement=placements.get(inst.name, "spawn"),
+            placement=(
+                "external"
+                if topology.actor(inst.name).attach == "optional"
+                else placements.get(inst.name, "spawn")
+            ),
+            attach=topology.actor(inst.name).attach,
             bell=bell(inst),
             inboxes=tuple(inboxes[inst]),
             outboxes=tuple(outboxes[inst]),

@@ -149,6 +149,7 @@ def write_actors(run_dir: Path, run: Run) -> None:
             "name": s.entry.name,
             "rank": s.entry.rank,
             "placement": s.entry.placement,
+            "attach": s.entry.attach,
             "pid": s.pid,
             "incarnation": s.incarnation,
             "restarts": s.restarts,

@@ -9,11 +9,14 @@ A run, in order:
    counter block the manifest names (run.py);
 3. spawn every ``placement = "spawn"`` instance with multiprocess (spawn context) and
    wait, with a deadline, for each one (and each external one) to report ready;
+   an ``attach = "optional"`` instance (a client slot, see topology.py) is only
+   awaited: it may attach at any time, or never;
 4. watch: a child's exit (its process sentinel), a stale heartbeat (the child is
    killed) and the restart policy; a shutdown request from an actor; SIGINT/SIGTERM;
 5. stop: a Stop on each actor's control ring in topology order, each awaited within
-   the stop deadline, then SIGKILL for what is left; unlink every name; remove the
-   lease. Step 5 runs on every exit path, errors included.
+   the stop deadline (an attached optional instance is sent Stop, not awaited: its
+   host process stops when it next polls), then SIGKILL for what is left; unlink
+   every name; remove the lease. Step 5 runs on every exit path, errors included.
 
 The supervisor sleeps on its own doorbell and never polls: actors ring it when
 their ``ready``/``exited``/``shutdown`` watermarks move, a waker thread rings it
@@ -23,6 +26,7 @@ when a child exits or a signal arrives, and the wait's deadline is the next time
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -123,6 +127,8 @@ class Supervisor:
         now = time.monotonic()
         slot.state, slot.started_at = "starting", now
         slot.deadline = now + self.config.runtime.ready_timeout_s
+        if slot.entry.attach == "optional":
+            slot.deadline = math.inf  # may attach at any time, or never
         if slot.entry.placement == "external":
             slot.incarnation = slot.control.ready.value() + 1
             self.log.info("actor.await", instance=slot.entry.id, incarnation=slot.incarnation)
@@ -222,10 +228,12 @@ class Supervisor:
                 self._late(run, slot)
             elif slot.state == "restarting" and now >= slot.deadline and self._stop_reason is None:
                 self._start(run, slot, waker)
+        # Optional slots wait for attaches forever: only the required actors keep a run alive.
+        required = [s for s in run.slots if s.entry.attach == "required"]
         if (
             self._stop_reason is None
-            and run.slots
-            and not any(s.live or s.state == "restarting" for s in run.slots)
+            and required
+            and not any(s.live or s.state == "restarting" for s in required)
         ):
             self._begin_stop("every actor exited", 0)
 
@@ -348,6 +356,12 @@ class Supervisor:
             kind, payload = RUNTIME.encode(Stop(reason=self._stop_reason))
             for slot in group:
                 slot.writer.put(kind, payload, timeout=1.0)
+            if spec.attach == "optional":
+                # Told, not awaited: a user's process may be busy elsewhere and handles the
+                # Stop when it next polls; nothing of the run waits on it.
+                for slot in group:
+                    slot.state = "stopped"
+                continue
             cut_short = self._await_exit(run, group, waker, deadline)
             if cut_short is not None:
                 break

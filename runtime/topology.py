@@ -6,6 +6,14 @@ path in ``runtime.topology``. A channel ``src -> dst`` becomes one single-produc
 single-consumer ring per pair of instances: rank to same rank when both actors
 have several ranks, and one to each rank when either side has a single instance.
 Besides its channels, every instance has a control ring from the supervisor.
+
+An actor is ``attach="required"`` (the default: the run needs every instance ready)
+or ``attach="optional"``: its instances are slots that processes outside the run
+attach to and leave at will (the users' clients of an engine). The supervisor
+never spawns an optional instance, whatever its configured placement, never waits
+for one to attach, only warns when an attached one's heartbeat goes stale, and
+after one detaches or dies waits for the next attach; it sends an attached one
+Stop when the run ends but does not wait for it to go.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import importlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from ringfence.runtime.codec import Registry
 from ringfence.runtime.messages import RESERVED_TAG
@@ -22,6 +30,8 @@ from ringfence.runtime.messages import RESERVED_TAG
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 TARGET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 SUPERVISOR = "supervisor"
+Attach = Literal["required", "optional"]
+ATTACH_MODES: tuple[Attach, ...] = ("required", "optional")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,6 +39,9 @@ class ActorSpec:
     name: str  # role name; instances are "<name>-<rank>", logs "<name>-<rank>.jsonl"
     target: str  # import path of the Actor subclass, "package.module:Class"
     ranks: int = 1
+    # "optional": slots for processes that come and go (never spawned, never awaited);
+    # see the module docstring.
+    attach: Attach = "required"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +110,11 @@ class Topology:
                 raise ValueError(f"topology: actor {spec.name}: bad target {spec.target!r}")
             if spec.ranks < 1:
                 raise ValueError(f"topology: actor {spec.name}: ranks must be >= 1")
+            if spec.attach not in ATTACH_MODES:
+                raise ValueError(
+                    f"topology: actor {spec.name}: attach must be one of {ATTACH_MODES}, "
+                    f"got {spec.attach!r}"
+                )
         if len(set(names)) != len(names):
             raise ValueError(f"topology: duplicate actor names in {names}")
         seen = set()

@@ -1,0 +1,106 @@
+"""The protocol between clients and the Engine: one registry per direction.
+
+``CLIENT_TO_ENGINE`` carries a client's announcement and its requests;
+``ENGINE_TO_CLIENT`` carries the output of each request, as it is produced. A
+client names its requests with ids of its own choosing; the engine keys them by
+client instance and incarnation (see clienthub.py), so two clients may use the same
+id. Every engine -> client message carries the client incarnation it answers: the
+ring to a client slot outlives the process attached to it, and a newly attached
+client drops what was meant for its predecessor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ringfence.runtime.codec import Registry, message
+
+CLIENT_TO_ENGINE = Registry("client-to-engine")
+ENGINE_TO_CLIENT = Registry("engine-to-client")
+
+FINISH_REASONS = ("stop", "length", "abort")  # a Tokens.finish_reason other than ""
+
+
+@message(CLIENT_TO_ENGINE, tag=1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """Sent by a client once it attached, before any Submit of this incarnation."""
+
+    incarnation: int  # the client slot's incarnation (1, 2, ... per attach)
+    pid: int  # the client process, with start_ticks: the engine checks it is alive
+    start_ticks: int  # its start time, so a recycled pid is not taken for it
+
+
+@message(CLIENT_TO_ENGINE, tag=2)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submit:
+    """A new request. Exactly one of ``prompt_token_ids`` and ``prompt`` is non-empty."""
+
+    # An engine handler that raises on it answers Failed (with this frame's seq), so the
+    # client learns of the failure instead of waiting for output that never comes.
+    expects_reply: ClassVar[bool] = True
+    request_id: str  # unique among this client's unfinished requests
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt: str = ""  # text, tokenized by the engine
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def check_submit(msg: Submit) -> None:
+    """ValueError naming the field if ``msg`` cannot be a request (checked by both ends).
+
+    Not a ``__post_init__``: a bad Submit that reached the engine is answered with
+    Rejected naming its request, which a frame the codec refused could not be.
+    """
+    if not msg.request_id:
+        raise ValueError("request_id must not be empty")
+    if bool(msg.prompt_token_ids) == bool(msg.prompt):
+        raise ValueError("exactly one of prompt_token_ids and prompt must be non-empty")
+    if msg.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {msg.max_tokens}")
+    if not msg.temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {msg.temperature}")
+    for name in ("prompt_token_ids", "stop_token_ids"):
+        if any(t < 0 for t in getattr(msg, name)):
+            raise ValueError(f"{name} must hold non-negative token ids")
+
+
+@message(CLIENT_TO_ENGINE, tag=3)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort:
+    """Stop a request of this client; it then finishes with "abort" (if not finished before)."""
+
+    request_id: str
+
+
+def no_cached_tokens() -> dict[str, int]:
+    return {"device": 0, "host": 0, "storage": 0}
+
+
+@message(ENGINE_TO_CLIENT, tag=1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tokens:
+    """New output tokens of a request; the last message of a request has a finish_reason."""
+
+    request_id: str
+    incarnation: int  # the client incarnation whose request this is
+    token_ids: tuple[int, ...]  # the tokens produced since the previous Tokens, in order
+    finish_reason: str = ""  # "": still running; else "stop", "length" or "abort"
+    error: str = ""  # why the engine ended the request abnormally ("" if it did not)
+    # Prompt tokens served from each cache tier ("device", "host", "storage"); set on the
+    # first Tokens of a request.
+    cached_tokens: dict[str, int] = field(default_factory=no_cached_tokens)
+    ttft_s: float = -1.0  # seconds from submit to the first token; -1 until known
+
+
+@message(ENGINE_TO_CLIENT, tag=2)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejected:
+    """A Submit or Abort the engine refused; the request (if any) never ran."""
+
+    request_id: str
+    incarnation: int  # the client incarnation that sent it
+    error: str  # why, for the user
