@@ -243,36 +243,55 @@ class Expected(NamedTuple):
     host: torch.Tensor
 
 
-def interpret(
-    ops: Sequence[Op], model: Model, device: torch.Tensor, host: torch.Tensor
-) -> Expected:
-    """The sequential interpretation: every op alone, in issue order, on these tensors."""
-    executor = PagedExecutor(model, device)
-    storage: dict[str, torch.Tensor] = {}
-    outputs, missing = {}, {}
-    for op in ops:
+class Sequential:
+    """Runs ops one at a time, in the order given, on these tensors and a dict as storage."""
+
+    def __init__(self, model: Model, device: torch.Tensor, host: torch.Tensor) -> None:
+        self.executor = PagedExecutor(model, device)
+        self.device, self.host = device, host
+        self.storage: dict[str, torch.Tensor] = {}
+
+    def run(self, op: Op) -> tuple[SampledToken, ...] | tuple[int, ...] | None:
+        """Run ``op``: a step's sampled tokens, a prefetch's missing positions, else None."""
+        device, host = self.device, self.host
         if isinstance(op, StepPlan):
             if op.poison:
                 device[list(op.poison)] = float("nan")
             pieces = plan_pieces(op)
-            last = executor.step(pieces).last_logits if pieces else None
-            outputs[op.step] = sample_pieces(op.pieces, last) if last is not None else ()
-        elif isinstance(op, SwapOp):
+            last = self.executor.step(pieces).last_logits if pieces else None
+            return sample_pieces(op.pieces, last) if last is not None else ()
+        if isinstance(op, SwapOp):
             if op.direction == "in":
                 copy_blocks(host, op.host_blocks, device, op.device_blocks)
             else:
                 copy_blocks(device, op.device_blocks, host, op.host_blocks)
-        elif op.direction == "write":
+            return None
+        if op.direction == "write":
             for key, block in zip(op.keys, op.host_blocks, strict=True):
-                storage[key] = host[block].clone()
-        else:
-            lacked = []
-            for i, (key, block) in enumerate(zip(op.keys, op.host_blocks, strict=True)):
-                if key in storage:
-                    host[block] = storage[key]
-                else:
-                    lacked.append(i)
-            missing[op.op] = tuple(lacked)
+                self.storage[key] = host[block].clone()
+            return None
+        lacked = []
+        for i, (key, block) in enumerate(zip(op.keys, op.host_blocks, strict=True)):
+            if key in self.storage:
+                host[block] = self.storage[key]
+            else:
+                lacked.append(i)
+        return tuple(lacked)
+
+
+def interpret(
+    ops: Sequence[Op], model: Model, device: torch.Tensor, host: torch.Tensor
+) -> Expected:
+    """The sequential interpretation: every op alone, in issue order, on these tensors."""
+    machine = Sequential(model, device, host)
+    outputs: dict[int, tuple[SampledToken, ...]] = {}
+    missing: dict[int, tuple[int, ...]] = {}
+    for op in ops:
+        result = machine.run(op)
+        if isinstance(op, StepPlan):
+            outputs[op.step] = result  # type: ignore[assignment]
+        elif isinstance(op, StoreOp) and op.direction == "read":
+            missing[op.op] = result  # type: ignore[assignment]
     return Expected(outputs, missing, device, host)
 
 

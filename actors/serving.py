@@ -1,0 +1,125 @@
+"""What the Engine actor and the in-process runner share: the scheduler's config from the
+run config, its ops as protocol messages, and workload lines as requests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ringfence.actors import protocol
+from ringfence.actors.layout import STAGING_BLOCKS, block_fingerprint
+from ringfence.actors.protocol import ModelInfo, PlanPiece
+from ringfence.actors.tokenizer import ByteTokenizer
+from ringfence.cache.storage import StorageBackend, open_backend
+from ringfence.runtime.config import Config
+from ringfence.sched.blocks import TierConfig
+from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
+from ringfence.sched.request import Request
+from ringfence.sched.scheduler import SchedConfig
+from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
+
+Message = protocol.StepPlan | protocol.SwapOp | protocol.StoreOp
+Encode = Callable[[str], Sequence[int]]
+
+
+def sched_config(config: Config, model: ModelInfo) -> SchedConfig:
+    """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's limits."""
+    cache, sched = config.cache, config.sched
+    storage = cache.storage.backend != "none"
+    tiers = TierConfig(
+        block_size=cache.block_size,
+        device_blocks=cache.device_blocks,
+        host_blocks=cache.host_blocks or STAGING_BLOCKS,
+        host_cache=cache.host_blocks > 0,
+        storage=storage,
+        device_eviction=cache.device_eviction,
+        host_eviction=cache.host_eviction,
+        poison_freed=cache.poison_freed,
+    )
+    return SchedConfig(
+        tiers=tiers,
+        namespace=block_fingerprint(config, model.model_id).digest(),
+        max_num_seqs=sched.max_num_seqs,
+        max_batched_tokens=sched.max_batched_tokens,
+        preemption=sched.preemption,
+        max_model_len=model.max_position,
+    )
+
+
+def open_storage(config: Config, model: ModelInfo, run_dir: str) -> StorageBackend | None:
+    """The storage tier's client (the engine asks it what is stored), or None."""
+    settings = config.cache.storage
+    if settings.backend == "none":
+        return None
+    path = settings.path or (f"{run_dir}/storage" if settings.backend == "local" else "")
+    return open_backend(
+        settings.backend,
+        fingerprint=block_fingerprint(config, model.model_id).digest(),
+        path=path,
+        url=settings.url,
+        max_bytes=settings.max_bytes,
+    )
+
+
+def to_message(op: Op, epoch: int) -> Message:
+    """The protocol message of a scheduler op, stamped with the issuer's epoch."""
+    if isinstance(op, StepOp):
+        return protocol.StepPlan(
+            step=op.step,
+            epoch=epoch,
+            fence=op.fence,
+            pieces=tuple(
+                PlanPiece(
+                    seq_id=p.seq_id,
+                    token_ids=p.token_ids,
+                    start=p.start,
+                    block_table=p.block_table,
+                    sample=p.sample,
+                    temperature=p.temperature,
+                    seed=p.seed,
+                )
+                for p in op.pieces
+            ),
+            poison=op.poison,
+        )
+    if isinstance(op, SwapOp):
+        return protocol.SwapOp(
+            op=op.op,
+            epoch=epoch,
+            fence=op.fence,
+            direction=op.direction,
+            device_blocks=op.device_blocks,
+            host_blocks=op.host_blocks,
+        )
+    assert isinstance(op, StoreOp)
+    return protocol.StoreOp(
+        op=op.op,
+        epoch=epoch,
+        fence=op.fence,
+        direction=op.direction,
+        host_blocks=op.host_blocks,
+        keys=tuple(k.hex() for k in op.keys),
+    )
+
+
+def load_workload(
+    source: str, *, seed: int = 0, requests: int | None = None
+) -> list[WorkloadRequest]:
+    """``synthetic:NAME`` or a JSON-lines file, sorted by arrival."""
+    if source.startswith("synthetic:"):
+        return synthetic(source.removeprefix("synthetic:"), seed=seed, requests=requests)
+    with open(source, encoding="utf-8") as f:
+        lines = f.readlines()
+    parsed = parse_workload(lines, source=source)
+    return sorted(parsed[:requests] if requests else parsed, key=lambda r: r.arrival_s)
+
+
+def make_request(line: WorkloadRequest, encode: Encode | None = None) -> Request:
+    """The scheduler's request of a workload line; a text prompt goes through ``encode``."""
+    if line.prompt_token_ids is not None:
+        tokens = tuple(line.prompt_token_ids)
+    else:
+        assert line.prompt is not None
+        tokens = tuple((encode or ByteTokenizer().encode)(line.prompt))
+    return Request(
+        request_id=line.id, prompt_token_ids=tokens, params=line.params, arrival=line.arrival_s
+    )

@@ -1,0 +1,363 @@
+"""The scheduler's block bookkeeping: the pools of both tiers, demotion, and fenced op issue.
+
+:class:`BlockManager` owns the device and host :class:`BlockPool`, the
+:class:`PrefixIndex` over them and storage, and the :class:`FenceTracker`. Every op
+it issues gets its number and fence at once, in the order of the calls, and is
+appended to the outgoing list that :meth:`take_ops` hands to the engine. Issuing in
+call order is what makes the orders right without further care: the write-back of
+an evicted host block is issued by the allocation that reuses it, so before the
+swap-out that overwrites it; the swap-out of an evicted device block before the
+swap-in or step that overwrites it; a write-through before nothing that could
+overwrite its source, since the source is in use.
+
+Demotion (DESIGN.md "Blocks and tiers", ``ringfence.cache.demotion``): a device block
+leaves to the host tier when there is one, else to storage through the staging
+blocks of the host tensor; a host block leaves to storage. ``stored`` remembers the
+keys this instance has sent to storage, so it never writes one twice, and counts
+them as present in the prefix index at once: the store lane is one FIFO, so a
+prefetch issued after a write-back finds the write done.
+
+Owned by one scheduler; not thread-safe; no I/O except the storage presence object
+the caller passes in (the engine's storage client, or a fake in tests).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ringfence.cache.block_pool import BlockPool
+from ringfence.cache.demotion import on_evicted, on_filled
+from ringfence.cache.fences import FenceTracker, Lane
+from ringfence.cache.ids import BlockHash, BlockId, Seq
+from ringfence.cache.prefix_index import PrefixIndex, PrefixMatch, StoragePresence
+from ringfence.sched.ops import Op, Piece, Reason, StepOp, StoreOp, SwapOp
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierConfig:
+    """The pools and policies of the three tiers."""
+
+    block_size: int
+    device_blocks: int
+    host_blocks: int  # the host tensor's blocks: the cache tier, or only staging blocks
+    host_cache: bool  # False: the host blocks only stage storage traffic, nothing is kept
+    storage: bool  # a storage tier exists
+    device_eviction: str = "write_back"  # ringfence.cache.demotion policies
+    host_eviction: str = "write_back"
+    poison_freed: bool = False
+
+
+@dataclass(slots=True)
+class Moved:
+    """Counters of what the issued ops move, by lane and direction."""
+
+    ops: Counter[str] = field(default_factory=Counter)  # "swap_out", "prefetch", ...
+    blocks: Counter[str] = field(default_factory=Counter)
+
+
+_NAMES = {("in", Lane.SWAP): "swap_in", ("out", Lane.SWAP): "swap_out"}
+_NAMES |= {("write", Lane.STORE): "write_back", ("read", Lane.STORE): "prefetch"}
+
+
+class _StoredSet:
+    """Storage presence as the index sees it: this instance's writes, then the backend."""
+
+    def __init__(self, backend: StoragePresence | None) -> None:
+        self.backend = backend
+        self.keys: set[BlockHash] = set()
+
+    def longest_prefix(self, keys: Sequence[BlockHash]) -> int:
+        start = 0
+        while start < len(keys) and keys[start] in self.keys:
+            start += 1
+        if start == len(keys) or self.backend is None:
+            return start
+        # Stored by another instance (or an earlier run): ask the backend for the rest.
+        rest = self.backend.longest_prefix(keys[start:])
+        found = start + rest
+        # Only what follows in our own set can extend the backend's answer further.
+        while found < len(keys) and keys[found] in self.keys:
+            found += 1
+        return found
+
+    def has(self, key: BlockHash) -> bool:
+        return key in self.keys or self.longest_prefix([key]) == 1
+
+
+class BlockManager:
+    """See the module docstring."""
+
+    def __init__(self, config: TierConfig, storage: StoragePresence | None = None) -> None:
+        self.config = config
+        self.device = BlockPool(config.device_blocks, name="device")
+        self.host = BlockPool(config.host_blocks, name="host")
+        self.stored = _StoredSet(storage if config.storage else None)
+        self.index = PrefixIndex(
+            self.device,
+            self.host if config.host_cache else None,
+            self.stored if config.storage else None,
+        )
+        self.tracker = FenceTracker(config.device_blocks, config.host_blocks)
+        self.moved = Moved()
+        self._out: list[Op] = []
+        self.inflight: dict[tuple[Lane, int], SwapOp | StoreOp] = {}  # issued, not completed
+        self._poison: list[BlockId] = []  # freed unkeyed device blocks, for the next step
+        self._next = {Lane.STEP: 1, Lane.SWAP: 1, Lane.STORE: 1}
+
+    # The ops.
+
+    def take_ops(self) -> list[Op]:
+        """The ops issued since the last call, in issue order; clears the list."""
+        out, self._out = self._out, []
+        return out
+
+    def _number(self, lane: Lane) -> Seq:
+        seq = self._next[lane]
+        self._next[lane] = seq + 1
+        return Seq(seq)
+
+    def issue_step(self, pieces: Sequence[Piece]) -> StepOp:
+        """The step running ``pieces`` (and the poison of blocks freed since the last one)."""
+        poison: tuple[int, ...] = ()
+        if self.config.poison_freed and self._poison:
+            # A block freed and handed out again since is written by its new owner: skip it.
+            free = [b for b in dict.fromkeys(self._poison) if self.device.ref_count(b) == 0]
+            poison = tuple(b for b in free if self.device.key_of(b) is None)
+        self._poison.clear()
+        reads: set[BlockId] = set(BlockId(b) for b in poison)
+        writes: set[BlockId] = set(reads)
+        for p in pieces:
+            table = p.block_table
+            bs = self.config.block_size
+            end = p.start + len(p.token_ids)
+            reads.update(BlockId(b) for b in table[: -(-end // bs)])
+            writes.update(BlockId(b) for b in table[p.start // bs : -(-end // bs)])
+        step = self._number(Lane.STEP)
+        fence = self.tracker.issue(Lane.STEP, step, read_device=reads, write_device=writes)
+        op = StepOp(step=step, fence=fence, pieces=tuple(pieces), poison=poison)
+        self._out.append(op)
+        return op
+
+    def _swap(
+        self, direction: str, device: Sequence[BlockId], host: Sequence[BlockId], reason: Reason
+    ) -> SwapOp:
+        seq = self._number(Lane.SWAP)
+        if direction == "out":
+            fence = self.tracker.issue(Lane.SWAP, seq, read_device=device, write_host=host)
+        else:
+            fence = self.tracker.issue(Lane.SWAP, seq, read_host=host, write_device=device)
+        op = SwapOp(
+            op=seq,
+            fence=fence,
+            direction="out" if direction == "out" else "in",
+            device_blocks=tuple(device),
+            host_blocks=tuple(host),
+            reason=reason,
+        )
+        self._count(op, len(device))
+        self.inflight[(Lane.SWAP, seq)] = op
+        self._out.append(op)
+        return op
+
+    def _store(
+        self, direction: str, host: Sequence[BlockId], keys: Sequence[BlockHash], reason: Reason
+    ) -> StoreOp:
+        seq = self._number(Lane.STORE)
+        if direction == "write":
+            fence = self.tracker.issue(Lane.STORE, seq, read_host=host)
+            self.stored.keys.update(keys)
+        else:
+            fence = self.tracker.issue(Lane.STORE, seq, write_host=host)
+        op = StoreOp(
+            op=seq,
+            fence=fence,
+            direction="write" if direction == "write" else "read",
+            host_blocks=tuple(host),
+            keys=tuple(keys),
+            reason=reason,
+        )
+        self._count(op, len(host))
+        self.inflight[(Lane.STORE, seq)] = op
+        self._out.append(op)
+        return op
+
+    def _count(self, op: SwapOp | StoreOp, blocks: int) -> None:
+        name = _NAMES[(op.direction, op.lane)]
+        self.moved.ops[name] += 1
+        self.moved.blocks[name] += blocks
+
+    # Allocation and demotion.
+
+    def allocate_device(self, count: int) -> list[BlockId] | None:
+        """``count`` device blocks with one reference each, or None (nothing taken).
+
+        Cached blocks the allocation reuses are demoted first, by the device policy.
+        """
+        allocation = self.device.try_allocate(count)
+        if allocation is None:
+            return None
+        if allocation.evicted:
+            copies = on_evicted(
+                self.config.device_eviction, "device->host", allocation.evicted, self._lower_has
+            )
+            self.copy_down([c.block_id for c in copies], [c.key for c in copies], "evict")
+        return list(allocation.block_ids)
+
+    def allocate_host(self, count: int) -> list[BlockId] | None:
+        """``count`` host blocks, or None; evicted cached ones are written back by policy."""
+        allocation = self.host.try_allocate(count)
+        if allocation is None:
+            return None
+        if allocation.evicted and self.config.storage:
+            copies = on_evicted(
+                self.config.host_eviction, "host->storage", allocation.evicted, self.stored.has
+            )
+            if copies:
+                self._store("write", [c.block_id for c in copies], [c.key for c in copies], "evict")
+        return list(allocation.block_ids)
+
+    def _lower_has(self, key: BlockHash) -> bool:
+        if self.config.host_cache:
+            return self.host.find(key) is not None
+        return not self.config.storage or self.stored.has(key)
+
+    def copy_down(
+        self, blocks: Sequence[BlockId], keys: Sequence[BlockHash], reason: Reason
+    ) -> bool:
+        """Copy full device blocks holding ``keys`` to the tier below; False if there was no room.
+
+        To the host tier (the copies are cached there under their keys), or with no
+        host tier, through staging blocks to storage.
+        """
+        if not blocks:
+            return True
+        if self.config.host_cache:
+            host = self.allocate_host(len(blocks))
+            if host is None:
+                return False
+            self._swap("out", blocks, host, reason)
+            for b, key in zip(host, keys, strict=True):
+                self.host.set_key(b, key)
+            self.host.free(reversed(host))  # cached and findable, free for reuse
+            if self.config.host_eviction == "write_through" and self.config.storage:
+                self.write_back(host, keys, "through")
+            return True
+        if self.config.storage:
+            return self.save(blocks, keys, reason)
+        return True
+
+    def save(self, blocks: Sequence[BlockId], keys: Sequence[BlockHash], reason: Reason) -> bool:
+        """Write full device blocks to storage through staging host blocks (freed at issue)."""
+        pairs = [(b, k) for b, k in zip(blocks, keys, strict=True) if not self.stored.has(k)]
+        if not pairs:
+            return True
+        staging = self.host.try_allocate(len(pairs))
+        if staging is None:
+            return False
+        # Staging blocks hold no keys here (host_cache off, or taken from the free list with
+        # their keys evicted): write those keys back first if the policy asks for it.
+        if staging.evicted and self.config.storage:
+            copies = on_evicted(
+                self.config.host_eviction, "host->storage", staging.evicted, self.stored.has
+            )
+            if copies:
+                self._store("write", [c.block_id for c in copies], [c.key for c in copies], "evict")
+        host = list(staging.block_ids)
+        self._swap("out", [b for b, _ in pairs], host, reason)
+        self._store("write", host, [k for _, k in pairs], reason)
+        self.host.free(host)  # free at issue: a later writer of these blocks waits (I4)
+        return True
+
+    def write_back(
+        self, host: Sequence[BlockId], keys: Sequence[BlockHash], reason: Reason
+    ) -> None:
+        pairs = [(b, k) for b, k in zip(host, keys, strict=True) if not self.stored.has(k)]
+        if pairs:
+            self._store("write", [b for b, _ in pairs], [k for _, k in pairs], reason)
+
+    def filled(self, blocks: Sequence[BlockId], keys: Sequence[BlockHash]) -> None:
+        """Device blocks that just became full of computed KV: key them (and copy down by policy).
+
+        A block whose key another block already holds stays unkeyed (a duplicate).
+        """
+        keyed: list[tuple[BlockId, BlockHash]] = []
+        for b, key in zip(blocks, keys, strict=True):
+            if self.device.set_key(b, key) == b:
+                keyed.append((b, key))
+        copies = on_filled(self.config.device_eviction, "device->host", keyed, self._lower_has)
+        if copies:
+            self.copy_down([c.block_id for c in copies], [c.key for c in copies], "through")
+
+    def swap_in(self, host: Sequence[BlockId], device: Sequence[BlockId], reason: Reason) -> None:
+        if host:
+            self._swap("in", device, host, reason)
+
+    def swap_out(self, device: Sequence[BlockId], host: Sequence[BlockId], reason: Reason) -> None:
+        if device:
+            self._swap("out", device, host, reason)
+
+    def prefetch(self, host: Sequence[BlockId], keys: Sequence[BlockHash]) -> StoreOp:
+        return self._store("read", host, keys, "admit")
+
+    def free_device(self, blocks: Sequence[BlockId]) -> None:
+        """Drop a reference to each block, last block first (the prefix stays cached longest)."""
+        self.device.free(reversed(blocks))
+        if self.config.poison_freed:
+            self._poison.extend(b for b in blocks if self.device.ref_count(b) == 0)
+
+    def match(self, keys: Sequence[BlockHash], storage_until: int | None = None) -> PrefixMatch:
+        """The longest cached prefix of ``keys``; storage hits only before ``storage_until``.
+
+        A block the index finds only in storage but that a finished prefetch left keyed
+        in the host pool counts as a host hit, also when the host blocks are only
+        staging (no host cache tier): that is how a prefetch's blocks are swapped in.
+        """
+        found = self.index.match(keys)
+        where, ids = list(found.where), list(found.block_ids)
+        for i, tier in enumerate(where):
+            if tier == "storage" and (block := self.host.find(found.keys[i])) is not None:
+                where[i], ids[i] = "host", block
+        end = len(where)
+        if storage_until is not None and "storage" in where[storage_until:]:
+            end = storage_until + where[storage_until:].index("storage")
+        return PrefixMatch(found.keys[:end], tuple(where[:end]), tuple(ids[:end]))
+
+    def acquire(self, match: PrefixMatch) -> None:
+        """Take a reference on every device and host block of a fresh ``match``."""
+        for tier, block in zip(match.where, match.block_ids, strict=True):
+            if block is not None:
+                (self.device if tier == "device" else self.host).take(block)
+
+    def release(self, match: PrefixMatch) -> None:
+        """Drop the references :meth:`acquire` took."""
+        for tier, block in zip(match.where, match.block_ids, strict=True):
+            if block is not None:
+                (self.device if tier == "device" else self.host).free([block])
+
+    def completed(self, lane: Lane, number: int, status: str) -> SwapOp | StoreOp | None:
+        """Record a transfer op's completion; the op, or None if it was not in flight.
+
+        An op that did not finish ok leaves nothing usable where it wrote: a swap-out's
+        host copies and a swap-in's device blocks lose their keys, a write-back's keys are
+        no longer taken as stored (a prefetch's are the scheduler's to handle).
+        """
+        op = self.inflight.pop((lane, number), None)
+        if op is None or status == "ok":
+            return op
+        if isinstance(op, SwapOp):
+            if op.direction == "out":
+                self.forget(host=[BlockId(b) for b in op.host_blocks])
+            else:
+                self.forget(device=[BlockId(b) for b in op.device_blocks])
+        elif op.direction == "write":
+            self.stored.keys.difference_update(op.keys)
+        return op
+
+    def forget(self, device: Sequence[BlockId] = (), host: Sequence[BlockId] = ()) -> None:
+        """Make blocks unfindable: what they hold is not what their keys say (a failed op)."""
+        for b in device:
+            self.device.drop_key(b)
+        for b in host:
+            self.host.drop_key(b)

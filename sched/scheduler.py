@@ -1,0 +1,544 @@
+"""The continuous-batching scheduler: requests in, fenced ops out. Pure and deterministic.
+
+The engine calls :meth:`Scheduler.schedule` whenever the step lane is idle; it
+returns the ops to issue, in issue order: the transfer ops that admission,
+preemption and demotion need, then at most one step. The engine applies the step's
+result with :meth:`on_step` and transfer completions with :meth:`on_transfer`, then
+schedules again. Nothing here reads a clock or does I/O (the storage presence object
+the caller passes is the one exception, and its answers only steer reuse, never
+correctness); the same calls in the same order give the same ops.
+
+A step (continuous batching with chunked prefill):
+
+1. running sequences that decode (one token each), oldest admitted first;
+2. running sequences still prefilling, a chunk each within the token budget;
+3. waiting requests, first come first served, while the budget, ``max_num_seqs`` and
+   the free device blocks allow. Admission takes the longest cached prefix across the
+   tiers (:meth:`BlockManager.match`): device hits take references, host hits become
+   swap-ins, storage hits become a prefetch, and the request waits for its completion
+   (failed blocks are recomputed). A request that does not fit waits: admission never
+   preempts, and a request never overtakes an earlier one.
+
+When a running sequence needs a block and none is free, the newest admitted running
+sequence not yet in this step is preempted (possibly the sequence itself), by the
+configured policy:
+
+- ``recompute``: its blocks are freed; the full ones stay cached on device until reused;
+- ``swap``: its computed blocks are copied to the host tier, where it holds them, and
+  it resumes by swapping them back in;
+- ``save``: its full blocks are written to storage (through staging host blocks), and
+  it resumes from there by prefetch; the partial last block is recomputed.
+
+Preempted requests go back to the head of the waiting queue, oldest first. A step's
+KV counts as computed when the step is issued ("free at issue, fence at use"): the
+fences order every later op that touches its blocks after it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ringfence.cache.block_hash import block_keys
+from ringfence.cache.fences import Lane
+from ringfence.cache.ids import BlockHash, BlockId
+from ringfence.cache.prefix_index import PrefixMatch, StoragePresence
+from ringfence.sched.blocks import BlockManager, TierConfig
+from ringfence.sched.ops import Op, Piece, StepOp
+from ringfence.sched.request import Request, RequestError, RequestState
+
+POLICIES = ("recompute", "swap", "save")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedConfig:
+    """Batch limits and the preemption policy, with the tiers'."""
+
+    tiers: TierConfig
+    namespace: bytes  # the block keys' namespace: the digest of the block fingerprint
+    max_num_seqs: int = 16
+    max_batched_tokens: int = 512
+    preemption: str = "recompute"
+    max_model_len: int = 1 << 30  # positions the model has
+
+    def __post_init__(self) -> None:
+        if self.preemption not in POLICIES:
+            raise ValueError(f"sched.preemption must be one of {POLICIES}, got {self.preemption!r}")
+        if self.preemption == "swap" and not self.tiers.host_cache:
+            raise ValueError("sched.preemption = 'swap' needs a host tier (cache.host_blocks > 0)")
+        if self.preemption == "save" and not self.tiers.storage:
+            raise ValueError("sched.preemption = 'save' needs a storage tier (cache.storage)")
+
+
+class Tail(NamedTuple):
+    """The partial last block of a swap-preempted sequence, held on host."""
+
+    host_block: BlockId
+    position: int  # its place in the sequence's block table
+    num_tokens: int  # computed tokens in it
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """The scheduler's state of one request beyond the request itself."""
+
+    seq_id: int
+    request: Request
+    blocks: list[BlockId] = field(default_factory=list)  # device block table
+    keys: list[BlockHash] = field(default_factory=list)  # keys of its full blocks, in order
+    num_keyed: int = 0  # leading blocks already given their keys on device
+    held: list[BlockId] = field(default_factory=list)  # host blocks it holds a reference on
+    tail: Tail | None = None  # a swapped-out partial block (swap preemption)
+    prefetch: tuple[int, tuple[BlockId, ...], tuple[int, ...]] | None = None  # op, host, where
+    storage_until: int | None = None  # blocks from here are not taken from storage (failed)
+    admitted: int = -1  # admission order; the newest is preempted first
+    admissions: int = 0
+    from_storage: set[BlockHash] = field(default_factory=set)  # prefetched keys, for counting
+
+
+@dataclass(frozen=True, slots=True)
+class Emitted:
+    """What applying a step result produced for one request."""
+
+    request: Request
+    token_ids: tuple[int, ...]  # new output tokens
+    finished: bool
+
+
+@dataclass(slots=True)
+class Counters:
+    preemptions: Counter[str] = field(default_factory=Counter)  # by policy used
+    hit_tokens: Counter[str] = field(default_factory=Counter)  # by tier, every admission
+    steps: int = 0
+    batched_tokens: int = 0
+
+
+class Scheduler:
+    """See the module docstring. Owned by the engine; not thread-safe."""
+
+    def __init__(self, config: SchedConfig, storage: StoragePresence | None = None) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.tiers, storage)
+        self.counters = Counters()
+        self._bs = config.tiers.block_size
+        self._seqs: dict[int, Sequence] = {}
+        self._by_id: dict[str, Sequence] = {}
+        self._waiting: deque[Sequence] = deque()  # waiting, prefetching and preempted
+        self._running: list[Sequence] = []  # in admission order
+        self._next_seq = 0
+        self._admitted = 0
+        self._prefetches: dict[int, Sequence] = {}  # store op -> the sequence it fetches for
+        self._step_in_flight: StepOp | None = None
+        self._filled: list[tuple[list[BlockId], list[BlockHash]]] = []  # to key after the step
+
+    # Requests.
+
+    def add(self, request: Request) -> int:
+        """Queue a request (state WAITING); returns its sequence id. RequestError if it can
+        never run: longer than the model or than the whole device pool."""
+        if request.request_id in self._by_id:
+            raise RequestError(f"request id {request.request_id!r} is already live", field="id")
+        longest = request.num_prompt_tokens + request.params.max_tokens
+        if longest > self.config.max_model_len:
+            raise RequestError(
+                f"request {request.request_id!r}: prompt plus max_tokens is {longest} tokens, "
+                f"the model has {self.config.max_model_len} positions",
+                field="max_tokens",
+            )
+        if -(-longest // self._bs) > self.config.tiers.device_blocks:
+            raise RequestError(
+                f"request {request.request_id!r}: {longest} tokens need "
+                f"{-(-longest // self._bs)} blocks, the device pool has "
+                f"{self.config.tiers.device_blocks}",
+                field="max_tokens",
+            )
+        seq = Sequence(self._next_seq, request)
+        self._next_seq += 1
+        self._seqs[seq.seq_id] = seq
+        self._by_id[request.request_id] = seq
+        self._waiting.append(seq)
+        return seq.seq_id
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a live request, releasing its blocks; None if it is not live."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        seq.request.abort()
+        self._release(seq)
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        return seq.request
+
+    def request(self, request_id: str) -> Request | None:
+        seq = self._by_id.get(request_id)
+        return seq.request if seq is not None else None
+
+    @property
+    def num_live(self) -> int:
+        return len(self._by_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # Scheduling.
+
+    def schedule(self) -> list[Op]:
+        """The ops of the next step, in issue order (empty when nothing can run now).
+
+        Call only when the previous step's result has been applied.
+        """
+        if self._step_in_flight is not None:
+            raise RuntimeError("schedule() called with a step in flight")
+        budget = self.config.max_batched_tokens
+        pieces: list[Piece] = []
+        scheduled: set[int] = set()
+        decoding = [s for s in self._running if self._wanted(s) == 1]
+        prefilling = [s for s in self._running if self._wanted(s) > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq not in self._running:  # preempted for an earlier one in this loop
+                continue
+            piece = self._grow(seq, min(self._wanted(seq), budget), scheduled)
+            if piece is not None:
+                pieces.append(piece)
+                scheduled.add(seq.seq_id)
+                budget -= len(piece.token_ids)
+        budget = self._admit(budget, pieces, scheduled)
+        if pieces:
+            self._step_in_flight = self.blocks.issue_step(pieces)
+            self.counters.steps += 1
+            self.counters.batched_tokens += self.config.max_batched_tokens - budget
+        for blocks, keys in self._filled:
+            self.blocks.filled(blocks, keys)
+        self._filled.clear()
+        return self.blocks.take_ops()
+
+    def _wanted(self, seq: Sequence) -> int:
+        """Tokens the sequence could compute now: all known tokens without KV."""
+        return seq.request.num_tokens - seq.request.num_computed_tokens
+
+    def _grow(self, seq: Sequence, count: int, scheduled: set[int]) -> Piece | None:
+        """A piece of ``count`` tokens (fewer if blocks run short) for a running sequence,
+        allocating its blocks, preempting newer sequences if it must."""
+        r = seq.request
+        start = r.num_computed_tokens
+        need = -(-(start + count) // self._bs) - len(seq.blocks)
+        while need > 0:
+            new = self.blocks.allocate_device(need)
+            if new is not None:
+                seq.blocks.extend(new)
+                break
+            victim = next((s for s in reversed(self._running) if s.seq_id not in scheduled), None)
+            if victim is None:
+                return None
+            self._preempt(victim)
+            if victim is seq:
+                return None
+        return self._piece(seq, count)
+
+    def _piece(self, seq: Sequence, count: int) -> Piece:
+        r = seq.request
+        start = r.num_computed_tokens
+        tokens = r.all_token_ids
+        end = start + count
+        r.num_computed_tokens = end
+        self._key_blocks(seq, tokens, end // self._bs)
+        return Piece(
+            seq_id=seq.seq_id,
+            token_ids=tokens[start:end],
+            start=start,
+            block_table=tuple(seq.blocks[: -(-end // self._bs)]),
+            sample=end == len(tokens),
+            temperature=r.params.temperature,
+            seed=r.params.seed,
+        )
+
+    def _keys(self, seq: Sequence, tokens: tuple[int, ...], count: int) -> list[BlockHash]:
+        """The keys of the first ``count`` full blocks of the sequence (computed once)."""
+        have = len(seq.keys)
+        if count > have:
+            parent = seq.keys[-1] if seq.keys else None
+            seq.keys.extend(
+                block_keys(
+                    tokens[have * self._bs : count * self._bs],
+                    self._bs,
+                    namespace=self.config.namespace,
+                    parent=parent,
+                )
+            )
+        return seq.keys[:count]
+
+    def _key_blocks(self, seq: Sequence, tokens: tuple[int, ...], full: int) -> None:
+        """Queue the blocks the step being built fills up to ``full`` for keying.
+
+        They get their keys (and write-through copies) only once the step is issued:
+        a copy issued before the step would read the block before the step writes it,
+        and a piece of the same step must not read what another piece writes.
+        """
+        if full > seq.num_keyed:
+            keys = self._keys(seq, tokens, full)
+            self._filled.append((seq.blocks[seq.num_keyed : full], keys[seq.num_keyed : full]))
+            seq.num_keyed = full
+
+    # Admission.
+
+    def _admit(self, budget: int, pieces: list[Piece], scheduled: set[int]) -> int:
+        for seq in list(self._waiting):
+            if budget == 0 or len(self._running) >= self.config.max_num_seqs:
+                break
+            if _prefetching(seq):
+                continue  # waits for its prefetch; later requests may go on
+            piece = self._start(seq, budget)
+            if piece is None:
+                if _prefetching(seq):
+                    continue
+                break  # first come first served: nobody overtakes a request that does not fit
+            self._waiting.remove(seq)
+            pieces.append(piece)
+            scheduled.add(seq.seq_id)
+            budget -= len(piece.token_ids)
+        return budget
+
+    def _start(self, seq: Sequence, budget: int) -> Piece | None:
+        """Admit ``seq`` with a first piece, or start its prefetch, or None if it does not fit."""
+        r = seq.request
+        tokens = r.all_token_ids
+        limit = (len(tokens) - 1) // self._bs  # leave at least one token to compute
+        keys = self._keys(seq, tokens, limit)
+        match = self.blocks.match(keys, seq.storage_until)
+        stored = [i for i, w in enumerate(match.where) if w == "storage"]
+        if stored:
+            if self._start_prefetch(seq, [match.keys[i] for i in stored], stored):
+                return None
+            end = stored[0]  # no room to stage them: recompute from the first
+            match = type(match)(match.keys[:end], match.where[:end], match.block_ids[:end])
+        hits = len(match.keys)
+        tail = seq.tail if seq.tail is not None and seq.tail.position == hits else None
+        cached = hits * self._bs + (tail.num_tokens if tail else 0)
+        count = min(len(tokens) - cached, budget)
+        on_device = match.count("device")
+        need = -(-(cached + count) // self._bs) - on_device
+        self.blocks.acquire(match)
+        new = self.blocks.allocate_device(need)
+        if new is None:
+            self.blocks.release(match)
+            return None
+        table, swap_host, swap_device = _place(match, tail, new)
+        self.blocks.swap_in(swap_host, swap_device, "resume" if seq.admissions else "admit")
+        # Free at issue: the host blocks may be reused; their next writer waits (I4).
+        self.blocks.host.free(
+            [b for w, b in zip(match.where, match.block_ids, strict=True) if w == "host" and b]
+        )
+        self._drop_holds(seq)
+        seq.blocks = table
+        seq.num_keyed = 0  # device hits keep their keys; swapped-in ones get theirs below
+        r.num_computed_tokens = cached
+        self._key_blocks(seq, tokens, hits)
+        self._count_hits(seq, match.where, match.keys, tail)
+        r.transition(RequestState.RUNNING)
+        seq.admitted = self._admitted
+        self._admitted += 1
+        seq.admissions += 1
+        self._running.append(seq)
+        return self._piece(seq, count)
+
+    def _count_hits(
+        self,
+        seq: Sequence,
+        where: tuple[str, ...],
+        keys: tuple[BlockHash, ...],
+        tail: Tail | None,
+    ) -> None:
+        first = seq.admissions == 0
+        for found, key in zip(where, keys, strict=True):
+            tier = "storage" if key in seq.from_storage else found
+            self.counters.hit_tokens[tier] += self._bs
+            if first:
+                seq.request.cached_tokens[tier] += self._bs
+        if tail is not None:
+            self.counters.hit_tokens["host"] += tail.num_tokens
+
+    def _start_prefetch(self, seq: Sequence, keys: list[BlockHash], positions: list[int]) -> bool:
+        host = self.blocks.allocate_host(len(keys))
+        if host is None:
+            return False
+        op = self.blocks.prefetch(host, keys)
+        seq.prefetch = (op.op, tuple(host), tuple(positions))
+        self._prefetches[op.op] = seq
+        seq.request.transition(RequestState.WAITING_FOR_PREFETCH)
+        return True
+
+    def _drop_holds(self, seq: Sequence) -> None:
+        held = seq.held + ([seq.tail.host_block] if seq.tail is not None else [])
+        if held:
+            self.blocks.host.free(held)
+        seq.held, seq.tail = [], None
+
+    # Preemption.
+
+    def _preempt(self, seq: Sequence) -> None:
+        r = seq.request
+        policy = self.config.preemption
+        computed = r.num_computed_tokens
+        used = -(-computed // self._bs)
+        full = computed // self._bs
+        keys = self._keys(seq, r.all_token_ids, full)
+        if policy == "swap" and used:
+            host = self.blocks.allocate_host(used)
+            if host is None:
+                policy = "recompute"  # no room on host: recompute instead (counted as such)
+            else:
+                self.blocks.swap_out(seq.blocks[:used], host, "preempt")
+                for i, b in enumerate(host[:full]):
+                    holder = self.blocks.host.set_key(b, keys[i])
+                    if holder != b:  # the host tier has it already: hold that copy instead
+                        self.blocks.host.take(holder)
+                        self.blocks.host.free([b])
+                        host[i] = holder
+                seq.held = host[:full]
+                seq.tail = None
+                if used > full:
+                    seq.tail = Tail(host[full], full, computed - full * self._bs)
+        elif policy == "save" and full and not self.blocks.save(seq.blocks[:full], keys, "preempt"):
+            policy = "recompute"
+        self.counters.preemptions[policy] += 1
+        self.blocks.free_device(seq.blocks)
+        seq.blocks, seq.num_keyed = [], 0
+        r.num_computed_tokens = 0
+        r.transition(RequestState.PREEMPTED)
+        self._running.remove(seq)
+        # The queue stays in arrival (seq id) order: it goes before every later request.
+        index = 0
+        while index < len(self._waiting) and self._waiting[index].seq_id < seq.seq_id:
+            index += 1
+        self._waiting.insert(index, seq)
+
+    # Results and completions.
+
+    def on_step(
+        self, step: int, status: str, outputs: Iterable[tuple[int, int]]
+    ) -> tuple[list[Emitted], list[Request]]:
+        """Apply step ``step``'s result: (seq_id, token_id) pairs. Returns what each request
+        produced, and the requests that a failed step ended (aborted)."""
+        op = self._step_in_flight
+        if op is None or op.step != step:
+            raise RuntimeError(f"result of step {step}, but the step in flight is {op}")
+        self._step_in_flight = None
+        if status != "ok":
+            failed = []
+            for piece in op.pieces:
+                seq = self._seqs.get(piece.seq_id)
+                if seq is not None and not seq.request.is_finished:
+                    self.blocks.forget(device=seq.blocks)
+                    failed.append(self.abort(seq.request.request_id))
+            return [], [r for r in failed if r is not None]
+        emitted = []
+        for seq_id, token in outputs:
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.request.state is not RequestState.RUNNING:
+                continue  # aborted while the step ran
+            reason = seq.request.append_output(token)
+            if reason is not None:
+                self._finish(seq)
+            emitted.append(Emitted(seq.request, (token,), reason is not None))
+        return emitted, []
+
+    def _finish(self, seq: Sequence) -> None:
+        self._running.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back every block the sequence holds and forget it."""
+        if seq.blocks:
+            self.blocks.free_device(seq.blocks)
+            seq.blocks = []
+        self._drop_holds(seq)
+        if seq.prefetch is not None:
+            self.blocks.host.free(seq.prefetch[1])  # free at issue: the next writer waits
+            self._prefetches.pop(seq.prefetch[0], None)
+            seq.prefetch = None
+        self._seqs.pop(seq.seq_id, None)
+        self._by_id.pop(seq.request.request_id, None)
+
+    def on_transfer(self, lane: Lane, op: int, status: str, missing: Iterable[int] = ()) -> None:
+        """Apply a transfer completion. A prefetch's request waits again (its blocks now on
+        host, the missing ones to be recomputed); any other failed op's blocks are forgotten."""
+        self.blocks.completed(lane, op, status)
+        if lane is Lane.STORE and op in self._prefetches:
+            self._prefetched(self._prefetches.pop(op), status, set(missing))
+
+    def _prefetched(self, seq: Sequence, status: str, missing: set[int]) -> None:
+        assert seq.prefetch is not None
+        _, host, positions = seq.prefetch
+        seq.prefetch = None
+        lacking = set(range(len(host))) if status != "ok" else missing
+        first_bad = min(lacking, default=len(host))
+        keep, drop = [], []
+        for i, b in enumerate(host):
+            if i < first_bad:
+                key = seq.keys[positions[i]]
+                holder = self.blocks.host.set_key(b, key)
+                if holder != b:
+                    self.blocks.host.take(holder)
+                    drop.append(b)
+                keep.append(holder)
+                seq.from_storage.add(key)
+            else:
+                drop.append(b)
+        if first_bad < len(host):
+            seq.storage_until = positions[first_bad]
+        self.blocks.host.free(drop)
+        seq.held.extend(keep)
+        seq.request.transition(RequestState.WAITING)
+
+    @property
+    def step_in_flight(self) -> StepOp | None:
+        """The step issued whose result has not been applied yet."""
+        return self._step_in_flight
+
+    @property
+    def idle(self) -> bool:
+        """No live request: nothing to schedule until one arrives."""
+        return not self._by_id
+
+
+def _place(
+    match: PrefixMatch, tail: Tail | None, new: list[BlockId]
+) -> tuple[list[BlockId], list[BlockId], list[BlockId]]:
+    """The device block table of an admission (device hits in place, new blocks for the
+    rest), and the host -> device pairs to swap in (host hits, then the held tail)."""
+    table: list[BlockId] = []
+    fresh = iter(new)
+    swap_host: list[BlockId] = []
+    swap_device: list[BlockId] = []
+    for where, block in zip(match.where, match.block_ids, strict=True):
+        assert block is not None
+        if where == "device":
+            table.append(block)
+        else:
+            target = next(fresh)
+            table.append(target)
+            swap_host.append(block)
+            swap_device.append(target)
+    if tail is not None:
+        target = next(fresh)
+        table.append(target)
+        swap_host.append(tail.host_block)
+        swap_device.append(target)
+    table.extend(fresh)
+    return table, swap_host, swap_device
+
+
+def _prefetching(seq: Sequence) -> bool:
+    return seq.prefetch is not None
