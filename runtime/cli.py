@@ -11,6 +11,7 @@ from typing import Protocol, cast
 
 import orjson
 
+from ringfence.runtime.topology import import_target
 from ringfence.shm import names
 
 MANIFEST = "names.json"
@@ -62,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="the run dir (default: runtime.run_dir/<run id>)",
     )
+    launch.add_argument(
+        "--workload",
+        metavar="FILE.jsonl|synthetic:NAME",
+        help="run these requests to completion, print a summary and exit (sets engine.workload;"
+        " synthetic: multiturn, unique, pressure); without it the instance serves clients",
+    )
 
     clean = sub.add_parser("clean", help="remove the shared-memory names of dead runs")
     target = clean.add_mutually_exclusive_group(required=True)
@@ -112,9 +119,17 @@ def _launch(args: argparse.Namespace) -> int:
     from ringfence.runtime.config import load_config
     from ringfence.runtime.supervisor import Supervisor
 
-    supervisor = Supervisor(load_config(args.config, args.overrides), args.run_dir)
+    overrides = list(args.overrides)
+    if args.workload:
+        overrides.append(f"engine.workload={args.workload}")
+    supervisor = Supervisor(load_config(args.config, overrides), args.run_dir)
     print(f"ringfence launch: run {supervisor.run_id} in {supervisor.run_dir}", flush=True)
     code = supervisor.run()
+    summary = supervisor.run_dir / "summary.json"
+    if args.workload and summary.exists():
+        # The table lives with the engine's report; the runtime imports it only by name.
+        report = import_target("ringfence.actors.report:format_summary")
+        print(report(orjson.loads(summary.read_bytes())))  # type: ignore[operator]
     print(
         f"ringfence launch: run {supervisor.run_id} ended ({supervisor.stop_reason}), "
         f"exit status {code}"

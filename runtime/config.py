@@ -50,7 +50,7 @@ ACTOR_NAME = r"[a-z][a-z0-9_]{0,31}"  # full match; the <name> of an [actors.<na
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _DEVICE = (r"cpu|cuda(:[0-9]+)?", "'cpu', 'cuda' or 'cuda:N'")
 _IMPORT = (rf"{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*", "an import path 'module:ATTRIBUTE'")
-_DEMO = "ringfence.runtime.demo:TOPOLOGY"
+_ENGINE = "ringfence.actors.engine:TOPOLOGY"  # by name: the runtime never imports actors
 _INT64 = (-(2**63), 2**63 - 1)  # TOML integers are signed 64-bit
 _BOUNDS = (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="))
 _EXPECTED = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
@@ -86,8 +86,8 @@ class ModelConfig:
 class StorageConfig:
     """[cache.storage]: the storage tier below host memory."""
 
-    backend: Backend = setting("none", "storage backend; 'none' disables the storage tier")
-    path: str = setting("", "directory of the 'local' backend")
+    backend: Backend = setting("local", "storage backend; 'none' disables the storage tier")
+    path: str = setting("", "directory of the 'local' backend; empty = <run dir>/storage")
     url: str = setting("", "server URL of the 'redis' backend")
     max_bytes: int = setting(1 << 30, "capacity of the storage tier in bytes", ge=0)
 
@@ -135,7 +135,9 @@ class RuntimeConfig:
     log_level: LogLevel = setting("info", "info, or trace for the full protocol trace")
     ring_bytes: int = setting(1 << 20, "bytes of a ring", ge=4096, le=1 << 30, multiple_of=8)
     spin_us: float = setting(50.0, "microseconds a waiter spins before it blocks", ge=0, le=100000)
-    topology: str = setting(_DEMO, "actor topology to launch, 'module:ATTRIBUTE'", pattern=_IMPORT)
+    topology: str = setting(
+        _ENGINE, "actor topology to launch, 'module:ATTRIBUTE'", pattern=_IMPORT
+    )
     heartbeat_s: float = setting(0.5, "seconds between actor heartbeats", gt=0)
     heartbeat_timeout_s: float = setting(
         10.0,
@@ -163,6 +165,22 @@ class HarnessConfig:
     ops: int = setting(40, "ops per program (steps, swaps, write-backs, prefetches)", ge=1)
     seed: int = setting(0, "seed of the first program; program k uses seed + k", ge=0)
     check: bool = setting(True, "compare each program with its sequential interpretation")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """[engine]: the workload the engine runs (``launch --workload``), and its shutdown."""
+
+    workload: str = setting(
+        "", "a JSON-lines file or synthetic:NAME to run to completion; empty = serve clients"
+    )
+    requests: int = setting(0, "requests of the workload to run; 0 = all of it", ge=0)
+    seed: int = setting(0, "seed of a synthetic workload", ge=0)
+    arrivals: bool = setting(True, "honour each request's arrival_s; false = all at once")
+    progress: bool = setting(True, "show progress on the terminal during a workload")
+    drain_timeout_s: float = setting(
+        30.0, "at shutdown, how long to wait for the store lane's writes in flight", ge=0
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,6 +213,7 @@ class Config:
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     demo: DemoConfig = dataclasses.field(default_factory=DemoConfig)
     harness: HarnessConfig = dataclasses.field(default_factory=HarnessConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     actors: Mapping[str, ActorPolicy] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}),
         hash=False,

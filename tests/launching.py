@@ -39,6 +39,7 @@ from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.liveness import ProcessStamp
 
+DEMO_TOPOLOGY = "ringfence.runtime.demo:TOPOLOGY"
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
 RINGFENCE = Path(sys.executable).with_name("ringfence")  # the venv's console script
@@ -310,6 +311,11 @@ def launched(
     run_dir = run_dir or tmp_path / "run"
     mark = uuid.uuid4().hex
     args: list[str] = [str(RINGFENCE), "launch", "--run-dir", str(run_dir)]
+    # These tests follow the demo pipeline unless they name a topology (the built-in
+    # default is the engine's).
+    named = any(s.startswith("runtime.topology=") for s in sets)
+    if not named and (config is None or "topology" not in config.read_text()):
+        sets = (f"runtime.topology={DEMO_TOPOLOGY}", *sets)
     if config is not None:
         args += ["--config", str(config)]
     for setting in sets:

@@ -54,7 +54,7 @@ def test_defaults_load_without_a_file_and_equal_a_default_config():
     assert cfg == Config()
     assert hash(cfg) == hash(Config())
     assert (cfg.cache.block_size, cfg.cache.storage.max_bytes) == (16, 1 << 30)
-    assert cfg.runtime.topology == "ringfence.runtime.demo:TOPOLOGY"
+    assert cfg.runtime.topology == "ringfence.actors.engine:TOPOLOGY"
     assert dict(cfg.actors) == {}
 
 

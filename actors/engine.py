@@ -1,0 +1,431 @@
+"""The Engine actor: drives the scheduler, issues its ops to the lanes, applies what comes back.
+
+The engine owns every number of the protocol. It waits for the Worker's and both
+Transfer lanes' announcements, builds the :class:`Scheduler` (which needs the model's
+identity and limits), then runs a loop made of messages only:
+
+- requests arrive from a workload (``engine.workload``: timers at their ``arrival_s``)
+  or from clients (:class:`ClientHub`);
+- whenever the step lane is idle, :meth:`Scheduler.schedule` gives the next ops; they
+  are queued per lane and sent in issue order while the lane has credit (bounded ops
+  in flight, so no result ring ever fills); in ``transfer.mode = "sync"`` an op is
+  held until every op its fence names has completed, then sent with no fence;
+- a :class:`StepResult` or :class:`OpDone` of an older epoch is dropped; otherwise it is
+  applied to the scheduler, tokens stream to their clients, and the loop schedules
+  again.
+
+A workload run ends by writing ``outputs.jsonl`` and ``summary.json`` and asking for
+shutdown; at stop the engine waits (``engine.drain_timeout_s``) for the store lane's
+writes in flight, so the next instance on the same storage finds them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ringfence.actors.client import CLIENT_ACTOR, CLIENT_CHANNELS
+from ringfence.actors.clienthub import ClientHub, RequestKey, RequestRefused
+from ringfence.actors.clientproto import Abort, Hello, Submit
+from ringfence.actors.lanes import LANE_SLOTS, LANES, lane_counter
+from ringfence.actors.protocol import (
+    DeviceTier,
+    LaneReady,
+    ModelInfo,
+    OpDone,
+    StepResult,
+    WorkerReady,
+)
+from ringfence.actors.report import (
+    Progress,
+    RequestRecord,
+    summarize,
+    write_run_report,
+)
+from ringfence.actors.serving import (
+    load_workload,
+    make_request,
+    open_storage,
+    sched_config,
+    to_message,
+)
+from ringfence.actors.tokenizer import ByteTokenizer
+from ringfence.cache.fences import NO_WAIT, Lane
+from ringfence.cache.storage import StorageBackend
+from ringfence.runtime.actor import Actor, handles
+from ringfence.runtime.config import Config
+from ringfence.runtime.messages import Tick
+from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
+from ringfence.sched.ops import Op
+from ringfence.sched.request import Request, RequestError, SamplingParams
+from ringfence.sched.scheduler import Scheduler
+from ringfence.sched.workload import WorkloadRequest
+
+CREDITS = {Lane.STEP: 1, Lane.SWAP: 8, Lane.STORE: 8}  # ops in flight per lane
+TARGET = {Lane.STEP: "worker", Lane.SWAP: "swap", Lane.STORE: "store"}
+LANE_OF = {"swap": Lane.SWAP, "store": Lane.STORE}
+
+
+@dataclass(frozen=True, slots=True)
+class Arrive:
+    """Timer: the workload requests due by now arrive."""
+
+
+@dataclass(slots=True)
+class _Times:
+    request: Request
+    key: RequestKey | None  # the client's key, None for a workload request
+    arrival: float  # seconds since the engine's clock started
+    first: float | None = None
+    finish: float | None = None
+
+
+class Engine(Actor):
+    """See the module docstring."""
+
+    config_section = ""
+    tick_s = 0.5
+
+    def on_start(self) -> None:
+        config = self.ctx.config
+        assert isinstance(config, Config)
+        self.config = config
+        self.sync = config.transfer.mode == "sync"
+        self.clients = ClientHub(lambda to, m: self.send(to, m, timeout=0), self.log)
+        self.scheduler: Scheduler | None = None
+        self.storage: StorageBackend | None = None
+        self.model: ModelInfo | None = None
+        self.tier: DeviceTier | None = None
+        self.ready: set[str] = set()
+        self.queues: dict[Lane, deque[Op]] = {lane: deque() for lane in Lane}
+        self.in_flight = dict.fromkeys(Lane, 0)
+        self.completed = dict.fromkeys(Lane, 0)
+        self.last_sent = dict.fromkeys(Lane, 0)
+        self.bytes: dict[str, int] = {}
+        self.times: dict[str, _Times] = {}
+        self.records: list[RequestRecord] = []
+        self.workload: list[WorkloadRequest] = []
+        self.next_arrival = 0
+        self.clock0 = time.perf_counter()
+        self.done = False
+        self.progress: Progress | None = None
+        self.output_tokens = 0
+        self.epoch = self.ctx.epoch
+
+    def on_stop(self) -> None:
+        self._drain_store()
+        if self.progress is not None:
+            self.progress.close()
+        if self.storage is not None:
+            self.storage.close()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.clock0
+
+    # Startup.
+
+    @handles(WorkerReady)
+    def on_worker(self, msg: WorkerReady) -> None:
+        if self.model is not None:
+            # Re-prefilling the running requests after a Worker restart is the faults
+            # issue's (#9): until then the run ends rather than compute on a reset tier.
+            raise RuntimeError("the worker restarted; the engine cannot recover a device tier yet")
+        self.model = msg.model
+        self.tier = DeviceTier(epoch=msg.epoch, kv=msg.kv)
+        self.send("swap", self.tier)
+        self.ready.add("worker")
+        self._maybe_begin()
+
+    @handles(LaneReady)
+    def on_lane(self, msg: LaneReady) -> None:
+        if msg.lane in self.ready:  # restarted: it redoes its op in flight from its ring
+            self.log.warning("engine.lane_restart", lane=msg.lane, done=msg.done)
+            if msg.lane == "swap" and self.tier is not None:
+                self.send("swap", self.tier)
+            return
+        self.ready.add(msg.lane)
+        self._maybe_begin()
+
+    def _maybe_begin(self) -> None:
+        if self.scheduler is not None or self.ready != {"worker", "swap", "store"}:
+            return
+        assert self.model is not None and self.ctx.run_dir is not None
+        self.storage = open_storage(self.config, self.model, str(self.ctx.run_dir))
+        self.scheduler = Scheduler(sched_config(self.config, self.model), self.storage)
+        settings = self.config.engine
+        self.log.info("engine.ready", model_id=self.model.model_id, workload=settings.workload)
+        if settings.workload:
+            self.workload = load_workload(
+                settings.workload, seed=settings.seed, requests=settings.requests or None
+            )
+            if not settings.arrivals:
+                self.workload = [replace(w, arrival_s=0.0) for w in self.workload]
+            if settings.progress:
+                self.progress = Progress(len(self.workload), stream=sys.stderr)
+            self.clock0 = time.perf_counter()
+            self.on_arrive(Arrive())
+
+    # Requests in.
+
+    @handles(Arrive)
+    def on_arrive(self, msg: Arrive) -> None:
+        now = self.now()
+        while self.next_arrival < len(self.workload):
+            line = self.workload[self.next_arrival]
+            if line.arrival_s > now:
+                self.schedule(line.arrival_s - now, Arrive())
+                break
+            self.next_arrival += 1
+            self._add(make_request(line, self._encode), None, line.arrival_s)
+        self._kick()
+
+    def _encode(self, text: str) -> list[int]:
+        return ByteTokenizer().encode(text)
+
+    def _add(self, request: Request, key: RequestKey | None, arrival: float) -> None:
+        assert self.scheduler is not None
+        self.scheduler.add(request)
+        self.times[request.request_id] = _Times(request, key, arrival)
+
+    @handles(Hello)
+    def on_hello(self, msg: Hello) -> None:
+        for key in self.clients.hello(self._peer(), msg):
+            self._abort(key, "the client attached again")
+        self._flush()
+
+    @handles(Submit)
+    def on_submit(self, msg: Submit) -> None:
+        peer = self._peer()
+        try:
+            if self.scheduler is None:
+                raise RequestRefused("the engine is starting: its worker is not ready yet")
+            key = self.clients.submit(peer, msg)
+        except RequestRefused as e:
+            self.clients.reject(peer, msg.request_id, str(e))
+            self._flush()
+            return
+        try:
+            params = SamplingParams(
+                max_tokens=msg.max_tokens,
+                temperature=msg.temperature,
+                seed=msg.seed,
+                stop_token_ids=msg.stop_token_ids,
+            )
+            tokens = msg.prompt_token_ids or tuple(self._encode(msg.prompt))
+            request = Request(request_id=key, prompt_token_ids=tokens, params=params)
+            self._add(request, key, self.now())
+        except RequestError as e:  # e.g. longer than the model: the request ends here
+            self.clients.emit(key, finish_reason="abort", error=str(e))
+        self._kick()
+
+    @handles(Abort)
+    def on_abort(self, msg: Abort) -> None:
+        key = self.clients.abort(self._peer(), msg.request_id)
+        if key is not None:
+            self._abort(key, "")
+        self._kick()
+
+    def _peer(self) -> str:
+        delivery = self.ctx.services.current
+        assert delivery is not None
+        return delivery.peer
+
+    def _abort(self, request_id: str, error: str) -> None:
+        if self.scheduler is not None and self.scheduler.abort(request_id) is not None:
+            self._finished(request_id, error)
+
+    # Issuing.
+
+    def _kick(self) -> None:
+        """Schedule the next step if the step lane is idle, then send what has credit."""
+        scheduler = self.scheduler
+        if scheduler is not None and not self.done:
+            if scheduler.step_in_flight is None and not scheduler.idle:
+                for op in scheduler.schedule():
+                    self.queues[op.lane].append(op)
+            self._pump()
+        self._flush()
+        self._maybe_end()
+
+    def _pump(self) -> None:
+        for lane, queue in self.queues.items():
+            while queue and self.in_flight[lane] < CREDITS[lane]:
+                op = queue[0]
+                if self.sync:
+                    waits = op.fence.waits()
+                    if any(self.completed[other] < seq for other, seq in waits.items()):
+                        break
+                    op = replace(op, fence=NO_WAIT)
+                queue.popleft()
+                self.in_flight[lane] += 1
+                self.last_sent[lane] = op.number
+                self.send(TARGET[lane], to_message(op, self.epoch))
+
+    # Results and completions.
+
+    @handles(StepResult)
+    def on_step(self, msg: StepResult) -> None:
+        scheduler = self.scheduler
+        if scheduler is None or msg.epoch != self.epoch:
+            self.log.warning("engine.stale", lane="step", op=msg.step, msg_epoch=msg.epoch)
+            return
+        self._settled(Lane.STEP, msg.step)
+        if msg.status != "ok":
+            self.log.error("engine.step_failed", step=msg.step, status=msg.status, error=msg.error)
+        emitted, failed = scheduler.on_step(
+            msg.step, msg.status, [(t.seq_id, t.token_id) for t in msg.outputs]
+        )
+        now = self.now()
+        for e in emitted:
+            rid = e.request.request_id
+            times = self.times[rid]
+            first = times.first is None
+            if first:
+                times.first = now
+            self.output_tokens += len(e.token_ids)
+            if times.key is not None:
+                self.clients.emit(
+                    times.key,
+                    e.token_ids,
+                    cached_tokens=dict(e.request.cached_tokens) if first else None,
+                    ttft_s=now - times.arrival if first else -1.0,
+                )
+            if e.finished:
+                self._finished(rid, "")
+        for request in failed:
+            self._finished(request.request_id, f"step {msg.step} {msg.status}: {msg.error}")
+        self._kick()
+
+    @handles(OpDone)
+    def on_op(self, msg: OpDone) -> None:
+        scheduler = self.scheduler
+        lane = LANE_OF[msg.lane]
+        if scheduler is None or msg.epoch != self.epoch:
+            self.log.warning("engine.stale", lane=msg.lane, op=msg.op, msg_epoch=msg.epoch)
+            return
+        self._settled(lane, msg.op)
+        if msg.status != "ok":
+            self.log.warning("engine.op_failed", lane=msg.lane, op=msg.op, status=msg.status)
+        op = scheduler.blocks.inflight.get((lane, msg.op))
+        if op is not None:
+            name = f"{msg.lane}_{op.direction}"
+            self.bytes[name] = self.bytes.get(name, 0) + msg.bytes
+        scheduler.on_transfer(lane, msg.op, msg.status, msg.missing)
+        self._kick()
+
+    def _settled(self, lane: Lane, number: int) -> None:
+        self.in_flight[lane] -= 1
+        self.completed[lane] = max(self.completed[lane], number)
+
+    def _finished(self, request_id: str, error: str) -> None:
+        assert self.scheduler is not None
+        times = self.times.pop(request_id)
+        times.finish = self.now()
+        request = times.request
+        if times.key is not None:
+            self.clients.emit(
+                times.key, finish_reason=str(request.finish_reason or "abort"), error=error
+            )
+            return
+        self.records.append(
+            RequestRecord(
+                id=request.request_id,
+                prompt_tokens=request.num_prompt_tokens,
+                token_ids=tuple(request.output_token_ids),
+                finish_reason=str(request.finish_reason or "abort"),
+                error=error,
+                arrival_s=times.arrival,
+                first_token_s=times.first,
+                finish_s=times.finish,
+                cached_tokens=dict(request.cached_tokens),
+            )
+        )
+        if self.progress is not None:
+            self.progress.update(len(self.records), self.now(), tokens=self.output_tokens)
+
+    # Ticks, the end of a workload, shutdown.
+
+    @handles(Tick)
+    def on_tick(self, msg: Tick) -> None:
+        for key in self.clients.stuck_or_dead():
+            self._abort(key, "the client is gone or does not read its outputs")
+        if self.progress is not None:
+            self.progress.update(len(self.records), self.now(), tokens=self.output_tokens)
+        self._kick()
+
+    def _flush(self) -> None:
+        if self.clients.pending():
+            self.clients.flush()
+
+    def _maybe_end(self) -> None:
+        if self.done or not self.workload or len(self.records) < len(self.workload):
+            return
+        if any(self.queues[lane] for lane in Lane) or self.in_flight[Lane.STORE]:
+            return  # the write-backs go out and finish first
+        self.done = True
+        assert self.ctx.run_dir is not None
+        summary = summarize(self.records, duration_s=self.now(), engine=self.counters())
+        order = {w.id: i for i, w in enumerate(self.workload)}
+        records = sorted(self.records, key=lambda r: order[r.id])
+        write_run_report(self.ctx.run_dir, records, summary)
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        self.log.info(
+            "engine.workload_done", requests=len(records), duration_s=summary["duration_s"]
+        )
+        self.request_shutdown(f"workload {self.config.engine.workload} done")
+
+    def counters(self) -> dict[str, Any]:
+        assert self.scheduler is not None
+        c = self.scheduler.counters
+        moved = self.scheduler.blocks.moved
+        return {
+            "mode": self.config.transfer.mode,
+            "preemption_policy": self.config.sched.preemption,
+            "preemptions": dict(c.preemptions),
+            "hit_tokens": dict(c.hit_tokens),
+            "steps": c.steps,
+            "batched_tokens": c.batched_tokens,
+            "ops": dict(moved.ops),
+            "blocks": dict(moved.blocks),
+            "bytes": dict(self.bytes),
+        }
+
+    def _drain_store(self) -> None:
+        """Wait (with a deadline) until the store lane has done every op sent to it."""
+        last = self.last_sent[Lane.STORE]
+        if last == 0 or LANES not in self.ctx.counters:
+            return
+        done = lane_counter(self.ctx.counters[LANES], self.ctx.rank, Lane.STORE)
+        if not self.wait_until(
+            lambda: done.value() >= last, timeout=self.config.engine.drain_timeout_s
+        ):
+            self.log.warning("engine.drain_timeout", store_done=done.value(), last_sent=last)
+
+
+_P = "ringfence.actors.protocol"
+# Stop order: clients first (not waited for), then the engine, so nothing is sent to a
+# lane that already stopped, and the engine can wait for the store lane's writes.
+TOPOLOGY = Topology(
+    actors=(
+        CLIENT_ACTOR,
+        ActorSpec(name="engine", target=f"{__name__}:Engine"),
+        ActorSpec(name="worker", target="ringfence.actors.worker:Worker"),
+        ActorSpec(name="swap", target="ringfence.actors.transfer:SwapLane"),
+        ActorSpec(name="store", target="ringfence.actors.transfer:StoreLane"),
+    ),
+    channels=(
+        *CLIENT_CHANNELS,
+        ChannelSpec(src="engine", dst="worker", protocol=f"{_P}:TO_WORKER"),
+        ChannelSpec(src="worker", dst="engine", protocol=f"{_P}:FROM_WORKER"),
+        ChannelSpec(src="engine", dst="swap", protocol=f"{_P}:TO_SWAP"),
+        ChannelSpec(src="swap", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
+        ChannelSpec(src="engine", dst="store", protocol=f"{_P}:TO_STORE"),
+        ChannelSpec(src="store", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
+    ),
+    counters=(CounterSpec(name=LANES, count=LANE_SLOTS),),
+)
