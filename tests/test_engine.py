@@ -1,0 +1,125 @@
+"""The whole system on workloads: the actor pipeline's tokens equal the plain reference's.
+
+Each run launches the engine topology (Engine, Worker, swap and store lanes as
+processes) on a synthetic workload with the host and storage tiers on, chaos delays
+and poisoned blocks, in float64, and compares every request's output tokens with
+the in-process runner (``LocalRunner``) on the same model with both tiers off and a
+device pool large enough that nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import orjson
+import pytest
+from launching import QUICK, Launch, launched
+
+from ringfence.actors.local import LocalRunner
+from ringfence.actors.serving import load_workload
+from ringfence.runtime.config import load_config
+
+ENGINE = "runtime.topology=ringfence.actors.engine:TOPOLOGY"
+MODEL = (ENGINE, "model.dtype=float64", "cache.block_size=16", "engine.progress=false")
+TIERS = (
+    "cache.host_blocks=24",
+    "cache.storage.backend=local",
+    "cache.poison_freed=true",
+    "transfer.chaos_delay_ms=2",
+)
+SIZES = {"pressure": 4, "multiturn": 12}
+DEVICE_BLOCKS = {"pressure": 48, "multiturn": 40}  # pressure: 4 requests need ~110 blocks
+
+
+@cache
+def reference(workload: str) -> dict[str, tuple[int, ...]]:
+    """Output tokens per request of the plain loop: no tiers, a pool that never runs out."""
+    config = load_config(
+        None,
+        [*MODEL, "cache.host_blocks=0", "cache.storage.backend=none", "cache.device_blocks=1024"],
+    )
+    lines = load_workload(f"synthetic:{workload}", requests=SIZES[workload])
+    return {r.id: r.token_ids for r in LocalRunner(config).run(lines, arrivals=False)}
+
+
+def finished(run: Launch, timeout: float = 180.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    assert run.wait(timeout) == 0, run.tail()
+    lines = (run.run_dir / "outputs.jsonl").read_bytes().splitlines()
+    summary = orjson.loads((run.run_dir / "summary.json").read_bytes())
+    return [orjson.loads(line) for line in lines], summary
+
+
+def workload_sets(workload: str, *extra: str) -> tuple[str, ...]:
+    return (
+        f"engine.workload=synthetic:{workload}",
+        f"engine.requests={SIZES[workload]}",
+        "engine.arrivals=false",
+        f"cache.device_blocks={DEVICE_BLOCKS[workload]}",
+        *MODEL,
+        *QUICK,
+        *extra,
+    )
+
+
+@pytest.mark.parametrize(
+    ("workload", "policy"),
+    [
+        ("pressure", "recompute"),
+        ("pressure", "swap"),
+        ("pressure", "save"),
+        ("multiturn", "swap"),
+    ],
+)
+def test_under_chaos_and_poison_every_request_gets_the_tokens_of_the_run_without_tiers(
+    tmp_path, workload, policy
+):
+    expected = reference(workload)
+    sets = workload_sets(workload, *TIERS, f"sched.preemption={policy}")
+    with launched(tmp_path, *sets) as run:
+        outputs, summary = finished(run)
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == expected
+    assert summary["requests"]["finished"] == len(expected)
+    engine = summary["engine"]
+    if workload == "pressure":
+        # The pool is far too small for the four at once: the policy really ran.
+        assert sum(engine["preemptions"].values()) > 0, engine
+    moved = engine["blocks"]
+    assert moved.get("swap_out", 0) > 0, engine
+
+
+def test_a_second_instance_on_the_same_storage_takes_its_prefixes_from_the_first(tmp_path):
+    storage = tmp_path / "shared-storage"
+    sets = workload_sets(
+        "multiturn",
+        "cache.host_blocks=0",  # nothing kept on host: reuse across instances is storage only
+        "cache.storage.backend=local",
+        f"cache.storage.path={storage}",
+        "cache.device_eviction=write_through",
+    )
+    with launched(tmp_path, *sets, run_dir=tmp_path / "first") as run:
+        first, _ = finished(run)
+    with launched(tmp_path, *sets, run_dir=tmp_path / "second") as run:
+        second, summary = finished(run)
+    assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]
+    assert second[0]["cached_tokens"]["storage"] > 0, second[0]
+    assert summary["cached_tokens"]["storage"] > 0
+    assert {o["id"]: tuple(o["token_ids"]) for o in second} == reference("multiturn")
+
+
+def test_sync_mode_gives_the_same_tokens(tmp_path):
+    sets = workload_sets("pressure", *TIERS, "sched.preemption=swap", "transfer.mode=sync")
+    with launched(tmp_path, *sets) as run:
+        outputs, summary = finished(run)
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
+    assert summary["engine"]["mode"] == "sync"
+
+
+def test_the_main_job_runs_its_workload_prints_a_summary_and_leaves_no_names(tmp_path):
+    sets = (ENGINE, "engine.workload=synthetic:multiturn", "engine.requests=4", *QUICK)
+    with launched(tmp_path, *sets) as run:
+        outputs, summary = finished(run)
+        printed = run.stdout()
+    assert len(outputs) == 4 and summary["requests"]["total"] == 4
+    assert all(o["finish_reason"] in ("stop", "length") for o in outputs)
+    assert "throughput" in printed and "TTFT" in printed, printed
