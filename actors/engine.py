@@ -59,7 +59,8 @@ from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.config import Config
 from ringfence.runtime.messages import Tick
 from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
-from ringfence.sched.ops import Op
+from ringfence.sched.ops import Op, StepOp
+from ringfence.sched.ops import SwapOp as SchedSwapOp
 from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.scheduler import Scheduler
 from ringfence.sched.workload import WorkloadRequest
@@ -187,8 +188,16 @@ class Engine(Actor):
 
     def _add(self, request: Request, key: RequestKey | None, arrival: float) -> None:
         assert self.scheduler is not None
-        self.scheduler.add(request)
+        seq_id = self.scheduler.add(request)
         self.times[request.request_id] = _Times(request, key, arrival)
+        self.log.info(
+            "request.arrive",
+            request=request.request_id,
+            seq_id=seq_id,
+            prompt_tokens=request.num_prompt_tokens,
+            max_tokens=request.params.max_tokens,
+            arrival_s=round(arrival, 6),
+        )
 
     @handles(Hello)
     def on_hello(self, msg: Hello) -> None:
@@ -263,6 +272,30 @@ class Engine(Actor):
                 self.in_flight[lane] += 1
                 self.last_sent[lane] = op.number
                 self.send(TARGET[lane], to_message(op, self.epoch))
+                if self.log.tracing:
+                    self._trace_issue(op)
+
+    def _trace_issue(self, op: Op) -> None:
+        if isinstance(op, StepOp):
+            self.log.trace(
+                "op.issue",
+                lane=str(op.lane),
+                op=op.number,
+                fence=op.fence.waits(),
+                pieces=[[p.seq_id, p.start, len(p.token_ids), p.sample] for p in op.pieces],
+                poison=list(op.poison),
+            )
+            return
+        self.log.trace(
+            "op.issue",
+            lane=str(op.lane),
+            op=op.number,
+            fence=op.fence.waits(),
+            direction=op.direction,
+            reason=op.reason,
+            device_blocks=list(op.device_blocks) if isinstance(op, SchedSwapOp) else [],
+            host_blocks=list(op.host_blocks),
+        )
 
     # Results and completions.
 
@@ -325,6 +358,14 @@ class Engine(Actor):
         times = self.times.pop(request_id)
         times.finish = self.now()
         request = times.request
+        self.log.info(
+            "request.finish",
+            request=request_id,
+            reason=str(request.finish_reason or "abort"),
+            output_tokens=request.num_output_tokens,
+            cached_tokens=dict(request.cached_tokens),
+            error=error,
+        )
         if times.key is not None:
             self.clients.emit(
                 times.key, finish_reason=str(request.finish_reason or "abort"), error=error

@@ -137,6 +137,30 @@ EVENTS: Final[dict[str, Event]] = {
         "or prefetch (read), ok, rejected or cancelled; missing: positions storage lacked",
     ),
     # The protocol harness (ringfence.actors.harness), as actor "engine".
+    # The engine (actors/engine.py). ``request`` is the request id (a client's is
+    # "<client instance>/<incarnation>/<id>"); ``op`` a lane number; ``fence`` the waits.
+    "engine.ready": _e("info", "model_id workload", "every lane is ready; the scheduler is built"),
+    "engine.lane_restart": _e(
+        "warning", "lane done", "a transfer lane restarted (it redoes its op)"
+    ),
+    "engine.stale": _e("warning", "lane op msg_epoch", "a result of an older epoch was dropped"),
+    "engine.step_failed": _e("error", "step status error", "a step did not finish ok"),
+    "engine.op_failed": _e("warning", "lane op status", "a transfer op did not finish ok"),
+    "engine.workload_done": _e("info", "requests duration_s", "the workload ran to its end"),
+    "engine.drain_timeout": _e(
+        "warning", "store_done last_sent", "at stop, the store lane's writes were not all done"
+    ),
+    "request.arrive": _e(
+        "info", "request seq_id prompt_tokens max_tokens arrival_s", "a request was queued"
+    ),
+    "request.finish": _e(
+        "info", "request reason output_tokens cached_tokens error", "a request ended (or aborted)"
+    ),
+    "op.issue": _e(
+        "trace",
+        "lane op fence pieces poison direction reason device_blocks host_blocks",
+        "an op was sent to its lane (steps: pieces [seq_id, start, tokens, sample] and poison)",
+    ),
     "harness.mismatch": _e(
         "warning",
         "program differences",

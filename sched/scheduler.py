@@ -338,7 +338,11 @@ class Scheduler:
         self.blocks.swap_in(swap_host, swap_device, "resume" if seq.admissions else "admit")
         # Free at issue: the host blocks may be reused; their next writer waits (I4).
         self.blocks.host.free(
-            [b for w, b in zip(match.where, match.block_ids, strict=True) if w == "host" and b]
+            [
+                b
+                for w, b in zip(match.where, match.block_ids, strict=True)
+                if w == "host" and b is not None
+            ]
         )
         self._drop_holds(seq)
         seq.blocks = table

@@ -1,0 +1,93 @@
+"""Clients of the real engine: requests from other processes get the reference tokens.
+
+The instance serves clients (no workload) until SIGTERM; at stop the engine waits for
+the store lane's writes, so the storage tier holds every block it wrote back.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import orjson
+import peers
+from launching import QUICK, launched
+from test_engine import ENGINE, MODEL, TIERS, reference
+
+from ringfence.actors.client import Client
+from ringfence.actors.serving import load_workload
+from ringfence.shm import names
+
+WAIT_S = 120.0
+SETS = (ENGINE, *MODEL, *TIERS, "cache.device_blocks=48", "sched.preemption=swap", *QUICK)
+
+
+def remote_generate(run_dir: str, prompt: list[int], max_tokens: int, seed: int, out: str) -> None:
+    """Runs in a spawned process: one request from a client of its own; tokens to ``out``."""
+    with Client.connect(run_dir) as client:
+        done = client.generate(prompt, max_tokens=max_tokens, seed=seed, timeout=WAIT_S)
+    Path(out).write_bytes(orjson.dumps(list(done.token_ids)))
+
+
+def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop(tmp_path):
+    lines = load_workload("synthetic:pressure", requests=4)
+    expected = reference("pressure")
+    with launched(tmp_path, *SETS) as run:
+        run.wait_for_event("engine.ready", log="engine-0", timeout=WAIT_S)
+        with Client.connect(run.run_dir) as client:
+            for line in lines[:3]:
+                assert line.prompt_token_ids is not None
+                client.submit(
+                    list(line.prompt_token_ids),
+                    request_id=line.id,
+                    max_tokens=line.params.max_tokens,
+                    seed=line.params.seed,
+                )
+            other = lines[3]
+            assert other.prompt_token_ids is not None
+            remote = peers.start(
+                remote_generate,
+                str(run.run_dir),
+                list(other.prompt_token_ids),
+                other.params.max_tokens,
+                other.params.seed,
+                str(tmp_path / "remote.json"),
+            )
+            streamed = list(client.stream(lines[0].id, timeout=WAIT_S))
+            results = {line.id: client.result(line.id, timeout=WAIT_S) for line in lines[1:3]}
+            assert peers.finish(remote, timeout=WAIT_S) == 0
+            remote_tokens = orjson.loads((tmp_path / "remote.json").read_bytes())
+        assert tuple(streamed) == expected[lines[0].id]
+        for key, done in results.items():
+            assert done.token_ids == expected[key] and done.finish_reason == "length"
+        assert tuple(remote_tokens) == expected[other.id]
+        run.send_signal(signal.SIGTERM)
+        assert run.wait() == 143, run.tail()
+        assert names.list_names(run.run_id) == []
+        assert run.events("engine.drain_timeout", log="engine-0") == []
+        finished = run.events("request.finish", log="engine-0")
+        assert len(finished) == 4 and {f["reason"] for f in finished} == {"length"}
+
+
+def test_an_aborted_request_ends_with_abort_and_the_engine_serves_the_next(tmp_path):
+    lines = load_workload("synthetic:pressure", requests=4)
+    with launched(tmp_path, *SETS) as run:
+        run.wait_for_event("engine.ready", log="engine-0", timeout=WAIT_S)
+        with Client.connect(run.run_dir) as client:
+            first = lines[0]
+            assert first.prompt_token_ids is not None
+            client.submit(list(first.prompt_token_ids), request_id="long", max_tokens=60)
+            stream = client.stream("long", timeout=WAIT_S)
+            got = [next(stream), next(stream)]
+            client.abort("long")
+            rest = list(stream)
+            assert len(got) + len(rest) < 60
+            done = client.generate([1, 2, 3], max_tokens=4, timeout=WAIT_S)
+            assert len(done.token_ids) == 4
+        run.send_signal(signal.SIGTERM)
+        assert run.wait() == 143, run.tail()
+        reasons = {
+            f["request"].rsplit("/", 1)[-1]: f["reason"]
+            for f in run.events("request.finish", log="engine-0")
+        }
+        assert reasons["long"] == "abort"
