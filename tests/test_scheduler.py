@@ -757,8 +757,8 @@ def test_the_host_hits_of_an_admission_are_released_after_their_swap_in():
     sim.run([(0, make_request("a", first, 4))])
     sim.run([(sim.round, make_request("filler", range(30, 58), 4))])  # evicts a's to host
     sim.add(make_request("b", second, 4))
-    swap_in = [op for op in sim.one_round() if isinstance(op, SwapOp)]
-    assert swap_in and swap_in[0].direction == "in"
+    swap_in = [op for op in sim.one_round() if isinstance(op, SwapOp) and op.direction == "in"]
+    assert swap_in and swap_in[0].reason == "admit"
     sim.run()
     assert sim.sched.blocks.host.num_used == 0
 
