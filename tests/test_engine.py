@@ -9,6 +9,7 @@ device pool large enough that nothing is ever preempted.
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 from typing import Any
 
@@ -18,6 +19,7 @@ from launching import QUICK, Launch, launched
 
 from ringfence.actors.local import LocalRunner
 from ringfence.actors.serving import load_workload
+from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
 from ringfence.runtime.config import load_config
 
 ENGINE = "runtime.topology=ringfence.actors.engine:TOPOLOGY"
@@ -69,6 +71,9 @@ def workload_sets(workload: str, *extra: str) -> tuple[str, ...]:
         ("pressure", "swap"),
         ("pressure", "save"),
         ("multiturn", "swap"),
+        # The rest of the matrix: the slow soak (`scripts/test -m slow`).
+        pytest.param("multiturn", "recompute", marks=pytest.mark.slow),
+        pytest.param("multiturn", "save", marks=pytest.mark.slow),
     ],
 )
 def test_under_chaos_and_poison_every_request_gets_the_tokens_of_the_run_without_tiers(
@@ -88,15 +93,28 @@ def test_under_chaos_and_poison_every_request_gets_the_tokens_of_the_run_without
     assert moved.get("swap_out", 0) > 0, engine
 
 
-def test_a_second_instance_on_the_same_storage_takes_its_prefixes_from_the_first(tmp_path):
-    storage = tmp_path / "shared-storage"
-    sets = workload_sets(
-        "multiturn",
-        "cache.host_blocks=0",  # nothing kept on host: reuse across instances is storage only
-        "cache.storage.backend=local",
-        f"cache.storage.path={storage}",
-        "cache.device_eviction=write_through",
-    )
+@pytest.mark.parametrize("backend", ["local", "redis"])
+def test_a_second_instance_on_the_same_storage_takes_its_prefixes_from_the_first(tmp_path, backend):
+    with contextlib.ExitStack() as stack:
+        if backend == "redis":
+            if REDIS_SERVER is None:
+                pytest.skip("redis-server is not on PATH (scripts/test installs it as root)")
+            (tmp_path / "redis").mkdir()
+            url = stack.enter_context(redis_server(tmp_path / "redis"))
+            place = f"cache.storage.url={url}"
+        else:
+            place = f"cache.storage.path={tmp_path / 'shared-storage'}"
+        sets = workload_sets(
+            "multiturn",
+            "cache.host_blocks=0",  # nothing kept on host: reuse across instances is storage only
+            f"cache.storage.backend={backend}",
+            place,
+            "cache.device_eviction=write_through",
+        )
+        check_second_instance(tmp_path, sets)
+
+
+def check_second_instance(tmp_path, sets):
     with launched(tmp_path, *sets, run_dir=tmp_path / "first") as run:
         first, _ = finished(run)
     with launched(tmp_path, *sets, run_dir=tmp_path / "second") as run:
@@ -105,6 +123,21 @@ def test_a_second_instance_on_the_same_storage_takes_its_prefixes_from_the_first
     assert second[0]["cached_tokens"]["storage"] > 0, second[0]
     assert summary["cached_tokens"]["storage"] > 0
     assert {o["id"]: tuple(o["token_ids"]) for o in second} == reference("multiturn")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["recompute", "swap", "save"])
+def test_with_write_through_on_both_tiers_every_policy_gets_the_reference_tokens(tmp_path, policy):
+    sets = workload_sets(
+        "pressure",
+        *TIERS,
+        f"sched.preemption={policy}",
+        "cache.device_eviction=write_through",
+        "cache.host_eviction=write_through",
+    )
+    with launched(tmp_path, *sets) as run:
+        outputs, _ = finished(run)
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
 
 
 def test_sync_mode_gives_the_same_tokens(tmp_path):
