@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ringfence.actors.checkpoint import CheckpointTokenizer, load_tokenizer
 from ringfence.actors.client import CLIENT_ACTOR, CLIENT_CHANNELS
 from ringfence.actors.clienthub import ClientHub, RequestKey, RequestRefused
 from ringfence.actors.clientproto import Abort, Hello, Submit
@@ -115,6 +116,7 @@ class Engine(Actor):
         self.progress: Progress | None = None
         self.output_tokens = 0
         self.epoch = self.ctx.epoch
+        self.tokenizer: ByteTokenizer | CheckpointTokenizer | None = None
 
     def on_stop(self) -> None:
         self._drain_store()
@@ -131,9 +133,16 @@ class Engine(Actor):
     @handles(WorkerReady)
     def on_worker(self, msg: WorkerReady) -> None:
         if self.model is not None:
-            # Re-prefilling the running requests after a Worker restart is the faults
-            # issue's (#9): until then the run ends rather than compute on a reset tier.
-            raise RuntimeError("the worker restarted; the engine cannot recover a device tier yet")
+            # Re-prefilling the running requests on a fresh device tier is the faults
+            # issue's (#9). Until then the instance ends cleanly: every live request is
+            # aborted with the reason, rather than computed on a tier that was reset.
+            self.log.error("engine.worker_restart", incarnation=msg.incarnation)
+            for request_id in list(self.times):
+                self._abort(request_id, "the worker restarted; this instance cannot recover yet")
+            self._flush()
+            self.done = True
+            self.request_shutdown("the worker restarted")
+            return
         self.model = msg.model
         self.tier = DeviceTier(epoch=msg.epoch, kv=msg.kv)
         self.send("swap", self.tier)
@@ -184,7 +193,11 @@ class Engine(Actor):
         self._kick()
 
     def _encode(self, text: str) -> list[int]:
-        return ByteTokenizer().encode(text)
+        """A text prompt's ids: the checkpoint's tokenizer, or bytes for the presets."""
+        if self.tokenizer is None:
+            path = self.config.model.path
+            self.tokenizer = (load_tokenizer(path) if path else None) or ByteTokenizer()
+        return self.tokenizer.encode(text)
 
     def _add(self, request: Request, key: RequestKey | None, arrival: float) -> None:
         assert self.scheduler is not None

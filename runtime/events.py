@@ -143,6 +143,9 @@ EVENTS: Final[dict[str, Event]] = {
     "engine.lane_restart": _e(
         "warning", "lane done", "a transfer lane restarted (it redoes its op)"
     ),
+    "engine.worker_restart": _e(
+        "error", "incarnation", "the worker restarted: live requests aborted, the run ends"
+    ),
     "engine.stale": _e("warning", "lane op msg_epoch", "a result of an older epoch was dropped"),
     "engine.step_failed": _e("error", "step status error", "a step did not finish ok"),
     "engine.op_failed": _e("warning", "lane op status", "a transfer op did not finish ok"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import fixture_actors
 import pytest
-from launching import QUICK, Launch, launched, ringfence, wait_gone
+from launching import DEMO_TOPOLOGY, QUICK, Launch, launched, ringfence, wait_gone
 
 from ringfence.runtime.config import load_config
 from ringfence.runtime.demo import APPLIED, FORWARDED, RELAY_REPEATS, SENT, SINK_REPEATS
@@ -71,7 +71,8 @@ def test_the_demo_pipeline_delivers_100000_items_under_the_supervisor_and_exits_
             str(run.run_dir),
             DEMO_INSTANCES,
         )
-        assert load_config(run.run_dir / "config.toml") == load_config(None, sets)
+        resolved = load_config(None, [f"runtime.topology={DEMO_TOPOLOGY}", *sets])
+        assert load_config(run.run_dir / "config.toml") == resolved
         assert run.stdout().splitlines() == [
             f"ringfence launch: run {run.run_id} in {run.run_dir}",
             f"ringfence launch: run {run.run_id} ended (shutdown requested by sink-0), "
