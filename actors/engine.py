@@ -31,7 +31,7 @@ from ringfence.actors.checkpoint import CheckpointTokenizer, load_tokenizer
 from ringfence.actors.client import CLIENT_ACTOR, CLIENT_CHANNELS
 from ringfence.actors.clienthub import ClientHub, RequestKey, RequestRefused
 from ringfence.actors.clientproto import Abort, Hello, Submit
-from ringfence.actors.lanes import LANE_SLOTS, LANES, lane_counter
+from ringfence.actors.lanes import LANES, lane_counter
 from ringfence.actors.protocol import (
     DeviceTier,
     LaneReady,
@@ -54,12 +54,12 @@ from ringfence.actors.serving import (
     to_message,
 )
 from ringfence.actors.tokenizer import ByteTokenizer
+from ringfence.actors.topology import fenced_topology
 from ringfence.cache.fences import NO_WAIT, Lane
 from ringfence.cache.storage import StorageBackend
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.config import Config
 from ringfence.runtime.messages import Tick
-from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
 from ringfence.sched.ops import Op, StepOp
 from ringfence.sched.ops import SwapOp as SchedSwapOp
 from ringfence.sched.request import Request, RequestError, SamplingParams
@@ -461,25 +461,5 @@ class Engine(Actor):
             self.log.warning("engine.drain_timeout", store_done=done.value(), last_sent=last)
 
 
-_P = "ringfence.actors.protocol"
-# Stop order: clients first (not waited for), then the engine, so nothing is sent to a
-# lane that already stopped, and the engine can wait for the store lane's writes.
-TOPOLOGY = Topology(
-    actors=(
-        CLIENT_ACTOR,
-        ActorSpec(name="engine", target=f"{__name__}:Engine"),
-        ActorSpec(name="worker", target="ringfence.actors.worker:Worker"),
-        ActorSpec(name="swap", target="ringfence.actors.transfer:SwapLane"),
-        ActorSpec(name="store", target="ringfence.actors.transfer:StoreLane"),
-    ),
-    channels=(
-        *CLIENT_CHANNELS,
-        ChannelSpec(src="engine", dst="worker", protocol=f"{_P}:TO_WORKER"),
-        ChannelSpec(src="worker", dst="engine", protocol=f"{_P}:FROM_WORKER"),
-        ChannelSpec(src="engine", dst="swap", protocol=f"{_P}:TO_SWAP"),
-        ChannelSpec(src="swap", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
-        ChannelSpec(src="engine", dst="store", protocol=f"{_P}:TO_STORE"),
-        ChannelSpec(src="store", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
-    ),
-    counters=(CounterSpec(name=LANES, count=LANE_SLOTS),),
-)
+# Clients stop first (not waited for), then the engine, then the executors.
+TOPOLOGY = fenced_topology(f"{__name__}:Engine", before=(CLIENT_ACTOR,), channels=CLIENT_CHANNELS)

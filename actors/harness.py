@@ -37,7 +37,6 @@ import orjson
 import torch
 
 from ringfence.actors.kvspace import SharedKV, open_kv
-from ringfence.actors.lanes import LANE_SLOTS, LANES
 from ringfence.actors.programs import (
     Op,
     Shape,
@@ -56,11 +55,11 @@ from ringfence.actors.protocol import (
     StepResult,
     WorkerReady,
 )
+from ringfence.actors.topology import fenced_topology
 from ringfence.actors.worker import load_model
 from ringfence.cache.fences import NO_WAIT, Lane
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.config import Config
-from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
 
 REPORT = "harness.json"
 CREDITS = 8  # ops in flight per lane
@@ -268,22 +267,4 @@ class Harness(Actor):
         self.request_shutdown(f"harness: {self.settings.programs} programs done")
 
 
-_P = "ringfence.actors.protocol"
-# Stop order: the harness first, so no op is sent to a lane that already stopped.
-TOPOLOGY = Topology(
-    actors=(
-        ActorSpec(name="engine", target=f"{__name__}:Harness"),
-        ActorSpec(name="worker", target="ringfence.actors.worker:Worker"),
-        ActorSpec(name="swap", target="ringfence.actors.transfer:SwapLane"),
-        ActorSpec(name="store", target="ringfence.actors.transfer:StoreLane"),
-    ),
-    channels=(
-        ChannelSpec(src="engine", dst="worker", protocol=f"{_P}:TO_WORKER"),
-        ChannelSpec(src="worker", dst="engine", protocol=f"{_P}:FROM_WORKER"),
-        ChannelSpec(src="engine", dst="swap", protocol=f"{_P}:TO_SWAP"),
-        ChannelSpec(src="swap", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
-        ChannelSpec(src="engine", dst="store", protocol=f"{_P}:TO_STORE"),
-        ChannelSpec(src="store", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
-    ),
-    counters=(CounterSpec(name=LANES, count=LANE_SLOTS),),
-)
+TOPOLOGY = fenced_topology(f"{__name__}:Harness")

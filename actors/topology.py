@@ -1,0 +1,46 @@
+"""The topology of the fenced protocol: an engine, the Worker and both Transfer lanes.
+
+The Engine actor and the protocol harness (a scripted engine) run on the same
+executors over the same channels; each names its own engine class, and the Engine
+adds its client slots.
+"""
+
+from __future__ import annotations
+
+from ringfence.actors.lanes import LANE_SLOTS, LANES
+from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
+
+_P = "ringfence.actors.protocol"
+
+
+def fenced_topology(
+    engine: str,
+    *,
+    before: tuple[ActorSpec, ...] = (),
+    channels: tuple[ChannelSpec, ...] = (),
+) -> Topology:
+    """``engine`` (an import path) as actor "engine", then the Worker and both lanes.
+
+    ``before`` go first in stop order (the supervisor stops actors in topology order):
+    the engine stops before the executors, so nothing is sent to a lane that already
+    stopped, and it can still wait for the store lane's writes while stopping.
+    """
+    return Topology(
+        actors=(
+            *before,
+            ActorSpec(name="engine", target=engine),
+            ActorSpec(name="worker", target="ringfence.actors.worker:Worker"),
+            ActorSpec(name="swap", target="ringfence.actors.transfer:SwapLane"),
+            ActorSpec(name="store", target="ringfence.actors.transfer:StoreLane"),
+        ),
+        channels=(
+            *channels,
+            ChannelSpec(src="engine", dst="worker", protocol=f"{_P}:TO_WORKER"),
+            ChannelSpec(src="worker", dst="engine", protocol=f"{_P}:FROM_WORKER"),
+            ChannelSpec(src="engine", dst="swap", protocol=f"{_P}:TO_SWAP"),
+            ChannelSpec(src="swap", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
+            ChannelSpec(src="engine", dst="store", protocol=f"{_P}:TO_STORE"),
+            ChannelSpec(src="store", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
+        ),
+        counters=(CounterSpec(name=LANES, count=LANE_SLOTS),),
+    )
