@@ -76,7 +76,11 @@ def test_in_sync_mode_the_issuer_waits_and_the_executors_never_do(tmp_path):
             assert (line["fence_swap"], line["fence_store"]) == (0, 0)
 
 
-@pytest.mark.parametrize("chaos", [CHAOS, "transfer.chaos_delay_ms=0"], ids=["chaos", "no-chaos"])
+@pytest.mark.parametrize(
+    "chaos",
+    [CHAOS, pytest.param("transfer.chaos_delay_ms=0", marks=pytest.mark.slow)],
+    ids=["chaos", "no-chaos"],
+)
 def test_with_fence_waits_skipped_the_harness_detects_corruption_in_nearly_every_program(
     tmp_path, chaos: str
 ):
