@@ -6,12 +6,13 @@ the store lane's writes, so the storage tier holds every block it wrote back.
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 import orjson
 import peers
-from launching import QUICK, launched
+from launching import QUICK, launched, wait_until
 from test_engine import ENGINE, MODEL, TIERS, reference
 
 from ringfence.actors.client import Client
@@ -27,6 +28,16 @@ def remote_generate(run_dir: str, prompt: list[int], max_tokens: int, seed: int,
     with Client.connect(run_dir) as client:
         done = client.generate(prompt, max_tokens=max_tokens, seed=seed, timeout=WAIT_S)
     Path(out).write_bytes(orjson.dumps(list(done.token_ids)))
+
+
+def stream_until_killed(run_dir: str, prompt: list[int], out: str) -> None:
+    """Runs in a spawned process: a long request, "<slot> <pid>" to ``out`` at its first
+    token, then streaming on until the test kills the process."""
+    with Client.connect(run_dir) as client:
+        request_id = client.submit(prompt, request_id="doomed", max_tokens=200)
+        for n, _token in enumerate(client.stream(request_id, timeout=WAIT_S)):
+            if n == 0:
+                Path(out).write_text(f"{client.instance} {os.getpid()}")
 
 
 def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_and_can_abort(
@@ -65,6 +76,20 @@ def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_an
             got = [next(stream), next(stream)]
             client.abort("long")
             assert len(got) + len(list(stream)) < 60
+            # A client killed mid-stream: the engine aborts its request and serves on.
+            marker = tmp_path / "doomed.txt"
+            doomed = peers.start(
+                stream_until_killed, str(run.run_dir), list(other.prompt_token_ids), str(marker)
+            )
+            try:
+                wait_until("the doomed client's first token", marker.exists, WAIT_S)
+                slot = marker.read_text().split()[0]
+                doomed.kill()  # SIGKILL
+            finally:
+                peers.finish(doomed, WAIT_S)
+            lost = run.wait_for_event("client.lost", log="engine-0", peer=slot, timeout=WAIT_S)
+            doomed_key = f"{slot}/{lost['incarnation']}/doomed"
+            run.wait_for_event("request.finish", log="engine-0", request=doomed_key, timeout=WAIT_S)
             assert len(client.generate([1, 2, 3], max_tokens=4, timeout=WAIT_S).token_ids) == 4
         assert tuple(streamed) == expected[lines[0].id]
         for key, done in results.items():
@@ -76,5 +101,5 @@ def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_an
         assert run.events("engine.drain_timeout", log="engine-0") == []
         finished = run.events("request.finish", log="engine-0")
         reasons = {f["request"].rsplit("/", 1)[-1]: f["reason"] for f in finished}
-        assert len(finished) == 6 and reasons.pop("long") == "abort"
+        assert len(finished) == 7 and reasons.pop("long") == reasons.pop("doomed") == "abort"
         assert set(reasons.values()) == {"length"}
