@@ -154,13 +154,22 @@ def test_sync_mode_gives_the_same_tokens(tmp_path):
     assert summary["engine"]["mode"] == "sync"
 
 
-def test_the_main_job_runs_its_workload_prints_a_summary_and_leaves_no_names(tmp_path):
-    # Two turns of one chat, 2 s apart: the arrivals are honoured.
-    sets = (ENGINE, "engine.workload=synthetic:multiturn", "engine.requests=2", *QUICK)
+def test_a_workload_file_with_text_prompts_and_arrivals_runs_and_prints_a_summary(tmp_path):
+    lines = [
+        {"id": "text", "prompt": "The fence holds.", "max_tokens": 5},
+        {"id": "ids", "prompt_token_ids": [72, 105, 33], "max_tokens": 3, "arrival_s": 1.5},
+    ]
+    path = tmp_path / "workload.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    sets = (*MODEL, f"engine.workload={path}", *QUICK)
     with launched(tmp_path, *sets) as run:
         outputs, summary = finished(run)
         printed = run.stdout()
-    assert len(outputs) == 2 and summary["requests"]["total"] == 2
-    assert summary["duration_s"] >= 2.0
-    assert all(o["finish_reason"] in ("stop", "length") for o in outputs)
+    config = load_config(None, MODEL)
+    expected = LocalRunner(config).run(load_workload(str(path)), arrivals=False)
+    assert [(o["id"], o["token_ids"]) for o in outputs] == [
+        (r.id, list(r.token_ids)) for r in expected
+    ]
+    assert outputs[0]["token_ids"] and len(outputs[1]["token_ids"]) == 3
+    assert summary["requests"]["total"] == 2 and summary["duration_s"] >= 1.5
     assert "throughput" in printed and "TTFT" in printed, printed
