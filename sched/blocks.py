@@ -156,9 +156,7 @@ class BlockManager:
             host_blocks=tuple(host),
             reason=reason,
         )
-        self._count(op, len(device))
-        self.inflight[(Lane.SWAP, seq)] = op
-        self._out.append(op)
+        self._record(op, len(device))
         return op
 
     def _store(
@@ -178,15 +176,16 @@ class BlockManager:
             keys=tuple(keys),
             reason=reason,
         )
-        self._count(op, len(host))
-        self.inflight[(Lane.STORE, seq)] = op
-        self._out.append(op)
+        self._record(op, len(host))
         return op
 
-    def _count(self, op: SwapOp | StoreOp, blocks: int) -> None:
+    def _record(self, op: SwapOp | StoreOp, blocks: int) -> None:
+        """An issued transfer op: counted, in flight until its completion, out to the engine."""
         name = _NAMES[(op.direction, op.lane)]
         self.moved.ops[name] += 1
         self.moved.blocks[name] += blocks
+        self.inflight[(op.lane, op.number)] = op
+        self._out.append(op)
 
     # Allocation and demotion.
 
