@@ -4,6 +4,7 @@ asserted."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -12,12 +13,7 @@ from ringfence.actors import bench_transfer
 from ringfence.runtime import cli
 
 
-def test_a_quick_transfer_bench_reports_every_method_and_both_harness_modes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    path = tmp_path / "transfer.json"
-    assert cli.main(["bench", "transfer", "--quick", "--json", str(path)]) == 0
-    report = orjson.loads(path.read_bytes())
+def check_bandwidth(report: dict[str, Any]) -> None:
     bandwidth = report["bandwidth"]
     assert bandwidth["preset"] == "tiny" and bandwidth["block_bytes"] > 0
     assert bandwidth["methods"] == list(bench_transfer.METHODS)
@@ -31,6 +27,22 @@ def test_a_quick_transfer_bench_reports_every_method_and_both_harness_modes(
         judged = row["blocks"] >= bench_transfer.TARGET_MIN_BLOCKS
         assert isinstance(row["meets_target"], bool) if judged else row["meets_target"] is None
     assert bandwidth["target_ratio"] == 0.7
+
+
+def test_a_quick_bandwidth_only_transfer_bench_reports_every_method(tmp_path: Path) -> None:
+    path = tmp_path / "transfer.json"
+    assert cli.main(["bench", "transfer", "--quick", "--skip-harness", "--json", str(path)]) == 0
+    check_bandwidth(orjson.loads(path.read_bytes()))
+
+
+@pytest.mark.slow  # two launched harness runs: ~30 s; the harness itself is tested in CI
+def test_a_quick_transfer_bench_reports_every_method_and_both_harness_modes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "transfer.json"
+    assert cli.main(["bench", "transfer", "--quick", "--json", str(path)]) == 0
+    report = orjson.loads(path.read_bytes())
+    check_bandwidth(report)
     harness = report["harness"]
     assert set(harness["ops_per_s"]) == {"fence", "sync"}
     assert all(ops_per_s > 0 for ops_per_s in harness["ops_per_s"].values())
