@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from fixture_worker import DECODE, PAUSE_AT, SEQUENCES, VERDICT
 from launching import QUICK, launched
 
@@ -35,6 +36,7 @@ def verdict(run_dir: Path) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow  # the engine tests run launched workers end to end in CI
 def test_a_launched_worker_runs_a_scripted_program_to_the_contiguous_forwards_tokens(tmp_path):
     with launched(tmp_path, "runtime.topology=fixture_worker:SCRIPTED", *SETTINGS) as run:
         assert run.wait() == 0, run.tail()
