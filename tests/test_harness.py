@@ -116,6 +116,7 @@ def test_killed_lanes_restart_redo_their_op_in_flight_and_every_program_still_ma
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 300 s here: past the suite's default limit
 def test_soak_two_thousand_programs_under_chaos_and_poison_all_match(tmp_path):
     with launched(tmp_path, *SETTINGS, CHAOS, "harness.programs=2000") as run:
         result = report(run, timeout=1800.0)
