@@ -14,7 +14,7 @@ from ringfence.runtime.config import Config
 from ringfence.sched.blocks import TierConfig
 from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
 from ringfence.sched.request import Request
-from ringfence.sched.scheduler import SchedConfig
+from ringfence.sched.sequence import SchedConfig
 from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
 
 Message = protocol.StepPlan | protocol.SwapOp | protocol.StoreOp

@@ -25,7 +25,8 @@ from ringfence.cache.ids import BlockHash, BlockId
 from ringfence.sched.blocks import TierConfig
 from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
 from ringfence.sched.request import Request, RequestError, RequestState, SamplingParams
-from ringfence.sched.scheduler import SchedConfig, Scheduler
+from ringfence.sched.scheduler import Scheduler
+from ringfence.sched.sequence import SchedConfig
 
 NAMESPACE = b"\0" * 16
 S = RequestState

@@ -1,0 +1,81 @@
+"""What the scheduler keeps per request, and its settings and counters.
+
+:class:`Sequence` is the scheduler's state of one request beyond the request itself
+(its device block table, keys, held host blocks, prefetch in flight); owned and
+mutated by the :class:`ringfence.sched.scheduler.Scheduler` only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ringfence.cache.ids import BlockHash, BlockId
+from ringfence.sched.blocks import TierConfig
+from ringfence.sched.request import Request
+
+POLICIES = ("recompute", "swap", "save")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedConfig:
+    """Batch limits and the preemption policy, with the tiers'."""
+
+    tiers: TierConfig
+    namespace: bytes  # the block keys' namespace: the digest of the block fingerprint
+    max_num_seqs: int = 16
+    max_batched_tokens: int = 512
+    preemption: str = "recompute"
+    max_model_len: int = 1 << 30  # positions the model has
+
+    def __post_init__(self) -> None:
+        if self.preemption not in POLICIES:
+            raise ValueError(f"sched.preemption must be one of {POLICIES}, got {self.preemption!r}")
+        if self.preemption == "swap" and not self.tiers.host_cache:
+            raise ValueError("sched.preemption = 'swap' needs a host tier (cache.host_blocks > 0)")
+        if self.preemption == "save" and not self.tiers.storage:
+            raise ValueError("sched.preemption = 'save' needs a storage tier (cache.storage)")
+
+
+class Tail(NamedTuple):
+    """The partial last block of a swap-preempted sequence, held on host."""
+
+    host_block: BlockId
+    position: int  # its place in the sequence's block table
+    num_tokens: int  # computed tokens in it
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """The scheduler's state of one request beyond the request itself."""
+
+    seq_id: int
+    request: Request
+    blocks: list[BlockId] = field(default_factory=list)  # device block table
+    keys: list[BlockHash] = field(default_factory=list)  # keys of its full blocks, in order
+    num_keyed: int = 0  # leading blocks already given their keys on device
+    held: list[BlockId] = field(default_factory=list)  # host blocks it holds a reference on
+    tail: Tail | None = None  # a swapped-out partial block (swap preemption)
+    prefetch: tuple[int, tuple[BlockId, ...], tuple[int, ...]] | None = None  # op, host, where
+    storage_until: int | None = None  # blocks from here are not taken from storage (failed)
+    admitted: int = -1  # admission order; the newest is preempted first
+    admissions: int = 0
+    from_storage: set[BlockHash] = field(default_factory=set)  # prefetched keys, for counting
+
+
+@dataclass(frozen=True, slots=True)
+class Emitted:
+    """What applying a step result produced for one request."""
+
+    request: Request
+    token_ids: tuple[int, ...]  # new output tokens
+    finished: bool
+
+
+@dataclass(slots=True)
+class Counters:
+    preemptions: Counter[str] = field(default_factory=Counter)  # by policy used
+    hit_tokens: Counter[str] = field(default_factory=Counter)  # by tier, every admission
+    steps: int = 0
+    batched_tokens: int = 0
