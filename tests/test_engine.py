@@ -68,12 +68,12 @@ def workload_sets(workload: str, *extra: str, requests: int | None = None) -> tu
     ("workload", "policy"),
     [
         ("pressure", "swap"),
-        ("pressure", "save"),
         pytest.param("multiturn", "swap", marks=pytest.mark.slow),
         # The rest of the matrix: the slow soak (`scripts/test -m slow`). Recompute runs
-        # in CI in sync mode (test_sync_mode_gives_the_same_tokens), multiturn in the
-        # shared-storage test.
+        # in CI in sync mode and save in sync mode with write-through (the sync tests),
+        # multiturn in the shared-storage test.
         pytest.param("pressure", "recompute", marks=pytest.mark.slow),
+        pytest.param("pressure", "save", marks=pytest.mark.slow),
         pytest.param("multiturn", "recompute", marks=pytest.mark.slow),
         pytest.param("multiturn", "save", marks=pytest.mark.slow),
     ],
@@ -147,12 +147,26 @@ def test_with_write_through_on_both_tiers_every_policy_gets_the_reference_tokens
     assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
 
 
-def test_sync_mode_gives_the_same_tokens(tmp_path):
-    sets = workload_sets("pressure", *TIERS, "sched.preemption=recompute", "transfer.mode=sync")
+@pytest.mark.parametrize(
+    ("policy", "eviction"),
+    [
+        ("save", "write_through"),
+        pytest.param("recompute", "write_back", marks=pytest.mark.slow),
+    ],
+)
+def test_sync_mode_gives_the_same_tokens(tmp_path, policy, eviction):
+    sets = workload_sets(
+        "pressure",
+        *TIERS,
+        f"sched.preemption={policy}",
+        f"cache.device_eviction={eviction}",
+        "transfer.mode=sync",
+    )
     with launched(tmp_path, *sets) as run:
         outputs, summary = finished(run)
     assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
     assert summary["engine"]["mode"] == "sync"
+    assert sum(summary["engine"]["preemptions"].values()) > 0
 
 
 def test_a_workload_file_with_text_prompts_and_arrivals_runs_and_prints_a_summary(tmp_path):

@@ -51,10 +51,10 @@ def lane_lines(run: Launch, lane: str) -> list[dict[str, Any]]:
 
 
 def test_under_chaos_and_poison_every_program_equals_its_sequential_interpretation(tmp_path):
-    with launched(tmp_path, *SETTINGS, CHAOS, "harness.programs=20") as run:
+    with launched(tmp_path, *SETTINGS, CHAOS, "harness.programs=12") as run:
         result = report(run)
         assert result["mismatched_programs"] == 0, result["mismatches"]
-        assert result["ops"] >= 20 * 30
+        assert result["ops"] >= 12 * 30
         directions = {
             line["direction"] for lane in ("swap", "store") for line in lane_lines(run, lane)
         }
@@ -85,7 +85,7 @@ def test_in_sync_mode_the_issuer_waits_and_the_executors_never_do(tmp_path):
 def test_with_fence_waits_skipped_the_harness_detects_corruption_in_nearly_every_program(
     tmp_path, chaos: str
 ):
-    programs = 20
+    programs = 10
     sets = (*SETTINGS, chaos, "transfer.skip_fences=true", f"harness.programs={programs}")
     with launched(tmp_path, *sets) as run:
         result = report(run)
