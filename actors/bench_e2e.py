@@ -53,8 +53,13 @@ from typing import Any
 
 import orjson
 
-from ringfence.actors.bench_transfer import _kill_group, _ringfence_command
-from ringfence.actors.benchopts import add_counts, resolve_counts, resolve_preset
+from ringfence.actors.benchopts import (
+    add_counts,
+    kill_group,
+    resolve_counts,
+    resolve_preset,
+    ringfence_command,
+)
 
 DTYPE = "float32"
 BLOCK_SIZE = 16
@@ -175,7 +180,7 @@ def run_launch(run: Run, *, threads: int, timeout: float, folder: Path) -> Side:
 
     work = Path(tempfile.mkdtemp(prefix=f"{run.workload}-", dir=folder))
     run_dir = work / "run"
-    args = [*_ringfence_command(), "launch", "--run-dir", str(run_dir)]
+    args = [*ringfence_command(), "launch", "--run-dir", str(run_dir)]
     args += ["--workload", f"synthetic:{run.workload}"]
     for setting in (*run.settings, f"actors.worker.threads={threads}"):
         args += ["--set", setting]
@@ -195,13 +200,13 @@ def run_launch(run: Run, *, threads: int, timeout: float, folder: Path) -> Side:
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             if (run_dir / "names.json").is_file():
                 names.clean_run(run_id_of(str(run_dir)))
             raise RunError(f"{run.workload} launch killed after {timeout:g} s") from None
         finally:
             if proc.poll() is None:  # interrupted while waiting
-                _kill_group(proc)
+                kill_group(proc)
         wall_s = time.perf_counter() - start
         tail = "\n".join(out_path.read_text(errors="replace").splitlines()[-10:])
         summary_path, outputs_path = run_dir / "summary.json", run_dir / "outputs.jsonl"

@@ -59,10 +59,8 @@ the benchmark runs, so the ``ringfence`` command starts fast.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -74,7 +72,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ringfence.actors.benchopts import add_counts, resolve_counts, resolve_preset
+from ringfence.actors.benchopts import (
+    add_counts,
+    kill_group,
+    resolve_counts,
+    resolve_preset,
+    ringfence_command,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -278,13 +282,6 @@ class HarnessError(RuntimeError):
     """A launched harness run failed: nonzero exit, timeout, missing report or failed ops."""
 
 
-def _ringfence_command() -> list[str]:
-    script = Path(sys.executable).with_name("ringfence")
-    if script.is_file():
-        return [str(script)]
-    return [sys.executable, "-m", "ringfence.runtime.cli"]
-
-
 def _settings(mode: str, preset: str, programs: int, ops: int, storage: Path) -> list[str]:
     return [
         "runtime.topology=ringfence.actors.harness:TOPOLOGY",
@@ -303,13 +300,6 @@ def _settings(mode: str, preset: str, programs: int, ops: int, storage: Path) ->
     ]
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the launch's own process group (the supervisor and its actors), then reap it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def run_harness(
     mode: str, *, preset: str, programs: int, ops: int, threads: int, timeout: float, folder: Path
 ) -> dict[str, Any]:
@@ -318,7 +308,7 @@ def run_harness(
     from ringfence.shm import names
 
     run_dir, storage = folder / f"run-{mode}", folder / f"storage-{mode}"
-    args = [*_ringfence_command(), "launch", "--run-dir", str(run_dir)]
+    args = [*ringfence_command(), "launch", "--run-dir", str(run_dir)]
     for setting in _settings(mode, preset, programs, ops, storage):
         args += ["--set", setting]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -332,13 +322,13 @@ def run_harness(
     try:
         code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         if (run_dir / "names.json").is_file():
             names.clean_run(run_id_of(str(run_dir)))
         raise HarnessError(f"{mode} run killed after {timeout:g} s") from None
     finally:
         if proc.poll() is None:  # interrupted while waiting
-            _kill_group(proc)
+            kill_group(proc)
     wall_s = time.perf_counter() - start
     tail = "\n".join(out_path.read_text(errors="replace").splitlines()[-10:])
     if code != 0:
