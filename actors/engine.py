@@ -24,7 +24,8 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ringfence.actors.checkpoint import CheckpointTokenizer, load_tokenizer
@@ -56,9 +57,12 @@ from ringfence.actors.serving import (
 from ringfence.actors.tokenizer import ByteTokenizer
 from ringfence.actors.topology import fenced_topology
 from ringfence.cache.fences import NO_WAIT, Lane
+from ringfence.cache.ids import BlockHash
+from ringfence.cache.prefix_index import StoragePresence
 from ringfence.cache.storage import StorageBackend
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.config import Config
+from ringfence.runtime.log import ActorLog
 from ringfence.runtime.messages import Tick
 from ringfence.sched.ops import Op, StepOp
 from ringfence.sched.ops import SwapOp as SchedSwapOp
@@ -164,9 +168,18 @@ class Engine(Actor):
             return
         assert self.model is not None and self.ctx.run_dir is not None
         self.storage = open_storage(self.config, self.model, str(self.ctx.run_dir))
-        self.scheduler = Scheduler(sched_config(self.config, self.model), self.storage)
+        tracing = self.log.tracing
+        presence = LoggedPresence(self.storage, self.log) if tracing and self.storage else None
+        self.scheduler = Scheduler(
+            sched_config(self.config, self.model), presence or self.storage, journal=tracing
+        )
         settings = self.config.engine
-        self.log.info("engine.ready", model_id=self.model.model_id, workload=settings.workload)
+        self.log.info(
+            "engine.ready",
+            model_id=self.model.model_id,
+            max_position=self.model.max_position,
+            workload=settings.workload,
+        )
         if settings.workload:
             self.workload = load_workload(
                 settings.workload, seed=settings.seed, requests=settings.requests or None
@@ -201,6 +214,13 @@ class Engine(Actor):
 
     def _add(self, request: Request, key: RequestKey | None, arrival: float) -> None:
         assert self.scheduler is not None
+        if self.log.tracing:  # before the call: replay repeats it, RequestError included
+            self.log.trace(
+                "sched.add",
+                request=request.request_id,
+                prompt=list(request.prompt_token_ids),
+                params=asdict(request.params),
+            )
         seq_id = self.scheduler.add(request)
         self.times[request.request_id] = _Times(request, key, arrival)
         self.log.info(
@@ -256,7 +276,11 @@ class Engine(Actor):
         return delivery.peer
 
     def _abort(self, request_id: str, error: str) -> None:
-        if self.scheduler is not None and self.scheduler.abort(request_id) is not None:
+        if self.scheduler is None:
+            return
+        if self.log.tracing:
+            self.log.trace("sched.abort", request=request_id)
+        if self.scheduler.abort(request_id) is not None:
             self._finished(request_id, error)
 
     # Issuing.
@@ -266,8 +290,15 @@ class Engine(Actor):
         scheduler = self.scheduler
         if scheduler is not None and not self.done:
             if scheduler.step_in_flight is None and not scheduler.idle:
-                for op in scheduler.schedule():
+                ops = scheduler.schedule()
+                for op in ops:
                     self.queues[op.lane].append(op)
+                if self.log.tracing:
+                    self.log.trace(
+                        "sched.schedule",
+                        ops=[[str(op.lane), op.number] for op in ops],
+                        decisions=[list(d) for d in scheduler.take_decisions()],
+                    )
             self._pump()
         self._flush()
         self._maybe_end()
@@ -276,26 +307,34 @@ class Engine(Actor):
         for lane, queue in self.queues.items():
             while queue and self.in_flight[lane] < CREDITS[lane]:
                 op = queue[0]
+                sent = op
                 if self.sync:
                     waits = op.fence.waits()
                     if any(self.completed[other] < seq for other, seq in waits.items()):
                         break
-                    op = replace(op, fence=NO_WAIT)
+                    sent = replace(op, fence=NO_WAIT)
                 queue.popleft()
                 self.in_flight[lane] += 1
                 self.last_sent[lane] = op.number
-                self.send(TARGET[lane], to_message(op, self.epoch))
+                self.send(TARGET[lane], to_message(sent, self.epoch))
                 if self.log.tracing:
                     self._trace_issue(op)
 
     def _trace_issue(self, op: Op) -> None:
+        """``op.issue`` with the scheduler's fence (in sync mode the message's is empty:
+        the engine waited for those ops itself) and every block the op touches."""
+        fence = {str(lane): n for lane, n in op.fence.waits().items()}
         if isinstance(op, StepOp):
             self.log.trace(
                 "op.issue",
                 lane=str(op.lane),
                 op=op.number,
-                fence=op.fence.waits(),
-                pieces=[[p.seq_id, p.start, len(p.token_ids), p.sample] for p in op.pieces],
+                fence=fence,
+                sync=self.sync,
+                pieces=[
+                    [p.seq_id, p.start, len(p.token_ids), p.sample, list(p.block_table)]
+                    for p in op.pieces
+                ],
                 poison=list(op.poison),
             )
             return
@@ -303,7 +342,8 @@ class Engine(Actor):
             "op.issue",
             lane=str(op.lane),
             op=op.number,
-            fence=op.fence.waits(),
+            fence=fence,
+            sync=self.sync,
             direction=op.direction,
             reason=op.reason,
             device_blocks=list(op.device_blocks) if isinstance(op, SchedSwapOp) else [],
@@ -321,9 +361,12 @@ class Engine(Actor):
         self._settled(Lane.STEP, msg.step)
         if msg.status != "ok":
             self.log.error("engine.step_failed", step=msg.step, status=msg.status, error=msg.error)
-        emitted, failed = scheduler.on_step(
-            msg.step, msg.status, [(t.seq_id, t.token_id) for t in msg.outputs]
-        )
+        outputs = [(t.seq_id, t.token_id) for t in msg.outputs]
+        if self.log.tracing:
+            self.log.trace(
+                "sched.step", step=msg.step, msg_epoch=msg.epoch, status=msg.status, outputs=outputs
+            )
+        emitted, failed = scheduler.on_step(msg.step, msg.status, outputs)
         now = self.now()
         for e in emitted:
             rid = e.request.request_id
@@ -359,6 +402,15 @@ class Engine(Actor):
         if op is not None:
             name = f"{msg.lane}_{op.direction}"
             self.bytes[name] = self.bytes.get(name, 0) + msg.bytes
+        if self.log.tracing:
+            self.log.trace(
+                "sched.transfer",
+                lane=msg.lane,
+                op=msg.op,
+                msg_epoch=msg.epoch,
+                status=msg.status,
+                missing=list(msg.missing),
+            )
         scheduler.on_transfer(lane, msg.op, msg.status, msg.missing)
         self._kick()
 
@@ -459,6 +511,20 @@ class Engine(Actor):
             lambda: done.value() >= last, timeout=self.config.engine.drain_timeout_s
         ):
             self.log.warning("engine.drain_timeout", store_done=done.value(), last_sent=last)
+
+
+class LoggedPresence:
+    """The storage tier's presence answers, each logged (``sched.storage``) so that a
+    replay can give a fresh scheduler the same answers without the storage."""
+
+    def __init__(self, backend: StoragePresence, log: ActorLog) -> None:
+        self.backend = backend
+        self.log = log
+
+    def longest_prefix(self, keys: Sequence[BlockHash]) -> int:
+        found = self.backend.longest_prefix(keys)
+        self.log.trace("sched.storage", asked=len(keys), found=found)
+        return found
 
 
 # Clients stop first (not waited for), then the engine, then the executors.

@@ -90,7 +90,8 @@ class LaneExecutor(Actor):
         return f"the fence of a {self.lane} op names its own lane ({own})" if own else ""
 
     def wait_fence(self, op: int, epoch: int, fence: Fence) -> dict[Lane, int]:
-        """Sleep until every other lane's watermark reaches ``fence``; the values seen.
+        """Sleep until every other lane's watermark reaches ``fence``; the values then seen
+        of every other lane.
 
         Raises :class:`Cancelled` when the deadline passed and the op's epoch is older
         than the run's; ``WaitTimeout`` (or ``ActorDead``) to have it handed over later.
@@ -112,6 +113,12 @@ class LaneExecutor(Actor):
                         raise Cancelled(f"op of epoch {epoch} is older than the run's epoch {now}")
                     raise mark.overdue(target, f"for {self.lane} op {op}")
             seen[lane] = mark.value()
+        # Every other lane's watermark as it stands before the op touches a block, fenced
+        # or not: replay proves each cross-lane ordering from these (I1-I4), not from the
+        # fence, so a fence too weak or not waited for shows up.
+        for lane, mark in self.marks.items():
+            if lane is not self.lane and lane not in seen:
+                seen[lane] = mark.value()
         return seen
 
     def complete(self, op: int, report: object) -> None:

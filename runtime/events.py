@@ -139,7 +139,9 @@ EVENTS: Final[dict[str, Event]] = {
     # The protocol harness (ringfence.actors.harness), as actor "engine".
     # The engine (actors/engine.py). ``request`` is the request id (a client's is
     # "<client instance>/<incarnation>/<id>"); ``op`` a lane number; ``fence`` the waits.
-    "engine.ready": _e("info", "model_id workload", "every lane is ready; the scheduler is built"),
+    "engine.ready": _e(
+        "info", "model_id max_position workload", "every lane is ready; the scheduler is built"
+    ),
     "engine.lane_restart": _e(
         "warning", "lane done", "a transfer lane restarted (it redoes its op)"
     ),
@@ -161,8 +163,27 @@ EVENTS: Final[dict[str, Event]] = {
     ),
     "op.issue": _e(
         "trace",
-        "lane op fence pieces poison direction reason device_blocks host_blocks",
-        "an op was sent to its lane (steps: pieces [seq_id, start, tokens, sample] and poison)",
+        "lane op fence sync pieces poison direction reason device_blocks host_blocks",
+        "an op was sent to its lane; fence: the scheduler's (sync: the engine waited for it and "
+        "sent none); steps: pieces [seq_id, start, tokens, sample, block_table] and poison",
+    ),
+    # The engine's calls into its scheduler, in order (trace): enough for `ringfence replay
+    # --redrive` to repeat them on a fresh scheduler and compare every decision.
+    "sched.add": _e("trace", "request prompt params", "a request is handed to the scheduler"),
+    "sched.abort": _e("trace", "request", "a request is aborted in the scheduler"),
+    "sched.schedule": _e(
+        "trace",
+        "ops decisions",
+        "a scheduling round: ops [[lane, op]] in issue order; decisions [[kind, seq_id, detail]]",
+    ),
+    "sched.step": _e(
+        "trace", "step msg_epoch status outputs", "a step result applied: [[seq_id, token]]"
+    ),
+    "sched.transfer": _e(
+        "trace", "lane op msg_epoch status missing", "a transfer completion applied"
+    ),
+    "sched.storage": _e(
+        "trace", "asked found", "the storage tier held the first `found` of `asked` blocks"
     ),
     "harness.mismatch": _e(
         "warning",

@@ -46,16 +46,20 @@ from ringfence.cache.prefix_index import PrefixMatch, StoragePresence
 from ringfence.sched.blocks import BlockManager
 from ringfence.sched.ops import Op, Piece, StepOp
 from ringfence.sched.request import Request, RequestError, RequestState
-from ringfence.sched.sequence import Counters, Emitted, SchedConfig, Sequence, Tail
+from ringfence.sched.sequence import Counters, Decision, Emitted, SchedConfig, Sequence, Tail
 
 
 class Scheduler:
     """See the module docstring. Owned by the engine; not thread-safe."""
 
-    def __init__(self, config: SchedConfig, storage: StoragePresence | None = None) -> None:
+    def __init__(
+        self, config: SchedConfig, storage: StoragePresence | None = None, *, journal: bool = False
+    ) -> None:
         self.config = config
         self.blocks = BlockManager(config.tiers, storage)
         self.counters = Counters()
+        # The decisions of the current round, for the engine's log (see take_decisions).
+        self._journal: list[Decision] | None = [] if journal else None
         self._bs = config.tiers.block_size
         self._seqs: dict[int, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
@@ -157,6 +161,18 @@ class Scheduler:
             self.blocks.filled(blocks, keys)
         self._filled.clear()
         return self.blocks.take_ops()
+
+    def take_decisions(self) -> list[Decision]:
+        """The admissions, prefetches and preemptions since the last call, in order
+        (always empty unless the scheduler was built with ``journal=True``)."""
+        if not self._journal:
+            return []
+        taken, self._journal = self._journal, []
+        return taken
+
+    def _record(self, kind: str, seq: Sequence, **detail: int | str) -> None:
+        if self._journal is not None:
+            self._journal.append(Decision(kind, seq.seq_id, detail))
 
     def _wanted(self, seq: Sequence) -> int:
         """Tokens the sequence could compute now: all known tokens without KV."""
@@ -284,6 +300,19 @@ class Scheduler:
         r.num_computed_tokens = cached
         self._key_blocks(seq, tokens, hits)
         self._count_hits(seq, match.where, match.keys, tail)
+        if self._journal is not None:
+            where = [
+                "storage" if k in seq.from_storage else w
+                for w, k in zip(match.where, match.keys, strict=True)
+            ]
+            self._record(
+                "resume" if seq.admissions else "admit",
+                seq,
+                computed=cached,
+                device=where.count("device") * self._bs,
+                host=where.count("host") * self._bs + (tail.num_tokens if tail else 0),
+                storage=where.count("storage") * self._bs,
+            )
         r.transition(RequestState.RUNNING)
         seq.admitted = self._admitted
         self._admitted += 1
@@ -315,6 +344,7 @@ class Scheduler:
         seq.prefetch = (op.op, tuple(host), tuple(positions))
         self._prefetches[op.op] = seq
         seq.request.transition(RequestState.WAITING_FOR_PREFETCH)
+        self._record("prefetch", seq, op=op.op, blocks=len(keys))
         return True
 
     def _drop_holds(self, seq: Sequence) -> None:
@@ -351,6 +381,7 @@ class Scheduler:
         elif policy == "save" and full and not self.blocks.save(seq.blocks[:full], keys, "preempt"):
             policy = "recompute"
         self.counters.preemptions[policy] += 1
+        self._record("preempt", seq, policy=policy, computed=computed)
         self.blocks.free_device(seq.blocks)
         seq.blocks, seq.num_keyed = [], 0
         r.num_computed_tokens = 0

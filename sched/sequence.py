@@ -64,6 +64,15 @@ class Sequence:
     from_storage: set[BlockHash] = field(default_factory=set)  # prefetched keys, for counting
 
 
+class Decision(NamedTuple):
+    """One scheduling decision about a sequence, for the engine's trace log and replay."""
+
+    kind: str  # "admit", "resume" (admitted again after a preemption), "prefetch", "preempt"
+    seq_id: int
+    detail: dict[str, int | str]  # admit/resume: computed, device, host, storage (tokens);
+    # prefetch: op, blocks; preempt: policy (the one used), computed (tokens dropped)
+
+
 @dataclass(frozen=True, slots=True)
 class Emitted:
     """What applying a step result produced for one request."""
