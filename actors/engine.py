@@ -48,6 +48,7 @@ from ringfence.actors.report import (
     write_run_report,
 )
 from ringfence.actors.serving import (
+    issue_fields,
     load_workload,
     make_request,
     open_storage,
@@ -64,8 +65,7 @@ from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.config import Config
 from ringfence.runtime.log import ActorLog
 from ringfence.runtime.messages import Tick
-from ringfence.sched.ops import Op, StepOp
-from ringfence.sched.ops import SwapOp as SchedSwapOp
+from ringfence.sched.ops import Op
 from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.scheduler import Scheduler
 from ringfence.sched.workload import WorkloadRequest
@@ -171,7 +171,9 @@ class Engine(Actor):
         tracing = self.log.tracing
         presence = LoggedPresence(self.storage, self.log) if tracing and self.storage else None
         self.scheduler = Scheduler(
-            sched_config(self.config, self.model), presence or self.storage, journal=tracing
+            sched_config(self.config, self.model.model_id, self.model.max_position),
+            presence or self.storage,
+            journal=tracing,
         )
         settings = self.config.engine
         self.log.info(
@@ -323,31 +325,8 @@ class Engine(Actor):
     def _trace_issue(self, op: Op) -> None:
         """``op.issue`` with the scheduler's fence (in sync mode the message's is empty:
         the engine waited for those ops itself) and every block the op touches."""
-        fence = {str(lane): n for lane, n in op.fence.waits().items()}
-        if isinstance(op, StepOp):
-            self.log.trace(
-                "op.issue",
-                lane=str(op.lane),
-                op=op.number,
-                fence=fence,
-                sync=self.sync,
-                pieces=[
-                    [p.seq_id, p.start, len(p.token_ids), p.sample, list(p.block_table)]
-                    for p in op.pieces
-                ],
-                poison=list(op.poison),
-            )
-            return
         self.log.trace(
-            "op.issue",
-            lane=str(op.lane),
-            op=op.number,
-            fence=fence,
-            sync=self.sync,
-            direction=op.direction,
-            reason=op.reason,
-            device_blocks=list(op.device_blocks) if isinstance(op, SchedSwapOp) else [],
-            host_blocks=list(op.host_blocks),
+            "op.issue", lane=str(op.lane), op=op.number, sync=self.sync, **issue_fields(op)
         )
 
     # Results and completions.

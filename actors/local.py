@@ -41,7 +41,8 @@ class LocalRunner:
     def __init__(self, config: Config, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_model(config.model)
-        settings = sched_config(config, self.loaded.info)
+        info = self.loaded.info
+        settings = sched_config(config, info.model_id, info.max_position)
         self.scheduler = Scheduler(settings)
         model = self.loaded.model
         dtype = torch_dtype(config.model.dtype)

@@ -4,6 +4,7 @@ run config, its ops as protocol messages, and workload lines as requests."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ringfence.actors import protocol
 from ringfence.actors.layout import STAGING_BLOCKS, block_fingerprint
@@ -21,8 +22,9 @@ Message = protocol.StepPlan | protocol.SwapOp | protocol.StoreOp
 Encode = Callable[[str], Sequence[int]]
 
 
-def sched_config(config: Config, model: ModelInfo) -> SchedConfig:
-    """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's limits."""
+def sched_config(config: Config, model_id: str, max_position: int) -> SchedConfig:
+    """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limit
+    (the model's ``ModelInfo.model_id`` and ``max_position``)."""
     cache, sched = config.cache, config.sched
     storage = cache.storage.backend != "none"
     tiers = TierConfig(
@@ -37,11 +39,11 @@ def sched_config(config: Config, model: ModelInfo) -> SchedConfig:
     )
     return SchedConfig(
         tiers=tiers,
-        namespace=block_fingerprint(config, model.model_id).digest(),
+        namespace=block_fingerprint(config, model_id).digest(),
         max_num_seqs=sched.max_num_seqs,
         max_batched_tokens=sched.max_batched_tokens,
         preemption=sched.preemption,
-        max_model_len=model.max_position,
+        max_model_len=max_position,
     )
 
 
@@ -123,3 +125,21 @@ def make_request(line: WorkloadRequest, encode: Encode | None = None) -> Request
     return Request(
         request_id=line.id, prompt_token_ids=tokens, params=line.params, arrival=line.arrival_s
     )
+
+
+def issue_fields(op: Op) -> dict[str, Any]:
+    """What ``op.issue`` logs of an op, as JSON values: the scheduler's fence and every block
+    it touches (a step's pieces as [seq_id, start, tokens, sample, block_table])."""
+    fence = {str(lane): n for lane, n in op.fence.waits().items()}
+    if isinstance(op, StepOp):
+        pieces = [
+            [p.seq_id, p.start, len(p.token_ids), p.sample, list(p.block_table)] for p in op.pieces
+        ]
+        return {"fence": fence, "pieces": pieces, "poison": list(op.poison)}
+    return {
+        "fence": fence,
+        "direction": op.direction,
+        "reason": op.reason,
+        "device_blocks": list(op.device_blocks) if isinstance(op, SwapOp) else [],
+        "host_blocks": list(op.host_blocks),
+    }

@@ -1,4 +1,4 @@
-"""The ``ringfence`` command: ``launch``, ``bench NAME`` and ``clean``."""
+"""The ``ringfence`` command: ``launch``, ``replay``, ``bench NAME`` and ``clean``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,11 @@ BENCHMARKS = {
     "worker": "ringfence.actors.bench",
     "transfer": "ringfence.actors.bench_transfer",
     "e2e": "ringfence.actors.bench_e2e",
+    "replay": "ringfence.actors.bench_replay",
 }
+
+
+REPLAY = "ringfence.actors.replay"  # ``ringfence replay``: the same two functions
 
 
 class _Bench(Protocol):
@@ -35,6 +39,11 @@ class _Bench(Protocol):
 
 def _bench_module(name: str) -> _Bench:
     return cast(_Bench, importlib.import_module(BENCHMARKS[name]))
+
+
+def _replay_module() -> _Bench:
+    """``ringfence replay`` lives with the actors whose logs it reads (imported by name)."""
+    return cast(_Bench, importlib.import_module(REPLAY))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run these requests to completion, print a summary and exit (sets engine.workload;"
         " synthetic: multiturn, unique, pressure); without it the instance serves clients",
     )
+
+    replay = sub.add_parser(
+        "replay", help="check, explain and visualize a run from its logs (exit 1: a violation)"
+    )
+    _replay_module().add_arguments(replay)
 
     clean = sub.add_parser("clean", help="remove the shared-memory names of dead runs")
     target = clean.add_mutually_exclusive_group(required=True)
@@ -145,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench_module(args.bench).main(args)
         if args.command == "launch":
             return _launch(args)
+        if args.command == "replay":
+            return _replay_module().main(args)
         return _clean(args)
     except ValueError as e:
         print(f"ringfence {args.command}: {e}", file=sys.stderr)

@@ -1,0 +1,374 @@
+"""A run's logs for replay: every actor's JSON lines, read and merged in happens-before order.
+
+:func:`read_run` reads each ``<actor>-<rank>.jsonl`` of a run dir (DESIGN.md "Logs and
+replay"; the events and fields are catalogued in ``runtime/events.py``), skipping a
+partial last line (a process killed mid-write) or any line that is not a JSON object
+with a warning, and keeps only the last launch when the supervisor log shows several
+on the same run dir. It gathers every numbered op of the three lanes into :class:`Op`
+records (the engine's ``op.issue``, the executor's ``step.done``/``lane.done``, the
+engine's application ``sched.step``/``sched.transfer`` or ``engine.stale``) and orders
+all entries by the protocol's own happens-before:
+
+- program order within each file;
+- a ring message's ``msg.send`` before its ``msg.recv`` (same ring, same sequence number);
+- an op's ``op.issue`` before its executor's completion, and that before the engine
+  applies it;
+- the completion of op ``n`` of lane L before the completion of any op whose executor
+  saw L's watermark at ``n`` or more before it touched a block.
+
+Clocks (``ts``) only break ties among entries no edge orders. Nothing here judges the
+run; see replay_checks.py.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import tomllib
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+
+LANE_NAMES: Final = ("step", "swap", "store")
+DONE_EVENTS: Final = ("step.done", "lane.done")
+APPLY_EVENTS: Final = ("sched.step", "sched.transfer")
+NOT_LOGS: Final = frozenset({"outputs.jsonl"})  # the run's results, not a log
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One log line: where it came from and its fields (``data``, as written)."""
+
+    source: str  # the log's file stem, "<actor>-<rank>" ("engine-0")
+    line: int  # 1-based line number in that file
+    data: dict[str, Any]
+    order: int = -1  # position in the merged history (set by read_run)
+
+    @property
+    def event(self) -> str:
+        return str(self.data["event"])
+
+    @property
+    def ts(self) -> float:
+        return float(self.data.get("ts") or 0.0)
+
+    @property
+    def pid(self) -> int:
+        return int(self.data.get("pid") or 0)
+
+    @property
+    def epoch(self) -> int:
+        return int(self.data.get("epoch") or 0)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}.jsonl:{self.line}"
+
+    def describe(self, fields: int = 12) -> str:
+        """``engine-0.jsonl:57 op.issue lane=step op=4 ...``: one line for a report."""
+        skip = {"ts", "mono_ns", "level", "actor", "rank", "pid", "event", "exception"}
+        parts = []
+        for key, value in self.data.items():
+            if key in skip or value is None:
+                continue
+            text = orjson.dumps(value).decode() if not isinstance(value, str) else value
+            parts.append(f"{key}={text if len(text) <= 60 else text[:57] + '...'}")
+            if len(parts) == fields:
+                break
+        return f"{self.where} {self.event} {' '.join(parts)}"
+
+
+Tier = str  # "device" or "host"
+Blocks = dict[Tier, frozenset[int]]
+
+
+@dataclass(slots=True, eq=False)
+class Op:
+    """Everything logged about one numbered op of a lane."""
+
+    lane: str  # "step", "swap" or "store"
+    number: int
+    issue: Entry | None = None  # the engine's op.issue (trace level only)
+    done: list[Entry] = field(default_factory=list)  # the executor's completions (one, normally)
+    applied: list[Entry] = field(default_factory=list)  # the engine's sched.step/sched.transfer
+    stale: list[Entry] = field(default_factory=list)  # engine.stale: dropped, an older epoch
+    extra_issues: list[Entry] = field(default_factory=list)  # op.issue again: a violation
+
+    @property
+    def kind(self) -> str:
+        """ "step", or the transfer's direction: "in", "out", "write" or "read"."""
+        if self.lane == "step":
+            return "step"
+        for entry in (self.issue, *self.done):
+            if entry is not None and entry.get("direction"):
+                return str(entry.get("direction"))
+        return "?"
+
+    @property
+    def status(self) -> str | None:
+        """The executor's status of its first completion, or None if it never completed."""
+        return str(self.done[0].get("status")) if self.done else None
+
+    def seen(self, lane: str) -> int | None:
+        """Lane ``lane``'s watermark the executor saw before it touched a block."""
+        if not self.done:
+            return None
+        value = self.done[0].get(f"seen_{lane}")
+        return int(value) if value is not None else None
+
+    def fence(self, lane: str) -> int:
+        """The fence on ``lane``: the scheduler's (op.issue) when logged, else the message's."""
+        if self.issue is not None:
+            return int((self.issue.get("fence") or {}).get(lane, 0))
+        if self.done:
+            return int(self.done[0].get(f"fence_{lane}") or 0)
+        return 0
+
+    def access(self, block_size: int) -> tuple[Blocks, Blocks]:
+        """(reads, writes) per tier, from op.issue; empty when it was not logged.
+
+        A step reads every block of its pieces' tables and writes the blocks of the
+        positions it computes, and the blocks it poisons; a swap-in reads host and writes
+        device blocks, a swap-out the reverse; a write-back reads host blocks; a prefetch
+        writes them.
+        """
+        issue = self.issue
+        if issue is None:
+            return {}, {}
+        if self.lane == "step":
+            reads: set[int] = set()
+            writes: set[int] = set(issue.get("poison") or ())
+            for piece in issue.get("pieces") or ():
+                _, start, count, _, table = piece
+                reads.update(table)
+                writes.update(table[start // block_size : -(-(start + count) // block_size)])
+            return {"device": frozenset(reads - writes)}, {"device": frozenset(writes)}
+        device = frozenset(issue.get("device_blocks") or ())
+        host = frozenset(issue.get("host_blocks") or ())
+        kind = self.kind
+        if kind == "in":
+            return {"host": host}, {"device": device}
+        if kind == "out":
+            return {"device": device}, {"host": host}
+        if kind == "write":
+            return {"host": host}, {}
+        return {}, {"host": host}  # a prefetch
+
+
+@dataclass(slots=True)
+class RunLog:
+    """A run's merged history (see the module docstring)."""
+
+    run_dir: Path
+    sources: dict[str, list[Entry]]  # per log file, in file order
+    history: list[Entry]  # every entry, in happens-before order
+    ops: dict[tuple[str, int], Op]  # (lane, number) -> its record
+    issue_order: list[tuple[str, int]]  # the scheduler's issue order across lanes
+    config: dict[str, Any]  # config.toml of the run dir ({} when absent)
+    warnings: list[str]  # lines skipped, launches ignored, clock-ordered cycles
+    traced: bool  # the engine logged at trace level: op.issue, sched.*, msg.* are there
+
+    @property
+    def block_size(self) -> int:
+        return int(self.config.get("cache", {}).get("block_size", 16))
+
+    def events(self, *names: str, source: str | None = None) -> Iterator[Entry]:
+        """Entries of these events (every event when none), in history order."""
+        wanted = set(names)
+        for entry in self.history if source is None else self.sources.get(source, ()):
+            if not wanted or entry.event in wanted:
+                yield entry
+
+    def around(self, entry: Entry, before: int = 8, after: int = 4) -> list[Entry]:
+        """The entries just before and after ``entry`` in the merged history."""
+        at = entry.order
+        return self.history[max(0, at - before) : at + after + 1]
+
+
+class ReplayError(ValueError):
+    """The run dir cannot be replayed at all (no logs in it)."""
+
+
+def read_run(run_dir: str | Path) -> RunLog:
+    """Read and merge the logs of ``run_dir`` (see the module docstring)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise ReplayError(f"{root} is not a directory")
+    files = sorted(p for p in root.glob("*.jsonl") if p.name not in NOT_LOGS)
+    if not files:
+        raise ReplayError(f"{root} holds no <actor>-<rank>.jsonl log")
+    warnings: list[str] = []
+    sources = {p.stem: _read_file(p, warnings) for p in files}
+    _last_launch(sources, warnings)
+    config: dict[str, Any] = {}
+    config_file = root / "config.toml"
+    if config_file.is_file():
+        config = tomllib.loads(config_file.read_text())
+    ops, issue_order = _gather_ops(sources)
+    history = _merge(sources, ops, warnings)
+    for i, entry in enumerate(history):
+        entry.order = i
+    traced = any(e.event == "op.issue" for e in sources.get("engine-0", ()))
+    return RunLog(root, sources, history, ops, issue_order, config, warnings, traced)
+
+
+def _read_file(path: Path, warnings: list[str]) -> list[Entry]:
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    last = lines.pop()  # b"" when the file ends with a newline
+    if last:
+        warnings.append(
+            f"{path.name}:{len(lines) + 1}: partial last line skipped ({len(last)} bytes; "
+            "the process was killed mid-write)"
+        )
+    entries = []
+    stem = path.stem
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            value = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            warnings.append(f"{path.name}:{number}: not JSON, skipped ({e})")
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("event"), str):
+            warnings.append(f"{path.name}:{number}: not a log event (no 'event'), skipped")
+            continue
+        entries.append(Entry(stem, number, value))
+    return entries
+
+
+def _last_launch(sources: dict[str, list[Entry]], warnings: list[str]) -> None:
+    """Keep only the last launch's entries when several launches used this run dir."""
+    starts = [e.ts for e in sources.get("supervisor-0", ()) if e.event == "run.start"]
+    if len(starts) < 2:
+        return
+    since = starts[-1]
+    for name, entries in sources.items():
+        sources[name] = [e for e in entries if e.ts >= since]
+    warnings.append(
+        f"{len(starts)} launches used this run dir; replaying the last (run.start at ts {since})"
+    )
+
+
+def _gather_ops(
+    sources: dict[str, list[Entry]],
+) -> tuple[dict[tuple[str, int], Op], list[tuple[str, int]]]:
+    ops: dict[tuple[str, int], Op] = {}
+    order: list[tuple[str, int]] = []
+
+    def op(lane: str, number: int) -> Op:
+        key = (lane, number)
+        record = ops.get(key)
+        if record is None:
+            record = ops[key] = Op(lane, number)
+        return record
+
+    for entries in sources.values():
+        for entry in entries:
+            name = entry.event
+            if name == "op.issue":
+                record = op(str(entry.get("lane")), int(entry.get("op")))
+                if record.issue is None:
+                    record.issue = entry
+                else:
+                    record.extra_issues.append(entry)
+            elif name == "step.done":
+                op("step", int(entry.get("step"))).done.append(entry)
+            elif name == "lane.done":
+                op(str(entry.get("lane")), int(entry.get("op"))).done.append(entry)
+            elif name == "sched.step":
+                op("step", int(entry.get("step"))).applied.append(entry)
+            elif name == "sched.transfer":
+                op(str(entry.get("lane")), int(entry.get("op"))).applied.append(entry)
+            elif name == "engine.stale":
+                op(str(entry.get("lane")), int(entry.get("op"))).stale.append(entry)
+            elif name == "sched.schedule":
+                order.extend((str(lane), int(number)) for lane, number in entry.get("ops") or ())
+    if not order:  # no scheduling rounds logged: the engine's send order is the next best
+        order = [
+            (str(e.get("lane")), int(e.get("op")))
+            for e in sources.get("engine-0", ())
+            if e.event == "op.issue"
+        ]
+    return ops, order
+
+
+def _merge(
+    sources: dict[str, list[Entry]], ops: dict[tuple[str, int], Op], warnings: list[str]
+) -> list[Entry]:
+    """Every entry, topologically sorted by the happens-before edges, ties by clock."""
+    edges: dict[int, list[Entry]] = defaultdict(list)  # id(entry) -> entries after it
+    indegree: dict[int, int] = {}
+
+    def edge(a: Entry, b: Entry) -> None:
+        if a is not b:
+            edges[id(a)].append(b)
+            indegree[id(b)] = indegree.get(id(b), 0) + 1
+
+    for entries in sources.values():
+        for a, b in itertools.pairwise(entries):
+            edge(a, b)
+    for send, recv in _message_pairs(sources):
+        edge(send, recv)
+    first_done: dict[tuple[str, int], Entry] = {}
+    for key, record in ops.items():
+        if record.done:
+            first_done[key] = record.done[0]
+    for record in ops.values():
+        for done in record.done:
+            if record.issue is not None:
+                edge(record.issue, done)
+            for lane in LANE_NAMES:
+                seen = done.get(f"seen_{lane}")
+                if lane != record.lane and seen:
+                    before = first_done.get((lane, int(seen)))
+                    if before is not None:
+                        edge(before, done)
+        if record.done:
+            for applied in record.applied:
+                edge(record.done[0], applied)
+    everything = [e for entries in sources.values() for e in entries]
+    ready = [(e.ts, e.source, e.line, e) for e in everything if id(e) not in indegree]
+    heapq.heapify(ready)
+    merged: list[Entry] = []
+    placed: set[int] = set()
+    while len(merged) < len(everything):
+        if not ready:  # a cycle: the log contradicts itself; place by clock and say so
+            rest = min((e for e in everything if id(e) not in placed), key=lambda e: e.ts)
+            warnings.append(f"happens-before cycle through {rest.where}: ordered by clock")
+            indegree[id(rest)] = 0
+            heapq.heappush(ready, (rest.ts, rest.source, rest.line, rest))
+        *_, entry = heapq.heappop(ready)
+        if id(entry) in placed:
+            continue
+        placed.add(id(entry))
+        merged.append(entry)
+        for after in edges.get(id(entry), ()):
+            left = indegree[id(after)] - 1
+            indegree[id(after)] = left
+            if left == 0 and id(after) not in placed:
+                heapq.heappush(ready, (after.ts, after.source, after.line, after))
+    return merged
+
+
+def _message_pairs(sources: dict[str, list[Entry]]) -> Iterable[tuple[Entry, Entry]]:
+    """(msg.send, msg.recv) of every ring message logged at both ends."""
+    sent: dict[tuple[str, str, int], Entry] = {}
+    for source, entries in sources.items():
+        for entry in entries:
+            if entry.event == "msg.send" and entry.get("seq"):
+                sent.setdefault((source, str(entry.get("peer")), int(entry.get("seq"))), entry)
+    for source, entries in sources.items():
+        for entry in entries:
+            if entry.event == "msg.recv" and entry.get("seq"):
+                send = sent.get((str(entry.get("peer")), source, int(entry.get("seq"))))
+                if send is not None:
+                    yield send, entry
