@@ -271,7 +271,9 @@ def _ops(log: RunLog, result: CheckResult) -> None:
         name = op_name(op)
         result.counts["ops"] += 1
         for extra in op.extra_issues:
-            result.violations.append(Violation("ops", f"{name} issued twice", (extra, op.issue)))
+            result.violations.append(
+                Violation("ops", f"{name} issued twice", (extra, *_first(op.issue)))
+            )
         if log.traced and op.issue is None and op.done:
             result.violations.append(
                 Violation("ops", f"{name} was executed but never issued", (op.done[0],))

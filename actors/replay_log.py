@@ -26,7 +26,7 @@ import heapq
 import itertools
 import tomllib
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -211,11 +211,11 @@ def read_run(run_dir: str | Path) -> RunLog:
     config_file = root / "config.toml"
     if config_file.is_file():
         config = tomllib.loads(config_file.read_text())
-    ops, issue_order = _gather_ops(sources)
+    ops, issue_order = _gather_ops(sources, warnings)
     history = _merge(sources, ops, warnings)
     for i, entry in enumerate(history):
         entry.order = i
-    traced = any(e.event == "op.issue" for e in sources.get("engine-0", ()))
+    traced = any(e.get("level") == "trace" for e in sources.get("engine-0", ()))
     return RunLog(root, sources, history, ops, issue_order, config, warnings, traced)
 
 
@@ -252,14 +252,14 @@ def _last_launch(sources: dict[str, list[Entry]], warnings: list[str]) -> None:
         return
     since = starts[-1]
     for name, entries in sources.items():
-        sources[name] = [e for e in entries if e.ts >= since]
+        sources[name] = [e for e in entries if e.ts >= since or "ts" not in e.data]
     warnings.append(
         f"{len(starts)} launches used this run dir; replaying the last (run.start at ts {since})"
     )
 
 
 def _gather_ops(
-    sources: dict[str, list[Entry]],
+    sources: dict[str, list[Entry]], warnings: list[str]
 ) -> tuple[dict[tuple[str, int], Op], list[tuple[str, int]]]:
     ops: dict[tuple[str, int], Op] = {}
     order: list[tuple[str, int]] = []
@@ -273,25 +273,10 @@ def _gather_ops(
 
     for entries in sources.values():
         for entry in entries:
-            name = entry.event
-            if name == "op.issue":
-                record = op(str(entry.get("lane")), int(entry.get("op")))
-                if record.issue is None:
-                    record.issue = entry
-                else:
-                    record.extra_issues.append(entry)
-            elif name == "step.done":
-                op("step", int(entry.get("step"))).done.append(entry)
-            elif name == "lane.done":
-                op(str(entry.get("lane")), int(entry.get("op"))).done.append(entry)
-            elif name == "sched.step":
-                op("step", int(entry.get("step"))).applied.append(entry)
-            elif name == "sched.transfer":
-                op(str(entry.get("lane")), int(entry.get("op"))).applied.append(entry)
-            elif name == "engine.stale":
-                op(str(entry.get("lane")), int(entry.get("op"))).stale.append(entry)
-            elif name == "sched.schedule":
-                order.extend((str(lane), int(number)) for lane, number in entry.get("ops") or ())
+            try:
+                _gather(entry, op, order)
+            except (TypeError, ValueError) as e:  # a field missing or not a number
+                warnings.append(f"{entry.where}: {entry.event} without its numbers, skipped ({e})")
     if not order:  # no scheduling rounds logged: the engine's send order is the next best
         order = [
             (str(e.get("lane")), int(e.get("op")))
@@ -299,6 +284,28 @@ def _gather_ops(
             if e.event == "op.issue"
         ]
     return ops, order
+
+
+def _gather(entry: Entry, op: Callable[[str, int], Op], order: list[tuple[str, int]]) -> None:
+    name = entry.event
+    if name == "op.issue":
+        record = op(str(entry.get("lane")), int(entry.get("op")))
+        if record.issue is None:
+            record.issue = entry
+        else:
+            record.extra_issues.append(entry)
+    elif name == "step.done":
+        op("step", int(entry.get("step"))).done.append(entry)
+    elif name == "lane.done":
+        op(str(entry.get("lane")), int(entry.get("op"))).done.append(entry)
+    elif name == "sched.step":
+        op("step", int(entry.get("step"))).applied.append(entry)
+    elif name == "sched.transfer":
+        op(str(entry.get("lane")), int(entry.get("op"))).applied.append(entry)
+    elif name == "engine.stale":
+        op(str(entry.get("lane")), int(entry.get("op"))).stale.append(entry)
+    elif name == "sched.schedule":
+        order.extend((str(lane), int(number)) for lane, number in entry.get("ops") or ())
 
 
 def _merge(

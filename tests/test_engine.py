@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -18,12 +19,16 @@ import pytest
 from launching import QUICK, Launch, launched
 
 from ringfence.actors.local import LocalRunner
+from ringfence.actors.replay_checks import check_run
+from ringfence.actors.replay_log import read_run
+from ringfence.actors.replay_redrive import redrive
 from ringfence.actors.serving import load_workload
 from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
 from ringfence.runtime.config import load_config
 
 ENGINE = "runtime.topology=ringfence.actors.engine:TOPOLOGY"
 MODEL = (ENGINE, "model.dtype=float64", "cache.block_size=16", "engine.progress=false")
+TRACE = "runtime.log_level=trace"  # every run here is replayed (see finished)
 TIERS = (
     "cache.host_blocks=24",
     "cache.storage.backend=local",
@@ -47,9 +52,22 @@ def reference(workload: str) -> dict[str, tuple[int, ...]]:
 
 def finished(run: Launch, timeout: float = 180.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     assert run.wait(timeout) == 0, run.tail()
+    replayed(run.run_dir)
     lines = (run.run_dir / "outputs.jsonl").read_bytes().splitlines()
     summary = orjson.loads((run.run_dir / "summary.json").read_bytes())
     return [orjson.loads(line) for line in lines], summary
+
+
+def replayed(run_dir: Path) -> None:
+    """``ringfence replay --redrive`` on the run: every check holds, every decision repeats."""
+    log = read_run(run_dir)
+    result = check_run(log)
+    assert result.ok, [f"[{v.check}] {v.message}" for v in result.violations[:5]]
+    assert not result.in_flight, result.in_flight
+    if log.traced:
+        outcome = redrive(log)
+        assert outcome.divergence is None, outcome.divergence
+        assert outcome.rounds > 0, outcome
 
 
 def workload_sets(workload: str, *extra: str, requests: int | None = None) -> tuple[str, ...]:
@@ -59,6 +77,7 @@ def workload_sets(workload: str, *extra: str, requests: int | None = None) -> tu
         "engine.arrivals=false",
         f"cache.device_blocks={DEVICE_BLOCKS[workload]}",
         *MODEL,
+        TRACE,
         *QUICK,
         *extra,
     )
