@@ -325,8 +325,19 @@ class Engine(Actor):
     def _trace_issue(self, op: Op) -> None:
         """``op.issue`` with the scheduler's fence (in sync mode the message's is empty:
         the engine waited for those ops itself) and every block the op touches."""
+        f = issue_fields(op)  # a step's fields or a transfer's; the others are None
         self.log.trace(
-            "op.issue", lane=str(op.lane), op=op.number, sync=self.sync, **issue_fields(op)
+            "op.issue",
+            lane=str(op.lane),
+            op=op.number,
+            fence=f["fence"],
+            sync=self.sync,
+            pieces=f.get("pieces"),
+            poison=f.get("poison"),
+            direction=f.get("direction"),
+            reason=f.get("reason"),
+            device_blocks=f.get("device_blocks"),
+            host_blocks=f.get("host_blocks"),
         )
 
     # Results and completions.
