@@ -134,8 +134,9 @@ class Op:
     def access(self, block_size: int) -> tuple[Blocks, Blocks]:
         """(reads, writes) per tier, from op.issue; empty when it was not logged.
 
-        A step reads every block of its pieces' tables and writes the blocks of the
-        positions it computes, and the blocks it poisons; a swap-in reads host and writes
+        A step reads the blocks holding KV before its pieces' first positions (a partly
+        filled last one included) and writes the blocks of the positions it computes, and
+        the blocks it poisons; a swap-in reads host and writes
         device blocks, a swap-out the reverse; a write-back reads host blocks; a prefetch
         writes them.
         """
@@ -147,9 +148,10 @@ class Op:
             writes: set[int] = set(issue.get("poison") or ())
             for piece in issue.get("pieces") or ():
                 _, start, count, _, table = piece
-                reads.update(table)
-                writes.update(table[start // block_size : -(-(start + count) // block_size)])
-            return {"device": frozenset(reads - writes)}, {"device": frozenset(writes)}
+                first, partial = divmod(start, block_size)
+                reads.update(table[: first + (1 if partial else 0)])  # KV already there
+                writes.update(table[first : -(-(start + count) // block_size)])
+            return {"device": frozenset(reads)}, {"device": frozenset(writes)}
         device = frozenset(issue.get("device_blocks") or ())
         host = frozenset(issue.get("host_blocks") or ())
         kind = self.kind

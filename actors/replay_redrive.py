@@ -10,7 +10,8 @@ answers its storage lookups from the log, and compares every decision with the
 logged one: each round's ops (lane, number, fence, pieces and block tables, poison,
 direction, reason, blocks) and decisions (admissions with their hits per tier,
 prefetches, preemptions), each request's sequence id, and each finish (reason and
-output tokens). It stops at the first difference. No model, no device, no storage:
+output tokens), and last the tokens the step results gave each request with the
+run's ``outputs.jsonl``. It stops at the first difference. No model, no device, no storage:
 a run dir copied to another machine redrives the same.
 
 Each engine incarnation (a process id in ``engine-0.jsonl``) starts a fresh scheduler,
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -119,7 +121,7 @@ def redrive(log: RunLog) -> Redrive:
                 return state.result(
                     Divergence(entry, f"the scheduler raised {type(e).__name__}: {e}")
                 )
-    return state.result(None)
+    return state.result(state.outputs(log.run_dir / "outputs.jsonl"))
 
 
 class _State:
@@ -130,6 +132,7 @@ class _State:
         self.storage: _LoggedAnswers | None = None
         self.requests: dict[str, Request] = {}
         self.added: dict[str, int | None] = {}  # request id -> seq id (None: refused)
+        self.finishes: dict[str, Entry] = {}  # request id -> its request.finish
         self.calls = self.rounds = self.ops = self.decisions = 0
 
     def result(self, divergence: Divergence | None) -> Redrive:
@@ -141,6 +144,7 @@ class _State:
         self.storage = _LoggedAnswers(answers)
         self.requests.clear()
         self.added.clear()
+        self.finishes.clear()
 
     def call(self, entry: Entry) -> None:
         event = entry.event
@@ -215,9 +219,28 @@ class _State:
                         f"{_json(record.issue.get(key))} ({record.issue.where})"
                     )
 
+    def outputs(self, path: Path) -> Divergence | None:
+        """The first request whose tokens in ``outputs.jsonl`` (a workload run's results)
+        are not the tokens the logged step results gave it."""
+        if not path.is_file():
+            return None
+        for raw in path.read_bytes().splitlines():
+            line = orjson.loads(raw)
+            request = self.requests.get(str(line.get("id")))
+            finish = self.finishes.get(str(line.get("id")))
+            got = list(request.output_token_ids) if request is not None else None
+            if finish is not None and got != line.get("token_ids"):
+                return Divergence(
+                    finish,
+                    f"request {line.get('id')}: the logged step results gave it {_json(got)}; "
+                    f"{path.name} has {_json(line.get('token_ids'))}",
+                )
+        return None
+
     def _finish(self, entry: Entry) -> None:
         rid = str(entry.get("request"))
         request = self.requests.get(rid)
+        self.finishes[rid] = entry
         if request is None:
             raise _Diverged(f"request {rid} finished, but it was never added")
         reason = str(request.finish_reason or "abort")

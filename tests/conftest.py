@@ -1,9 +1,11 @@
-"""Fixtures shared by every test: the shared-memory leak guard and a seeded RNG."""
+"""Fixtures shared by every test: the shared-memory leak guard, a seeded RNG, and one
+launched engine run that several modules read."""
 
 from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +35,17 @@ def rng(request) -> random.Random:
 @pytest.fixture
 def run_id() -> str:
     return names.new_run_id()
+
+
+@pytest.fixture(scope="session")
+def pressure_swap_run(tmp_path_factory) -> Path:
+    """test_engine's CI run of ``pressure`` with swap preemption under chaos and poison
+    (traced, finished, replayed and re-driven); test_replay_runs.py corrupts copies of its
+    logs. One launch for both. Its run dir."""
+    from launching import launched
+    from test_engine import TIERS, finished, workload_sets
+
+    tmp = tmp_path_factory.mktemp("pressure-swap")
+    with launched(tmp, *workload_sets("pressure", *TIERS, "sched.preemption=swap")) as run:
+        finished(run)
+    return run.run_dir

@@ -1,4 +1,5 @@
-"""``ringfence replay`` on real launched runs: a killed one, hand-corrupted copies, no fences.
+"""``ringfence replay`` on real launched runs: a killed one, hand-corrupted copies of a
+finished one (test_engine's pressure x swap run), one with no fence waits, and --redrive.
 
 (Every run of test_engine.py is also replayed and re-driven: see ``finished`` there.)
 """
@@ -10,10 +11,12 @@ import shutil
 import signal
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 from launching import QUICK, launched
+from replay_logs import ENGINE
 from test_engine import MODEL, TIERS, TRACE
 
 from ringfence.actors.replay_checks import check_run
@@ -81,9 +84,9 @@ def checks_failed(run_dir: Path) -> Counter[str]:
     return Counter(v.check for v in check_run(read_run(run_dir)).violations)
 
 
-def test_a_missing_completion_is_reported(killed_run, tmp_path):
+def test_a_missing_completion_is_reported(pressure_swap_run, tmp_path):
     copy = corrupt(
-        killed_run,
+        pressure_swap_run,
         tmp_path,
         "worker-0",
         lambda r: r["event"] == "step.done" and r["step"] == 20,
@@ -93,9 +96,9 @@ def test_a_missing_completion_is_reported(killed_run, tmp_path):
     assert failed["lanes"] == 1 and failed["ops"] == 1, failed  # applied, never completed
 
 
-def test_a_duplicate_sequence_number_on_a_ring_is_reported(killed_run, tmp_path):
+def test_a_duplicate_sequence_number_on_a_ring_is_reported(pressure_swap_run, tmp_path):
     copy = corrupt(
-        killed_run,
+        pressure_swap_run,
         tmp_path,
         "worker-0",
         lambda r: r["event"] == "msg.recv" and r["seq"] == 10,
@@ -104,9 +107,9 @@ def test_a_duplicate_sequence_number_on_a_ring_is_reported(killed_run, tmp_path)
     assert set(checks_failed(copy)) == {"rings"}
 
 
-def test_an_old_epoch_result_applied_is_reported(killed_run, tmp_path):
+def test_an_old_epoch_result_applied_is_reported(pressure_swap_run, tmp_path):
     copy = corrupt(
-        killed_run,
+        pressure_swap_run,
         tmp_path,
         "engine-0",
         lambda r: r["event"] == "sched.step" and r["step"] == 12,
@@ -115,9 +118,11 @@ def test_an_old_epoch_result_applied_is_reported(killed_run, tmp_path):
     assert set(checks_failed(copy)) == {"epochs"}
 
 
-def test_a_fence_edited_away_is_too_weak_and_redrive_finds_the_decision(killed_run, tmp_path):
+def test_a_fence_edited_away_is_too_weak_and_redrive_finds_the_decision(
+    pressure_swap_run, tmp_path
+):
     copy = corrupt(
-        killed_run,
+        pressure_swap_run,
         tmp_path,
         "engine-0",
         lambda r: r["event"] == "op.issue" and r["lane"] == "step" and r["fence"].get("swap"),
@@ -130,9 +135,9 @@ def test_a_fence_edited_away_is_too_weak_and_redrive_finds_the_decision(killed_r
     assert divergence is not None and "fence" in divergence.message, divergence
 
 
-def test_a_partial_last_line_is_skipped_with_a_warning(killed_run, tmp_path, capsys):
+def test_a_partial_last_line_is_skipped_with_a_warning(pressure_swap_run, tmp_path, capsys):
     copy = tmp_path / "copy"
-    shutil.copytree(killed_run, copy, ignore=shutil.ignore_patterns("storage"))
+    shutil.copytree(pressure_swap_run, copy, ignore=shutil.ignore_patterns("storage"))
     with (copy / "swap-0.jsonl").open("ab") as f:
         f.write(b'{"ts":1.0,"event":"lane.do')
     assert main(["replay", str(copy), "--quiet"]) == 0
@@ -140,8 +145,12 @@ def test_a_partial_last_line_is_skipped_with_a_warning(killed_run, tmp_path, cap
 
 
 def test_without_fence_waits_under_chaos_the_broken_invariant_is_named(tmp_path):
-    sets = (*PRESSURE, "engine.requests=4", "transfer.skip_fences=true")
-    sets += ("transfer.chaos_delay_ms=10",)
+    sets = (
+        *PRESSURE,
+        "engine.requests=4",
+        "transfer.skip_fences=true",
+        "transfer.chaos_delay_ms=10",
+    )
     with launched(tmp_path, *sets) as run:
         run.wait(180)
     result = check_run(read_run(run.run_dir))
@@ -157,3 +166,92 @@ def test_without_fence_waits_under_chaos_the_broken_invariant_is_named(tmp_path)
             assert v.check == ("I1" if " read device" in v.message else "I3"), v
         else:
             assert v.check == ("I2" if " read device" in v.message else "I3"), v
+
+
+# --redrive on the finished run's logs.
+
+
+@pytest.fixture
+def run_copy(pressure_swap_run, tmp_path) -> Path:
+    return Path(
+        shutil.copytree(
+            pressure_swap_run, tmp_path / "run", ignore=shutil.ignore_patterns("storage")
+        )
+    )
+
+
+def edit_engine_line(run_dir: Path, event: str, edit: Any) -> int:
+    """Apply ``edit`` to the first ``event`` line of the engine log it returns True for
+    (the rest byte for byte as they were); returns that line's number."""
+    path = run_dir / f"{ENGINE}.jsonl"
+    lines = path.read_bytes().split(b"\n")
+    for i, raw in enumerate(lines):
+        if f'"event":"{event}"'.encode() in raw:
+            data = orjson.loads(raw)
+            if edit(data):
+                lines[i] = orjson.dumps(data)
+                path.write_bytes(b"\n".join(lines))
+                return i + 1
+    raise LookupError(f"no {event} line to edit")
+
+
+def _redrive(run_dir: Path) -> Any:
+    return redrive(read_run(run_dir))
+
+
+def test_redrive_repeats_every_decision_of_a_real_run(run_copy, capsys):
+    assert main(["replay", str(run_copy), "--redrive", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "ok: every check holds" in out
+    assert "redrive ok: the fresh scheduler made every logged decision" in out
+
+
+def test_redrive_names_the_op_whose_logged_fence_differs(run_copy):
+    def stronger_fence(data: dict[str, Any]) -> bool:
+        if not data["fence"]:
+            return False
+        edited.update(lane=data["lane"], op=data["op"], fence=dict(data["fence"]))
+        data["fence"] = {lane: n + 1 for lane, n in data["fence"].items()}
+        return True
+
+    edited: dict[str, Any] = {}
+    number = edit_engine_line(run_copy, "op.issue", stronger_fence)
+    divergence = _redrive(run_copy).divergence
+    assert divergence is not None
+    lane, op = edited["lane"], edited["op"]
+    assert divergence.message.startswith(
+        f"{lane} op {op}: fence {orjson.dumps(edited['fence']).decode()}; the engine's was "
+    )
+    assert divergence.message.endswith(f"({ENGINE}.jsonl:{number})")
+    assert divergence.entry.event == "sched.schedule" and [lane, op] in divergence.entry.get("ops")
+
+
+def test_redrive_finds_a_step_result_with_a_token_missing(run_copy):
+    def drop_outputs(data: dict[str, Any]) -> bool:
+        if data["step"] < 3 or not data["outputs"]:
+            return False
+        data["outputs"] = []
+        return True
+
+    number = edit_engine_line(run_copy, "sched.step", drop_outputs)
+    divergence = _redrive(run_copy).divergence
+    assert divergence is not None
+    # the next round is the first decision the lost token changes
+    entry = divergence.entry
+    assert entry.event == "sched.schedule" and entry.line > number
+    log = read_run(run_copy)
+    between = [e.event for e in log.sources[ENGINE] if number < e.line < entry.line]
+    assert "sched.schedule" not in between
+
+
+def test_redrive_finds_a_step_result_with_a_token_changed(run_copy):
+    def other_token(data: dict[str, Any]) -> bool:
+        if not data["outputs"]:
+            return False
+        data["outputs"][0][1] += 1
+        return True
+
+    number = edit_engine_line(run_copy, "sched.step", other_token)
+    divergence = _redrive(run_copy).divergence
+    assert divergence is not None
+    assert divergence.entry.line == number or divergence.entry.event == "request.finish"
