@@ -23,7 +23,6 @@ run; see replay_checks.py.
 from __future__ import annotations
 
 import heapq
-import itertools
 import tomllib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -47,14 +46,13 @@ class Entry:
     line: int  # 1-based line number in that file
     data: dict[str, Any]
     order: int = -1  # position in the merged history (set by read_run)
+    event: str = field(init=False)  # data["event"], read once (it is read everywhere)
+    ts: float = field(init=False)  # data["ts"], 0.0 when missing
 
-    @property
-    def event(self) -> str:
-        return str(self.data["event"])
-
-    @property
-    def ts(self) -> float:
-        return float(self.data.get("ts") or 0.0)
+    def __post_init__(self) -> None:
+        self.event = str(self.data["event"])
+        ts = self.data.get("ts")
+        self.ts = float(ts) if isinstance(ts, int | float) else 0.0
 
     @property
     def pid(self) -> int:
@@ -230,21 +228,29 @@ def _read_file(path: Path, warnings: list[str]) -> list[Entry]:
             f"{path.name}:{len(lines) + 1}: partial last line skipped ({len(last)} bytes; "
             "the process was killed mid-write)"
         )
-    entries = []
     stem = path.stem
-    for number, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            value = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            warnings.append(f"{path.name}:{number}: not JSON, skipped ({e})")
+    numbered = [(n, raw) for n, raw in enumerate(lines, 1) if raw.strip()]
+    try:  # one parse of the whole file: the common case, and ~3x faster than line by line
+        values = orjson.loads(b"[" + b",".join(raw for _, raw in numbered) + b"]")
+    except orjson.JSONDecodeError:
+        values = [_parse(path.name, n, raw, warnings) for n, raw in numbered]
+    entries = []
+    for (number, _), value in zip(numbered, values, strict=True):
+        if value is None:
             continue
         if not isinstance(value, dict) or not isinstance(value.get("event"), str):
             warnings.append(f"{path.name}:{number}: not a log event (no 'event'), skipped")
             continue
         entries.append(Entry(stem, number, value))
     return entries
+
+
+def _parse(name: str, number: int, raw: bytes, warnings: list[str]) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        warnings.append(f"{name}:{number}: not JSON, skipped ({e})")
+        return None
 
 
 def _last_launch(sources: dict[str, list[Entry]], warnings: list[str]) -> None:
@@ -313,59 +319,78 @@ def _gather(entry: Entry, op: Callable[[str, int], Op], order: list[tuple[str, i
 def _merge(
     sources: dict[str, list[Entry]], ops: dict[tuple[str, int], Op], warnings: list[str]
 ) -> list[Entry]:
-    """Every entry, topologically sorted by the happens-before edges, ties by clock."""
-    edges: dict[int, list[Entry]] = defaultdict(list)  # id(entry) -> entries after it
-    indegree: dict[int, int] = {}
+    """Every entry, topologically sorted by the happens-before edges, ties by clock.
 
-    def edge(a: Entry, b: Entry) -> None:
-        if a is not b:
-            edges[id(a)].append(b)
-            indegree[id(b)] = indegree.get(id(b), 0) + 1
+    Program order needs no edges: only the next entry of each file can be placed, once
+    every cross edge into it (messages, ops, watermarks) is satisfied; so the ready set
+    holds at most one entry per file.
+    """
+    files = list(sources.values())
+    where: dict[int, tuple[int, int]] = {}  # id(entry) -> (file, position)
+    for f, entries in enumerate(files):
+        for i, entry in enumerate(entries):
+            where[id(entry)] = (f, i)
+    after: dict[int, list[Entry]] = defaultdict(list)
+    waits: dict[int, int] = defaultdict(int)  # id(entry) -> cross edges not yet satisfied
+    for a, b in _cross_edges(sources, ops):
+        if where[id(a)][0] != where[id(b)][0]:  # within a file, program order rules
+            after[id(a)].append(b)
+            waits[id(b)] += 1
+    heads = [0] * len(files)
+    ready: list[tuple[float, str, int, int]] = []
 
-    for entries in sources.values():
-        for a, b in itertools.pairwise(entries):
-            edge(a, b)
-    for send, recv in _message_pairs(sources):
-        edge(send, recv)
-    first_done: dict[tuple[str, int], Entry] = {}
-    for key, record in ops.items():
-        if record.done:
-            first_done[key] = record.done[0]
+    def offer(f: int) -> None:
+        if heads[f] < len(files[f]):
+            head = files[f][heads[f]]
+            if not waits.get(id(head)):
+                heapq.heappush(ready, (head.ts, head.source, head.line, f))
+
+    for f in range(len(files)):
+        offer(f)
+    merged: list[Entry] = []
+    total = sum(len(entries) for entries in files)
+    while len(merged) < total:
+        if not ready:  # a cycle: the log contradicts itself; place by clock and say so
+            f = min(
+                (f for f in range(len(files)) if heads[f] < len(files[f])),
+                key=lambda f: files[f][heads[f]].ts,
+            )
+            stuck = files[f][heads[f]]
+            warnings.append(f"happens-before cycle through {stuck.where}: ordered by clock")
+            waits[id(stuck)] = 0
+            offer(f)
+        *_, f = heapq.heappop(ready)
+        entry = files[f][heads[f]]
+        heads[f] += 1
+        merged.append(entry)
+        offer(f)
+        for later in after.get(id(entry), ()):
+            waits[id(later)] -= 1
+            g, i = where[id(later)]
+            if waits[id(later)] == 0 and heads[g] == i:
+                offer(g)
+    return merged
+
+
+def _cross_edges(
+    sources: dict[str, list[Entry]], ops: dict[tuple[str, int], Op]
+) -> Iterator[tuple[Entry, Entry]]:
+    """(before, after) pairs the protocol orders (see the module docstring)."""
+    yield from _message_pairs(sources)
+    first_done = {key: record.done[0] for key, record in ops.items() if record.done}
     for record in ops.values():
         for done in record.done:
             if record.issue is not None:
-                edge(record.issue, done)
+                yield record.issue, done
             for lane in LANE_NAMES:
                 seen = done.get(f"seen_{lane}")
                 if lane != record.lane and seen:
                     before = first_done.get((lane, int(seen)))
                     if before is not None:
-                        edge(before, done)
+                        yield before, done
         if record.done:
             for applied in record.applied:
-                edge(record.done[0], applied)
-    everything = [e for entries in sources.values() for e in entries]
-    ready = [(e.ts, e.source, e.line, e) for e in everything if id(e) not in indegree]
-    heapq.heapify(ready)
-    merged: list[Entry] = []
-    placed: set[int] = set()
-    while len(merged) < len(everything):
-        if not ready:  # a cycle: the log contradicts itself; place by clock and say so
-            rest = min((e for e in everything if id(e) not in placed), key=lambda e: e.ts)
-            warnings.append(f"happens-before cycle through {rest.where}: ordered by clock")
-            indegree[id(rest)] = 0
-            heapq.heappush(ready, (rest.ts, rest.source, rest.line, rest))
-        *_, entry = heapq.heappop(ready)
-        if id(entry) in placed:
-            continue
-        placed.add(id(entry))
-        merged.append(entry)
-        for after in edges.get(id(entry), ()):
-            left = indegree[id(after)] - 1
-            indegree[id(after)] = left
-            if left == 0 and id(after) not in placed:
-                heapq.heappush(ready, (after.ts, after.source, after.line, after))
-    return merged
+                yield record.done[0], applied
 
 
 def _message_pairs(sources: dict[str, list[Entry]]) -> Iterable[tuple[Entry, Entry]]:
