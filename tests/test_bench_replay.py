@@ -16,6 +16,7 @@ import pytest
 
 from ringfence.actors import bench_replay
 from ringfence.actors.bench_replay import Launch
+from ringfence.actors.benchopts import resolve_counts
 from ringfence.runtime import cli
 
 
@@ -67,15 +68,15 @@ def tiny_run(run_dir: Path, steps: int = 3) -> int:
 
 def test_the_defaults_and_the_quick_counts() -> None:
     args = parse()
-    counts = bench_replay.resolve_counts(args, bench_replay.COUNTS)
+    counts = resolve_counts(args, bench_replay.COUNTS)
     assert counts == {"rounds": 3, "requests": 16, "replays": 3, "timeout": 300}
     assert args.large is None and args.keep is None and args.threads is None
-    quick = bench_replay.resolve_counts(parse("--quick"), bench_replay.COUNTS)
+    quick = resolve_counts(parse("--quick"), bench_replay.COUNTS)
     assert quick["rounds"] == 1 and quick["requests"] == 2
     args = parse("--rounds", "5", "--large", "64", "--keep", "/tmp/x", "--replays", "2")
     assert (args.rounds, args.large, args.keep, args.replays) == (5, 64, Path("/tmp/x"), 2)
     with pytest.raises(ValueError, match="--rounds 0"):
-        bench_replay.resolve_counts(parse("--rounds", "0"), bench_replay.COUNTS)
+        resolve_counts(parse("--rounds", "0"), bench_replay.COUNTS)
     assert cli.BENCHMARKS["replay"] == "ringfence.actors.bench_replay"
 
 
