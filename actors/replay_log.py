@@ -394,15 +394,36 @@ def _cross_edges(
 
 
 def _message_pairs(sources: dict[str, list[Entry]]) -> Iterable[tuple[Entry, Entry]]:
-    """(msg.send, msg.recv) of every ring message logged at both ends."""
-    sent: dict[tuple[str, str, int], Entry] = {}
+    """(msg.send, msg.recv) of every ring message logged at both ends.
+
+    A ring whose sequence numbers start again at 1 (a client slot taken anew) begins a
+    new generation at both ends, so a receive never pairs with an older ring's send.
+    """
+    sent: dict[tuple[str, str, int, int], Entry] = {}
     for source, entries in sources.items():
-        for entry in entries:
-            if entry.event == "msg.send" and entry.get("seq"):
-                sent.setdefault((source, str(entry.get("peer")), int(entry.get("seq"))), entry)
+        for key, entry in _numbered(source, entries, "msg.send"):
+            sent.setdefault(key, entry)
     for source, entries in sources.items():
-        for entry in entries:
-            if entry.event == "msg.recv" and entry.get("seq"):
-                send = sent.get((str(entry.get("peer")), source, int(entry.get("seq"))))
-                if send is not None:
-                    yield send, entry
+        for key, entry in _numbered(source, entries, "msg.recv"):
+            send = sent.get(key)
+            if send is not None:
+                yield send, entry
+
+
+def _numbered(
+    source: str, entries: list[Entry], event: str
+) -> Iterator[tuple[tuple[str, str, int, int], Entry]]:
+    """``((sender, receiver, generation, seq), entry)`` of each ``event`` on a ring."""
+    last: dict[str, int] = {}
+    generation: dict[str, int] = defaultdict(int)
+    for entry in entries:
+        if entry.event != event:
+            continue
+        seq, peer = int(entry.get("seq") or 0), str(entry.get("peer"))
+        if not seq:  # a timer or a message to itself
+            continue
+        if seq == 1 and last.get(peer, 0) >= 1:
+            generation[peer] += 1
+        last[peer] = seq
+        ends = (source, peer) if event == "msg.send" else (peer, source)
+        yield (*ends, generation[peer], seq), entry

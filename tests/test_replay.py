@@ -319,3 +319,24 @@ def test_the_command_exits_2_when_the_run_dir_cannot_be_read(what, tmp_path, cap
     captured = capsys.readouterr()
     assert captured.out == ""
     assert ("is not a directory" if what == "missing" else "holds no") in captured.err
+
+
+def test_the_history_follows_the_protocol_not_the_clocks(tmp_path):
+    logs = build(CLEAN)
+    for line in logs.files["worker-0"] + logs.files["swap-0"]:
+        line["ts"] -= 5.0  # these processes' clocks run five seconds behind
+    log, result = replay(logs, tmp_path)
+    assert result.ok and not log.warnings
+    order = {(e.source, e.line): e.order for e in log.history}
+    for op in log.ops.values():  # issue, then completion, then application
+        assert op.issue is not None and op.done and op.applied
+        assert op.issue.order < op.done[0].order < op.applied[0].order
+    sends = [e for e in log.history if e.event == "msg.send"]
+    receives = {(e.source, e.get("peer"), e.get("seq")): e for e in log.events("msg.recv")}
+    paired = 0
+    for send in sends:
+        receive = receives.get((send.get("peer"), send.source, send.get("seq")))
+        if receive is not None:
+            assert order[(send.source, send.line)] < receive.order
+            paired += 1
+    assert paired >= 8
