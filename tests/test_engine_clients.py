@@ -13,14 +13,14 @@ from pathlib import Path
 import orjson
 import peers
 from launching import QUICK, launched, wait_until
-from test_engine import ENGINE, MODEL, TIERS, reference
+from test_engine import ENGINE, MODEL, TIERS, TRACE, reference, replayed
 
 from ringfence.actors.client import Client
 from ringfence.actors.serving import load_workload
 from ringfence.shm import names
 
 WAIT_S = 120.0
-SETS = (ENGINE, *MODEL, *TIERS, "cache.device_blocks=48", "sched.preemption=swap", *QUICK)
+SETS = (ENGINE, *MODEL, TRACE, *TIERS, "cache.device_blocks=48", "sched.preemption=swap", *QUICK)
 
 
 def remote_generate(run_dir: str, prompt: list[int], max_tokens: int, seed: int, out: str) -> None:
@@ -98,6 +98,7 @@ def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_an
         run.send_signal(signal.SIGTERM)
         assert run.wait() == 143, run.tail()
         assert names.list_names(run.run_id) == []
+        replayed(run.run_dir)  # clients' rings, aborts and a lost client included
         assert run.events("engine.drain_timeout", log="engine-0") == []
         finished = run.events("request.finish", log="engine-0")
         reasons = {f["request"].rsplit("/", 1)[-1]: f["reason"] for f in finished}

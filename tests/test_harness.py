@@ -79,7 +79,12 @@ def test_in_sync_mode_the_issuer_waits_and_the_executors_never_do(tmp_path):
 
 @pytest.mark.parametrize(
     "chaos",
-    [CHAOS, pytest.param("transfer.chaos_delay_ms=0", marks=pytest.mark.slow)],
+    # In CI a missing fence is caught from the logs instead: ringfence replay names the
+    # broken invariant (test_replay_runs.py); here the outputs show it.
+    [
+        pytest.param(CHAOS, marks=pytest.mark.slow),
+        pytest.param("transfer.chaos_delay_ms=0", marks=pytest.mark.slow),
+    ],
     ids=["chaos", "no-chaos"],
 )
 def test_with_fence_waits_skipped_the_harness_detects_corruption_in_nearly_every_program(

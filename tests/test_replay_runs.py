@@ -38,10 +38,10 @@ PRESSURE = (
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A traced run SIGKILLed (supervisor and every actor at once) in its 30th step."""
+    """A traced run SIGKILLed (supervisor and every actor at once) in its 20th step."""
     tmp = tmp_path_factory.mktemp("killed")
     with launched(tmp, *PRESSURE, "engine.requests=4") as run:
-        run.wait_for_event("step.done", log="worker-0", step=30, timeout=120)
+        run.wait_for_event("step.done", log="worker-0", step=20, timeout=120)
         pids = [s.pid for s in run.child_stamps()] + [run.proc.pid]
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
@@ -56,7 +56,7 @@ def test_a_killed_run_replays_with_its_open_work_in_flight_and_redrives(killed_r
     assert any(item.startswith("request ") for item in result.in_flight), result.in_flight
     outcome = redrive(log)
     assert outcome.divergence is None, outcome.divergence
-    assert outcome.rounds >= 30 and outcome.ops >= 30, outcome
+    assert outcome.rounds >= 20 and outcome.ops >= 20, outcome
     assert main(["replay", str(killed_run), "--redrive", "--quiet"]) == 0
     assert "redrive ok" in capsys.readouterr().out
 
@@ -147,7 +147,7 @@ def test_a_partial_last_line_is_skipped_with_a_warning(pressure_swap_run, tmp_pa
 def test_without_fence_waits_under_chaos_the_broken_invariant_is_named(tmp_path):
     sets = (
         *PRESSURE,
-        "engine.requests=4",
+        "engine.requests=3",
         "transfer.skip_fences=true",
         "transfer.chaos_delay_ms=10",
     )
