@@ -10,9 +10,25 @@ identity and limits), then runs a loop made of messages only:
   are queued per lane and sent in issue order while the lane has credit (bounded ops
   in flight, so no result ring ever fills); in ``transfer.mode = "sync"`` an op is
   held until every op its fence names has completed, then sent with no fence;
-- a :class:`StepResult` or :class:`OpDone` of an older epoch is dropped; otherwise it is
-  applied to the scheduler, tokens stream to their clients, and the loop schedules
-  again.
+- a :class:`StepResult` or :class:`OpDone` of an older epoch, a repeat or one of an op
+  never sent is dropped; otherwise it is applied to the scheduler, tokens stream to
+  their clients, and the loop schedules again. Ops in flight per lane are the lane's
+  last number sent minus the last one completed, so a repeated completion (a lane
+  restarted after it sent one) can never free a credit twice.
+
+Faults (DESIGN.md "Sequence numbers" on epochs and restarts):
+
+- the engine (re)starts by publishing its epoch as ``issuer_epoch`` (every op an engine
+  before it issued is stale from then on and is cancelled, never run) and sending each
+  executor a :class:`Resync`; it begins once all three answered, numbering each lane's
+  ops after the watermark the answer carries. A workload run then runs its workload
+  from the start (seeded sampling gives the same tokens); a client's requests in
+  flight end with an error on its side, and its next request says Hello again;
+- a Worker that restarts has a fresh device tier: the engine adopts its epoch,
+  :meth:`Scheduler.reset_device` sends every running request back to be computed
+  again, and the swap lane is told the new tier;
+- a Transfer lane that restarts redoes its op in flight from its ring and resends a
+  completion lost with it: nothing to do here but tell the swap lane the tier again.
 
 A workload run ends by writing ``outputs.jsonl`` and ``summary.json`` and asking for
 shutdown; at stop the engine waits (``engine.drain_timeout_s``) for the store lane's
@@ -32,12 +48,13 @@ from ringfence.actors.checkpoint import CheckpointTokenizer, load_tokenizer
 from ringfence.actors.client import CLIENT_ACTOR, CLIENT_CHANNELS
 from ringfence.actors.clienthub import ClientHub, RequestKey, RequestRefused
 from ringfence.actors.clientproto import Abort, Hello, Submit
-from ringfence.actors.lanes import LANES, lane_counter
+from ringfence.actors.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
 from ringfence.actors.protocol import (
     DeviceTier,
     LaneReady,
     ModelInfo,
     OpDone,
+    Resync,
     StepResult,
     WorkerReady,
 )
@@ -69,10 +86,12 @@ from ringfence.sched.ops import Op
 from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.scheduler import Scheduler
 from ringfence.sched.workload import WorkloadRequest
+from ringfence.shm.errors import ProtocolError
 
 CREDITS = {Lane.STEP: 1, Lane.SWAP: 8, Lane.STORE: 8}  # ops in flight per lane
 TARGET = {Lane.STEP: "worker", Lane.SWAP: "swap", Lane.STORE: "store"}
 LANE_OF = {"swap": Lane.SWAP, "store": Lane.STORE}
+EXECUTORS = {"worker": Lane.STEP, "swap": Lane.SWAP, "store": Lane.STORE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +124,12 @@ class Engine(Actor):
         self.storage: StorageBackend | None = None
         self.model: ModelInfo | None = None
         self.tier: DeviceTier | None = None
-        self.ready: set[str] = set()
-        self.queues: dict[Lane, deque[Op]] = {lane: deque() for lane in Lane}
-        self.in_flight = dict.fromkeys(Lane, 0)
-        self.completed = dict.fromkeys(Lane, 0)
+        self.incarnations: dict[str, int] = {}  # executor -> the incarnation last announced
+        self.synced: dict[str, int] = {}  # executor -> its watermark when it answered Resync
+        # Ops waiting for credit, each with the epoch it was issued in (a Worker restart
+        # between issue and send must not make an op of the lost tier look current).
+        self.queues: dict[Lane, deque[tuple[Op, int]]] = {lane: deque() for lane in Lane}
+        self.completed = dict.fromkeys(Lane, 0)  # per lane: the last op number completed
         self.last_sent = dict.fromkeys(Lane, 0)
         self.bytes: dict[str, int] = {}
         self.times: dict[str, _Times] = {}
@@ -119,8 +140,17 @@ class Engine(Actor):
         self.done = False
         self.progress: Progress | None = None
         self.output_tokens = 0
-        self.epoch = self.ctx.epoch
+        self.epoch = self.ctx.epoch  # stamped on every op; a Worker restart raises it
         self.tokenizer: ByteTokenizer | CheckpointTokenizer | None = None
+        # Every op an engine before this one issued is stale from now on; then ask each
+        # executor where its lane stands once it has handled what is in its ring.
+        issuer = epoch_counter(self.ctx.counters[LANES], self.ctx.rank, ISSUER_EPOCH)
+        issuer.claim()
+        issuer.advance(self.epoch)
+        if self.ctx.incarnation > 1:
+            self.log.warning("engine.restart", incarnation=self.ctx.incarnation)
+        for target in EXECUTORS:
+            self.send(target, Resync(epoch=self.ctx.epoch))
 
     def on_stop(self) -> None:
         self._drain_store()
@@ -136,37 +166,73 @@ class Engine(Actor):
 
     @handles(WorkerReady)
     def on_worker(self, msg: WorkerReady) -> None:
-        if self.model is not None:
-            # Re-prefilling the running requests on a fresh device tier is the faults
-            # issue's (#9). Until then the instance ends cleanly: every live request is
-            # aborted with the reason, rather than computed on a tier that was reset.
-            self.log.error("engine.worker_restart", incarnation=msg.incarnation)
-            for request_id in list(self.times):
-                self._abort(request_id, "the worker restarted; this instance cannot recover yet")
-            self._flush()
-            self.done = True
-            self.request_shutdown("the worker restarted")
+        if not self._announced("worker", msg.incarnation, msg.resync, msg.step_done):
             return
+        if self.model is not None and msg.model.model_id != self.model.model_id:
+            raise ProtocolError(
+                f"the worker restarted with model {msg.model.model_id}, not {self.model.model_id}"
+            )
+        restarted = self.model is not None and self.incarnations["worker"] != msg.incarnation
+        self.incarnations["worker"] = msg.incarnation
         self.model = msg.model
-        self.tier = DeviceTier(epoch=msg.epoch, kv=msg.kv)
-        self.send("swap", self.tier)
-        self.ready.add("worker")
-        self._maybe_begin()
+        self.epoch = max(self.epoch, msg.epoch)  # ops of the old tier are stale from here
+        self.tier = DeviceTier(epoch=self.epoch, kv=msg.kv)
+        if self.scheduler is None:
+            self._maybe_begin()
+        elif restarted:
+            self._reset_tier(msg)
 
     @handles(LaneReady)
     def on_lane(self, msg: LaneReady) -> None:
-        if msg.lane in self.ready:  # restarted: it redoes its op in flight from its ring
+        if not self._announced(msg.lane, msg.incarnation, msg.resync, msg.done):
+            return
+        restarted = self.incarnations.setdefault(msg.lane, msg.incarnation) != msg.incarnation
+        self.incarnations[msg.lane] = msg.incarnation
+        if self.scheduler is None:
+            self._maybe_begin()
+        elif restarted:  # it redoes its op in flight from its ring and resends what was lost
             self.log.warning("engine.lane_restart", lane=msg.lane, done=msg.done)
             if msg.lane == "swap" and self.tier is not None:
                 self.send("swap", self.tier)
-            return
-        self.ready.add(msg.lane)
-        self._maybe_begin()
+
+    def _announced(self, executor: str, incarnation: int, resync: int, done: int) -> bool:
+        """Record an executor's announcement; False if it answers another engine's Resync."""
+        if resync >= 0 and resync != self.ctx.epoch:
+            return False
+        if resync >= 0 and self.scheduler is None:
+            self.synced[executor] = done
+        self.incarnations.setdefault(executor, incarnation)
+        if executor == "worker" and self.scheduler is not None:
+            # A new Worker does not answer for steps at or below its watermark whose
+            # results went with its predecessor: they count as completed.
+            self.completed[Lane.STEP] = max(self.completed[Lane.STEP], done)
+        return True
+
+    def _reset_tier(self, msg: WorkerReady) -> None:
+        """The Worker restarted: its device tier is new, every op in flight is lost."""
+        assert self.scheduler is not None and self.tier is not None
+        if self.log.tracing:
+            self.log.trace("sched.reset", tier_epoch=msg.epoch)
+        requeued = self.scheduler.reset_device()
+        self.log.warning(
+            "engine.tier_reset",
+            incarnation=msg.incarnation,
+            new_epoch=self.epoch,
+            step_done=msg.step_done,
+            requeued=[r.request_id for r in requeued],
+        )
+        self.send("swap", self.tier)  # before any op of the new epoch
+        self._kick()
 
     def _maybe_begin(self) -> None:
-        if self.scheduler is not None or self.ready != {"worker", "swap", "store"}:
+        """Begin once every executor answered this engine's Resync (and the worker's model
+        is known): each lane's numbers go on after the watermark it answered with."""
+        if self.scheduler is not None or set(self.synced) != set(EXECUTORS) or self.model is None:
             return
-        assert self.model is not None and self.ctx.run_dir is not None
+        assert self.ctx.run_dir is not None and self.tier is not None
+        first = {lane: self.synced[name] + 1 for name, lane in EXECUTORS.items()}
+        for lane, number in first.items():
+            self.completed[lane] = self.last_sent[lane] = number - 1
         self.storage = open_storage(self.config, self.model, str(self.ctx.run_dir))
         tracing = self.log.tracing
         presence = LoggedPresence(self.storage, self.log) if tracing and self.storage else None
@@ -174,13 +240,16 @@ class Engine(Actor):
             sched_config(self.config, self.model.model_id, self.model.max_position),
             presence or self.storage,
             journal=tracing,
+            first_numbers=first,
         )
+        self.send("swap", self.tier)
         settings = self.config.engine
         self.log.info(
             "engine.ready",
             model_id=self.model.model_id,
             max_position=self.model.max_position,
             workload=settings.workload,
+            first_ops={str(lane): number for lane, number in first.items()},
         )
         if settings.workload:
             self.workload = load_workload(
@@ -294,7 +363,7 @@ class Engine(Actor):
             if scheduler.step_in_flight is None and not scheduler.idle:
                 ops = scheduler.schedule()
                 for op in ops:
-                    self.queues[op.lane].append(op)
+                    self.queues[op.lane].append((op, self.epoch))
                 if self.log.tracing:
                     self.log.trace(
                         "sched.schedule",
@@ -305,10 +374,14 @@ class Engine(Actor):
         self._flush()
         self._maybe_end()
 
+    def in_flight(self, lane: Lane) -> int:
+        """Ops sent to ``lane`` whose completion has not come back."""
+        return self.last_sent[lane] - self.completed[lane]
+
     def _pump(self) -> None:
         for lane, queue in self.queues.items():
-            while queue and self.in_flight[lane] < CREDITS[lane]:
-                op = queue[0]
+            while queue and self.in_flight(lane) < CREDITS[lane]:
+                op, epoch = queue[0]
                 sent = op
                 if self.sync:
                     waits = op.fence.waits()
@@ -316,9 +389,8 @@ class Engine(Actor):
                         break
                     sent = replace(op, fence=NO_WAIT)
                 queue.popleft()
-                self.in_flight[lane] += 1
                 self.last_sent[lane] = op.number
-                self.send(TARGET[lane], to_message(sent, self.epoch))
+                self.send(TARGET[lane], to_message(sent, epoch))
                 if self.log.tracing:
                     self._trace_issue(op)
 
@@ -345,10 +417,8 @@ class Engine(Actor):
     @handles(StepResult)
     def on_step(self, msg: StepResult) -> None:
         scheduler = self.scheduler
-        if scheduler is None or msg.epoch != self.epoch:
-            self.log.warning("engine.stale", lane="step", op=msg.step, msg_epoch=msg.epoch)
+        if scheduler is None or not self._settled(Lane.STEP, msg.step, msg.epoch):
             return
-        self._settled(Lane.STEP, msg.step)
         if msg.status != "ok":
             self.log.error("engine.step_failed", step=msg.step, status=msg.status, error=msg.error)
         outputs = [(t.seq_id, t.token_id) for t in msg.outputs]
@@ -382,10 +452,8 @@ class Engine(Actor):
     def on_op(self, msg: OpDone) -> None:
         scheduler = self.scheduler
         lane = LANE_OF[msg.lane]
-        if scheduler is None or msg.epoch != self.epoch:
-            self.log.warning("engine.stale", lane=msg.lane, op=msg.op, msg_epoch=msg.epoch)
+        if scheduler is None or not self._settled(lane, msg.op, msg.epoch):
             return
-        self._settled(lane, msg.op)
         if msg.status != "ok":
             self.log.warning("engine.op_failed", lane=msg.lane, op=msg.op, status=msg.status)
         op = scheduler.blocks.inflight.get((lane, msg.op))
@@ -404,9 +472,27 @@ class Engine(Actor):
         scheduler.on_transfer(lane, msg.op, msg.status, msg.missing)
         self._kick()
 
-    def _settled(self, lane: Lane, number: int) -> None:
-        self.in_flight[lane] -= 1
-        self.completed[lane] = max(self.completed[lane], number)
+    def _settled(self, lane: Lane, number: int, epoch: int) -> bool:
+        """Count op ``number``'s completion; whether it is to be applied to the scheduler.
+
+        Not applied: a repeat (a restarted executor resends a completion that may have
+        arrived), one of an op never sent (nothing to apply it to), or one of an older
+        epoch (the scheduler already took that op as lost in a reset). Each is logged.
+        """
+        why = ""
+        if self.scheduler is None:
+            why = "before the engine began"
+        elif number <= self.completed[lane]:
+            why = f"a repeat: {lane} is complete up to {self.completed[lane]}"
+        elif number > self.last_sent[lane]:
+            why = f"never sent: the last {lane} op sent is {self.last_sent[lane]}"
+        else:
+            self.completed[lane] = number
+            if epoch == self.epoch:
+                return True
+            why = f"of epoch {epoch}, the engine's is {self.epoch}"
+        self.log.warning("engine.stale", lane=str(lane), op=number, msg_epoch=epoch, why=why)
+        return False
 
     def _finished(self, request_id: str, error: str) -> None:
         assert self.scheduler is not None
@@ -459,7 +545,7 @@ class Engine(Actor):
     def _maybe_end(self) -> None:
         if self.done or not self.workload or len(self.records) < len(self.workload):
             return
-        if any(self.queues[lane] for lane in Lane) or self.in_flight[Lane.STORE]:
+        if any(self.queues[lane] for lane in Lane) or self.in_flight(Lane.STORE):
             return  # the write-backs go out and finish first
         self.done = True
         assert self.ctx.run_dir is not None
@@ -485,6 +571,7 @@ class Engine(Actor):
             "preemptions": dict(c.preemptions),
             "hit_tokens": dict(c.hit_tokens),
             "steps": c.steps,
+            "resets": c.resets,
             "batched_tokens": c.batched_tokens,
             "ops": dict(moved.ops),
             "blocks": dict(moved.blocks),

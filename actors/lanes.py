@@ -4,16 +4,31 @@ Three lanes run per rank (DESIGN.md "Sequence numbers, watermarks, fences"): ``s
 (the Worker), ``swap`` and ``store`` (the two Transfer lanes). Each is executed in
 issue order by exactly one actor, which publishes how far it got in the ``lanes``
 counter block of the run (``LANE_SLOTS`` counters per rank: step_done, swap_done,
-store_done). :class:`LaneExecutor` is the base of the three: for an op numbered ``n``
-it tells a repeat (``n <= done``: answered with the kept completion) and a hole in the
-lane (``n > done + 1``: refused, the watermark stays) from the next op; waits, sleeping
-on its own doorbell, until every other lane's watermark has reached the op's fence;
-and completes an op by advancing its watermark *before* it reports, so a completion
-never announces work that a crash could still undo.
+store_done, and the two epochs below). :class:`LaneExecutor` is the base of the
+three: for an op numbered ``n`` it tells a repeat (``n <= done``: answered with the
+kept completion) and a hole in the lane (``n > done + 1``: refused, the watermark
+stays) from the next op; waits, sleeping on its own doorbell, until every other
+lane's watermark has reached the op's fence; and completes an op by advancing its
+watermark *before* it reports, so a completion never announces work that a crash
+could still undo.
 
-A fence wait that runs past the deadline (half the heartbeat timeout) cancels the op
-when its epoch has passed, and otherwise hands it back to the driver to be tried
-again after a heartbeat (``msg.deferred``): nothing waits forever on a dead peer.
+Epochs. Every op carries the epoch its issuer stamped on it. Two counters per rank
+say which epochs are past: ``tier_epoch``, written by the Worker as the first thing it
+does on every start (a restarted Worker has a fresh device tier: the blocks every
+earlier op named hold nothing), and ``issuer_epoch``, written by the Engine when it
+starts (a restarted Engine knows nothing of the ops its predecessor issued). An op
+whose epoch is below either is *stale*: it is cancelled, never executed. The check is
+made after the fence wait, right before the op touches a block, and that order is
+what makes a Worker restart safe: the new Worker writes ``tier_epoch`` before it
+cancels the step its predecessor left unfinished (which advances ``step_done``), so an
+op that waited for that step and sees ``step_done`` past it also sees the new epoch
+(stores of one writer are seen in order, loads are not reordered with loads) and is
+cancelled instead of copying what that step never wrote. A restart of a Transfer lane
+bumps neither counter: its ops stay valid and are redone from its ring.
+
+A fence wait that runs past the deadline (half the heartbeat timeout) cancels a stale
+op, and otherwise hands it back to the driver to be tried again after a heartbeat
+(``msg.deferred``): nothing waits forever on a dead peer.
 ``transfer.skip_fences`` (debug only) skips every wait, so that tests can show they
 would catch a missing fence.
 """
@@ -28,8 +43,10 @@ from ringfence.runtime.config import Config
 from ringfence.shm.counter import CounterBlock, Watermark
 
 LANES = "lanes"  # the topology's counter block of the lane watermarks
-LANE_SLOTS = 4  # counters per rank in it: step_done, swap_done, store_done, one spare
+LANE_SLOTS = 6  # counters per rank: step_done, swap_done, store_done, two epochs, a spare
 _LANE_SLOT = {Lane.STEP: 0, Lane.SWAP: 1, Lane.STORE: 2}
+TIER_EPOCH, ISSUER_EPOCH = "tier", "issuer"  # the epoch counters (see the module docstring)
+_EPOCH_SLOT = {TIER_EPOCH: 3, ISSUER_EPOCH: 4}
 # The actor executing each lane, and the actors that wait on its watermark (and so are
 # rung after each advance): a swap-out waits for steps (I2), a step for swap-ins (I1,
 # I3), a write-back for swap-outs and a swap-in for prefetches (I4).
@@ -42,6 +59,14 @@ def lane_counter(block: CounterBlock, rank: int, lane: Lane) -> Watermark:
     index = rank * LANE_SLOTS + _LANE_SLOT[lane]
     if index >= block.count:
         raise ValueError(f"rank {rank} has no {lane} watermark in a block of {block.count}")
+    return block[index]
+
+
+def epoch_counter(block: CounterBlock, rank: int, which: str) -> Watermark:
+    """``tier_epoch`` (the Worker writes it) or ``issuer_epoch`` (the Engine) of ``rank``."""
+    index = rank * LANE_SLOTS + _EPOCH_SLOT[which]
+    if index >= block.count:
+        raise ValueError(f"rank {rank} has no {which} epoch in a block of {block.count}")
     return block[index]
 
 
@@ -73,6 +98,7 @@ class LaneExecutor(Actor):
         self.done = self.marks[self.lane]
         bells = [self.bell_of(f"{name}-{rank}") for name in WAITERS[self.lane]]
         self.done.claim(notify=[bell for bell in bells if bell is not None])
+        self.epochs = [epoch_counter(block, rank, which) for which in (TIER_EPOCH, ISSUER_EPOCH)]
         self.last: object | None = None  # the last completion sent, to answer a repeat
         self.last_op = 0
 
@@ -82,6 +108,15 @@ class LaneExecutor(Actor):
         if op <= done:
             return "repeat"
         return "next" if op == done + 1 else "hole"
+
+    def stale(self, epoch: int) -> str:
+        """Why an op of ``epoch`` must not run (its device tier or its issuer is gone), or ""."""
+        tier, issuer = (mark.value() for mark in self.epochs)
+        if epoch < tier:
+            return f"op of epoch {epoch} names blocks of the device tier reset at epoch {tier}"
+        if epoch < issuer:
+            return f"op of epoch {epoch} was issued before the engine restarted at epoch {issuer}"
+        return ""
 
     def fence_problem(self, fence: Fence) -> str:
         """Why ``fence`` cannot be an op's fence in this lane, or "": it may not name the
@@ -93,8 +128,10 @@ class LaneExecutor(Actor):
         """Sleep until every other lane's watermark reaches ``fence``; the values then seen
         of every other lane.
 
-        Raises :class:`Cancelled` when the deadline passed and the op's epoch is older
-        than the run's; ``WaitTimeout`` (or ``ActorDead``) to have it handed over later.
+        Raises :class:`Cancelled` when the op is stale (see :meth:`stale`), checked when a
+        wait runs past its deadline and again once the fence is reached (after the
+        watermarks were read: see the module docstring); ``WaitTimeout`` (or
+        ``ActorDead``) to have it handed over later.
         """
         problem = self.fence_problem(fence)
         if problem:  # callers reject such an op before they wait (see fence_problem)
@@ -108,9 +145,8 @@ class LaneExecutor(Actor):
                     return mark.value() >= target
 
                 if not self.wait_until(reached):
-                    now = self.current_epoch()
-                    if epoch < now:
-                        raise Cancelled(f"op of epoch {epoch} is older than the run's epoch {now}")
+                    if stale := self.stale(epoch):
+                        raise Cancelled(stale)
                     raise mark.overdue(target, f"for {self.lane} op {op}")
             seen[lane] = mark.value()
         # Every other lane's watermark as it stands before the op touches a block, fenced
@@ -119,6 +155,10 @@ class LaneExecutor(Actor):
         for lane, mark in self.marks.items():
             if lane is not self.lane and lane not in seen:
                 seen[lane] = mark.value()
+        # Read after the watermarks: a step the new Worker cancelled is seen as done only
+        # together with the epoch that makes this op stale.
+        if stale := self.stale(epoch):
+            raise Cancelled(stale)
         return seen
 
     def complete(self, op: int, report: object) -> None:

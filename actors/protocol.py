@@ -71,6 +71,7 @@ class WorkerReady:
     step_done: int  # the step watermark it resumes from
     model: ModelInfo
     kv: KVHandle  # how the Transfer actor opens the device KV tensor
+    resync: int = -1  # the epoch of the engine's Resync this answers; -1: sent on start
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,6 +161,7 @@ class LaneReady:
     incarnation: int
     done: int
     host: KVHandle  # the host KV tensor (the same segment for both lanes)
+    resync: int = -1  # the epoch of the engine's Resync this answers; -1: sent on start
 
 
 @message(FROM_TRANSFER, tag=2)
@@ -181,3 +183,17 @@ class OpDone:
     bytes: int = 0
     wait_ns: int = 0
     copy_ns: int = 0
+
+
+@message(TO_WORKER, tag=2)
+@message(TO_SWAP, tag=3)
+@message(TO_STORE, tag=2)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resync:
+    """From an engine that has just started: announce yourself again (``WorkerReady`` or
+    ``LaneReady`` with ``resync = epoch``) once every message before this one on the
+    ring has been handled. The answer's watermark then covers every op an engine
+    before this one sent: a restarted engine numbers its ops from there.
+    """
+
+    epoch: int  # the engine's epoch, echoed in the answer

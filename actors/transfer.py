@@ -43,6 +43,7 @@ from ringfence.actors.protocol import (
     LaneReady,
     OpDone,
     OpStatus,
+    Resync,
     StoreOp,
     SwapOp,
 )
@@ -76,17 +77,27 @@ class TransferLane(LaneExecutor):
             host_blocks=layout.num_blocks,
             block_bytes=layout.block_bytes,
         )
+        self.announce()
+
+    def announce(self, resync: int = -1) -> None:
+        """Send LaneReady: on start, and in answer to an engine's Resync."""
+        assert self.host is not None
         self.send(
             "engine",
             LaneReady(
                 lane=self.lane_name,
-                rank=rank,
+                rank=self.ctx.rank,
                 epoch=self.ctx.epoch,
                 incarnation=self.ctx.incarnation,
                 done=self.done.value(),
                 host=self.host.handle,
+                resync=resync,
             ),
         )
+
+    @handles(Resync)
+    def on_resync(self, msg: Resync) -> None:
+        self.announce(resync=msg.epoch)
 
     def on_stop(self) -> None:
         if self.host is not None:
@@ -143,6 +154,9 @@ class TransferLane(LaneExecutor):
         come), hold it a chaos delay, do ``work``, and finish it with what work returned."""
         if problem:
             self.finish(msg, "rejected", error=problem)
+            return
+        if stale := self.stale(msg.epoch):  # checked again once the fence is reached
+            self.finish(msg, "cancelled", error=stale)
             return
         started = time.perf_counter_ns()
         try:

@@ -14,11 +14,13 @@ watermarks, fences") strictly in order, ``s = 1, 2, ...``. For each plan it
 4. advances ``step_done`` (every step <= s finished, KV writes included) and only
    then sends the :class:`StepResult` with the step number and the plan's epoch.
 
-A fence wait that runs past its deadline re-reads the run epoch: a plan of an older
-epoch is cancelled (watermark advanced past it, result ``cancelled``), otherwise the
-plan is handed over again later (the driver's ``msg.deferred``), with heartbeats in
-between. Plans issued before this incarnation started are cancelled at once: a
-restarted Worker has a fresh device tier, and they name blocks of the old one.
+A plan of a past epoch (lanes.py: issued before this Worker started, or by an engine
+that has restarted since) is cancelled, never run: watermark advanced past it, result
+``cancelled``. A fence wait that runs past its deadline cancels a stale plan and
+otherwise hands it over again later (the driver's ``msg.deferred``), with heartbeats
+in between. The Worker publishes its start epoch as ``tier_epoch`` before it handles
+any plan: a restarted Worker has a fresh device tier, and every op issued before
+names blocks of the old one.
 
 Delivery is at least once (a plan whose step was cut short by a crash is read again),
 and the step number makes it exactly once: a plan at or below ``step_done`` is a
@@ -42,6 +44,7 @@ from ringfence.actors.paged import PagedExecutor, Piece
 from ringfence.actors.protocol import (
     ModelInfo,
     PlanPiece,
+    Resync,
     SampledToken,
     StepPlan,
     StepResult,
@@ -90,6 +93,11 @@ class Worker(LaneExecutor):
 
     def on_start(self) -> None:
         super().on_start()
+        # First of all: every op issued for the previous incarnation's device tier is
+        # stale from now on (lanes.py: why this comes before any plan is cancelled).
+        tier_epoch = self.epochs[0]
+        tier_epoch.claim()
+        tier_epoch.advance(self.ctx.epoch)
         config, rank = self.config, self.ctx.rank
         self.model, self.info = load_model(config.model)
         layout = kv_layout(config, Tier.DEVICE, self.model.config)
@@ -110,17 +118,27 @@ class Worker(LaneExecutor):
             step_done=self.done.value(),
             threads=torch.get_num_threads(),
         )
+        self.announce()
+
+    def announce(self, resync: int = -1) -> None:
+        """Send WorkerReady: on start, and in answer to an engine's Resync."""
+        assert self.space is not None
         self.send(
             "engine",
             WorkerReady(
-                rank=rank,
+                rank=self.ctx.rank,
                 epoch=self.ctx.epoch,
                 incarnation=self.ctx.incarnation,
                 step_done=self.done.value(),
                 model=self.info,
                 kv=self.space.handle,
+                resync=resync,
             ),
         )
+
+    @handles(Resync)
+    def on_resync(self, msg: Resync) -> None:
+        self.announce(resync=msg.epoch)
 
     def on_stop(self) -> None:
         self.executor = None
@@ -156,8 +174,8 @@ class Worker(LaneExecutor):
         if problem:
             self._finish(plan, "rejected", error=problem)
             return
-        if plan.epoch < self.ctx.epoch:  # issued for the device tier before this restart
-            self._finish(plan, "cancelled", error=_stale(plan.epoch, self.ctx.epoch))
+        if stale := self.stale(plan.epoch):  # e.g. issued for the tier before this restart
+            self._finish(plan, "cancelled", error=stale)
             return
         started = time.perf_counter_ns()
         try:
@@ -291,7 +309,3 @@ def plan_pieces(plan: StepPlan) -> list[Piece]:
 
 def _piece(p: PlanPiece) -> Piece:
     return Piece(token_ids=p.token_ids, start=p.start, block_table=p.block_table)
-
-
-def _stale(plan_epoch: int, epoch: int) -> str:
-    return f"plan of epoch {plan_epoch} is older than the run's epoch {epoch}"

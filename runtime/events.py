@@ -140,15 +140,29 @@ EVENTS: Final[dict[str, Event]] = {
     # The engine (actors/engine.py). ``request`` is the request id (a client's is
     # "<client instance>/<incarnation>/<id>"); ``op`` a lane number; ``fence`` the waits.
     "engine.ready": _e(
-        "info", "model_id max_position workload", "every lane is ready; the scheduler is built"
+        "info",
+        "model_id max_position workload first_ops",
+        "every executor answered the engine's Resync; the scheduler is built; first_ops: the "
+        "number of each lane's first op (1 unless an engine before this one left them further)",
+    ),
+    "engine.restart": _e(
+        "warning", "incarnation", "the engine restarted: it resyncs with its executors"
     ),
     "engine.lane_restart": _e(
         "warning", "lane done", "a transfer lane restarted (it redoes its op)"
     ),
-    "engine.worker_restart": _e(
-        "error", "incarnation", "the worker restarted: live requests aborted, the run ends"
+    "engine.tier_reset": _e(
+        "warning",
+        "incarnation new_epoch step_done requeued",
+        "the worker restarted with a fresh device tier: every op in flight is lost, the running "
+        "requests (requeued) are computed again; new_epoch: the engine's from now on",
     ),
-    "engine.stale": _e("warning", "lane op msg_epoch", "a result of an older epoch was dropped"),
+    "engine.stale": _e(
+        "warning",
+        "lane op msg_epoch why",
+        "a result or completion not applied: a repeat, one of an op never sent, or of an older "
+        "epoch",
+    ),
     "engine.step_failed": _e("error", "step status error", "a step did not finish ok"),
     "engine.op_failed": _e("warning", "lane op status", "a transfer op did not finish ok"),
     "engine.workload_done": _e("info", "requests duration_s", "the workload ran to its end"),
@@ -182,6 +196,7 @@ EVENTS: Final[dict[str, Event]] = {
     "sched.transfer": _e(
         "trace", "lane op msg_epoch status missing", "a transfer completion applied"
     ),
+    "sched.reset": _e("trace", "tier_epoch", "the device tier was reset (the worker restarted)"),
     "sched.storage": _e(
         "trace", "asked found", "the storage tier held the first `found` of `asked` blocks"
     ),

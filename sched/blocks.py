@@ -24,7 +24,7 @@ the caller passes in (the engine's storage client, or a fake in tests).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ringfence.cache.block_pool import BlockPool
@@ -89,7 +89,12 @@ class _StoredSet:
 class BlockManager:
     """See the module docstring."""
 
-    def __init__(self, config: TierConfig, storage: StoragePresence | None = None) -> None:
+    def __init__(
+        self,
+        config: TierConfig,
+        storage: StoragePresence | None = None,
+        first_numbers: Mapping[Lane, int] | None = None,
+    ) -> None:
         self.config = config
         self.device = BlockPool(config.device_blocks, name="device")
         self.host = BlockPool(config.host_blocks, name="host")
@@ -104,7 +109,7 @@ class BlockManager:
         self._out: list[Op] = []
         self.inflight: dict[tuple[Lane, int], SwapOp | StoreOp] = {}  # issued, not completed
         self._poison: list[BlockId] = []  # freed unkeyed device blocks, for the next step
-        self._next = {Lane.STEP: 1, Lane.SWAP: 1, Lane.STORE: 1}
+        self._next = {lane: 1 for lane in Lane} | dict(first_numbers or {})
 
     # The ops.
 
@@ -353,6 +358,15 @@ class BlockManager:
         elif op.direction == "write":
             self.stored.keys.difference_update(op.keys)
         return op
+
+    def reset_device(self) -> None:
+        """Forget every device block's key: the tier was reset. Every block must be free."""
+        used = self.device.num_used
+        if used:
+            raise RuntimeError(f"device tier reset with {used} blocks still in use")
+        for b in range(self.device.num_blocks):
+            self.device.drop_key(BlockId(b))
+        self._poison.clear()  # a new Worker starts with every block poisoned when asked
 
     def forget(self, device: Sequence[BlockId] = (), host: Sequence[BlockId] = ()) -> None:
         """Make blocks unfindable: what they hold is not what their keys say (a failed op)."""

@@ -32,19 +32,23 @@ configured policy:
 Preempted requests go back to the head of the waiting queue, oldest first. A step's
 KV counts as computed when the step is issued ("free at issue, fence at use"): the
 fences order every later op that touches its blocks after it.
+
+When the Worker restarts, :meth:`reset_device` takes the device tier as lost: every op
+in flight as failed, every running request back to waiting with its tokens so far, to
+be computed again from host, storage or scratch.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash, BlockId
 from ringfence.cache.prefix_index import PrefixMatch, StoragePresence
 from ringfence.sched.blocks import BlockManager
-from ringfence.sched.ops import Op, Piece, StepOp
+from ringfence.sched.ops import Op, Piece, StepOp, SwapOp
 from ringfence.sched.request import Request, RequestError, RequestState
 from ringfence.sched.sequence import Counters, Decision, Emitted, SchedConfig, Sequence, Tail
 
@@ -53,10 +57,17 @@ class Scheduler:
     """See the module docstring. Owned by the engine; not thread-safe."""
 
     def __init__(
-        self, config: SchedConfig, storage: StoragePresence | None = None, *, journal: bool = False
+        self,
+        config: SchedConfig,
+        storage: StoragePresence | None = None,
+        *,
+        journal: bool = False,
+        first_numbers: Mapping[Lane, int] | None = None,
     ) -> None:
+        """``first_numbers``: the number of each lane's first op (1 unless an engine
+        before this one left its lanes further on)."""
         self.config = config
-        self.blocks = BlockManager(config.tiers, storage)
+        self.blocks = BlockManager(config.tiers, storage, first_numbers)
         self.counters = Counters()
         # The decisions of the current round, for the engine's log (see take_decisions).
         self._journal: list[Decision] | None = [] if journal else None
@@ -382,16 +393,7 @@ class Scheduler:
             policy = "recompute"
         self.counters.preemptions[policy] += 1
         self._record("preempt", seq, policy=policy, computed=computed)
-        self.blocks.free_device(seq.blocks)
-        seq.blocks, seq.num_keyed = [], 0
-        r.num_computed_tokens = 0
-        r.transition(RequestState.PREEMPTED)
-        self._running.remove(seq)
-        # The queue stays in arrival (seq id) order: it goes before every later request.
-        index = 0
-        while index < len(self._waiting) and self._waiting[index].seq_id < seq.seq_id:
-            index += 1
-        self._waiting.insert(index, seq)
+        self._requeue(seq)
 
     # Results and completions.
 
@@ -443,9 +445,68 @@ class Scheduler:
     def on_transfer(self, lane: Lane, op: int, status: str, missing: Iterable[int] = ()) -> None:
         """Apply a transfer completion. A prefetch's request waits again (its blocks now on
         host, the missing ones to be recomputed); any other failed op's blocks are forgotten."""
-        self.blocks.completed(lane, op, status)
+        done = self.blocks.completed(lane, op, status)
         if lane is Lane.STORE and op in self._prefetches:
             self._prefetched(self._prefetches.pop(op), status, set(missing))
+        elif status != "ok" and isinstance(done, SwapOp) and done.direction == "out":
+            self._lost_host_copies({BlockId(b) for b in done.host_blocks})
+
+    def _lost_host_copies(self, blocks: set[BlockId]) -> None:
+        """Host blocks a failed swap-out was to fill hold nothing: a swap-preempted request
+        holding any of them gives up its host copies and is computed again instead."""
+        for seq in self._waiting:
+            tail = seq.tail.host_block if seq.tail is not None else None
+            if tail in blocks or blocks.intersection(seq.held):
+                self._drop_holds(seq)
+
+    # Faults.
+
+    def reset_device(self) -> list[Request]:
+        """The device tier was reset (the Worker restarted): its blocks hold nothing now.
+
+        Every op in flight counts as failed: its executor cancels it as stale (see
+        ``ringfence.actors.lanes``), and its completion, of the old epoch, is not applied
+        (the caller drops it). So the step's tokens are never applied, swap-outs' host
+        copies are forgotten, and a prefetching request waits to be admitted again. Every
+        running request loses its device blocks and goes back to waiting, its output so
+        far kept: it is computed again (from host, storage or scratch) and seeded sampling
+        gives the same next tokens. Returns the requests sent back, oldest first.
+
+        Numbers and fences go on: a new op on a block an old op touched still waits for
+        that op's watermark, which the old op's cancellation advances.
+        """
+        self._step_in_flight = None
+        for lane, number in list(self.blocks.inflight):
+            seq = self._prefetches.pop(number, None) if lane is Lane.STORE else None
+            if seq is None:
+                self.on_transfer(lane, number, "cancelled")
+                continue
+            self.blocks.completed(lane, number, "cancelled")
+            assert seq.prefetch is not None
+            self.blocks.host.free(seq.prefetch[1])
+            seq.prefetch = None  # not a storage failure: storage may be used again
+            seq.request.transition(RequestState.WAITING)
+        requeued = sorted(self._running, key=lambda s: s.seq_id)
+        for seq in requeued:
+            self._record("reset", seq, computed=seq.request.num_computed_tokens)
+            self._requeue(seq)
+        self.blocks.reset_device()
+        self.counters.resets += 1
+        return [seq.request for seq in requeued]
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Take a running sequence off the device (blocks freed, nothing computed) and put
+        it back in the waiting queue in arrival order."""
+        self.blocks.free_device(seq.blocks)
+        seq.blocks, seq.num_keyed = [], 0
+        seq.request.num_computed_tokens = 0
+        seq.request.transition(RequestState.PREEMPTED)
+        self._running.remove(seq)
+        # The queue stays in arrival (seq id) order: it goes before every later request.
+        index = 0
+        while index < len(self._waiting) and self._waiting[index].seq_id < seq.seq_id:
+            index += 1
+        self._waiting.insert(index, seq)
 
     def _prefetched(self, seq: Sequence, status: str, missing: set[int]) -> None:
         assert seq.prefetch is not None

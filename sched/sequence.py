@@ -67,10 +67,11 @@ class Sequence:
 class Decision(NamedTuple):
     """One scheduling decision about a sequence, for the engine's trace log and replay."""
 
-    kind: str  # "admit", "resume" (admitted again after a preemption), "prefetch", "preempt"
+    kind: str  # "admit", "resume" (admitted again), "prefetch", "preempt", "reset"
     seq_id: int
     detail: dict[str, int | str]  # admit/resume: computed, device, host, storage (tokens);
-    # prefetch: op, blocks; preempt: policy (the one used), computed (tokens dropped)
+    # prefetch: op, blocks; preempt: policy (the one used), computed (tokens dropped);
+    # reset (the device tier was lost under a running sequence): computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +89,4 @@ class Counters:
     hit_tokens: Counter[str] = field(default_factory=Counter)  # by tier, every admission
     steps: int = 0
     batched_tokens: int = 0
+    resets: int = 0  # device tiers lost (Worker restarts)

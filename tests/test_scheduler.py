@@ -139,6 +139,7 @@ class Sim:
     completion_delay: int = 0  # rounds before a transfer's completion is delivered
     # (op) -> (status, missing positions) for a prefetch; None: the truth
     prefetch_outcome: Callable[[StoreOp], tuple[str, tuple[int, ...]] | None] | None = None
+    reset_rounds: frozenset[int] = frozenset()  # rounds after whose issue the Worker restarts
 
     def __post_init__(self) -> None:
         self.bs = self.sched.config.tiers.block_size
@@ -207,9 +208,33 @@ class Sim:
 
     def one_round(self) -> list[Op]:
         ops = self.issue()
+        if self.round in self.reset_rounds:
+            self.reset_device()
+            return ops
         self.complete()
         self.apply_step()
         return ops
+
+    def reset_device(self) -> None:
+        """A Worker restart: the device tier is lost, and so is every op in flight (its
+        executor cancels it, or did it but its completion is dropped: the worst of both is
+        modelled). The step's tokens never arrive."""
+        self.device.clear()  # nothing a step may read
+        for p in self.pending:
+            op = p.op
+            if isinstance(op, SwapOp) and op.direction == "out":
+                for h in op.host_blocks:
+                    self.host[h] = {}
+            elif isinstance(op, StoreOp) and op.direction == "read":
+                self.incomplete_prefetches.discard(op.op)
+                for h in op.host_blocks:
+                    self.host[h] = {}
+            elif isinstance(op, StoreOp):
+                for key in op.keys:  # cancelled before it wrote
+                    self.storage.pop(key, None)
+        self.pending.clear()
+        self.step_in_flight, self.step_outputs = None, []
+        self.sched.reset_device()
 
     def run(self, arrivals: Iterable[tuple[int, Request]] = (), max_rounds: int = 5000) -> None:
         """Rounds until every request is done; ``arrivals`` are (round, request) pairs."""
@@ -536,6 +561,78 @@ def test_delayed_transfer_completions_give_the_same_outputs(config, reference_ou
     arrivals = make_workload(2)
     sim.run(arrivals)
     assert {r.request_id: r.output_token_ids for _, r in arrivals} == reference_outputs[2]
+    sim.check_drained()
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+@pytest.mark.parametrize("config", TIER_CASES)
+def test_after_device_tier_resets_every_request_still_gets_the_reference_outputs(
+    config, delay, reference_outputs
+):
+    storage: dict[BlockHash, Contents] = {}
+    config = dict(config)
+    if config.pop("with_storage", False):
+        config["storage"] = FakeStorage(storage)
+    resets = frozenset({4, 11, 23, 37})
+    sim = Sim(make_scheduler(**SMALL, **config), storage, delay, reset_rounds=resets)
+    arrivals = make_workload(3)
+    sim.run(arrivals)
+    assert {r.request_id: r.output_token_ids for _, r in arrivals} == reference_outputs[3]
+    assert sim.sched.counters.resets == len(resets), sim.sched.counters
+    sim.check_drained()
+
+
+def test_a_reset_sends_running_requests_back_in_arrival_order_with_their_tokens_kept():
+    sim = Sim(make_scheduler(device_blocks=16))
+    for i in range(3):
+        sim.add(make_request(f"r{i}", range(1 + i, 9 + i), max_tokens=6))
+    for _ in range(3):
+        sim.one_round()
+    before = {r.request_id: list(r.output_token_ids) for r in sim.requests.values()}
+    assert all(len(tokens) == 3 for tokens in before.values()), before
+    sim.issue()
+    sim.reset_device()
+    assert sim.sched.num_running == 0 and sim.sched.blocks.device.num_used == 0
+    assert [r.state for r in sim.requests.values()] == [S.PREEMPTED] * 3
+    assert {r.request_id: list(r.output_token_ids) for r in sim.requests.values()} == before
+    assert sim.sched.blocks.device.num_cached == 0  # no key survives: nothing is findable
+    ops = sim.issue()
+    step = ops[-1]
+    assert isinstance(step, StepOp)
+    assert [(p.seq_id, p.start, len(p.token_ids)) for p in step.pieces] == [
+        (0, 0, 11),
+        (1, 0, 11),
+        (2, 0, 11),
+    ]  # fmt: skip: the prompt and the 3 tokens so far, computed again
+    sim.complete()
+    sim.apply_step()
+    sim.run()
+    for r in sim.requests.values():
+        assert list(r.output_token_ids) == expected_output(r.prompt_token_ids, 6)
+
+
+def test_a_swap_preempted_request_whose_swap_out_failed_is_computed_again():
+    sim = Sim(make_scheduler(device_blocks=6, host_blocks=16, host_cache=True, preemption="swap"))
+    sim.add(make_request("a", range(1, 11), max_tokens=12))
+    sim.add(make_request("b", range(11, 18), max_tokens=12))  # preempted with a partial block
+    failed = []
+    for _ in range(40):
+        ops = sim.issue()
+        outs = [op for op in ops if isinstance(op, SwapOp) and op.reason == "preempt"]
+        for op in outs:  # the copy raised: the host blocks hold garbage
+            failed.append(op.op)
+            for h in op.host_blocks:
+                sim.host[h] = {}
+            sim.pending = [p for p in sim.pending if p.op is not op]
+            sim.sched.on_transfer(Lane.SWAP, op.op, "failed")
+        sim.complete()
+        sim.apply_step()
+        if sim.sched.idle:
+            break
+    assert failed, "nobody was swapped out"
+    sim.run()
+    for r in sim.requests.values():
+        assert list(r.output_token_ids) == expected_output(r.prompt_token_ids, 12)
     sim.check_drained()
 
 

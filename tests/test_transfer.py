@@ -23,7 +23,7 @@ import torch
 from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.kvspace import SharedKV, create_kv, open_kv
-from ringfence.actors.lanes import lane_counter
+from ringfence.actors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.layout import kv_layout
 from ringfence.actors.protocol import (
     FROM_TRANSFER,
@@ -91,6 +91,12 @@ class Rig:
 
     def mark(self, lane: Lane) -> Watermark:
         return lane_counter(self.lanes, 0, lane)
+
+    def issuer_epoch(self) -> Watermark:
+        """Play a restarted engine: the writer of ``issuer_epoch``."""
+        mark = epoch_counter(self.lanes, 0, ISSUER_EPOCH)
+        mark.claim()
+        return mark
 
     def play(self, lane: Lane) -> Watermark:
         """Become the writer of ``lane``'s watermark, ringing the lane under test on advance."""
@@ -561,18 +567,44 @@ def test_a_swap_op_older_than_the_device_tier_is_cancelled_without_copying(make_
     assert same(host[3], dev[1])
 
 
+def test_a_swap_out_that_waited_for_a_step_a_restarted_worker_cancelled_is_cancelled_too(
+    make_lane,
+) -> None:
+    # The step it waits for never ran: a new Worker published its epoch, then cancelled the
+    # step (advancing step_done). The swap-out sees both and copies nothing: it would copy
+    # blocks the step never wrote, and a write-back would store them under a valid key.
+    rig = make_lane(SwapLane)
+    step = rig.play(Lane.STEP)
+    tier = epoch_counter(rig.lanes, 0, TIER_EPOCH)
+    tier.claim()
+    host_before = bits(rig.host_kv)
+
+    def restarted_worker() -> None:
+        tier.advance(1)
+        step.advance(3)
+
+    worker = threading.Timer(0.1, restarted_worker)
+    worker.start()
+    try:
+        done = rig.run(swap(1, "out", (1,), (2,), fence=Fence(step=Seq(3))))
+    finally:
+        worker.join(WAIT_S)
+    assert done.status == "cancelled" and "device tier reset at epoch 1" in done.error, done
+    assert torch.equal(bits(rig.host_kv), host_before)
+    assert rig.mark(Lane.SWAP).value() == 1
+
+
 # 8. Fences that are not reached in time.
 
 
-def test_a_swap_op_whose_fence_is_not_reached_is_cancelled_once_its_epoch_has_passed(
+def test_a_swap_op_whose_fence_is_not_reached_is_cancelled_once_its_engine_has_restarted(
     make_lane,
 ) -> None:
     rig = make_lane(SwapLane)
     rig.play(Lane.STEP)
     host_before = bits(rig.host_kv)
-    epoch = rig.control[0]
-    epoch.claim()
-    bump = threading.Timer(0.1, epoch.advance, args=(1,))  # a restart elsewhere: epoch 1
+    epoch = rig.issuer_epoch()
+    bump = threading.Timer(0.1, epoch.advance, args=(1,))  # an engine of epoch 1 started
     bump.start()
     started = time.monotonic()
     try:
@@ -580,19 +612,19 @@ def test_a_swap_op_whose_fence_is_not_reached_is_cancelled_once_its_epoch_has_pa
     finally:
         bump.join(WAIT_S)
     assert done.status == "cancelled" and "epoch 0" in done.error, done
+    assert "engine restarted" in done.error, done
     assert time.monotonic() - started >= 0.25  # it waited out the deadline first
     assert torch.equal(bits(rig.host_kv), host_before)
     assert rig.mark(Lane.SWAP).value() == 1
     assert rig.run(swap(2, "out", (1,), (2,), epoch=1)).status == "ok"
 
 
-def test_a_store_op_whose_fence_is_not_reached_is_cancelled_once_its_epoch_has_passed(
+def test_a_store_op_whose_fence_is_not_reached_is_cancelled_once_its_engine_has_restarted(
     make_lane,
 ) -> None:
     rig = make_lane(StoreLane)
     rig.play(Lane.SWAP)
-    epoch = rig.control[0]
-    epoch.claim()
+    epoch = rig.issuer_epoch()
     bump = threading.Timer(0.1, epoch.advance, args=(1,))
     bump.start()
     try:
@@ -609,6 +641,10 @@ def test_a_fence_wait_past_its_deadline_defers_the_op_and_runs_it_when_the_step_
 ) -> None:
     rig = make_lane(SwapLane)
     step = rig.play(Lane.STEP)
+    # Another actor restarted (the run epoch moved on): that alone makes no op stale.
+    run_epoch = rig.control[0]
+    run_epoch.claim()
+    run_epoch.advance(1)
     dev, host = rig.device_kv, rig.host_kv
     fill(dev, (4, 5), seed=170)
     old = dev[[4, 5]].clone()

@@ -22,7 +22,7 @@ import torch
 from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.kvspace import open_kv
-from ringfence.actors.lanes import lane_counter
+from ringfence.actors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.model import Model
 from ringfence.actors.protocol import (
     FROM_WORKER,
@@ -309,14 +309,14 @@ def test_a_fence_wait_past_its_deadline_defers_the_plan_and_runs_it_when_the_swa
     assert deferred and all(e["error"] == "WaitTimeout" for e in deferred)
 
 
-def test_a_plan_whose_fence_is_not_reached_is_cancelled_once_its_epoch_has_passed(
+def test_a_plan_whose_fence_is_not_reached_is_cancelled_once_its_engine_has_restarted(
     make_rig, rng: random.Random
 ) -> None:
     rig = make_rig()
     piece = PlanPiece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
-    epoch = rig.control[0]
+    epoch = epoch_counter(rig.lanes, 0, ISSUER_EPOCH)
     epoch.claim()
-    bump = threading.Timer(0.1, epoch.advance, args=(1,))  # a restart elsewhere: epoch 1
+    bump = threading.Timer(0.1, epoch.advance, args=(1,))  # an engine of epoch 1 started
     bump.start()
     try:
         rig.post(StepPlan(step=1, epoch=0, fence=Fence(swap=SeqNo(5)), pieces=(piece,)))
@@ -332,10 +332,12 @@ def test_a_plan_whose_fence_is_not_reached_is_cancelled_once_its_epoch_has_passe
 
 def test_a_plan_from_before_the_worker_started_is_cancelled_without_waiting(make_rig) -> None:
     rig = make_rig(epoch=2)  # this worker started in epoch 2
+    assert epoch_counter(rig.lanes, 0, TIER_EPOCH).value() == 2  # published for the lanes
     piece = PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True)
     rig.post(StepPlan(step=1, epoch=1, fence=Fence(swap=SeqNo(99)), pieces=(piece,)))
     result = rig.result(1)
     assert result.status == "cancelled" and "epoch 1" in result.error
+    assert "device tier reset at epoch 2" in result.error
 
 
 def test_poisoned_blocks_are_nan_and_the_outputs_of_other_sequences_do_not_change(
