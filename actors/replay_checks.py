@@ -22,11 +22,16 @@ ran without waiting:
   nothing was executed that the engine never issued; the engine applied each
   completion with the status the executor reported, or dropped it as stale.
 - **rings** (trace: ``msg.send``/``msg.recv``): every ring delivers its sequence numbers
-  in order with no gap and no duplicate within one incarnation of the receiver.
-- **epochs**: no result or completion of another epoch was applied by the engine, and
-  no step of an older epoch ran on a restarted Worker.
+  in order with no gap and no duplicate within one incarnation of the logging end (a
+  killed process's last trace lines may never have reached its log, so across its
+  restart numbers may jump ahead, and a restarted receiver may get its last message
+  again).
+- **epochs**: no result or completion of another epoch than the engine's at the time
+  was applied (the engine's epoch is the one it started in, raised by each
+  ``engine.tier_reset``), and no step of an older epoch ran on a restarted Worker.
 - **requests**: every request that arrived finished or was aborted once, or is
-  reported as still in flight; none finished that never arrived.
+  reported as still in flight (also one in flight in an engine that died, unless the
+  next engine ran it again); none finished that never arrived.
 """
 
 from __future__ import annotations
@@ -132,10 +137,22 @@ def _invariants(log: RunLog, result: CheckResult) -> None:
     size = log.block_size
     writer: dict[tuple[str, int], dict[str, Op]] = defaultdict(dict)
     user: dict[tuple[str, int], dict[str, Op]] = defaultdict(dict)
+    ready = {e.pid: e for e in log.events("engine.ready")}
+    issuer: int | None = None
+    last: dict[str, Op] = {}  # per lane, the last op issued (by any engine)
     for key in log.issue_order:
         op = log.ops.get(key)
         if op is None or op.issue is None:
             continue
+        if op.issue.pid != issuer:
+            # A new engine began only once every executor had handled every op before
+            # (its Resync answers: engine.ready's first_ops); nothing it issues can
+            # conflict with those, so the record starts again. Check that it did.
+            issuer = op.issue.pid
+            _resynced(ready.get(issuer), last, result)
+            writer.clear()
+            user.clear()
+        last[op.lane] = op
         result.counts["I1-I4 ops"] += 1
         reads, writes = op.access(size)
         need: dict[str, Conflict] = {}  # per other lane
@@ -154,6 +171,22 @@ def _invariants(log: RunLog, result: CheckResult) -> None:
                 user[(tier, block)][op.lane] = op
         for lane, conflict in sorted(need.items()):
             _judge(op, lane, conflict, result)
+
+
+def _resynced(ready: Entry | None, last: dict[str, Op], result: CheckResult) -> None:
+    """An engine's first ops come after every op an engine before it issued, lane by lane."""
+    first = (ready.get("first_ops") if ready is not None else None) or {}
+    for lane, op in last.items():
+        if int(first.get(lane, 1)) <= op.number:
+            causes = _first(ready, op.issue)
+            result.violations.append(
+                Violation(
+                    "ops",
+                    f"an engine began with {lane} op {first.get(lane, 1)}, but an engine before "
+                    f"it had issued {op_name(op)}",
+                    causes,
+                )
+            )
 
 
 def _latest(
@@ -321,14 +354,26 @@ def _ops(log: RunLog, result: CheckResult) -> None:
 
 def _rings(log: RunLog, result: CheckResult) -> None:
     for source, entries in log.sources.items():
+        # A message whose handler was blocked on a peer is handed over again: received twice.
+        deferred = {
+            (e.pid, str(e.get("peer")), e.get("seq")) for e in entries if e.event == "msg.deferred"
+        }
         for event in ("msg.recv", "msg.send"):
-            _ring_order(source, (e for e in entries if e.event == event), event, result)
+            selected = (e for e in entries if e.event == event)
+            _ring_order(source, selected, event, result, deferred if event == "msg.recv" else set())
 
 
-def _ring_order(source: str, entries: Iterable[Entry], event: str, result: CheckResult) -> None:
+def _ring_order(
+    source: str,
+    entries: Iterable[Entry],
+    event: str,
+    result: CheckResult,
+    deferred: set[tuple[int, str, object]],
+) -> None:
     """Sequence numbers on each ring seen from one end: +1 each time within an incarnation
-    of the receiver (a restarted one may get its last message again); a client's ring
-    starts again at 1 when a client takes the slot anew."""
+    of the logging end (a restarted one may get its last message again, or have lost the
+    last lines it logged), the same again after it was deferred; a client's ring starts
+    again at 1 when a client takes the slot anew."""
     last: dict[str, tuple[int, int, Entry]] = {}
     for entry in entries:
         seq, peer = int(entry.get("seq") or 0), str(entry.get("peer"))
@@ -342,7 +387,9 @@ def _ring_order(source: str, entries: Iterable[Entry], event: str, result: Check
             continue
         restarted = previous is not None and previous[1] != entry.pid
         client = peer.startswith("client-") or source.startswith("client-")
-        if (event == "msg.recv" and restarted and seq < expected) or (client and seq == 1):
+        if restarted or (client and seq == 1):
+            continue
+        if previous is not None and seq == previous[0] and (entry.pid, peer, seq) in deferred:
             continue
         if previous is not None and seq < expected:
             what = f"sequence number {seq} again (after {previous[0]})"
@@ -355,7 +402,12 @@ def _ring_order(source: str, entries: Iterable[Entry], event: str, result: Check
 
 
 def _epochs(log: RunLog, result: CheckResult) -> None:
-    for entry in log.events("sched.step", "sched.transfer", "step.done"):
+    engine_epoch: dict[int, int] = {}  # engine pid -> its epoch now
+    events = ("sched.step", "sched.transfer", "step.done", "engine.tier_reset")
+    for entry in log.events(*events):
+        if entry.event == "engine.tier_reset":
+            engine_epoch[entry.pid] = int(entry.get("new_epoch"))
+            continue
         result.counts["epochs"] += 1
         if entry.event == "step.done":
             plan = entry.get("plan_epoch")
@@ -370,13 +422,14 @@ def _epochs(log: RunLog, result: CheckResult) -> None:
                 )
             continue
         msg_epoch = entry.get("msg_epoch")
-        if msg_epoch is not None and int(msg_epoch) != entry.epoch:
+        epoch = engine_epoch.get(entry.pid, entry.epoch)
+        if msg_epoch is not None and int(msg_epoch) != epoch:
             lane = entry.get("lane") or "step"
             number = entry.get("op") or entry.get("step")
             result.violations.append(
                 Violation(
                     "epochs",
-                    f"the engine (epoch {entry.epoch}) applied {lane} op {number}'s "
+                    f"the engine (epoch {epoch}) applied {lane} op {number}'s "
                     f"completion of epoch {msg_epoch}",
                     (entry,),
                 )
@@ -386,9 +439,19 @@ def _epochs(log: RunLog, result: CheckResult) -> None:
 def _requests(log: RunLog, result: CheckResult) -> None:
     arrived: dict[str, Entry] = {}
     finished: dict[str, Entry] = {}
+    lost: dict[str, int] = {}  # request -> pid of the engine it was in flight in when it died
+    engine_pid: int | None = None
     for entry in log.events("request.arrive", "request.finish"):
         request = str(entry.get("request"))
         result.counts["requests"] += 1
+        if entry.pid != engine_pid:
+            # A new engine incarnation: what the last one left in flight died with it (a
+            # workload's next engine runs it again, a client was told it is gone).
+            lost |= {r: e.pid for r, e in arrived.items() if r not in finished}
+            arrived.clear()
+            finished.clear()
+            engine_pid = entry.pid
+        lost.pop(request, None)
         if entry.event == "request.arrive":
             if request in arrived and request not in finished:
                 result.violations.append(
@@ -411,3 +474,5 @@ def _requests(log: RunLog, result: CheckResult) -> None:
     for request in arrived:
         if request not in finished:
             result.in_flight.append(f"request {request} (arrived, not finished)")
+    for request, pid in lost.items():
+        result.in_flight.append(f"request {request} (in flight when engine pid {pid} ended)")

@@ -3,9 +3,10 @@
 The scheduler is pure and deterministic (sched/scheduler.py): the same calls in the
 same order give the same ops. At trace level the engine logs every call it makes
 into it (``sched.add``, ``sched.abort``, ``sched.schedule``, ``sched.step``,
-``sched.transfer``) and every answer the storage tier gave it (``sched.storage``), in
-the order made. :func:`redrive` builds a scheduler from the run dir's ``config.toml``
-and the model limits of ``engine.ready``, makes the same calls in the same order,
+``sched.transfer``, ``sched.reset``) and every answer the storage tier gave it
+(``sched.storage``), in the order made. :func:`redrive` builds a scheduler from the
+run dir's ``config.toml`` and the model limits (and first op numbers) of
+``engine.ready``, makes the same calls in the same order,
 answers its storage lookups from the log, and compares every decision with the
 logged one: each round's ops (lane, number, fence, pieces and block tables, poison,
 direction, reason, blocks) and decisions (admissions with their hits per tier,
@@ -44,6 +45,7 @@ CALLS = frozenset(
         "sched.schedule",
         "sched.step",
         "sched.transfer",
+        "sched.reset",
         "request.arrive",
         "request.finish",
     }
@@ -153,7 +155,10 @@ class _State:
                 self.config, str(entry.get("model_id")), int(entry.get("max_position"))
             )
             backend = self.config.cache.storage.backend != "none"
-            self.scheduler = Scheduler(settings, self.storage if backend else None, journal=True)
+            first = {Lane(lane): int(n) for lane, n in (entry.get("first_ops") or {}).items()}
+            self.scheduler = Scheduler(
+                settings, self.storage if backend else None, journal=True, first_numbers=first
+            )
             return
         scheduler = self.scheduler
         if scheduler is None:
@@ -179,6 +184,8 @@ class _State:
             lane = Lane(str(entry.get("lane")))
             missing = [int(m) for m in entry.get("missing") or ()]
             scheduler.on_transfer(lane, int(entry.get("op")), str(entry.get("status")), missing)
+        elif event == "sched.reset":
+            scheduler.reset_device()
         elif event == "request.finish":
             self._finish(entry)
 

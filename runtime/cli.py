@@ -26,6 +26,7 @@ BENCHMARKS = {
     "transfer": "ringfence.actors.bench_transfer",
     "e2e": "ringfence.actors.bench_e2e",
     "replay": "ringfence.actors.bench_replay",
+    "faults": "ringfence.actors.bench_faults",
 }
 
 

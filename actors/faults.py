@@ -1,0 +1,354 @@
+"""Faults injected into real runs, and what each run lost: the matrix of ``ringfence bench faults``.
+
+A :class:`Scenario` launches ``ringfence launch`` on a workload (in its own session,
+so nothing of it outlives a timeout), injects its faults while the run goes on, and
+judges the run against the plain in-process loop with no tiers on the same model
+(:class:`ringfence.actors.local.LocalRunner`): an :class:`Outcome` says how many
+requests completed, how many got a token that differs from the reference, whether the
+run hung (ran past its deadline), how many shared-memory names it left, and whether
+``ringfence replay`` (with ``--redrive`` on a traced run) passed on its logs.
+
+The faults are SIGKILLs, each of one process this launch started (its pid is taken
+from ``actors.json`` and checked to be a child of the launch's supervisor) once the
+Worker has done a given step: a Transfer lane, the Worker, the Engine, or the
+supervisor itself. A kill waits until the previous victim is back (its next
+``actor.ready``), so each kill lands on a live process.
+
+Waiting here is for another process tree's progress, which it publishes only in its
+log files: the runner re-reads a log every ``POLL_S`` until a deadline. That is the
+one place ringfence waits by re-reading; no actor does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ringfence.actors.benchopts import kill_group, ringfence_command
+
+POLL_S = 0.02  # how often a log is re-read while waiting for an event in it
+SUPERVISOR = "supervisor-0"
+
+
+class FaultError(RuntimeError):
+    """The scenario could not be carried out (not the run's fault): e.g. a victim never came up."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    """SIGKILL ``instance`` ("swap-0", "worker-0", "engine-0" or "supervisor-0") once the
+    Worker has done step ``at_step`` (counted over all its incarnations)."""
+
+    instance: str
+    at_step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One launch: a workload, its settings, the faults to inject, the exit status expected."""
+
+    name: str
+    workload: str  # a synthetic workload
+    requests: int
+    sets: tuple[str, ...] = ()
+    kills: tuple[Kill, ...] = ()
+    expect_exit: int = 0  # 0: the workload completes; 1: the run ends (an actor gave up)
+    exact: bool = True  # every completed request must have the reference's tokens
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a scenario's run lost. ``replay`` is "ok", "FAIL: ..." or "skipped"."""
+
+    fault: str
+    injected: int = 0
+    requests: int = 0
+    completed: int = 0
+    wrong_tokens: int = 0
+    hangs: int = 0
+    leaked_names: int = 0
+    replay: str = "skipped"
+    exit_code: int | None = None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.wrong_tokens
+            and not self.hangs
+            and not self.leaked_names
+            and self.replay in ("ok", "skipped")
+            and not self.notes
+        )
+
+
+# The model and tier settings every scenario shares: float64 so that the comparison with
+# the plain loop is exact, chaos delays and poisoned blocks so that a missing fence shows.
+MODEL = (
+    "runtime.topology=ringfence.actors.engine:TOPOLOGY",
+    "model.dtype=float64",
+    "cache.block_size=16",
+    "engine.progress=false",
+    "engine.arrivals=false",
+)
+TIERS = (
+    "cache.host_blocks=24",
+    "cache.storage.backend=local",
+    "cache.poison_freed=true",
+    "transfer.chaos_delay_ms=2",
+)
+FAST = ("runtime.heartbeat_s=0.1", "runtime.stop_timeout_s=5.0")
+TRACE = "runtime.log_level=trace"
+
+
+@cache
+def reference(workload: str, requests: int, model: tuple[str, ...] = MODEL) -> dict[str, list[int]]:
+    """Each request's tokens from the plain loop: no tiers, a pool that never runs out."""
+    from ringfence.actors.local import LocalRunner
+    from ringfence.actors.serving import load_workload
+    from ringfence.runtime.config import load_config
+
+    sets = [*model, "cache.host_blocks=0", "cache.storage.backend=none", "cache.device_blocks=1024"]
+    config = load_config(None, sets)
+    lines = load_workload(f"synthetic:{workload}", requests=requests)
+    return {r.id: list(r.token_ids) for r in LocalRunner(config).run(lines, arrivals=False)}
+
+
+class Launch:
+    """One ``ringfence launch`` in its own session, and its run dir."""
+
+    def __init__(self, run_dir: Path, sets: Sequence[str], *, timeout: float) -> None:
+        self.run_dir = run_dir
+        self.deadline = time.monotonic() + timeout
+        self.restarting: tuple[str, int] | None = None  # the last victim, its actor.ready count
+        args = [*ringfence_command(), "launch", "--run-dir", str(run_dir)]
+        for setting in sets:
+            args += ["--set", setting]
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.out_path = run_dir.parent / f"{run_dir.name}.out"
+        with self.out_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=run_dir.parent,
+                start_new_session=True,
+            )
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def events(self, log: str, event: str) -> list[dict[str, Any]]:
+        try:
+            data = (self.run_dir / f"{log}.jsonl").read_bytes()
+        except FileNotFoundError:
+            return []
+        lines = data.split(b"\n")[:-1]  # the last line may still be being written
+        records = (orjson.loads(line) for line in lines if line)
+        return [r for r in records if r.get("event") == event]
+
+    def wait_for(self, what: str, ready: Callable[[], bool]) -> None:
+        """Re-check ``ready`` every POLL_S (see the module docstring) until the deadline."""
+        while not ready():
+            if self.proc.poll() is not None:
+                raise FaultError(f"the run ended (status {self.proc.returncode}) before {what}")
+            if self.remaining() <= 0:
+                raise FaultError(f"no {what} before the deadline")
+            time.sleep(POLL_S)
+
+    def steps_done(self) -> int:
+        return len(self.events("worker-0", "step.done"))
+
+    def pid_of(self, instance: str) -> int:
+        """The live process of ``instance`` (from actors.json), checked to be this launch's."""
+        if instance == SUPERVISOR:
+            return self.proc.pid
+        rows = orjson.loads((self.run_dir / "actors.json").read_bytes())
+        row = next(r for r in rows if r["id"] == instance)
+        pid = row.get("pid")
+        if pid is None or _parent(pid) != self.proc.pid:
+            raise FaultError(f"{instance} (pid {pid}) is not a live child of this launch")
+        return int(pid)
+
+    def ready_count(self, instance: str) -> int:
+        return sum(1 for e in self.events(SUPERVISOR, "actor.ready") if e["instance"] == instance)
+
+    def kill(self, kill: Kill) -> None:
+        self.wait_for(f"step {kill.at_step}", lambda: self.steps_done() >= kill.at_step)
+        if kill.instance != SUPERVISOR:
+            ready = self.ready_count(kill.instance)
+            self.wait_for(f"{kill.instance} ready", lambda: self.ready_count(kill.instance) > 0)
+            os.kill(self.pid_of(kill.instance), signal.SIGKILL)
+            self.restarting = (kill.instance, ready)
+        else:
+            os.kill(self.proc.pid, signal.SIGKILL)
+
+    def settle(self) -> None:
+        """Wait until the last victim is ready again: the next kill lands on a live process."""
+        if self.restarting is not None:
+            instance, before = self.restarting
+            self.wait_for(f"{instance} restarted", lambda: self.ready_count(instance) > before)
+            self.restarting = None
+
+    def wait(self) -> int | None:
+        """The exit status, or None after a hang (then the whole session is killed)."""
+        try:
+            return self.proc.wait(max(self.remaining(), 0.1))
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc)
+            return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            kill_group(self.proc)
+
+
+def _parent(pid: int) -> int | None:
+    """The parent pid of a live process, or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] == "Z" else int(fields[1])
+
+
+def run_scenario(
+    scenario: Scenario, folder: Path, *, timeout: float = 300.0, trace: bool = True
+) -> Outcome:
+    """Launch ``scenario`` in ``folder``, inject its faults, and judge the run."""
+    from ringfence.runtime.cli import run_id_of
+    from ringfence.shm import names
+
+    sets = [*MODEL, *TIERS, *FAST, *([TRACE] if trace else [])]
+    sets += [f"engine.workload=synthetic:{scenario.workload}"]
+    sets += [f"engine.requests={scenario.requests}", *scenario.sets]
+    outcome = Outcome(scenario.name, requests=scenario.requests)
+    run_dir = folder / scenario.name.replace(" ", "-").strip("()") / "run"
+    started = time.monotonic()
+    launch = Launch(run_dir, sets, timeout=timeout)
+    try:
+        for kill in scenario.kills:
+            launch.settle()
+            launch.kill(kill)
+            outcome.injected += 1
+        if scenario.kills and scenario.kills[-1].instance == SUPERVISOR:
+            outcome.exit_code = launch.wait()
+            _orphans(launch, outcome)
+        else:
+            outcome.exit_code = launch.wait()
+        outcome.hangs = int(outcome.exit_code is None)
+    except FaultError as e:
+        outcome.notes.append(str(e))
+    finally:
+        launch.close()
+    outcome.seconds = time.monotonic() - started
+    if (run_dir / "names.json").is_file():
+        run_id = run_id_of(str(run_dir))
+        if scenario.kills and scenario.kills[-1].instance == SUPERVISOR:
+            names.clean_run(run_id)  # what `ringfence clean RUN_DIR` does
+        outcome.leaked_names = len(names.list_names(run_id))
+        if outcome.leaked_names:
+            names.clean_run(run_id)
+    if outcome.exit_code != scenario.expect_exit and not outcome.hangs:
+        outcome.notes.append(f"exit status {outcome.exit_code}, expected {scenario.expect_exit}")
+    _judge_tokens(scenario, run_dir, outcome)
+    if trace and (run_dir / "engine-0.jsonl").is_file():
+        outcome.replay = _replay(run_dir)
+    return outcome
+
+
+def _orphans(launch: Launch, outcome: Outcome) -> None:
+    """After the supervisor's SIGKILL: its actors must exit by themselves, within seconds."""
+    rows = orjson.loads((launch.run_dir / "actors.json").read_bytes())
+    pids = [r["pid"] for r in rows if r.get("pid") and _parent(r["pid"]) is not None]
+    deadline = time.monotonic() + 10.0
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(POLL_S)  # orphans: not our children, nothing to wait on but /proc
+    left = [pid for pid in pids if _alive(pid)]
+    if left:
+        outcome.hangs += 1
+        outcome.notes.append(f"actors {left} still alive 10 s after the supervisor died")
+        for pid in left:  # the launch's own children, by pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    return _parent(pid) is not None
+
+
+def _judge_tokens(scenario: Scenario, run_dir: Path, outcome: Outcome) -> None:
+    path = run_dir / "outputs.jsonl"
+    if not path.is_file():
+        return
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line]
+    expected = reference(scenario.workload, scenario.requests)
+    for line in lines:
+        if line.get("finish_reason") in ("length", "stop"):
+            outcome.completed += 1
+            if scenario.exact and line["token_ids"] != expected.get(line["id"]):
+                outcome.wrong_tokens += 1
+
+
+def _replay(run_dir: Path) -> str:
+    from ringfence.actors.replay_checks import check_run
+    from ringfence.actors.replay_log import read_run
+    from ringfence.actors.replay_redrive import redrive
+
+    log = read_run(run_dir)
+    result = check_run(log)
+    if not result.ok:
+        first = result.violations[0]
+        return f"FAIL: [{first.check}] {first.message}"
+    if log.traced:
+        outcome = redrive(log)
+        if outcome.divergence is not None:
+            return f"FAIL: redrive: {outcome.divergence.message}"
+    return "ok"
+
+
+def kills(instance: str, *steps: int) -> tuple[Kill, ...]:
+    return tuple(Kill(instance, step) for step in steps)
+
+
+# The pressure workload with swap preemption keeps every lane busy: 4 requests need about
+# 110 blocks of a 48-block pool.
+PRESSURE = ("cache.device_blocks=48", "sched.preemption=swap")
+SAVE = ("cache.device_blocks=48", "sched.preemption=save")
+NEVER = "actors.engine.restart=never"
+
+
+def matrix(quick: bool) -> list[Scenario]:
+    """Every scenario of ``ringfence bench faults`` (quick: fewer requests and kills)."""
+    n = 4 if quick else 8
+    steps = (12, 30, 60) if quick else (12, 40, 90, 150)
+    return [
+        Scenario("none", "pressure", n, PRESSURE),
+        Scenario("kill swap lane", "pressure", n, PRESSURE, kills("swap-0", *steps)),
+        Scenario("kill store lane", "pressure", n, SAVE, kills("store-0", *steps)),
+        Scenario("kill worker", "pressure", n, PRESSURE, kills("worker-0", *steps[:2])),
+        Scenario("kill engine", "pressure", n, PRESSURE, kills("engine-0", steps[0])),
+        Scenario(
+            "kill engine (restart never)",
+            "pressure",
+            n,
+            (*PRESSURE, NEVER),
+            kills("engine-0", steps[0]),
+            expect_exit=1,
+        ),
+        Scenario(
+            "kill supervisor", "pressure", n, PRESSURE, kills(SUPERVISOR, steps[0]), expect_exit=-9
+        ),
+    ]
