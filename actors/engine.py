@@ -417,8 +417,9 @@ class Engine(Actor):
     @handles(StepResult)
     def on_step(self, msg: StepResult) -> None:
         scheduler = self.scheduler
-        if scheduler is None or not self._settled(Lane.STEP, msg.step, msg.epoch):
+        if not self._settled(Lane.STEP, msg.step, msg.epoch):
             return
+        assert scheduler is not None
         if msg.status != "ok":
             self.log.error("engine.step_failed", step=msg.step, status=msg.status, error=msg.error)
         outputs = [(t.seq_id, t.token_id) for t in msg.outputs]
@@ -452,8 +453,9 @@ class Engine(Actor):
     def on_op(self, msg: OpDone) -> None:
         scheduler = self.scheduler
         lane = LANE_OF[msg.lane]
-        if scheduler is None or not self._settled(lane, msg.op, msg.epoch):
+        if not self._settled(lane, msg.op, msg.epoch):
             return
+        assert scheduler is not None
         if msg.status != "ok":
             self.log.warning("engine.op_failed", lane=msg.lane, op=msg.op, status=msg.status)
         op = scheduler.blocks.inflight.get((lane, msg.op))

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import orjson
 import peers
+import pytest
 from launching import QUICK, launched, wait_until
 from test_engine import ENGINE, MODEL, TIERS, TRACE, reference, replayed
 
-from ringfence.actors.client import Client
+from ringfence.actors.client import Client, ClientError
 from ringfence.actors.serving import load_workload
 from ringfence.shm import names
 
@@ -40,7 +41,7 @@ def stream_until_killed(run_dir: str, prompt: list[int], out: str) -> None:
                 Path(out).write_text(f"{client.instance} {os.getpid()}")
 
 
-def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_and_can_abort(
+def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_and_can_abort(  # noqa: PLR0915 one launch serves every client case (CI time)
     tmp_path,
 ):
     lines = load_workload("synthetic:pressure", requests=4)
@@ -91,6 +92,25 @@ def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_an
             doomed_key = f"{slot}/{lost['incarnation']}/doomed"
             run.wait_for_event("request.finish", log="engine-0", request=doomed_key, timeout=WAIT_S)
             assert len(client.generate([1, 2, 3], max_tokens=4, timeout=WAIT_S).token_ids) == 4
+            # The engine is killed under a request: its client gets a clear error, not a
+            # timeout; the supervisor restarts the engine, which serves the client again.
+            client.submit(
+                list(lines[0].prompt_token_ids or ()), request_id="orphan", max_tokens=200
+            )
+            orphan = client.stream("orphan", timeout=WAIT_S)
+            next(orphan)
+            run.kill_actor("engine-0")
+            with pytest.raises(ClientError, match="the engine is gone"):
+                list(orphan)
+            restart = run.wait_for_event("engine.restart", log="engine-0", timeout=WAIT_S)
+            run.wait_for_event("engine.ready", log="engine-0", pid=restart["pid"], timeout=WAIT_S)
+            again = client.generate(
+                list(lines[1].prompt_token_ids or ()),
+                max_tokens=lines[1].params.max_tokens,
+                seed=lines[1].params.seed,
+                timeout=WAIT_S,
+            )
+        assert again.token_ids == expected[lines[1].id]
         assert tuple(streamed) == expected[lines[0].id]
         for key, done in results.items():
             assert done.token_ids == expected[key] and done.finish_reason == "length"
@@ -98,9 +118,10 @@ def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_an
         run.send_signal(signal.SIGTERM)
         assert run.wait() == 143, run.tail()
         assert names.list_names(run.run_id) == []
-        replayed(run.run_dir)  # clients' rings, aborts and a lost client included
+        # Clients' rings, aborts, a lost client and a killed engine (its request lost) included.
+        replayed(run.run_dir, lost=1)
         assert run.events("engine.drain_timeout", log="engine-0") == []
         finished = run.events("request.finish", log="engine-0")
         reasons = {f["request"].rsplit("/", 1)[-1]: f["reason"] for f in finished}
-        assert len(finished) == 7 and reasons.pop("long") == reasons.pop("doomed") == "abort"
+        assert len(finished) == 8 and reasons.pop("long") == reasons.pop("doomed") == "abort"
         assert set(reasons.values()) == {"length"}
