@@ -10,7 +10,8 @@ from ringfence.actors import protocol
 from ringfence.actors.layout import STAGING_BLOCKS, block_fingerprint
 from ringfence.actors.protocol import ModelInfo, PlanPiece
 from ringfence.actors.tokenizer import ByteTokenizer
-from ringfence.cache.storage import StorageBackend, open_backend
+from ringfence.cache.storage import StorageBackend, StorageLog, open_backend
+from ringfence.cache.storage.guarded import GuardedBackend
 from ringfence.runtime.config import Config
 from ringfence.sched.blocks import TierConfig
 from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
@@ -47,19 +48,30 @@ def sched_config(config: Config, model_id: str, max_position: int) -> SchedConfi
     )
 
 
-def open_storage(config: Config, model: ModelInfo, run_dir: str) -> StorageBackend | None:
-    """The storage tier's client (the engine asks it what is stored), or None."""
+def open_storage(
+    config: Config, model: ModelInfo, run_dir: str, *, log: StorageLog | None = None
+) -> StorageBackend | None:
+    """The storage tier's client (the engine asks it what is stored), or None.
+
+    Guarded (:class:`GuardedBackend`): while the tier is unreachable its presence answer
+    is "nothing stored" and ``storage.unavailable`` goes to ``log`` (default: the stdlib
+    logger ``ringfence.cache.storage``) once per outage. Opening still raises if the
+    tier cannot be reached at all (``StorageUnavailable``).
+    """
     settings = config.cache.storage
     if settings.backend == "none":
         return None
     path = settings.path or (f"{run_dir}/storage" if settings.backend == "local" else "")
-    return open_backend(
+    backend = open_backend(
         settings.backend,
         fingerprint=block_fingerprint(config, model.model_id).digest(),
         path=path,
         url=settings.url,
         max_bytes=settings.max_bytes,
+        timeout_s=settings.timeout_s,
+        log=log,
     )
+    return GuardedBackend(backend, log=log)
 
 
 def to_message(op: Op, epoch: int) -> Message:

@@ -90,6 +90,9 @@ class StorageConfig:
     path: str = setting("", "directory of the 'local' backend; empty = <run dir>/storage")
     url: str = setting("", "server URL of the 'redis' backend")
     max_bytes: int = setting(1 << 30, "capacity of the storage tier in bytes", ge=0)
+    timeout_s: float = setting(
+        2.0, "'redis': the most seconds a connect or a reply may take", gt=0, le=3600
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -78,9 +78,28 @@ EVENTS: Final[dict[str, Event]] = {
     ),
     "run.shutdown_requested": _e("info", "reason", "this actor asked to end the run"),
     "supervisor.lost": _e("warning", "supervisor_pid", "the supervisor is gone; stopping"),
-    # The storage tier (ringfence.cache.storage), through the engine's log.
+    # The storage tier (ringfence.cache.storage), through the log of the actor whose client
+    # it is: the store lane's (reads and writes) or the engine's (presence questions).
     "storage.corrupt": _e(
         "error", "backend key reason", "a stored block failed its checks: a miss, deleted"
+    ),
+    "storage.read_failed": _e(
+        "error", "backend key error", "reading a stored block raised an OSError: a miss, kept"
+    ),
+    "storage.write_failed": _e(
+        "error",
+        "backend failed written error",
+        "a put could not write `failed` blocks (full disk, quota, I/O error): none of them is "
+        "visible, the put raised (the write-back fails)",
+    ),
+    "storage.unavailable": _e(
+        "warning",
+        "backend error retry_s",
+        "the engine's presence question failed: nothing counts as stored until a retry after "
+        "the back-off (retry_s, doubling) succeeds; once per outage",
+    ),
+    "storage.restored": _e(
+        "info", "backend outage_s failures", "the storage tier answered again after an outage"
     ),
     # The Worker (ringfence.actors.worker): the step lane's executor.
     "worker.ready": _e(

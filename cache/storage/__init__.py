@@ -11,6 +11,14 @@ deleted, never returned as data.
 Package helpers for tests (a recording log, raw access to stored blobs) are in
 :mod:`.testing`.
 
+Faults: a backend never turns a fault into data. A read that fails (an I/O error, a
+server gone) is a miss or raises; a write that fails raises
+:class:`StorageWriteFailed` (local) or :class:`StorageUnavailable` (redis) after
+removing what it left half-written, so the caller reports the write-back failed.
+:class:`~.guarded.GuardedBackend` wraps the engine's client so that its presence
+questions never raise: an unreachable tier answers "nothing stored" until a retry
+after a back-off finds it again.
+
 Backends, picked by name with :func:`open_backend` (``cache.storage.backend``):
 
 - ``local`` (:mod:`.local`): one file per block in a directory, bounded by
@@ -20,10 +28,18 @@ Backends, picked by name with :func:`open_backend` (``cache.storage.backend``):
 - ``memory`` (:mod:`.memory`): a dict, for tests, through the same blob checks.
 - ``none``: no storage tier: nothing is stored and every lookup misses.
 
-Log events (error level), all with fields ``backend`` (the name above), ``key`` (hex)
-and ``reason`` (a :class:`~.blob.CorruptBlock` reason):
+Log events, all with the field ``backend`` (the name above):
 
-- ``storage.corrupt``: a blob failed its checks; it was treated as a miss and deleted.
+- ``storage.corrupt`` (error; ``key`` hex, ``reason`` a :class:`~.blob.CorruptBlock`
+  reason): a blob failed its checks; it was treated as a miss and deleted.
+- ``storage.read_failed`` (error; ``key``, ``error``): reading a blob raised an
+  ``OSError`` (local); it was treated as a miss and left in place.
+- ``storage.write_failed`` (error; ``failed``, ``written``, ``error``): a put could not
+  write ``failed`` blocks (local: a full disk, a quota, an I/O error); nothing of them
+  is visible, and the put raised :class:`StorageWriteFailed`.
+- ``storage.unavailable`` (warning; ``error``, ``retry_s``) and ``storage.restored``
+  (info; ``outage_s``, ``failures``): :class:`~.guarded.GuardedBackend` lost the tier,
+  once per outage, and found it again.
 """
 
 from __future__ import annotations
@@ -45,12 +61,29 @@ __all__ = [
     "StorageLog",
     "StorageStats",
     "StorageUnavailable",
+    "StorageWriteFailed",
     "open_backend",
 ]
 
 
+DEFAULT_TIMEOUT_S: Final = 2.0  # a redis client's connect and reply timeout
+
+
 class StorageUnavailable(RingfenceError, ConnectionError):
     """The storage server could not be reached or failed mid-request (redis)."""
+
+
+class StorageWriteFailed(RingfenceError, OSError):
+    """A put could not write some blocks (local: a full disk, a quota, an I/O error).
+
+    The blocks it names are not visible (their temp files are removed); the others of
+    the same put were written. ``errno`` is that of the first failure.
+    """
+
+    def __init__(self, errno: int | None, message: str, *, failed: int, written: int) -> None:
+        super().__init__(errno, message)
+        self.failed = failed  # blocks of the put that were not written
+        self.written = written  # blocks of the put that were
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,13 +96,19 @@ class StorageStats:
     hits: int  # keys get_many returned data for
     misses: int  # keys get_many returned None for, corrupt ones included
     corrupt: int  # blobs that failed their checks (each also counts as a miss)
-    evictions: int  # blocks this backend deleted to stay within max_bytes
+    evictions: int  # blocks this backend deleted to stay within max_bytes (or a full disk)
+    failed_puts: int = 0  # blocks a put could not write (each put with one raised)
+    read_errors: int = 0  # reads that raised an OSError (each also counts as a miss)
 
 
 class StorageLog(Protocol):
-    """Where a backend reports errors; a structlog bound logger fits as it is."""
+    """Where a backend reports faults; an actor's log (or a structlog logger) fits as it is."""
 
     def error(self, event: str, **fields: object) -> None: ...
+
+    def warning(self, event: str, **fields: object) -> None: ...
+
+    def info(self, event: str, **fields: object) -> None: ...
 
 
 class _StdlibLog:
@@ -79,8 +118,22 @@ class _StdlibLog:
         self._logger = logging.getLogger(__name__)
 
     def error(self, event: str, **fields: object) -> None:
+        self._emit(logging.ERROR, event, fields)
+
+    def warning(self, event: str, **fields: object) -> None:
+        self._emit(logging.WARNING, event, fields)
+
+    def info(self, event: str, **fields: object) -> None:
+        self._emit(logging.INFO, event, fields)
+
+    def _emit(self, level: int, event: str, fields: dict[str, object]) -> None:
         text = " ".join(f"{name}={value}" for name, value in fields.items())
-        self._logger.error("%s %s", event, text, extra={"event": event, "fields": fields})
+        self._logger.log(level, "%s %s", event, text, extra={"event": event, "fields": fields})
+
+
+def stdlib_log() -> StorageLog:
+    """The log a backend reports to when it is given none."""
+    return _StdlibLog()
 
 
 class StorageBackend(Protocol):
@@ -148,7 +201,17 @@ class Counters:
     Shared by every backend so they count and report the same way.
     """
 
-    __slots__ = ("backend", "corrupt", "evictions", "hits", "log", "misses", "num_puts")
+    __slots__ = (
+        "backend",
+        "corrupt",
+        "evictions",
+        "failed_puts",
+        "hits",
+        "log",
+        "misses",
+        "num_puts",
+        "read_errors",
+    )
 
     def __init__(self, backend: str, log: StorageLog | None) -> None:
         self.backend = backend  # the registry name, written in every report
@@ -158,6 +221,8 @@ class Counters:
         self.misses = 0
         self.corrupt = 0
         self.evictions = 0
+        self.failed_puts = 0
+        self.read_errors = 0
 
     def report(self, error: CorruptBlock) -> None:
         """Count and log a blob that failed its checks (the caller turns it into a miss)."""
@@ -204,48 +269,52 @@ class Counters:
             misses=self.misses,
             corrupt=self.corrupt,
             evictions=self.evictions,
+            failed_puts=self.failed_puts,
+            read_errors=self.read_errors,
         )
 
 
-# (fingerprint, path, url, max_bytes, log) -> backend; each imports its module on use.
-Factory = Callable[[bytes, str, str, int, StorageLog | None], StorageBackend]
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Place:
+    """Where and how a backend stores: the ``cache.storage`` settings :func:`open_backend` got."""
+
+    path: str  # local: the directory
+    url: str  # redis: the server
+    max_bytes: int  # local, memory: the bound (0: none)
+    timeout_s: float  # redis: the connect and reply timeout
 
 
-def _open_local(
-    fp: bytes, path: str, url: str, max_bytes: int, log: StorageLog | None
-) -> StorageBackend:
+# (fingerprint, place, log) -> backend; each imports its module on use.
+Factory = Callable[[bytes, _Place, StorageLog | None], StorageBackend]
+
+
+def _open_local(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBackend:
     from ringfence.cache.storage.local import LocalBackend
 
-    if not path:
+    if not place.path:
         raise ConfigError(
             "cache.storage.path: the local backend needs a directory", key="cache.storage.path"
         )
-    return LocalBackend(path, fingerprint=fp, max_bytes=max_bytes, log=log)
+    return LocalBackend(place.path, fingerprint=fp, max_bytes=place.max_bytes, log=log)
 
 
-def _open_redis(
-    fp: bytes, path: str, url: str, max_bytes: int, log: StorageLog | None
-) -> StorageBackend:
+def _open_redis(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBackend:
     from ringfence.cache.storage.redis_backend import RedisBackend
 
-    if not url:
+    if not place.url:
         raise ConfigError(
             "cache.storage.url: the redis backend needs a URL", key="cache.storage.url"
         )
-    return RedisBackend(url, fingerprint=fp, log=log)
+    return RedisBackend(place.url, fingerprint=fp, log=log, socket_timeout_s=place.timeout_s)
 
 
-def _open_memory(
-    fp: bytes, path: str, url: str, max_bytes: int, log: StorageLog | None
-) -> StorageBackend:
+def _open_memory(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBackend:
     from ringfence.cache.storage.memory import MemoryBackend
 
-    return MemoryBackend(fingerprint=fp, max_bytes=max_bytes, log=log)
+    return MemoryBackend(fingerprint=fp, max_bytes=place.max_bytes, log=log)
 
 
-def _open_none(
-    fp: bytes, path: str, url: str, max_bytes: int, log: StorageLog | None
-) -> StorageBackend:
+def _open_none(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBackend:
     from ringfence.cache.storage.memory import NullBackend
 
     return NullBackend()
@@ -266,6 +335,7 @@ def open_backend(
     path: str = "",
     url: str = "",
     max_bytes: int = 1 << 30,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     log: StorageLog | None = None,
 ) -> StorageBackend:
     """Open the backend registered as ``name`` with the ``cache.storage`` settings.
@@ -273,6 +343,8 @@ def open_backend(
     ``fingerprint`` is the 16-byte namespace of the blocks (``Fingerprint.digest()``):
     blobs written under another one read as misses. ``max_bytes`` bounds ``local``
     and ``memory`` (0: no bound); on ``redis`` the server's ``maxmemory`` does.
+    ``timeout_s`` bounds each connect and each reply of ``redis``, so a server that
+    stopped answering costs that long, not a hang.
     Raises :class:`ConfigError` naming the key for an unknown backend or a missing
     ``path``/``url``, and :class:`StorageUnavailable` if a server cannot be reached.
     """
@@ -286,5 +358,10 @@ def open_backend(
         raise ConfigError(
             f"cache.storage.max_bytes: must be >= 0, got {max_bytes}", key="cache.storage.max_bytes"
         )
+    if not timeout_s > 0:
+        raise ConfigError(
+            f"cache.storage.timeout_s: must be > 0, got {timeout_s}", key="cache.storage.timeout_s"
+        )
     check_key(fingerprint, "fingerprint")
-    return BACKENDS[name](fingerprint, path, url, max_bytes, log)
+    place = _Place(path=path, url=url, max_bytes=max_bytes, timeout_s=timeout_s)
+    return BACKENDS[name](fingerprint, place, log)

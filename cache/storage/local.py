@@ -35,11 +35,25 @@ thus exceed ``max_bytes`` by about ``max_bytes / 8`` per writing process between
 scans. A block that another process evicted is a miss here and leaves the index.
 A corrupt blob is deleted when found; if another process had just renamed a good
 copy over it, that copy goes too, which costs a miss, never wrong data.
+
+Faults: a block that cannot be written (a full disk or tmpfs, a quota, an I/O error,
+reported by the write, the flush, the close or the rename) leaves nothing visible:
+its temp file is removed. The other blocks of the put are written, then the put
+logs ``storage.write_failed`` and raises
+:class:`~ringfence.cache.storage.StorageWriteFailed`, so the store lane reports the
+write-back failed and the engine forgets its keys. On ``ENOSPC`` or ``EDQUOT`` the
+put first evicts least recently used blocks as large as the blocks that failed,
+so the next write-back finds room: a directory smaller than ``max_bytes`` keeps
+working as a cache instead of staying full. A read that raises an ``OSError`` (not a
+missing file) is a miss, logged ``storage.read_failed``; the file stays, since the
+error may pass. Recency stamps are best effort: a blob whose mtime cannot be set
+(another user's, a read-only mount) keeps its age.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import time
@@ -49,7 +63,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Final, NamedTuple, TypeVar
 
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage import Counters, StorageLog, StorageStats
+from ringfence.cache.storage import Counters, StorageLog, StorageStats, StorageWriteFailed
 from ringfence.cache.storage.blob import (
     KEY_BYTES,
     TRAILER,
@@ -68,13 +82,15 @@ RESCAN_FRACTION: Final = 8  # rescan after writing max_bytes / RESCAN_FRACTION
 _O_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _O_READ: Final = os.O_RDONLY | os.O_CLOEXEC
 _HEX: Final = frozenset("0123456789abcdef")
+_FULL: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # errors that more room would cure
 T = TypeVar("T")
 R = TypeVar("R")
 
 
 class _Stored(NamedTuple):
-    size: int  # bytes of the blob now stored under the key
-    written: bool  # False: it was already stored and only its recency was refreshed
+    size: int  # bytes of the blob now stored under the key (of the blob not written: failed)
+    written: bool  # False: it was already stored and only its recency was refreshed, or failed
+    failed: OSError | None = None  # why it could not be written (nothing of it is visible)
 
 
 class _Loaded(NamedTuple):
@@ -82,6 +98,7 @@ class _Loaded(NamedTuple):
     payload: bytes | None  # what was read, when read into no buffer of the caller's
     size: int  # bytes of the blob, if there was one
     error: CorruptBlock | None  # why a blob that exists was refused
+    io_error: OSError | None = None  # why a blob could not be read (not a missing file)
 
 
 class LocalBackend:
@@ -138,7 +155,10 @@ class LocalBackend:
         views = [(key, view, self._stamp()) for key, view in jobs]
         results = self._map(self._store, views)
         written = 0
+        failed = [stored for stored in results if stored.failed is not None]
         for (key, _, _), stored in zip(views, results, strict=True):
+            if stored.failed is not None:
+                continue
             self._remember(key, stored.size)
             if stored.written:
                 self._written_since_scan += stored.size
@@ -147,6 +167,8 @@ class LocalBackend:
         if self.max_bytes and self._written_since_scan * RESCAN_FRACTION >= self.max_bytes:
             self.rescan()
         self._bound()
+        if failed:
+            self._fail_put(failed, written)
         return written
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
@@ -205,18 +227,28 @@ class LocalBackend:
         self._written_since_scan = 0
 
     def _store(self, item: tuple[BlockHash, memoryview, int]) -> _Stored:
-        """Write one block with mtime ``stamp``, unless it is already stored.
+        """Write one block with mtime ``stamp``, unless it is already stored; an ``OSError``
+        is returned in ``failed``, with nothing of the block visible.
 
         Runs on pool threads: touches no state of ``self`` but its settings.
         """
         key, view, stamp = item
         path = self.path_for(key)
+        size = len(view) + TRAILER.size
         try:
-            size = os.stat(path).st_size
-            _touch(path, stamp)  # the same bytes are stored (content key): refresh their recency
-            return _Stored(size, written=False)
-        except FileNotFoundError:
-            pass
+            try:
+                stored = os.stat(path).st_size
+                _touch(path, stamp)  # the same bytes are stored (content key): refresh recency
+                return _Stored(stored, written=False)
+            except FileNotFoundError:
+                pass
+            self._write_new(key, view, stamp, path)
+        except OSError as error:
+            return _Stored(size, written=False, failed=error)
+        return _Stored(size, written=True)
+
+    def _write_new(self, key: BlockHash, view: memoryview, stamp: int, path: str) -> None:
+        """Write a temp file, flush it and rename it to ``path``; on any error remove it."""
         shard = os.path.dirname(path)
         tmp = os.path.join(shard, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         tail = trailer(self.fingerprint, key, view)
@@ -226,17 +258,51 @@ class LocalBackend:
             os.makedirs(shard, exist_ok=True)
             fd = os.open(tmp, _O_CREATE, 0o644)
         try:
-            self._write_blob(fd, view, tail)
-            os.utime(fd, ns=(stamp, stamp))
-            if self.fsync:
-                os.fdatasync(fd)
+            try:
+                self._write_blob(fd, view, tail)
+                os.utime(fd, ns=(stamp, stamp))
+                if self.fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)  # may report a write error of its own (NFS): that fails it too
+            os.replace(tmp, path)  # the point where the block becomes visible, whole
         except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
+            with contextlib.suppress(OSError):  # the first error is the one to report
+                os.unlink(tmp)
             raise
-        os.close(fd)
-        os.replace(tmp, path)  # the point where the block becomes visible, whole
-        return _Stored(len(view) + len(tail), written=True)
+
+    def _fail_put(self, failed: list[_Stored], written: int) -> None:
+        """Count and log the blocks a put could not write, make room if the disk is full,
+        and raise :class:`StorageWriteFailed`."""
+        first = failed[0].failed
+        assert first is not None
+        self._counters.failed_puts += len(failed)
+        self._counters.log.error(
+            "storage.write_failed",
+            backend=self.name,
+            failed=len(failed),
+            written=written,
+            error=str(first),
+        )
+        full = [s for s in failed if s.failed is not None and s.failed.errno in _FULL]
+        if full:
+            self._make_room(sum(s.size for s in full))
+        raise StorageWriteFailed(
+            first.errno,
+            f"{len(failed)} of {len(failed) + written} new blocks not written under "
+            f"{self.root}: {first}",
+            failed=len(failed),
+            written=written,
+        )
+
+    def _make_room(self, num_bytes: int) -> None:
+        """Evict least recently used blocks of at least ``num_bytes`` in all (a full disk)."""
+        freed = 0
+        while freed < num_bytes and self._index:
+            key, size = next(iter(self._index.items()))
+            self._unlink(key)
+            self._counters.evictions += 1
+            freed += size
 
     def _write_blob(self, fd: int, view: memoryview, tail: bytes) -> None:
         """Write payload and trailer to the temp file (tests override it to stop half-way)."""
@@ -246,7 +312,10 @@ class LocalBackend:
             rest: list[Buffer] = (
                 [view[done:], tail] if done < len(view) else [tail[done - len(view) :]]
             )
-            done += os.writev(fd, rest)
+            more = os.writev(fd, rest)
+            if more == 0:  # no progress and no error: never loop on it
+                raise OSError(errno.ENOSPC, f"write of {total} bytes stopped at {done}")
+            done += more
 
     def _load_many(self, items: list[tuple[BlockHash, memoryview | None]]) -> list[_Loaded]:
         """Load each key (into its buffer, if it has one), then count, index and report."""
@@ -257,6 +326,11 @@ class LocalBackend:
             if got.error is not None:
                 self._counters.report(got.error)
                 self._unlink(key)
+            if got.io_error is not None:
+                self._counters.read_errors += 1
+                self._counters.log.error(
+                    "storage.read_failed", backend=self.name, key=key.hex(), error=str(got.io_error)
+                )
             if got.hit:
                 self._counters.hits += 1
                 self._remember(key, got.size)
@@ -276,6 +350,8 @@ class LocalBackend:
             fd = os.open(self.path_for(key), _O_READ)
         except FileNotFoundError:
             return _Loaded(False, None, 0, None)
+        except OSError as error:
+            return _Loaded(False, None, 0, None, error)
         try:
             size = os.fstat(fd).st_size
             try:
@@ -290,6 +366,8 @@ class LocalBackend:
                     verify(key, tail, dest[: os.preadv(fd, [dest], 0)])  # a read cut short fails
             except CorruptBlock as error:
                 return _Loaded(False, None, size, error)
+            except OSError as error:
+                return _Loaded(False, None, 0, None, error)
             _touch(fd, stamp)
         finally:
             os.close(fd)
@@ -336,8 +414,8 @@ class LocalBackend:
 
 def _touch(target: str | int, stamp: int) -> None:
     """Set a blob's mtime to ``stamp``, the recency every process's scan orders by."""
-    # Another user's file in a shared directory cannot be touched: it keeps its age.
-    with contextlib.suppress(PermissionError):
+    # Another user's file in a shared directory, or a read-only mount: it keeps its age.
+    with contextlib.suppress(OSError):
         os.utime(target, ns=(stamp, stamp))
 
 

@@ -64,21 +64,30 @@ def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
             proc.wait(timeout_s)
 
 
-@contextmanager
-def redis_server(workdir: Path, *, timeout_s: float = 10.0) -> Iterator[str]:
-    """Run redis-server on a free 127.0.0.1 port with ``workdir`` as its dir; yield its URL.
+def url_port(url: str) -> int:
+    """The port of a ``redis://127.0.0.1:PORT/0`` URL that :func:`redis_server` yielded."""
+    return int(url.rpartition(":")[2].partition("/")[0])
 
-    Ready means: its log said it accepts connections (no polling) and it answered a
-    PING. Raises ``RuntimeError`` with the server's log if it never got there.
+
+@contextmanager
+def redis_server(
+    workdir: Path, *, port: int | None = None, timeout_s: float = 10.0
+) -> Iterator[str]:
+    """Run redis-server on 127.0.0.1 with ``workdir`` as its dir; yield its URL; stop it.
+
+    ``port``: the port to listen on (a server restarted where one was stopped);
+    default a free one. Ready means: its log said it accepts connections (no polling)
+    and it answered a PING. Raises ``RuntimeError`` with the server's log if it never
+    got there.
     """
     import redis
 
     if REDIS_SERVER is None:
         raise RuntimeError("redis-server is not on PATH")
     log = b""
-    for _ in range(START_ATTEMPTS):
-        port = free_port()
-        args = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(workdir)]
+    for _ in range(1 if port else START_ATTEMPTS):
+        listen = port or free_port()
+        args = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(listen), "--dir", str(workdir)]
         args += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", ""]
         proc = subprocess.Popen(
             args,
@@ -91,7 +100,7 @@ def redis_server(workdir: Path, *, timeout_s: float = 10.0) -> Iterator[str]:
         try:
             output.settled.wait(timeout_s)
             if output.ready:
-                url = f"redis://127.0.0.1:{port}/0"
+                url = f"redis://127.0.0.1:{listen}/0"
                 with redis.Redis.from_url(url, socket_timeout=timeout_s) as client:
                     assert client.ping()
                 yield url

@@ -16,17 +16,25 @@ from ringfence.cache.storage.redis_backend import RedisBackend
 
 
 class RecordingLog:
-    """A :class:`~ringfence.cache.storage.StorageLog` that keeps every error it is given."""
+    """A :class:`~ringfence.cache.storage.StorageLog` that keeps every line it is given."""
 
     def __init__(self) -> None:
-        self.errors: list[tuple[str, dict[str, object]]] = []  # (event, fields), in order
+        self.lines: list[tuple[str, str, dict[str, object]]] = []  # (level, event, fields)
+        self.errors: list[tuple[str, dict[str, object]]] = []  # (event, fields) of errors
 
     def error(self, event: str, **fields: object) -> None:
+        self.lines.append(("error", event, fields))
         self.errors.append((event, fields))
 
+    def warning(self, event: str, **fields: object) -> None:
+        self.lines.append(("warning", event, fields))
+
+    def info(self, event: str, **fields: object) -> None:
+        self.lines.append(("info", event, fields))
+
     def events(self, event: str) -> list[dict[str, object]]:
-        """The fields of every error named ``event``, in order."""
-        return [fields for name, fields in self.errors if name == event]
+        """The fields of every line named ``event``, in order, whatever its level."""
+        return [fields for _, name, fields in self.lines if name == event]
 
 
 def read_blob(backend: StorageBackend, key: BlockHash) -> bytes | None:
