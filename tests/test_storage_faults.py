@@ -2,13 +2,16 @@
 redis fails at once or after its timeout and is found again after a restart, and a
 local directory that is full or unreadable gives failed puts and misses, never data.
 
-Whole runs under the same faults are in test_storage_runs.py.
+Whole runs under the same faults are in test_storage_runs.py. Two strict xfails at the
+end name what actors/engine.py and actors/transfer.py do not pass their storage clients yet.
 """
 
 from __future__ import annotations
 
+import ast
 import errno
 import hashlib
+import inspect
 import os
 import shutil
 import socket
@@ -17,6 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -457,3 +461,42 @@ def test_a_small_tmpfs_fills_up_gives_a_failed_put_with_enospc_and_only_whole_bl
         assert store.put_many(items(100)) == 1
         assert store.get_many([key(100)]) == [payload(100)]
     assert len(log.events("storage.write_failed")) == 1
+
+
+# --- wiring in files owned elsewhere (actors/engine.py, actors/transfer.py) -----------------
+
+
+def keywords_of_calls(module: ModuleType, function: str) -> list[set[str]]:
+    """The keyword names of every call of ``function`` in the source of ``module``."""
+    tree = ast.parse(Path(inspect.getfile(module)).read_text())
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == function
+    ]
+    return [{kw.arg for kw in call.keywords if kw.arg} for call in calls]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="actors/engine.py calls open_storage(...) without log=self.log, so the engine's "
+    "storage.unavailable and storage.restored go to its stderr, not engine-0.jsonl",
+)
+def test_the_engine_gives_its_log_to_its_storage_client():
+    from ringfence.actors import engine
+
+    calls = keywords_of_calls(engine, "open_storage")
+    assert calls and all("log" in keywords for keywords in calls)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="actors/transfer.py StoreLane.on_start calls open_backend(...) without "
+    "timeout_s=settings.timeout_s, so the store lane's redis client ignores "
+    "cache.storage.timeout_s and keeps the 2 s default",
+)
+def test_the_store_lane_gives_the_timeout_setting_to_its_storage_client():
+    from ringfence.actors import transfer
+
+    calls = keywords_of_calls(transfer, "open_backend")
+    assert calls and all("timeout_s" in keywords for keywords in calls)
