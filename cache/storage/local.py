@@ -88,7 +88,7 @@ R = TypeVar("R")
 
 
 class _Stored(NamedTuple):
-    size: int  # bytes of the blob now stored under the key (of the blob not written: failed)
+    size: int  # bytes of the blob stored under the key (failed: the bytes it needed)
     written: bool  # False: it was already stored and only its recency was refreshed, or failed
     failed: OSError | None = None  # why it could not be written (nothing of it is visible)
 
