@@ -119,7 +119,11 @@ class Engine(Actor):
         assert isinstance(config, Config)
         self.config = config
         self.sync = config.transfer.mode == "sync"
-        self.clients = ClientHub(lambda to, m: self.send(to, m, timeout=0), self.log)
+        self.clients = ClientHub(
+            lambda to, m: self.send(to, m, timeout=0),
+            self.log,
+            max_live=config.engine.max_requests_per_client,
+        )
         self.scheduler: Scheduler | None = None
         self.storage: StorageBackend | None = None
         self.model: ModelInfo | None = None
@@ -233,7 +237,7 @@ class Engine(Actor):
         first = {lane: self.synced[name] + 1 for name, lane in EXECUTORS.items()}
         for lane, number in first.items():
             self.completed[lane] = self.last_sent[lane] = number - 1
-        self.storage = open_storage(self.config, self.model, str(self.ctx.run_dir))
+        self.storage = open_storage(self.config, self.model, str(self.ctx.run_dir), log=self.log)
         tracing = self.log.tracing
         presence = LoggedPresence(self.storage, self.log) if tracing and self.storage else None
         self.scheduler = Scheduler(

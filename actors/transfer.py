@@ -356,6 +356,7 @@ class StoreLane(TransferLane):
             path=path,
             url=settings.url,
             max_bytes=settings.max_bytes,
+            timeout_s=settings.timeout_s,
             log=self.log,
         )
 

@@ -2,8 +2,8 @@
 redis fails at once or after its timeout and is found again after a restart, and a
 local directory that is full or unreadable gives failed puts and misses, never data.
 
-Whole runs under the same faults are in test_storage_runs.py. Two strict xfails at the
-end name what actors/engine.py and actors/transfer.py do not pass their storage clients yet.
+Whole runs under the same faults are in test_storage_runs.py. The last two tests check
+that the engine and the store lane hand their storage clients the log and the timeout.
 """
 
 from __future__ import annotations
@@ -477,11 +477,6 @@ def keywords_of_calls(module: ModuleType, function: str) -> list[set[str]]:
     return [{kw.arg for kw in call.keywords if kw.arg} for call in calls]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/engine.py calls open_storage(...) without log=self.log, so the engine's "
-    "storage.unavailable and storage.restored go to its stderr, not engine-0.jsonl",
-)
 def test_the_engine_gives_its_log_to_its_storage_client():
     from ringfence.actors import engine
 
@@ -489,12 +484,6 @@ def test_the_engine_gives_its_log_to_its_storage_client():
     assert calls and all("log" in keywords for keywords in calls)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/transfer.py StoreLane.on_start calls open_backend(...) without "
-    "timeout_s=settings.timeout_s, so the store lane's redis client ignores "
-    "cache.storage.timeout_s and keeps the 2 s default",
-)
 def test_the_store_lane_gives_the_timeout_setting_to_its_storage_client():
     from ringfence.actors import transfer
 
