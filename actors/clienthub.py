@@ -37,6 +37,9 @@ from ringfence.shm.liveness import ProcessStamp
 RequestKey = NewType("RequestKey", str)  # "<peer>/<incarnation>/<request id>", engine-wide
 MAX_QUEUED = 4096  # messages queued for one client before it is given up on
 MAX_MERGED_TOKENS = 4096  # a queued Tokens takes no more tokens than this (ring frame size)
+MAX_LIVE = (
+    256  # unfinished requests of one client; more are refused (engine.max_requests_per_client)
+)
 
 
 class RequestRefused(RingfenceError, ValueError):
@@ -105,10 +108,12 @@ class ClientHub:
         log: ActorLog,
         *,
         max_queued: int = MAX_QUEUED,
+        max_live: int = MAX_LIVE,
     ) -> None:
         self._send = send
         self._log = log
         self._max_queued = max_queued
+        self._max_live = max_live
         self._clients: dict[str, _Client] = {}
         self._owners: dict[RequestKey, _Owner] = {}  # every live request
 
@@ -144,8 +149,9 @@ class ClientHub:
 
     def submit(self, peer: str, msg: Submit) -> RequestKey:
         """The key of a new request of ``peer``; RequestRefused (nothing recorded) if it is
-        invalid, its id is that of an unfinished request of this client, or ``peer`` has
-        not said Hello or its process is gone."""
+        invalid, its id is that of an unfinished request of this client, the client has
+        ``max_live`` requests unfinished, or ``peer`` has not said Hello or its process is
+        gone."""
         client = self._clients.get(peer)
         if client is None:
             raise RequestRefused(f"{peer}: Submit before Hello")
@@ -159,6 +165,13 @@ class ClientHub:
             raise RequestRefused(f"request {msg.request_id!r}: {e}") from None
         if msg.request_id in client.live:
             raise RequestRefused(f"request {msg.request_id!r} is already running")
+        if len(client.live) >= self._max_live:
+            # Backpressure: a client that floods the engine is told at once, and what it
+            # costs here stays bounded (one queued Rejected each, up to max_queued).
+            raise RequestRefused(
+                f"request {msg.request_id!r}: {peer} has {len(client.live)} requests "
+                "unfinished, the most one client may have (engine.max_requests_per_client)"
+            )
         key = RequestKey(f"{peer}/{client.incarnation}/{msg.request_id}")
         client.live[msg.request_id] = key
         self._owners[key] = _Owner(peer, client.incarnation, msg.request_id)

@@ -184,6 +184,9 @@ class EngineConfig:
     drain_timeout_s: float = setting(
         30.0, "at shutdown, how long to wait for the store lane's writes in flight", ge=0
     )
+    max_requests_per_client: int = setting(
+        256, "requests one client may have live; more are refused (backpressure)", ge=1
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

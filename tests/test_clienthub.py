@@ -30,11 +30,10 @@ class Rings:
         taken.append(msg)
 
 
-def make_hub(max_queued: int = 16) -> tuple[ClientHub, Rings]:
+def make_hub(max_queued: int = 16, max_live: int = 256) -> tuple[ClientHub, Rings]:
     rings = Rings()
-    return ClientHub(
-        rings, ActorLog(None, actor="engine", rank=0, epoch=0), max_queued=max_queued
-    ), rings
+    log = ActorLog(None, actor="engine", rank=0, epoch=0)
+    return ClientHub(rings, log, max_queued=max_queued, max_live=max_live), rings
 
 
 def hello(incarnation: int = 1, stamp: ProcessStamp = ME) -> Hello:
@@ -78,6 +77,19 @@ def test_submits_before_hello_with_a_live_duplicate_id_or_bad_fields_are_refused
         hub.submit("client-0", submit("b", max_tokens=0))
     hub.emit(key, (5,), finish_reason="length")
     assert hub.submit("client-0", submit("a")) == key  # finished ids may be used again
+
+
+def test_a_client_past_its_live_requests_is_refused_until_one_of_them_ends():
+    hub, _ = make_hub(max_live=3)
+    hub.hello("client-0", hello())
+    hub.hello("client-1", hello())
+    keys = [hub.submit("client-0", submit(f"r{i}")) for i in range(3)]
+    for flood in range(100):  # a flood costs nothing here: each is refused at once
+        with pytest.raises(RequestRefused, match="client-0 has 3 requests unfinished"):
+            hub.submit("client-0", submit(f"flood{flood}"))
+    assert hub.submit("client-1", submit("other")) == "client-1/1/other"  # others go on
+    hub.emit(keys[0], (5,), finish_reason="length")
+    assert hub.submit("client-0", submit("r3")) == "client-0/1/r3"
 
 
 def test_consecutive_tokens_of_a_request_merge_while_queued_and_a_finish_forgets_the_key():
