@@ -55,7 +55,12 @@ class Kill:
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    """One launch: a workload, its settings, the faults to inject, the exit status expected."""
+    """One launch: a workload, its settings, the faults to inject, the exit status expected.
+
+    With ``drive``, the instance serves clients instead of running the workload: ``drive``
+    plays them (the workload's requests are what it submits and judges), then the run is
+    stopped with SIGTERM.
+    """
 
     name: str
     workload: str  # a synthetic workload
@@ -64,6 +69,7 @@ class Scenario:
     kills: tuple[Kill, ...] = ()
     expect_exit: int = 0  # 0: the workload completes; 1: the run ends (an actor gave up)
     exact: bool = True  # every completed request must have the reference's tokens
+    drive: Callable[[Launch, Scenario, Outcome], None] | None = None
 
 
 @dataclass(slots=True)
@@ -80,7 +86,8 @@ class Outcome:
     replay: str = "skipped"
     exit_code: int | None = None
     seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what went wrong (none: as expected)
+    info: list[str] = field(default_factory=list)  # what else was measured
 
     @property
     def ok(self) -> bool:
@@ -149,14 +156,17 @@ class Launch:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    def events(self, log: str, event: str) -> list[dict[str, Any]]:
+    def lines(self, log: str) -> list[dict[str, Any]]:
+        """Every whole line of ``<log>.jsonl`` so far."""
         try:
             data = (self.run_dir / f"{log}.jsonl").read_bytes()
         except FileNotFoundError:
             return []
         lines = data.split(b"\n")[:-1]  # the last line may still be being written
-        records = (orjson.loads(line) for line in lines if line)
-        return [r for r in records if r.get("event") == event]
+        return [orjson.loads(line) for line in lines if line]
+
+    def events(self, log: str, event: str) -> list[dict[str, Any]]:
+        return [r for r in self.lines(log) if r.get("event") == event]
 
     def wait_for(self, what: str, ready: Callable[[], bool]) -> None:
         """Re-check ``ready`` every POLL_S (see the module docstring) until the deadline."""
@@ -232,8 +242,10 @@ def run_scenario(
     from ringfence.shm import names
 
     sets = [*MODEL, *TIERS, *FAST, *([TRACE] if trace else [])]
-    sets += [f"engine.workload=synthetic:{scenario.workload}"]
-    sets += [f"engine.requests={scenario.requests}", *scenario.sets]
+    if scenario.drive is None:
+        sets += [f"engine.workload=synthetic:{scenario.workload}"]
+        sets += [f"engine.requests={scenario.requests}"]
+    sets += scenario.sets
     outcome = Outcome(scenario.name, requests=scenario.requests)
     run_dir = folder / scenario.name.replace(" ", "-").strip("()") / "run"
     started = time.monotonic()
@@ -243,6 +255,10 @@ def run_scenario(
             launch.settle()
             launch.kill(kill)
             outcome.injected += 1
+        if scenario.drive is not None:
+            launch.wait_for("engine.ready", lambda: bool(launch.events("engine-0", "engine.ready")))
+            scenario.drive(launch, scenario, outcome)
+            launch.proc.send_signal(signal.SIGTERM)
         if scenario.kills and scenario.kills[-1].instance == SUPERVISOR:
             outcome.exit_code = launch.wait()
             _orphans(launch, outcome)
@@ -273,9 +289,11 @@ def _orphans(launch: Launch, outcome: Outcome) -> None:
     """After the supervisor's SIGKILL: its actors must exit by themselves, within seconds."""
     rows = orjson.loads((launch.run_dir / "actors.json").read_bytes())
     pids = [r["pid"] for r in rows if r.get("pid") and _parent(r["pid"]) is not None]
-    deadline = time.monotonic() + 10.0
+    started = time.monotonic()
+    deadline = started + 10.0
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(POLL_S)  # orphans: not our children, nothing to wait on but /proc
+    outcome.info.append(f"its actors exited {time.monotonic() - started:.2f} s after it died")
     left = [pid for pid in pids if _alive(pid)]
     if left:
         outcome.hangs += 1
@@ -319,6 +337,130 @@ def _replay(run_dir: Path) -> str:
     return "ok"
 
 
+def flood(launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
+    """One client floods the engine with short requests and reads nothing until it is
+    done; another is served the workload meanwhile. The flood must cost the engine a
+    bounded number of live requests (``engine.max_requests_per_client``), each flood
+    request must be served (the reference's first tokens) or refused at once, and a
+    full ring must make the flooder's submit fail at its deadline, never block it."""
+    from ringfence.actors.client import Client, ClientError
+    from ringfence.shm.errors import RingFull
+
+    lines = _workload(scenario)
+    expected = reference(scenario.workload, scenario.requests)
+    first = lines[0]
+    prompt = list(first.prompt_token_ids or ())
+    floods = FLOODS[scenario.requests <= QUICK_REQUESTS]
+    sent: list[str] = []
+    with Client.connect(launch.run_dir) as flooder, Client.connect(launch.run_dir) as good:
+        for i in range(floods):
+            # Backpressure: RingFull when the ring stayed full past the send deadline.
+            with contextlib.suppress(RingFull):
+                sent.append(flooder.submit(prompt, request_id=f"flood-{i}", max_tokens=2))
+        outcome.injected = floods
+        _serve(good, lines, expected, launch, outcome)
+        served = refused = 0
+        for request_id in sent:
+            try:
+                done = flooder.result(request_id, timeout=max(launch.remaining(), 1.0))
+            except ClientError as e:
+                refused += 1
+                if "unfinished" not in str(e):
+                    outcome.notes.append(f"{request_id}: {e}")
+                continue
+            served += 1
+            outcome.wrong_tokens += list(done.token_ids) != expected[first.id][:2]
+        peer = flooder.instance
+    live = _most_live(launch, peer)
+    cap = next(int(x.split("=")[1]) for x in scenario.sets if "max_requests_per_client" in x)
+    if live > cap:
+        outcome.notes.append(f"the engine held {live} live requests of the flooder, cap {cap}")
+    outcome.info.append(
+        f"flood of {floods}: {served} served, {refused} refused at once, "
+        f"{floods - len(sent)} timed out on a full ring; at most {live} live in the engine"
+    )
+
+
+def killed_client(launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
+    """A client process is SIGKILLed while it streams a long request: the engine must abort
+    the request (``client.lost``) and serve another client the workload exactly."""
+    import multiprocess
+
+    from ringfence.actors.client import Client
+
+    lines = _workload(scenario)
+    marker = launch.run_dir.parent / "streaming.txt"
+    prompt = list(lines[0].prompt_token_ids or ())[:32]  # with 300 tokens to come: 21 blocks
+    context = multiprocess.get_context("spawn")
+    doomed = context.Process(target=_stream, args=(str(launch.run_dir), prompt, str(marker)))
+    doomed.start()
+    try:
+        launch.wait_for("the doomed client's first token", marker.exists)
+        slot = marker.read_text().split()[0]
+        os.kill(doomed.pid, signal.SIGKILL)  # our own child, by pid
+        outcome.injected = 1
+    finally:
+        doomed.join(10.0)
+    launch.wait_for(
+        f"client.lost of {slot}",
+        lambda: any(e.get("peer") == slot for e in launch.events("engine-0", "client.lost")),
+    )
+    expected = reference(scenario.workload, scenario.requests)
+    with Client.connect(launch.run_dir) as good:
+        _serve(good, lines, expected, launch, outcome)
+
+
+def _stream(run_dir: str, prompt: list[int], marker: str) -> None:
+    """In a spawned process: stream a long request, "<slot>" to ``marker`` at its first token."""
+    from ringfence.actors.client import Client
+
+    with Client.connect(run_dir) as client:
+        request_id = client.submit(prompt, request_id="doomed", max_tokens=300)
+        for n, _token in enumerate(client.stream(request_id, timeout=300.0)):
+            if n == 0:
+                Path(marker).write_text(client.instance)
+
+
+def _workload(scenario: Scenario) -> list[Any]:
+    from ringfence.actors.serving import load_workload
+
+    return load_workload(f"synthetic:{scenario.workload}", requests=scenario.requests)
+
+
+def _serve(
+    client: Any, lines: list[Any], expected: dict[str, list[int]], launch: Launch, outcome: Outcome
+) -> None:
+    """The workload's requests through ``client``, one at a time, judged against the reference."""
+    for line in lines:
+        done = client.generate(
+            list(line.prompt_token_ids or ()),
+            max_tokens=line.params.max_tokens,
+            seed=line.params.seed,
+            timeout=max(launch.remaining(), 1.0),
+        )
+        outcome.completed += 1
+        outcome.wrong_tokens += list(done.token_ids) != expected[line.id]
+
+
+def _most_live(launch: Launch, peer: str) -> int:
+    """The most requests of client ``peer`` live in the engine at once, from its log."""
+    live = most = 0
+    entries = [
+        e
+        for e in launch.lines("engine-0")
+        if e.get("event") in ("request.arrive", "request.finish")
+        and str(e.get("request", "")).startswith(f"{peer}/")
+    ]
+    for entry in entries:
+        live += 1 if entry["event"] == "request.arrive" else -1
+        most = max(most, live)
+    return most
+
+
+FLOODS = {False: 2000, True: 400}  # flood requests (full, quick)
+QUICK_REQUESTS = 4
+
+
 def kills(instance: str, *steps: int) -> tuple[Kill, ...]:
     return tuple(Kill(instance, step) for step in steps)
 
@@ -350,5 +492,21 @@ def matrix(quick: bool) -> list[Scenario]:
         ),
         Scenario(
             "kill supervisor", "pressure", n, PRESSURE, kills(SUPERVISOR, steps[0]), expect_exit=-9
+        ),
+        Scenario(
+            "client flood",
+            "pressure",
+            n,
+            (*PRESSURE, "engine.max_requests_per_client=16"),
+            drive=flood,
+            expect_exit=143,
+        ),
+        Scenario(
+            "client killed mid-stream",
+            "pressure",
+            n,
+            PRESSURE,
+            drive=killed_client,
+            expect_exit=143,
         ),
     ]
