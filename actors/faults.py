@@ -26,7 +26,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -57,9 +58,11 @@ class Kill:
 class Scenario:
     """One launch: a workload, its settings, the faults to inject, the exit status expected.
 
-    With ``drive``, the instance serves clients instead of running the workload: ``drive``
-    plays them (the workload's requests are what it submits and judges), then the run is
-    stopped with SIGTERM.
+    ``prepare`` is a context around the launch (a storage tier to fill and damage, a
+    server to run) that yields more settings. ``drive`` runs while the launch does: with
+    ``serve``, the instance serves clients instead of running the workload, ``drive``
+    plays them (the workload's requests are what it submits and judges), and the run is
+    then stopped with SIGTERM.
     """
 
     name: str
@@ -69,7 +72,9 @@ class Scenario:
     kills: tuple[Kill, ...] = ()
     expect_exit: int = 0  # 0: the workload completes; 1: the run ends (an actor gave up)
     exact: bool = True  # every completed request must have the reference's tokens
+    prepare: Callable[[Path, Scenario], AbstractContextManager[tuple[str, ...]]] | None = None
     drive: Callable[[Launch, Scenario, Outcome], None] | None = None
+    serve: bool = False
 
 
 @dataclass(slots=True)
@@ -238,16 +243,24 @@ def run_scenario(
     scenario: Scenario, folder: Path, *, timeout: float = 300.0, trace: bool = True
 ) -> Outcome:
     """Launch ``scenario`` in ``folder``, inject its faults, and judge the run."""
+    with ExitStack() as stack:
+        work = folder / scenario.name.replace(" ", "-").strip("()")
+        extra = stack.enter_context(scenario.prepare(work, scenario)) if scenario.prepare else ()
+        return _run(scenario, work / "run", (*scenario.sets, *extra), timeout, trace)
+
+
+def _run(
+    scenario: Scenario, run_dir: Path, extra: tuple[str, ...], timeout: float, trace: bool
+) -> Outcome:
     from ringfence.runtime.cli import run_id_of
     from ringfence.shm import names
 
     sets = [*MODEL, *TIERS, *FAST, *([TRACE] if trace else [])]
-    if scenario.drive is None:
+    if not scenario.serve:
         sets += [f"engine.workload=synthetic:{scenario.workload}"]
         sets += [f"engine.requests={scenario.requests}"]
-    sets += scenario.sets
+    sets += extra
     outcome = Outcome(scenario.name, requests=scenario.requests)
-    run_dir = folder / scenario.name.replace(" ", "-").strip("()") / "run"
     started = time.monotonic()
     launch = Launch(run_dir, sets, timeout=timeout)
     try:
@@ -258,7 +271,8 @@ def run_scenario(
         if scenario.drive is not None:
             launch.wait_for("engine.ready", lambda: bool(launch.events("engine-0", "engine.ready")))
             scenario.drive(launch, scenario, outcome)
-            launch.proc.send_signal(signal.SIGTERM)
+            if scenario.serve:
+                launch.proc.send_signal(signal.SIGTERM)
         if scenario.kills and scenario.kills[-1].instance == SUPERVISOR:
             outcome.exit_code = launch.wait()
             _orphans(launch, outcome)
@@ -280,6 +294,7 @@ def run_scenario(
     if outcome.exit_code != scenario.expect_exit and not outcome.hangs:
         outcome.notes.append(f"exit status {outcome.exit_code}, expected {scenario.expect_exit}")
     _judge_tokens(scenario, run_dir, outcome)
+    _count_failures(launch, outcome)
     if trace and (run_dir / "engine-0.jsonl").is_file():
         outcome.replay = _replay(run_dir)
     return outcome
@@ -301,6 +316,22 @@ def _orphans(launch: Launch, outcome: Outcome) -> None:
         for pid in left:  # the launch's own children, by pid
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _count_failures(launch: Launch, outcome: Outcome) -> None:
+    """What the run reported failing or cancelled on its way, as information."""
+    counts = []
+    for log in ("worker-0", "swap-0", "store-0"):
+        event = "step.done" if log == "worker-0" else "lane.done"
+        statuses = [e.get("status") for e in launch.events(log, event)]
+        bad = {s: statuses.count(s) for s in ("failed", "cancelled", "rejected") if s in statuses}
+        counts += [f"{log.split('-')[0]} {status} {n}" for status, n in bad.items()]
+    for event in ("storage.write_failed", "storage.unavailable", "engine.tier_reset"):
+        n = len(launch.events("store-0", event) + launch.events("engine-0", event))
+        if n:
+            counts.append(f"{event} {n}")
+    if counts:
+        outcome.info.append("; ".join(counts))
 
 
 def _alive(pid: int) -> bool:
@@ -461,6 +492,128 @@ FLOODS = {False: 2000, True: 400}  # flood requests (full, quick)
 QUICK_REQUESTS = 4
 
 
+# The storage rows run the first chat of multiturn (four turns sharing a 256-token
+# system prompt) with no host cache, so every block reused comes from storage, and
+# write-through, so every full block is written there as soon as it is full.
+STORAGE = (
+    "cache.device_blocks=40",
+    "cache.host_blocks=0",
+    "cache.device_eviction=write_through",
+    "transfer.chaos_delay_ms=0",
+)
+FOREIGN = bytes(16)  # the fingerprint of no model
+
+
+@contextmanager
+def damaged_storage(work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]:
+    """A local tier that a first instance filled, then blocks 1-3 of the shared prefix
+    damaged: a flipped byte, a blob cut in half, a blob of another model."""
+    path = work / "storage"
+    sets = ("cache.storage.backend=local", f"cache.storage.path={path}")
+    first = Scenario("first", scenario.workload, scenario.requests, (*scenario.sets, *sets))
+    filled = run_scenario(first, work, trace=False)
+    if not filled.ok or filled.completed != scenario.requests:
+        raise FaultError(f"the first instance did not fill the storage tier: {filled}")
+    from ringfence.runtime.config import load_config
+
+    config = load_config(None, [*MODEL, *scenario.sets])
+    damage_prefix(path, config, _workload(scenario)[0].prompt_token_ids)
+    yield sets
+
+
+def damage_prefix(path: Path, config: Any, prompt: Sequence[int]) -> dict[str, str]:
+    """Damage blocks 1, 2 and 3 of ``prompt`` in the local tier at ``path`` that an instance
+    of ``config`` filled (block 0 stays whole). Key hex -> the reason a reader must give."""
+    from ringfence.actors.layout import block_fingerprint
+    from ringfence.cache.block_hash import block_keys
+    from ringfence.cache.storage.blob import decode, encode
+    from ringfence.cache.storage.local import LocalBackend
+    from ringfence.cache.storage.testing import read_blob, write_blob
+
+    namespace = block_fingerprint(config).digest()
+    keys = block_keys(prompt, config.cache.block_size, namespace=namespace)
+    store = LocalBackend(path, fingerprint=namespace, fsync=False)
+    try:
+        blobs = [read_blob(store, key) for key in keys[:4]]
+        if any(blob is None for blob in blobs):
+            raise FaultError("the first instance did not store the shared prefix")
+        corrupt, cut, foreign = (blob or b"" for blob in blobs[1:])
+        write_blob(store, keys[1], corrupt[:100] + bytes([corrupt[100] ^ 0xFF]) + corrupt[101:])
+        write_blob(store, keys[2], cut[: len(cut) // 2])
+        write_blob(store, keys[3], encode(FOREIGN, keys[3], decode(namespace, keys[3], foreign)))
+    finally:
+        store.close()
+    return {keys[1].hex(): "checksum", keys[2].hex(): "magic", keys[3].hex(): "fingerprint"}
+
+
+def corrupt_seen(launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
+    """Once the run is over: the damaged blocks were read, and logged as corrupt (misses)."""
+    launch.wait_for("the run's end", lambda: launch.proc.poll() is not None)
+    reasons = sorted({str(e.get("reason")) for e in launch.events("store-0", "storage.corrupt")})
+    outcome.injected = 3
+    if not reasons:
+        outcome.notes.append("no damaged block was logged storage.corrupt")
+    outcome.info.append(f"storage.corrupt logged, reasons: {', '.join(reasons)}")
+
+
+@contextmanager
+def full_tmpfs(work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]:
+    """The local tier on a 256 KiB tmpfs (about 12 blocks): writes fail with ENOSPC."""
+    import shutil
+
+    point = work / "tmpfs"
+    point.mkdir(parents=True, exist_ok=True)
+    mount, umount = shutil.which("mount"), shutil.which("umount")
+    if os.geteuid() != 0 or mount is None or umount is None:
+        raise FaultError("mounting a tmpfs needs root")
+    done = subprocess.run(
+        [mount, "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(point)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise FaultError(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        yield ("cache.storage.backend=local", f"cache.storage.path={point}")
+    finally:
+        subprocess.run([umount, "-l", str(point)], capture_output=True, timeout=30, check=False)
+
+
+class RedisOutage:
+    """A redis tier of the run's own, stopped mid-run and started again on its port."""
+
+    def __init__(self) -> None:
+        self.server = ExitStack()
+        self.url = ""
+
+    @contextmanager
+    def prepare(self, work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]:
+        from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
+
+        if REDIS_SERVER is None:
+            raise FaultError("redis-server is not on PATH")
+        self.work = work / "redis"
+        self.work.mkdir(parents=True, exist_ok=True)
+        with self.server:
+            self.url = self.server.enter_context(redis_server(self.work))
+            yield ("cache.storage.backend=redis", f"cache.storage.url={self.url}")
+
+    def drive(self, launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
+        """Stop the server once a request finished; start it again on its port once the
+        store lane failed an op; the run must then finish by itself."""
+        from ringfence.cache.storage.redis_server import redis_server, url_port
+
+        finished = lambda: bool(launch.events("engine-0", "request.finish"))  # noqa: E731
+        launch.wait_for("a finished request", finished)
+        self.server.close()
+        outcome.injected += 1
+        launch.wait_for("a failed store op", lambda: bool(launch.events("store-0", "lane.failed")))
+        with redis_server(self.work, port=url_port(self.url)):
+            launch.wait_for("the run's end", lambda: launch.proc.poll() is not None)
+
+
 def kills(instance: str, *steps: int) -> tuple[Kill, ...]:
     return tuple(Kill(instance, step) for step in steps)
 
@@ -476,6 +629,7 @@ def matrix(quick: bool) -> list[Scenario]:
     """Every scenario of ``ringfence bench faults`` (quick: fewer requests and kills)."""
     n = 4 if quick else 8
     steps = (12, 30, 60) if quick else (12, 40, 90, 150)
+    outage = RedisOutage()
     return [
         Scenario("none", "pressure", n, PRESSURE),
         Scenario("kill swap lane", "pressure", n, PRESSURE, kills("swap-0", *steps)),
@@ -499,7 +653,31 @@ def matrix(quick: bool) -> list[Scenario]:
             n,
             (*PRESSURE, "engine.max_requests_per_client=16"),
             drive=flood,
+            serve=True,
             expect_exit=143,
+        ),
+        Scenario(
+            "storage blocks damaged",
+            "multiturn",
+            4,
+            STORAGE,
+            prepare=damaged_storage,
+            drive=corrupt_seen,
+        ),
+        Scenario(
+            "storage max_bytes tiny",
+            "multiturn",
+            4,
+            (*STORAGE, "cache.storage.backend=local", "cache.storage.max_bytes=1"),
+        ),
+        Scenario("storage disk full (tmpfs)", "multiturn", 4, STORAGE, prepare=full_tmpfs),
+        Scenario(
+            "redis stopped, restarted",
+            "multiturn",
+            4,
+            (*STORAGE, "engine.arrivals=true"),
+            prepare=outage.prepare,
+            drive=outage.drive,
         ),
         Scenario(
             "client killed mid-stream",
@@ -507,6 +685,7 @@ def matrix(quick: bool) -> list[Scenario]:
             n,
             PRESSURE,
             drive=killed_client,
+            serve=True,
             expect_exit=143,
         ),
     ]

@@ -24,15 +24,15 @@ from launching import QUICK, Launch, launched, wait_until
 from test_engine import MODEL, TRACE, reference, replayed, results
 from test_storage_faults import mounted_tmpfs
 
+from ringfence.actors.faults import damage_prefix
 from ringfence.actors.layout import block_fingerprint
 from ringfence.actors.local import LocalRunner
 from ringfence.actors.serving import load_workload
-from ringfence.cache.block_hash import block_keys
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage.blob import decode, encode
+from ringfence.cache.storage.blob import decode
 from ringfence.cache.storage.local import LocalBackend
 from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server, url_port
-from ringfence.cache.storage.testing import read_blob, write_blob
+from ringfence.cache.storage.testing import read_blob
 from ringfence.runtime.config import Config, load_config
 
 REQUESTS = 4  # the first chat's four turns
@@ -125,19 +125,7 @@ def damage(config: Config, path: Path) -> dict[str, str]:
     reason a reader must give."""
     first = load_workload("synthetic:multiturn", requests=1)[0]
     assert first.prompt_token_ids is not None
-    keys = block_keys(first.prompt_token_ids, BLOCK_SIZE, namespace=namespace(config))
-    store = LocalBackend(path, fingerprint=namespace(config), fsync=False)
-    try:
-        blobs = [read_blob(store, k) for k in keys[:4]]
-        assert all(blob is not None for blob in blobs), "the first instance stored the prefix"
-        corrupt, cut, foreign = (blob or b"" for blob in blobs[1:])
-        write_blob(store, keys[1], corrupt[:100] + bytes([corrupt[100] ^ 0xFF]) + corrupt[101:])
-        write_blob(store, keys[2], cut[: len(cut) // 2])
-        payload = decode(namespace(config), keys[3], foreign)
-        write_blob(store, keys[3], encode(FOREIGN_FP, keys[3], payload))
-    finally:
-        store.close()
-    return {keys[1].hex(): "checksum", keys[2].hex(): "magic", keys[3].hex(): "fingerprint"}
+    return damage_prefix(path, config, first.prompt_token_ids)
 
 
 @pytest.mark.parametrize("first", ["in_process", pytest.param("launched", marks=pytest.mark.slow)])
