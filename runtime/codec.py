@@ -291,14 +291,27 @@ def _message_problem(cls: object) -> str | None:
     return None
 
 
+def _key(key: str | int) -> str:
+    """A path key for a message: the payload's own keys may be as long as the frame, and an
+    error (or its reply) that quotes one must stay short."""
+    return _KEYS.repr(key)
+
+
+_KEYS = reprlib.Repr()
+_KEYS.maxstring = 64
+
+
 def _field_error(entry: _Entry, e: _Mismatch) -> ProtocolError:
     """Turn a converter's mismatch into the ProtocolError that names its path."""
     if not e.path:
         return ProtocolError(f"{entry.where}: payload: {e.reason}", tag=entry.tag)
     top, *rest = reversed(e.path)
-    subscripts = "".join(f"[{key!r}]" for key in rest)
-    message = f"{entry.where}: field {str(top)!r}{subscripts}: {e.reason}"
-    return ProtocolError(message, tag=entry.tag, field=f"{top}{subscripts}")
+    subscripts = "".join(f"[{_key(key)}]" for key in rest)
+    top = str(top)
+    named = _key(top)
+    message = f"{entry.where}: field {named}{subscripts}: {e.reason}"
+    short = top if len(top) <= _KEYS.maxstring else named[1:-1]
+    return ProtocolError(message, tag=entry.tag, field=f"{short}{subscripts}")
 
 
 class Registry:

@@ -15,8 +15,9 @@ This is the only place with a catch-all ``except``: a handler that raises is
 logged (``msg.failed``), answered with :class:`~ringfence.runtime.messages.Failed`
 when the sender expects a reply (its class sets ``expects_reply = True``) or the
 frame could not be decoded at all, and reported to ``on_failure``; the actor lives
-on. What escapes ``on_failure`` or ``on_start``, and a corrupt ring, end the
-instance with an error (the supervisor then applies the restart policy).
+on. A ring frame that is malformed or out of sequence is answered and logged the same
+way and skipped (``RingInbox.read``). What escapes ``on_failure`` or ``on_start`` ends
+the instance with an error (the supervisor then applies the restart policy).
 
 Delivery is at least once: a message whose handler was cut short by a crash is
 handed to the restarted instance again, so handlers are made idempotent with the
@@ -62,6 +63,16 @@ BATCH = 64  # messages taken from one inbox before looking at the others
 # past its deadline: not the message's fault, so it is handed over again later.
 BLOCKED = (RingFull, ActorDead, WaitTimeout)
 REPLY_TIMEOUT_S = 1.0  # how long an error reply may wait for room
+ERROR_CHARS = 2000  # an error's text in a Failed reply and a msg.failed line is cut to this
+
+
+def error_text(error: BaseException) -> str:
+    """``str(error)``, cut to ``ERROR_CHARS``: an error about a peer's frame may quote the
+    frame, which can be as long as the ring allows, and the reply must fit the peer's ring."""
+    text = str(error)
+    if len(text) <= ERROR_CHARS:
+        return text
+    return f"{text[: ERROR_CHARS - 40]}... ({len(text)} characters in all)"
 
 
 class Driver:
@@ -395,14 +406,15 @@ class Driver:
         replied = False
         wants_reply = msg is None or getattr(type(msg), "expects_reply", False)
         outbox = self.mailbox.outboxes.get(delivery.peer)
+        text = error_text(error)
         if wants_reply and outbox is not None and not isinstance(msg, Failed):
             reply = Failed(
-                seq=delivery.seq, type=type_name, error=type(error).__name__, message=str(error)
+                seq=delivery.seq, type=type_name, error=type(error).__name__, message=text
             )
             try:
                 outbox.send(reply, REPLY_TIMEOUT_S)
                 replied = True
-            except RingfenceError as e:
+            except (RingfenceError, ValueError) as e:  # ring full, peer gone, reply too big
                 self.log.warning(
                     "msg.reply_lost", peer=delivery.peer, seq=delivery.seq, error=repr(e)
                 )
@@ -412,7 +424,7 @@ class Driver:
             seq=delivery.seq,
             type=type_name,
             error=type(error).__name__,
-            message=str(error),
+            message=text,
             replied=replied,
             exc_info=error if msg is not None else None,
         )

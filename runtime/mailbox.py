@@ -80,8 +80,18 @@ class RingInbox:
         self.pending = reader.pending
 
     def read(self) -> Delivery | None:
-        """The next frame decoded, or None. A ring corruption raises ProtocolError."""
-        frame = self.reader.poll()
+        """The next frame decoded, or None.
+
+        A frame the ring refuses (malformed, or out of sequence) is skipped
+        (``RingReader.skip``) and handed out undecoded, with the error: the producer's
+        mistake costs the frame, never the reader.
+        """
+        try:
+            frame = self.reader.poll()
+        except ProtocolError as e:
+            skipped = self.reader.skip()
+            error = ProtocolError(f"{e}; skipped {skipped.bytes} bytes")
+            return Delivery(self.peer, skipped.seq, None, error)
         if frame is None:
             return None
         registry = RUNTIME if frame.kind >> 16 >= RESERVED_TAG else self.registry
@@ -214,6 +224,7 @@ class Mailbox:
         self.outboxes: dict[str, Outbox] = {o.peer: o for o in outboxes}
         self._resources = list(resources)
         self._woken = False
+        self._closed = False
 
     def add_local_inbox(self, peer: str, registry: Registry) -> LocalInbox:
         """A new in-process inbox from ``peer`` that wakes this mailbox."""
@@ -234,12 +245,16 @@ class Mailbox:
         return ready
 
     def wake(self) -> None:
-        """Make the current or next :meth:`wait` return (any thread)."""
+        """Make the current or next :meth:`wait` return (any thread). Does nothing once the
+        mailbox is closed: its waiter may be closed too."""
+        if self._closed:
+            return
         self._woken = True
         self.waiter.ring()
 
     def close(self) -> None:
         """Close every endpoint and resource. Idempotent."""
+        self._closed = True
         endpoints: list[Inbox | Outbox] = [*self.inboxes, *self.outboxes.values()]
         self.inboxes, self.outboxes = [], {}
         for endpoint in endpoints:

@@ -41,6 +41,14 @@ consumer that dies before committing leaves the frame in the ring, and its
 successor resumes at the committed tail. The commit writes ``tail_seq`` before
 ``tail``, so after a crash between the two stores the frame at ``tail`` carries
 either ``tail_seq + 1`` or ``tail_seq`` (then it is redone: the op in flight).
+
+Corruption: a frame the reader refuses (a length past the limit or past what is
+published, a wrap marker with nothing after it, a sequence gap or duplicate) raises
+``ProtocolError`` and leaves the cursor where it was; :meth:`RingReader.skip` then moves
+past it, so that a producer's bad frame costs its consumer that frame, not its life. A
+malformed frame hides where the next one starts, so everything published is skipped.
+Either way the next frame is taken whatever its seq; a commit before it records
+``tail_seq = 0`` with a ``tail`` past 0, which tells a successor to do the same.
 """
 
 from __future__ import annotations
@@ -85,6 +93,13 @@ class Frame(NamedTuple):
     seq: int
     payload: bytes
     end: int
+
+
+class Skipped(NamedTuple):
+    """What :meth:`RingReader.skip` moved past."""
+
+    seq: int  # the skipped frame's seq; 0 when it was malformed (its seq cannot be trusted)
+    bytes: int  # bytes of the ring skipped
 
 
 class Ring:
@@ -308,6 +323,8 @@ class RingReader:
         self._pos = int(words[_TAIL])
         committed = int(words[_TAIL_SEQ])
         self._expected = committed + 1
+        # A commit after skipping a malformed frame leaves no seq to go on from.
+        self._resync = committed == 0 and self._pos > 0
         # After a crash between commit's two stores, the frame at the tail carries
         # tail_seq itself: that frame is redone.
         if committed and words[_HEAD] > self._pos:
@@ -349,6 +366,20 @@ class RingReader:
 
     def _read(self, head: int) -> Frame:
         """Parse the frame at the read cursor (``head`` already loaded) and move past it."""
+        off, length, kind, seq, end = self._locate(head)
+        if seq != self._expected and not self._resync:
+            what = "gap" if seq > self._expected else "duplicate"
+            self._corrupt(f"sequence {what}: expected {self._expected}, got {seq}")
+        start = off + _HEADER
+        payload = self._data[start : start + length].tobytes()
+        self._pos = end
+        self._expected = seq + 1
+        self._resync = False
+        return Frame(kind, seq, payload, end)
+
+    def _locate(self, head: int) -> tuple[int, int, int, int, int]:
+        """``(offset, length, kind, seq, end)`` of the well-formed frame at the read cursor;
+        ProtocolError if it is malformed."""
         pos, data, cap = self._pos, self._data, self._cap
         off = pos % cap
         if cap - off >= _HEADER:
@@ -369,14 +400,29 @@ class RingReader:
                 f"frame at position {pos} claims {length} bytes but {head - pos - _HEADER} "
                 f"are published (limit {self._max})"
             )
-        if seq != self._expected:
-            what = "gap" if seq > self._expected else "duplicate"
-            self._corrupt(f"sequence {what}: expected {self._expected}, got {seq}")
-        start = off + _HEADER
-        payload = data[start : start + length].tobytes()
+        return off, length, kind, seq, end
+
+    def skip(self) -> Skipped:
+        """Move the read cursor past the frame :meth:`recv` refused (see the module docstring).
+
+        A well-formed frame out of sequence is skipped alone; a malformed one skips
+        everything published. Either way the next frame is taken whatever its seq: the
+        refused frame's seq may be the wrong one as well as the expectation. Commits
+        nothing: ``commit()`` then releases what was skipped with the rest. Does nothing if
+        no frame is published.
+        """
+        head = int(self._words[_HEAD])
+        start = self._pos
+        if head <= start:
+            return Skipped(0, 0)
+        self._resync = True
+        try:
+            _, _, _, seq, end = self._locate(head)
+        except ProtocolError:
+            self._pos = head
+            return Skipped(0, head - start)
         self._pos = end
-        self._expected = seq + 1
-        return Frame(kind, seq, payload, end)
+        return Skipped(seq, end - start)
 
     def _corrupt(self, what: str) -> NoReturn:
         raise ProtocolError(f"ring {self.ring.name}: {what}")
@@ -385,6 +431,8 @@ class RingReader:
         """Release every frame up to and including ``frame`` (default: all read so far)."""
         words = self._words
         end, seq = (self._pos, self._expected - 1) if frame is None else (frame.end, frame.seq)
+        if frame is None and self._resync:  # past a malformed frame: no seq to go on from
+            seq = 0
         if end > self._pos or end < words[_TAIL]:
             raise ValueError(f"ring {self.ring.name}: commit to {end} outside [tail, read cursor]")
         # tail_seq first: a crash between the two stores then redoes the frame, never loses it.
