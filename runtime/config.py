@@ -284,7 +284,7 @@ def parse_override(text: str) -> tuple[str, object]:
         raise ConfigError(f"--set {text!r}: expected section.key=value")
     try:
         parsed = tomllib.loads(f"v = {text_value}")
-    except tomllib.TOMLDecodeError:
+    except (ValueError, RecursionError):  # not TOML (see _parse for the other two)
         return key, text_value
     # A value with a newline could smuggle in more keys; then it is just text.
     return key, parsed["v"] if parsed.keys() == {"v"} else text_value
@@ -349,10 +349,15 @@ def _read(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
 
 
 def _parse(source: str, data: bytes) -> dict[str, Any]:
+    # Besides its own errors (and not UTF-8), tomllib lets through the ValueError of an
+    # integer longer than Python converts (4,300 digits) and the RecursionError of arrays
+    # or inline tables nested deeper than the interpreter's stack.
     try:
         return tomllib.loads(data.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid TOML: arrays or tables nested too deeply") from None
 
 
 def _nest(key: str, value: object, source: str = "--set") -> dict[str, Any]:
