@@ -62,6 +62,8 @@ def main(args: argparse.Namespace) -> int:
             print(_row(outcome), flush=True)
             for note in outcome.notes:
                 print(f"    note: {note}")
+            for info in outcome.info:
+                print(f"    {info}")
             if outcome.replay not in ("ok", "skipped"):
                 print(f"    replay: {outcome.replay}")
     print(

@@ -556,6 +556,15 @@ def corrupt_seen(launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
     outcome.info.append(f"storage.corrupt logged, reasons: {', '.join(reasons)}")
 
 
+def writes_into_a_full_tier(launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
+    """Once the run is over: every write-back went to a tier with no room (the injections)."""
+    launch.wait_for("the run's end", lambda: launch.proc.poll() is not None)
+    writes = [e for e in launch.events("store-0", "lane.done") if e.get("direction") == "write"]
+    outcome.injected = len(writes)
+    if not writes:
+        outcome.notes.append("nothing was written back: the full tier was never tried")
+
+
 @contextmanager
 def full_tmpfs(work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]:
     """The local tier on a 256 KiB tmpfs (about 12 blocks): writes fail with ENOSPC."""
@@ -669,8 +678,16 @@ def matrix(quick: bool) -> list[Scenario]:
             "multiturn",
             4,
             (*STORAGE, "cache.storage.backend=local", "cache.storage.max_bytes=1"),
+            drive=writes_into_a_full_tier,
         ),
-        Scenario("storage disk full (tmpfs)", "multiturn", 4, STORAGE, prepare=full_tmpfs),
+        Scenario(
+            "storage disk full (tmpfs)",
+            "multiturn",
+            4,
+            STORAGE,
+            prepare=full_tmpfs,
+            drive=writes_into_a_full_tier,
+        ),
         Scenario(
             "redis stopped, restarted",
             "multiturn",
