@@ -131,6 +131,10 @@ def _parse_line(text: str, where: str, number: int) -> WorkloadRequest:
         raise WorkloadError(f"{where}: {exc}", line=number, key=exc.key) from None
     except json.JSONDecodeError as exc:
         raise WorkloadError(f"{where}: invalid JSON: {exc}", line=number) from None
+    except ValueError as exc:  # an integer longer than Python converts (4,300 digits)
+        raise WorkloadError(f"{where}: invalid JSON: {exc}", line=number) from None
+    except RecursionError:  # arrays or objects nested deeper than the interpreter's stack
+        raise WorkloadError(f"{where}: invalid JSON: nested too deeply", line=number) from None
     if not isinstance(obj, dict):
         raise WorkloadError(
             f"{where}: expected a JSON object, got {type(obj).__name__}", line=number

@@ -177,22 +177,12 @@ def test_any_workload_lines_give_requests_or_a_workload_error_naming_the_line(li
 # Known bugs of the workload reader (sched/workload.py, owned by another change).
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sched/workload.py: json.loads raises a bare ValueError (no line, no key) for an "
-    "integer of more than 4,300 digits; _parse_line catches only JSONDecodeError",
-)
 def test_an_integer_too_long_to_convert_is_a_workload_error_naming_its_line():
     line = '{"id": "a", "prompt": "x", "max_tokens": 1' + "0" * 5000 + "}"
     with pytest.raises(WorkloadError, match=r"^w\.jsonl:1: "):
         parse_workload([line], source="w.jsonl")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sched/workload.py: json.loads raises RecursionError for arrays nested deeper "
-    "than the interpreter's stack; _parse_line catches only JSONDecodeError",
-)
 def test_json_nested_too_deeply_is_a_workload_error_naming_its_line():
     with pytest.raises(WorkloadError, match=r"^w\.jsonl:1: "):
         parse_workload(["[" * 100_000 + "]" * 100_000], source="w.jsonl")
