@@ -471,8 +471,14 @@ def _requests(log: RunLog, result: CheckResult) -> None:
             )
         else:
             finished[request] = entry
-    for request in arrived:
-        if request not in finished:
+    engine = log.sources.get("engine-0")
+    last_engine = engine[-1].pid if engine else None
+    for request, entry in arrived.items():
+        if request in finished:
+            continue
+        if entry.pid != last_engine:
+            lost[request] = entry.pid
+        else:
             result.in_flight.append(f"request {request} (arrived, not finished)")
     for request, pid in lost.items():
         result.in_flight.append(f"request {request} (in flight when engine pid {pid} ended)")

@@ -341,3 +341,62 @@ def test_the_history_follows_the_protocol_not_the_clocks(tmp_path):
             assert order[(send.source, send.line)] < receive.order
             paired += 1
     assert paired >= 8
+
+
+def _new_engine(logs: Logs, first_ops: dict[str, int]) -> None:
+    """The engine is killed and restarted: a new process that resynced and began."""
+    logs.pid[ENGINE] += 50
+    logs.log(ENGINE, "engine.restart", level="warning", incarnation=2)
+    logs.log(
+        ENGINE, "engine.ready", model_id="m", max_position=64, workload="", first_ops=first_ops
+    )
+
+
+def test_an_engine_that_began_after_its_predecessors_ops_starts_a_fresh_block_record(tmp_path):
+    logs = build(CLEAN)
+    _new_engine(logs, {"step": 2, "swap": 3, "store": 2})
+    logs.arrive("r1")  # a workload's next engine runs its requests again
+    # Step 2 overwrites device block 1, which swap-out 2 (of the engine before) read: the
+    # resync ordered them, so its fence need not name it.
+    logs.op("step", 2, pieces=[[0, 0, 8, True, [0, 1]]])
+    logs.finish("r1")
+    _, result = replay(logs, tmp_path)
+    assert result.ok, messages(result)
+    assert result.in_flight == []
+
+
+def test_an_engine_that_began_before_its_predecessors_ops_were_done_is_reported(tmp_path):
+    logs = build(CLEAN)
+    _new_engine(logs, {"step": 1, "swap": 3, "store": 2})
+    logs.op("step", 2, pieces=[[0, 0, 8, True, [0, 1]]])
+    _, result = replay(logs, tmp_path)
+    assert "[ops] an engine began with step op 1, but an engine before it had issued step 1" in (
+        messages(result)
+    )
+
+
+def test_a_request_in_flight_in_an_engine_that_died_is_reported_unless_run_again(tmp_path):
+    logs = Logs()
+    logs.arrive("r1")
+    lane, number, kwargs = CLEAN[0]
+    logs.op(lane, number, **kwargs)
+    _new_engine(logs, {"step": 1, "swap": 2, "store": 1})
+    logs.log(ENGINE, "engine.stale", level="warning", lane="swap", op=1, msg_epoch=0, why="x")
+    _, result = replay(logs, tmp_path)
+    assert result.in_flight == ["request r1 (in flight when engine pid 101 ended)"]
+    assert "requests" not in failed(result)
+
+
+def test_after_a_tier_reset_only_completions_of_the_new_epoch_may_be_applied(tmp_path):
+    logs = build(CLEAN[:2])
+    logs.log(
+        ENGINE, "engine.tier_reset", level="warning", incarnation=2, new_epoch=1, step_done=1,
+        requeued=["r1"],
+    )  # fmt: skip
+    logs.op("swap", 2, fence={"step": 1}, direction="out", device=[1], host=[11])  # epoch 0
+    logs.epoch = 1
+    logs.op("swap", 3, fence={"step": 1}, direction="out", device=[1], host=[12])
+    _, result = replay(logs, tmp_path)
+    assert messages(result) == [
+        "[epochs] the engine (epoch 1) applied swap op 2's completion of epoch 0"
+    ]
