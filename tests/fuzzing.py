@@ -21,9 +21,10 @@ import functools
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, NewType, Union
+from typing import Any, Literal, NamedTuple, NewType, TypeVar, Union
 
 import orjson
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ringfence.runtime.codec import (
@@ -38,6 +39,7 @@ from ringfence.runtime.codec import (
 from ringfence.runtime.messages import RESERVED_TAG, RUNTIME
 from ringfence.shm.errors import ProtocolError
 
+T = TypeVar("T")
 WRAP = 0xFFFFFFFF  # a ring frame's kind is a u32 below the wrap marker
 SMALL_POOL = 48  # block ids and counts drawn around the pools the fuzz rigs use
 EDGE_INTS = (0, 1, -1, 2, 2**31 - 1, 2**31, 2**32, 2**40, 2**53 + 1, 2**63 - 1, INT_MIN, INT_MAX)
@@ -312,3 +314,50 @@ def frames(
     if len(fuzz.payload) > max_payload:
         fuzz = Fuzz(fuzz.kind, fuzz.payload[:max_payload], f"{fuzz.how}, cut to fit", "")
     return fuzz
+
+
+# Running a fuzz test: a short form in CI, a long soak.
+
+# Hypothesis prints the seed and a reproduction blob of any failure. No shrinking: an
+# example is a live actor's history, slow to replay many times over; the failing example
+# is printed as found. One rig (a live actor) serves every example, as a run would.
+FUZZ_SETTINGS = settings(
+    deadline=None,
+    print_blob=True,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.large_base_example,
+    ],
+)
+
+
+class Form(NamedTuple):
+    """How much a fuzz test does: ``examples`` Hypothesis examples of up to ``batches``
+    batches of up to ``batch`` frames each, and at least ``frames`` frames in all."""
+
+    examples: int
+    batches: int
+    batch: int
+    frames: int
+
+    @property
+    def settings(self) -> settings:
+        return settings(FUZZ_SETTINGS, max_examples=self.examples)
+
+
+def run_examples(form: Form, strategy: st.SearchStrategy[T], body: Callable[[T], int]) -> int:
+    """Run ``body`` on each example Hypothesis draws from ``strategy``; the sum of what it
+    returned (the frames it put). Asserts the sum reaches ``form.frames``."""
+    total = [0]
+
+    @form.settings
+    @given(strategy)
+    def each(example: T) -> None:
+        total[0] += body(example)
+
+    each()
+    assert total[0] >= form.frames, f"only {total[0]} fuzzed frames, {form.frames} wanted"
+    return total[0]

@@ -15,8 +15,7 @@ from typing import ClassVar
 
 import orjson
 import pytest
-from fuzzing import Fuzz, decode, frames
-from hypothesis import HealthCheck, Phase, given, settings
+from fuzzing import Form, Fuzz, decode, frames, run_examples
 from hypothesis import strategies as st
 from ring_rig import SUPERVISOR, RingRig, ring_rig
 
@@ -35,17 +34,18 @@ from ringfence.shm.ring import FRAME
 
 PINGS = Registry("test-to-echo", verify=True)
 PONGS = Registry("echo-to-test", verify=True)
-FUZZ = settings(
-    max_examples=30,
-    deadline=None,
-    print_blob=True,
-    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # no shrinking: see test_fuzz_lanes
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,  # one rig serves every example, as a run would
-    ],
-)
+# CI: a few dozen frames each; the soak: 5,000 control frames, 5,000 engine frames to a
+# client, 3,000 damaged rings.
+FORMS = [
+    pytest.param(Form(examples=10, batches=2, batch=6, frames=5), id="ci"),
+    pytest.param(Form(examples=800, batches=3, batch=8, frames=5_000), id="soak",
+                 marks=pytest.mark.slow),
+]  # fmt: skip
+DAMAGE_FORMS = [
+    pytest.param(Form(examples=30, batches=1, batch=3, frames=90), id="ci"),
+    pytest.param(Form(examples=1_000, batches=1, batch=3, frames=3_000), id="soak",
+                 marks=pytest.mark.slow),
+]  # fmt: skip
 
 
 @message(PINGS, tag=1)
@@ -135,28 +135,38 @@ def test_a_reader_that_restarts_after_skipping_a_malformed_frame_takes_the_next_
     assert replies(echo) == [Pong(n=2)]
 
 
-@FUZZ
-@given(
-    damage=st.lists(st.tuples(st.integers(0, 40), st.binary(min_size=1, max_size=16)), max_size=4),
-    n=st.integers(0, 1000),
+damages = st.tuples(
+    st.lists(st.tuples(st.integers(0, 40), st.binary(min_size=1, max_size=16)), max_size=4),
+    st.integers(0, 1000),
 )
-def test_bytes_overwritten_in_published_frames_cost_those_frames_never_the_actor(echo, damage, n):
-    """Whatever bytes of the published frames are overwritten, every Ping is either answered
-    or refused with Failed, and the first Ping put after that is answered."""
-    echo.turn()
-    replies(echo)
-    start = echo.feed._head % echo.feed.ring.capacity
+
+
+def damage_the_ring(rig: RingRig, damage: list[tuple[int, bytes]], n: int) -> int:
+    """Three Pings with ``damage`` done to their bytes in the ring: each answered or refused
+    with Failed, and the Ping put after that answered; the frames put."""
+    rig.turn()
+    replies(rig)
+    start = rig.feed._head % rig.feed.ring.capacity
     for k in range(3):
-        echo.post(Ping(n=k))
+        rig.post(Ping(n=k))
     for offset, data in damage:
         at = start + offset
-        echo.feed.ring.data[at : at + len(data)] = data
-    echo.turn()
-    for reply in replies(echo):
+        rig.feed.ring.data[at : at + len(data)] = data
+    rig.turn()
+    for reply in replies(rig):
         assert isinstance(reply, Pong | Failed), reply
-    ping(echo, n)
-    assert replies(echo)[-1] == Pong(n=n)
-    assert echo.driver.error is None
+    ping(rig, n)
+    assert replies(rig)[-1] == Pong(n=n)
+    assert rig.driver.error is None
+    return 3
+
+
+@pytest.mark.parametrize("form", DAMAGE_FORMS)
+def test_bytes_overwritten_in_published_frames_cost_those_frames_never_the_actor(echo, form):
+    """Whatever bytes of the published frames are overwritten, every Ping is either answered
+    or refused with Failed, and the first Ping put after that is answered."""
+    put = run_examples(form, damages, lambda d: damage_the_ring(echo, *d))
+    print(f"damaged rings: {put} frames")
 
 
 def test_a_frame_whose_error_would_not_fit_a_reply_is_answered_with_the_error_cut_short(echo):
@@ -191,28 +201,38 @@ def test_error_text_is_cut_to_its_limit_and_says_how_long_it_was():
 # The supervisor's control ring.
 
 
-@FUZZ
-@given(batch=st.lists(frames(RUNTIME), min_size=1, max_size=8), n=st.integers(0, 1000))
-def test_fuzzed_control_frames_are_logged_naming_the_error_and_the_actor_runs_on(echo, batch, n):
+def fuzz_the_control_ring(rig: RingRig, batch: list[Fuzz], n: int) -> int:
     """A control frame the codec refuses is logged (no reply: the supervisor does not read
     any); a decodable Failed is logged as refused; only a real Stop stops the actor."""
-    echo.driver.log.flush()
-    seen = len(echo.events("msg.failed"))
+    rig.driver.log.flush()
+    seen = len(rig.events("msg.failed"))
     expected = []
     for fuzz in batch:
         outcome = decode(RUNTIME, fuzz.kind, fuzz.payload)
         if isinstance(outcome, Stop):
             continue  # honoured: that is what the control ring is for
-        echo.control.put(fuzz.kind, fuzz.payload, 1.0)
+        rig.control.put(fuzz.kind, fuzz.payload, 1.0)
         if isinstance(outcome, ProtocolError):
             expected.append(error_text(outcome))
         elif not isinstance(outcome, Failed):
             expected.append(f"echo-0: no handler for {type(outcome).__name__}")
-    ping(echo, n)
-    assert replies(echo) == [Pong(n=n)]
-    lines = echo.events("msg.failed")[seen:]
+    ping(rig, n)
+    assert replies(rig) == [Pong(n=n)]
+    lines = rig.events("msg.failed")[seen:]
     assert [line["message"] for line in lines] == expected
     assert {line["peer"] for line in lines} <= {SUPERVISOR}
+    return len(batch)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_fuzzed_control_frames_are_logged_naming_the_error_and_the_actor_runs_on(echo, form):
+    # At most 64 control frames a batch: the driver takes that many from one inbox before
+    # the next, so the Ping after them is handled after all of them.
+    batches = st.lists(frames(RUNTIME), min_size=1, max_size=min(form.batch * form.batches, 64))
+    put = run_examples(
+        form, st.tuples(batches, st.integers(0, 1000)), lambda b: fuzz_the_control_ring(echo, *b)
+    )
+    print(f"control ring: {put} fuzzed frames")
 
 
 # The Client actor: the engine's answers.
@@ -263,12 +283,14 @@ def is_real(rig: RingRig, fuzz: Fuzz) -> bool:
     return getattr(outcome, "request_id", None) == "real"
 
 
-@FUZZ
-@given(batches=st.lists(st.lists(frames(ENGINE_TO_CLIENT), max_size=6), min_size=1, max_size=3))
+@pytest.mark.parametrize("form", FORMS)
 def test_the_client_drops_fuzzed_engine_frames_and_its_request_gets_exactly_its_tokens(
-    client, batches
+    client, form
 ):
-    fuzz_the_client(client, batches)
+    batch = st.lists(frames(ENGINE_TO_CLIENT), max_size=form.batch)
+    batches = st.lists(batch, min_size=1, max_size=form.batches)
+    put = run_examples(form, batches, lambda b: fuzz_the_client(client, b))
+    print(f"client: {put} fuzzed frames")
 
 
 def test_tokens_for_an_unknown_request_or_another_incarnation_are_counted_as_dropped(client):
