@@ -52,6 +52,7 @@ from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import StorageBackend, open_backend
 from ringfence.runtime.actor import handles
 from ringfence.runtime.manifest import write_atomic
+from ringfence.shm.errors import ProtocolError
 from ringfence.shm.names import posix_name
 
 
@@ -237,6 +238,9 @@ class SwapLane(TransferLane):
 
     @handles(DeviceTier)
     def on_device_tier(self, msg: DeviceTier) -> None:
+        now = self.current_epoch()
+        if msg.epoch > now:  # an engine stamps a tier with an epoch that has begun, never later
+            raise ProtocolError(f"a device tier of epoch {msg.epoch}, ahead of the run's {now}")
         self._open_tier(msg)
         if self._tier_file is not None:  # kept for a restarted incarnation (see on_start)
             kind, payload = TO_SWAP.encode(msg)

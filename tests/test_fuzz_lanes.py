@@ -381,15 +381,9 @@ def test_the_store_lane_survives_fuzzed_ops_answers_each_and_stores_the_next_rea
     print(f"store lane: {put} fuzzed frames")
 
 
-# Known bugs, in files another change owns.
+# Found by fuzzing (fixed).
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/transfer.py SwapLane.on_device_tier adopts any DeviceTier's epoch: one "
-    "ahead of the run's (only a bug or a fuzzer sends it) makes every later swap op of the "
-    "run's epoch 'cancelled', as naming blocks of a device tier reset since",
-)
 def test_a_device_tier_of_an_epoch_ahead_of_the_run_changes_nothing_for_the_runs_swaps(lane_rig):
     with lane_rig(SwapLane) as rig:
         rig.post(DeviceTier(epoch=9, kv=rig.actor.device.handle))  # the run is in epoch 0
