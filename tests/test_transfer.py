@@ -551,6 +551,9 @@ def test_a_repeated_prefetch_without_its_kept_completion_reports_every_block_mis
 
 def test_a_swap_op_older_than_the_device_tier_is_cancelled_without_copying(make_lane) -> None:
     rig = make_lane(SwapLane, device=False)
+    run_epoch = rig.control[0]  # two restarts later (a tier is never ahead of the run)
+    run_epoch.claim()
+    run_epoch.advance(2)
     rig.give_device_tier(epoch=2)
     dev, host = rig.device_kv, rig.host_kv
     fill(dev, tuple(range(BLOCKS)), seed=150)
@@ -565,6 +568,15 @@ def test_a_swap_op_older_than_the_device_tier_is_cancelled_without_copying(make_
     done = rig.run(swap(3, "out", (1,), (3,), epoch=2))
     assert done.status == "ok"
     assert same(host[3], dev[1])
+
+
+def test_a_device_tier_of_an_epoch_the_run_has_not_reached_is_refused(make_lane) -> None:
+    rig = make_lane(SwapLane)  # its tier: epoch 0, the run's
+    rig.give_device_tier(epoch=5)
+    done = rig.run(swap(1, "out", (1,), (2,)))
+    assert done.status == "ok", done  # still the tier of epoch 0
+    [failed] = rig.events("msg.failed")
+    assert failed["type"] == "DeviceTier" and "epoch 5, ahead of the run's 0" in failed["message"]
 
 
 def test_a_swap_out_that_waited_for_a_step_a_restarted_worker_cancelled_is_cancelled_too(
