@@ -89,7 +89,7 @@ class Harness(Actor):
         self.ops: list[Op] = []
         self.outputs: dict[int, tuple[SampledToken, ...]] = {}
         self.missing: dict[int, tuple[int, ...] | None] = {}
-        self.settled: set[tuple[Lane, int]] = set()
+        self.pending: set[tuple[Lane, int]] = set()  # ops sent whose completion is to come
         self.problems: list[str] = []
         self.program = -1
         self.mismatched: list[dict[str, Any]] = []
@@ -149,7 +149,7 @@ class Harness(Actor):
             self.next[lane_of(op)] = number_of(op) + 1
         if self.settings.check:  # quiescent now: the tiers as the program finds them
             self.before = (self.device.kv.clone(), self.host.kv.clone())
-        self.outputs, self.missing, self.problems, self.settled = {}, {}, [], set()
+        self.outputs, self.missing, self.problems = {}, {}, []
         self.queue = deque(self.ops)
         self.started = time.perf_counter()
         self.pump()
@@ -169,14 +169,23 @@ class Harness(Actor):
                 op = dataclasses.replace(op, fence=NO_WAIT)
             self.queue.popleft()
             self.in_flight[lane] += 1
+            self.pending.add((lane, number_of(op)))
             self.send(TARGET[lane], op)
         if not any(self.in_flight.values()):
             self.end()
 
+    def expected(self, lane: Lane, number: int, status: str) -> bool:
+        """Whether a completion is of an op in flight. Any other (an op's completion sent
+        again by a restarted lane, an executor's answer to a message that was not one of the
+        program's ops) is logged and left alone: it must not settle an op that is still to
+        come, nor one twice."""
+        if (lane, number) in self.pending:
+            return True
+        self.log.info("harness.stray", lane=str(lane), op=number, status=status)
+        return False
+
     def settle(self, lane: Lane, number: int, status: str, error: str) -> None:
-        if (lane, number) in self.settled:  # a completion sent again by a restarted lane
-            return
-        self.settled.add((lane, number))
+        self.pending.discard((lane, number))
         if status != "ok":
             self.problems.append(f"{lane} op {number}: {status}: {error}")
         self.completed[lane] = max(self.completed[lane], number)
@@ -185,15 +194,20 @@ class Harness(Actor):
 
     @handles(StepResult)
     def on_step(self, msg: StepResult) -> None:
+        if not self.expected(Lane.STEP, msg.step, msg.status):
+            return
         self.outputs[msg.step] = msg.outputs
         self.settle(Lane.STEP, msg.step, msg.status, msg.error)
 
     @handles(OpDone)
     def on_op(self, msg: OpDone) -> None:
-        if msg.lane == "store" and (msg.op not in self.missing or not msg.error):
+        lane = Lane.SWAP if msg.lane == "swap" else Lane.STORE
+        if not self.expected(lane, msg.op, msg.status):
+            return
+        if msg.lane == "store":
             # A report resent after a restart cannot know what a prefetch found: skipped.
             self.missing[msg.op] = None if msg.error else msg.missing
-        self.settle(Lane.SWAP if msg.lane == "swap" else Lane.STORE, msg.op, msg.status, msg.error)
+        self.settle(lane, msg.op, msg.status, msg.error)
 
     def end(self) -> None:
         self.busy_s += time.perf_counter() - self.started

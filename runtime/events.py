@@ -227,6 +227,12 @@ EVENTS: Final[dict[str, Event]] = {
     "harness.done": _e(
         "info", "programs ops mismatched busy_s", "every program ran; see harness.json"
     ),
+    "harness.stray": _e(
+        "info",
+        "lane op status",
+        "a completion of no op in flight (one resent after a restart, or an executor's answer "
+        "to a message that was not a program op): ignored",
+    ),
     # The engine's clients (ringfence.actors.clienthub), through the engine's log. ``peer``
     # is the client instance ("client-2"), ``incarnation`` its attach count.
     "client.hello": _e(

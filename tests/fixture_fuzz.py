@@ -1,0 +1,177 @@
+"""Fuzzing peers for live runs: actors that put fuzzed frames on their rings between the
+real messages they send.
+
+:class:`FuzzingPeer` is a mixin for any actor class: after each message it sends to one
+of its ``targets``, it puts ``every`` frames from that target's pool (drawn by the test
+with fuzzing.py) on the same ring, each through the ring writer itself, so frames no
+codec would write get there too. A frame that decodes is first made safe for the run to
+survive unchanged, by :meth:`FuzzingPeer.tame`: an op is renumbered to a number its lane
+has done (a repeat), 0, a negative one, or one far past anything issued (a hole), and a
+completion likewise; a peer's announcement (``WorkerReady``, ``LaneReady``) and a request
+for one are left out, since they legitimately mean "I restarted". What a real op or
+completion would do with a number in flight is no fuzz: nothing can tell it from the real
+one.
+
+The subclasses here are made per test with :func:`fuzzing`, which gives them their pools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from fuzzing import Fuzz, decode
+
+from ringfence.actors.engine import Engine
+from ringfence.actors.harness import Harness
+from ringfence.actors.protocol import (
+    FROM_TRANSFER,
+    FROM_WORKER,
+    TO_STORE,
+    TO_SWAP,
+    TO_WORKER,
+    DeviceTier,
+    LaneReady,
+    OpDone,
+    StepPlan,
+    StepResult,
+    StoreOp,
+    SwapOp,
+    WorkerReady,
+)
+from ringfence.actors.transfer import StoreLane, SwapLane
+from ringfence.actors.worker import Worker
+from ringfence.cache.fences import Lane
+from ringfence.runtime.actor import Actor
+from ringfence.runtime.codec import Registry
+from ringfence.runtime.driver import Driver
+from ringfence.runtime.mailbox import RingOutbox
+from ringfence.runtime.messages import Stop
+from ringfence.shm.errors import ProtocolError, RingFull
+
+FAR = 2**40  # an op number no run comes near: a hole for every lane
+ROLES = ("repeat", "zero", "negative", "far")
+LANE_OF = {"worker": Lane.STEP, "swap": Lane.SWAP, "store": Lane.STORE}
+TO = {"worker": TO_WORKER, "swap": TO_SWAP, "store": TO_STORE}
+
+
+class FuzzingPeer(Actor):
+    """The mixin; see the module docstring. ``pools`` maps a target actor name to frames."""
+
+    pools: ClassVar[dict[str, list[Fuzz]]] = {}
+    every: ClassVar[int] = 1  # fuzzed frames after each real message to a target
+    drawn = 0  # frames taken from the pools so far, in turn (instance attributes once set)
+    fuzzed = 0  # of those, frames put on a ring
+    skipped = 0  # of those, frames left out because the ring had no room right then
+
+    def send(self, to: str, msg: object, *, timeout: float | None = None) -> int:
+        seq = super().send(to, msg, timeout=timeout)
+        name = to.rsplit("-", 1)[0]
+        if self.pools.get(name):
+            for _ in range(self.every):
+                self._put_one(name)
+        return seq
+
+    def _put_one(self, name: str) -> None:
+        pool = self.pools[name]
+        k = self.drawn
+        self.drawn = k + 1
+        fuzz = pool[k % len(pool)]
+        registry = self.registry_to(name)
+        outcome = decode(registry, fuzz.kind, fuzz.payload)
+        if isinstance(outcome, ProtocolError):
+            kind, payload = fuzz.kind, fuzz.payload
+        else:
+            tame = None if isinstance(outcome, Stop) else self.tame(name, outcome, k)
+            if tame is None:
+                return
+            kind, payload = registry.encode(tame)
+        driver = self.ctx.services
+        assert isinstance(driver, Driver)
+        outbox = driver.mailbox.outboxes[f"{name}-{self.ctx.rank}"]
+        assert isinstance(outbox, RingOutbox)
+        try:  # never waits: a real message must not be held up, let alone deferred, by fuzz
+            outbox.writer.put(kind, payload, 0.0)
+        except RingFull:
+            self.skipped += 1
+        else:
+            self.fuzzed += 1
+
+    def registry_to(self, name: str) -> Registry:
+        raise NotImplementedError
+
+    def tame(self, name: str, msg: object, k: int) -> object | None:
+        """``msg`` made safe to send to ``name`` (see the module docstring), or None."""
+        raise NotImplementedError
+
+
+def lane_number(role: str, done: int, k: int) -> int:
+    """A number of ``role`` for a lane done up to ``done`` (a repeat needs done >= 1)."""
+    if role == "repeat" and done >= 1:
+        return 1 + k % done
+    return {"repeat": 0, "zero": 0, "negative": -1 - k, "far": FAR + k}[role]
+
+
+def renumbered(msg: Any, number: int, **fields: Any) -> Any:
+    field = "step" if isinstance(msg, StepPlan | StepResult) else "op"
+    return dataclasses.replace(msg, **{field: number}, **fields)
+
+
+class IssuerFuzz(FuzzingPeer):
+    """An engine (or the harness) that fuzzes the executors it issues ops to."""
+
+    def registry_to(self, name: str) -> Registry:
+        return TO[name]
+
+    def done_by(self, name: str) -> int:
+        """Ops of ``name``'s lane whose completion the issuer has had: every one of them a
+        repeat for the executor, and none its last but the highest (see tame)."""
+        completed: dict[Lane, int] = self.completed  # type: ignore[attr-defined]
+        return completed[LANE_OF[name]]
+
+    def tame(self, name: str, msg: object, k: int) -> object | None:
+        if isinstance(msg, DeviceTier):
+            return msg  # it names a tier that cannot be opened: refused
+        if not isinstance(msg, StepPlan | SwapOp | StoreOp):
+            return None  # a request to announce itself again, say: not garbage
+        # Below the highest completed: never the executor's last op, whose repeat would be
+        # answered with its real completion again (an engine must take that as a repeat).
+        role = ROLES[k % len(ROLES)]
+        number = lane_number(role, self.done_by(name) - 1, k)
+        return renumbered(msg, number, epoch=self.fuzz_epoch(k))
+
+    def fuzz_epoch(self, k: int) -> int:
+        """The epoch fuzzed ops carry: any, their numbers make them harmless."""
+        return 7 + k
+
+
+class EngineFuzz(IssuerFuzz):
+    def fuzz_epoch(self, k: int) -> int:
+        # Not the engine's: what an executor answers a fuzzed op with is then stale as well.
+        epoch: int = self.epoch  # type: ignore[attr-defined]
+        return epoch + 1 + k
+
+
+class ExecutorFuzz(FuzzingPeer):
+    """A Worker or Transfer lane that fuzzes the engine it answers."""
+
+    def registry_to(self, name: str) -> Registry:
+        return FROM_WORKER if isinstance(self, Worker) else FROM_TRANSFER
+
+    def tame(self, name: str, msg: object, k: int) -> object | None:
+        if isinstance(msg, WorkerReady | LaneReady):
+            return None  # an announcement means a restart: not garbage
+        if isinstance(msg, StepResult | OpDone):
+            role = ("zero", "negative", "far")[k % 3]
+            return renumbered(msg, lane_number(role, 0, k), epoch=1_000 + k)
+        return msg
+
+
+def fuzzing(base: type[Actor], pools: dict[str, list[Fuzz]], every: int = 1) -> type[Actor]:
+    """``base`` as a fuzzing peer putting frames from ``pools`` (by target actor name)."""
+    mixin = {Engine: EngineFuzz, Harness: IssuerFuzz}.get(base, ExecutorFuzz)  # type: ignore[arg-type]
+    attrs = {"pools": pools, "every": every}
+    return type(f"Fuzzing{base.__name__}", (mixin, base), attrs)
+
+
+EXECUTORS: dict[str, type[Actor]] = {"worker": Worker, "swap": SwapLane, "store": StoreLane}
