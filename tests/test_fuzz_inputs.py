@@ -12,23 +12,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
+from pathlib import Path
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fuzzing import Form, run_examples
 from hypothesis import strategies as st
 
 from ringfence.runtime.config import Config, dump_config, load_config
 from ringfence.sched.workload import KEYS, WorkloadError, parse_workload
 from ringfence.shm.errors import ConfigError
 
-CI = settings(
-    max_examples=120,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-SOAK = settings(CI, max_examples=20_000)
+# CI: 100 inputs of each kind; the soak: 5,000 (each an example, the frames of fuzzing.Form).
+FORMS = [
+    pytest.param(Form(examples=100, batches=1, batch=1, frames=100), id="ci"),
+    pytest.param(Form(examples=5_000, batches=1, batch=1, frames=5_000), id="soak",
+                 marks=pytest.mark.slow),
+]  # fmt: skip
 
 
 def dotted_keys(cls: type = Config, prefix: str = "") -> list[str]:
@@ -70,9 +70,7 @@ toml_values = st.one_of(
 )
 
 
-@given(overrides=st.lists(st.tuples(keys, toml_values).map("=".join) | st.text(), max_size=4))
-@CI
-def test_any_set_overrides_give_a_config_or_a_config_error_naming_the_key(overrides):
+def check_overrides(overrides: list[str]) -> int:
     try:
         config = load_config(None, overrides)
     except ConfigError as e:
@@ -80,6 +78,13 @@ def test_any_set_overrides_give_a_config_or_a_config_error_naming_the_key(overri
         assert e.key is None or e.key in str(e) or repr(e.key) in str(e), (e.key, str(e))
     else:
         assert isinstance(config, Config)
+    return 1
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_any_set_overrides_give_a_config_or_a_config_error_naming_the_key(form):
+    one = st.tuples(keys, toml_values).map("=".join) | st.text()
+    run_examples(form, st.lists(one, max_size=4), check_overrides)
 
 
 DEFAULT_TOML = dump_config(Config()).splitlines()
@@ -106,10 +111,7 @@ def toml_files(draw: st.DrawFn) -> bytes:
     return draw(st.sampled_from((data, data + draw(st.binary(max_size=8)), draw(st.binary()))))
 
 
-@given(data=toml_files())
-@CI
-def test_any_config_file_gives_a_config_or_a_config_error_naming_the_file_and_key(tmp_path, data):
-    path = tmp_path / "fuzzed.toml"
+def check_config_file(path: Path, data: bytes) -> int:
     path.write_bytes(data)
     try:
         config = load_config(path)
@@ -118,6 +120,12 @@ def test_any_config_file_gives_a_config_or_a_config_error_naming_the_file_and_ke
         assert e.key is None or e.key in str(e) or repr(e.key) in str(e), (e.key, str(e))
     else:
         assert isinstance(config, Config)
+    return 1
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_any_config_file_gives_a_config_or_a_config_error_naming_the_file_and_key(tmp_path, form):
+    run_examples(form, toml_files(), lambda data: check_config_file(tmp_path / "cfg.toml", data))
 
 
 # Workload files.
@@ -152,6 +160,8 @@ def workload_lines(draw: st.DrawFn) -> str | bytes:
                 text.replace("0.5", "-Infinity"),
                 text[: len(text) // 2],
                 "[" * 200 + "]" * 200,
+                "[" * 5000 + "]" * 5000,  # deeper than Python's stack
+                text.replace("4", "4" + "0" * 5000),  # longer than Python converts
                 '{"id": "a", "id": "b", "prompt": "x"}',
                 "",
                 "  ",
@@ -162,9 +172,7 @@ def workload_lines(draw: st.DrawFn) -> str | bytes:
     )
 
 
-@given(lines=st.lists(workload_lines(), max_size=6))
-@CI
-def test_any_workload_lines_give_requests_or_a_workload_error_naming_the_line(lines):
+def check_workload(lines: list[str | bytes]) -> int:
     try:
         requests = parse_workload(lines, source="w.jsonl")
     except WorkloadError as e:
@@ -172,9 +180,15 @@ def test_any_workload_lines_give_requests_or_a_workload_error_naming_the_line(li
         assert e.key is None or e.key in str(e), (e.key, str(e))
     else:
         assert len({r.id for r in requests}) == len(requests)
+    return 1
 
 
-# Known bugs of the workload reader (sched/workload.py, owned by another change).
+@pytest.mark.parametrize("form", FORMS)
+def test_any_workload_lines_give_requests_or_a_workload_error_naming_the_line(form):
+    run_examples(form, st.lists(workload_lines(), max_size=6), check_workload)
+
+
+# Found by fuzzing (fixed in sched/workload.py).
 
 
 def test_an_integer_too_long_to_convert_is_a_workload_error_naming_its_line():
