@@ -12,14 +12,18 @@ for one are left out, since they legitimately mean "I restarted". What a real op
 completion would do with a number in flight is no fuzz: nothing can tell it from the real
 one.
 
-The subclasses here are made per test with :func:`fuzzing`, which gives them their pools.
+The subclasses here are made per test with :func:`fuzzing`, which gives them their pools;
+in a launched run (actors in processes of their own) :class:`LaunchedFuzzingHarness` reads
+its pools from the run dir, where :func:`write_pools` put them before the launch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, ClassVar
 
+import orjson
 from fuzzing import Fuzz, decode
 
 from ringfence.actors.engine import Engine
@@ -39,6 +43,7 @@ from ringfence.actors.protocol import (
     SwapOp,
     WorkerReady,
 )
+from ringfence.actors.topology import fenced_topology
 from ringfence.actors.transfer import StoreLane, SwapLane
 from ringfence.actors.worker import Worker
 from ringfence.cache.fences import Lane
@@ -67,13 +72,20 @@ class FuzzingPeer(Actor):
     def send(self, to: str, msg: object, *, timeout: float | None = None) -> int:
         seq = super().send(to, msg, timeout=timeout)
         name = to.rsplit("-", 1)[0]
-        if self.pools.get(name):
-            for _ in range(self.every):
+        if self.pool(name):
+            for _ in range(self.every_time()):
                 self._put_one(name)
         return seq
 
+    def pool(self, name: str) -> list[Fuzz]:
+        """The frames to put on the ring to actor ``name`` (none: that ring is left alone)."""
+        return self.pools.get(name, [])
+
+    def every_time(self) -> int:
+        return self.every
+
     def _put_one(self, name: str) -> None:
-        pool = self.pools[name]
+        pool = self.pool(name)
         k = self.drawn
         self.drawn = k + 1
         fuzz = pool[k % len(pool)]
@@ -175,3 +187,45 @@ def fuzzing(base: type[Actor], pools: dict[str, list[Fuzz]], every: int = 1) -> 
 
 
 EXECUTORS: dict[str, type[Actor]] = {"worker": Worker, "swap": SwapLane, "store": StoreLane}
+
+
+# A launched run: the harness as a fuzzing peer in a process of its own.
+
+POOLS_FILE = "fuzz-pools.json"  # in the run dir: the pools, written before the launch
+FUZZED_FILE = "fuzzed.json"  # in the run dir: how many frames the harness put, at its stop
+
+
+def write_pools(run_dir: Path, pools: dict[str, list[Fuzz]], every: int) -> None:
+    frames = {
+        name: [[f.kind, f.payload.hex(), f.how] for f in pool] for name, pool in pools.items()
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / POOLS_FILE).write_bytes(orjson.dumps({"pools": frames, "every": every}))
+
+
+class LaunchedFuzzingHarness(IssuerFuzz, Harness):
+    """The harness fuzzing its executors, with the pools :func:`write_pools` left."""
+
+    def on_start(self) -> None:
+        assert self.ctx.run_dir is not None
+        data = orjson.loads((Path(self.ctx.run_dir) / POOLS_FILE).read_bytes())
+        self.loaded = {
+            name: [Fuzz(kind, bytes.fromhex(payload), how, "") for kind, payload, how in pool]
+            for name, pool in data["pools"].items()
+        }
+        self.loaded_every: int = data["every"]
+        super().on_start()
+
+    def pool(self, name: str) -> list[Fuzz]:
+        return self.loaded.get(name, [])
+
+    def every_time(self) -> int:
+        return self.loaded_every
+
+    def on_stop(self) -> None:
+        assert self.ctx.run_dir is not None
+        (Path(self.ctx.run_dir) / FUZZED_FILE).write_bytes(orjson.dumps({"fuzzed": self.fuzzed}))
+        super().on_stop()
+
+
+HARNESS_TOPOLOGY = fenced_topology(f"{__name__}:LaunchedFuzzingHarness")

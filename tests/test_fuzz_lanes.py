@@ -69,11 +69,11 @@ SETTINGS = (
 )
 PROMPT = (17, 3, 200, 41, 9, 88)  # the probe step's prompt: two blocks of 4
 ROLES = ("repeat", "zero", "negative", "hole", "far", "next")
-# CI: a few dozen frames per executor. The soak: 5,000 for the Worker (each probe is a
+# CI: a few dozen frames per executor. The soak: 3,000 for the Worker (each probe is a
 # model step) and 7,000 for each lane, at the least.
 FORMS = [
     pytest.param(Form(examples=8, batches=2, batch=4, frames=8), id="ci"),
-    pytest.param(Form(examples=700, batches=3, batch=8, frames=5_000), id="soak",
+    pytest.param(Form(examples=420, batches=3, batch=8, frames=3_000), id="soak",
                  marks=pytest.mark.slow),
 ]  # fmt: skip
 LANE_FORMS = [

@@ -5,7 +5,8 @@ some of them are fuzzing peers (fixture_fuzz.py): after each real message to a p
 put fuzzed frames (fuzzing.py) on the same ring. Then:
 
 - the protocol harness, fuzzing the Worker and both lanes between the ops of its random
-  programs, finds every program equal to its sequential interpretation, bit for bit;
+  programs, finds every program equal to its sequential interpretation, bit for bit (and
+  so it does in a launched run, every actor in a process of its own: the slow soak);
 - the engine on a workload, with the engine fuzzing its executors, the executors fuzzing
   the engine, and a client putting garbage on its ring to the engine all the while, gives
   every request exactly the tokens of the plain loop.
@@ -25,10 +26,11 @@ from uuid import uuid4
 
 import orjson
 import pytest
-from fixture_fuzz import EXECUTORS, TO, FuzzingPeer, fuzzing
+from fixture_fuzz import EXECUTORS, FUZZED_FILE, TO, FuzzingPeer, fuzzing, write_pools
 from fuzzing import Form, Fuzz, decode, frames, run_examples
 from hypothesis import strategies as st
 from inproc import InprocRun, inproc_run
+from launching import launched
 
 from ringfence.actors.client import ClientActor
 from ringfence.actors.clientproto import CLIENT_TO_ENGINE, Submit
@@ -118,6 +120,25 @@ def test_harness_programs_with_fuzzed_frames_between_their_ops_equal_their_inter
         pools(TO, form.batch),
         lambda p: run_fuzzed_harness(tmp_path / uuid4().hex, p, form.batches, programs),
     )
+
+
+@pytest.mark.slow
+def test_a_launched_harness_fuzzing_executor_processes_equals_its_interpretation(tmp_path):
+    """The same, with every actor in a process of its own (``ringfence launch``)."""
+
+    def launch(pool: dict[str, list[Fuzz]]) -> int:
+        run_dir = tmp_path / uuid4().hex
+        write_pools(run_dir, pool, every=4)
+        sets = (*HARNESS, "runtime.topology=fixture_fuzz:HARNESS_TOPOLOGY", "harness.programs=20")
+        with launched(tmp_path, *sets, run_dir=run_dir) as run:
+            assert run.wait(RUN_TIMEOUT_S * 6) == 0, run.tail()
+        report = orjson.loads((run_dir / REPORT).read_bytes())
+        assert report["mismatched_programs"] == 0, report["mismatches"]
+        put: int = orjson.loads((run_dir / FUZZED_FILE).read_bytes())["fuzzed"]
+        print(f"launched harness: {put} fuzzed frames between the {report['ops']} ops")
+        return put
+
+    run_examples(Form(examples=2, batches=4, batch=40, frames=4_000), pools(TO, 40), launch)
 
 
 # The engine on a workload.
