@@ -254,8 +254,21 @@ def run_fuzzed_engine(
         peers = fuzzed(run)
     assert all(peers.values()), peers
     assert outputs(run_dir) == reference(workload)
+    # The engine answered the client's garbage (all of its pool went out, and a pool of 12
+    # holds a frame the codec refuses but for a fluke) with Failed, and logged it.
+    outcomes = [decode(CLIENT_TO_ENGINE, f.kind, f.payload) for f in pool["client"]]
+    if k >= len(outcomes) and any(isinstance(o, ProtocolError) for o in outcomes):
+        assert "client-0" in refused_by(run_dir, "engine-0")
     print(f"engine: fuzzed frames put by each peer {peers}, by the client {sent}")
     return sent + sum(peers.values())
+
+
+def refused_by(run_dir: Path, instance: str) -> set[str]:
+    """The peers whose frames ``instance`` answered with a ProtocolError (msg.failed)."""
+    lines = map(orjson.loads, (run_dir / f"{instance}.jsonl").read_bytes().splitlines())
+    return {
+        x["peer"] for x in lines if x["event"] == "msg.failed" and x["error"] == "ProtocolError"
+    }
 
 
 def engine_pools(size: int) -> st.SearchStrategy[dict[str, list[Fuzz]]]:
