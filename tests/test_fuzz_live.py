@@ -328,4 +328,4 @@ def test_a_workload_file_with_a_bad_line_ends_the_run(tmp_path):
     workload = tmp_path / "workload.jsonl"
     workload.write_text('{"id": "a", "prompt_token_ids": [5, 6]}\n{"id": "b", "prompt": 5}\n')
     with inproc_run(tmp_path / "run", (*ENGINE, f"engine.workload={workload}")) as run:
-        assert run.wait_shutdown(3.0), "the run goes on after its workload failed to load"
+        assert run.wait_shutdown(2.0), "the run goes on after its workload failed to load"
