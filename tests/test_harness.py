@@ -100,6 +100,8 @@ def test_with_fence_waits_skipped_the_harness_detects_corruption_in_nearly_every
     assert rate >= 0.8, result["mismatches"]
 
 
+# Slow: CI kills both lanes under the real engine, three times, in test_faults.py.
+@pytest.mark.slow
 def test_killed_lanes_restart_redo_their_op_in_flight_and_every_program_still_matches(tmp_path):
     sets = (*SETTINGS, CHAOS, "harness.programs=30", "actors.swap.backoff_s=0.1",
             "actors.store.backoff_s=0.1")  # fmt: skip

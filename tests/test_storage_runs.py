@@ -6,7 +6,7 @@ comes from storage, and write-through, so every full block is written there at o
 Every request's tokens must equal test_engine's ``reference`` (the plain loop with no
 tiers). The faults: blocks damaged in a directory an earlier instance filled (CI: the
 earlier instance runs in process; slow: launched), a redis server stopped in the
-middle of a run and restarted on its port (CI), and a local tier that is full:
+middle of a run and restarted on its port (slow), and a local tier that is full:
 ``max_bytes`` tiny, or a small tmpfs where writes fail with ENOSPC (slow).
 """
 
@@ -187,6 +187,8 @@ def spaced_workload(path: Path) -> str:
     return str(path)
 
 
+# Slow: CI stops and restarts a redis server under a store lane in test_storage_faults.py.
+@pytest.mark.slow
 def test_a_redis_server_stopped_mid_run_and_restarted_on_its_port_costs_misses_only(tmp_path):
     if REDIS_SERVER is None:
         pytest.skip("redis-server is not on PATH (scripts/test installs it as root)")

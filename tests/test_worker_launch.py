@@ -53,6 +53,8 @@ def test_a_launched_worker_runs_a_scripted_program_to_the_contiguous_forwards_to
     assert names.list_names(run.run_id) == []  # the KV segment went with the run
 
 
+# Slow: CI kills the Worker under the real engine, twice, in test_faults.py.
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_cancels_the_plan_it_was_handed_again_and_recomputes(
     tmp_path,
 ):
