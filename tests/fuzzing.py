@@ -324,9 +324,12 @@ def frames(
 
 # Hypothesis prints the seed and a reproduction blob of any failure. No shrinking: an
 # example is a live actor's history, slow to replay many times over; the failing example
-# is printed as found. One rig (a live actor) serves every example, as a run would.
+# is printed as found. One rig (a live actor) serves every example, as a run would. No
+# example database: every fuzz test runs the same inner function (run_examples), so saved
+# examples of one test would be replayed into the others.
 FUZZ_SETTINGS = settings(
     deadline=None,
+    database=None,
     print_blob=True,
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[
