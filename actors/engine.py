@@ -135,6 +135,7 @@ class Engine(Actor):
         self.queues: dict[Lane, deque[tuple[Op, int]]] = {lane: deque() for lane in Lane}
         self.completed = dict.fromkeys(Lane, 0)  # per lane: the last op number completed
         self.last_sent = dict.fromkeys(Lane, 0)
+        self.sent_epoch: dict[Lane, dict[int, int]] = {lane: {} for lane in Lane}  # in flight
         self.bytes: dict[str, int] = {}
         self.times: dict[str, _Times] = {}
         self.records: list[RequestRecord] = []
@@ -209,6 +210,8 @@ class Engine(Actor):
         if executor == "worker" and self.scheduler is not None:
             # A new Worker does not answer for steps at or below its watermark whose
             # results went with its predecessor: they count as completed.
+            for step in range(self.completed[Lane.STEP] + 1, done + 1):
+                self.sent_epoch[Lane.STEP].pop(step, None)
             self.completed[Lane.STEP] = max(self.completed[Lane.STEP], done)
         return True
 
@@ -241,7 +244,9 @@ class Engine(Actor):
         tracing = self.log.tracing
         presence = LoggedPresence(self.storage, self.log) if tracing and self.storage else None
         self.scheduler = Scheduler(
-            sched_config(self.config, self.model.model_id, self.model.max_position),
+            sched_config(
+                self.config, self.model.model_id, self.model.max_position, self.model.vocab_size
+            ),
             presence or self.storage,
             journal=tracing,
             first_numbers=first,
@@ -252,13 +257,20 @@ class Engine(Actor):
             "engine.ready",
             model_id=self.model.model_id,
             max_position=self.model.max_position,
+            vocab_size=self.model.vocab_size,
             workload=settings.workload,
             first_ops={str(lane): number for lane, number in first.items()},
         )
         if settings.workload:
-            self.workload = load_workload(
-                settings.workload, seed=settings.seed, requests=settings.requests or None
-            )
+            try:
+                self.workload = load_workload(
+                    settings.workload, seed=settings.seed, requests=settings.requests or None
+                )
+            except (ValueError, OSError) as e:  # the launch checked it; it changed since
+                self.log.error("engine.workload_failed", workload=settings.workload, error=str(e))
+                self.done = True
+                self.request_shutdown(f"workload {settings.workload} failed to load: {e}")
+                return
             if not settings.arrivals:
                 self.workload = [replace(w, arrival_s=0.0) for w in self.workload]
             if settings.progress:
@@ -277,8 +289,29 @@ class Engine(Actor):
                 self.schedule(line.arrival_s - now, Arrive())
                 break
             self.next_arrival += 1
-            self._add(make_request(line, self._encode), None, line.arrival_s)
+            request = make_request(line, self._encode)
+            try:
+                self._add(request, None, line.arrival_s)
+            except RequestError as e:  # it can never run (e.g. a token outside the vocabulary)
+                self._refused(request, line.arrival_s, str(e))
         self._kick()
+
+    def _refused(self, request: Request, arrival: float, error: str) -> None:
+        """A workload request the scheduler refused: it ends at once, aborted with ``error``."""
+        self.log.warning("request.refused", request=request.request_id, error=error)
+        self.records.append(
+            RequestRecord(
+                id=request.request_id,
+                prompt_tokens=request.num_prompt_tokens,
+                token_ids=(),
+                finish_reason="abort",
+                error=error,
+                arrival_s=arrival,
+                first_token_s=None,
+                finish_s=self.now(),
+                cached_tokens=dict(request.cached_tokens),
+            )
+        )
 
     def _encode(self, text: str) -> list[int]:
         """A text prompt's ids: the checkpoint's tokenizer, or bytes for the presets."""
@@ -394,6 +427,7 @@ class Engine(Actor):
                     sent = replace(op, fence=NO_WAIT)
                 queue.popleft()
                 self.last_sent[lane] = op.number
+                self.sent_epoch[lane][op.number] = epoch
                 self.send(TARGET[lane], to_message(sent, epoch))
                 if self.log.tracing:
                     self._trace_issue(op)
@@ -482,17 +516,24 @@ class Engine(Actor):
         """Count op ``number``'s completion; whether it is to be applied to the scheduler.
 
         Not applied: a repeat (a restarted executor resends a completion that may have
-        arrived), one of an op never sent (nothing to apply it to), or one of an older
-        epoch (the scheduler already took that op as lost in a reset). Each is logged.
+        arrived), one of an op never sent (nothing to apply it to), one stamped with another
+        epoch than the op was sent with (no executor sends that: it is not counted), or one
+        of an older epoch (the scheduler already took that op as lost in a reset). Each is
+        logged.
         """
         why = ""
+        sent = self.sent_epoch[lane]
         if self.scheduler is None:
             why = "before the engine began"
         elif number <= self.completed[lane]:
             why = f"a repeat: {lane} is complete up to {self.completed[lane]}"
         elif number > self.last_sent[lane]:
             why = f"never sent: the last {lane} op sent is {self.last_sent[lane]}"
+        elif sent.get(number, epoch) != epoch:
+            why = f"the op was sent with epoch {sent[number]}, not {epoch}"
         else:
+            for done in range(self.completed[lane] + 1, number + 1):
+                sent.pop(done, None)
             self.completed[lane] = number
             if epoch == self.epoch:
                 return True

@@ -42,7 +42,7 @@ class LocalRunner:
         self.config = config
         self.loaded = loaded or load_model(config.model)
         info = self.loaded.info
-        settings = sched_config(config, info.model_id, info.max_position)
+        settings = sched_config(config, info.model_id, info.max_position, info.vocab_size)
         self.scheduler = Scheduler(settings)
         model = self.loaded.model
         dtype = torch_dtype(config.model.dtype)

@@ -152,7 +152,10 @@ class _State:
         event = entry.event
         if event == "engine.ready":
             settings = sched_config(
-                self.config, str(entry.get("model_id")), int(entry.get("max_position"))
+                self.config,
+                str(entry.get("model_id")),
+                int(entry.get("max_position")),
+                int(entry.get("vocab_size") or 1 << 31),
             )
             backend = self.config.cache.storage.backend != "none"
             first = {Lane(lane): int(n) for lane, n in (entry.get("first_ops") or {}).items()}

@@ -23,9 +23,11 @@ Message = protocol.StepPlan | protocol.SwapOp | protocol.StoreOp
 Encode = Callable[[str], Sequence[int]]
 
 
-def sched_config(config: Config, model_id: str, max_position: int) -> SchedConfig:
-    """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limit
-    (the model's ``ModelInfo.model_id`` and ``max_position``)."""
+def sched_config(
+    config: Config, model_id: str, max_position: int, vocab_size: int = 1 << 31
+) -> SchedConfig:
+    """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limits
+    (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``)."""
     cache, sched = config.cache, config.sched
     storage = cache.storage.backend != "none"
     tiers = TierConfig(
@@ -45,6 +47,7 @@ def sched_config(config: Config, model_id: str, max_position: int) -> SchedConfi
         max_batched_tokens=sched.max_batched_tokens,
         preemption=sched.preemption,
         max_model_len=max_position,
+        vocab_size=vocab_size,
     )
 
 

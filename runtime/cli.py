@@ -138,7 +138,14 @@ def _launch(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.workload:
         overrides.append(f"engine.workload={args.workload}")
-    supervisor = Supervisor(load_config(args.config, overrides), args.run_dir)
+    config = load_config(args.config, overrides)
+    if config.engine.workload:  # a bad line is the command's error, before a run exists
+        load = import_target("ringfence.actors.serving:load_workload")
+        try:
+            load(config.engine.workload, seed=config.engine.seed)  # type: ignore[operator]
+        except OSError as e:
+            raise ValueError(f"workload {config.engine.workload}: {e}") from None
+    supervisor = Supervisor(config, args.run_dir)
     print(f"ringfence launch: run {supervisor.run_id} in {supervisor.run_dir}", flush=True)
     code = supervisor.run()
     summary = supervisor.run_dir / "summary.json"

@@ -160,7 +160,7 @@ EVENTS: Final[dict[str, Event]] = {
     # "<client instance>/<incarnation>/<id>"); ``op`` a lane number; ``fence`` the waits.
     "engine.ready": _e(
         "info",
-        "model_id max_position workload first_ops",
+        "model_id max_position vocab_size workload first_ops",
         "every executor answered the engine's Resync; the scheduler is built; first_ops: the "
         "number of each lane's first op (1 unless an engine before this one left them further)",
     ),
@@ -185,11 +185,17 @@ EVENTS: Final[dict[str, Event]] = {
     "engine.step_failed": _e("error", "step status error", "a step did not finish ok"),
     "engine.op_failed": _e("warning", "lane op status", "a transfer op did not finish ok"),
     "engine.workload_done": _e("info", "requests duration_s", "the workload ran to its end"),
+    "engine.workload_failed": _e(
+        "error", "workload error", "the workload could not be loaded: the run ends"
+    ),
     "engine.drain_timeout": _e(
         "warning", "store_done last_sent", "at stop, the store lane's writes were not all done"
     ),
     "request.arrive": _e(
         "info", "request seq_id prompt_tokens max_tokens arrival_s", "a request was queued"
+    ),
+    "request.refused": _e(
+        "warning", "request error", "a workload request that can never run ended before it began"
     ),
     "request.finish": _e(
         "info", "request reason output_tokens cached_tokens error", "a request ended (or aborted)"

@@ -86,9 +86,18 @@ class Scheduler:
 
     def add(self, request: Request) -> int:
         """Queue a request (state WAITING); returns its sequence id. RequestError if it can
-        never run: longer than the model or than the whole device pool."""
+        never run: a prompt token outside the vocabulary, longer than the model or than
+        the whole device pool."""
         if request.request_id in self._by_id:
             raise RequestError(f"request id {request.request_id!r} is already live", field="id")
+        vocab = self.config.vocab_size
+        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # the Worker would refuse the whole step that held it
+            raise RequestError(
+                f"request {request.request_id!r}: prompt token {bad} is outside the model's "
+                f"vocabulary of {vocab}",
+                field="prompt_token_ids",
+            )
         longest = request.num_prompt_tokens + request.params.max_tokens
         if longest > self.config.max_model_len:
             raise RequestError(

@@ -28,6 +28,7 @@ class SchedConfig:
     max_batched_tokens: int = 512
     preemption: str = "recompute"
     max_model_len: int = 1 << 30  # positions the model has
+    vocab_size: int = 1 << 31  # token ids the model has (0 .. vocab_size - 1)
 
     def __post_init__(self) -> None:
         if self.preemption not in POLICIES:

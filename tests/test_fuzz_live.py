@@ -11,7 +11,7 @@ put fuzzed frames (fuzzing.py) on the same ring. Then:
   the engine, and a client putting garbage on its ring to the engine all the while, gives
   every request exactly the tokens of the plain loop.
 
-Known bugs found this way (in files another change owns) are the xfail tests at the end.
+Bugs found this way have tests at the end.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def garbage_client(run_dir: Path) -> Iterator[Driver]:
 def tame_submit(msg: object) -> object | None:
     """A decodable client message the engine may run without harm to the others: a real
     Stop is left out, and token ids are kept in the vocabulary (an id outside it is the
-    subject of an xfail test below)."""
+    subject of a test below)."""
     if isinstance(msg, Stop):
         return None
     if isinstance(msg, Submit):
@@ -297,15 +297,9 @@ def test_a_workload_with_every_peer_fuzzing_and_a_garbage_client_gets_the_plain_
     )
 
 
-# Known bugs, in files another change owns (actors/engine.py).
+# Found by fuzzing (fixed in actors/engine.py).
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/engine.py never checks prompt token ids against the model's vocabulary "
-    "(WorkerReady.model.vocab_size): the Worker rejects the whole step holding the bad "
-    "request, and the engine aborts every request of that step, not only the bad one",
-)
 def test_a_request_with_a_token_outside_the_vocabulary_fails_alone(tmp_path):
     good = write_workload(tmp_path / "good.jsonl", seed=1, requests=3)
     bad = {"id": "bad", "prompt_token_ids": [5, VOCAB + 41], "max_tokens": 4}
@@ -319,12 +313,6 @@ def test_a_request_with_a_token_outside_the_vocabulary_fails_alone(tmp_path):
     assert got == reference(good)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/engine.py loads the workload in a handler (_maybe_begin): a bad line is "
-    "logged as msg.failed (WorkloadError naming the line) and the run then serves clients "
-    "forever instead of ending with the error",
-)
 def test_a_workload_file_with_a_bad_line_ends_the_run(tmp_path):
     workload = tmp_path / "workload.jsonl"
     workload.write_text('{"id": "a", "prompt_token_ids": [5, 6]}\n{"id": "b", "prompt": 5}\n')
@@ -342,13 +330,6 @@ class FutureEpochWorker(Worker):
         return super().send(to, msg, timeout=timeout)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/engine.py Engine._settled counts a completion of an epoch other than the "
-    "engine's as done (meant for older epochs, after a tier reset); one of a later epoch, "
-    "which no executor sends, then takes the place of the real one, which is dropped as a "
-    "repeat: the step never reaches the scheduler and the run stalls",
-)
 def test_a_step_result_of_an_epoch_the_engine_never_issued_changes_nothing(tmp_path):
     workload = tmp_path / "workload.jsonl"
     workload.write_text('{"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 4}\n')

@@ -82,6 +82,7 @@ def make_scheduler(
     max_num_seqs: int = 16,
     max_batched_tokens: int = 512,
     max_model_len: int = 1 << 30,
+    vocab_size: int = 1 << 31,
     device_eviction: str = "write_back",
     host_eviction: str = "write_back",
     poison_freed: bool = False,
@@ -103,6 +104,7 @@ def make_scheduler(
         max_batched_tokens=max_batched_tokens,
         preemption=preemption,
         max_model_len=max_model_len,
+        vocab_size=vocab_size,
     )
     return Scheduler(config, storage)
 
@@ -904,6 +906,16 @@ def test_add_rejects_a_request_longer_than_the_model_or_the_device_pool():
     with pytest.raises(RequestError, match="already live"):
         sched.add(make_request("fits", range(3)))
     assert sched.num_live == 1
+
+
+def test_add_rejects_a_prompt_token_outside_the_vocabulary_and_nothing_else():
+    sched = make_scheduler(vocab_size=50)  # (a Request refuses negative ids itself)
+    for bad in (50, 7000):
+        with pytest.raises(RequestError, match=f"prompt token {bad} is outside .* of 50") as e:
+            sched.add(make_request(f"bad{bad}", (1, bad, 2)))
+        assert e.value.field == "prompt_token_ids"
+    assert sched.num_live == 0
+    assert sched.add(make_request("ok", (0, 49))) == 0
 
 
 class SwapInDropper(Sim):
