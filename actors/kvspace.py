@@ -183,7 +183,12 @@ def open_kv(handle: KVHandle) -> SharedKV:
 
 
 def _shm_file(name: str) -> Path:
-    return SHM_DIR / name.lstrip("/")
+    """The file of POSIX shared-memory object ``name``: one slash, then one path component
+    (a handle from a message names nothing outside the shared-memory folder)."""
+    base = name[1:] if name.startswith("/") else ""
+    if not base or "/" in base or "\0" in base or base in (".", ".."):
+        raise ValueError(f"{name!r} is not a POSIX shared-memory name")
+    return SHM_DIR / base
 
 
 def _segment_size(name: str) -> int | None:

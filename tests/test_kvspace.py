@@ -317,6 +317,12 @@ def test_opening_a_name_that_does_not_exist_is_name_missing(run_id):
     assert names.list_names(run_id) == []
 
 
+@pytest.mark.parametrize("name", ["/../etc/passwd", "/a/b", "no-slash", "/", "/..", "/x\0y"])
+def test_a_handle_naming_something_other_than_one_shared_memory_object_is_refused(name):
+    with pytest.raises(ValueError, match="is not a POSIX shared-memory name"):
+        open_kv(KVHandle(layout=LAYOUT, device="cpu", shm=name))
+
+
 def test_a_device_that_is_neither_cpu_nor_cuda_is_a_value_error():
     with pytest.raises(ValueError, match="KV device 'meta' is neither cpu nor cuda"):
         create_kv(LAYOUT, "meta")
