@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -256,6 +257,11 @@ def _run(
     from ringfence.shm import names
 
     sets = [*MODEL, *TIERS, *FAST, *([TRACE] if trace else [])]
+    # The supervisor restarts each victim as often as it is killed (3 by default).
+    victims = Counter(
+        k.instance.rsplit("-", 1)[0] for k in scenario.kills if k.instance != SUPERVISOR
+    )
+    sets += [f"actors.{name}.max_restarts={max(3, n)}" for name, n in victims.items()]
     if not scenario.serve:
         sets += [f"engine.workload=synthetic:{scenario.workload}"]
         sets += [f"engine.requests={scenario.requests}"]
