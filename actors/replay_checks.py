@@ -300,6 +300,7 @@ def _ops(log: RunLog, result: CheckResult) -> None:
     for op in log.ops.values():
         if op.done:
             last_done[op.lane] = max(last_done[op.lane], op.number)
+    killed = _killed_engines(log)
     for op in sorted(log.ops.values(), key=lambda o: (o.lane, o.number)):
         name = op_name(op)
         result.counts["ops"] += 1
@@ -308,9 +309,13 @@ def _ops(log: RunLog, result: CheckResult) -> None:
                 Violation("ops", f"{name} issued twice", (extra, *_first(op.issue)))
             )
         if log.traced and op.issue is None and op.done:
-            result.violations.append(
-                Violation("ops", f"{name} was executed but never issued", (op.done[0],))
-            )
+            issuer = killed.get((op.lane, op.number))
+            if issuer is not None:  # its op.issue was still buffered when the engine died
+                result.in_flight.append(f"{name} (executed; issued by engine pid {issuer}, killed)")
+            else:
+                result.violations.append(
+                    Violation("ops", f"{name} was executed but never issued", (op.done[0],))
+                )
         if not op.done:
             if op.applied:
                 result.violations.append(
@@ -350,6 +355,32 @@ def _ops(log: RunLog, result: CheckResult) -> None:
                 )
         elif not op.stale:
             result.in_flight.append(f"{name} (completed {status}; not applied by the end)")
+
+
+def _killed_engines(log: RunLog) -> dict[tuple[str, int], int]:
+    """The ops a killed engine may have issued without its log saying so: (lane, number) ->
+    its pid. An engine's trace lines are buffered, and one killed (no ``actor.stop`` in
+    its log) takes the last of them along; those ops come after the last it logged
+    issuing, and before the first an engine after it issued."""
+    engine = log.sources.get("engine-0", [])
+    pids = list(dict.fromkeys(e.pid for e in engine))
+    stopped = {e.pid for e in engine if e.event == "actor.stop"}
+    issued: dict[int, dict[str, list[int]]] = {pid: {} for pid in pids}
+    for op in log.ops.values():
+        if op.issue is not None and op.issue.pid in issued:
+            issued[op.issue.pid].setdefault(op.lane, []).append(op.number)
+    lost: dict[tuple[str, int], int] = {}
+    for i, pid in enumerate(pids):
+        if pid in stopped:
+            continue
+        later = pids[i + 1] if i + 1 < len(pids) else None
+        for lane in LANE_NAMES:
+            start = max(issued[pid].get(lane, [0])) + 1
+            end = min(issued[later].get(lane, [1 << 62])) if later is not None else 1 << 62
+            for op in log.ops.values():
+                if op.lane == lane and start <= op.number < end and op.issue is None:
+                    lost[(lane, op.number)] = pid
+    return lost
 
 
 def _rings(log: RunLog, result: CheckResult) -> None:

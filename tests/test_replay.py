@@ -400,3 +400,19 @@ def test_after_a_tier_reset_only_completions_of_the_new_epoch_may_be_applied(tmp
     assert messages(result) == [
         "[epochs] the engine (epoch 1) applied swap op 2's completion of epoch 0"
     ]
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["stopped", "killed"])
+def test_an_op_executed_but_never_issued_is_a_violation_unless_a_kill_took_the_issue_line(
+    stopped, tmp_path
+):
+    logs = build(CLEAN)
+    del logs.files[ENGINE][logs.find(ENGINE, "op.issue", lane="store", op=1)]
+    if stopped:  # its log ends cleanly: nothing it wrote was lost
+        logs.log(ENGINE, "actor.stop", reason="test", handled=1, failures=0, deferred=0, error=None)
+    _, result = replay(logs, tmp_path)
+    if stopped:
+        assert messages(result) == ["[ops] write-back 1 was executed but never issued"]
+    else:
+        assert result.ok, messages(result)
+        assert result.in_flight == ["write-back 1 (executed; issued by engine pid 101, killed)"]
