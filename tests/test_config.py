@@ -29,7 +29,7 @@ from ringfence.shm.errors import ConfigError
 
 # Hypothesis prints a reproduction blob with any failure, which stands in for the seed.
 FAST = settings(
-    max_examples=150, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=80, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

@@ -179,8 +179,9 @@ def test_with_write_through_on_both_tiers_every_policy_gets_the_reference_tokens
 
 @pytest.mark.parametrize(
     ("policy", "eviction"),
+    # Both slow (CI time): CI runs sync mode with every actor in its process, test_engine_sync.py.
     [
-        ("save", "write_through"),
+        pytest.param("save", "write_through", marks=pytest.mark.slow),
         pytest.param("recompute", "write_back", marks=pytest.mark.slow),
     ],
 )

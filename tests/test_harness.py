@@ -65,7 +65,7 @@ def test_under_chaos_and_poison_every_program_equals_its_sequential_interpretati
         assert poisoned
 
 
-@pytest.mark.slow  # sync mode end to end also runs in CI: test_engine.py
+@pytest.mark.slow  # sync mode end to end also runs in CI: test_engine_sync.py
 def test_in_sync_mode_the_issuer_waits_and_the_executors_never_do(tmp_path):
     with launched(tmp_path, *SETTINGS, CHAOS, "transfer.mode=sync", "harness.programs=10") as run:
         result = report(run)
