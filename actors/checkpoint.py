@@ -20,22 +20,27 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import torch
 
-from ringfence.actors.model import Model, ModelConfig
+from ringfence.actors.modelconfig import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported by what reads tensors, not by what reads configs
+    import torch
+
+    from ringfence.actors.model import Model
 
 HEADER_LENGTH = struct.Struct("<Q")  # the u64 N in front of the JSON header
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit on N
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# safetensors dtype -> (torch dtype name, bytes per element)
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
 }
 # Non-parameter buffers that older checkpoints saved; derived from the config, so skipped.
 _DERIVED_SUFFIX = ".self_attn.rotary_emb.inv_freq"
@@ -47,7 +52,7 @@ class TensorEntry:
     """Where one tensor's bytes lie in a safetensors file."""
 
     file: Path  # the file holding it
-    dtype: torch.dtype  # stored element type
+    dtype: str  # stored element type: a key of SAFETENSORS_DTYPES
     shape: tuple[int, ...]  # stored shape
     begin: int  # absolute byte offset of the first element in the file
     end: int  # absolute byte offset one past the last element
@@ -168,8 +173,8 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
             or not 0 <= offsets[0] <= offsets[1]
         ):
             raise ValueError(f"{where}: malformed data_offsets {offsets!r}")
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        dtype = info["dtype"]
+        expected = math.prod(shape) * SAFETENSORS_DTYPES[dtype][1]
         if offsets[1] - offsets[0] != expected:
             raise ValueError(
                 f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but "
@@ -204,6 +209,9 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 def read_tensor(entry: TensorEntry) -> torch.Tensor:
     """The tensor's stored values, in its stored dtype and shape (a fresh copy)."""
+    import torch
+
+    dtype = getattr(torch, SAFETENSORS_DTYPES[entry.dtype][0])
     if sys.byteorder != "little":
         raise ValueError("safetensors data is little-endian; this host is not")
     buffer = bytearray(entry.end - entry.begin)
@@ -212,8 +220,8 @@ def read_tensor(entry: TensorEntry) -> torch.Tensor:
         if f.readinto(buffer) != len(buffer):
             raise ValueError(f"{entry.file}: short read at offset {entry.begin}")
     if not buffer:
-        return torch.empty(entry.shape, dtype=entry.dtype)
-    return torch.frombuffer(buffer, dtype=entry.dtype).reshape(entry.shape)
+        return torch.empty(entry.shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
 
 
 def _all_entries(files: Iterable[Path]) -> dict[str, TensorEntry]:
@@ -227,17 +235,21 @@ def _all_entries(files: Iterable[Path]) -> dict[str, TensorEntry]:
 
 
 def load_checkpoint(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> Model:
     """A ``Model`` holding the checkpoint's weights, cast to ``dtype``, on ``device``.
 
     Every parameter must be present with its exact shape; a tied checkpoint may omit
-    ``lm_head.weight``. The files are only read.
+    ``lm_head.weight``. The files are only read. ``dtype`` defaults to float32.
     """
+    import torch
+
+    from ringfence.actors.model import Model
+
     config = read_config(path)
     entries = _all_entries(safetensors_files(path))
     # The random initial weights are all overwritten below.
-    model = Model(config, dtype, seed=0)
+    model = Model(config, torch.float32 if dtype is None else dtype, seed=0)
     targets = model.state_dict(keep_vars=True)
     optional = {"lm_head.weight"} if config.tie_embeddings else set()
     missing = sorted(set(targets) - set(entries) - optional)

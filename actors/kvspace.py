@@ -12,6 +12,10 @@ contiguous run of ``block_bytes`` bytes.
 The segment's name belongs to the run: the supervisor unlinks every name of the run
 when it ends, and a restarted Worker maps the segment its predecessor created (same
 name, same size), so a peer's mapping stays valid across the restart.
+
+torch is imported where a tensor is made, not with the module: the messages that carry a
+:class:`KVHandle` are read by the supervisor and the Engine, which never touch a tensor
+and should not pay for importing torch.
 """
 
 from __future__ import annotations
@@ -23,29 +27,35 @@ import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import posix_ipc
-import torch
-from torch import Tensor
 
 from ringfence.shm.errors import NameMissing, SegmentLayoutError
 from ringfence.shm.names import SHM_DIR
 from ringfence.shm.segment import Segment
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float64": 8}  # bytes per element
 LAYOUT_NAME = "block-major-v1"  # the Fingerprint's kv_layout of this layout
+
+
+def _known(name: str) -> str:
+    if name not in ITEMSIZE:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(ITEMSIZE)}")
+    return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a config dtype name; ValueError naming the known ones."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+    import torch
+
+    dtype = getattr(torch, _known(name))
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,7 +73,7 @@ class KVLayout:
         for field in ("num_blocks", "layers", "block_size", "kv_heads", "head_dim"):
             if getattr(self, field) < 1:
                 raise ValueError(f"KV layout: {field} must be >= 1, got {getattr(self, field)}")
-        torch_dtype(self.dtype)
+        _known(self.dtype)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -71,7 +81,7 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def block_elements(self) -> int:
@@ -79,7 +89,7 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        return self.block_elements * self.torch_dtype.itemsize
+        return self.block_elements * ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -118,6 +128,8 @@ class SharedKV:
 
     def poison(self, block_ids: Iterable[int]) -> None:
         """Fill whole blocks with NaN (the debug aid ``cache.poison_freed``)."""
+        import torch
+
         ids = list(block_ids)
         if ids:
             index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
@@ -137,6 +149,8 @@ def create_kv(layout: KVLayout, device: str, *, shm_name: str = "") -> SharedKV:
     tensor (local runs and tests). CUDA: a device tensor exported by CUDA IPC.
     Contents are unspecified until written.
     """
+    import torch
+
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -232,7 +246,9 @@ def _map(name: str, layout: KVLayout) -> Tensor:
     # torch maps the file itself (MAP_SHARED) and its storage owns the mapping, so the
     # memory lives exactly as long as some tensor views it. (A tensor made with
     # torch.frombuffer over our own mmap would not keep that mmap alive.)
-    count = layout.nbytes // layout.torch_dtype.itemsize
+    import torch
+
+    count = layout.nbytes // ITEMSIZE[layout.dtype]
     flat = torch.from_file(str(_shm_file(name)), shared=True, size=count, dtype=layout.torch_dtype)
     return flat.view(layout.shape)
 
@@ -248,6 +264,8 @@ def _export_cuda(tensor: Tensor) -> str:
 
 
 def _import_cuda(record: str) -> Tensor:
+    from torch import Tensor
+
     rebuild, args = pickle.loads(base64.b64decode(record))  # the own run's record only
     tensor = rebuild(*args)
     assert isinstance(tensor, Tensor)

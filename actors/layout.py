@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ringfence.actors.checkpoint import checkpoint_fingerprint_id, read_config
 from ringfence.actors.kvspace import LAYOUT_NAME, KVLayout
-from ringfence.actors.model import PRESETS, ModelConfig
+from ringfence.actors.modelconfig import PRESETS, ModelConfig
 from ringfence.cache.block_hash import Fingerprint
 from ringfence.cache.fences import Tier
 from ringfence.runtime.config import Config

@@ -124,3 +124,17 @@ def test_the_console_script_is_installed_and_lists_its_commands():
     script = Path(sys.executable).with_name("ringfence")
     out = run(str(script), "--help", cwd=ROOT)
     assert "bench" in out and "clean" in out
+
+
+def test_the_supervisor_and_the_engine_import_no_torch(tmp_path) -> None:
+    # `ringfence launch` and the Engine read model shapes and KV handles but never run a
+    # tensor; importing torch would cost each of them seconds of start-up and its memory.
+    code = (
+        "import sys\n"
+        "import ringfence.runtime.cli, ringfence.runtime.supervisor\n"
+        "import ringfence.actors.engine, ringfence.actors.serving, ringfence.actors.report\n"
+        "from ringfence.runtime.topology import import_target\n"
+        "import_target('ringfence.actors.engine:TOPOLOGY')\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    assert run(sys.executable, "-c", code, cwd=tmp_path).strip() == "[]"
