@@ -34,7 +34,7 @@ def judged(outcome: Outcome, *, completed: int) -> None:
     assert outcome.replay == "ok", outcome.replay
 
 
-def test_repeated_kills_of_both_transfer_lanes_and_the_worker_lose_no_request_and_no_token(
+def test_repeated_kills_of_the_transfer_lanes_and_a_kill_of_the_worker_lose_no_request_or_token(
     tmp_path,
 ):
     kill = (
@@ -42,8 +42,7 @@ def test_repeated_kills_of_both_transfer_lanes_and_the_worker_lose_no_request_an
         Kill("store-0", 25),
         Kill("worker-0", 40),
         Kill("swap-0", 70),
-        Kill("worker-0", 100),
-    )
+    )  # the worker killed twice, and every lane more often, is in the slow matrix below
     scenario = Scenario("lanes and worker", "pressure", 4, PRESSURE, kill)
     outcome = run_scenario(scenario, tmp_path, timeout=240)
     assert outcome.injected == len(kill) and outcome.exit_code == 0
