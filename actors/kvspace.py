@@ -127,13 +127,16 @@ class SharedKV:
         return self.tensor
 
     def poison(self, block_ids: Iterable[int]) -> None:
-        """Fill whole blocks with NaN (the debug aid ``cache.poison_freed``)."""
+        """Fill whole blocks with NaN: freed blocks under the debug aid ``cache.poison_freed``,
+        and always the blocks a failed op was writing (see ``actors/transfer.py``)."""
         import torch
 
         ids = list(block_ids)
         if ids:
             index = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
             self.kv.index_fill_(0, index, float("nan"))
+            if self.kv.is_cuda:  # landed before a watermark may say so
+                torch.cuda.current_stream(self.kv.device).synchronize()
 
     def close(self) -> None:
         """Drop this object's reference. Idempotent. Views a caller still holds stay valid:

@@ -20,6 +20,14 @@ on a GPU, where swaps run on the lane's own CUDA stream and complete on an event
 The swap lane learns the device tensor from the engine's :class:`DeviceTier` message
 (after each WorkerReady); a swap op of an older epoch than the device tier's names
 blocks of a reset tier and is cancelled, never copied.
+
+A failed op still advances its watermark (a watermark says "finished", not "ok"), so
+ops fenced on it go ahead before the engine hears of the failure. What it was writing
+is therefore spoiled first: its destination blocks are filled with NaN, and the taint
+travels with the data. A later copy carries the NaN along, a step that reads it gets
+non-finite logits and fails (``actors/worker.py``), and a write-back refuses a block
+that is not finite, so no stored key ever names garbage. If spoiling fails too, the
+lane dies before its watermark moves, and its restart redoes the op.
 """
 
 from __future__ import annotations
@@ -150,9 +158,12 @@ class TransferLane(LaneExecutor):
         work: Callable[[], dict[str, Any]],
         *,
         failed_missing: int = 0,
+        spoil: Callable[[], int] | None = None,
     ) -> None:
         """One admitted op: refuse it, or wait for its fence (cancel it if that will never
-        come), hold it a chaos delay, do ``work``, and finish it with what work returned."""
+        come), hold it a chaos delay, do ``work``, and finish it with what work returned.
+        If work raises, ``spoil`` fills what it was writing with NaN (see the module doc)
+        and returns how many blocks that was."""
         if problem:
             self.finish(msg, "rejected", error=problem)
             return
@@ -170,7 +181,15 @@ class TransferLane(LaneExecutor):
         try:
             fields = work()
         except Exception as e:  # storage down, a bad copy: the lane moves on, the engine is told
-            self.log.error("lane.failed", lane=self.lane_name, op=msg.op, error=repr(e), exc_info=e)
+            spoiled = 0 if spoil is None else spoil()  # raising, the lane dies: see the doc
+            self.log.error(
+                "lane.failed",
+                lane=self.lane_name,
+                op=msg.op,
+                error=repr(e),
+                spoiled=spoiled,
+                exc_info=e,
+            )
             missing = tuple(range(failed_missing))
             self.finish(msg, "failed", error=f"{type(e).__name__}: {e}", missing=missing)
             return
@@ -304,7 +323,21 @@ class SwapLane(TransferLane):
             )
             self.finish(msg, "cancelled", error=error)
             return
-        self.run(msg, problem, lambda: {"blocks": len(msg.device_blocks), "bytes": self._copy(msg)})
+        self.run(
+            msg,
+            problem,
+            lambda: {"blocks": len(msg.device_blocks), "bytes": self._copy(msg)},
+            spoil=lambda: self._spoil(msg),
+        )
+
+    def _spoil(self, msg: SwapOp) -> int:
+        """A swap that failed part way: its destination blocks hold NaN, not half a copy."""
+        assert self.device is not None and self.host is not None
+        if msg.direction == "in":
+            self.device.poison(msg.device_blocks)
+        else:
+            self.host.poison(msg.host_blocks)
+        return len(msg.host_blocks)
 
     def _problem(self, msg: SwapOp) -> str:
         if self.fence_problem(msg.fence):
@@ -385,7 +418,22 @@ class StoreLane(TransferLane):
         if not self.admit(msg):
             return
         keys, problem = self._keys(msg)
-        self.run(msg, problem, lambda: self._store(msg, keys), failed_missing=len(keys))
+        self.run(
+            msg,
+            problem,
+            lambda: self._store(msg, keys),
+            failed_missing=len(keys),
+            spoil=lambda: self._spoil(msg),
+        )
+
+    def _spoil(self, msg: StoreOp) -> int:
+        """A prefetch that failed part way: its host blocks hold NaN (the engine counts them
+        all missing). A write-back that failed wrote no key: nothing to spoil."""
+        if msg.direction == "write":
+            return 0
+        assert self.host is not None
+        self.host.poison(msg.host_blocks)
+        return len(msg.host_blocks)
 
     def _store(self, msg: StoreOp, keys: list[BlockHash]) -> dict[str, Any]:
         assert self.backend is not None
@@ -393,6 +441,7 @@ class StoreLane(TransferLane):
         items = [(key, block_buffer(host, b)) for key, b in zip(keys, msg.host_blocks, strict=True)]
         missing: tuple[int, ...] = ()
         if msg.direction == "write":
+            refuse_non_finite(host, msg.host_blocks)
             self.backend.put_many(items)
         else:
             hits = self.backend.get_into(items)
@@ -423,6 +472,23 @@ class StoreLane(TransferLane):
                 return [], f"key {text!r} is not 16 bytes"
             keys.append(BlockHash(key))
         return keys, ""
+
+
+class NonFiniteBlock(ValueError):
+    """A write-back found a block that is not finite: a failed op upstream spoiled it (or,
+    under ``cache.poison_freed``, the block was read after it was freed)."""
+
+
+def refuse_non_finite(kv: torch.Tensor, blocks: tuple[int, ...]) -> None:
+    """Raise :class:`NonFiniteBlock` naming the first of ``blocks`` holding NaN or inf."""
+    if not blocks:
+        return
+    finite = torch.isfinite(kv[list(blocks)].flatten(1)).all(dim=1)
+    if not bool(finite.all()):
+        bad = blocks[int((~finite).nonzero()[0])]
+        raise NonFiniteBlock(
+            f"host block {bad} is not finite: what filled it failed, so it is not stored"
+        )
 
 
 def _cudart() -> Any:

@@ -10,7 +10,9 @@ watermarks, fences") strictly in order, ``s = 1, 2, ...``. For each plan it
    fence has reached it: a step never reads a block before the swap-in that fills it
    is done (I1), and the swap-outs and write-backs it must not overtake are done (I3);
 3. fills the plan's ``poison`` blocks with NaN, runs the pieces as one mixed batch,
-   samples the next token of every piece that asks for one;
+   samples the next token of every piece that asks for one (non-finite logits fail
+   the step); a step that raises fills the blocks it was writing with NaN, so that
+   nothing fenced on it copies half-computed KV as valid (see ``actors/transfer.py``);
 4. advances ``step_done`` (every step <= s finished, KV writes included) and only
    then sends the :class:`StepResult` with the step number and the plan's epoch.
 
@@ -187,7 +189,15 @@ class Worker(LaneExecutor):
         try:
             outputs = self._execute(plan, pieces)
         except Exception as e:  # it ran part way: the lane moves on, the engine is told
-            self.log.error("step.failed", step=plan.step, error=repr(e), exc_info=e)
+            # What it wrote is spoiled before step_done moves: a swap-out or write-back
+            # fenced on this step must not copy half-computed KV as if it were valid.
+            # Raising here, the Worker dies first and its restart resets the device tier.
+            assert self.space is not None and self.executor is not None
+            spoiled = written_blocks(plan, self.executor.block_size)
+            self.space.poison(spoiled)
+            self.log.error(
+                "step.failed", step=plan.step, error=repr(e), spoiled=len(spoiled), exc_info=e
+            )
             self._finish(plan, "failed", error=f"{type(e).__name__}: {e}")
             return
         self._finish(
@@ -272,7 +282,8 @@ class Worker(LaneExecutor):
 
 
 class NonFiniteLogits(ArithmeticError):
-    """A step produced NaN or infinite logits: it read blocks it should not have."""
+    """A step produced NaN or infinite logits: it read blocks it should not have, or blocks
+    a failed op spoiled (``actors/transfer.py``). The step fails; no token comes of it."""
 
 
 def sample_pieces(
@@ -285,7 +296,8 @@ def sample_pieces(
             if not bool(torch.isfinite(last_logits[row]).all()):
                 raise NonFiniteLogits(
                     f"the logits of sequence {p.seq_id} are not finite: the step read KV "
-                    "that was never written, or was poisoned (a missing fence?)"
+                    "that was never written, was freed and poisoned (a missing fence?), or "
+                    "was spoiled by an op that failed"
                 )
             position = p.start + len(p.token_ids)
             token = sample(
@@ -300,6 +312,17 @@ def sample_pieces(
                 )
             )
     return tuple(outputs)
+
+
+def written_blocks(plan: StepPlan, block_size: int) -> list[int]:
+    """The device blocks a plan's pieces write: those holding positions start ..
+    start + len - 1 of each (the blocks before them are only read)."""
+    written: set[int] = set()
+    for p in plan.pieces:
+        if p.token_ids:
+            first, last = p.start // block_size, (p.start + len(p.token_ids) - 1) // block_size
+            written.update(p.block_table[first : last + 1])
+    return sorted(written)
 
 
 def plan_pieces(plan: StepPlan) -> list[Piece]:

@@ -115,7 +115,10 @@ EVENTS: Final[dict[str, Event]] = {
         "(stale epoch); seen_* are the watermarks observed once the fence was reached",
     ),
     "step.failed": _e(
-        "error", "step error", "a step raised while it ran; reported failed, the lane moves on"
+        "error",
+        "step error spoiled",
+        "a step raised while it ran; the blocks it wrote (spoiled of them) were filled with NaN, "
+        "then it is reported failed and the lane moves on",
     ),
     "step.refused": _e(
         "error", "step plan_epoch error", "a plan out of lane order, answered; step_done unchanged"
@@ -137,7 +140,10 @@ EVENTS: Final[dict[str, Event]] = {
         "an op at or below the lane's watermark came again; resent: its completion went again",
     ),
     "lane.failed": _e(
-        "error", "lane op error", "a copy or storage call raised; reported failed, lane moves on"
+        "error",
+        "lane op error spoiled",
+        "a copy or storage call raised; its destination blocks (spoiled) were filled with NaN, "
+        "then it is reported failed and the lane moves on",
     ),
     "lane.refused": _e(
         "error", "lane op op_epoch error", "an op out of lane order, answered; watermark unchanged"

@@ -22,6 +22,7 @@ import pytest
 import torch
 from lane_rig import WAIT_S, Executor, start_executor
 
+from ringfence.actors import transfer
 from ringfence.actors.kvspace import SharedKV, create_kv, open_kv
 from ringfence.actors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.layout import kv_layout
@@ -401,6 +402,77 @@ def test_a_corrupt_stored_blob_reads_as_missing_and_is_poisoned(make_lane) -> No
     assert bool(torch.isnan(host[8]).all()), "a corrupt blob's bytes reached the host tier"
     assert same(host[9], good)
     assert not path.exists(), "the corrupt blob was kept"
+
+
+# 4b. Failed ops spoil what they were writing (NaN), and no write-back stores a spoiled block.
+
+GARBAGE = 31337.5  # finite: what a copy that broke part way could leave behind
+
+
+@pytest.mark.parametrize("direction", ["in", "out"])
+def test_a_swap_copy_that_raises_fills_its_destination_with_nan_and_reports_failed(
+    make_lane, monkeypatch, direction: Literal["in", "out"]
+) -> None:
+    rig = make_lane(SwapLane)
+    dev, host = rig.device_kv, rig.host_kv
+    fill(dev, tuple(range(BLOCKS)), seed=1)
+    fill(host, tuple(range(BLOCKS)), seed=100)
+
+    def broken(src, src_ids, dst, dst_ids, **_: Any) -> int:
+        dst[list(dst_ids)] = GARBAGE  # part of it landed, as garbage
+        raise OSError("the copy broke part way")
+
+    monkeypatch.setattr(transfer, "copy_blocks", broken)
+    written, kv = ((3, 4), dev) if direction == "in" else ((7, 8), host)
+    before = bits(kv)
+    done = rig.run(swap(1, direction, (3, 4), (7, 8)))
+    assert (done.status, done.op) == ("failed", 1) and "the copy broke" in done.error, done
+    assert rig.mark(Lane.SWAP).value() == 1  # the lane moved on
+    assert bool(torch.isnan(kv[list(written)]).all()), "a failed swap left garbage that reads valid"
+    others = [b for b in range(BLOCKS) if b not in written]
+    assert torch.equal(bits(kv)[others], before[others])
+    (failed,) = rig.events("lane.failed")
+    assert (failed["op"], failed["spoiled"]) == (1, 2)
+
+
+def test_a_write_back_of_a_block_that_is_not_finite_fails_naming_it_and_stores_nothing(
+    make_lane,
+) -> None:
+    rig = make_lane(StoreLane)
+    host = rig.host_kv
+    fill(host, (2, 3), seed=50)
+    host[3].view(-1)[17] = float("nan")  # what a failed swap-out leaves
+    done = rig.run(store(1, "write", (2, 3), (key(0x61), key(0x62))))
+    assert done.status == "failed" and "host block 3 is not finite" in done.error, done
+    assert stored_files(rig.storage) == [], "a spoiled block was stored under a valid key"
+    host[3].view(-1)[17] = float("inf")
+    assert rig.run(store(2, "write", (3,), (key(0x62),))).status == "failed"
+    fill(host, (3,), seed=51)
+    assert rig.run(store(3, "write", (2, 3), (key(0x61), key(0x62)))).status == "ok"
+    assert len(stored_files(rig.storage)) == 2
+
+
+def test_a_prefetch_whose_read_raises_fills_its_host_blocks_with_nan(
+    make_lane, monkeypatch
+) -> None:
+    rig = make_lane(StoreLane)
+    host = rig.host_kv
+    fill(host, (1, 5, 6), seed=60)
+    assert rig.run(store(1, "write", (1,), (key(0x71),))).status == "ok"
+    backend = rig.lane.backend
+    assert backend is not None
+
+    def broken(items) -> list[bool]:
+        for _, buffer in items:
+            memoryview(buffer).cast("B")[:8] = b"\x01" * 8  # half a read
+        raise OSError("the storage server went away mid-read")
+
+    monkeypatch.setattr(backend, "get_into", broken)
+    kept = host[1].clone()
+    done = rig.run(store(2, "read", (5, 6), (key(0x71), key(0x72))))
+    assert done.status == "failed" and done.missing == (0, 1), done
+    assert bool(torch.isnan(host[[5, 6]]).all())
+    assert same(host[1], kept)
 
 
 # 5. Malformed ops.

@@ -364,6 +364,38 @@ def bits(kv: torch.Tensor) -> torch.Tensor:
     return kv.view(torch.int64).clone()  # NaN-safe equality
 
 
+def test_a_step_that_raises_fills_the_blocks_it_wrote_with_nan_and_no_other(
+    make_rig, monkeypatch
+) -> None:
+    rig = make_rig()
+    prefix = tuple(range(1, BLOCK + 1))  # block 0, computed by step 1 and only read by step 2
+    first = PlanPiece(seq_id=1, token_ids=prefix, start=0, block_table=(0,), sample=False)
+    rig.post(StepPlan(step=1, epoch=0, fence=Fence(), pieces=(first,)))
+    assert rig.result(1).status == "ok"
+    executor = rig.worker.executor
+    assert executor is not None
+    real = executor.step
+
+    def broken(pieces):  # it ran, wrote its KV, then raised (out of memory, a driver error)
+        real(pieces)
+        raise RuntimeError("the step broke after writing")
+
+    monkeypatch.setattr(executor, "step", broken)
+    before = bits(rig.kv)
+    tokens = tuple(range(20, 20 + BLOCK + 2))  # positions BLOCK .. 2 * BLOCK + 1: blocks 5, 6
+    piece = PlanPiece(seq_id=1, token_ids=tokens, start=BLOCK, block_table=(0, 5, 6), sample=True)
+    rig.post(StepPlan(step=2, epoch=0, fence=Fence(), pieces=(piece,)))
+    result = rig.result(2)
+    assert result.status == "failed" and "broke after writing" in result.error, result
+    assert result.outputs == ()
+    assert bool(torch.isnan(rig.kv[[5, 6]]).all()), "a failed step left KV that reads valid"
+    others = [b for b in range(POOL) if b not in (5, 6)]
+    assert torch.equal(bits(rig.kv)[others], before[others])
+    (failed,) = rig.events("step.failed")
+    assert (failed["step"], failed["spoiled"]) == (2, 2)
+    assert rig.mark(Lane.STEP).value() == 2
+
+
 PIECE = PlanPiece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
 
 
