@@ -619,6 +619,7 @@ class Engine(Actor):
             "hit_tokens": dict(c.hit_tokens),
             "steps": c.steps,
             "resets": c.resets,
+            "retries": c.retries,
             "batched_tokens": c.batched_tokens,
             "ops": dict(moved.ops),
             "blocks": dict(moved.blocks),

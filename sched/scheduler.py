@@ -36,6 +36,13 @@ fences order every later op that touches its blocks after it.
 When the Worker restarts, :meth:`reset_device` takes the device tier as lost: every op
 in flight as failed, every running request back to waiting with its tokens so far, to
 be computed again from host, storage or scratch.
+
+When a step fails (it raised, or read KV that a failed copy spoiled and got non-finite
+logits), what it wrote holds NaN (``actors/transfer.py``), and so does every copy made
+of it since: each sequence of the step loses every cached copy of its blocks, on device
+and host, and goes back to waiting with its tokens so far (a ``retry`` decision). A
+request whose steps failed more than :data:`STEP_RETRIES` times in a row is aborted. A step
+``rejected`` as malformed aborts its requests at once: running it again would not help.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ from ringfence.sched.blocks import BlockManager
 from ringfence.sched.ops import Op, Piece, StepOp, SwapOp
 from ringfence.sched.request import Request, RequestError, RequestState
 from ringfence.sched.sequence import Counters, Decision, Emitted, SchedConfig, Sequence, Tail
+
+STEP_RETRIES = 3  # failed steps in a row a request is computed again after; one more aborts
 
 
 class Scheduler:
@@ -410,7 +419,7 @@ class Scheduler:
         self, step: int, status: str, outputs: Iterable[tuple[int, int]]
     ) -> tuple[list[Emitted], list[Request]]:
         """Apply step ``step``'s result: (seq_id, token_id) pairs. Returns what each request
-        produced, and the requests that a failed step ended (aborted)."""
+        produced, and the requests that a failed step ended (aborted; see the module doc)."""
         op = self._step_in_flight
         if op is None or op.step != step:
             raise RuntimeError(f"result of step {step}, but the step in flight is {op}")
@@ -419,10 +428,20 @@ class Scheduler:
             failed = []
             for piece in op.pieces:
                 seq = self._seqs.get(piece.seq_id)
-                if seq is not None and not seq.request.is_finished:
-                    self.blocks.forget(device=seq.blocks)
+                if seq is None or seq.request.is_finished:
+                    continue
+                self._forget_copies(seq)
+                seq.failed_steps += 1
+                if status == "failed" and seq.failed_steps <= STEP_RETRIES:
+                    self._record("retry", seq, computed=seq.request.num_computed_tokens)
+                    self._requeue(seq)
+                    self.counters.retries += 1
+                else:
                     failed.append(self.abort(seq.request.request_id))
             return [], [r for r in failed if r is not None]
+        for piece in op.pieces:
+            if (seq := self._seqs.get(piece.seq_id)) is not None:
+                seq.failed_steps = 0  # the retries are for failures in a row
         emitted = []
         for seq_id, token in outputs:
             seq = self._seqs.get(seq_id)
@@ -437,6 +456,16 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         self._running.remove(seq)
         self._release(seq)
+
+    def _forget_copies(self, seq: Sequence) -> None:
+        """Make every cached copy of the sequence's blocks unfindable: a failed step spoiled
+        what it wrote, and copies made since (a write-through swap-out) carry the spoil."""
+        self.blocks.forget(device=seq.blocks)
+        for key in seq.keys:
+            for pool in (self.blocks.device, self.blocks.host):
+                block = pool.find(key)
+                if block is not None:
+                    pool.drop_key(block)
 
     def _release(self, seq: Sequence) -> None:
         """Give back every block the sequence holds and forget it."""

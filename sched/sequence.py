@@ -63,16 +63,18 @@ class Sequence:
     admitted: int = -1  # admission order; the newest is preempted first
     admissions: int = 0
     from_storage: set[BlockHash] = field(default_factory=set)  # prefetched keys, for counting
+    failed_steps: int = 0  # its steps that failed since one succeeded (Scheduler.on_step)
 
 
 class Decision(NamedTuple):
     """One scheduling decision about a sequence, for the engine's trace log and replay."""
 
-    kind: str  # "admit", "resume" (admitted again), "prefetch", "preempt", "reset"
+    kind: str  # "admit", "resume" (admitted again), "prefetch", "preempt", "reset", "retry"
     seq_id: int
     detail: dict[str, int | str]  # admit/resume: computed, device, host, storage (tokens);
     # prefetch: op, blocks; preempt: policy (the one used), computed (tokens dropped);
-    # reset (the device tier was lost under a running sequence): computed
+    # reset (the device tier was lost under a running sequence): computed;
+    # retry (a step of it failed; computed again): computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +93,4 @@ class Counters:
     steps: int = 0
     batched_tokens: int = 0
     resets: int = 0  # device tiers lost (Worker restarts)
+    retries: int = 0  # sequences computed again after a failed step

@@ -25,7 +25,7 @@ from ringfence.cache.ids import BlockHash, BlockId
 from ringfence.sched.blocks import TierConfig
 from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
 from ringfence.sched.request import Request, RequestError, RequestState, SamplingParams
-from ringfence.sched.scheduler import Scheduler
+from ringfence.sched.scheduler import STEP_RETRIES, Scheduler
 from ringfence.sched.sequence import SchedConfig
 
 NAMESPACE = b"\0" * 16
@@ -936,3 +936,109 @@ def test_the_kv_oracle_catches_a_swap_in_that_never_copied():
     sim.add(make_request("b", second, 4))
     with pytest.raises(OracleError, match="b reads position 0"):
         sim.one_round()
+
+
+# Failed ops: what they were writing is spoiled (NaN, here SPOILED), and the spoil travels.
+
+SPOILED = (-1,)  # the contents of a slot a failed op spoiled: NaN in the real KV
+
+
+class FaultySim(Sim):
+    """Executors that fail the way actors/worker.py and actors/transfer.py do: a failing
+    step or swap fills what it was writing with NaN (SPOILED) and reports failed; a copy
+    carries NaN along; a step that reads NaN gets non-finite logits and fails (spoiling
+    what it wrote); a write-back of a block holding NaN fails and stores nothing."""
+
+    def __init__(self, *args: Any, fail_steps: Iterable[int] = (), fail_swaps: Iterable[int] = (),
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self.fail_steps, self.fail_swaps = set(fail_steps), set(fail_swaps)
+        self.step_status = "ok"
+        self.refused_writes = 0
+
+    def spoiled(self, contents: Contents) -> bool:
+        return SPOILED in contents.values()
+
+    def execute(self, op: Op) -> None:
+        if isinstance(op, SwapOp) and op.op in self.fail_swaps:
+            target = self.host if op.direction == "out" else self.device
+            for b in op.host_blocks if op.direction == "out" else op.device_blocks:
+                target[b] = dict.fromkeys(range(self.bs), SPOILED)
+            self.pending.append(Pending(self.round + self.completion_delay, op, "failed", ()))
+            return
+        super().execute(op)
+
+    def execute_store(self, op: StoreOp) -> None:
+        if op.direction == "write" and any(
+            self.spoiled(self.host.get(h, {})) for h in op.host_blocks
+        ):
+            self.refused_writes += 1  # NonFiniteBlock: nothing stored
+            self.pending.append(Pending(self.round + self.completion_delay, op, "failed", ()))
+            return
+        super().execute_store(op)
+
+    def execute_step(self, op: StepOp) -> None:
+        bs = self.bs
+        reads_spoil = any(
+            self.device.get(p.block_table[pos // bs], {}).get(pos % bs) == SPOILED
+            for p in op.pieces
+            for pos in range(p.start)
+        )
+        if not (reads_spoil or op.step in self.fail_steps):
+            self.step_status = "ok"
+            super().execute_step(op)
+            return
+        self.step_status = "failed"
+        for b in op.poison:
+            self.device[b] = {}
+        for p in op.pieces:
+            for pos in range(p.start, p.start + len(p.token_ids)):
+                self.device.setdefault(p.block_table[pos // bs], {})[pos % bs] = SPOILED
+
+    def apply_step(self) -> None:
+        step = self.step_in_flight
+        if step is not None:
+            self.step_in_flight = None
+            outputs, self.step_outputs = self.step_outputs, []
+            self.sched.on_step(step.step, self.step_status, outputs)
+
+
+FAULT_CASES = [c for c in TIER_CASES if "host-storage-write_through" in str(c.id) or
+               str(c.id) in ("swap-host", "recompute-staging-storage-write-through")]  # fmt: skip
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+@pytest.mark.parametrize("config", FAULT_CASES)
+def test_failed_steps_and_swaps_spoil_what_they_wrote_and_every_request_still_gets_its_outputs(
+    config, delay, reference_outputs
+):
+    storage: dict[BlockHash, Contents] = {}
+    config = dict(config)
+    if config.pop("with_storage", False):
+        config["storage"] = FakeStorage(storage)
+    sim = FaultySim(
+        make_scheduler(**SMALL, **config),
+        storage,
+        delay,
+        fail_steps={3, 9, 17, 30},
+        fail_swaps={2, 5, 8, 13},
+    )
+    arrivals = make_workload(3)
+    sim.run(arrivals)
+    assert {r.request_id: r.output_token_ids for _, r in arrivals} == reference_outputs[3]
+    counters = sim.sched.counters
+    assert counters.retries >= len(sim.fail_steps), counters
+    assert not any(sim.spoiled(blob) for blob in storage.values())
+    sim.check_drained()
+
+
+def test_a_request_whose_steps_keep_failing_is_aborted_after_its_retries():
+    sim = FaultySim(make_scheduler(device_blocks=16), fail_steps=range(1, 100))
+    sim.add(make_request("a", range(1, 9), max_tokens=4))
+    for _ in range(STEP_RETRIES):
+        sim.one_round()
+        assert sim.requests[0].state is S.PREEMPTED  # back to waiting, computed again
+    sim.one_round()
+    assert sim.requests[0].state is S.ABORTED and sim.requests[0].num_output_tokens == 0
+    assert sim.sched.counters.retries == STEP_RETRIES
+    sim.check_drained()
