@@ -629,6 +629,42 @@ class RedisOutage:
             launch.wait_for("the run's end", lambda: launch.proc.poll() is not None)
 
 
+class RedisLate:
+    """A redis tier that is down when the run starts and comes up while it runs."""
+
+    def __init__(self) -> None:
+        self.port = 0
+
+    @contextmanager
+    def prepare(self, work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]:
+        from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port
+
+        if REDIS_SERVER is None:
+            raise FaultError("redis-server is not on PATH")
+        self.work = work / "redis"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        yield ("cache.storage.backend=redis", f"cache.storage.url=redis://127.0.0.1:{self.port}/0")
+
+    def drive(self, launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
+        """Start the server once the store lane failed an op; then a write-back must
+        succeed (both clients reconnected by themselves) and the run finish by itself."""
+        from ringfence.cache.storage.redis_server import redis_server
+
+        launch.wait_for("a failed store op", lambda: bool(launch.events("store-0", "lane.failed")))
+        if not launch.events("store-0", "storage.unreachable"):
+            outcome.notes.append("the store lane did not log storage.unreachable at open")
+        outcome.injected += 1
+        with redis_server(self.work, port=self.port):
+            launch.wait_for("the run's end", lambda: launch.proc.poll() is not None)
+        written = [
+            e
+            for e in launch.events("store-0", "lane.done")
+            if e.get("direction") == "write" and e.get("status") == "ok"
+        ]
+        outcome.info.append(f"{len(written)} write-backs succeeded once the server was up")
+
+
 def kills(instance: str, *steps: int) -> tuple[Kill, ...]:
     return tuple(Kill(instance, step) for step in steps)
 
@@ -644,7 +680,7 @@ def matrix(quick: bool) -> list[Scenario]:
     """Every scenario of ``ringfence bench faults`` (quick: fewer requests and kills)."""
     n = 4 if quick else 8
     steps = (12, 30, 60) if quick else (12, 40, 90, 150)
-    outage = RedisOutage()
+    outage, late = RedisOutage(), RedisLate()
     return [
         Scenario("none", "pressure", n, PRESSURE),
         Scenario("kill swap lane", "pressure", n, PRESSURE, kills("swap-0", *steps)),
@@ -701,6 +737,14 @@ def matrix(quick: bool) -> list[Scenario]:
             (*STORAGE, "engine.arrivals=true"),
             prepare=outage.prepare,
             drive=outage.drive,
+        ),
+        Scenario(
+            "redis down at launch, started",
+            "multiturn",
+            4,
+            (*STORAGE, "engine.arrivals=true"),
+            prepare=late.prepare,
+            drive=late.drive,
         ),
         Scenario(
             "client killed mid-stream",

@@ -58,8 +58,8 @@ def open_storage(
 
     Guarded (:class:`GuardedBackend`): while the tier is unreachable its presence answer
     is "nothing stored" and ``storage.unavailable`` goes to ``log`` (default: the stdlib
-    logger ``ringfence.cache.storage``) once per outage. Opening still raises if the
-    tier cannot be reached at all (``StorageUnavailable``).
+    logger ``ringfence.cache.storage``) once per outage. A server that is down when it
+    opens is such an outage from the start (``storage.unreachable``), not an error.
     """
     settings = config.cache.storage
     if settings.backend == "none":
@@ -73,6 +73,7 @@ def open_storage(
         max_bytes=settings.max_bytes,
         timeout_s=settings.timeout_s,
         log=log,
+        require_server=False,  # down at launch: misses until it is up, like an outage
     )
     return GuardedBackend(backend, log=log)
 

@@ -26,8 +26,11 @@ ops fenced on it go ahead before the engine hears of the failure. What it was wr
 is therefore spoiled first: its destination blocks are filled with NaN, and the taint
 travels with the data. A later copy carries the NaN along, a step that reads it gets
 non-finite logits and fails (``actors/worker.py``), and a write-back refuses a block
-that is not finite, so no stored key ever names garbage. If spoiling fails too, the
-lane dies before its watermark moves, and its restart redoes the op.
+that is all NaN, so no stored key ever names garbage. (Spoiling and copies are of whole
+blocks, so a spoiled block is all NaN; a block with some NaN is data, such as the unused
+slots of a partial block under ``cache.poison_freed``, and is stored as it is.) If
+spoiling fails too, the lane dies before its watermark moves, and its restart redoes
+the op.
 """
 
 from __future__ import annotations
@@ -395,6 +398,7 @@ class StoreLane(TransferLane):
             max_bytes=settings.max_bytes,
             timeout_s=settings.timeout_s,
             log=self.log,
+            require_server=False,  # down at launch: its ops fail (misses) until it is up
         )
 
     def on_stop(self) -> None:
@@ -441,7 +445,7 @@ class StoreLane(TransferLane):
         items = [(key, block_buffer(host, b)) for key, b in zip(keys, msg.host_blocks, strict=True)]
         missing: tuple[int, ...] = ()
         if msg.direction == "write":
-            refuse_non_finite(host, msg.host_blocks)
+            refuse_spoiled(host, msg.host_blocks)
             self.backend.put_many(items)
         else:
             hits = self.backend.get_into(items)
@@ -474,20 +478,20 @@ class StoreLane(TransferLane):
         return keys, ""
 
 
-class NonFiniteBlock(ValueError):
-    """A write-back found a block that is not finite: a failed op upstream spoiled it (or,
-    under ``cache.poison_freed``, the block was read after it was freed)."""
+class SpoiledBlock(ValueError):
+    """A write-back found a block that is all NaN: a failed op upstream spoiled it (or,
+    under ``cache.poison_freed``, the block was freed before it was read)."""
 
 
-def refuse_non_finite(kv: torch.Tensor, blocks: tuple[int, ...]) -> None:
-    """Raise :class:`NonFiniteBlock` naming the first of ``blocks`` holding NaN or inf."""
+def refuse_spoiled(kv: torch.Tensor, blocks: tuple[int, ...]) -> None:
+    """Raise :class:`SpoiledBlock` naming the first of ``blocks`` that is all NaN."""
     if not blocks:
         return
-    finite = torch.isfinite(kv[list(blocks)].flatten(1)).all(dim=1)
-    if not bool(finite.all()):
-        bad = blocks[int((~finite).nonzero()[0])]
-        raise NonFiniteBlock(
-            f"host block {bad} is not finite: what filled it failed, so it is not stored"
+    spoiled = torch.isnan(kv[list(blocks)].flatten(1)).all(dim=1)
+    if bool(spoiled.any()):
+        bad = blocks[int(spoiled.nonzero()[0])]
+        raise SpoiledBlock(
+            f"host block {bad} is all NaN: the op that filled it failed, so it is not stored"
         )
 
 

@@ -98,6 +98,11 @@ EVENTS: Final[dict[str, Event]] = {
         "the engine's presence question failed: nothing counts as stored until a retry after "
         "the back-off (retry_s, doubling) succeeds; once per outage",
     ),
+    "storage.unreachable": _e(
+        "warning",
+        "backend where error",
+        "a storage server was down when its client opened: calls fail (misses) until it is up",
+    ),
     "storage.restored": _e(
         "info", "backend outage_s failures", "the storage tier answered again after an outage"
     ),

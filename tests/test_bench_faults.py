@@ -17,7 +17,7 @@ def test_the_matrix_names_every_fault_of_the_issue_once():
         assert wanted in names
     for wanted in ("kill supervisor", "client flood", "client killed mid-stream"):
         assert wanted in names
-    assert sum(name.startswith(("storage", "redis")) for name in names) == 4
+    assert sum(name.startswith(("storage", "redis")) for name in names) == 5
     assert [s.name for s in matrix(quick=False)] == names
 
 

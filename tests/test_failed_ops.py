@@ -104,7 +104,7 @@ def test_failed_swaps_and_steps_are_spoiled_refused_and_computed_again(tmp_path)
     failed = {(e["lane"], e["error"].split()[0]) for e in events(run_dir, "swap-0", "lane.failed")}
     assert {("swap", "OSError('swap-in"), ("swap", "OSError('swap-out")} <= failed, failed
     assert events(run_dir, "worker-0", "step.failed"), "no step failed"
-    refused = [e for e in events(run_dir, "store-0", "lane.failed") if "not finite" in e["error"]]
+    refused = [e for e in events(run_dir, "store-0", "lane.failed") if "all NaN" in e["error"]]
     assert refused, "no write-back met a spoiled block: the run did not test the refusal"
     assert stored_garbage(run_dir / "storage") == []
     engine = orjson.loads((run_dir / "summary.json").read_bytes())["engine"]

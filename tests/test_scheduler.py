@@ -972,7 +972,7 @@ class FaultySim(Sim):
         if op.direction == "write" and any(
             self.spoiled(self.host.get(h, {})) for h in op.host_blocks
         ):
-            self.refused_writes += 1  # NonFiniteBlock: nothing stored
+            self.refused_writes += 1  # SpoiledBlock: nothing stored
             self.pending.append(Pending(self.round + self.completion_delay, op, "failed", ()))
             return
         super().execute_store(op)

@@ -33,7 +33,7 @@ from ringfence.cache.storage.guarded import GuardedBackend
 from ringfence.cache.storage.local import TMP_PREFIX, LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
-from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server, url_port
+from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port, redis_server, url_port
 from ringfence.cache.storage.testing import RecordingLog
 from ringfence.runtime.config import load_config
 from ringfence.shm.errors import ConfigError
@@ -245,6 +245,39 @@ def test_the_redis_timeout_setting_must_be_positive():
     with pytest.raises(ConfigError, match=r"cache\.storage\.timeout_s: must be > 0"):
         load_config(None, ["cache.storage.timeout_s=0"])
     assert load_config(None, []).cache.storage.timeout_s == 2.0
+
+
+def test_a_redis_down_at_open_is_an_error_or_if_not_required_a_warning_until_it_is_up(tmp_path):
+    needs_redis()
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(StorageUnavailable, match="refused"):
+        open_backend("redis", fingerprint=FP, url=url)  # a command line wants to know at once
+    log = RecordingLog()
+    store = open_backend("redis", fingerprint=FP, url=url, log=log, require_server=False)
+    with closing(store):
+        assert [line[:2] for line in log.lines] == [("warning", "storage.unreachable")]
+        assert log.lines[0][2]["where"] == f"127.0.0.1:{url_port(url)}"
+        with pytest.raises(StorageUnavailable, match="refused"):
+            store.put_many(items(0))
+        with redis_server(tmp_path, port=url_port(url)):  # the server comes up late
+            assert store.put_many(items(0)) == 1
+            assert store.get_many([key(0)]) == [payload(0)]
+
+
+def test_the_engine_and_the_store_lane_open_a_redis_that_is_down_and_count_misses(tmp_path):
+    needs_redis()
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    model = ModelInfo(
+        model_id="preset-tiny-seed0", vocab_size=259, max_position=2048, dtype="float32",
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    config = load_config(None, ["cache.storage.backend=redis", f"cache.storage.url={url}"])
+    log = RecordingLog()
+    storage = open_storage(config, model, str(tmp_path), log=log)
+    assert storage is not None
+    with closing(storage):
+        assert storage.longest_prefix([key(0)]) == 0  # a miss, never an exception
+        assert not storage.available
 
 
 def test_a_stopped_redis_fails_every_call_at_once_and_a_restart_on_its_port_serves_again(

@@ -39,6 +39,7 @@ from ringfence.actors.protocol import (
 from ringfence.actors.transfer import StoreLane, SwapLane, TransferLane
 from ringfence.cache.fences import NO_WAIT, Fence, Lane, Tier
 from ringfence.cache.ids import Seq
+from ringfence.cache.storage.redis_server import free_port
 from ringfence.runtime.config import Config, load_config
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.mailbox import ConditionWaiter, LocalInbox, Mailbox
@@ -435,21 +436,18 @@ def test_a_swap_copy_that_raises_fills_its_destination_with_nan_and_reports_fail
     assert (failed["op"], failed["spoiled"]) == (1, 2)
 
 
-def test_a_write_back_of_a_block_that_is_not_finite_fails_naming_it_and_stores_nothing(
-    make_lane,
-) -> None:
+def test_a_write_back_of_a_spoiled_block_fails_naming_it_and_stores_nothing(make_lane) -> None:
     rig = make_lane(StoreLane)
     host = rig.host_kv
     fill(host, (2, 3), seed=50)
-    host[3].view(-1)[17] = float("nan")  # what a failed swap-out leaves
+    host[3] = float("nan")  # what a failed swap-out leaves: the whole block
     done = rig.run(store(1, "write", (2, 3), (key(0x61), key(0x62))))
-    assert done.status == "failed" and "host block 3 is not finite" in done.error, done
+    assert done.status == "failed" and "host block 3 is all NaN" in done.error, done
     assert stored_files(rig.storage) == [], "a spoiled block was stored under a valid key"
-    host[3].view(-1)[17] = float("inf")
-    assert rig.run(store(2, "write", (3,), (key(0x62),))).status == "failed"
     fill(host, (3,), seed=51)
-    assert rig.run(store(3, "write", (2, 3), (key(0x61), key(0x62)))).status == "ok"
-    assert len(stored_files(rig.storage)) == 2
+    host[3].view(-1)[17:40] = float("nan")  # data: a partial block's unused slots, poisoned
+    done = rig.run(store(2, "write", (2, 3), (key(0x61), key(0x62))))
+    assert done.status == "ok" and len(stored_files(rig.storage)) == 2, done
 
 
 def test_a_prefetch_whose_read_raises_fills_its_host_blocks_with_nan(
@@ -473,6 +471,22 @@ def test_a_prefetch_whose_read_raises_fills_its_host_blocks_with_nan(
     assert done.status == "failed" and done.missing == (0, 1), done
     assert bool(torch.isnan(host[[5, 6]]).all())
     assert same(host[1], kept)
+
+
+def test_a_store_lane_whose_redis_is_down_at_launch_starts_and_fails_its_ops_as_misses(
+    make_lane,
+) -> None:
+    pytest.importorskip("redis")
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    rig = make_lane(StoreLane, "cache.storage.backend=redis", f"cache.storage.url={url}")
+    fill(rig.host_kv, (1,), seed=80)
+    done = rig.run(store(1, "write", (1,), (key(0x81),)))
+    assert done.status == "failed" and "StorageUnavailable" in done.error, done
+    done = rig.run(store(2, "read", (4, 5), (key(0x81), key(0x82))))
+    assert (done.status, done.missing) == ("failed", (0, 1)), done
+    assert bool(torch.isnan(rig.host_kv[[4, 5]]).all())
+    (down,) = rig.events("storage.unreachable")
+    assert down["where"] == f"127.0.0.1:{url.rpartition(':')[2].partition('/')[0]}"
 
 
 # 5. Malformed ops.

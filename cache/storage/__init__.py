@@ -282,6 +282,7 @@ class _Place:
     url: str  # redis: the server
     max_bytes: int  # local, memory: the bound (0: none)
     timeout_s: float  # redis: the connect and reply timeout
+    require_server: bool  # redis: an unreachable server at open raises (else: a warning)
 
 
 # (fingerprint, place, log) -> backend; each imports its module on use.
@@ -305,7 +306,13 @@ def _open_redis(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBack
         raise ConfigError(
             "cache.storage.url: the redis backend needs a URL", key="cache.storage.url"
         )
-    return RedisBackend(place.url, fingerprint=fp, log=log, socket_timeout_s=place.timeout_s)
+    return RedisBackend(
+        place.url,
+        fingerprint=fp,
+        log=log,
+        socket_timeout_s=place.timeout_s,
+        require_server=place.require_server,
+    )
 
 
 def _open_memory(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBackend:
@@ -337,6 +344,7 @@ def open_backend(
     max_bytes: int = 1 << 30,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     log: StorageLog | None = None,
+    require_server: bool = True,
 ) -> StorageBackend:
     """Open the backend registered as ``name`` with the ``cache.storage`` settings.
 
@@ -346,7 +354,10 @@ def open_backend(
     ``timeout_s`` bounds each connect and each reply of ``redis``, so a server that
     stopped answering costs that long, not a hang.
     Raises :class:`ConfigError` naming the key for an unknown backend or a missing
-    ``path``/``url``, and :class:`StorageUnavailable` if a server cannot be reached.
+    ``path``/``url``, and :class:`StorageUnavailable` if a server cannot be reached;
+    with ``require_server=False`` an unreachable server is a ``storage.unreachable``
+    warning instead, and each call raises ``StorageUnavailable`` until it is reachable
+    (the actors open it so: a tier that is down at launch costs misses, not the run).
     """
     if name not in BACKENDS:
         known = ", ".join(repr(n) for n in BACKENDS)
@@ -363,5 +374,7 @@ def open_backend(
             f"cache.storage.timeout_s: must be > 0, got {timeout_s}", key="cache.storage.timeout_s"
         )
     check_key(fingerprint, "fingerprint")
-    place = _Place(path=path, url=url, max_bytes=max_bytes, timeout_s=timeout_s)
+    place = _Place(
+        path=path, url=url, max_bytes=max_bytes, timeout_s=timeout_s, require_server=require_server
+    )
     return BACKENDS[name](fingerprint, place, log)

@@ -41,6 +41,7 @@ from ringfence.cache.storage import (
     StorageLog,
     StorageStats,
     StorageUnavailable,
+    stdlib_log,
 )
 from ringfence.cache.storage.blob import (
     Buffer,
@@ -71,6 +72,7 @@ class RedisBackend:
         fingerprint: bytes,
         log: StorageLog | None = None,
         socket_timeout_s: float = DEFAULT_TIMEOUT_S,
+        require_server: bool = True,
     ) -> None:
         import redis
         from redis.backoff import NoBackoff
@@ -92,7 +94,18 @@ class RedisBackend:
         )
         self._counters = Counters(self.name, log)
         self._closed = False
-        self._call(self.client.ping)  # fail at open, not at the first write-back
+        try:
+            self._call(self.client.ping)  # fail at open, not at the first write-back
+        except StorageUnavailable as e:
+            if require_server:
+                raise
+            # The pool connects on a later call once the server is up; until then each
+            # call raises StorageUnavailable, which callers turn into misses.
+            kwargs = self.client.connection_pool.connection_kwargs
+            where = f"{kwargs.get('host', '')}:{kwargs.get('port', '')}"
+            (log or stdlib_log()).warning(
+                "storage.unreachable", backend=self.name, where=where, error=str(e)
+            )
 
     def redis_key(self, key: BlockHash) -> bytes:
         """The Redis key a block is stored under."""
