@@ -23,12 +23,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
-import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final
 
+import orjson
 import posix_ipc
 
 from ringfence.shm.errors import NameMissing, SegmentLayoutError
@@ -103,7 +103,7 @@ class KVHandle:
     layout: KVLayout
     device: str  # "cpu" or "cuda:N"
     shm: str = ""  # POSIX name of the segment (CPU); "" for a process-private tensor
-    cuda_ipc: str = ""  # base64 of torch's CUDA IPC rebuild record (CUDA)
+    cuda_ipc: str = ""  # JSON of torch's CUDA IPC record (CUDA): plain data, see cuda_args
     owner_pid: int = 0
 
 
@@ -258,18 +258,129 @@ def _map(name: str, layout: KVLayout) -> Tensor:
 
 def _export_cuda(tensor: Tensor) -> str:
     # torch's own CUDA IPC record (device, memory handle, offsets, reference counter,
-    # event): the same route torch.multiprocessing takes. Only ever read by processes
-    # of the same run on the same machine.
-    from torch.multiprocessing.reductions import reduce_tensor
+    # event): the same route torch.multiprocessing takes, sent as plain data (JSON),
+    # never as a pickle: a message field must not be able to name code to run.
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
     rebuild, args = reduce_tensor(tensor)  # type: ignore[no-untyped-call]
-    return base64.b64encode(pickle.dumps((rebuild, args))).decode("ascii")
+    if rebuild is not rebuild_cuda_tensor:
+        raise RuntimeError(f"torch shared a CUDA tensor with {rebuild.__name__}, not IPC")
+    return cuda_record(args)
 
 
 def _import_cuda(record: str) -> Tensor:
-    from torch import Tensor
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    rebuild, args = pickle.loads(base64.b64decode(record))  # the own run's record only
-    tensor = rebuild(*args)
-    assert isinstance(tensor, Tensor)
+    args = cuda_args(record)  # checked before torch touches anything
+    tensor = rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]
+    assert isinstance(tensor, torch.Tensor)
     return tensor
+
+
+# The fields of torch's rebuild_cuda_tensor, in order, with how each travels as JSON.
+_CUDA_FIELDS: Final = (
+    ("tensor_cls", "class"),
+    ("size", "ints"),
+    ("stride", "ints"),
+    ("offset", "int"),
+    ("storage_cls", "class"),
+    ("dtype", "dtype"),
+    ("device", "int"),
+    ("handle", "bytes"),
+    ("storage_size", "int"),
+    ("storage_offset", "int"),
+    ("requires_grad", "bool"),
+    ("ref_handle", "bytes"),
+    ("ref_offset", "int"),
+    ("event_handle", "bytes"),
+    ("event_sync", "bool"),
+)
+
+
+def _classes() -> dict[str, type]:
+    import torch
+
+    return {
+        "Tensor": torch.Tensor,
+        "TypedStorage": torch.TypedStorage,
+        "UntypedStorage": torch.UntypedStorage,
+    }
+
+
+def cuda_record(args: Sequence[Any]) -> str:
+    """The JSON of the arguments torch's ``reduce_tensor`` gives ``rebuild_cuda_tensor``."""
+    if len(args) != len(_CUDA_FIELDS):
+        raise RuntimeError(
+            f"torch's CUDA IPC record has {len(args)} fields; this runtime knows one of "
+            f"{len(_CUDA_FIELDS)}: check the torch version"
+        )
+    known = {cls: name for name, cls in _classes().items()}
+    record: dict[str, Any] = {}
+    for (field, kind), value in zip(_CUDA_FIELDS, args, strict=True):
+        if kind == "class":
+            if value not in known:
+                raise RuntimeError(f"CUDA IPC record: {field} {value!r} is not a known class")
+            record[field] = known[value]
+        elif kind == "dtype":
+            record[field] = str(value).removeprefix("torch.")
+        elif kind == "bytes":
+            record[field] = None if value is None else base64.b64encode(value).decode("ascii")
+        elif kind == "ints":
+            record[field] = [int(v) for v in value]
+        else:
+            record[field] = value
+    return orjson.dumps(record).decode()
+
+
+def cuda_args(record: str) -> tuple[Any, ...]:
+    """The arguments of ``rebuild_cuda_tensor`` from :func:`cuda_record`'s JSON, every field
+    checked; ValueError naming the first that is wrong. Nothing in it can name code."""
+    import torch
+
+    try:
+        fields = orjson.loads(record)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"KV handle cuda_ipc is not a JSON record: {e}") from None
+    if not isinstance(fields, dict) or set(fields) != {f for f, _ in _CUDA_FIELDS}:
+        raise ValueError(
+            f"KV handle cuda_ipc must hold exactly the fields {[f for f, _ in _CUDA_FIELDS]}"
+        )
+    classes = _classes()
+    args: list[Any] = []
+    for field, kind in _CUDA_FIELDS:
+        value = fields[field]
+        bad = ValueError(f"KV handle cuda_ipc field {field} is not a valid {kind}: {value!r:.80}")
+        if kind == "class":
+            if value not in classes:
+                raise bad
+            args.append(classes[value])
+        elif kind == "dtype":
+            if value not in ITEMSIZE:
+                raise bad
+            args.append(getattr(torch, value))
+        elif kind == "bytes":
+            if value is None:
+                args.append(None)
+                continue
+            try:
+                args.append(base64.b64decode(value, validate=True))
+            except (TypeError, ValueError):
+                raise bad from None
+        elif kind == "ints":
+            if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+                raise bad
+            args.append(torch.Size(value) if field == "size" else tuple(value))
+        elif kind == "int":
+            if not (_is_int(value) and value >= 0):
+                raise bad
+            args.append(value)
+        else:
+            if not isinstance(value, bool):
+                raise bad
+            args.append(value)
+    return tuple(args)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import os
 import pickle
 
+import orjson
 import pytest
 import torch
 from peers import finish, start
@@ -16,6 +18,8 @@ from ringfence.actors.kvspace import (
     KVLayout,
     SharedKV,
     create_kv,
+    cuda_args,
+    cuda_record,
     open_kv,
     torch_dtype,
 )
@@ -406,6 +410,64 @@ def test_closing_while_a_block_view_is_still_alive_keeps_the_view_usable(kv_name
 
 
 # -- CUDA --
+
+
+# The fields torch's reduce_tensor gives rebuild_cuda_tensor, with the types it gives them.
+CUDA_ARGS = (
+    torch.Tensor, torch.Size([4, 2, 2, 4, 2, 8]), (512, 256, 128, 32, 16, 1), 0,
+    torch.TypedStorage, torch.float32, 0, b"\x01" * 64, 8192, 0, False, b"/torch_1_2", 16,
+    b"\x02" * 64, True,
+)  # fmt: skip
+
+
+def test_a_cuda_ipc_record_is_plain_json_that_gives_back_torchs_rebuild_arguments() -> None:
+    record = cuda_record(CUDA_ARGS)
+    fields = orjson.loads(record)
+    assert fields["tensor_cls"] == "Tensor" and fields["storage_cls"] == "TypedStorage"
+    assert fields["dtype"] == "float32" and fields["size"] == [4, 2, 2, 4, 2, 8]
+    assert cuda_args(record) == CUDA_ARGS
+    assert cuda_args(cuda_record((*CUDA_ARGS[:13], None, False)))[13] is None
+
+
+class Touch:
+    """A pickle that would create ``path`` when loaded: what the pickled record allowed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda f: {**f, "tensor_cls": "os.system"}, "tensor_cls"),
+        (lambda f: {**f, "storage_cls": "Module"}, "storage_cls"),
+        (lambda f: {**f, "dtype": "complex128"}, "dtype"),
+        (lambda f: {**f, "size": [4, -2]}, "size"),
+        (lambda f: {**f, "device": True}, "device"),
+        (lambda f: {**f, "handle": "not base64!"}, "handle"),
+        (lambda f: {**f, "event_sync": 1}, "event_sync"),
+        (lambda f: {k: v for k, v in f.items() if k != "offset"}, "exactly the fields"),
+        (lambda f: {**f, "extra": 1}, "exactly the fields"),
+    ],
+    ids=["code-class", "unknown-storage", "dtype", "negative-size", "bool-device", "bad-base64",
+         "int-bool", "missing-field", "extra-field"],
+)  # fmt: skip
+def test_a_wrong_cuda_ipc_field_is_a_value_error_naming_it(mutate, message) -> None:
+    fields = orjson.loads(cuda_record(CUDA_ARGS))
+    with pytest.raises(ValueError, match=message):
+        cuda_args(orjson.dumps(mutate(fields)).decode())
+
+
+def test_a_handle_whose_cuda_ipc_is_a_pickle_is_refused_and_runs_nothing(tmp_path) -> None:
+    marker = tmp_path / "ran"
+    payload = base64.b64encode(pickle.dumps(Touch(str(marker)))).decode("ascii")
+    handle = KVHandle(layout=LAYOUT, device="cuda:0", cuda_ipc=payload, owner_pid=1)
+    with pytest.raises(ValueError, match="cuda_ipc is not a JSON record"):
+        open_kv(handle)
+    assert not marker.exists()
 
 
 @pytest.mark.skipif(

@@ -274,7 +274,7 @@ def test_the_engine_and_the_store_lane_open_a_redis_that_is_down_and_count_misse
     config = load_config(None, ["cache.storage.backend=redis", f"cache.storage.url={url}"])
     log = RecordingLog()
     storage = open_storage(config, model, str(tmp_path), log=log)
-    assert storage is not None
+    assert isinstance(storage, GuardedBackend)
     with closing(storage):
         assert storage.longest_prefix([key(0)]) == 0  # a miss, never an exception
         assert not storage.available
