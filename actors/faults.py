@@ -596,6 +596,17 @@ def full_tmpfs(work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]:
         subprocess.run([umount, "-l", str(point)], capture_output=True, timeout=30, check=False)
 
 
+def redis_work(work: Path) -> Path:
+    """The folder of a scenario's redis server; FaultError if there is no redis-server."""
+    from ringfence.cache.storage.redis_server import REDIS_SERVER
+
+    if REDIS_SERVER is None:
+        raise FaultError("redis-server is not on PATH")
+    folder = work / "redis"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 class RedisOutage:
     """A redis tier of the run's own, stopped mid-run and started again on its port."""
 
@@ -605,12 +616,9 @@ class RedisOutage:
 
     @contextmanager
     def prepare(self, work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]:
-        from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
+        from ringfence.cache.storage.redis_server import redis_server
 
-        if REDIS_SERVER is None:
-            raise FaultError("redis-server is not on PATH")
-        self.work = work / "redis"
-        self.work.mkdir(parents=True, exist_ok=True)
+        self.work = redis_work(work)
         with self.server:
             self.url = self.server.enter_context(redis_server(self.work))
             yield ("cache.storage.backend=redis", f"cache.storage.url={self.url}")
@@ -637,12 +645,9 @@ class RedisLate:
 
     @contextmanager
     def prepare(self, work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]:
-        from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port
+        from ringfence.cache.storage.redis_server import free_port
 
-        if REDIS_SERVER is None:
-            raise FaultError("redis-server is not on PATH")
-        self.work = work / "redis"
-        self.work.mkdir(parents=True, exist_ok=True)
+        self.work = redis_work(work)
         self.port = free_port()
         yield ("cache.storage.backend=redis", f"cache.storage.url=redis://127.0.0.1:{self.port}/0")
 

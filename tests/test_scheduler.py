@@ -512,6 +512,15 @@ for _policy in ("recompute", "swap", "save"):
         )
 
 
+def small_sim(config: dict[str, Any], sim_cls: type[Sim] | None = None, **kwargs: Any) -> Sim:
+    """A simulator of a SMALL scheduler with ``config``; "with_storage" gives it storage."""
+    storage: dict[BlockHash, Contents] = {}
+    config = dict(config)
+    if config.pop("with_storage", False):
+        config["storage"] = FakeStorage(storage)
+    return (sim_cls or Sim)(make_scheduler(**SMALL, **config), storage, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def reference_outputs() -> dict[int, dict[str, list[int]]]:
     out = {}
@@ -555,11 +564,7 @@ def test_every_request_finishes_with_the_reference_outputs_under_preemption(
 
 @pytest.mark.parametrize("config", TIER_CASES)
 def test_delayed_transfer_completions_give_the_same_outputs(config, reference_outputs):
-    storage: dict[BlockHash, Contents] = {}
-    config = dict(config)
-    if config.pop("with_storage", False):
-        config["storage"] = FakeStorage(storage)
-    sim = Sim(make_scheduler(**SMALL, **config), storage, completion_delay=3)
+    sim = small_sim(config, completion_delay=3)
     arrivals = make_workload(2)
     sim.run(arrivals)
     assert {r.request_id: r.output_token_ids for _, r in arrivals} == reference_outputs[2]
@@ -571,12 +576,8 @@ def test_delayed_transfer_completions_give_the_same_outputs(config, reference_ou
 def test_after_device_tier_resets_every_request_still_gets_the_reference_outputs(
     config, delay, reference_outputs
 ):
-    storage: dict[BlockHash, Contents] = {}
-    config = dict(config)
-    if config.pop("with_storage", False):
-        config["storage"] = FakeStorage(storage)
     resets = frozenset({4, 11, 23, 37})
-    sim = Sim(make_scheduler(**SMALL, **config), storage, delay, reset_rounds=resets)
+    sim = small_sim(config, completion_delay=delay, reset_rounds=resets)
     arrivals = make_workload(3)
     sim.run(arrivals)
     assert {r.request_id: r.output_token_ids for _, r in arrivals} == reference_outputs[3]
@@ -1012,23 +1013,20 @@ FAULT_CASES = [c for c in TIER_CASES if "host-storage-write_through" in str(c.id
 def test_failed_steps_and_swaps_spoil_what_they_wrote_and_every_request_still_gets_its_outputs(
     config, delay, reference_outputs
 ):
-    storage: dict[BlockHash, Contents] = {}
-    config = dict(config)
-    if config.pop("with_storage", False):
-        config["storage"] = FakeStorage(storage)
-    sim = FaultySim(
-        make_scheduler(**SMALL, **config),
-        storage,
-        delay,
+    sim = small_sim(
+        config,
+        FaultySim,
+        completion_delay=delay,
         fail_steps={3, 9, 17, 30},
         fail_swaps={2, 5, 8, 13},
     )
+    assert isinstance(sim, FaultySim)
     arrivals = make_workload(3)
     sim.run(arrivals)
     assert {r.request_id: r.output_token_ids for _, r in arrivals} == reference_outputs[3]
     counters = sim.sched.counters
     assert counters.retries >= len(sim.fail_steps), counters
-    assert not any(sim.spoiled(blob) for blob in storage.values())
+    assert not any(sim.spoiled(blob) for blob in sim.storage.values())
     sim.check_drained()
 
 
