@@ -75,7 +75,7 @@ def open_storage(
         log=log,
         require_server=False,  # down at launch: misses until it is up, like an outage
     )
-    return GuardedBackend(backend, log=log)
+    return GuardedBackend(backend, log=log, answer_s=settings.presence_timeout_s)
 
 
 def to_message(op: Op, epoch: int) -> Message:

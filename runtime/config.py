@@ -93,6 +93,12 @@ class StorageConfig:
     timeout_s: float = setting(
         2.0, "'redis': the most seconds a connect or a reply may take", gt=0, le=3600
     )
+    presence_timeout_s: float = setting(
+        0.05,
+        "the most seconds the engine waits to learn what the tier holds; later is a miss",
+        gt=0,
+        le=60,
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

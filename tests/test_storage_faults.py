@@ -16,18 +16,25 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
 import pytest
 
 from ringfence.actors.protocol import ModelInfo
 from ringfence.actors.serving import open_storage
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage import StorageUnavailable, StorageWriteFailed, open_backend
+from ringfence.cache.storage import (
+    StorageBackend,
+    StorageUnavailable,
+    StorageWriteFailed,
+    open_backend,
+)
 from ringfence.cache.storage.blob import TRAILER, decode
 from ringfence.cache.storage.guarded import GuardedBackend
 from ringfence.cache.storage.local import TMP_PREFIX, LocalBackend
@@ -211,6 +218,7 @@ def test_open_storage_gives_the_engine_a_guarded_client_and_none_without_a_tier(
     config = load_config(None, ["cache.storage.backend=local"])
     storage = open_storage(config, model, str(tmp_path))
     assert isinstance(storage, GuardedBackend) and isinstance(storage.backend, LocalBackend)
+    assert storage.answer_s == config.cache.storage.presence_timeout_s == 0.05
     assert storage.backend.root == str(tmp_path / "storage")
     storage.close()
     none = load_config(None, ["cache.storage.backend=none"])
@@ -522,3 +530,70 @@ def test_the_store_lane_gives_the_timeout_setting_to_its_storage_client():
 
     calls = keywords_of_calls(transfer, "open_backend")
     assert calls and all("timeout_s" in keywords for keywords in calls)
+
+
+class Hung:
+    """A backend whose presence question waits until released: a server that stopped
+    answering (until ``release`` is set), then answers ``answer`` or raises ``error``."""
+
+    name = "hung"
+
+    def __init__(self, answer: int = 0, error: Exception | None = None) -> None:
+        self.answer, self.error = answer, error
+        self.release = threading.Event()
+        self.calls = 0
+
+    def longest_prefix(self, keys: Sequence[BlockHash]) -> int:
+        self.calls += 1
+        assert self.release.wait(MOUNT_TIMEOUT_S), "never released"
+        if self.error is not None:
+            raise self.error
+        return self.answer
+
+    def close(self) -> None:
+        self.release.set()
+
+
+def test_a_hung_backend_costs_the_engine_answer_s_once_and_misses_until_it_answers():
+    log, hung = RecordingLog(), Hung(answer=2)
+    guarded = GuardedBackend(cast(StorageBackend, hung), log=log, answer_s=0.05)
+    with closing(guarded):
+        start = time.monotonic()
+        assert guarded.longest_prefix([key(0), key(1)]) == 0
+        assert 0.05 <= time.monotonic() - start < 0.05 + FAST_S
+        start = time.monotonic()
+        assert [guarded.longest_prefix([key(0)]) for _ in range(100)] == [0] * 100
+        assert time.monotonic() - start < FAST_S and hung.calls == 1  # not asked while hung
+        hung.release.set()
+        assert guarded.wait_answer(MOUNT_TIMEOUT_S)
+        assert guarded.longest_prefix([key(0), key(1)]) == 2
+    assert [line[:2] for line in log.lines] == [
+        ("warning", "storage.unavailable"),
+        ("info", "storage.restored"),
+    ]
+    assert "no answer within 0.05 s" in str(log.lines[0][2]["error"])
+
+
+def test_a_hung_question_that_ends_in_an_error_starts_the_back_off():
+    log, clock = RecordingLog(), Clock()
+    hung = Hung(error=StorageUnavailable("redis at x: Timeout reading from socket"))
+    guarded = GuardedBackend(cast(StorageBackend, hung), log=log, answer_s=0.05, clock=clock)
+    with closing(guarded):
+        assert guarded.longest_prefix([key(0)]) == 0
+        hung.release.set()
+        assert guarded.wait_answer(MOUNT_TIMEOUT_S)
+        assert guarded.longest_prefix([key(0)]) == 0  # the error is settled: back-off begins
+        assert guarded.longest_prefix([key(0)]) == 0 and hung.calls == 1
+        clock.now += guarded.backoff_s
+        assert guarded.longest_prefix([key(0)]) == 0 and hung.calls == 2  # asked again
+    assert [line[1] for line in log.lines] == ["storage.unavailable"]
+
+
+def test_a_redis_that_never_answers_costs_the_engine_answer_s_not_its_timeout(silent_server):
+    pytest.importorskip("redis")
+    store = RedisBackend(silent_server, fingerprint=FP, socket_timeout_s=1.0, require_server=False)
+    guarded = GuardedBackend(store, log=RecordingLog(), answer_s=0.05)
+    with closing(guarded):
+        start = time.monotonic()
+        assert guarded.longest_prefix([key(0)]) == 0
+        assert time.monotonic() - start < 0.05 + FAST_S < 1.0
