@@ -8,7 +8,10 @@ tracemalloc over the pool and index, plus the key objects). Storage part: put an
 ``--storage-blocks`` blocks of 256 KiB on each backend asked for (``local`` in a
 temp dir; ``redis`` against a redis-server it starts on loopback when one is
 installed), next to a plain ``open().write()`` of the same bytes into the same
-temp dir, as a ratio (target >= 0.7).
+temp dir, as a ratio (target >= 0.7). Presence part: microseconds per engine question
+"how many of these 32 keys are stored" (16 are) through the engine's guarded client,
+asked on its asker thread with a deadline (``cache.storage.presence_timeout_s``) next
+to asked in the caller, as a ratio: the price of never stalling on a hung server.
 
 Lives in ringfence.cache (stdlib only) and is reached by import path from the CLI.
 """
@@ -16,6 +19,7 @@ Lives in ringfence.cache (stdlib only) and is reached by import path from the CL
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -236,6 +240,38 @@ def _backend(
     return put, get
 
 
+PRESENCE_KEYS = 32  # keys per presence question, the first half of them stored
+
+
+def _presence(name: str, workdir: Path, url: str, questions: int) -> tuple[float, float]:
+    """Microseconds per guarded ``longest_prefix``: asked in the caller, and on the asker
+    thread with the engine's default deadline."""
+    from ringfence.cache.storage import open_backend
+    from ringfence.cache.storage.guarded import GuardedBackend
+
+    keys = [
+        BlockHash(blake2b(f"presence-{i}".encode(), digest_size=16).digest())
+        for i in range(PRESENCE_KEYS)
+    ]
+    stored = PRESENCE_KEYS // 2
+    timings = []
+    for answer_s in (None, 0.05):
+        backend = open_backend(
+            name, fingerprint=FINGERPRINT, path=str(workdir / name), url=url, max_bytes=0
+        )
+        backend.put_many((k, bytes(STORAGE_BLOCK_BYTES)) for k in keys[:stored])
+        with contextlib.closing(GuardedBackend(backend, answer_s=answer_s)) as guarded:
+            for _ in range(20):  # warm: the first questions pay for cold caches and the thread
+                guarded.longest_prefix(keys)
+            start = time.perf_counter_ns()
+            for _ in range(questions):
+                if guarded.longest_prefix(keys) != stored:
+                    raise RuntimeError(f"{name}: a presence question got a wrong answer")
+            timings.append((time.perf_counter_ns() - start) / 1e3 / questions)
+            backend.delete(keys)
+    return timings[0], timings[1]
+
+
 def bench_storage(backends: Sequence[str], num_blocks: int, rounds: int) -> dict[str, Any]:
     """Median put/get MB/s per backend and of the plain write/read, over interleaved rounds."""
     from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
@@ -243,6 +279,8 @@ def bench_storage(backends: Sequence[str], num_blocks: int, rounds: int) -> dict
     rng = random.Random(1)
     payloads = [rng.randbytes(STORAGE_BLOCK_BYTES) for _ in range(num_blocks)]
     samples: dict[str, list[tuple[float, float]]] = {"plain": [], "plain_fsync": []}
+    asks: dict[str, list[tuple[float, float]]] = {}
+    questions = 200 if rounds == 1 else 2000
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="ringfence-bench-cache-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
@@ -261,6 +299,7 @@ def bench_storage(backends: Sequence[str], num_blocks: int, rounds: int) -> dict
             samples["plain_fsync"].append(_plain(round_dir, payloads, fsync=True))
             for name in active:
                 samples.setdefault(name, []).append(_backend(name, round_dir, url, payloads, r))
+                asks.setdefault(name, []).append(_presence(name, round_dir, url, questions))
     median = {
         name: {
             "put_mb_s": statistics.median(s[0] for s in runs),
@@ -279,11 +318,17 @@ def bench_storage(backends: Sequence[str], num_blocks: int, rounds: int) -> dict
         for name, m in median.items()
         if not name.startswith("plain")
     }
+    presence = {}
+    for name, runs in asks.items():
+        caller = statistics.median(r[0] for r in runs)
+        asker = statistics.median(r[1] for r in runs)
+        presence[name] = {"caller_us": caller, "asker_us": asker, "asker_vs_caller": asker / caller}
     return {
         "blocks": num_blocks,
         "rounds": rounds,
         "median": median,
         "ratios": ratios,
+        "presence": presence,
         "skipped": skipped,
     }
 
@@ -303,6 +348,12 @@ def _print_storage(report: dict[str, Any]) -> list[tuple[str, bool, str]]:
                 (f"{name} put >= {TARGET_RATIO}x plain write", put >= TARGET_RATIO, f"{put:.2f}x")
             )
         print(line)
+    print(f"presence questions of {PRESENCE_KEYS} keys, microseconds each:")
+    for name, p in report["presence"].items():
+        print(
+            f"  {name:<8} asked in the caller {p['caller_us']:8.1f}   on the asker thread "
+            f"{p['asker_us']:8.1f}   {p['asker_vs_caller']:.2f}x"
+        )
     for name, why in report["skipped"].items():
         print(f"  {name:<8} skipped: {why}")
     return targets

@@ -29,6 +29,9 @@ def test_a_quick_cache_bench_reports_each_index_op_memory_and_storage_ratios(
     assert set(storage["ratios"]) == {"local", "memory"}
     for ratio in storage["ratios"].values():
         assert set(ratio) == {"put_vs_plain_write", "put_vs_plain_write_fsync", "get_vs_plain_read"}
+    assert set(storage["presence"]) == {"local", "memory"}
+    for asked in storage["presence"].values():
+        assert asked["caller_us"] > 0 and asked["asker_us"] > 0 and asked["asker_vs_caller"] > 0
     out = capsys.readouterr().out
     assert "bytes per cached block" in out and "x plain write" in out
 
