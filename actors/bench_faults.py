@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ringfence.actors.faults import matrix, run_scenario
+    from ringfence.actors.fault_matrix import matrix
+    from ringfence.actors.faults import run_scenario
 
     scenarios = matrix(args.quick)
     if args.only:

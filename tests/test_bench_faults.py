@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from ringfence.actors.bench_faults import _row, add_arguments, main
-from ringfence.actors.faults import Outcome, matrix
+from ringfence.actors.fault_matrix import matrix
+from ringfence.actors.faults import Outcome
 
 
 def test_the_matrix_names_every_fault_of_the_issue_once():

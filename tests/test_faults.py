@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from ringfence.actors.fault_matrix import matrix
 from ringfence.actors.faults import (
     NEVER,
     PRESSURE,
@@ -22,7 +23,6 @@ from ringfence.actors.faults import (
     Outcome,
     Scenario,
     kills,
-    matrix,
     run_scenario,
 )
 

@@ -24,7 +24,7 @@ from launching import QUICK, Launch, launched, wait_until
 from test_engine import MODEL, TRACE, reference, replayed, results
 from test_storage_faults import mounted_tmpfs
 
-from ringfence.actors.faults import damage_prefix
+from ringfence.actors.fault_storage import damage_prefix
 from ringfence.actors.layout import block_fingerprint
 from ringfence.actors.local import LocalRunner
 from ringfence.actors.serving import load_workload
