@@ -18,14 +18,17 @@ supervisor itself. A kill waits until the previous victim is back (its next
 ``actor.ready``), so each kill lands on a live process.
 
 Waiting here is for another process tree's progress, which it publishes only in its
-log files: the runner re-reads a log every ``POLL_S`` until a deadline. That is the
-one place ringfence waits by re-reading; no actor does.
+log files: the runner re-reads a log every ``POLL_S`` until a deadline (a file written
+by other processes rings no bell we could sleep on). That is the one place ringfence
+waits by re-reading; no actor does. The exits of orphaned actors are waited for on
+pidfds, not re-read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import time
@@ -314,9 +317,7 @@ def _orphans(launch: Launch, outcome: Outcome) -> None:
     rows = orjson.loads((launch.run_dir / "actors.json").read_bytes())
     pids = [r["pid"] for r in rows if r.get("pid") and _parent(r["pid"]) is not None]
     started = time.monotonic()
-    deadline = started + 10.0
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(POLL_S)  # orphans: not our children, nothing to wait on but /proc
+    _wait_exits(pids, started + 10.0)
     outcome.info.append(f"its actors exited {time.monotonic() - started:.2f} s after it died")
     left = [pid for pid in pids if _alive(pid)]
     if left:
@@ -325,6 +326,28 @@ def _orphans(launch: Launch, outcome: Outcome) -> None:
         for pid in left:  # the launch's own children, by pid
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _wait_exits(pids: Sequence[int], deadline: float) -> None:
+    """Sleep until every process of ``pids`` has exited, or the deadline. They are not our
+    children (the supervisor that was their parent is dead), so each is waited on through
+    a pidfd, which becomes readable when its process exits."""
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds.append(os.pidfd_open(pid))
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        waiting = len(fds)
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                waiting -= 1
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _count_failures(launch: Launch, outcome: Outcome) -> None:
