@@ -41,7 +41,8 @@ When a step fails (it raised, or read KV that a failed copy spoiled and got non-
 logits), what it wrote holds NaN (``actors/transfer.py``), and so does every copy made
 of it since: each sequence of the step loses every cached copy of its blocks, on device
 and host, and goes back to waiting with its tokens so far (a ``retry`` decision). A
-request whose steps failed more than :data:`STEP_RETRIES` times in a row is aborted. A step
+request whose steps failed more than :data:`STEP_RETRIES` times without a token
+between them is aborted. A step
 ``rejected`` as malformed aborts its requests at once: running it again would not help.
 """
 
@@ -439,14 +440,12 @@ class Scheduler:
                 else:
                     failed.append(self.abort(seq.request.request_id))
             return [], [r for r in failed if r is not None]
-        for piece in op.pieces:
-            if (seq := self._seqs.get(piece.seq_id)) is not None:
-                seq.failed_steps = 0  # the retries are for failures in a row
         emitted = []
         for seq_id, token in outputs:
             seq = self._seqs.get(seq_id)
             if seq is None or seq.request.state is not RequestState.RUNNING:
                 continue  # aborted while the step ran
+            seq.failed_steps = 0  # a token came: the retries are for failures in a row
             reason = seq.request.append_output(token)
             if reason is not None:
                 self._finish(seq)

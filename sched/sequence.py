@@ -63,7 +63,7 @@ class Sequence:
     admitted: int = -1  # admission order; the newest is preempted first
     admissions: int = 0
     from_storage: set[BlockHash] = field(default_factory=set)  # prefetched keys, for counting
-    failed_steps: int = 0  # its steps that failed since one succeeded (Scheduler.on_step)
+    failed_steps: int = 0  # its steps that failed since its last token (Scheduler.on_step)
 
 
 class Decision(NamedTuple):

@@ -97,8 +97,8 @@ class GuardedBackend:
             if not self._late.done():
                 return 0  # the last question is still in the backend: do not pile up more
             late, self._late = self._late, None
-            if late.exception() is not None:
-                self._failed(late.exception())  # type: ignore[arg-type]
+            if (error := late.exception()) is not None:
+                self._failed(error)
                 return 0
         if self._down_since is not None and now < self._retry_at:
             return 0
