@@ -210,9 +210,7 @@ class Engine(Actor):
         if executor == "worker" and self.scheduler is not None:
             # A new Worker does not answer for steps at or below its watermark whose
             # results went with its predecessor: they count as completed.
-            for step in range(self.completed[Lane.STEP] + 1, done + 1):
-                self.sent_epoch[Lane.STEP].pop(step, None)
-            self.completed[Lane.STEP] = max(self.completed[Lane.STEP], done)
+            self._complete_up_to(Lane.STEP, done)
         return True
 
     def _reset_tier(self, msg: WorkerReady) -> None:
@@ -512,6 +510,13 @@ class Engine(Actor):
         scheduler.on_transfer(lane, msg.op, msg.status, msg.missing)
         self._kick()
 
+    def _complete_up_to(self, lane: Lane, number: int) -> None:
+        """Every op of ``lane`` up to ``number`` is complete: forget their sent epochs."""
+        sent = self.sent_epoch[lane]
+        for done in range(self.completed[lane] + 1, number + 1):
+            sent.pop(done, None)
+        self.completed[lane] = max(self.completed[lane], number)
+
     def _settled(self, lane: Lane, number: int, epoch: int) -> bool:
         """Count op ``number``'s completion; whether it is to be applied to the scheduler.
 
@@ -532,9 +537,7 @@ class Engine(Actor):
         elif sent.get(number, epoch) != epoch:
             why = f"the op was sent with epoch {sent[number]}, not {epoch}"
         else:
-            for done in range(self.completed[lane] + 1, number + 1):
-                sent.pop(done, None)
-            self.completed[lane] = number
+            self._complete_up_to(lane, number)
             if epoch == self.epoch:
                 return True
             why = f"of epoch {epoch}, the engine's is {self.epoch}"
