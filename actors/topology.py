@@ -7,10 +7,11 @@ adds its client slots.
 
 from __future__ import annotations
 
-from ringfence.actors.lanes import LANE_SLOTS, LANES
+from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
 from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
 
-_P = "ringfence.actors.protocol"
+_W = "ringfence.actors.protocol.worker"
+_T = "ringfence.actors.protocol.transfer"
 
 
 def fenced_topology(
@@ -29,18 +30,18 @@ def fenced_topology(
         actors=(
             *before,
             ActorSpec(name="engine", target=engine),
-            ActorSpec(name="worker", target="ringfence.actors.worker:Worker"),
-            ActorSpec(name="swap", target="ringfence.actors.transfer:SwapLane"),
-            ActorSpec(name="store", target="ringfence.actors.transfer:StoreLane"),
+            ActorSpec(name="worker", target="ringfence.actors.executors.worker:Worker"),
+            ActorSpec(name="swap", target="ringfence.actors.executors.transfer:SwapLane"),
+            ActorSpec(name="store", target="ringfence.actors.executors.transfer:StoreLane"),
         ),
         channels=(
             *channels,
-            ChannelSpec(src="engine", dst="worker", protocol=f"{_P}:TO_WORKER"),
-            ChannelSpec(src="worker", dst="engine", protocol=f"{_P}:FROM_WORKER"),
-            ChannelSpec(src="engine", dst="swap", protocol=f"{_P}:TO_SWAP"),
-            ChannelSpec(src="swap", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
-            ChannelSpec(src="engine", dst="store", protocol=f"{_P}:TO_STORE"),
-            ChannelSpec(src="store", dst="engine", protocol=f"{_P}:FROM_TRANSFER"),
+            ChannelSpec(src="engine", dst="worker", protocol=f"{_W}:TO_WORKER"),
+            ChannelSpec(src="worker", dst="engine", protocol=f"{_W}:FROM_WORKER"),
+            ChannelSpec(src="engine", dst="swap", protocol=f"{_T}:TO_SWAP"),
+            ChannelSpec(src="swap", dst="engine", protocol=f"{_T}:FROM_TRANSFER"),
+            ChannelSpec(src="engine", dst="store", protocol=f"{_T}:TO_STORE"),
+            ChannelSpec(src="store", dst="engine", protocol=f"{_T}:FROM_TRANSFER"),
         ),
         counters=(CounterSpec(name=LANES, count=LANE_SLOTS),),
     )

@@ -19,18 +19,18 @@ MANIFEST = "names.json"
 # Benchmarks by name -> module implementing ``add_arguments(parser)`` and ``main(args) -> int``.
 # Imported only when chosen, so the command starts fast.
 BENCHMARKS = {
-    "ring": "ringfence.runtime.bench_ring",
-    "hop": "ringfence.runtime.bench_hop",
-    "cache": "ringfence.cache.bench",
-    "worker": "ringfence.actors.bench",
-    "transfer": "ringfence.actors.bench_transfer",
-    "e2e": "ringfence.actors.bench_e2e",
-    "replay": "ringfence.actors.bench_replay",
-    "faults": "ringfence.actors.bench_faults",
+    "ring": "ringfence.runtime.bench.ring",
+    "hop": "ringfence.runtime.bench.hop",
+    "cache": "ringfence.actors.bench.cache",
+    "worker": "ringfence.actors.bench.worker",
+    "transfer": "ringfence.actors.bench.transfer",
+    "e2e": "ringfence.actors.bench.e2e",
+    "replay": "ringfence.actors.bench.replay",
+    "faults": "ringfence.actors.bench.faults.cli",
 }
 
 
-REPLAY = "ringfence.actors.replay"  # ``ringfence replay``: the same two functions
+REPLAY = "ringfence.actors.replay.cli"  # ``ringfence replay``: the same two functions
 
 
 class _Bench(Protocol):
@@ -140,7 +140,7 @@ def _launch(args: argparse.Namespace) -> int:
         overrides.append(f"engine.workload={args.workload}")
     config = load_config(args.config, overrides)
     if config.engine.workload:  # a bad line is the command's error, before a run exists
-        load = import_target("ringfence.actors.serving:load_workload")
+        load = import_target("ringfence.actors.engine.serving:load_workload")
         try:
             load(config.engine.workload, seed=config.engine.seed)  # type: ignore[operator]
         except OSError as e:
@@ -151,7 +151,7 @@ def _launch(args: argparse.Namespace) -> int:
     summary = supervisor.run_dir / "summary.json"
     if summary.exists():  # a workload run (--workload or engine.workload)
         # The table lives with the engine's report; the runtime imports it only by name.
-        report = import_target("ringfence.actors.report:format_summary")
+        report = import_target("ringfence.actors.engine.report:format_summary")
         print(report(orjson.loads(summary.read_bytes())))  # type: ignore[operator]
     print(
         f"ringfence launch: run {supervisor.run_id} ended ({supervisor.stop_reason}), "

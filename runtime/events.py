@@ -106,7 +106,7 @@ EVENTS: Final[dict[str, Event]] = {
     "storage.restored": _e(
         "info", "backend outage_s failures", "the storage tier answered again after an outage"
     ),
-    # The Worker (ringfence.actors.worker): the step lane's executor.
+    # The Worker (ringfence.actors.executors.worker): the step lane's executor.
     "worker.ready": _e(
         "info",
         "model_id device kv_shm num_blocks block_bytes step_done threads",
@@ -133,7 +133,7 @@ EVENTS: Final[dict[str, Event]] = {
         "step plan_epoch resent",
         "a plan at or below step_done came again (redelivery); resent: its result went again",
     ),
-    # The Transfer lanes (ringfence.actors.transfer): "swap" and "store" actors.
+    # The Transfer lanes (ringfence.actors.executors.transfer): "swap" and "store" actors.
     "lane.ready": _e(
         "info",
         "lane done host_shm host_blocks block_bytes",
@@ -166,8 +166,8 @@ EVENTS: Final[dict[str, Event]] = {
         "the lane's watermark reached op: a swap-in (in), swap-out (out), write-back (write) "
         "or prefetch (read), ok, rejected or cancelled; missing: positions storage lacked",
     ),
-    # The protocol harness (ringfence.actors.harness), as actor "engine".
-    # The engine (actors/engine.py). ``request`` is the request id (a client's is
+    # The protocol harness (ringfence.actors.testing.harness), as actor "engine".
+    # The engine (actors/engine/actor.py). ``request`` is the request id (a client's is
     # "<client instance>/<incarnation>/<id>"); ``op`` a lane number; ``fence`` the waits.
     "engine.ready": _e(
         "info",
@@ -250,7 +250,7 @@ EVENTS: Final[dict[str, Event]] = {
         "a completion of no op in flight (one resent after a restart, or an executor's answer "
         "to a message that was not a program op): ignored",
     ),
-    # The engine's clients (ringfence.actors.clienthub), through the engine's log. ``peer``
+    # The engine's clients (ringfence.actors.engine.clients), through the engine's log. ``peer``
     # is the client instance ("client-2"), ``incarnation`` its attach count.
     "client.hello": _e(
         "info",
@@ -262,7 +262,7 @@ EVENTS: Final[dict[str, Event]] = {
         "peer incarnation reason aborted",
         "a client's process is gone or it stopped reading its output; its requests end",
     ),
-    # The demo pipeline (ringfence.runtime.demo).
+    # The demo pipeline (ringfence.runtime.bench.demo).
     "demo.sent": _e("info", "messages", "the source sent its last item"),
     "demo.done": _e(
         "info",

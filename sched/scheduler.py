@@ -38,7 +38,7 @@ in flight as failed, every running request back to waiting with its tokens so fa
 be computed again from host, storage or scratch.
 
 When a step fails (it raised, or read KV that a failed copy spoiled and got non-finite
-logits), what it wrote holds NaN (``actors/transfer.py``), and so does every copy made
+logits), what it wrote holds NaN (``actors/executors/transfer.py``), and so does every copy made
 of it since: each sequence of the step loses every cached copy of its blocks, on device
 and host, and goes back to waiting with its tokens so far (a ``retry`` decision). A
 request whose steps failed more than :data:`STEP_RETRIES` times without a token
@@ -502,7 +502,7 @@ class Scheduler:
         """The device tier was reset (the Worker restarted): its blocks hold nothing now.
 
         Every op in flight counts as failed: its executor cancels it as stale (see
-        ``ringfence.actors.lanes``), and its completion, of the old epoch, is not applied
+        ``ringfence.actors.executors.lanes``), and its completion, of the old epoch, is not applied
         (the caller drops it). So the step's tokens are never applied, swap-outs' host
         copies are forgotten, and a prefetching request waits to be admitted again. Every
         running request loses its device blocks and goes back to waiting, its output so

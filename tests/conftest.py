@@ -42,8 +42,8 @@ def pressure_swap_run(tmp_path_factory) -> Path:
     """test_engine's CI run of ``pressure`` with swap preemption under chaos and poison
     (traced, finished, replayed and re-driven); test_replay_runs.py corrupts copies of its
     logs. One launch for both. Its run dir."""
+    from engine_runs import TIERS, finished, workload_sets
     from launching import launched
-    from test_engine import TIERS, finished, workload_sets
 
     tmp = tmp_path_factory.mktemp("pressure-swap")
     with launched(tmp, *workload_sets("pressure", *TIERS, "sched.preemption=swap")) as run:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ringfence.actors.client import CLIENT_ACTOR, CLIENT_CHANNELS, Client
-from ringfence.actors.clienthub import ClientHub, RequestKey, RequestRefused
-from ringfence.actors.clientproto import Abort, Hello, Submit
+from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS, Client
+from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
+from ringfence.actors.protocol.client import Abort, Hello, Submit
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.runtime.topology import ActorSpec, Topology

@@ -26,26 +26,28 @@ from typing import Any, ClassVar
 import orjson
 from fuzzing import Fuzz, decode
 
-from ringfence.actors.engine import Engine
-from ringfence.actors.harness import Harness
-from ringfence.actors.protocol import (
+from ringfence.actors.engine.actor import Engine
+from ringfence.actors.executors.transfer import StoreLane, SwapLane
+from ringfence.actors.executors.worker import Worker
+from ringfence.actors.protocol.transfer import (
     FROM_TRANSFER,
-    FROM_WORKER,
     TO_STORE,
     TO_SWAP,
-    TO_WORKER,
     DeviceTier,
     LaneReady,
     OpDone,
-    StepPlan,
-    StepResult,
     StoreOp,
     SwapOp,
+)
+from ringfence.actors.protocol.worker import (
+    FROM_WORKER,
+    TO_WORKER,
+    StepPlan,
+    StepResult,
     WorkerReady,
 )
+from ringfence.actors.testing.harness import Harness
 from ringfence.actors.topology import fenced_topology
-from ringfence.actors.transfer import StoreLane, SwapLane
-from ringfence.actors.worker import Worker
 from ringfence.cache.fences import Lane
 from ringfence.runtime.actor import Actor
 from ringfence.runtime.codec import Registry

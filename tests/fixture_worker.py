@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import orjson
 import torch
 
-from ringfence.actors.lanes import LANE_SLOTS, LANES
-from ringfence.actors.model import Model
-from ringfence.actors.protocol import PlanPiece, StepPlan, StepResult, WorkerReady
+from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
+from ringfence.actors.model.decoder import Model
+from ringfence.actors.protocol.worker import PlanPiece, StepPlan, StepResult, WorkerReady
 from ringfence.cache.fences import Fence
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.actor import Actor, handles
@@ -189,12 +189,14 @@ def _topology(engine: str) -> Topology:
     return Topology(
         actors=(
             ActorSpec(name="engine", target=f"{__name__}:{engine}"),
-            ActorSpec(name="worker", target="ringfence.actors.worker:Worker"),
+            ActorSpec(name="worker", target="ringfence.actors.executors.worker:Worker"),
         ),
         channels=(
-            ChannelSpec(src="engine", dst="worker", protocol="ringfence.actors.protocol:TO_WORKER"),
             ChannelSpec(
-                src="worker", dst="engine", protocol="ringfence.actors.protocol:FROM_WORKER"
+                src="engine", dst="worker", protocol="ringfence.actors.protocol.worker:TO_WORKER"
+            ),
+            ChannelSpec(
+                src="worker", dst="engine", protocol="ringfence.actors.protocol.worker:FROM_WORKER"
             ),
         ),
         counters=(CounterSpec(name=LANES, count=LANE_SLOTS),),

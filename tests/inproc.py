@@ -5,7 +5,7 @@ every actor attached as an embedding host attaches one, each driven by its own t
 settings name (``create_run``, the supervisor's own code), then attaches each instance
 (``attach``, what a spawned child does) with the class the topology names or one given
 in ``classes``, and runs its driver in a thread. Client slots are left free for
-:class:`~ringfence.actors.client.Client`. Nothing is spawned, so a test can reach into a
+:class:`~ringfence.actors.client.shm.Client`. Nothing is spawned, so a test can reach into a
 live actor (to make it a fuzzing peer) and pays no process start-up. The test process
 plays the supervisor: its doorbell is rung when an instance asks for shutdown. On the
 way out every driver is stopped and joined, then every name of the run is removed.

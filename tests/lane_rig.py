@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringfence.actors.lanes import LANE_SLOTS, LANES
+from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
 from ringfence.runtime.actor import Actor
 from ringfence.runtime.codec import Registry
 from ringfence.runtime.config import Config

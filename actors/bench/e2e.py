@@ -1,0 +1,448 @@
+"""``ringfence bench e2e``: whole workloads through the actor pipeline, pair by pair.
+
+Each pair runs the same synthetic workload (its first ``--requests`` requests, all at
+t=0: ``engine.arrivals=false``, so throughput is not bound by arrival times; multiturn
+keeps its own arrivals, see below) under two
+configurations that differ in one thing, and reports side A over side B:
+
+1. ``fence/sync``: ``transfer.mode=fence`` vs ``sync`` on ``pressure``, with a device
+   pool of about half what the requests need at once (so sequences are preempted) and
+   ``sched.preemption=swap`` (so the swap lane carries blocks while steps run).
+   Output-token throughput ratio; no target.
+2. ``tiers multiturn``: the host tier and local storage on (``cache.host_blocks`` > 0,
+   ``cache.storage.backend=local``) vs off (``host_blocks=0``, ``backend=none``) on
+   ``multiturn`` with its arrivals (turns 2 s apart), on the same small device pool
+   (evicted prefixes come back from the host tier instead of being recomputed).
+   Throughput (arrival-bound) and TTFT p50 ratios (TTFT: B / A, so above 1 is better
+   for the tiers); no target.
+3. ``tiers unique``: the same on ``unique``, where nothing is reusable: what the tiers
+   cost. Throughput ratio; target >= 0.97.
+4. ``actor/local``: the actor pipeline with the tiers off (pair 3's side B, the same
+   launch) vs :class:`ringfence.actors.testing.local.LocalRunner` in this process on the same
+   workload and config: the control plane's cost. Throughput ratio; target >= 0.9.
+
+Throughput is output tokens over the busy period: ``summary.json``'s ``duration_s`` for a
+launch (from the workload's start, after the actors are up), the latest ``finish_s`` for
+the local runner. Each launch is a real ``ringfence launch`` (supervisor, Engine, Worker,
+swap and store lanes, each a process) in its own run dir under a temporary folder,
+removed afterwards; every process gets ``OMP_NUM_THREADS=--threads`` (and the local
+runner as many torch threads). The sides of each pair alternate, ``--rounds`` times;
+figures are medians over the rounds, ratios are ratios of the medians. Each pair's
+output tokens are compared request by request (round 1): with the KV bitwise the same,
+they should all match; the fraction that does is reported, not asserted.
+
+A failed launch (nonzero exit, timeout, no summary, an aborted request) is an error
+(exit status 1); a missed target is printed as FAIL and is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ringfence.actors.bench.options import (
+    add_counts,
+    kill_group,
+    resolve_counts,
+    resolve_preset,
+    ringfence_command,
+)
+
+DTYPE = "float32"
+BLOCK_SIZE = 16
+HOST_BLOCKS = 512  # cache.host_blocks where the host tier is on
+SMALL_POOL_BLOCKS = 64  # cache.device_blocks of the multiturn and unique pairs
+# Multiturn runs 3x --requests (6 chats by default): with a few chats at once the small
+# pool has reused a chat's prefix blocks by its next turn, 2 s later, so the host tier
+# serves some of them (a handful of chats all fit on the device, and the tiers idle).
+MULTITURN_FACTOR = 3
+PRESSURE_BLOCKS_PER_REQUEST = 11  # about half of what a pressure request needs (21 blocks)
+PRESSURE_MIN_BLOCKS = 48  # the longest pressure request (500 + 64 tokens) fits
+TARGETS: dict[str, float | None] = {
+    "fence/sync": None,
+    "tiers multiturn": None,
+    "tiers multiturn ttft p50": None,
+    "tiers multiturn ttft p99": None,
+    "tiers unique": 0.97,
+    "actor/local": 0.9,
+}
+
+# name: (default, quick default, help)
+COUNTS: dict[str, tuple[int, int, str]] = {
+    "rounds": (1, 1, "rounds of every pair, sides alternating"),
+    "requests": (8, 3, "requests of each workload"),
+    "timeout": (300, 120, "seconds each launch may take"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register this benchmark's options (``--json`` is added by the CLI)."""
+    parser.add_argument("--quick", action="store_true", help="tiny preset, a few requests (tests)")
+    parser.add_argument("--preset", help="model preset (small; quick: tiny)")
+    add_counts(parser, COUNTS)
+    parser.add_argument(
+        "--threads", type=int, help="OMP_NUM_THREADS of every process (CPUs / 4, at least 1)"
+    )
+    parser.add_argument(
+        "--plot", type=Path, metavar="FILE", help="the PNG (next to --json, else bench-e2e.png)"
+    )
+
+
+class RunError(RuntimeError):
+    """A run of the benchmark failed: nonzero exit, timeout, no summary or aborted requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One run of a workload: its figures and its output tokens."""
+
+    output_tokens_per_s: float  # output tokens over the busy period
+    ttft_p50_s: float | None  # median time to first token
+    ttft_p99_s: float | None
+    duration_s: float  # the busy period
+    tokens: dict[str, list[int]]  # output token ids by request id
+    engine: dict[str, Any]  # the engine's counters (empty for the local runner)
+    wall_s: float  # the whole run, start-up included
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What to run: a workload, its size and the config overrides."""
+
+    workload: str  # a synthetic workload's name
+    requests: int
+    settings: tuple[str, ...]  # --set KEY=VALUE overrides
+
+
+def _common(preset: str, requests: int) -> list[str]:
+    return [
+        f"engine.requests={requests}",
+        "engine.arrivals=false",
+        "engine.progress=false",
+        "transfer.chaos_delay_ms=0",
+        f"model.preset={preset}",
+        f"model.dtype={DTYPE}",
+        f"cache.block_size={BLOCK_SIZE}",
+    ]
+
+
+TIERS_ON = ("cache.storage.backend=local", f"cache.host_blocks={HOST_BLOCKS}")
+TIERS_OFF = ("cache.storage.backend=none", "cache.host_blocks=0")
+
+
+def pairs(preset: str, requests: int) -> dict[str, tuple[Run, Run]]:
+    """The launched pairs, by name: (side A, side B)."""
+    common = _common(preset, requests)
+    blocks = max(PRESSURE_MIN_BLOCKS, requests * PRESSURE_BLOCKS_PER_REQUEST)
+    pressure = [*common, f"cache.device_blocks={blocks}", "sched.preemption=swap"]
+    pressure += ["cache.storage.backend=none", f"cache.host_blocks={HOST_BLOCKS}"]
+    small = [*common, f"cache.device_blocks={SMALL_POOL_BLOCKS}"]
+    # engine.requests comes last, so it wins over the common one.
+    arrivals = ("engine.arrivals=true", f"engine.requests={MULTITURN_FACTOR * requests}")
+
+    def run(workload: str, settings: Sequence[str]) -> Run:
+        return Run(workload, requests, tuple(settings))
+
+    return {
+        "fence/sync": (
+            run("pressure", [*pressure, "transfer.mode=fence"]),
+            run("pressure", [*pressure, "transfer.mode=sync"]),
+        ),
+        # Multiturn keeps its arrivals: a chat's next turn comes 2 s after the last, by
+        # when the device pool has often reused the blocks of its prefix; that is where a
+        # host or storage copy saves the prefill. Throughput is then arrival-bound (about
+        # 1x); TTFT is the figure that shows the tiers.
+        "tiers multiturn": (
+            Run("multiturn", MULTITURN_FACTOR * requests, (*small, *TIERS_ON, *arrivals)),
+            Run("multiturn", MULTITURN_FACTOR * requests, (*small, *TIERS_OFF, *arrivals)),
+        ),
+        "tiers unique": (run("unique", [*small, *TIERS_ON]), run("unique", [*small, *TIERS_OFF])),
+    }
+
+
+def run_launch(run: Run, *, threads: int, timeout: float, folder: Path) -> Side:
+    """``ringfence launch`` the run in a fresh run dir under ``folder``; removed afterwards."""
+    from ringfence.runtime.cli import run_id_of
+    from ringfence.shm import names
+
+    work = Path(tempfile.mkdtemp(prefix=f"{run.workload}-", dir=folder))
+    run_dir = work / "run"
+    args = [*ringfence_command(), "launch", "--run-dir", str(run_dir)]
+    args += ["--workload", f"synthetic:{run.workload}"]
+    for setting in (*run.settings, f"actors.worker.threads={threads}"):
+        args += ["--set", setting]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out_path = work / "launch.out"
+    start = time.perf_counter()
+    try:
+        with out_path.open("wb") as out:
+            proc = subprocess.Popen(  # its own session: a timeout kills the whole group
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=work,
+                start_new_session=True,
+            )
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            if (run_dir / "names.json").is_file():
+                names.clean_run(run_id_of(str(run_dir)))
+            raise RunError(f"{run.workload} launch killed after {timeout:g} s") from None
+        finally:
+            if proc.poll() is None:  # interrupted while waiting
+                kill_group(proc)
+        wall_s = time.perf_counter() - start
+        tail = "\n".join(out_path.read_text(errors="replace").splitlines()[-10:])
+        summary_path, outputs_path = run_dir / "summary.json", run_dir / "outputs.jsonl"
+        if code != 0 or not summary_path.is_file() or not outputs_path.is_file():
+            raise RunError(f"{run.workload} launch exited with status {code}:\n{tail}")
+        summary: dict[str, Any] = orjson.loads(summary_path.read_bytes())
+        lines = [orjson.loads(line) for line in outputs_path.read_bytes().splitlines() if line]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if summary["requests"]["aborted"] or not summary["throughput"]["output_tokens_per_s"]:
+        raise RunError(f"{run.workload} launch: {summary['requests']}, no throughput")
+    return Side(
+        output_tokens_per_s=float(summary["throughput"]["output_tokens_per_s"]),
+        ttft_p50_s=summary["ttft_s"]["p50"],
+        ttft_p99_s=summary["ttft_s"]["p99"],
+        duration_s=float(summary["duration_s"]),
+        tokens={line["id"]: list(line["token_ids"]) for line in lines},
+        engine=dict(summary["engine"]),
+        wall_s=wall_s,
+    )
+
+
+def run_local(run: Run, *, threads: int) -> Side:
+    """The run in this process with :class:`LocalRunner` (torch set to ``threads`` threads)."""
+    import torch
+
+    from ringfence.actors.engine.report import percentile
+    from ringfence.actors.engine.serving import load_workload
+    from ringfence.actors.testing.local import LocalRunner
+    from ringfence.runtime.config import load_config
+
+    config = load_config(None, run.settings)
+    workload = load_workload(f"synthetic:{run.workload}", requests=run.requests)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    try:
+        records = LocalRunner(config).run(workload, arrivals=False)
+    finally:
+        torch.set_num_threads(before)
+    wall_s = time.perf_counter() - start
+    if any(r.finish_s is None or r.finish_reason == "abort" for r in records):
+        raise RunError(f"{run.workload} local run: a request did not finish")
+    duration_s = max(r.finish_s or 0.0 for r in records)
+    ttfts = [t for r in records if (t := r.ttft_s) is not None]
+    return Side(
+        output_tokens_per_s=sum(len(r.token_ids) for r in records) / duration_s,
+        ttft_p50_s=percentile(ttfts, 50) if ttfts else None,
+        ttft_p99_s=percentile(ttfts, 99) if ttfts else None,
+        duration_s=duration_s,
+        tokens={r.id: list(r.token_ids) for r in records},
+        engine={},
+        wall_s=wall_s,
+    )
+
+
+def _match(a: Side, b: Side) -> float:
+    ids = set(a.tokens) | set(b.tokens)
+    return sum(a.tokens.get(i) == b.tokens.get(i) for i in ids) / len(ids) if ids else 1.0
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def bench(preset: str, requests: int, rounds: int, threads: int, timeout: float) -> dict[str, Any]:
+    """Every pair's sides, ``rounds`` times alternating, and the ratios of their medians."""
+    launched = pairs(preset, requests)
+    sides: dict[str, tuple[list[Side], list[Side]]] = {
+        name: ([], []) for name in [*launched, "actor/local"]
+    }
+    with tempfile.TemporaryDirectory(prefix="rf-bench-e2e-") as tmp:
+        folder = Path(tmp)
+
+        def launch(run: Run) -> Side:
+            return run_launch(run, threads=threads, timeout=timeout, folder=folder)
+
+        for round_no in range(rounds):
+            for name, (a, b) in launched.items():
+                order: list[tuple[int, Run]] = [(0, a), (1, b)]
+                for index, run in order if round_no % 2 == 0 else order[::-1]:
+                    sides[name][index].append(launch(run))
+            # The control plane: pair 3's tiers-off launch against the same run in process.
+            sides["actor/local"][0].append(sides["tiers unique"][1][-1])
+            sides["actor/local"][1].append(run_local(launched["tiers unique"][1], threads=threads))
+    rows = []
+    for name, (a_runs, b_runs) in sides.items():
+        a_tps = _median([s.output_tokens_per_s for s in a_runs])
+        b_tps = _median([s.output_tokens_per_s for s in b_runs])
+        rows.append(
+            _row(
+                name,
+                unit="tokens/s",
+                a=a_tps,
+                b=b_tps,
+                ratio=_ratio(a_tps, b_tps),
+                a_runs=a_runs,
+                b_runs=b_runs,
+            )
+        )
+        if name == "tiers multiturn":
+            for q in ("p50", "p99"):
+                a_ttft = _median([getattr(s, f"ttft_{q}_s") for s in a_runs])
+                b_ttft = _median([getattr(s, f"ttft_{q}_s") for s in b_runs])
+                rows.append(
+                    _row(
+                        f"{name} ttft {q}",
+                        unit=f"TTFT {q} s",
+                        a=a_ttft,
+                        b=b_ttft,
+                        ratio=_ratio(b_ttft, a_ttft),
+                        a_runs=[],
+                        b_runs=[],
+                    )
+                )
+    runs = {name: [list(r.settings) for r in pair] for name, pair in launched.items()}
+    return {"rows": rows, "runs": runs}
+
+
+def _row(
+    name: str,
+    *,
+    unit: str,
+    a: float | None,
+    b: float | None,
+    ratio: float | None,
+    a_runs: Sequence[Side],
+    b_runs: Sequence[Side],
+) -> dict[str, Any]:
+    target = TARGETS[name]
+    row: dict[str, Any] = {
+        "name": name,
+        "unit": unit,
+        "a": a,
+        "b": b,
+        "ratio": ratio,
+        "target": target,
+        "meets_target": None if target is None else ratio is not None and ratio >= target,
+    }
+    if a_runs:
+        row["tokens_match"] = _match(a_runs[0], b_runs[0])
+        row["sides"] = [
+            [
+                {
+                    "output_tokens_per_s": s.output_tokens_per_s,
+                    "ttft_p50_s": s.ttft_p50_s,
+                    "ttft_p99_s": s.ttft_p99_s,
+                    "duration_s": s.duration_s,
+                    "wall_s": round(s.wall_s, 3),
+                    "engine": s.engine,
+                }
+                for s in runs
+            ]
+            for runs in (a_runs, b_runs)
+        ]
+    return row
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _print(report: dict[str, Any]) -> None:
+    print(
+        f"torch {report['torch']}, {report['cpus']} CPU(s), OMP_NUM_THREADS={report['threads']}; "
+        f"preset {report['preset']} ({DTYPE}), {report['counts']['requests']} requests a "
+        f"workload, all at t=0; median of {report['counts']['rounds']} round(s)"
+    )
+    print(f"  {'pair':<22}{'unit':>11}{'A':>10}{'B':>10}{'ratio':>8}{'target':>8}  result  tokens")
+    for row in report["rows"]:
+        target = row["target"]
+        verdict = "-" if target is None else "pass" if row["meets_target"] else "FAIL"
+        match = f"{row['tokens_match']:.0%}" if "tokens_match" in row else ""
+        print(
+            f"  {row['name']:<22}{row['unit']:>11}{_fmt(row['a'], '10.3f')}"
+            f"{_fmt(row['b'], '10.3f')}{_fmt(row['ratio'], '7.3f')}x"
+            f"{_fmt(target, '7.2f') if target is not None else '':>8}  {verdict:<6}  {match}"
+        )
+    print(
+        "  (A/B: fence/sync, tiers on/off, actor pipeline/local runner; TTFT ratio is B / A, "
+        "above 1 = faster first tokens with the tiers; tokens: requests with equal outputs)"
+    )
+    print(f"wall time {report['wall_s']:.1f} s")
+
+
+def _plot_path(args: argparse.Namespace) -> Path:
+    if args.plot is not None:
+        return Path(args.plot)
+    if args.json is not None:
+        return Path(args.json).with_suffix(".png")
+    return Path("bench-e2e.png")
+
+
+def main(args: argparse.Namespace) -> int:
+    counts = resolve_counts(args, COUNTS)
+    preset = resolve_preset(args)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // 4)
+    import torch
+
+    from ringfence.actors.bench.plot import write_ratio_plot
+
+    start = time.perf_counter()
+    try:
+        figures = bench(preset, counts["requests"], counts["rounds"], threads, counts["timeout"])
+    except RunError as e:
+        print(f"ringfence bench e2e: {e}", file=sys.stderr)
+        return 1
+    report: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "threads": threads,
+        "preset": preset,
+        "dtype": DTYPE,
+        "counts": counts,
+        **figures,
+        "wall_s": round(time.perf_counter() - start, 3),
+    }
+    _print(report)
+    plot = _plot_path(args)
+    write_ratio_plot(
+        plot,
+        [
+            (r["name"], r["ratio"] if r["ratio"] is not None else float("nan"), r["target"])
+            for r in report["rows"]
+        ],
+        title=f"ringfence bench e2e ({preset}, {counts['requests']} requests)",
+    )
+    report["plot"] = str(plot)
+    if args.json is not None:
+        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    return 0

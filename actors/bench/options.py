@@ -1,0 +1,66 @@
+"""Options shared by the actors' benchmarks: counts with full and ``--quick`` defaults, a preset.
+
+Standard library only, so ``ringfence --help`` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+# name: (default, quick default, help)
+Counts = Mapping[str, tuple[int, int, str]]
+
+
+def add_counts(parser: argparse.ArgumentParser, counts: Counts) -> None:
+    """One ``--name`` option per count (underscores become dashes)."""
+    for name, (default, quick, text) in counts.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, type=int, help=f"{text} ({default}; quick {quick})")
+
+
+def resolve_counts(args: argparse.Namespace, counts: Counts) -> dict[str, int]:
+    """Each count as given, else its quick or full default; ValueError naming any below 1
+    (``--threads`` too, when given)."""
+    resolved = {
+        name: value if (value := getattr(args, name)) is not None else quick if args.quick else full
+        for name, (full, quick, _) in counts.items()
+    }
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in resolved.items() if v < 1]
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        bad.append(f"--threads {threads}")
+    if bad:
+        raise ValueError(f"counts must be >= 1, got {', '.join(bad)}")
+    return resolved
+
+
+def resolve_preset(args: argparse.Namespace) -> str:
+    """``--preset``, else ``tiny`` with ``--quick`` and ``small`` without; ValueError if unknown."""
+    from ringfence.actors.model.decoder import PRESETS  # torch: only once the benchmark runs
+
+    preset: str = args.preset or ("tiny" if args.quick else "small")
+    if preset not in PRESETS:
+        raise ValueError(f"--preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    return preset
+
+
+def ringfence_command() -> list[str]:
+    """How a benchmark launches ``ringfence``: the console script beside this Python."""
+    script = Path(sys.executable).with_name("ringfence")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-m", "ringfence.runtime.cli"]
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a launch's own process group (the supervisor and its actors), then reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

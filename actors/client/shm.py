@@ -1,0 +1,349 @@
+"""Clients of a running instance: submit requests from any process, stream their tokens.
+
+::
+
+    with Client.connect(run_dir) as client:
+        rid = client.submit([1, 2, 3], max_tokens=8)
+        for token in client.stream(rid, timeout=30):
+            ...
+        print(client.generate("hello", max_tokens=4).token_ids)
+
+A client attaches, in its own process, to a free slot of the run's optional actor
+``client`` (:data:`CLIENT_ACTOR`, ``CLIENT_SLOTS`` ranks): the slot's rings to and
+from the engine carry :mod:`~ringfence.actors.protocol.client` messages. Nothing runs in
+the background: the :class:`ClientActor` handles the engine's output only while a
+caller of :meth:`Client.stream` or :meth:`Client.result` waits, by driving the
+driver from the caller's thread, and every wait has a deadline. The engine is "gone"
+when the process that served a request (the writer of the engine instance's
+``ready`` watermark when it was submitted) has died or been replaced; its waiters
+then get :class:`ClientError` within a heartbeat, not at their deadline. One thread
+uses a Client at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ringfence.actors.protocol.client import Abort, Hello, Rejected, Submit, Tokens, check_submit
+from ringfence.runtime.actor import Actor, handles
+from ringfence.runtime.control import InstanceControl
+from ringfence.runtime.driver import Driver
+from ringfence.runtime.embed import attach
+from ringfence.runtime.manifest import read_manifest
+from ringfence.runtime.messages import Failed
+from ringfence.runtime.topology import ActorSpec, ChannelSpec
+from ringfence.shm.counter import CounterBlock, Watermark
+from ringfence.shm.errors import ActorDead, EndpointTaken, RingfenceError
+from ringfence.shm.liveness import ProcessStamp
+
+CLIENT = "client"  # the actor name of the client slots
+ENGINE = "engine"  # the actor a client talks to
+CLIENT_SLOTS = 4
+CLIENT_ACTOR = ActorSpec(
+    name=CLIENT, target=f"{__name__}:ClientActor", ranks=CLIENT_SLOTS, attach="optional"
+)
+_PROTO = "ringfence.actors.protocol.client"
+CLIENT_CHANNELS = (
+    ChannelSpec(src=CLIENT, dst=ENGINE, protocol=f"{_PROTO}:CLIENT_TO_ENGINE"),
+    ChannelSpec(src=ENGINE, dst=CLIENT, protocol=f"{_PROTO}:ENGINE_TO_CLIENT"),
+)
+
+
+class ClientError(RingfenceError, RuntimeError):
+    """A request was rejected or failed, the engine is gone, or the client stopped."""
+
+
+class Completion(NamedTuple):
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop", "length" or "abort"
+    cached_tokens: dict[str, int]  # prompt tokens served from "device", "host", "storage"
+    ttft_s: float  # seconds from submit to first token, as the engine measured it
+
+
+@dataclass(slots=True)
+class _Request:
+    """One request of this client, as its output arrives."""
+
+    engine: ProcessStamp | None  # the engine process when it was submitted (None: not started)
+    seq: int  # transport seq of its Submit (a Failed reply names it)
+    token_ids: list[int] = field(default_factory=list)  # every token so far
+    unread: deque[int] = field(default_factory=deque)  # tokens stream() has not yielded
+    finish_reason: str = ""
+    error: str = ""  # set: rejected, failed or ended abnormally
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    ttft_s: float = -1.0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason or self.error)
+
+
+class ClientActor(Actor):
+    """A client slot's actor: announces itself, files the engine's output per request.
+
+    Runs in the client's process, in the thread that uses the :class:`Client`.
+    """
+
+    hello_timeout_s: float | None = None  # how long the Hello may wait for room; None: default
+
+    def on_start(self) -> None:
+        self.requests: dict[str, _Request] = {}  # by request id, until the caller took it
+        self.dropped = 0  # output for requests this incarnation does not know (stale)
+        self.hello()
+
+    def hello(self) -> None:
+        """Announce this incarnation and process to the engine (again, after it restarted)."""
+        stamp = ProcessStamp.current()
+        msg = Hello(incarnation=self.ctx.incarnation, pid=stamp.pid, start_ticks=stamp.start_ticks)
+        self.send(ENGINE, msg, timeout=self.hello_timeout_s)
+
+    def _mine(self, request_id: str, incarnation: int) -> _Request | None:
+        request = self.requests.get(request_id)
+        # Incarnation 0: the engine had no Hello from us (it restarted) yet answered.
+        if request is None or request.done or incarnation not in (0, self.ctx.incarnation):
+            self.dropped += 1  # meant for this slot's previous process, or after the end
+            return None
+        return request
+
+    @handles(Tokens)
+    def on_tokens(self, msg: Tokens) -> None:
+        request = self._mine(msg.request_id, msg.incarnation)
+        if request is None:
+            return
+        request.token_ids.extend(msg.token_ids)
+        request.unread.extend(msg.token_ids)
+        if sum(msg.cached_tokens.values()) or not request.cached_tokens:
+            request.cached_tokens = dict(msg.cached_tokens)
+        if msg.ttft_s >= 0:
+            request.ttft_s = msg.ttft_s
+        if msg.error:
+            request.error = msg.error
+        request.finish_reason = msg.finish_reason
+
+    @handles(Rejected)
+    def on_rejected(self, msg: Rejected) -> None:
+        request = self._mine(msg.request_id, msg.incarnation)
+        if request is not None:
+            request.error = f"rejected: {msg.error}"
+
+    def handle_failed(self, msg: Failed) -> None:
+        super().handle_failed(msg)
+        for request in self.requests.values():
+            if request.seq == msg.seq and not request.done:
+                request.error = f"the engine failed on it: {msg.error}: {msg.message}"
+
+
+class Client:
+    """A connection to a run's engine through one client slot. See the module docstring."""
+
+    def __init__(self, driver: Driver, engine_ready: Watermark, block: CounterBlock) -> None:
+        self._driver = driver
+        self._engine_ready = engine_ready  # its writer is the engine's process
+        self._block = block
+        self._engine: ProcessStamp | None = engine_ready.writer()
+        actor = driver.actor
+        assert isinstance(actor, ClientActor)
+        self._actor = actor
+        self.closed = False
+
+    @classmethod
+    def connect(cls, run_dir: str | os.PathLike[str], *, timeout: float = 10.0) -> Client:
+        """Attach to the first free client slot of the run in ``run_dir`` and say Hello.
+
+        ``timeout`` bounds the wait for room for the Hello. ClientError if every slot is
+        held by a live process; ValueError if ``run_dir`` is no run or has no slots.
+        """
+        manifest = read_manifest(run_dir)
+        slots = sorted(e.rank for e in manifest.instances if e.name == CLIENT)
+        if not slots:
+            raise ValueError(f"run {manifest.run_id} has no {CLIENT!r} slots to connect to")
+        engine = manifest.instance(ENGINE, 0)
+        for rank in slots:
+            try:
+                driver = attach(run_dir, CLIENT, rank, actor_cls=ClientActor)
+            except EndpointTaken:
+                continue  # a live process holds this slot
+            block = CounterBlock.attach(manifest.control)
+            try:
+                actor = driver.actor
+                assert isinstance(actor, ClientActor)
+                actor.hello_timeout_s = timeout
+                driver.start()  # on_start: the Hello
+            except BaseException:
+                driver.close()
+                block.close()
+                raise
+            return cls(driver, InstanceControl.of(block, engine.index).ready, block)
+        raise ClientError(
+            f"all {len(slots)} client slots of run {manifest.run_id} are taken by live processes"
+        )
+
+    # Requests.
+
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+    ) -> str:
+        """Send a request (text, or prompt token ids); return its id. Does not wait for output.
+
+        ValueError for bad parameters or an id still in use; RingFull if the engine does
+        not take the request within the send timeout; ClientError if the client is closed
+        or the engine is gone.
+        """
+        self._check_open()
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        text, token_ids = (prompt, ()) if isinstance(prompt, str) else ("", tuple(prompt))
+        msg = Submit(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            prompt=text,
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            seed=seed,
+            stop_token_ids=tuple(stop_token_ids),
+        )
+        check_submit(msg)
+        if request_id in self._actor.requests:
+            raise ValueError(f"request id {request_id!r} is in use by an unread request")
+        engine = self._engine_ready.writer()
+        try:
+            if engine != self._engine:  # a (re)started engine has not heard our Hello
+                self._actor.hello()
+                self._engine = engine
+            seq = self._actor.send(ENGINE, msg)
+        except ActorDead as e:
+            raise ClientError(f"the engine is gone: {e}") from e
+        self._actor.requests[request_id] = _Request(engine=engine, seq=seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to stop a request; it then ends with "abort". No-op once it ended."""
+        self._check_open()
+        request = self._actor.requests.get(request_id)
+        if request is not None and not request.done:
+            self._actor.send(ENGINE, Abort(request_id=request_id))
+
+    def stream(self, request_id: str, *, timeout: float = 60.0) -> Iterator[int]:
+        """Yield the request's tokens as they arrive, until it finishes.
+
+        ClientError with the engine's error if it was rejected or failed, or the engine
+        is gone; TimeoutError if it has not finished ``timeout`` seconds after the call.
+        """
+        request = self._request(request_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            while request.unread:
+                yield request.unread.popleft()
+            if request.done:
+                self._finish(request_id, request)
+                return
+            self._turn(request_id, request, deadline, timeout)
+
+    def result(self, request_id: str, *, timeout: float = 60.0) -> Completion:
+        """Wait for the request to finish; its output. Raises as :meth:`stream` does."""
+        request = self._request(request_id)
+        deadline = time.monotonic() + timeout
+        while not request.done:
+            self._turn(request_id, request, deadline, timeout)
+        self._finish(request_id, request)
+        return Completion(
+            request_id=request_id,
+            token_ids=tuple(request.token_ids),
+            finish_reason=request.finish_reason,
+            cached_tokens=request.cached_tokens,
+            ttft_s=request.ttft_s,
+        )
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        timeout: float = 60.0,
+    ) -> Completion:
+        """:meth:`submit` then :meth:`result`."""
+        request_id = self.submit(
+            prompt,
+            request_id=request_id,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+        )
+        return self.result(request_id, timeout=timeout)
+
+    # Lifecycle.
+
+    def close(self) -> None:
+        """Detach from the slot (another process may take it). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._driver.close()
+        finally:
+            self._block.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def instance(self) -> str:
+        """The slot this client holds, e.g. "client-1"."""
+        return self._driver.ctx.instance
+
+    # Internals.
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClientError(f"client {self.instance} is closed")
+        if self._driver.stop_reason is not None:
+            raise ClientError(f"client {self.instance} stopped: {self._driver.stop_reason}")
+
+    def _request(self, request_id: str) -> _Request:
+        self._check_open()
+        request = self._actor.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no unread request {request_id!r} on {self.instance}")
+        return request
+
+    def _finish(self, request_id: str, request: _Request) -> None:
+        """Forget a request that ended; raise its error if it has one."""
+        self._actor.requests.pop(request_id, None)
+        if request.error:
+            raise ClientError(f"request {request_id!r}: {request.error}")
+
+    def _turn(self, request_id: str, request: _Request, deadline: float, timeout: float) -> None:
+        """Drive the actor once (up to a heartbeat); raise if waiting longer is pointless."""
+        self._check_open()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"request {request_id!r} did not finish within {timeout}s")
+        self._driver.poll(remaining)  # wakes on output, and at the driver's next heartbeat
+        if request.done or request.unread:
+            return
+        self._check_open()
+        engine = request.engine
+        if engine is not None and (engine != self._engine_ready.writer() or not engine.is_alive()):
+            self._actor.requests.pop(request_id, None)
+            raise ClientError(f"request {request_id!r}: the engine is gone (pid {engine.pid})")

@@ -1,0 +1,322 @@
+"""The engine's side of its clients: who is attached, whose request is whose, output queues.
+
+The Engine owns one :class:`ClientHub` and calls it from its handlers, in its own
+thread; the hub knows nothing about scheduling, and never blocks, sleeps or starts a
+thread. It turns a client's request id into an engine-wide :data:`RequestKey`
+(``"<peer>/<incarnation>/<request id>"``), queues each request's output for the
+client that owns it, and tells the engine which requests to abort because their
+client went away or stopped reading.
+
+Why queue at all: the engine must never wait for a client. A client process runs
+its actor only while its user waits for output, so its ring may be full for a
+long time; the hub keeps what the ring did not take, merging the tokens of one
+request into its queued message, and gives up on a client whose queue passes
+``max_queued`` messages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple, NewType
+
+from ringfence.actors.protocol.client import (
+    FINISH_REASONS,
+    Hello,
+    Rejected,
+    Submit,
+    Tokens,
+    check_submit,
+    no_cached_tokens,
+)
+from ringfence.runtime.log import ActorLog
+from ringfence.shm.errors import ActorDead, RingfenceError, RingFull
+from ringfence.shm.liveness import ProcessStamp
+
+RequestKey = NewType("RequestKey", str)  # "<peer>/<incarnation>/<request id>", engine-wide
+MAX_QUEUED = 4096  # messages queued for one client before it is given up on
+MAX_MERGED_TOKENS = 4096  # a queued Tokens takes no more tokens than this (ring frame size)
+MAX_LIVE = (
+    256  # unfinished requests of one client; more are refused (engine.max_requests_per_client)
+)
+
+
+class RequestRefused(RingfenceError, ValueError):
+    """A Submit the hub will not accept; the engine answers it with :meth:`ClientHub.reject`."""
+
+
+class _Owner(NamedTuple):
+    peer: str  # the client instance, e.g. "client-2"
+    incarnation: int
+    request_id: str  # the client's own id
+
+
+@dataclass(slots=True)
+class _Out:
+    """One queued message, mutable while queued so later tokens of its request merge in."""
+
+    request_id: str
+    incarnation: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    error: str = ""
+    cached_tokens: dict[str, int] = field(default_factory=no_cached_tokens)
+    ttft_s: float = -1.0
+    rejected: bool = False  # a Rejected (error) rather than a Tokens
+
+    def message(self) -> Tokens | Rejected:
+        if self.rejected:
+            return Rejected(
+                request_id=self.request_id, incarnation=self.incarnation, error=self.error
+            )
+        return Tokens(
+            request_id=self.request_id,
+            incarnation=self.incarnation,
+            token_ids=tuple(self.token_ids),
+            finish_reason=self.finish_reason,
+            error=self.error,
+            cached_tokens=self.cached_tokens,
+            ttft_s=self.ttft_s,
+        )
+
+
+@dataclass(slots=True)
+class _Client:
+    """One client instance (slot) as the hub knows it: its latest incarnation."""
+
+    incarnation: int
+    stamp: ProcessStamp
+    live: dict[str, RequestKey] = field(default_factory=dict)  # request id -> key
+    queue: deque[_Out] = field(default_factory=deque)  # oldest first
+    open: dict[str, _Out] = field(default_factory=dict)  # request id -> its mergeable _Out
+    lost: str = ""  # why its process was given up on ("" while it is served)
+    overflowed: bool = False  # more than max_queued messages queued since the last check
+
+
+class ClientHub:
+    """The engine's bookkeeping of its clients. Engine thread only; never blocks.
+
+    ``send(peer, msg)`` publishes one message to client instance ``peer`` without
+    waiting (the engine passes ``lambda to, m: self.send(to, m, timeout=0)``) and
+    raises RingFull when the ring has no room, ActorDead when its reader is gone.
+    """
+
+    def __init__(
+        self,
+        send: Callable[[str, object], object],
+        log: ActorLog,
+        *,
+        max_queued: int = MAX_QUEUED,
+        max_live: int = MAX_LIVE,
+    ) -> None:
+        self._send = send
+        self._log = log
+        self._max_queued = max_queued
+        self._max_live = max_live
+        self._clients: dict[str, _Client] = {}
+        self._owners: dict[RequestKey, _Owner] = {}  # every live request
+
+    # Requests in.
+
+    def hello(self, peer: str, msg: Hello) -> list[RequestKey]:
+        """Record that ``peer`` attached as ``msg.incarnation`` (its process: pid, start_ticks).
+
+        Returns the keys of the previous incarnation's live requests, forgotten here:
+        the engine aborts them. What was queued for that incarnation is dropped. A
+        repeated Hello of the current incarnation (the client re-announcing itself to a
+        restarted engine) only refreshes the process stamp and returns nothing.
+        """
+        stamp = ProcessStamp(pid=msg.pid, start_ticks=msg.start_ticks)
+        old = self._clients.get(peer)
+        if old is not None and old.incarnation == msg.incarnation and not old.lost:
+            old.stamp = stamp
+            return []
+        if old is not None and msg.incarnation < old.incarnation:
+            raise RequestRefused(
+                f"{peer}: Hello of incarnation {msg.incarnation} after {old.incarnation}"
+            )
+        orphans = self._drop(old) if old is not None else []
+        self._clients[peer] = _Client(incarnation=msg.incarnation, stamp=stamp)
+        self._log.info(
+            "client.hello",
+            peer=peer,
+            incarnation=msg.incarnation,
+            client_pid=msg.pid,
+            aborted=len(orphans),
+        )
+        return orphans
+
+    def submit(self, peer: str, msg: Submit) -> RequestKey:
+        """The key of a new request of ``peer``; RequestRefused (nothing recorded) if it is
+        invalid, its id is that of an unfinished request of this client, the client has
+        ``max_live`` requests unfinished, or ``peer`` has not said Hello or its process is
+        gone."""
+        client = self._clients.get(peer)
+        if client is None:
+            raise RequestRefused(f"{peer}: Submit before Hello")
+        if client.lost:
+            raise RequestRefused(f"{peer}: client given up on: {client.lost}")
+        if not client.incarnation:
+            raise RequestRefused(f"{peer}: Submit before Hello")
+        try:
+            check_submit(msg)
+        except ValueError as e:
+            raise RequestRefused(f"request {msg.request_id!r}: {e}") from None
+        if msg.request_id in client.live:
+            raise RequestRefused(f"request {msg.request_id!r} is already running")
+        if len(client.live) >= self._max_live:
+            # Backpressure: a client that floods the engine is told at once, and what it
+            # costs here stays bounded (one queued Rejected each, up to max_queued).
+            raise RequestRefused(
+                f"request {msg.request_id!r}: {peer} has {len(client.live)} requests "
+                "unfinished, the most one client may have (engine.max_requests_per_client)"
+            )
+        key = RequestKey(f"{peer}/{client.incarnation}/{msg.request_id}")
+        client.live[msg.request_id] = key
+        self._owners[key] = _Owner(peer, client.incarnation, msg.request_id)
+        return key
+
+    def abort(self, peer: str, request_id: str) -> RequestKey | None:
+        """The key of ``peer``'s unfinished request ``request_id``; None if there is none.
+
+        Records nothing: the request is forgotten when the engine emits its finish.
+        """
+        client = self._clients.get(peer)
+        return None if client is None or client.lost else client.live.get(request_id)
+
+    def reject(self, peer: str, request_id: str, error: str) -> None:
+        """Queue a Rejected for ``peer`` (dropped if the hub gave up on that client)."""
+        client = self._clients.get(peer)
+        incarnation = 0 if client is None else client.incarnation  # 0: no Hello seen
+        if client is None:
+            client = self._clients[peer] = _Client(incarnation=0, stamp=ProcessStamp(0, 0))
+        if not client.lost:
+            out = _Out(request_id=request_id, incarnation=incarnation, error=error, rejected=True)
+            self._queue(client, out)
+
+    # Output.
+
+    def emit(
+        self,
+        key: RequestKey,
+        token_ids: tuple[int, ...] | list[int] = (),
+        *,
+        finish_reason: str = "",
+        error: str = "",
+        cached_tokens: Mapping[str, int] | None = None,
+        ttft_s: float = -1.0,
+    ) -> None:
+        """Queue output of request ``key`` for its client; a finish forgets the key.
+
+        A key that is not live (finished, aborted by hello/stuck_or_dead, never
+        submitted) is ignored: output may race with a client going away. Tokens merge
+        into the request's queued message while the ring has not taken it yet.
+        Sends nothing: call :meth:`flush`.
+        """
+        if finish_reason and finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}"
+            )
+        owner = self._owners.get(key)
+        if owner is None:
+            return
+        client = self._clients[owner.peer]
+        if finish_reason:
+            del self._owners[key]
+            del client.live[owner.request_id]
+        out = client.open.get(owner.request_id)
+        if out is None or len(out.token_ids) + len(token_ids) > MAX_MERGED_TOKENS:
+            out = _Out(request_id=owner.request_id, incarnation=owner.incarnation)
+            self._queue(client, out)
+            client.open[owner.request_id] = out
+        out.token_ids.extend(token_ids)
+        if cached_tokens is not None:
+            out.cached_tokens = dict(cached_tokens)
+        if ttft_s >= 0 and out.ttft_s < 0:
+            out.ttft_s = ttft_s
+        if finish_reason:
+            out.finish_reason, out.error = finish_reason, error
+            del client.open[owner.request_id]
+
+    def flush(self) -> int:
+        """Send queued messages, oldest first per client, until each ring is full.
+
+        Never waits. Returns how many were sent; the rest stay queued (see pending).
+        """
+        sent = 0
+        for peer, client in self._clients.items():
+            while client.queue and not client.lost:
+                out = client.queue[0]
+                try:
+                    self._send(peer, out.message())
+                except RingFull:
+                    break
+                except ActorDead:
+                    client.lost = "its ring's reader is gone"
+                    break
+                client.queue.popleft()
+                if client.open.get(out.request_id) is out:
+                    del client.open[out.request_id]
+                sent += 1
+        return sent
+
+    def pending(self) -> bool:
+        """True while some message is queued and not yet sent."""
+        return any(client.queue for client in self._clients.values())
+
+    def stuck_or_dead(self) -> list[RequestKey]:
+        """Keys of the live requests of clients that are gone or not reading; each once.
+
+        A client is gone when its process (the Hello's pid and start_ticks) is not
+        alive or its ring's reader is: its requests and queued output are dropped, and
+        it is served again only after a new Hello. A client is stuck when more than
+        ``max_queued`` messages were queued for it: its queued output is dropped and each
+        of its live requests ends, for it, with one Tokens of finish_reason "abort" and
+        an error saying why. Either way the returned keys are forgotten here (later
+        emits for them are ignored) and the engine aborts them.
+        """
+        keys: list[RequestKey] = []
+        for peer, client in self._clients.items():
+            if not client.lost and client.incarnation and not client.stamp.is_alive():
+                client.lost = "its process is gone"
+            if client.lost and (client.live or client.queue):
+                keys += self._give_up(peer, client, client.lost)
+            elif client.overflowed and not client.lost:
+                client.overflowed = False
+                reason = f"its output was not read: more than {self._max_queued} messages queued"
+                owners = [self._owners[key] for key in client.live.values()]
+                keys += self._give_up(peer, client, reason)
+                for owner in owners:  # one final message per request: not held to max_queued
+                    out = _Out(request_id=owner.request_id, incarnation=owner.incarnation)
+                    out.finish_reason, out.error = "abort", reason
+                    client.queue.append(out)
+        return keys
+
+    # Internals.
+
+    def _queue(self, client: _Client, out: _Out) -> None:
+        client.queue.append(out)
+        if len(client.queue) > self._max_queued:
+            client.overflowed = True
+
+    def _give_up(self, peer: str, client: _Client, reason: str) -> list[RequestKey]:
+        keys = self._drop(client)
+        self._log.warning(
+            "client.lost",
+            peer=peer,
+            incarnation=client.incarnation,
+            reason=reason,
+            aborted=len(keys),
+        )
+        return keys
+
+    def _drop(self, client: _Client) -> list[RequestKey]:
+        """Forget ``client``'s live requests and queued output; the keys it had."""
+        keys = list(client.live.values())
+        for key in keys:
+            del self._owners[key]
+        client.live.clear()
+        client.queue.clear()
+        client.open.clear()
+        return keys

@@ -1,0 +1,161 @@
+"""What the Engine actor and the in-process runner share: the scheduler's config from the
+run config, its ops as protocol messages, and workload lines as requests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ringfence.actors.kv.layout import STAGING_BLOCKS, block_fingerprint
+from ringfence.actors.model.tokenizer import ByteTokenizer
+from ringfence.actors.protocol import transfer, worker
+from ringfence.actors.protocol.worker import ModelInfo, PlanPiece
+from ringfence.cache.storage import StorageBackend, StorageLog, open_backend
+from ringfence.cache.storage.guarded import GuardedBackend
+from ringfence.runtime.config import Config
+from ringfence.sched.blocks import TierConfig
+from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
+from ringfence.sched.request import Request
+from ringfence.sched.sequence import SchedConfig
+from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
+
+Message = worker.StepPlan | transfer.SwapOp | transfer.StoreOp
+Encode = Callable[[str], Sequence[int]]
+
+
+def sched_config(
+    config: Config, model_id: str, max_position: int, vocab_size: int = 1 << 31
+) -> SchedConfig:
+    """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limits
+    (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``)."""
+    cache, sched = config.cache, config.sched
+    storage = cache.storage.backend != "none"
+    tiers = TierConfig(
+        block_size=cache.block_size,
+        device_blocks=cache.device_blocks,
+        host_blocks=cache.host_blocks or STAGING_BLOCKS,
+        host_cache=cache.host_blocks > 0,
+        storage=storage,
+        device_eviction=cache.device_eviction,
+        host_eviction=cache.host_eviction,
+        poison_freed=cache.poison_freed,
+    )
+    return SchedConfig(
+        tiers=tiers,
+        namespace=block_fingerprint(config, model_id).digest(),
+        max_num_seqs=sched.max_num_seqs,
+        max_batched_tokens=sched.max_batched_tokens,
+        preemption=sched.preemption,
+        max_model_len=max_position,
+        vocab_size=vocab_size,
+    )
+
+
+def open_storage(
+    config: Config, model: ModelInfo, run_dir: str, *, log: StorageLog | None = None
+) -> StorageBackend | None:
+    """The storage tier's client (the engine asks it what is stored), or None.
+
+    Guarded (:class:`GuardedBackend`): while the tier is unreachable its presence answer
+    is "nothing stored" and ``storage.unavailable`` goes to ``log`` (default: the stdlib
+    logger ``ringfence.cache.storage``) once per outage. A server that is down when it
+    opens is such an outage from the start (``storage.unreachable``), not an error.
+    """
+    settings = config.cache.storage
+    if settings.backend == "none":
+        return None
+    path = settings.path or (f"{run_dir}/storage" if settings.backend == "local" else "")
+    backend = open_backend(
+        settings.backend,
+        fingerprint=block_fingerprint(config, model.model_id).digest(),
+        path=path,
+        url=settings.url,
+        max_bytes=settings.max_bytes,
+        timeout_s=settings.timeout_s,
+        log=log,
+        require_server=False,  # down at launch: misses until it is up, like an outage
+    )
+    return GuardedBackend(backend, log=log, answer_s=settings.presence_timeout_s)
+
+
+def to_message(op: Op, epoch: int) -> Message:
+    """The protocol message of a scheduler op, stamped with the issuer's epoch."""
+    if isinstance(op, StepOp):
+        return worker.StepPlan(
+            step=op.step,
+            epoch=epoch,
+            fence=op.fence,
+            pieces=tuple(
+                PlanPiece(
+                    seq_id=p.seq_id,
+                    token_ids=p.token_ids,
+                    start=p.start,
+                    block_table=p.block_table,
+                    sample=p.sample,
+                    temperature=p.temperature,
+                    seed=p.seed,
+                )
+                for p in op.pieces
+            ),
+            poison=op.poison,
+        )
+    if isinstance(op, SwapOp):
+        return transfer.SwapOp(
+            op=op.op,
+            epoch=epoch,
+            fence=op.fence,
+            direction=op.direction,
+            device_blocks=op.device_blocks,
+            host_blocks=op.host_blocks,
+        )
+    assert isinstance(op, StoreOp)
+    return transfer.StoreOp(
+        op=op.op,
+        epoch=epoch,
+        fence=op.fence,
+        direction=op.direction,
+        host_blocks=op.host_blocks,
+        keys=tuple(k.hex() for k in op.keys),
+    )
+
+
+def load_workload(
+    source: str, *, seed: int = 0, requests: int | None = None
+) -> list[WorkloadRequest]:
+    """``synthetic:NAME`` or a JSON-lines file, sorted by arrival."""
+    if source.startswith("synthetic:"):
+        return synthetic(source.removeprefix("synthetic:"), seed=seed, requests=requests)
+    with open(source, encoding="utf-8") as f:
+        lines = f.readlines()
+    parsed = parse_workload(lines, source=source)
+    return sorted(parsed[:requests] if requests else parsed, key=lambda r: r.arrival_s)
+
+
+def make_request(line: WorkloadRequest, encode: Encode | None = None) -> Request:
+    """The scheduler's request of a workload line; a text prompt goes through ``encode``."""
+    if line.prompt_token_ids is not None:
+        tokens = tuple(line.prompt_token_ids)
+    else:
+        assert line.prompt is not None
+        tokens = tuple((encode or ByteTokenizer().encode)(line.prompt))
+    return Request(
+        request_id=line.id, prompt_token_ids=tokens, params=line.params, arrival=line.arrival_s
+    )
+
+
+def issue_fields(op: Op) -> dict[str, Any]:
+    """What ``op.issue`` logs of an op, as JSON values: the scheduler's fence and every block
+    it touches (a step's pieces as [seq_id, start, tokens, sample, block_table])."""
+    fence = {str(lane): n for lane, n in op.fence.waits().items()}
+    if isinstance(op, StepOp):
+        pieces = [
+            [p.seq_id, p.start, len(p.token_ids), p.sample, list(p.block_table)] for p in op.pieces
+        ]
+        return {"fence": fence, "pieces": pieces, "poison": list(op.poison)}
+    return {
+        "fence": fence,
+        "direction": op.direction,
+        "reason": op.reason,
+        "device_blocks": list(op.device_blocks) if isinstance(op, SwapOp) else [],
+        "host_blocks": list(op.host_blocks),
+    }

@@ -1,0 +1,334 @@
+"""The Worker actor: runs the Engine's step plans on the model and the device KV tensor.
+
+One Worker per rank executes the step lane (DESIGN.md "Sequence numbers,
+watermarks, fences") strictly in order, ``s = 1, 2, ...``. For each plan it
+
+1. refuses a malformed plan before touching anything (unknown or repeated block id,
+   a block table longer than the pool or too short for the positions, a position past
+   the model's maximum, a token outside the vocabulary): result ``rejected``;
+2. waits, sleeping on its own doorbell, until every watermark named in the plan's
+   fence has reached it: a step never reads a block before the swap-in that fills it
+   is done (I1), and the swap-outs and write-backs it must not overtake are done (I3);
+3. fills the plan's ``poison`` blocks with NaN, runs the pieces as one mixed batch,
+   samples the next token of every piece that asks for one (non-finite logits fail
+   the step); a step that raises fills the blocks it was writing with NaN, so that
+   nothing fenced on it copies half-computed KV as valid (see ``actors/executors/transfer.py``);
+4. advances ``step_done`` (every step <= s finished, KV writes included) and only
+   then sends the :class:`StepResult` with the step number and the plan's epoch.
+
+A plan of a past epoch (lanes.py: issued before this Worker started, or by an engine
+that has restarted since) is cancelled, never run: watermark advanced past it, result
+``cancelled``. A fence wait that runs past its deadline cancels a stale plan and
+otherwise hands it over again later (the driver's ``msg.deferred``), with heartbeats
+in between. The Worker publishes its start epoch as ``tier_epoch`` before it handles
+any plan: a restarted Worker has a fresh device tier, and every op issued before
+names blocks of the old one.
+
+Delivery is at least once (a plan whose step was cut short by a crash is read again),
+and the step number makes it exactly once: a plan at or below ``step_done`` is a
+repeat, answered with the kept result when it is the last step, else dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
+from ringfence.actors.kv.layout import kv_layout, model_id
+from ringfence.actors.kv.space import SharedKV, create_kv, torch_dtype
+from ringfence.actors.model.checkpoint import load_checkpoint, special_ids
+from ringfence.actors.model.decoder import Model, sample
+from ringfence.actors.model.paged import PagedExecutor, Piece
+from ringfence.actors.model.tokenizer import ByteTokenizer
+from ringfence.actors.protocol.resync import Resync
+from ringfence.actors.protocol.worker import (
+    ModelInfo,
+    PlanPiece,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    StepStatus,
+    WorkerReady,
+)
+from ringfence.cache.fences import Lane, Tier
+from ringfence.runtime.actor import handles
+from ringfence.runtime.config import ModelConfig as ModelSettings
+from ringfence.shm.names import posix_name
+
+
+class LoadedModel(NamedTuple):
+    model: Model
+    info: ModelInfo
+
+
+def load_model(settings: ModelSettings) -> LoadedModel:
+    """The model the ``[model]`` section names: ``path`` (a checkpoint) before ``preset``."""
+    dtype = torch_dtype(settings.dtype)
+    device = settings.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device is {device!r} but torch sees no CUDA device")
+    if settings.path:
+        model = load_checkpoint(settings.path, dtype=dtype, device=device)
+        bos, eos = special_ids(settings.path)
+    else:
+        model = Model.from_preset(settings.preset, dtype, settings.seed).to(device)
+        bos, eos = ByteTokenizer.bos, ByteTokenizer.eos
+    info = ModelInfo(
+        model_id=model_id(settings),
+        vocab_size=model.config.vocab_size,
+        max_position=model.config.max_position,
+        dtype=settings.dtype,
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+    return LoadedModel(model.eval(), info)
+
+
+class Worker(LaneExecutor):
+    """The model and the device KV tensor of one rank; the step lane's only executor."""
+
+    lane = Lane.STEP
+
+    def on_start(self) -> None:
+        super().on_start()
+        # First of all: every op issued for the previous incarnation's device tier is
+        # stale from now on (lanes.py: why this comes before any plan is cancelled).
+        tier_epoch = self.epochs[0]
+        tier_epoch.claim()
+        tier_epoch.advance(self.ctx.epoch)
+        config, rank = self.config, self.ctx.rank
+        self.model, self.info = load_model(config.model)
+        layout = kv_layout(config, Tier.DEVICE, self.model.config)
+        shm_name = posix_name(self.ctx.run_id, f"kv.device.{rank}") if self.ctx.run_id else ""
+        self.space: SharedKV | None = create_kv(layout, config.model.device, shm_name=shm_name)
+        if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN
+            self.space.poison(range(layout.num_blocks))
+        self.executor: PagedExecutor | None = PagedExecutor(self.model, self.space.kv)
+        self.cuda = self.space.kv.device.type == "cuda"
+        self.steps = 0
+        self.log.info(
+            "worker.ready",
+            model_id=self.info.model_id,
+            device=self.space.handle.device,
+            kv_shm=self.space.handle.shm,
+            num_blocks=layout.num_blocks,
+            block_bytes=layout.block_bytes,
+            step_done=self.done.value(),
+            threads=torch.get_num_threads(),
+        )
+        self.announce()
+
+    def announce(self, resync: int = -1) -> None:
+        """Send WorkerReady: on start, and in answer to an engine's Resync."""
+        assert self.space is not None
+        self.send(
+            "engine",
+            WorkerReady(
+                rank=self.ctx.rank,
+                epoch=self.ctx.epoch,
+                incarnation=self.ctx.incarnation,
+                step_done=self.done.value(),
+                model=self.info,
+                kv=self.space.handle,
+                resync=resync,
+            ),
+        )
+
+    @handles(Resync)
+    def on_resync(self, msg: Resync) -> None:
+        self.announce(resync=msg.epoch)
+
+    def on_stop(self) -> None:
+        self.executor = None
+        if self.space is not None:
+            self.space.close()
+            self.space = None
+
+    @property
+    def kv(self) -> torch.Tensor:
+        assert self.space is not None
+        return self.space.kv
+
+    @handles(StepPlan)
+    def on_plan(self, plan: StepPlan) -> None:
+        order = self.order(plan.step)
+        if order == "repeat":
+            kept = self.kept(plan.step)
+            resent = kept is not None
+            self.log.warning("step.repeat", step=plan.step, plan_epoch=plan.epoch, resent=resent)
+            if kept is not None:
+                self.send("engine", kept)
+            return
+        if order == "hole":  # running it would claim that the missing steps were done
+            error = f"step {plan.step} arrived when {self.done.value() + 1} is next"
+            self.log.error("step.refused", step=plan.step, plan_epoch=plan.epoch, error=error)
+            self.send(
+                "engine",
+                StepResult(step=plan.step, epoch=plan.epoch, status="rejected", error=error),
+            )
+            return
+        pieces = [_piece(p) for p in plan.pieces]
+        problem = self._problem(plan, pieces)
+        if problem:
+            self._finish(plan, "rejected", error=problem)
+            return
+        if stale := self.stale(plan.epoch):  # e.g. issued for the tier before this restart
+            self._finish(plan, "cancelled", error=stale)
+            return
+        started = time.perf_counter_ns()
+        try:
+            seen = self.wait_fence(plan.step, plan.epoch, plan.fence)
+        except Cancelled as e:
+            self._finish(plan, "cancelled", error=e.reason)
+            return
+        waited = time.perf_counter_ns()
+        try:
+            outputs = self._execute(plan, pieces)
+        except Exception as e:  # it ran part way: the lane moves on, the engine is told
+            # What it wrote is spoiled before step_done moves: a swap-out or write-back
+            # fenced on this step must not copy half-computed KV as if it were valid.
+            # Raising here, the Worker dies first and its restart resets the device tier.
+            assert self.space is not None and self.executor is not None
+            spoiled = written_blocks(plan, self.executor.block_size)
+            self.space.poison(spoiled)
+            self.log.error(
+                "step.failed", step=plan.step, error=repr(e), spoiled=len(spoiled), exc_info=e
+            )
+            self._finish(plan, "failed", error=f"{type(e).__name__}: {e}")
+            return
+        self._finish(
+            plan,
+            "ok",
+            outputs=outputs,
+            wait_ns=waited - started,
+            exec_ns=time.perf_counter_ns() - waited,
+            seen_swap=seen.get(Lane.SWAP),
+            seen_store=seen.get(Lane.STORE),
+        )
+
+    def _problem(self, plan: StepPlan, pieces: list[Piece]) -> str:
+        """Why the plan must not run, or ""."""
+        assert self.executor is not None
+        if self.fence_problem(plan.fence):
+            return self.fence_problem(plan.fence)
+        num_blocks = self.executor.num_blocks
+        bad = [b for b in plan.poison if not 0 <= b < num_blocks]
+        if bad:
+            return f"poison block id {bad[0]} is outside the pool's {num_blocks} blocks"
+        for i, p in enumerate(plan.pieces):
+            if p.temperature < 0:
+                return f"piece {i} has a negative temperature {p.temperature}"
+        if pieces:
+            try:
+                self.executor.check(pieces)
+            except ValueError as e:
+                return str(e)
+        return ""
+
+    def _execute(self, plan: StepPlan, pieces: list[Piece]) -> tuple[SampledToken, ...]:
+        assert self.space is not None and self.executor is not None
+        self.space.poison(plan.poison)
+        if not pieces:
+            if self.cuda:  # step_done covers the writes: done, not merely queued
+                torch.cuda.current_stream(self.kv.device).synchronize()
+            return ()
+        # One copy for all pieces; on CUDA it waits for the step, KV writes included.
+        return sample_pieces(plan.pieces, self.executor.step(pieces).last_logits.to("cpu"))
+
+    def _finish(
+        self,
+        plan: StepPlan,
+        status: StepStatus,
+        *,
+        outputs: tuple[SampledToken, ...] = (),
+        error: str = "",
+        wait_ns: int = 0,
+        exec_ns: int = 0,
+        seen_swap: int | None = None,
+        seen_store: int | None = None,
+    ) -> None:
+        """Advance step_done past the plan, then report it."""
+        self.steps += 1
+        self.log.info(
+            "step.done",
+            step=plan.step,
+            plan_epoch=plan.epoch,
+            status=status,
+            fence_swap=plan.fence.swap,
+            fence_store=plan.fence.store,
+            seen_swap=seen_swap,
+            seen_store=seen_store,
+            pieces=len(plan.pieces),
+            tokens=sum(len(p.token_ids) for p in plan.pieces),
+            poison=len(plan.poison),
+            wait_ns=wait_ns,
+            exec_ns=exec_ns,
+            error=error or None,
+        )
+        result = StepResult(
+            step=plan.step,
+            epoch=plan.epoch,
+            status=status,
+            outputs=outputs,
+            error=error,
+            wait_ns=wait_ns,
+            exec_ns=exec_ns,
+        )
+        self.complete(plan.step, result)
+
+
+class NonFiniteLogits(ArithmeticError):
+    """A step produced NaN or infinite logits: it read blocks it should not have, or blocks
+    a failed op spoiled (``actors/executors/transfer.py``). The step fails; no token comes of it."""
+
+
+def sample_pieces(
+    pieces: Sequence[PlanPiece], last_logits: torch.Tensor
+) -> tuple[SampledToken, ...]:
+    """The next token of every piece that asks for one, from its row of ``last_logits``."""
+    outputs = []
+    for row, p in enumerate(pieces):
+        if p.sample:
+            if not bool(torch.isfinite(last_logits[row]).all()):
+                raise NonFiniteLogits(
+                    f"the logits of sequence {p.seq_id} are not finite: the step read KV "
+                    "that was never written, was freed and poisoned (a missing fence?), or "
+                    "was spoiled by an op that failed"
+                )
+            position = p.start + len(p.token_ids)
+            token = sample(
+                last_logits[row], temperature=p.temperature, seed=p.seed, position=position
+            )
+            outputs.append(
+                SampledToken(
+                    seq_id=p.seq_id,
+                    position=position,
+                    token_id=token.token_id,
+                    logprob=token.logprob,
+                )
+            )
+    return tuple(outputs)
+
+
+def written_blocks(plan: StepPlan, block_size: int) -> list[int]:
+    """The device blocks a plan's pieces write: those holding positions start ..
+    start + len - 1 of each (the blocks before them are only read)."""
+    written: set[int] = set()
+    for p in plan.pieces:
+        if p.token_ids:
+            first, last = p.start // block_size, (p.start + len(p.token_ids) - 1) // block_size
+            written.update(p.block_table[first : last + 1])
+    return sorted(written)
+
+
+def plan_pieces(plan: StepPlan) -> list[Piece]:
+    """The executor's pieces of a plan."""
+    return [_piece(p) for p in plan.pieces]
+
+
+def _piece(p: PlanPiece) -> Piece:
+    return Piece(token_ids=p.token_ids, start=p.start, block_table=p.block_table)

@@ -1,0 +1,224 @@
+"""A Llama-architecture decoder in plain torch, with seeded random weights, and the sampler.
+
+Parameter names are those of Hugging Face ``LlamaForCausalLM``'s state dict
+(``model.embed_tokens.weight``, ``model.layers.N.self_attn.q_proj.weight``, ...,
+``model.layers.N.mlp.gate_proj.weight``, ``model.layers.N.input_layernorm.weight``,
+``model.norm.weight``, ``lm_head.weight``), and the rotary embedding uses its
+``rotate_half`` convention, so a checkpoint loader can map tensors 1:1. The modules are
+only parameter containers: the forward pass is written out with ``torch.nn.functional``
+so that the paged executor (``actors/model/paged.py``) runs the very same per-layer code and
+differs only in where attention reads its keys and values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ringfence.actors.model.shape import PRESETS, ModelConfig
+
+__all__ = ["DTYPES", "PRESETS", "Model", "ModelConfig", "Sampled", "kv_block_bytes", "sample"]
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block: every layer's K and V for ``block_size`` tokens."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return config.layers * 2 * block_size * config.kv_heads * config.head_dim * itemsize
+
+
+class QKV(NamedTuple):
+    """One layer's attention inputs for T tokens, rotary already applied."""
+
+    q: Tensor  # [T, heads, head_dim]
+    k: Tensor  # [T, kv_heads, head_dim]
+    v: Tensor  # [T, kv_heads, head_dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width))
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.up_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.down_proj = nn.Linear(c.intermediate, c.hidden, bias=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden)
+        self.post_attention_layernorm = RMSNorm(c.hidden)
+
+
+class Body(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.hidden)
+
+
+class Model(nn.Module):
+    """The decoder: parameters, the per-layer pieces, and the contiguous reference forward.
+
+    Immutable after construction (no grad, inference only); safe to share between
+    threads that only read it. ``forward_contiguous`` keeps no state between calls.
+    """
+
+    rope_cos: Tensor  # [max_position, head_dim] rotary table; a buffer, not in the state dict
+    rope_sin: Tensor
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, seed: int) -> None:
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+        self.config = config
+        self.dtype = dtype
+        with torch.device("meta"):
+            self.model = Body(config)
+            self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        self.to_empty(device="cpu")
+        self._init_weights(seed)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.to(dtype)
+        self.requires_grad_(False)
+        # Rotary tables in float64, then cast: both execution paths index the same table.
+        inv_freq = config.rope_theta ** (
+            -torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
+        )
+        angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+
+    @classmethod
+    def from_preset(cls, name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> Model:
+        """A preset with random weights that depend only on ``seed`` (the same in every dtype)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+        return cls(PRESETS[name], dtype, seed)
+
+    def _init_weights(self, seed: int) -> None:
+        # Drawn in float32 in a fixed order from a private generator: deterministic
+        # across runs and dtypes, and the global RNG is left alone.
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.fill_(1.0)
+            else:
+                fan_in = self.config.hidden if "embed_tokens" in name else param.shape[1]
+                std = fan_in**-0.5
+                param.data.copy_(torch.randn(param.shape, generator=gen) * std)
+
+    def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        # Like Hugging Face: normalize in at least float32, scale in the model dtype.
+        h = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
+        return weight * h.to(x.dtype)
+
+    def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        """Hidden states [T, hidden] of token ids [T]."""
+        if token_ids.numel() and not (
+            int(token_ids.min()) >= 0 and int(token_ids.max()) < self.config.vocab_size
+        ):
+            raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
+        return F.embedding(token_ids, self.model.embed_tokens.weight)
+
+    def attention_inputs(self, index: int, x: Tensor, positions: Tensor) -> QKV:
+        """Layer ``index``'s queries, keys and values of hidden states x [T, hidden]."""
+        c = self.config
+        layer = self.decoder_layers[index]
+        h = self._rms_norm(x, layer.input_layernorm.weight)
+        att = layer.self_attn
+        q = F.linear(h, att.q_proj.weight).view(-1, c.heads, c.head_dim)
+        k = F.linear(h, att.k_proj.weight).view(-1, c.kv_heads, c.head_dim)
+        v = F.linear(h, att.v_proj.weight).view(-1, c.kv_heads, c.head_dim)
+        return QKV(self._rope(q, positions), self._rope(k, positions), v)
+
+    def finish_layer(self, index: int, x: Tensor, attended: Tensor) -> Tensor:
+        """The residual stream after layer ``index``, given its attention output [T, heads*dim]."""
+        layer = self.decoder_layers[index]
+        x = x + F.linear(attended, layer.self_attn.o_proj.weight)
+        h = self._rms_norm(x, layer.post_attention_layernorm.weight)
+        mlp = layer.mlp
+        gated = F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight)
+        return x + F.linear(gated, mlp.down_proj.weight)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Final norm and LM head: logits [T, vocab] of hidden states [T, hidden]."""
+        return F.linear(self._rms_norm(x, self.model.norm.weight), self.lm_head.weight)
+
+    @torch.inference_mode()
+    def forward_contiguous(self, token_ids: Tensor) -> Tensor:
+        """Logits [T, vocab] of one whole sequence at positions 0..T-1 (the reference)."""
+        length = token_ids.shape[0]
+        if length > self.config.max_position:
+            raise ValueError(f"sequence length {length} past max_position")
+        positions = torch.arange(length)
+        x = self.embed(token_ids)
+        for index in range(self.config.layers):
+            q, k, v = self.attention_inputs(index, x, positions)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                is_causal=True, enable_gqa=True,
+            )  # fmt: skip
+            x = self.finish_layer(index, x, out.transpose(0, 1).reshape(length, -1))
+        return self.logits(x)
+
+
+class Sampled(NamedTuple):
+    token_id: int  # the chosen token
+    logprob: float  # log_softmax of the raw (unscaled) logits at token_id
+
+
+def sample(logits: Tensor, *, temperature: float, seed: int, position: int) -> Sampled:
+    """Pick a token from logits [vocab].
+
+    Greedy (first maximum) at temperature 0; otherwise a draw from
+    softmax(logits / temperature) by a generator seeded from (seed, position) only, so
+    a replayed step picks the same token. The reported logprob is always under the raw
+    logits (temperature 1), so it does not depend on the sampling settings.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    # On the CPU in float64 whatever the model's device: the same draw on every machine.
+    wide = logits.detach().to(device="cpu", dtype=torch.float64)
+    if temperature == 0:
+        token = int(torch.argmax(wide))
+    else:
+        digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+        probs = torch.softmax(wide / temperature, dim=-1)
+        token = int(torch.multinomial(probs, 1, generator=gen))
+    return Sampled(token, float(torch.log_softmax(wide, dim=-1)[token]))

@@ -1,0 +1,530 @@
+"""The checks of ``ringfence replay``: the protocol's invariants, proved or refuted from logs.
+
+Every check reads only what the actors logged (see replay_log.py), never the code's
+own bookkeeping, so a bug in the scheduler's fences is found as surely as a lane that
+ran without waiting:
+
+- **I1-I4** (needs the engine's trace: ``op.issue`` with every block an op touches).
+  Walking the ops in the scheduler's issue order, an independent per-block record of
+  the last writer and the last user of each device and host block in each lane gives,
+  for every op and every other lane, the latest earlier op it conflicts with (at
+  least one of the two writes the block). The op must have *seen* that op's lane
+  watermark at or past it before it touched a block (``seen_*`` of its completion:
+  else the violation really happened), and its fence must name it (else the run was
+  lucky: the scheduler's fence is too weak). Device reads after a write: I1 for a step
+  (after a swap-in), I2 for a swap-out (after a step); a device block overwritten
+  while an earlier op of another lane still uses it: I3; any host block conflict: I4.
+- **wait**: every op that ran saw each lane's watermark at or past its fence.
+- **lanes**: each lane completed ops 1, 2, 3, ... with no gap and none twice (twice is
+  allowed only across a restart of the executor, which redoes its op in flight).
+- **ops**: every issued op completed (ok, failed, rejected or cancelled), or is reported
+  as still in flight at the end of the log when no later op of its lane completed;
+  nothing was executed that the engine never issued; the engine applied each
+  completion with the status the executor reported, or dropped it as stale.
+- **rings** (trace: ``msg.send``/``msg.recv``): every ring delivers its sequence numbers
+  in order with no gap and no duplicate within one incarnation of the logging end (a
+  killed process's last trace lines may never have reached its log, so across its
+  restart numbers may jump ahead, and a restarted receiver may get its last message
+  again).
+- **epochs**: no result or completion of another epoch than the engine's at the time
+  was applied (the engine's epoch is the one it started in, raised by each
+  ``engine.tier_reset``), and no step of an older epoch ran on a restarted Worker.
+- **requests**: every request that arrived finished or was aborted once, or is
+  reported as still in flight (also one in flight in an engine that died, unless the
+  next engine ran it again); none finished that never arrived.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final, NamedTuple
+
+from ringfence.actors.replay.log import LANE_NAMES, Entry, Op, RunLog
+
+CHECKS: Final = {
+    "I1": "no step read a device block before the swap-in that fills it was done",
+    "I2": "no swap-out read a device block before the step that wrote it was done",
+    "I3": "no device block was overwritten while an op of another lane still used it",
+    "I4": "no host block was read before it was filled, nor overwritten while still read",
+    "wait": "every op saw the watermarks its fence names before it ran",
+    "lanes": "each lane completed its ops in order, none skipped, none twice",
+    "ops": "every issued op completed and was applied, or is still in flight",
+    "rings": "no sequence gap or duplicate on any ring",
+    "epochs": "no result of another epoch was applied",
+    "requests": "every request that arrived finished, was aborted, or is in flight",
+}
+TOUCHED: Final = frozenset({"ok", "failed"})  # statuses of an op that may have touched blocks
+OP_NAMES: Final = {
+    "step": "step",
+    "in": "swap-in",
+    "out": "swap-out",
+    "write": "write-back",
+    "read": "prefetch",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken rule: the check (a key of CHECKS), what happened, and the entries."""
+
+    check: str
+    message: str
+    entries: tuple[Entry, ...]  # the first is where it shows; the rest are its causes
+
+    @property
+    def at(self) -> Entry | None:
+        return self.entries[0] if self.entries else None
+
+
+@dataclass(slots=True)
+class CheckResult:
+    """Every violation (in history order), what is still in flight, and what was checked."""
+
+    violations: list[Violation] = field(default_factory=list)
+    in_flight: list[str] = field(default_factory=list)  # ops and requests the log leaves open
+    counts: Counter[str] = field(default_factory=Counter)  # what each check looked at
+    skipped: list[str] = field(default_factory=list)  # checks the log level did not allow
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def op_name(op: Op) -> str:
+    """``step 4``, ``swap-in 3``, ``write-back 7``."""
+    return f"{OP_NAMES.get(op.kind, op.lane)} {op.number}"
+
+
+def check_run(log: RunLog) -> CheckResult:
+    """Run every check the log allows (see the module docstring)."""
+    result = CheckResult()
+    if log.traced:
+        _invariants(log, result)
+    else:
+        result.skipped.append(
+            "I1-I4, rings and the ops' application (the engine logged at info; set "
+            "runtime.log_level=trace)"
+        )
+    _waits(log, result)
+    _lanes(log, result)
+    _ops(log, result)
+    if log.traced:
+        _rings(log, result)
+    _epochs(log, result)
+    _requests(log, result)
+    rank = {check: i for i, check in enumerate(CHECKS)}
+    result.violations.sort(key=lambda v: (v.at.order if v.at else -1, rank.get(v.check, 99)))
+    return result
+
+
+def _first(*entries: Entry | None) -> tuple[Entry, ...]:
+    return tuple(e for e in entries if e is not None)
+
+
+class Conflict(NamedTuple):
+    """The latest earlier op of another lane that an op must come after, and on what."""
+
+    other: Op
+    tier: str  # "device" or "host"
+    block: int
+    after_write: bool  # the op reads what ``other`` wrote (else it overwrites what it used)
+
+
+def _invariants(log: RunLog, result: CheckResult) -> None:
+    """I1-I4 from an independent per-block record of readers and writers per lane."""
+    size = log.block_size
+    writer: dict[tuple[str, int], dict[str, Op]] = defaultdict(dict)
+    user: dict[tuple[str, int], dict[str, Op]] = defaultdict(dict)
+    ready = {e.pid: e for e in log.events("engine.ready")}
+    issuer: int | None = None
+    last: dict[str, Op] = {}  # per lane, the last op issued (by any engine)
+    for key in log.issue_order:
+        op = log.ops.get(key)
+        if op is None or op.issue is None:
+            continue
+        if op.issue.pid != issuer:
+            # A new engine began only once every executor had handled every op before
+            # (its Resync answers: engine.ready's first_ops); nothing it issues can
+            # conflict with those, so the record starts again. Check that it did.
+            issuer = op.issue.pid
+            _resynced(ready.get(issuer), last, result)
+            writer.clear()
+            user.clear()
+        last[op.lane] = op
+        result.counts["I1-I4 ops"] += 1
+        reads, writes = op.access(size)
+        need: dict[str, Conflict] = {}  # per other lane
+        for tier, blocks in reads.items():
+            for block in blocks:
+                _latest(need, writer[(tier, block)], op, tier, block, after_write=True)
+        for tier, blocks in writes.items():
+            for block in blocks:
+                _latest(need, user[(tier, block)], op, tier, block, after_write=False)
+        for tier, blocks in reads.items():
+            for block in blocks:
+                user[(tier, block)][op.lane] = op
+        for tier, blocks in writes.items():
+            for block in blocks:
+                writer[(tier, block)][op.lane] = op
+                user[(tier, block)][op.lane] = op
+        for lane, conflict in sorted(need.items()):
+            _judge(op, lane, conflict, result)
+
+
+def _resynced(ready: Entry | None, last: dict[str, Op], result: CheckResult) -> None:
+    """An engine's first ops come after every op an engine before it issued, lane by lane."""
+    first = (ready.get("first_ops") if ready is not None else None) or {}
+    for lane, op in last.items():
+        if int(first.get(lane, 1)) <= op.number:
+            causes = _first(ready, op.issue)
+            result.violations.append(
+                Violation(
+                    "ops",
+                    f"an engine began with {lane} op {first.get(lane, 1)}, but an engine before "
+                    f"it had issued {op_name(op)}",
+                    causes,
+                )
+            )
+
+
+def _latest(
+    need: dict[str, Conflict],
+    previous: dict[str, Op],
+    op: Op,
+    tier: str,
+    block: int,
+    *,
+    after_write: bool,
+) -> None:
+    for lane, other in previous.items():
+        if lane != op.lane and (lane not in need or need[lane].other.number < other.number):
+            need[lane] = Conflict(other, tier, block, after_write)
+
+
+def _invariant(op: Op, conflict: Conflict) -> str:
+    if conflict.tier == "host":
+        return "I4"
+    if conflict.after_write:
+        return "I1" if op.lane == "step" else "I2"
+    return "I3"
+
+
+def _judge(op: Op, lane: str, conflict: Conflict, result: CheckResult) -> None:
+    other, tier, block = conflict.other, conflict.tier, conflict.block
+    invariant = _invariant(op, conflict)
+    what = "read" if conflict.after_write else "overwrote"
+    since = "wrote" if conflict.after_write else "used"
+    seen = op.seen(lane)
+    done = op.done[0] if op.done else None
+    causes = _first(done, op.issue, other.issue, other.done[0] if other.done else None)
+    if done is not None and op.status in TOUCHED and seen is not None and seen < other.number:
+        result.violations.append(
+            Violation(
+                invariant,
+                f"{op_name(op)} {what} {tier} block {block} having seen {lane}_done at "
+                f"{seen}, before {op_name(other)} (which {since} it) was done",
+                causes,
+            )
+        )
+    elif op.fence(lane) < other.number:
+        result.violations.append(
+            Violation(
+                invariant,
+                f"{op_name(op)}'s fence waits for {lane} {op.fence(lane)}, but "
+                f"{op_name(other)} {since} {tier} block {block} it {what} (fence too weak"
+                f"{'; this run was lucky' if done is not None else ''})",
+                _first(op.issue, other.issue, done),
+            )
+        )
+
+
+def _waits(log: RunLog, result: CheckResult) -> None:
+    for op in log.ops.values():
+        if not op.done or op.status not in TOUCHED:
+            continue
+        done = op.done[0]
+        result.counts["wait"] += 1
+        for lane in LANE_NAMES:
+            target = int(done.get(f"fence_{lane}") or 0)
+            seen = done.get(f"seen_{lane}")
+            if lane != op.lane and target and seen is not None and int(seen) < target:
+                result.violations.append(
+                    Violation(
+                        "wait",
+                        f"{op_name(op)} ran having seen {lane}_done at {seen}; its fence "
+                        f"names {lane} {target}",
+                        (done,),
+                    )
+                )
+
+
+def _lanes(log: RunLog, result: CheckResult) -> None:
+    for lane in LANE_NAMES:
+        completions = sorted(
+            (done for op in log.ops.values() if op.lane == lane for done in op.done),
+            key=lambda e: e.order,
+        )
+        expected, last_pid = 1, None
+        seen: dict[int, Entry] = {}
+        for done in completions:
+            result.counts["lanes"] += 1
+            number = int(done.get("op") if lane != "step" else done.get("step"))
+            if number in seen:
+                if seen[number].pid == done.pid:
+                    result.violations.append(
+                        Violation(
+                            "lanes",
+                            f"{lane} op {number} completed twice",
+                            (done, seen[number]),
+                        )
+                    )
+                continue  # redone after a restart (its completion was not yet reported)
+            if number != expected and not (number < expected and done.pid != last_pid):
+                skipped = f"{expected}" if number == expected + 1 else f"{expected}-{number - 1}"
+                result.violations.append(
+                    Violation(
+                        "lanes",
+                        f"{lane} op {number} completed when op {expected} was next: "
+                        f"op {skipped} never completed",
+                        (done,),
+                    )
+                )
+            seen[number] = done
+            expected, last_pid = max(expected, number + 1), done.pid
+
+
+def _ops(log: RunLog, result: CheckResult) -> None:
+    last_done: dict[str, int] = Counter()
+    for op in log.ops.values():
+        if op.done:
+            last_done[op.lane] = max(last_done[op.lane], op.number)
+    killed = _killed_engines(log)
+    dead = _dead_engines(log)
+    for op in sorted(log.ops.values(), key=lambda o: (o.lane, o.number)):
+        name = op_name(op)
+        result.counts["ops"] += 1
+        for extra in op.extra_issues:
+            result.violations.append(
+                Violation("ops", f"{name} issued twice", (extra, *_first(op.issue)))
+            )
+        if log.traced and op.issue is None and op.done:
+            issuer = killed.get((op.lane, op.number))
+            if issuer is not None:  # its op.issue was still buffered when the engine died
+                result.in_flight.append(f"{name} (executed; issued by engine pid {issuer}, killed)")
+            else:
+                result.violations.append(
+                    Violation("ops", f"{name} was executed but never issued", (op.done[0],))
+                )
+        if not op.done:
+            if op.applied:
+                result.violations.append(
+                    Violation(
+                        "ops",
+                        f"the engine applied a completion of {name}, which no executor logged",
+                        (op.applied[0], *_first(op.issue)),
+                    )
+                )
+            elif op.issue is not None and op.number < last_done[op.lane]:
+                result.violations.append(
+                    Violation(
+                        "ops",
+                        f"{name} never completed, though {op.lane} op {last_done[op.lane]} did",
+                        (op.issue,),
+                    )
+                )
+            elif op.issue is not None:
+                result.in_flight.append(f"{name} (issued, not completed by the end of the log)")
+            continue
+        if not log.traced:
+            continue
+        status = op.status
+        if op.applied:
+            got = op.applied[0].get("status")
+            if got != status:
+                result.violations.append(
+                    Violation(
+                        "ops",
+                        f"the engine applied {name} as {got}; its executor reported {status}",
+                        (op.applied[0], op.done[0]),
+                    )
+                )
+            if len(op.applied) > 1:
+                result.violations.append(
+                    Violation("ops", f"the engine applied {name} twice", tuple(op.applied))
+                )
+        elif not op.stale:
+            issuer = op.issue.pid if op.issue is not None else killed.get((op.lane, op.number))
+            if issuer in dead:  # its engine died before the completion came back
+                why = f"not applied: engine pid {issuer}, which issued it, was killed"
+            else:
+                why = "not applied by the end"
+            result.in_flight.append(f"{name} (completed {status}; {why})")
+
+
+def _dead_engines(log: RunLog) -> set[int]:
+    """The pids of the engines that died without stopping (no ``actor.stop`` in their log)
+    while an engine after them went on."""
+    engine = log.sources.get("engine-0", [])
+    pids = list(dict.fromkeys(e.pid for e in engine))
+    stopped = {e.pid for e in engine if e.event == "actor.stop"}
+    return {pid for pid in pids[:-1] if pid not in stopped}
+
+
+def _killed_engines(log: RunLog) -> dict[tuple[str, int], int]:
+    """The ops a killed engine may have issued without its log saying so: (lane, number) ->
+    its pid. An engine's trace lines are buffered, and one killed (no ``actor.stop`` in
+    its log) takes the last of them along; those ops come after the last it logged
+    issuing, and before the first an engine after it issued."""
+    engine = log.sources.get("engine-0", [])
+    pids = list(dict.fromkeys(e.pid for e in engine))
+    stopped = {e.pid for e in engine if e.event == "actor.stop"}
+    issued: dict[int, dict[str, list[int]]] = {pid: {} for pid in pids}
+    for op in log.ops.values():
+        if op.issue is not None and op.issue.pid in issued:
+            issued[op.issue.pid].setdefault(op.lane, []).append(op.number)
+    lost: dict[tuple[str, int], int] = {}
+    for i, pid in enumerate(pids):
+        if pid in stopped:
+            continue
+        later = pids[i + 1] if i + 1 < len(pids) else None
+        for lane in LANE_NAMES:
+            start = max(issued[pid].get(lane, [0])) + 1
+            end = min(issued[later].get(lane, [1 << 62])) if later is not None else 1 << 62
+            for op in log.ops.values():
+                if op.lane == lane and start <= op.number < end and op.issue is None:
+                    lost[(lane, op.number)] = pid
+    return lost
+
+
+def _rings(log: RunLog, result: CheckResult) -> None:
+    for source, entries in log.sources.items():
+        # A message whose handler was blocked on a peer is handed over again: received twice.
+        deferred = {
+            (e.pid, str(e.get("peer")), e.get("seq")) for e in entries if e.event == "msg.deferred"
+        }
+        for event in ("msg.recv", "msg.send"):
+            selected = (e for e in entries if e.event == event)
+            _ring_order(source, selected, event, result, deferred if event == "msg.recv" else set())
+
+
+def _ring_order(
+    source: str,
+    entries: Iterable[Entry],
+    event: str,
+    result: CheckResult,
+    deferred: set[tuple[int, str, object]],
+) -> None:
+    """Sequence numbers on each ring seen from one end: +1 each time within an incarnation
+    of the logging end (a restarted one may get its last message again, or have lost the
+    last lines it logged), the same again after it was deferred; a client's ring starts
+    again at 1 when a client takes the slot anew."""
+    last: dict[str, tuple[int, int, Entry]] = {}
+    for entry in entries:
+        seq, peer = int(entry.get("seq") or 0), str(entry.get("peer"))
+        if seq == 0:  # a timer or a message to itself: not on a ring
+            continue
+        result.counts["rings"] += 1
+        previous = last.get(peer)
+        last[peer] = (seq, entry.pid, entry)
+        expected = previous[0] + 1 if previous else 1
+        if seq == expected:
+            continue
+        restarted = previous is not None and previous[1] != entry.pid
+        client = peer.startswith("client-") or source.startswith("client-")
+        if restarted or (client and seq == 1):
+            continue
+        if previous is not None and seq == previous[0] and (entry.pid, peer, seq) in deferred:
+            continue
+        if previous is not None and seq < expected:
+            what = f"sequence number {seq} again (after {previous[0]})"
+            causes: tuple[Entry, ...] = (entry, previous[2])
+        else:
+            what = f"sequence number {seq} when {expected} was next (a gap)"
+            causes = (entry,)
+        side = "received from" if event == "msg.recv" else "sent to"
+        result.violations.append(Violation("rings", f"{source} {side} {peer}: {what}", causes))
+
+
+def _epochs(log: RunLog, result: CheckResult) -> None:
+    engine_epoch: dict[int, int] = {}  # engine pid -> its epoch now
+    events = ("sched.step", "sched.transfer", "step.done", "engine.tier_reset")
+    for entry in log.events(*events):
+        if entry.event == "engine.tier_reset":
+            engine_epoch[entry.pid] = int(entry.get("new_epoch"))
+            continue
+        result.counts["epochs"] += 1
+        if entry.event == "step.done":
+            plan = entry.get("plan_epoch")
+            if entry.get("status") == "ok" and plan is not None and int(plan) < entry.epoch:
+                result.violations.append(
+                    Violation(
+                        "epochs",
+                        f"the worker ran step {entry.get('step')} of epoch {plan} in epoch "
+                        f"{entry.epoch}: a plan for a device tier since reset",
+                        (entry,),
+                    )
+                )
+            continue
+        msg_epoch = entry.get("msg_epoch")
+        epoch = engine_epoch.get(entry.pid, entry.epoch)
+        if msg_epoch is not None and int(msg_epoch) != epoch:
+            lane = entry.get("lane") or "step"
+            number = entry.get("op") or entry.get("step")
+            result.violations.append(
+                Violation(
+                    "epochs",
+                    f"the engine (epoch {epoch}) applied {lane} op {number}'s "
+                    f"completion of epoch {msg_epoch}",
+                    (entry,),
+                )
+            )
+
+
+def _requests(log: RunLog, result: CheckResult) -> None:
+    arrived: dict[str, Entry] = {}
+    finished: dict[str, Entry] = {}
+    lost: dict[str, int] = {}  # request -> pid of the engine it was in flight in when it died
+    engine_pid: int | None = None
+    for entry in log.events("request.arrive", "request.finish"):
+        request = str(entry.get("request"))
+        result.counts["requests"] += 1
+        if entry.pid != engine_pid:
+            # A new engine incarnation: what the last one left in flight died with it (a
+            # workload's next engine runs it again, a client was told it is gone).
+            lost |= {r: e.pid for r, e in arrived.items() if r not in finished}
+            arrived.clear()
+            finished.clear()
+            engine_pid = entry.pid
+        lost.pop(request, None)
+        if entry.event == "request.arrive":
+            if request in arrived and request not in finished:
+                result.violations.append(
+                    Violation("requests", f"request {request} arrived twice", (entry,))
+                )
+            arrived[request] = entry
+            finished.pop(request, None)  # a client may reuse an id once it ended
+        elif request not in arrived:
+            result.violations.append(
+                Violation("requests", f"request {request} finished but never arrived", (entry,))
+            )
+        elif request in finished:
+            result.violations.append(
+                Violation(
+                    "requests", f"request {request} finished twice", (entry, finished[request])
+                )
+            )
+        else:
+            finished[request] = entry
+    engine = log.sources.get("engine-0")
+    last_engine = engine[-1].pid if engine else None
+    for request, entry in arrived.items():
+        if request in finished:
+            continue
+        if entry.pid != last_engine:
+            lost[request] = entry.pid
+        else:
+            result.in_flight.append(f"request {request} (arrived, not finished)")
+    for request, pid in lost.items():
+        result.in_flight.append(f"request {request} (in flight when engine pid {pid} ended)")

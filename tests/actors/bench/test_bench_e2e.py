@@ -1,0 +1,48 @@
+"""``ringfence bench e2e``: the four ratios, the JSON and the PNG; no timing asserted.
+
+Six real launches take about 100 s on a 2-CPU machine (each one's start-up, four
+processes importing torch, is most of it), so here each launch is replaced by the
+same run in process (:func:`bench_e2e.run_local`): everything but the subprocess runs.
+``ringfence launch`` itself is covered by the launch tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from ringfence.actors.bench import e2e as bench_e2e
+from ringfence.runtime import cli
+
+
+def test_a_quick_e2e_bench_reports_four_positive_ratios_and_writes_a_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    launched: list[bench_e2e.Run] = []
+
+    def in_process(run: bench_e2e.Run, *, threads: int, timeout: float, folder: Path):
+        launched.append(run)
+        return bench_e2e.run_local(run, threads=threads)
+
+    monkeypatch.setattr(bench_e2e, "run_launch", in_process)
+    path = tmp_path / "e2e.json"
+    assert cli.main(["bench", "e2e", "--quick", "--requests", "3", "--json", str(path)]) == 0
+    assert len(launched) == 6
+    report = orjson.loads(path.read_bytes())
+    ratios = {row["name"]: row["ratio"] for row in report["rows"]}
+    for name in ("fence/sync", "tiers multiturn", "tiers unique", "actor/local"):
+        assert isinstance(ratios[name], float) and ratios[name] > 0
+    assert report["preset"] == "tiny" and report["counts"]["requests"] == 3
+    assert all(0 <= row["tokens_match"] <= 1 for row in report["rows"] if "tokens_match" in row)
+    assert (tmp_path / "e2e.png").stat().st_size > 0
+    assert "actor/local" in capsys.readouterr().out
+
+
+def test_a_failed_launch_is_an_error_with_exit_status_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench_e2e, "ringfence_command", lambda: ["false"])
+    assert cli.main(["bench", "e2e", "--quick", "--requests", "1"]) == 1
+    assert "exited with status 1" in capsys.readouterr().err

@@ -1,0 +1,173 @@
+"""Clients of a launched run: connect by run dir, submit, stream, abort, and survive failures.
+
+Each run launches fixture_clients:CLIENTS (EchoEngine and CLIENT_SLOTS optional client
+slots); the clients connect from this process or from spawned ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import peers
+import pytest
+from fixture_clients import EXPLODE, REFUSED, echo_tokens
+from launching import QUICK, Launch, launched, wait_until
+
+from ringfence.actors.client.shm import CLIENT_SLOTS, Client, ClientError, Completion
+from ringfence.shm import names
+from ringfence.shm.liveness import ProcessStamp
+
+TOPOLOGY = "runtime.topology=fixture_clients:CLIENTS"
+WAIT_S = 30.0
+
+
+@contextlib.contextmanager
+def echo_run(tmp_path: Path, *sets: str) -> Iterator[Launch]:
+    """A launched EchoEngine run, ready; stopped with SIGTERM (exit 143) and checked clean."""
+    with launched(tmp_path, TOPOLOGY, *QUICK, *sets) as run:
+        run.wait_ready("engine-0")
+        yield run
+        run.send_signal(signal.SIGTERM)
+        assert run.wait() == 143, run.tail()
+        assert names.list_names(run.run_id) == []
+
+
+def test_a_client_streams_the_tokens_of_a_request_in_order(tmp_path):
+    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+        assert client.instance == "client-0"
+        request_id = client.submit([5, 6, 7], max_tokens=5, request_id="r1")
+        assert request_id == "r1"
+        assert list(client.stream("r1", timeout=WAIT_S)) == [7, 6, 5, 7, 6]
+        with pytest.raises(KeyError, match="no unread request 'r1'"):
+            client.result("r1")
+
+
+def test_generate_returns_the_completion_with_cache_hits_and_ttft(tmp_path):
+    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+        done = client.generate("ab", max_tokens=3, request_id="t", timeout=WAIT_S)
+        assert done == Completion(
+            request_id="t",
+            token_ids=(ord("b"), ord("a"), ord("b")),
+            finish_reason="length",
+            cached_tokens={"device": 1, "host": 2, "storage": 3},
+            ttft_s=0.5,
+        )
+        stopped = client.generate([1, 2, 3], max_tokens=10, stop_token_ids=[1], timeout=WAIT_S)
+        assert (stopped.token_ids, stopped.finish_reason) == ((3, 2, 1), "stop")
+
+
+def test_an_aborted_request_ends_with_abort_after_the_tokens_it_had(tmp_path):
+    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+        request_id = client.submit([1, 2], max_tokens=1_000_000)
+        stream = client.stream(request_id, timeout=WAIT_S)
+        first = [next(stream), next(stream), next(stream)]
+        client.abort(request_id)
+        rest = list(stream)
+        assert first + rest == echo_tokens((1, 2), len(first) + len(rest))
+        client.abort(request_id)  # after the end: nothing to do
+
+
+def test_a_rejected_request_and_a_failed_handler_raise_client_error(tmp_path):
+    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+        refused = client.submit([1, REFUSED])
+        with pytest.raises(ClientError, match=f"rejected: token {REFUSED} is refused"):
+            client.result(refused, timeout=WAIT_S)
+        exploded = client.submit([EXPLODE])
+        with pytest.raises(
+            ClientError, match=f"the engine failed on it: Exploded: token {EXPLODE}"
+        ):
+            list(client.stream(exploded, timeout=WAIT_S))
+        assert client.generate([4], max_tokens=2, timeout=WAIT_S).token_ids == (4, 4)
+
+
+def test_bad_parameters_are_refused_before_anything_is_sent(tmp_path):
+    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+        with pytest.raises(ValueError, match="exactly one of prompt_token_ids and prompt"):
+            client.submit([])
+        with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+            client.submit([1], max_tokens=0)
+        client.submit([1], request_id="same", max_tokens=50)
+        with pytest.raises(ValueError, match="'same' is in use"):
+            client.submit([2], request_id="same")
+
+
+def test_a_request_not_finished_by_its_deadline_raises_timeout_error(tmp_path):
+    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+        request_id = client.submit([1], max_tokens=1_000_000)
+        with pytest.raises(TimeoutError, match=r"did not finish within 0\.3s"):
+            client.result(request_id, timeout=0.3)
+
+
+def test_two_clients_use_two_slots_and_the_same_request_id_independently(tmp_path):
+    with echo_run(tmp_path) as run:
+        with Client.connect(run.run_dir) as one, Client.connect(run.run_dir) as two:
+            assert (one.instance, two.instance) == ("client-0", "client-1")
+            one.submit([1, 2], request_id="x", max_tokens=4)
+            two.submit([3, 4], request_id="x", max_tokens=3)
+            assert two.result("x", timeout=WAIT_S).token_ids == (4, 3, 4)
+            assert one.result("x", timeout=WAIT_S).token_ids == (2, 1, 2, 1)
+        # Closed clients free their slots: the next connect takes slot 0 again.
+        with Client.connect(run.run_dir) as again:
+            assert again.instance == "client-0"
+            assert again.generate([9], max_tokens=1, timeout=WAIT_S).token_ids == (9,)
+
+
+def test_connecting_when_every_slot_is_taken_is_a_clear_error(tmp_path):
+    with echo_run(tmp_path) as run, contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(Client.connect(run.run_dir)) for _ in range(CLIENT_SLOTS)]
+        assert [c.instance for c in clients] == [f"client-{r}" for r in range(CLIENT_SLOTS)]
+        with pytest.raises(ClientError, match=f"all {CLIENT_SLOTS} client slots of run .* taken"):
+            Client.connect(run.run_dir)
+
+
+def test_a_client_in_another_process_generates(tmp_path):
+    out = tmp_path / "out.txt"
+    with echo_run(tmp_path) as run:
+        child = peers.start(
+            peers_target("generate_in_child"), str(run.run_dir), [1, 2, 3], 4, str(out)
+        )
+        assert peers.finish(child, WAIT_S) == 0
+        assert out.read_text() == "client-0 3 2 1 3"
+
+
+def test_a_client_killed_mid_stream_is_seen_by_the_engine_and_its_slot_is_reused(tmp_path):
+    out = tmp_path / "out.txt"
+    with echo_run(tmp_path) as run:
+        child = peers.start(peers_target("stream_forever_in_child"), str(run.run_dir), str(out))
+        try:
+            wait_until("the child's first token", out.exists, WAIT_S)
+            slot, pid = out.read_text().split()
+            child.kill()  # SIGKILL
+            child.join(WAIT_S)
+        finally:
+            peers.finish(child, WAIT_S)
+        lost = run.wait_for_event("client.lost", log="engine-0", peer=slot)
+        assert (lost["reason"], lost["aborted"]) == ("its process is gone", 1)
+        assert ProcessStamp.of(int(pid)) is None
+        with Client.connect(run.run_dir) as client:
+            assert client.instance == slot
+            assert client.generate([8, 9], max_tokens=2, timeout=WAIT_S).token_ids == (9, 8)
+        hellos = run.events("client.hello", log="engine-0", peer=slot)
+        assert [h["incarnation"] for h in hellos] == [1, 2]
+
+
+def test_a_waiting_client_learns_the_engine_is_gone_and_talks_to_its_successor(tmp_path):
+    restart_at_once = "actors.engine.backoff_s=0.0"
+    with echo_run(tmp_path, restart_at_once) as run, Client.connect(run.run_dir) as client:
+        request_id = client.submit([1], max_tokens=1_000_000)
+        stream = client.stream(request_id, timeout=WAIT_S)
+        next(stream)
+        run.kill_actor("engine-0")
+        with pytest.raises(ClientError, match="the engine is gone"):
+            list(stream)
+        run.wait_for_event("actor.ready", instance="engine-0", incarnation=2)
+        assert client.generate([2, 3], max_tokens=2, timeout=WAIT_S).token_ids == (3, 2)
+
+
+def peers_target(name: str):
+    import fixture_clients
+
+    return getattr(fixture_clients, name)

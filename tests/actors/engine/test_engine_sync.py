@@ -1,0 +1,35 @@
+"""The engine in sync mode (each op held until the ops its fence names are done, then sent
+with no fence), every actor in this process (inproc.py): the plain loop's tokens.
+
+The launched form of this test (test_engine.py) is in the slow soak; this one pays no
+process start-up.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from inproc import inproc_run
+from random_workloads import ENGINE, RUN_TIMEOUT_S, TIERS, outputs, reference, write_workload
+
+
+@pytest.mark.parametrize(
+    ("policy", "eviction"), [("save", "write_through"), ("swap", "write_back")]
+)
+def test_in_sync_mode_every_request_gets_the_plain_loops_tokens(tmp_path, policy, eviction):
+    workload = write_workload(tmp_path / "workload.jsonl", seed=11)
+    sets = (
+        *ENGINE,
+        *TIERS,
+        "transfer.mode=sync",
+        "transfer.chaos_delay_ms=1",
+        f"sched.preemption={policy}",
+        f"cache.device_eviction={eviction}",
+        f"engine.workload={workload}",
+    )
+    with inproc_run(tmp_path / "run", sets) as run:
+        assert run.wait_shutdown(RUN_TIMEOUT_S), "the workload did not finish"
+        assert run.failures() == {}
+    assert outputs(tmp_path / "run") == reference(workload)
+    engine = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())["engine"]
+    assert engine["mode"] == "sync" and engine["preemptions"].get(policy, 0) > 0, engine
