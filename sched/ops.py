@@ -1,10 +1,15 @@
-"""The ops the scheduler issues: numbered, fenced, in issue order; block ids only.
+"""The ops the scheduler issues, exactly as they travel and as the executors read them.
 
-The engine turns each into a protocol message (adding its epoch) and sends it to the
-lane's executor. The order of a scheduler's op list is the issue order: the fences
-were computed in it, and the sequential execution of the list in that order is what
-every correct execution of the protocol equals (DESIGN.md, "Sequence numbers,
-watermarks, fences").
+One type per op, from the scheduler to the wire to the executor: the scheduler makes
+these (its epoch left 0), the engine stamps its epoch on each (``dataclasses.replace``)
+and sends it, the protocol modules register these classes with their channels
+(``ringfence.actors.protocol``), and the Worker and the Transfer lanes read them. So
+every field is a value the wire codec carries: ints, tuples of ints, a ``Fence``, and
+content keys as ``bytes`` (written as hex on the wire).
+
+The order of a scheduler's op list is the issue order: the fences were computed in it,
+and the sequential execution of the list in that order is what every correct
+execution of the protocol equals (DESIGN.md, "Sequence numbers, watermarks, fences").
 """
 
 from __future__ import annotations
@@ -21,25 +26,33 @@ Reason = Literal["evict", "through", "preempt", "admit", "resume"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Piece:
-    """One sequence's share of a step: a prefill chunk, or the one token of a decode."""
+    """One sequence's share of a step: a prefill chunk (any length >= 1), or the one token
+    of a decode."""
 
-    seq_id: int  # the scheduler's id of the sequence
+    seq_id: int  # the scheduler's id of the sequence, echoed with its sampled token
     token_ids: tuple[int, ...]  # tokens at positions start .. start + len - 1
     start: int  # positions 0 .. start - 1 already have KV in the sequence's blocks
     block_table: tuple[int, ...]  # device blocks covering positions 0 .. start + len - 1
     sample: bool  # the piece ends the known tokens: sample the next one
-    temperature: float
-    seed: int
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0  # with the position, seeds the sampler (a replayed step picks the same)
+
+    @property
+    def end(self) -> int:
+        """The position after the piece's last token."""
+        return self.start + len(self.token_ids)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepOp:
-    """Step ``step``: fill ``poison`` with NaN (debug), then run ``pieces``."""
+    """Step ``step`` of the step lane (a "step plan"): fill ``poison`` with NaN, then run
+    ``pieces`` as one batch."""
 
-    step: int
-    fence: Fence
+    step: int  # 1, 2, ...: the Worker runs step s only after s - 1
+    epoch: int = 0  # the issuer's epoch (the engine stamps it), echoed in the result
+    fence: Fence  # the swap_done/store_done values to wait for (its step field is 0)
     pieces: tuple[Piece, ...]
-    poison: tuple[int, ...] = ()
+    poison: tuple[int, ...] = ()  # freed device blocks to fill with NaN (cache.poison_freed)
 
     lane = Lane.STEP
 
@@ -52,9 +65,10 @@ class StepOp:
 class SwapOp:
     """Swap op ``op``: copy ``device_blocks[i]`` to (out) or from (in) ``host_blocks[i]``."""
 
-    op: int
-    fence: Fence
-    direction: Literal["in", "out"]
+    op: int  # 1, 2, ...: the swap lane's sequence number
+    epoch: int = 0  # the issuer's epoch (the engine stamps it)
+    fence: Fence  # step_done and store_done values to wait for (its swap field is 0)
+    direction: Literal["in", "out"]  # in: host -> device; out: device -> host
     device_blocks: tuple[int, ...]
     host_blocks: tuple[int, ...]
     reason: Reason
@@ -68,13 +82,15 @@ class SwapOp:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreOp:
-    """Store op ``op``: write host blocks to storage under ``keys`` or read them back."""
+    """Store op ``op``: write host blocks to storage under ``keys`` (write-back), or read
+    them back (prefetch)."""
 
-    op: int
-    fence: Fence
+    op: int  # 1, 2, ...: the store lane's sequence number
+    epoch: int = 0  # the issuer's epoch (the engine stamps it)
+    fence: Fence  # swap_done values to wait for (its store field is 0)
     direction: Literal["write", "read"]
     host_blocks: tuple[int, ...]
-    keys: tuple[BlockHash, ...]
+    keys: tuple[BlockHash, ...]  # each block's content key (16 bytes)
     reason: Reason
 
     lane = Lane.STORE

@@ -36,16 +36,8 @@ from ringfence.actors.protocol.transfer import (
     DeviceTier,
     LaneReady,
     OpDone,
-    StoreOp,
-    SwapOp,
 )
-from ringfence.actors.protocol.worker import (
-    FROM_WORKER,
-    TO_WORKER,
-    StepPlan,
-    StepResult,
-    WorkerReady,
-)
+from ringfence.actors.protocol.worker import FROM_WORKER, TO_WORKER, StepResult, WorkerReady
 from ringfence.actors.testing.harness import Harness
 from ringfence.actors.topology import fenced_topology
 from ringfence.cache.fences import Lane
@@ -54,6 +46,7 @@ from ringfence.runtime.codec import Registry
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.mailbox import RingOutbox
 from ringfence.runtime.messages import Stop
+from ringfence.sched.ops import StepOp, StoreOp, SwapOp
 from ringfence.shm.errors import ProtocolError, RingFull
 
 FAR = 2**40  # an op number no run comes near: a hole for every lane
@@ -127,7 +120,7 @@ def lane_number(role: str, done: int, k: int) -> int:
 
 
 def renumbered(msg: Any, number: int, **fields: Any) -> Any:
-    field = "step" if isinstance(msg, StepPlan | StepResult) else "op"
+    field = "step" if isinstance(msg, StepOp | StepResult) else "op"
     return dataclasses.replace(msg, **{field: number}, **fields)
 
 
@@ -146,7 +139,7 @@ class IssuerFuzz(FuzzingPeer):
     def tame(self, name: str, msg: object, k: int) -> object | None:
         if isinstance(msg, DeviceTier):
             return msg  # it names a tier that cannot be opened: refused
-        if not isinstance(msg, StepPlan | SwapOp | StoreOp):
+        if not isinstance(msg, StepOp | SwapOp | StoreOp):
             return None  # a request to announce itself again, say: not garbage
         # Below the highest completed: never the executor's last op, whose repeat would be
         # answered with its real completion again (an engine must take that as a repeat).

@@ -24,12 +24,13 @@ import torch
 
 from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
 from ringfence.actors.model.decoder import Model
-from ringfence.actors.protocol.worker import PlanPiece, StepPlan, StepResult, WorkerReady
+from ringfence.actors.protocol.worker import StepResult, WorkerReady
 from ringfence.cache.fences import Fence
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.config import Config
 from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
+from ringfence.sched.ops import Piece, StepOp
 
 SEQUENCES = 5
 DECODE = 6
@@ -71,7 +72,7 @@ class ScriptedEngine(Actor):
         self.results: list[StepResult] = []
         self.epoch = 0
         self.next_step = 1
-        self.in_flight: StepPlan | None = None
+        self.in_flight: StepOp | None = None
         self.paused = False
 
     @handles(WorkerReady)
@@ -118,7 +119,7 @@ class ScriptedEngine(Actor):
             fence = Fence(swap=SeqNo(1))  # no swap op 1 will ever be done
             self.send(
                 "worker",
-                StepPlan(step=self.next_step, epoch=self.epoch, fence=fence, pieces=(piece,)),
+                StepOp(step=self.next_step, epoch=self.epoch, fence=fence, pieces=(piece,)),
             )
             self.next_step += 1
             return
@@ -127,19 +128,17 @@ class ScriptedEngine(Actor):
             self.finish("")
             return
         pieces = tuple(self.piece(s) for s in active)
-        self.in_flight = StepPlan(
-            step=self.next_step, epoch=self.epoch, fence=Fence(), pieces=pieces
-        )
+        self.in_flight = StepOp(step=self.next_step, epoch=self.epoch, fence=Fence(), pieces=pieces)
         self.send("worker", self.in_flight)
         self.next_step += 1
 
-    def piece(self, seq: Sequence) -> PlanPiece:
+    def piece(self, seq: Sequence) -> Piece:
         if seq.done < len(seq.prompt):
             size = self.rng.randint(1, len(seq.prompt) - seq.done)
             ids, last = seq.prompt[seq.done : seq.done + size], seq.done + size == len(seq.prompt)
         else:
             ids, last = [seq.generated[-1]], True
-        return PlanPiece(
+        return Piece(
             seq_id=seq.seq_id,
             token_ids=tuple(ids),
             start=seq.done,

@@ -101,6 +101,8 @@ def json_for(tp: object, depth: int = 0) -> st.SearchStrategy[Any]:
         return floats
     if tp is str:
         return texts
+    if tp is bytes:  # the codec's hex: mostly well formed, sometimes any text
+        return st.one_of(st.binary(max_size=24).map(bytes.hex), texts)
     if tp is bool:
         return st.booleans()
     if tp is type(None):

@@ -45,12 +45,13 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ringfence.actors.bench.options import add_counts, resolve_counts, resolve_preset
+from ringfence.sched.ops import Piece
 
 if TYPE_CHECKING:
     from ringfence.actors.model.decoder import Model
@@ -157,18 +158,21 @@ def _logits_diff(model: Model, hf: Any, token_ids: list[int]) -> tuple[float, bo
     and whether their argmax agree at every position."""
     import torch
 
-    from ringfence.actors.model.paged import Piece
-
     executor, tables = _executor(model, 1, len(token_ids))
     executor.kv.fill_(float("nan"))  # unwritten slots must never be read
     with torch.inference_mode():
-        ours = executor.step(
-            [Piece(token_ids=token_ids, start=0, block_table=tables[0])], all_logits=True
-        ).all_logits
+        ours = executor.step([_piece(token_ids, 0, tables[0])], all_logits=True).all_logits
         theirs = hf(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0]
     assert ours is not None
     diff = (ours.float() - theirs.float()).abs().max().item()
     return diff, bool(torch.equal(ours.argmax(-1), theirs.argmax(-1)))
+
+
+def _piece(token_ids: Sequence[int], start: int, table: Sequence[int]) -> Piece:
+    """A step's piece that samples nothing: the benchmark reads the logits itself."""
+    return Piece(
+        seq_id=0, token_ids=tuple(token_ids), start=start, block_table=tuple(table), sample=False
+    )
 
 
 def _timed(run: Callable[[], object]) -> float:
@@ -209,12 +213,9 @@ class _Sides:
         return importlib.import_module("transformers").DynamicCache()
 
     def paged_prefill(self) -> float:
-        from ringfence.actors.model.paged import Piece
-
         def run() -> None:
             pieces = [
-                Piece(token_ids=p, start=0, block_table=t)
-                for p, t in zip(self.prompts, self.prefill_tables, strict=True)
+                _piece(p, 0, t) for p, t in zip(self.prompts, self.prefill_tables, strict=True)
             ]
             self.prefill_executor.step(pieces)
 
@@ -228,12 +229,8 @@ class _Sides:
         return _timed(run)
 
     def paged_decode(self) -> float:
-        from ringfence.actors.model.paged import Piece
-
         executor, tables, context = self.decode_executor, self.decode_tables, self.contexts
-        pieces = [
-            Piece(token_ids=c, start=0, block_table=t) for c, t in zip(context, tables, strict=True)
-        ]
+        pieces = [_piece(c, 0, t) for c, t in zip(context, tables, strict=True)]
         tokens: list[int] = executor.step(pieces).last_logits.argmax(-1).tolist()
         start = len(context[0])
         generated = [tokens]
@@ -241,10 +238,7 @@ class _Sides:
         def run() -> None:
             nonlocal tokens
             for pos in range(start, start + self.n["decode_steps"]):
-                pieces = [
-                    Piece(token_ids=[tok], start=pos, block_table=t)
-                    for tok, t in zip(tokens, tables, strict=True)
-                ]
+                pieces = [_piece([tok], pos, t) for tok, t in zip(tokens, tables, strict=True)]
                 tokens = executor.step(pieces).last_logits.argmax(-1).tolist()
                 generated.append(tokens)
 

@@ -57,7 +57,6 @@ from ringfence.actors.engine.serving import (
     make_request,
     open_storage,
     sched_config,
-    to_message,
 )
 from ringfence.actors.executors.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
 from ringfence.actors.model.checkpoint import CheckpointTokenizer, load_tokenizer
@@ -418,7 +417,7 @@ class Engine(Actor):
                 queue.popleft()
                 self.last_sent[lane] = op.number
                 self.sent_epoch[lane][op.number] = epoch
-                self.send(TARGET[lane], to_message(sent, epoch))
+                self.send(TARGET[lane], replace(sent, epoch=epoch))
                 if self.log.tracing:
                     self._trace_issue(op)
 

@@ -1,5 +1,5 @@
 """What the Engine actor and the in-process runner share: the scheduler's config from the
-run config, its ops as protocol messages, and workload lines as requests."""
+run config, the storage client, and workload lines as requests."""
 
 from __future__ import annotations
 
@@ -8,18 +8,16 @@ from typing import Any
 
 from ringfence.actors.kv.layout import STAGING_BLOCKS, block_fingerprint
 from ringfence.actors.model.tokenizer import ByteTokenizer
-from ringfence.actors.protocol import transfer, worker
-from ringfence.actors.protocol.worker import ModelInfo, PlanPiece
+from ringfence.actors.protocol.worker import ModelInfo
 from ringfence.cache.storage import StorageBackend, StorageLog, open_backend
 from ringfence.cache.storage.guarded import GuardedBackend
 from ringfence.runtime.config import Config
 from ringfence.sched.blocks import TierConfig
-from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
+from ringfence.sched.ops import Op, StepOp, SwapOp
 from ringfence.sched.request import Request
 from ringfence.sched.sequence import SchedConfig
 from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
 
-Message = worker.StepPlan | transfer.SwapOp | transfer.StoreOp
 Encode = Callable[[str], Sequence[int]]
 
 
@@ -76,47 +74,6 @@ def open_storage(
         require_server=False,  # down at launch: misses until it is up, like an outage
     )
     return GuardedBackend(backend, log=log, answer_s=settings.presence_timeout_s)
-
-
-def to_message(op: Op, epoch: int) -> Message:
-    """The protocol message of a scheduler op, stamped with the issuer's epoch."""
-    if isinstance(op, StepOp):
-        return worker.StepPlan(
-            step=op.step,
-            epoch=epoch,
-            fence=op.fence,
-            pieces=tuple(
-                PlanPiece(
-                    seq_id=p.seq_id,
-                    token_ids=p.token_ids,
-                    start=p.start,
-                    block_table=p.block_table,
-                    sample=p.sample,
-                    temperature=p.temperature,
-                    seed=p.seed,
-                )
-                for p in op.pieces
-            ),
-            poison=op.poison,
-        )
-    if isinstance(op, SwapOp):
-        return transfer.SwapOp(
-            op=op.op,
-            epoch=epoch,
-            fence=op.fence,
-            direction=op.direction,
-            device_blocks=op.device_blocks,
-            host_blocks=op.host_blocks,
-        )
-    assert isinstance(op, StoreOp)
-    return transfer.StoreOp(
-        op=op.op,
-        epoch=epoch,
-        fence=op.fence,
-        direction=op.direction,
-        host_blocks=op.host_blocks,
-        keys=tuple(k.hex() for k in op.keys),
-    )
 
 
 def load_workload(

@@ -55,14 +55,14 @@ from ringfence.actors.protocol.transfer import (
     LaneReady,
     OpDone,
     OpStatus,
-    StoreOp,
-    SwapOp,
 )
+from ringfence.cache.block_hash import DIGEST_SIZE
 from ringfence.cache.fences import Lane, Tier
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import StorageBackend, open_backend
 from ringfence.runtime.actor import handles
 from ringfence.runtime.manifest import write_atomic
+from ringfence.sched.ops import StoreOp, SwapOp
 from ringfence.shm.errors import ProtocolError
 from ringfence.shm.names import posix_name
 
@@ -466,16 +466,10 @@ class StoreLane(TransferLane):
             return [], f"host block id {bad[0]} is outside the pool's {count} blocks"
         if msg.direction == "read" and len(set(msg.host_blocks)) != len(msg.host_blocks):
             return [], "a destination block is written twice"
-        keys = []
-        for text in msg.keys:
-            try:
-                key = bytes.fromhex(text)
-            except ValueError:
-                return [], f"key {text!r} is not hex"
-            if len(key) != 16:
-                return [], f"key {text!r} is not 16 bytes"
-            keys.append(BlockHash(key))
-        return keys, ""
+        for key in msg.keys:
+            if len(key) != DIGEST_SIZE:
+                return [], f"key {key.hex()!r} is not {DIGEST_SIZE} bytes"
+        return list(msg.keys), ""
 
 
 class SpoiledBlock(ValueError):

@@ -42,14 +42,12 @@ from ringfence.actors.kv.layout import kv_layout, model_id
 from ringfence.actors.kv.space import SharedKV, create_kv, torch_dtype
 from ringfence.actors.model.checkpoint import load_checkpoint, special_ids
 from ringfence.actors.model.decoder import Model, sample
-from ringfence.actors.model.paged import PagedExecutor, Piece
+from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.model.tokenizer import ByteTokenizer
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.worker import (
     ModelInfo,
-    PlanPiece,
     SampledToken,
-    StepPlan,
     StepResult,
     StepStatus,
     WorkerReady,
@@ -57,6 +55,7 @@ from ringfence.actors.protocol.worker import (
 from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
 from ringfence.runtime.config import ModelConfig as ModelSettings
+from ringfence.sched.ops import Piece, StepOp
 from ringfence.shm.names import posix_name
 
 
@@ -153,8 +152,8 @@ class Worker(LaneExecutor):
         assert self.space is not None
         return self.space.kv
 
-    @handles(StepPlan)
-    def on_plan(self, plan: StepPlan) -> None:
+    @handles(StepOp)
+    def on_plan(self, plan: StepOp) -> None:
         order = self.order(plan.step)
         if order == "repeat":
             kept = self.kept(plan.step)
@@ -171,8 +170,7 @@ class Worker(LaneExecutor):
                 StepResult(step=plan.step, epoch=plan.epoch, status="rejected", error=error),
             )
             return
-        pieces = [_piece(p) for p in plan.pieces]
-        problem = self._problem(plan, pieces)
+        problem = self._problem(plan)
         if problem:
             self._finish(plan, "rejected", error=problem)
             return
@@ -187,7 +185,7 @@ class Worker(LaneExecutor):
             return
         waited = time.perf_counter_ns()
         try:
-            outputs = self._execute(plan, pieces)
+            outputs = self._execute(plan)
         except Exception as e:  # it ran part way: the lane moves on, the engine is told
             # What it wrote is spoiled before step_done moves: a swap-out or write-back
             # fenced on this step must not copy half-computed KV as if it were valid.
@@ -210,7 +208,7 @@ class Worker(LaneExecutor):
             seen_store=seen.get(Lane.STORE),
         )
 
-    def _problem(self, plan: StepPlan, pieces: list[Piece]) -> str:
+    def _problem(self, plan: StepOp) -> str:
         """Why the plan must not run, or ""."""
         assert self.executor is not None
         if self.fence_problem(plan.fence):
@@ -222,26 +220,26 @@ class Worker(LaneExecutor):
         for i, p in enumerate(plan.pieces):
             if p.temperature < 0:
                 return f"piece {i} has a negative temperature {p.temperature}"
-        if pieces:
+        if plan.pieces:
             try:
-                self.executor.check(pieces)
+                self.executor.check(plan.pieces)
             except ValueError as e:
                 return str(e)
         return ""
 
-    def _execute(self, plan: StepPlan, pieces: list[Piece]) -> tuple[SampledToken, ...]:
+    def _execute(self, plan: StepOp) -> tuple[SampledToken, ...]:
         assert self.space is not None and self.executor is not None
         self.space.poison(plan.poison)
-        if not pieces:
+        if not plan.pieces:
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return ()
         # One copy for all pieces; on CUDA it waits for the step, KV writes included.
-        return sample_pieces(plan.pieces, self.executor.step(pieces).last_logits.to("cpu"))
+        return sample_pieces(plan.pieces, self.executor.step(plan.pieces).last_logits.to("cpu"))
 
     def _finish(
         self,
-        plan: StepPlan,
+        plan: StepOp,
         status: StepStatus,
         *,
         outputs: tuple[SampledToken, ...] = (),
@@ -286,9 +284,7 @@ class NonFiniteLogits(ArithmeticError):
     a failed op spoiled (``actors/executors/transfer.py``). The step fails; no token comes of it."""
 
 
-def sample_pieces(
-    pieces: Sequence[PlanPiece], last_logits: torch.Tensor
-) -> tuple[SampledToken, ...]:
+def sample_pieces(pieces: Sequence[Piece], last_logits: torch.Tensor) -> tuple[SampledToken, ...]:
     """The next token of every piece that asks for one, from its row of ``last_logits``."""
     outputs = []
     for row, p in enumerate(pieces):
@@ -314,7 +310,7 @@ def sample_pieces(
     return tuple(outputs)
 
 
-def written_blocks(plan: StepPlan, block_size: int) -> list[int]:
+def written_blocks(plan: StepOp, block_size: int) -> list[int]:
     """The device blocks a plan's pieces write: those holding positions start ..
     start + len - 1 of each (the blocks before them are only read)."""
     written: set[int] = set()
@@ -323,12 +319,3 @@ def written_blocks(plan: StepPlan, block_size: int) -> list[int]:
             first, last = p.start // block_size, (p.start + len(p.token_ids) - 1) // block_size
             written.update(p.block_table[first : last + 1])
     return sorted(written)
-
-
-def plan_pieces(plan: StepPlan) -> list[Piece]:
-    """The executor's pieces of a plan."""
-    return [_piece(p) for p in plan.pieces]
-
-
-def _piece(p: PlanPiece) -> Piece:
-    return Piece(token_ids=p.token_ids, start=p.start, block_table=p.block_table)

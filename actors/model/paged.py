@@ -10,7 +10,6 @@ at position ``pos`` of a sequence lives in slot ``pos % block_size`` of block
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -18,15 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ringfence.actors.model.decoder import Model, ModelConfig
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Piece:
-    """One sequence's share of a step: a prefill chunk (any length >= 1) or one decode token."""
-
-    token_ids: Sequence[int]  # the tokens of this piece, at positions start..start+len-1
-    start: int  # position of token_ids[0]; positions 0..start-1 are already in the KV blocks
-    block_table: Sequence[int]  # block ids covering positions 0..start+len-1 (more are allowed)
+from ringfence.sched.ops import Piece
 
 
 class _Decodes(NamedTuple):
@@ -261,7 +252,7 @@ class PagedExecutor:
 
 
 def _decodes(
-    decodes: list[tuple[int, Sequence[int], int]], block_size: int, device: torch.device
+    decodes: Sequence[tuple[int, Sequence[int], int]], block_size: int, device: torch.device
 ) -> _Decodes:
     """Pad the decode pieces' tables to one width (with their own first block, masked)."""
     width = max(len(table) for _, table, _ in decodes)

@@ -39,20 +39,18 @@ import torch
 from ringfence.actors.executors.worker import load_model
 from ringfence.actors.kv.space import SharedKV, open_kv
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
-from ringfence.actors.protocol.worker import SampledToken, StepPlan, StepResult, WorkerReady
+from ringfence.actors.protocol.worker import SampledToken, StepResult, WorkerReady
 from ringfence.actors.testing.programs import (
-    Op,
     Shape,
     differing_blocks,
     generate,
     interpret,
-    lane_of,
-    number_of,
 )
 from ringfence.actors.topology import fenced_topology
 from ringfence.cache.fences import NO_WAIT, Lane
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.config import Config
+from ringfence.sched.ops import Op, StepOp
 
 REPORT = "harness.json"
 CREDITS = 8  # ops in flight per lane
@@ -139,7 +137,7 @@ class Harness(Actor):
             self.settings.seed + index, self.settings.ops, shape, self.next, self.ctx.epoch
         )
         for op in self.ops:
-            self.next[lane_of(op)] = number_of(op) + 1
+            self.next[op.lane] = op.number + 1
         if self.settings.check:  # quiescent now: the tiers as the program finds them
             self.before = (self.device.kv.clone(), self.host.kv.clone())
         self.outputs, self.missing, self.problems = {}, {}, []
@@ -152,7 +150,7 @@ class Harness(Actor):
         completions their fence names have arrived)."""
         while self.queue:
             op = self.queue[0]
-            lane = lane_of(op)
+            lane = op.lane
             if self.in_flight[lane] >= CREDITS:
                 return
             if self.sync:
@@ -162,7 +160,7 @@ class Harness(Actor):
                 op = dataclasses.replace(op, fence=NO_WAIT)
             self.queue.popleft()
             self.in_flight[lane] += 1
-            self.pending.add((lane, number_of(op)))
+            self.pending.add((lane, op.number))
             self.send(TARGET[lane], op)
         if not any(self.in_flight.values()):
             self.end()
@@ -205,9 +203,9 @@ class Harness(Actor):
     def end(self) -> None:
         self.busy_s += time.perf_counter() - self.started
         for op in self.ops:
-            lane = lane_of(op)
+            lane = op.lane
             self.counts[str(lane)] += 1
-            if not isinstance(op, StepPlan):
+            if not isinstance(op, StepOp):
                 self.counts["blocks"] += len(op.host_blocks)
         differences = list(self.problems)
         if self.settings.check:

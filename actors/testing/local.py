@@ -21,11 +21,11 @@ from collections.abc import Sequence
 import torch
 
 from ringfence.actors.engine.report import RequestRecord
-from ringfence.actors.engine.serving import make_request, sched_config, to_message
+from ringfence.actors.engine.serving import make_request, sched_config
 from ringfence.actors.executors.worker import LoadedModel, load_model
 from ringfence.actors.kv.space import torch_dtype
 from ringfence.actors.model.paged import make_kv_cache
-from ringfence.actors.protocol.worker import SampledToken, StepPlan
+from ringfence.actors.protocol.worker import SampledToken
 from ringfence.actors.testing.programs import Sequential
 from ringfence.cache.fences import Lane
 from ringfence.runtime.config import Config
@@ -99,10 +99,8 @@ class LocalRunner:
     ) -> None:
         scheduler = self.scheduler
         for op in ops:
-            message = to_message(op, epoch=0)
-            result = self.machine.run(message)
+            result = self.machine.run(op)
             if isinstance(op, StepOp):
-                assert isinstance(message, StepPlan)
                 outputs = [
                     (t.seq_id, t.token_id) for t in result or () if isinstance(t, SampledToken)
                 ]

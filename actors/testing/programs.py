@@ -19,29 +19,17 @@ from typing import NamedTuple
 
 import torch
 
-from ringfence.actors.executors.worker import plan_pieces, sample_pieces
+from ringfence.actors.executors.worker import sample_pieces
 from ringfence.actors.kv.copies import copy_blocks
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.model.paged import PagedExecutor
-from ringfence.actors.protocol.transfer import StoreOp, SwapOp
-from ringfence.actors.protocol.worker import PlanPiece, SampledToken, StepPlan
+from ringfence.actors.protocol.worker import SampledToken
 from ringfence.cache.fences import Fence, FenceTracker, Lane
-from ringfence.cache.ids import BlockId, Seq
+from ringfence.cache.ids import BlockHash, BlockId, Seq
+from ringfence.sched.ops import Op, Piece, StepOp, StoreOp, SwapOp
 
 MAX_PIECES = 4  # sequences per step
 MAX_CHUNK = 8  # tokens per prefill chunk
-
-Op = StepPlan | SwapOp | StoreOp
-
-
-def lane_of(op: Op) -> Lane:
-    if isinstance(op, StepPlan):
-        return Lane.STEP
-    return Lane.SWAP if isinstance(op, SwapOp) else Lane.STORE
-
-
-def number_of(op: Op) -> int:
-    return op.step if isinstance(op, StepPlan) else op.op
 
 
 @dataclass
@@ -53,7 +41,7 @@ class _Seq:
     where: str = "device"  # device, host or storage
     device: list[int] = field(default_factory=list)
     host: list[int] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)  # content keys of its stored blocks
+    keys: list[BlockHash] = field(default_factory=list)  # content keys of its stored blocks
 
 
 class Shape(NamedTuple):
@@ -131,7 +119,7 @@ class _Generator:
                 seq.device += more
             table = seq.device[: -(-end // bs)]
             pieces.append(
-                PlanPiece(
+                Piece(
                     seq_id=seq.seq_id,
                     token_ids=tuple(seq.tokens[seq.done : end]),
                     start=seq.done,
@@ -149,7 +137,7 @@ class _Generator:
             return
         number, fence = self.issue(Lane.STEP, read_device=reads, write_device=writes + poison)
         self.ops.append(
-            StepPlan(
+            StepOp(
                 step=number,
                 epoch=self.epoch,
                 fence=fence,
@@ -177,7 +165,7 @@ class _Generator:
         number, fence = self.issue(Lane.SWAP, read_device=device, write_host=host)
         self.ops.append(
             SwapOp(op=number, epoch=self.epoch, fence=fence, direction="out",
-                   device_blocks=tuple(device), host_blocks=tuple(host))
+                   device_blocks=tuple(device), host_blocks=tuple(host), reason="preempt")
         )  # fmt: skip
         self.free_device(seq.device)
         seq.device, seq.host, seq.where = [], host, "host"
@@ -193,7 +181,7 @@ class _Generator:
         number, fence = self.issue(Lane.SWAP, read_host=seq.host, write_device=device)
         self.ops.append(
             SwapOp(op=number, epoch=self.epoch, fence=fence, direction="in",
-                   device_blocks=tuple(device), host_blocks=tuple(seq.host))
+                   device_blocks=tuple(device), host_blocks=tuple(seq.host), reason="resume")
         )  # fmt: skip
         self.host_free += seq.host
         seq.device, seq.host, seq.keys, seq.where = device, [], [], "device"
@@ -204,11 +192,11 @@ class _Generator:
             return
         seq = self.rng.choice(cands)
         if not seq.keys:
-            seq.keys = [self.rng.randbytes(16).hex() for _ in seq.host]
+            seq.keys = [BlockHash(self.rng.randbytes(16)) for _ in seq.host]
             number, fence = self.issue(Lane.STORE, read_host=seq.host)
             self.ops.append(
                 StoreOp(op=number, epoch=self.epoch, fence=fence, direction="write",
-                        host_blocks=tuple(seq.host), keys=tuple(seq.keys))
+                        host_blocks=tuple(seq.host), keys=tuple(seq.keys), reason="evict")
             )  # fmt: skip
         if self.rng.random() < 0.6:  # evicted from host: only storage has it now
             self.host_free += seq.host
@@ -225,7 +213,7 @@ class _Generator:
         number, fence = self.issue(Lane.STORE, write_host=host)
         self.ops.append(
             StoreOp(op=number, epoch=self.epoch, fence=fence, direction="read",
-                    host_blocks=tuple(host), keys=tuple(seq.keys))
+                    host_blocks=tuple(host), keys=tuple(seq.keys), reason="admit")
         )  # fmt: skip
         seq.host, seq.where = host, "host"
 
@@ -250,16 +238,15 @@ class Sequential:
     def __init__(self, model: Model, device: torch.Tensor, host: torch.Tensor) -> None:
         self.executor = PagedExecutor(model, device)
         self.device, self.host = device, host
-        self.storage: dict[str, torch.Tensor] = {}
+        self.storage: dict[BlockHash, torch.Tensor] = {}
 
     def run(self, op: Op) -> tuple[SampledToken, ...] | tuple[int, ...] | None:
         """Run ``op``: a step's sampled tokens, a prefetch's missing positions, else None."""
         device, host = self.device, self.host
-        if isinstance(op, StepPlan):
+        if isinstance(op, StepOp):
             if op.poison:
                 device[list(op.poison)] = float("nan")
-            pieces = plan_pieces(op)
-            last = self.executor.step(pieces).last_logits if pieces else None
+            last = self.executor.step(op.pieces).last_logits if op.pieces else None
             return sample_pieces(op.pieces, last) if last is not None else ()
         if isinstance(op, SwapOp):
             if op.direction == "in":
@@ -289,7 +276,7 @@ def interpret(
     missing: dict[int, tuple[int, ...]] = {}
     for op in ops:
         result = machine.run(op)
-        if isinstance(op, StepPlan):
+        if isinstance(op, StepOp):
             outputs[op.step] = result  # type: ignore[assignment]
         elif isinstance(op, StoreOp) and op.direction == "read":
             missing[op.op] = result  # type: ignore[assignment]

@@ -534,7 +534,7 @@ def test_a_class_that_is_not_a_dataclass_is_a_type_error():
     ("annotation", "shown"),
     [
         (list[int], "list[int]"),
-        (bytes, "bytes"),
+        (bytearray, "bytearray"),
         (Any, "typing.Any"),
         (int | str, "int | str"),
         (dict[int, int], "dict[int, int]"),
@@ -593,3 +593,40 @@ def test_the_largest_tag_and_version_are_allowed():
     kind, payload = reg.encode(make_step_plan())
     assert kind == 0xFFFF_FFFF
     assert reg.decode(kind, payload) == make_step_plan()
+
+
+Key = NewType("Key", bytes)
+KEYS = Registry("engine->store", verify=True)
+
+
+@message(KEYS, tag=1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Keyed:
+    keys: tuple[Key, ...]
+    raw: bytes = b""
+
+
+def test_bytes_travel_as_lowercase_hex_and_come_back_as_bytes():
+    msg = Keyed(keys=(Key(bytes(range(16))), Key(b"")), raw=b"\xff\x00")
+    kind, payload = KEYS.encode(msg)
+    assert orjson.loads(payload) == {"keys": [bytes(range(16)).hex(), ""], "raw": "ff00"}
+    assert KEYS.decode(kind, payload) == msg
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("AB", "expected lowercase hex of whole bytes, got 'AB'"),
+        ("abc", "expected lowercase hex of whole bytes, got 'abc'"),
+        ("ab cd", "expected lowercase hex of whole bytes, got 'ab cd'"),
+        ("zz", "expected lowercase hex of whole bytes, got 'zz'"),
+        (12, "expected str of hex, got int"),
+        (None, "expected str of hex, got null"),
+    ],
+)
+def test_a_bytes_field_that_is_not_lowercase_hex_of_whole_bytes_is_refused_naming_it(value, reason):
+    kind = make_kind(1, 1)
+    with pytest.raises(ProtocolError) as info:
+        KEYS.decode(kind, orjson.dumps({"keys": ["00", value]}))
+    assert info.value.field == "keys[1]"
+    assert reason in str(info.value)

@@ -104,7 +104,7 @@ def fill_in_process(config: Config, path: Path) -> None:
     records = runner.run(load_workload("synthetic:multiturn", requests=REQUESTS), arrivals=False)
     assert {r.id: r.token_ids for r in records} == expected_tokens()
     storage = runner.machine.storage
-    blocks = [(BlockHash(bytes.fromhex(k)), t.numpy().data) for k, t in storage.items()]
+    blocks = [(k, t.numpy().data) for k, t in storage.items()]
     store = LocalBackend(path, fingerprint=namespace(config), fsync=False)
     try:
         assert store.put_many(blocks) == len(blocks) > 0

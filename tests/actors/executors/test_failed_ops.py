@@ -25,8 +25,7 @@ from random_workloads import ENGINE, RUN_TIMEOUT_S, outputs, reference, write_wo
 
 from ringfence.actors.executors.transfer import SwapLane
 from ringfence.actors.executors.worker import Worker
-from ringfence.actors.model.paged import Piece
-from ringfence.actors.protocol.transfer import SwapOp
+from ringfence.sched.ops import Piece, SwapOp
 
 GARBAGE = 31337.5  # what a copy or step that broke part way leaves: finite, plausible
 SETS = (

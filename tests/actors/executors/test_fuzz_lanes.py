@@ -42,20 +42,13 @@ from ringfence.actors.protocol.transfer import (
     DeviceTier,
     LaneReady,
     OpDone,
-    StoreOp,
-    SwapOp,
 )
-from ringfence.actors.protocol.worker import (
-    FROM_WORKER,
-    TO_WORKER,
-    PlanPiece,
-    StepPlan,
-    StepResult,
-    WorkerReady,
-)
+from ringfence.actors.protocol.worker import FROM_WORKER, TO_WORKER, StepResult, WorkerReady
 from ringfence.cache.fences import NO_WAIT, Tier
+from ringfence.cache.ids import BlockHash
 from ringfence.runtime.config import Config, load_config
 from ringfence.runtime.messages import Failed
+from ringfence.sched.ops import Piece, StepOp, StoreOp, SwapOp
 from ringfence.shm import names
 from ringfence.shm.errors import ProtocolError
 
@@ -108,7 +101,7 @@ class LaneFuzzer:
 
     def __init__(self, rig: RingRig, op_cls: type, plant: Any) -> None:
         self.rig, self.op_cls, self.plant = rig, op_cls, plant
-        self.field = "step" if op_cls is StepPlan else "op"
+        self.field = "step" if op_cls is StepOp else "op"
         self.done = rig.actor.done.value()
         self.kept = rig.actor.kept(self.done)  # the last completion: what its repeat gets
         self.sent: list[Sent] = []
@@ -209,20 +202,20 @@ def worker_rig(tmp_path: Path, run_id: str) -> Iterator[RingRig]:
     names.clean_run(run_id)
 
 
-def plant_in_plan(plan: StepPlan) -> StepPlan:
+def plant_in_plan(plan: StepOp) -> StepOp:
     return dataclasses.replace(plan, poison=(*plan.poison, BLOCKS))
 
 
 def probe_plan(probes: int) -> Any:
     """The probe step: the prompt prefilled into two blocks that rotate over the pool."""
     blocks = (probes % (BLOCKS // 2) * 2, probes % (BLOCKS // 2) * 2 + 1)
-    piece = PlanPiece(seq_id=1, token_ids=PROMPT, start=0, block_table=blocks, sample=True)
-    return blocks, lambda step: StepPlan(step=step, epoch=0, fence=NO_WAIT, pieces=(piece,))
+    piece = Piece(seq_id=1, token_ids=PROMPT, start=0, block_table=blocks, sample=True)
+    return blocks, lambda step: StepOp(step=step, epoch=0, fence=NO_WAIT, pieces=(piece,))
 
 
 def fuzz_the_worker(rig: RingRig, batches: list[list[tuple[Fuzz, str]]], reference) -> int:
     """Every batch then a probe step; returns how many fuzzed frames were put."""
-    fuzzer = LaneFuzzer(rig, StepPlan, plant_in_plan)
+    fuzzer = LaneFuzzer(rig, StepOp, plant_in_plan)
     for probes, batch in enumerate(batches):
         before = rig.actor.kv.clone()
         for k, (fuzz, role) in enumerate(batch):
@@ -321,6 +314,7 @@ def fuzz_the_swap_lane(rig: RingRig, batches: list[list[tuple[Fuzz, str]]]) -> i
         d, h = (probes % BLOCKS, (probes + 5) % BLOCKS), ((probes * 3) % BLOCKS, 15 - probes % 8)
         done = fuzzer.probe(lambda op, direction=direction, d=d, h=h: SwapOp(
             op=op, epoch=0, fence=NO_WAIT, direction=direction, device_blocks=d, host_blocks=h,
+            reason="admit",
         ))  # fmt: skip
         assert isinstance(done, OpDone) and done.status == "ok", done
         source, target = (before[0], host) if direction == "out" else (before[1], device)
@@ -342,23 +336,25 @@ def fuzz_the_store_lane(rig: RingRig, batches: list[list[tuple[Fuzz, str]]]) -> 
     a prefetch of that key into another block, which must then hold the same bits."""
     fuzzer = LaneFuzzer(rig, StoreOp, plant_in_store)
     host = rig.actor.host_kv
-    written: tuple[str, int] | None = None
+    written: tuple[BlockHash, int] | None = None
     for probes, batch in enumerate(batches):
         before = host.clone()
         for k, (fuzz, role) in enumerate(batch):
             fuzzer.put(fuzz, role, k)
         block = probes % BLOCKS
         if written is None:
-            key = f"{fuzzer.done + 1:016x}{id(fuzzer) % 2**64:016x}"
+            key = BlockHash(bytes.fromhex(f"{fuzzer.done + 1:016x}{id(fuzzer) % 2**64:016x}"))
             make = lambda op, key=key, block=block: StoreOp(  # noqa: E731
-                op=op, epoch=0, fence=NO_WAIT, direction="write", host_blocks=(block,), keys=(key,)
-            )
+                op=op, epoch=0, fence=NO_WAIT, direction="write", host_blocks=(block,),
+                keys=(key,), reason="evict",
+            )  # fmt: skip
         else:
             key, source = written
             block = (source + 7) % BLOCKS
             make = lambda op, key=key, block=block: StoreOp(  # noqa: E731
-                op=op, epoch=0, fence=NO_WAIT, direction="read", host_blocks=(block,), keys=(key,)
-            )
+                op=op, epoch=0, fence=NO_WAIT, direction="read", host_blocks=(block,),
+                keys=(key,), reason="admit",
+            )  # fmt: skip
         done = fuzzer.probe(make)
         assert isinstance(done, OpDone) and done.status == "ok" and not done.missing, done
         others = [b for b in range(BLOCKS) if b != block]
@@ -396,7 +392,7 @@ def test_a_device_tier_of_an_epoch_ahead_of_the_run_changes_nothing_for_the_runs
     with lane_rig(SwapLane) as rig:
         rig.post(DeviceTier(epoch=9, kv=rig.actor.device.handle))  # the run is in epoch 0
         swap = SwapOp(op=1, epoch=0, fence=NO_WAIT, direction="out", device_blocks=(2,),
-                      host_blocks=(3,))  # fmt: skip
+                      host_blocks=(3,), reason="preempt")  # fmt: skip
         rig.post(swap)
         rig.turn()
         [done] = [d.msg for d in rig.take_replies()]

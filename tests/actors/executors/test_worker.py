@@ -25,19 +25,13 @@ from ringfence.actors.executors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_cou
 from ringfence.actors.executors.worker import Worker
 from ringfence.actors.kv.space import open_kv
 from ringfence.actors.model.decoder import Model
-from ringfence.actors.protocol.worker import (
-    FROM_WORKER,
-    TO_WORKER,
-    PlanPiece,
-    StepPlan,
-    StepResult,
-    WorkerReady,
-)
+from ringfence.actors.protocol.worker import FROM_WORKER, TO_WORKER, StepResult, WorkerReady
 from ringfence.cache.fences import Fence, Lane
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.config import Config, load_config
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.mailbox import LocalInbox, Mailbox
+from ringfence.sched.ops import Piece, StepOp
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock, Watermark
 
@@ -79,7 +73,7 @@ class Rig:
     def mark(self, lane: Lane) -> Watermark:
         return lane_counter(self.lanes, 0, lane)
 
-    def post(self, plan: StepPlan) -> None:
+    def post(self, plan: StepOp) -> None:
         self.plans.post(plan)
 
     def next_message(self) -> object:
@@ -155,7 +149,7 @@ class Seq:
         return self.prompt + self.generated
 
 
-def next_piece(seq: Seq, rng: random.Random) -> PlanPiece:
+def next_piece(seq: Seq, rng: random.Random) -> Piece:
     """The sequence's next prefill chunk (random length) or its next decode token."""
     if seq.done < len(seq.prompt):
         size = rng.randint(1, len(seq.prompt) - seq.done)
@@ -163,7 +157,7 @@ def next_piece(seq: Seq, rng: random.Random) -> PlanPiece:
         last = seq.done + size == len(seq.prompt)
     else:
         ids, last = [seq.generated[-1]], True
-    return PlanPiece(
+    return Piece(
         seq_id=seq.seq_id,
         token_ids=tuple(ids),
         start=seq.done,
@@ -177,7 +171,7 @@ def run_program(rig: Rig, seqs: list[Seq], rng: random.Random, decode: int, step
     while any(len(s.generated) < decode for s in seqs):
         active = [s for s in seqs if len(s.generated) < decode]
         pieces = tuple(next_piece(s, rng) for s in active)
-        rig.post(StepPlan(step=step, epoch=0, fence=Fence(), pieces=pieces))
+        rig.post(StepOp(step=step, epoch=0, fence=Fence(), pieces=pieces))
         result = rig.result(step)
         assert result.status == "ok", result.error
         by_id = {out.seq_id: out for out in result.outputs}
@@ -257,7 +251,7 @@ def test_a_step_reads_swapped_in_blocks_only_after_the_swap_watermark_reaches_it
     [seq] = make_seqs(rng, 1, free, decode=2)
     step = run_program(rig, [seq], rng, decode=1)
     saved = rig.kv[list(seq.blocks)].clone()
-    rig.post(StepPlan(step=step, epoch=0, fence=Fence(), pieces=(), poison=tuple(seq.blocks)))
+    rig.post(StepOp(step=step, epoch=0, fence=Fence(), pieces=(), poison=tuple(seq.blocks)))
     assert rig.result(step).status == "ok"
     assert bool(torch.isnan(rig.kv[list(seq.blocks)]).all())
 
@@ -268,7 +262,7 @@ def test_a_step_reads_swapped_in_blocks_only_after_the_swap_watermark_reaches_it
     swapper.start()
     try:
         piece = next_piece(seq, rng)
-        rig.post(StepPlan(step=step + 1, epoch=0, fence=Fence(swap=SeqNo(1)), pieces=(piece,)))
+        rig.post(StepOp(step=step + 1, epoch=0, fence=Fence(swap=SeqNo(1)), pieces=(piece,)))
         result = rig.result(step + 1)
     finally:
         swapper.join(WAIT_S)
@@ -297,7 +291,7 @@ def test_a_fence_wait_past_its_deadline_defers_the_plan_and_runs_it_when_the_swa
     swapper.start()
     try:
         piece = next_piece(seq, rng)
-        rig.post(StepPlan(step=step, epoch=0, fence=Fence(swap=SeqNo(3)), pieces=(piece,)))
+        rig.post(StepOp(step=step, epoch=0, fence=Fence(swap=SeqNo(3)), pieces=(piece,)))
         result = rig.result(step)
     finally:
         swapper.join(WAIT_S)
@@ -313,28 +307,28 @@ def test_a_plan_whose_fence_is_not_reached_is_cancelled_once_its_engine_has_rest
     make_rig, rng: random.Random
 ) -> None:
     rig = make_rig()
-    piece = PlanPiece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
+    piece = Piece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
     epoch = epoch_counter(rig.lanes, 0, ISSUER_EPOCH)
     epoch.claim()
     bump = threading.Timer(0.1, epoch.advance, args=(1,))  # an engine of epoch 1 started
     bump.start()
     try:
-        rig.post(StepPlan(step=1, epoch=0, fence=Fence(swap=SeqNo(5)), pieces=(piece,)))
+        rig.post(StepOp(step=1, epoch=0, fence=Fence(swap=SeqNo(5)), pieces=(piece,)))
         result = rig.result(1)
     finally:
         bump.join(WAIT_S)
     assert result.status == "cancelled" and "epoch 0" in result.error
     assert result.outputs == () and rig.mark(Lane.STEP).value() == 1
     # The lane goes on with the next step.
-    rig.post(StepPlan(step=2, epoch=1, fence=Fence(), pieces=(piece,)))
+    rig.post(StepOp(step=2, epoch=1, fence=Fence(), pieces=(piece,)))
     assert rig.result(2).status == "ok"
 
 
 def test_a_plan_from_before_the_worker_started_is_cancelled_without_waiting(make_rig) -> None:
     rig = make_rig(epoch=2)  # this worker started in epoch 2
     assert epoch_counter(rig.lanes, 0, TIER_EPOCH).value() == 2  # published for the lanes
-    piece = PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True)
-    rig.post(StepPlan(step=1, epoch=1, fence=Fence(swap=SeqNo(99)), pieces=(piece,)))
+    piece = Piece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True)
+    rig.post(StepOp(step=1, epoch=1, fence=Fence(swap=SeqNo(99)), pieces=(piece,)))
     result = rig.result(1)
     assert result.status == "cancelled" and "epoch 1" in result.error
     assert "device tier reset at epoch 2" in result.error
@@ -351,7 +345,7 @@ def test_poisoned_blocks_are_nan_and_the_outputs_of_other_sequences_do_not_chang
     step = run_program(rig, seqs, rng, decode=2)
     doomed, kept = seqs
     piece = next_piece(kept, rng)
-    plan = StepPlan(step=step, epoch=0, fence=Fence(), pieces=(piece,), poison=tuple(doomed.blocks))
+    plan = StepOp(step=step, epoch=0, fence=Fence(), pieces=(piece,), poison=tuple(doomed.blocks))
     rig.post(plan)
     [out] = rig.result(step).outputs
     kept.generated.append(out.token_id)
@@ -369,8 +363,8 @@ def test_a_step_that_raises_fills_the_blocks_it_wrote_with_nan_and_no_other(
 ) -> None:
     rig = make_rig()
     prefix = tuple(range(1, BLOCK + 1))  # block 0, computed by step 1 and only read by step 2
-    first = PlanPiece(seq_id=1, token_ids=prefix, start=0, block_table=(0,), sample=False)
-    rig.post(StepPlan(step=1, epoch=0, fence=Fence(), pieces=(first,)))
+    first = Piece(seq_id=1, token_ids=prefix, start=0, block_table=(0,), sample=False)
+    rig.post(StepOp(step=1, epoch=0, fence=Fence(), pieces=(first,)))
     assert rig.result(1).status == "ok"
     executor = rig.worker.executor
     assert executor is not None
@@ -383,8 +377,8 @@ def test_a_step_that_raises_fills_the_blocks_it_wrote_with_nan_and_no_other(
     monkeypatch.setattr(executor, "step", broken)
     before = bits(rig.kv)
     tokens = tuple(range(20, 20 + BLOCK + 2))  # positions BLOCK .. 2 * BLOCK + 1: blocks 5, 6
-    piece = PlanPiece(seq_id=1, token_ids=tokens, start=BLOCK, block_table=(0, 5, 6), sample=True)
-    rig.post(StepPlan(step=2, epoch=0, fence=Fence(), pieces=(piece,)))
+    piece = Piece(seq_id=1, token_ids=tokens, start=BLOCK, block_table=(0, 5, 6), sample=True)
+    rig.post(StepOp(step=2, epoch=0, fence=Fence(), pieces=(piece,)))
     result = rig.result(2)
     assert result.status == "failed" and "broke after writing" in result.error, result
     assert result.outputs == ()
@@ -396,35 +390,35 @@ def test_a_step_that_raises_fills_the_blocks_it_wrote_with_nan_and_no_other(
     assert rig.mark(Lane.STEP).value() == 2
 
 
-PIECE = PlanPiece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
+PIECE = Piece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
 
 
 @pytest.mark.parametrize(
     ("plan", "message"),
     [
-        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
-            PlanPiece(seq_id=1, token_ids=(1, 2), start=0, block_table=(POOL,), sample=True),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            Piece(seq_id=1, token_ids=(1, 2), start=0, block_table=(POOL,), sample=True),
         )), f"block id {POOL}"),
-        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
-            PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=tuple(range(POOL + 1)),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            Piece(seq_id=1, token_ids=(1,), start=0, block_table=tuple(range(POOL + 1)),
                       sample=True),
         )), f"more than the pool's {POOL}"),
-        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
-            PlanPiece(seq_id=1, token_ids=(1,), start=4096, block_table=(0,), sample=True),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            Piece(seq_id=1, token_ids=(1,), start=4096, block_table=(0,), sample=True),
         )), "past max_position"),
-        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
-            PlanPiece(seq_id=1, token_ids=(1, 2, 3, 4, 5), start=0, block_table=(0,), sample=True),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            Piece(seq_id=1, token_ids=(1, 2, 3, 4, 5), start=0, block_table=(0,), sample=True),
         )), "need 2"),
-        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
-            PlanPiece(seq_id=1, token_ids=(1, 999), start=0, block_table=(0,), sample=True),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            Piece(seq_id=1, token_ids=(1, 999), start=0, block_table=(0,), sample=True),
         )), "token id 999"),
-        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
-            PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=(3, 3), sample=True),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            Piece(seq_id=1, token_ids=(1,), start=0, block_table=(3, 3), sample=True),
         )), "names a block twice"),
-        (StepPlan(step=1, epoch=0, fence=Fence(step=SeqNo(1)), pieces=(PIECE,)), "own lane"),
-        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(PIECE,), poison=(-1,)), "poison block"),
-        (StepPlan(step=1, epoch=0, fence=Fence(), pieces=(
-            PlanPiece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True,
+        (StepOp(step=1, epoch=0, fence=Fence(step=SeqNo(1)), pieces=(PIECE,)), "own lane"),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(PIECE,), poison=(-1,)), "poison block"),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            Piece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True,
                       temperature=-1.0),
         )), "negative temperature"),
     ],
@@ -432,7 +426,7 @@ PIECE = PlanPiece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), samp
          "repeated-block", "own-lane-fence", "bad-poison", "negative-temperature"],
 )  # fmt: skip
 def test_a_malformed_plan_is_rejected_naming_the_problem_and_touches_no_block(
-    make_rig, plan: StepPlan, message: str
+    make_rig, plan: StepOp, message: str
 ) -> None:
     rig = make_rig()
     before = bits(rig.kv)
@@ -442,13 +436,13 @@ def test_a_malformed_plan_is_rejected_naming_the_problem_and_touches_no_block(
     assert torch.equal(bits(rig.kv), before)
     # Rejected is done (nothing to wait for): the lane moves on to step 2.
     assert rig.mark(Lane.STEP).value() == 1
-    rig.post(StepPlan(step=2, epoch=0, fence=Fence(), pieces=(PIECE,)))
+    rig.post(StepOp(step=2, epoch=0, fence=Fence(), pieces=(PIECE,)))
     assert rig.result(2).status == "ok"
 
 
 def test_a_step_out_of_lane_order_is_refused_and_the_watermark_stays(make_rig) -> None:
     rig = make_rig()
-    rig.post(StepPlan(step=2, epoch=0, fence=Fence(), pieces=(PIECE,)))
+    rig.post(StepOp(step=2, epoch=0, fence=Fence(), pieces=(PIECE,)))
     result = rig.result(2)
     assert result.status == "rejected" and "1 is next" in result.error
     assert rig.mark(Lane.STEP).value() == 0
@@ -458,7 +452,7 @@ def test_a_step_out_of_lane_order_is_refused_and_the_watermark_stays(make_rig) -
 
 def test_a_repeated_plan_is_answered_with_the_kept_result_and_not_run_again(make_rig) -> None:
     rig = make_rig()
-    plan = StepPlan(step=1, epoch=0, fence=Fence(), pieces=(PIECE,))
+    plan = StepOp(step=1, epoch=0, fence=Fence(), pieces=(PIECE,))
     rig.post(plan)
     first = rig.result(1)
     rig.post(plan)
@@ -473,13 +467,13 @@ def test_sampled_tokens_are_reproducible_per_seed_and_position(make_rig) -> None
     picks = []
     for step in (1, 2):  # the same prompt under 6 seeds, twice, in other blocks
         pieces = tuple(
-            PlanPiece(
+            Piece(
                 seq_id=seed, token_ids=(5, 6, 7), start=0, block_table=(6 * step + seed,),
                 sample=True, temperature=1.5, seed=seed,
             )
             for seed in range(6)
         )  # fmt: skip
-        rig.post(StepPlan(step=step, epoch=0, fence=Fence(), pieces=pieces))
+        rig.post(StepOp(step=step, epoch=0, fence=Fence(), pieces=pieces))
         picks.append(rig.result(step).outputs)
     assert picks[0] == picks[1]
     assert len({out.token_id for out in picks[0]}) > 1, "every seed drew the same token"

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import pytest
 import torch
+from builders import piece
 
 from ringfence.actors.executors.worker import load_model
 from ringfence.actors.model.checkpoint import (
@@ -17,7 +18,7 @@ from ringfence.actors.model.checkpoint import (
     load_tokenizer,
 )
 from ringfence.actors.model.decoder import Model, ModelConfig
-from ringfence.actors.model.paged import PagedExecutor, Piece, make_kv_cache
+from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
 from ringfence.actors.model.tokenizer import EOS
 from ringfence.runtime.config import ModelConfig as ModelSettings
 
@@ -204,7 +205,7 @@ def test_paged_execution_of_a_loaded_model_equals_its_contiguous_forward(tmp_pat
     executor = PagedExecutor(model, make_kv_cache(model.config, 16, 4, torch.float64).fill_(0))
     table = [5, 2, 9, 0, 14, 7]
     logits = [
-        executor.step([Piece(token_ids=ids[a:b], start=a, block_table=table)], all_logits=True)
+        executor.step([piece(ids[a:b], a, table)], all_logits=True)
         for a, b in ((0, 9), (9, 10), (10, 22), (22, 23))
     ]
     paged = torch.cat([out.all_logits for out in logits if out.all_logits is not None])

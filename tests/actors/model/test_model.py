@@ -8,9 +8,10 @@ from functools import cache
 
 import pytest
 import torch
+from builders import piece
 
 from ringfence.actors.model.decoder import PRESETS, Model, kv_block_bytes, sample
-from ringfence.actors.model.paged import PagedExecutor, Piece, make_kv_cache
+from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
 from ringfence.actors.model.tokenizer import BOS, EOS, PAD, ByteTokenizer
 
 BLOCK_SIZE = 4
@@ -96,7 +97,7 @@ def run_plan(plan: Plan, executor: PagedExecutor, *, poison_free: bool = False) 
             )
             run.fed[seq].extend(ids)
             table = plan.tables[seq][: blocks_for(start + length)]
-            pieces.append(Piece(token_ids=ids, start=start, block_table=table))
+            pieces.append(piece(ids, start, table))
         if poison_free:
             executor.kv[free] = float("nan")
         out = executor.step(pieces, all_logits=True)
@@ -138,10 +139,10 @@ def test_a_paged_decode_loop_generates_what_re_forwarding_the_whole_sequence_gen
     executor = make_executor(model)
     prompt = [rng.randrange(256) for _ in range(10)]
     table = rng.sample(range(NUM_BLOCKS), blocks_for(10 + 16))
-    out = executor.step([Piece(token_ids=prompt, start=0, block_table=table)])
+    out = executor.step([piece(prompt, 0, table)])
     paged = [sample(out.last_logits[0], temperature=0, seed=0, position=10).token_id]
     for pos in range(10, 10 + 15):
-        out = executor.step([Piece(token_ids=[paged[-1]], start=pos, block_table=table)])
+        out = executor.step([piece([paged[-1]], pos, table)])
         paged.append(sample(out.last_logits[0], temperature=0, seed=0, position=pos + 1).token_id)
     contiguous: list[int] = []
     for _ in range(16):
@@ -163,9 +164,9 @@ def test_nan_in_free_blocks_and_unwritten_slots_never_changes_outputs(rng: rando
 def test_nan_in_a_block_of_the_table_does_change_outputs() -> None:
     executor = make_executor(tiny())
     table = [7, 3, 12]
-    executor.step([Piece(token_ids=list(range(9)), start=0, block_table=table)])
+    executor.step([piece(list(range(9)), 0, table)])
     executor.kv[3] = float("nan")
-    out = executor.step([Piece(token_ids=[42], start=9, block_table=table)])
+    out = executor.step([piece([42], 9, table)])
     assert bool(torch.isnan(out.last_logits).all())
 
 
@@ -209,8 +210,8 @@ def test_float32_and_bfloat16_run_to_finite_outputs(dtype: torch.dtype) -> None:
     prompt = list(b"hello, paged world")
     out = executor.step(
         [
-            Piece(token_ids=prompt[:11], start=0, block_table=[9, 2, 30]),
-            Piece(token_ids=prompt, start=0, block_table=[1, 4, 8, 5, 6]),
+            piece(prompt[:11], 0, [9, 2, 30]),
+            piece(prompt, 0, [1, 4, 8, 5, 6]),
         ]
     )
     reference = model.forward_contiguous(torch.tensor(prompt))
@@ -255,8 +256,8 @@ def test_a_block_table_too_short_for_the_positions_is_refused() -> None:
     ):
         executor.step(
             [
-                Piece(token_ids=[1], start=0, block_table=[0]),
-                Piece(token_ids=[1, 2], start=4, block_table=[1]),
+                piece([1], 0, [0]),
+                piece([1, 2], 4, [1]),
             ]
         )
 
@@ -264,7 +265,7 @@ def test_a_block_table_too_short_for_the_positions_is_refused() -> None:
 def test_a_position_past_max_position_is_refused() -> None:
     executor = make_executor(tiny(), num_blocks=600)
     with pytest.raises(ValueError, match="piece 0 reaches position 2048, past max_position 2048"):
-        executor.step([Piece(token_ids=[1], start=2048, block_table=list(range(513)))])
+        executor.step([piece([1], 2048, list(range(513)))])
     with pytest.raises(ValueError, match="past max_position"):
         tiny().forward_contiguous(torch.zeros(2049, dtype=torch.long))
 
@@ -274,7 +275,7 @@ def test_a_block_id_outside_the_kv_tensor_is_refused() -> None:
     with pytest.raises(
         ValueError, match="block id 64 of piece 0 is outside the KV tensor's 64 blocks"
     ):
-        executor.step([Piece(token_ids=[1, 2, 3, 4, 5], start=0, block_table=[0, 64])])
+        executor.step([piece([1, 2, 3, 4, 5], 0, [0, 64])])
 
 
 def test_a_kv_tensor_of_the_wrong_shape_or_dtype_is_refused() -> None:

@@ -20,11 +20,11 @@ from launching import QUICK, Launch, launched
 
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.model.paged import make_kv_cache
-from ringfence.actors.protocol.transfer import StoreOp, SwapOp
-from ringfence.actors.protocol.worker import StepPlan
 from ringfence.actors.testing.harness import REPORT
-from ringfence.actors.testing.programs import Op, Shape, generate, interpret, lane_of, number_of
+from ringfence.actors.testing.programs import Shape, generate, interpret
 from ringfence.cache.fences import NO_WAIT, Lane
+from ringfence.cache.ids import BlockHash
+from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
 
 SETTINGS = (
     "runtime.topology=ringfence.actors.testing.harness:TOPOLOGY",
@@ -140,7 +140,7 @@ def test_a_program_is_a_pure_function_of_its_seed_numbered_from_the_starts() -> 
     assert ops == generate(7, 60, SHAPE, starts)
     assert ops != generate(8, 60, SHAPE, starts)
     for lane, first in starts.items():
-        numbers = [number_of(op) for op in ops if lane_of(op) == lane]
+        numbers = [op.number for op in ops if op.lane == lane]
         assert numbers == list(range(first, first + len(numbers)))
 
 
@@ -149,11 +149,11 @@ def test_every_fence_names_only_ops_issued_before_it_and_never_its_own_lane() ->
     for seed in range(30):
         issued = dict.fromkeys(Lane, 0)
         for op in generate(seed, 50, SHAPE, STARTS):
-            lane = lane_of(op)
+            lane = op.lane
             waits = op.fence.waits()
             assert lane not in waits
             assert all(seq <= issued[other] for other, seq in waits.items())
-            issued[lane] = number_of(op)
+            issued[lane] = op.number
             kinds.add(op.direction if isinstance(op, (SwapOp, StoreOp)) else "step")
     assert kinds == {"step", "in", "out", "write", "read"}
 
@@ -163,16 +163,17 @@ def test_the_interpretation_round_trips_blocks_through_host_and_storage(rng: ran
     device = make_kv_cache(model.config, 12, 4, torch.float64).normal_()
     host = make_kv_cache(model.config, 12, 4, torch.float64).zero_()
     original = device[[3, 4]].clone()
-    key_a, key_b = rng.randbytes(16).hex(), rng.randbytes(16).hex()
+    key_a, key_b = BlockHash(rng.randbytes(16)), BlockHash(rng.randbytes(16))
     ops: list[Op] = [
         SwapOp(op=1, epoch=0, fence=NO_WAIT, direction="out", device_blocks=(3, 4),
-               host_blocks=(9, 1)),
+               host_blocks=(9, 1), reason="preempt"),
         StoreOp(op=1, epoch=0, fence=NO_WAIT, direction="write", host_blocks=(9, 1),
-                keys=(key_a, key_b)),
-        StepPlan(step=1, epoch=0, fence=NO_WAIT, pieces=(), poison=(3, 4)),
+                keys=(key_a, key_b), reason="evict"),
+        StepOp(step=1, epoch=0, fence=NO_WAIT, pieces=(), poison=(3, 4)),
         StoreOp(op=2, epoch=0, fence=NO_WAIT, direction="read", host_blocks=(5, 6),
-                keys=(key_b, rng.randbytes(16).hex())),
-        SwapOp(op=2, epoch=0, fence=NO_WAIT, direction="in", device_blocks=(7,), host_blocks=(5,)),
+                keys=(key_b, BlockHash(rng.randbytes(16))), reason="admit"),
+        SwapOp(op=2, epoch=0, fence=NO_WAIT, direction="in", device_blocks=(7,), host_blocks=(5,),
+               reason="resume"),
     ]  # fmt: skip
     expected = interpret(ops, model, device, host)
     assert torch.equal(host[9], original[0]) and torch.equal(host[1], original[1])

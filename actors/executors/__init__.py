@@ -1,0 +1,1 @@
+"""The executors of the three lanes: the Worker (step) and the Transfer lanes (swap, store)."""

@@ -1,0 +1,1 @@
+"""The model: its shape and presets, the torch decoder, paged execution, checkpoints, tokenizers."""
