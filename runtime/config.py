@@ -1,12 +1,22 @@
 """Run configuration: one TOML file mapped onto frozen dataclasses, with a default for every key.
 
-Precedence, later wins: the built-in defaults, then the file given to :func:`load_config`,
-then each ``--set section.key=value`` override in order. The dataclasses below are the one
-schema: types come from the annotations (``Literal`` for choices), docs and ranges from
-:func:`setting` metadata, and one generic walker validates any table against them. Every
-problem raises :class:`ConfigError` whose message starts with where the value came from
-(the file path or ``--set``), then the dotted key, e.g. ``--set runtime.spinus: unknown key
-(did you mean runtime.spin_us?)``. :func:`dump_config` writes TOML that loads back equal.
+Each package owns its sections: a frozen, slotted, keyword-only dataclass next to the code
+that reads it, whose fields carry a one-line doc and their rules in field metadata
+(:func:`setting`). The runtime owns ``[runtime]`` and ``[actors.<name>]``
+(:class:`RunConfig`). The schema of a whole run is a subclass of it that adds the other
+packages' sections as typed fields; the runtime finds it by import path (:data:`SCHEMA`,
+the actors' ``Config``), as it finds the topology, so it never imports a package above it.
+Sections of tools (the demo pipeline, the protocol harness) are named by import path in
+the schema's ``TOOLS`` and loaded the same way, so that no product module imports a tool;
+:meth:`RunConfig.section` gives them by name.
+
+Precedence, later wins: the built-in defaults, then the file given to :meth:`RunConfig.load`,
+then each ``--set section.key=value`` override in order. Types come from the annotations
+(``Literal`` for choices), docs and ranges from the metadata, and one generic walker
+validates any table against them. Every problem raises :class:`ConfigError` whose message
+starts with where the value came from (the file path or ``--set``), then the dotted key,
+e.g. ``--set runtime.spinus: unknown key (did you mean runtime.spin_us?)``.
+:func:`dump_config` writes TOML that loads back equal.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from ringfence.runtime.topology import import_target
 from ringfence.shm.errors import ConfigError
 
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
@@ -36,19 +47,16 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 D = TypeVar("D", bound="DataclassInstance")
 
-Preset = Literal["tiny", "small"]
-Dtype = Literal["float32", "bfloat16", "float64"]
-Eviction = Literal["write_back", "write_through", "none"]
-Backend = Literal["local", "redis", "memory", "none"]
-Preemption = Literal["recompute", "swap", "save"]
-TransferMode = Literal["fence", "sync"]
 LogLevel = Literal["info", "trace"]
 Placement = Literal["spawn", "external"]
 Restart = Literal["never", "on-failure"]
+Self = TypeVar("Self", bound="RunConfig")
 
+# The schema of a whole run, by name: the runtime never imports the actors.
+SCHEMA = "ringfence.actors.config:Config"
 ACTOR_NAME = r"[a-z][a-z0-9_]{0,31}"  # full match; the <name> of an [actors.<name>] table
+RULES = frozenset({"ge", "gt", "le", "multiple_of", "pattern", "above"})
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
-_DEVICE = (r"cpu|cuda(:[0-9]+)?", "'cpu', 'cuda' or 'cuda:N'")
 _IMPORT = (rf"{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*", "an import path 'module:ATTRIBUTE'")
 _ENGINE = "ringfence.actors.engine:TOPOLOGY"  # by name: the runtime never imports actors
 _INT64 = (-(2**63), 2**63 - 1)  # TOML integers are signed 64-bit
@@ -63,77 +71,13 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 def setting(default: T, doc: str, **rules: Any) -> T:
     """A scalar field: its default, its one-line doc and its rules, kept in field metadata.
 
-    Rules: ``ge``, ``gt``, ``le`` (bounds), ``multiple_of``, ``pattern`` (``(regex,
-    description)``, matched in full) and ``above`` (a sibling field this value must exceed).
+    Rules (:data:`RULES`): ``ge``, ``gt``, ``le`` (bounds), ``multiple_of``, ``pattern``
+    (``(regex, description)``, matched in full) and ``above`` (a sibling field this value
+    must exceed). A package that may not import the runtime (the cache, the scheduler)
+    declares its fields with its own two-line copy of this; the loader checks every
+    section's metadata once, whoever wrote it (:func:`_check_section`).
     """
-    if unknown := rules.keys() - {"ge", "gt", "le", "multiple_of", "pattern", "above"}:
-        raise TypeError(f"unknown setting rules {sorted(unknown)}")
     return dataclasses.field(default=default, metadata={"doc": doc, **rules})
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ModelConfig:
-    """[model]: which weights to run, in which dtype, on which device."""
-
-    preset: Preset = setting("tiny", "built-in model preset, used when model.path is empty")
-    path: str = setting("", "checkpoint directory; when set it takes precedence over the preset")
-    dtype: Dtype = setting("float32", "dtype of the weights and the KV cache")
-    device: str = setting("cpu", "torch device: 'cpu', 'cuda' or 'cuda:N'", pattern=_DEVICE)
-    seed: int = setting(0, "random seed of the model (preset weights, sampling)", ge=0)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class StorageConfig:
-    """[cache.storage]: the storage tier below host memory."""
-
-    backend: Backend = setting("local", "storage backend; 'none' disables the storage tier")
-    path: str = setting("", "directory of the 'local' backend; empty = <run dir>/storage")
-    url: str = setting("", "server URL of the 'redis' backend")
-    max_bytes: int = setting(1 << 30, "capacity of the storage tier in bytes", ge=0)
-    timeout_s: float = setting(
-        2.0, "'redis': the most seconds a connect or a reply may take", gt=0, le=3600
-    )
-    presence_timeout_s: float = setting(
-        0.05,
-        "the most seconds the engine waits to learn what the tier holds; later is a miss",
-        gt=0,
-        le=60,
-    )
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class CacheConfig:
-    """[cache]: KV block size, the pool of each tier and how blocks move down."""
-
-    block_size: int = setting(16, "tokens per KV block", ge=1, le=4096)
-    device_blocks: int = setting(512, "KV blocks in the device pool", ge=1)
-    host_blocks: int = setting(2048, "KV blocks in the host pool; 0 = no host cache tier", ge=0)
-    device_eviction: Eviction = setting(
-        "write_back", "device tier: write_back (demote on eviction), write_through or none"
-    )
-    host_eviction: Eviction = setting("write_back", "host tier, demoting to storage: the same")
-    poison_freed: bool = setting(False, "fill freed and swapped-out device blocks with NaN (debug)")
-    storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class SchedConfig:
-    """[sched]: batch limits and what preemption does with a sequence's blocks."""
-
-    max_num_seqs: int = setting(16, "most sequences in one batch", ge=1)
-    max_batched_tokens: int = setting(512, "most tokens in one step", ge=1)
-    preemption: Preemption = setting("recompute", "recompute, swap (to host) or save (to storage)")
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class TransferConfig:
-    """[transfer]: how block copies are ordered against model steps."""
-
-    mode: TransferMode = setting("fence", "fence (asynchronous, ordered by fences) or sync")
-    chaos_delay_ms: float = setting(0.0, "random delay per transfer op, in ms (debug)", ge=0)
-    skip_fences: bool = setting(
-        False, "debug only: executors do not wait for fences (tests show they catch it)"
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,43 +103,6 @@ class RuntimeConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class DemoConfig:
-    """[demo]: the demo pipeline run before the engine exists."""
-
-    messages: int = setting(100000, "messages to send; 0 = stream until stopped", ge=0)
-    payload_bytes: int = setting(64, "payload bytes per message", ge=0, le=65536)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class HarnessConfig:
-    """[harness]: the protocol harness (a scripted engine over random programs)."""
-
-    programs: int = setting(20, "random programs to run, one after another", ge=1)
-    ops: int = setting(40, "ops per program (steps, swaps, write-backs, prefetches)", ge=1)
-    seed: int = setting(0, "seed of the first program; program k uses seed + k", ge=0)
-    check: bool = setting(True, "compare each program with its sequential interpretation")
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class EngineConfig:
-    """[engine]: the workload the engine runs (``launch --workload``), and its shutdown."""
-
-    workload: str = setting(
-        "", "a JSON-lines file or synthetic:NAME to run to completion; empty = serve clients"
-    )
-    requests: int = setting(0, "requests of the workload to run; 0 = all of it", ge=0)
-    seed: int = setting(0, "seed of a synthetic workload", ge=0)
-    arrivals: bool = setting(True, "honour each request's arrival_s; false = all at once")
-    progress: bool = setting(True, "show progress on the terminal during a workload")
-    drain_timeout_s: float = setting(
-        30.0, "at shutdown, how long to wait for the store lane's writes in flight", ge=0
-    )
-    max_requests_per_client: int = setting(
-        256, "requests one client may have live; more are refused (backpressure)", ge=1
-    )
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ActorPolicy:
     """[actors.<name>]: where one actor runs and how the supervisor restarts it."""
 
@@ -209,36 +116,70 @@ class ActorPolicy:
     )
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Config:
-    """The resolved configuration; each actor receives only its own section.
+def _policies() -> Mapping[str, ActorPolicy]:
+    return types.MappingProxyType({})
 
-    ``actors`` is a read-only mapping, sorted by name, over a private copy: the config is
-    immutable all the way down. It is left out of the hash (a mapping has none) and pickled
-    as a plain dict.
+
+def _tool_sections() -> Mapping[str, object]:
+    return types.MappingProxyType({})
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    """The resolved configuration of a run; each actor receives only its own section.
+
+    This class holds what the runtime owns; a run's schema subclasses it with the other
+    packages' sections (see the module docstring), and names its tools' sections in
+    ``TOOLS`` (TOML table -> import path of the section class). ``actors`` and ``tools``
+    are read-only mappings, sorted by name, over private copies: the config is immutable
+    all the way down. They are left out of the hash (a mapping has none) and pickled as
+    plain dicts. Load one with :meth:`load`, :meth:`loads` or :meth:`with_overrides`.
     """
 
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
-    sched: SchedConfig = dataclasses.field(default_factory=SchedConfig)
-    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    TOOLS: typing.ClassVar[Mapping[str, str]] = types.MappingProxyType({})
+
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
-    demo: DemoConfig = dataclasses.field(default_factory=DemoConfig)
-    harness: HarnessConfig = dataclasses.field(default_factory=HarnessConfig)
-    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
-    actors: Mapping[str, ActorPolicy] = dataclasses.field(
-        default_factory=lambda: types.MappingProxyType({}),
-        hash=False,
+    actors: Mapping[str, ActorPolicy] = dataclasses.field(default_factory=_policies, hash=False)
+    # Every tool's section by its TOML table; one a file leaves out has its defaults.
+    tools: Mapping[str, object] = dataclasses.field(
+        default_factory=_tool_sections, hash=False, metadata={"tools": True}
     )
 
     def __post_init__(self) -> None:
         actors = types.MappingProxyType(dict(sorted(self.actors.items())))
         object.__setattr__(self, "actors", actors)
+        given = dict(self.tools)
+        if unknown := given.keys() - self.TOOLS.keys():
+            raise TypeError(f"{type(self).__name__} has no tool sections {sorted(unknown)}")
+        tools = {
+            name: given.get(name) or _section_class(path)() for name, path in self.TOOLS.items()
+        }
+        object.__setattr__(self, "tools", types.MappingProxyType(dict(sorted(tools.items()))))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A mappingproxy cannot be pickled, and a config travels to spawned actors.
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return functools.partial(Config, **fields | {"actors": dict(self.actors)}), ()
+        plain = {"actors": dict(self.actors), "tools": dict(self.tools)}
+        return functools.partial(type(self), **fields | plain), ()
+
+    @classmethod
+    def load(
+        cls: type[Self], path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
+    ) -> Self:
+        """The defaults, then the TOML file at ``path`` (if given), then each override in order."""
+        layers = [] if path is None else [_read(path)]
+        layers += [("--set", _nest(*parse_override(text))) for text in overrides]
+        return _resolve(cls, {}, layers, "defaults")
+
+    @classmethod
+    def loads(cls: type[Self], text: str, source: str = "<string>") -> Self:
+        """The defaults, then the TOML document ``text``; errors name ``source``."""
+        return _resolve(cls, {}, [(source, _parse(source, text.encode()))], "defaults")
+
+    def with_overrides(self: Self, overrides: Mapping[str, object], source: str = "--set") -> Self:
+        """This config with dotted-key ``overrides`` applied in order, validated like a file's."""
+        layers = [(source, _nest(key, value, source)) for key, value in overrides.items()]
+        return _resolve(type(self), _to_raw(self), layers, "config")
 
     def actor(self, name: str) -> ActorPolicy:
         """The policy configured for actor ``name``, or the default policy."""
@@ -254,18 +195,30 @@ class Config:
             return node
         parts = name.split(".")
         for depth, part in enumerate(parts):
-            tables = [n for n, tp in _hints(node.__class__).items() if dataclasses.is_dataclass(tp)]
+            tables = _tables(type(node))
+            if depth == 0 and part in self.tools:
+                node = self.tools[part]
+                continue
             if part not in tables:
                 key = ".".join(parts[: depth + 1])
                 prefix = ".".join(parts[:depth])
+                choices = [*tables, *self.tools] if depth == 0 else tables
                 raise ConfigError(
-                    f"{key}: unknown section{_suggest(part, tables, prefix)}", key=key
+                    f"{key}: unknown section{_suggest(part, choices, prefix)}", key=key
                 )
             node = getattr(node, part)
         return node
 
 
-def check_actor_names(cfg: Config, valid: Iterable[str], source: str) -> None:
+def schema() -> type[RunConfig]:
+    """The schema of a run (:data:`SCHEMA`), imported on first use."""
+    cls = import_target(SCHEMA)
+    if not (isinstance(cls, type) and issubclass(cls, RunConfig)):
+        raise TypeError(f"{SCHEMA} is not a RunConfig subclass")
+    return cls
+
+
+def check_actor_names(cfg: RunConfig, valid: Iterable[str], source: str) -> None:
     """Raise ConfigError for an ``[actors.<name>]`` table whose name is not in ``valid``.
 
     The loader cannot know a topology's actor names; the runtime calls this once it does.
@@ -298,28 +251,21 @@ def parse_override(text: str) -> tuple[str, object]:
 
 def load_config(
     path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
-) -> Config:
-    """The defaults, then the TOML file at ``path`` (if given), then each override in order."""
-    layers = [] if path is None else [_read(path)]
-    layers += [("--set", _nest(*parse_override(text))) for text in overrides]
-    return _resolve({}, layers, "defaults")
+) -> RunConfig:
+    """:meth:`RunConfig.load` of the run's schema (:func:`schema`)."""
+    return schema().load(path, overrides)
 
 
-def loads_config(text: str, source: str = "<string>") -> Config:
-    """The defaults, then the TOML document ``text``; errors name ``source``."""
-    return _resolve({}, [(source, _parse(source, text.encode()))], "defaults")
+def loads_config(text: str, source: str = "<string>") -> RunConfig:
+    """:meth:`RunConfig.loads` of the run's schema (:func:`schema`)."""
+    return schema().loads(text, source)
 
 
-def with_overrides(cfg: Config, overrides: Mapping[str, object], source: str = "--set") -> Config:
-    """``cfg`` with dotted-key ``overrides`` applied in order, validated like a file's."""
-    layers = [(source, _nest(key, value, source)) for key, value in overrides.items()]
-    return _resolve(_to_raw(cfg), layers, "config")
-
-
-def dump_config(cfg: Config) -> str:
+def dump_config(cfg: RunConfig) -> str:
     """TOML text of every key of ``cfg``, defaults included, each under a ``# doc`` line.
 
-    Sections come in schema order; :func:`loads_config` of the text gives back ``cfg``.
+    The schema's own sections come first, in its order, then the runtime's, the tools',
+    and the actors' policies; loading the text gives back ``cfg``.
     """
     lines = ["# ringfence configuration, resolved: every key, defaults included."]
     _dump_table(cfg, "", lines)
@@ -378,12 +324,15 @@ def _nest(key: str, value: object, source: str = "--set") -> dict[str, Any]:
 
 
 def _resolve(
-    raw: dict[str, Any], layers: Iterable[tuple[str, Mapping[str, Any]]], default: str
-) -> Config:
+    cls: type[Self],
+    raw: dict[str, Any],
+    layers: Iterable[tuple[str, Mapping[str, Any]]],
+    default: str,
+) -> Self:
     origin = _Origin(default)
     for source, layer in layers:
         _merge(raw, layer, "", source, origin)
-    return _build(Config, raw, "", origin)
+    return _build(cls, raw, "", origin)
 
 
 def _merge(
@@ -406,19 +355,72 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _section_class(path: str) -> type:
+    """The section class a tool's import path names."""
+    cls = import_target(path)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"{path} is not a config section (a dataclass)")
+    return cls
+
+
+def _tables(cls: type) -> list[str]:
+    """The fields of ``cls`` that are TOML tables (sections), in order."""
+    return [n for n, tp in _hints(cls).items() if dataclasses.is_dataclass(tp)]
+
+
+def _tools(cls: type) -> Mapping[str, str]:
+    return getattr(cls, "TOOLS", {})
+
+
+def _check_section(cls: type) -> None:
+    """TypeError unless every scalar field of section ``cls`` and of the sections in it (its
+    tools' included) has a doc and known rules: packages declare their sections themselves,
+    so the loader checks each once."""
+    if cls in _CHECKED:
+        return
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if f.metadata.get("tools"):
+            continue
+        if typing.get_origin(tp) is Mapping:
+            tp = typing.get_args(tp)[1]
+        if dataclasses.is_dataclass(tp):
+            _check_section(typing.cast(type, tp))
+            continue
+        if "doc" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name}: a config field needs setting(..., doc)")
+        if unknown := f.metadata.keys() - RULES - {"doc"}:
+            raise TypeError(f"{cls.__name__}.{f.name}: unknown setting rules {sorted(unknown)}")
+    for path in _tools(cls).values():
+        _check_section(_section_class(path))
+    _CHECKED.add(cls)
+
+
+_CHECKED: set[type] = set()  # the sections _check_section found sound
+
+
 def _build(cls: type[D], raw: object, key: str, origin: _Origin) -> D:
     """Validate table ``raw`` at dotted ``key`` ("" for the root) against dataclass ``cls``."""
     if not isinstance(raw, dict):
         raise origin.error(f"expected a table, got {_describe(raw)}", key)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _check_section(cls)
+    tools = _tools(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("tools")}
     for name in raw:
-        if name not in fields:
-            raise origin.error(f"unknown key{_suggest(name, fields, key)}", _join(key, name))
+        if name not in fields and name not in tools:
+            hint = _suggest(name, [*fields, *tools], key)
+            raise origin.error(f"unknown key{hint}", _join(key, name))
     hints = _hints(cls)
-    values = {
-        name: _value(hints[name], fields[name].metadata, value, _join(key, name), origin)
-        for name, value in raw.items()
-    }
+    values: dict[str, Any] = {}
+    given: dict[str, object] = {}  # the tools' sections (the root only)
+    for name, value in raw.items():
+        where = _join(key, name)
+        if name in fields:
+            values[name] = _value(hints[name], fields[name].metadata, value, where, origin)
+        else:
+            given[name] = _build(_section_class(tools[name]), value, where, origin)
+    if given:
+        values["tools"] = given
     obj = dataclasses.replace(cls(), **values)
     for f in fields.values():
         if (other := f.metadata.get("above")) and not getattr(obj, f.name) > getattr(obj, other):
@@ -490,32 +492,57 @@ def _suggest(name: str, candidates: Iterable[str], prefix: str) -> str:
 def _to_raw(obj: Any) -> Any:
     """The nested-dict form of a config (or of any value in one), as TOML would parse it."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_raw(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        raw: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            if f.metadata.get("tools"):  # the tools' sections are top-level tables
+                raw |= {name: _to_raw(section) for name, section in getattr(obj, f.name).items()}
+            else:
+                raw[f.name] = _to_raw(getattr(obj, f.name))
+        return raw
     if isinstance(obj, Mapping):
         return {name: _to_raw(value) for name, value in obj.items()}
     return obj
 
 
-def _dump_table(obj: Any, key: str, lines: list[str]) -> None:
-    # TOML puts a table's own keys before any sub-table header, so scalars go first.
-    subtables = []
+def _subtables(obj: Any) -> list[tuple[str, Any, str]]:
+    """``(name, section or mapping of sections, doc)`` of each table of ``obj``. At the root:
+    the schema's own sections in its order, then the runtime's, the tools', the actors'."""
+    found: list[tuple[str, Any, str]] = []
+    hints = _hints(obj.__class__)
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value) or isinstance(value, Mapping):
-            subtables.append((f, value))
-        else:
+        if f.metadata.get("tools"):
+            found += [(name, section, _doc(type(section))) for name, section in value.items()]
+        elif dataclasses.is_dataclass(value) or isinstance(value, Mapping):
+            # A section class, or Mapping[str, section class].
+            cls = typing.get_args(hints[f.name])[1] if isinstance(value, Mapping) else hints[f.name]
+            found.append((f.name, value, _doc(cls)))
+    if not isinstance(obj, RunConfig):
+        return found
+    rank = {"runtime": 1, **dict.fromkeys(obj.tools, 2), "actors": 3}
+    return sorted(found, key=lambda table: rank.get(table[0], 0))
+
+
+def _doc(cls: type) -> str:
+    return cls.__doc__ or cls.__name__
+
+
+def _dump_table(obj: Any, key: str, lines: list[str]) -> None:
+    # TOML puts a table's own keys before any sub-table header, so scalars go first.
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not (dataclasses.is_dataclass(value) or isinstance(value, Mapping)):
             lines += [f"# {f.metadata['doc']}", f"{_dump_key(f.name)} = {_dump_value(value)}"]
-    for f, value in subtables:
-        sub = _join(key, _dump_key(f.name))
-        tp = _hints(obj.__class__)[f.name]  # a section class, or Mapping[str, section class]
-        lines += ["", f"# {(typing.get_args(tp)[1] if isinstance(value, Mapping) else tp).__doc__}"]
+    for name, value, doc in _subtables(obj):
+        sub = _join(key, _dump_key(name))
+        lines += ["", f"# {doc}"]
         if isinstance(value, Mapping):
-            named = [(f"{sub}.{_dump_key(name)}", item) for name, item in value.items()]
+            named = [(f"{sub}.{_dump_key(item)}", section) for item, section in value.items()]
         else:
             named = [(sub, value)]
-        for i, (path, item) in enumerate(named):
+        for i, (path, section) in enumerate(named):
             lines += [""] * (i > 0) + [f"[{path}]"]
-            _dump_table(item, path, lines)
+            _dump_table(section, path, lines)
 
 
 def _dump_value(value: object) -> str:

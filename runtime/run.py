@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from ringfence.runtime.config import Config, check_actor_names, dump_config
+from ringfence.runtime.config import RunConfig, check_actor_names, dump_config
 from ringfence.runtime.control import InstanceControl, control_count
 from ringfence.runtime.embed import CONFIG_FILE
 from ringfence.runtime.manifest import (
@@ -69,7 +69,7 @@ class Run:
     slots: list[Slot] = field(default_factory=list)
 
 
-def load_topology(config: Config) -> Topology:
+def load_topology(config: RunConfig) -> Topology:
     topology = import_target(config.runtime.topology)
     if not isinstance(topology, Topology):
         raise ValueError(f"runtime.topology: {config.runtime.topology} is not a Topology")
@@ -96,7 +96,7 @@ def prepare_run_dir(run_dir: Path) -> str | None:
 
 
 def create_run(
-    stack: ExitStack, config: Config, topology: Topology, run_id: str, run_dir: Path
+    stack: ExitStack, config: RunConfig, topology: Topology, run_id: str, run_dir: Path
 ) -> tuple[Run, str | None]:
     """Everything a run needs, made; and the id of a dead run whose names were cleaned first."""
     rt = config.runtime

@@ -38,7 +38,7 @@ from typing import Any
 import multiprocess
 
 from ringfence.runtime import child
-from ringfence.runtime.config import Config
+from ringfence.runtime.config import RunConfig
 from ringfence.runtime.log import ActorLog, log_path
 from ringfence.runtime.messages import RUNTIME, Stop
 from ringfence.runtime.run import Run, Slot, create_run, load_topology, write_actors
@@ -53,7 +53,7 @@ REAP_TIMEOUT_S = 5.0  # a child whose sentinel fired is past its last Python cod
 class Supervisor:
     """Runs one launch. Main thread only (it installs signal handlers for its duration)."""
 
-    def __init__(self, config: Config, run_dir: Path | None = None) -> None:
+    def __init__(self, config: RunConfig, run_dir: Path | None = None) -> None:
         self.config = config
         self.topology = load_topology(config)
         self.run_id = names.new_run_id()

@@ -32,21 +32,8 @@ from ringfence.cache.demotion import on_evicted, on_filled
 from ringfence.cache.fences import FenceTracker, Lane
 from ringfence.cache.ids import BlockHash, BlockId, Seq
 from ringfence.cache.prefix_index import PrefixIndex, PrefixMatch, StoragePresence
+from ringfence.sched.config import TierConfig
 from ringfence.sched.ops import Op, Piece, Reason, StepOp, StoreOp, SwapOp
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TierConfig:
-    """The pools and policies of the three tiers."""
-
-    block_size: int
-    device_blocks: int
-    host_blocks: int  # the host tensor's blocks: the cache tier, or only staging blocks
-    host_cache: bool  # False: the host blocks only stage storage traffic, nothing is kept
-    storage: bool  # a storage tier exists
-    device_eviction: str = "write_back"  # ringfence.cache.demotion policies
-    host_eviction: str = "write_back"
-    poison_freed: bool = False
 
 
 @dataclass(slots=True)

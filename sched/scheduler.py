@@ -56,9 +56,10 @@ from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash, BlockId
 from ringfence.cache.prefix_index import PrefixMatch, StoragePresence
 from ringfence.sched.blocks import BlockManager
+from ringfence.sched.config import SchedulerConfig
 from ringfence.sched.ops import Op, Piece, StepOp, SwapOp
 from ringfence.sched.request import Request, RequestError, RequestState
-from ringfence.sched.sequence import Counters, Decision, Emitted, SchedConfig, Sequence, Tail
+from ringfence.sched.sequence import Counters, Decision, Emitted, Sequence, Tail
 
 STEP_RETRIES = 3  # failed steps in a row a request is computed again after; one more aborts
 
@@ -68,7 +69,7 @@ class Scheduler:
 
     def __init__(
         self,
-        config: SchedConfig,
+        config: SchedulerConfig,
         storage: StoragePresence | None = None,
         *,
         journal: bool = False,
@@ -167,7 +168,7 @@ class Scheduler:
         """
         if self._step_in_flight is not None:
             raise RuntimeError("schedule() called with a step in flight")
-        budget = self.config.max_batched_tokens
+        budget = self.config.sched.max_batched_tokens
         pieces: list[Piece] = []
         scheduled: set[int] = set()
         decoding = [s for s in self._running if self._wanted(s) == 1]
@@ -186,7 +187,7 @@ class Scheduler:
         if pieces:
             self._step_in_flight = self.blocks.issue_step(pieces)
             self.counters.steps += 1
-            self.counters.batched_tokens += self.config.max_batched_tokens - budget
+            self.counters.batched_tokens += self.config.sched.max_batched_tokens - budget
         for blocks, keys in self._filled:
             self.blocks.filled(blocks, keys)
         self._filled.clear()
@@ -275,7 +276,7 @@ class Scheduler:
 
     def _admit(self, budget: int, pieces: list[Piece], scheduled: set[int]) -> int:
         for seq in list(self._waiting):
-            if budget == 0 or len(self._running) >= self.config.max_num_seqs:
+            if budget == 0 or len(self._running) >= self.config.sched.max_num_seqs:
                 break
             if _prefetching(seq):
                 continue  # waits for its prefetch; later requests may go on
@@ -387,7 +388,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         r = seq.request
-        policy = self.config.preemption
+        policy = self.config.sched.preemption
         computed = r.num_computed_tokens
         used = -(-computed // self._bs)
         full = computed // self._bs

@@ -1,4 +1,4 @@
-"""What the scheduler keeps per request, and its settings and counters.
+"""What the scheduler keeps per request, and its counters.
 
 :class:`Sequence` is the scheduler's state of one request beyond the request itself
 (its device block table, keys, held host blocks, prefetch in flight); owned and
@@ -12,31 +12,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ringfence.cache.ids import BlockHash, BlockId
-from ringfence.sched.blocks import TierConfig
 from ringfence.sched.request import Request
-
-POLICIES = ("recompute", "swap", "save")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SchedConfig:
-    """Batch limits and the preemption policy, with the tiers'."""
-
-    tiers: TierConfig
-    namespace: bytes  # the block keys' namespace: the digest of the block fingerprint
-    max_num_seqs: int = 16
-    max_batched_tokens: int = 512
-    preemption: str = "recompute"
-    max_model_len: int = 1 << 30  # positions the model has
-    vocab_size: int = 1 << 31  # token ids the model has (0 .. vocab_size - 1)
-
-    def __post_init__(self) -> None:
-        if self.preemption not in POLICIES:
-            raise ValueError(f"sched.preemption must be one of {POLICIES}, got {self.preemption!r}")
-        if self.preemption == "swap" and not self.tiers.host_cache:
-            raise ValueError("sched.preemption = 'swap' needs a host tier (cache.host_blocks > 0)")
-        if self.preemption == "save" and not self.tiers.storage:
-            raise ValueError("sched.preemption = 'save' needs a storage tier (cache.storage)")
 
 
 class Tail(NamedTuple):

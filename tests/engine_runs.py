@@ -14,12 +14,12 @@ from typing import Any
 import orjson
 from launching import QUICK, Launch
 
+from ringfence.actors.config import Config
 from ringfence.actors.engine.serving import load_workload
 from ringfence.actors.replay.checks import check_run
 from ringfence.actors.replay.log import read_run
 from ringfence.actors.replay.redrive import redrive
 from ringfence.actors.testing.local import LocalRunner
-from ringfence.runtime.config import load_config
 
 ENGINE = "runtime.topology=ringfence.actors.engine:TOPOLOGY"
 MODEL = (ENGINE, "model.dtype=float64", "cache.block_size=16", "engine.progress=false")
@@ -37,7 +37,7 @@ DEVICE_BLOCKS = {"pressure": 48, "multiturn": 40}  # pressure: 4 requests need ~
 @cache
 def reference(workload: str) -> dict[str, tuple[int, ...]]:
     """Output tokens per request of the plain loop: no tiers, a pool that never runs out."""
-    config = load_config(
+    config = Config.load(
         None,
         [*MODEL, "cache.host_blocks=0", "cache.storage.backend=none", "cache.device_blocks=1024"],
     )

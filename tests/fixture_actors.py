@@ -12,8 +12,7 @@ import threading
 from dataclasses import replace
 
 from ringfence.runtime.actor import Actor, handles
-from ringfence.runtime.bench.demo import TOPOLOGY, Item, LostItem, Relay, Sink, Source
-from ringfence.runtime.config import DemoConfig
+from ringfence.runtime.bench.demo import TOPOLOGY, DemoConfig, Item, LostItem, Relay, Sink, Source
 from ringfence.runtime.messages import Tick
 from ringfence.runtime.topology import ActorSpec, CounterSpec, Topology
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import orjson
 import torch
 
+from ringfence.actors.config import Config
 from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.protocol.worker import StepResult, WorkerReady
 from ringfence.cache.fences import Fence
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.actor import Actor, handles
-from ringfence.runtime.config import Config
 from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
 from ringfence.sched.ops import Piece, StepOp
 

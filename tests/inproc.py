@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ringfence.actors.config import Config
 from ringfence.runtime.actor import Actor
-from ringfence.runtime.config import load_config
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.embed import attach
 from ringfence.runtime.run import Run, create_run, load_topology
@@ -67,7 +67,7 @@ def inproc_run(
     run_dir: Path, settings: tuple[str, ...], *, classes: Mapping[str, type[Actor]] = {}
 ) -> Iterator[InprocRun]:
     """Run the topology of ``settings`` in this process; see the module docstring."""
-    config = load_config(None, settings)
+    config = Config.load(None, settings)
     topology = load_topology(config)
     run_id = names.new_run_id()
     with ExitStack() as stack:

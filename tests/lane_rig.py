@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringfence.actors.config import Config
 from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
 from ringfence.runtime.actor import Actor
 from ringfence.runtime.codec import Registry
-from ringfence.runtime.config import Config
 from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.log import ActorLog

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import orjson
 
+from ringfence.actors.config import Config
 from ringfence.actors.engine.serving import load_workload
 from ringfence.actors.testing.local import LocalRunner
-from ringfence.runtime.config import load_config
 
 RUN_TIMEOUT_S = 20.0
 ENGINE = (
@@ -52,7 +52,7 @@ def write_workload(path: Path, seed: int, requests: int = 6) -> Path:
 
 def reference(workload: Path) -> dict[str, tuple[int, ...]]:
     """The plain loop's tokens: no tiers, a pool that never runs out."""
-    config = load_config(None, [*ENGINE, "cache.host_blocks=0", "cache.storage.backend=none",
+    config = Config.load(None, [*ENGINE, "cache.host_blocks=0", "cache.storage.backend=none",
                                 "cache.device_blocks=1024"])  # fmt: skip
     lines = load_workload(str(workload))
     return {r.id: r.token_ids for r in LocalRunner(config).run(lines, arrivals=False)}

@@ -27,7 +27,7 @@ import orjson
 from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
 from ringfence.runtime.actor import Actor
 from ringfence.runtime.codec import Registry
-from ringfence.runtime.config import Config
+from ringfence.runtime.config import RunConfig
 from ringfence.runtime.control import InstanceControl, control_count
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.log import ActorLog
@@ -102,7 +102,7 @@ def ring_rig(
     actor_cls: type[Actor],
     name: str,
     *,
-    config: Config,
+    config: RunConfig,
     run_id: str,
     log_dir: Path,
     inbox: Registry,

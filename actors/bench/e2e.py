@@ -233,12 +233,12 @@ def run_local(run: Run, *, threads: int) -> Side:
     """The run in this process with :class:`LocalRunner` (torch set to ``threads`` threads)."""
     import torch
 
+    from ringfence.actors.config import Config
     from ringfence.actors.engine.report import percentile
     from ringfence.actors.engine.serving import load_workload
     from ringfence.actors.testing.local import LocalRunner
-    from ringfence.runtime.config import load_config
 
-    config = load_config(None, run.settings)
+    config = Config.load(None, run.settings)
     workload = load_workload(f"synthetic:{run.workload}", requests=run.requests)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

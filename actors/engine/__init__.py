@@ -1,15 +1,18 @@
 """The Engine: the scheduler driven as an actor, issuing fenced ops to the executors.
 
-``TOPOLOGY`` is the default topology of a run (``runtime.topology``): the Engine, the
-Worker, both Transfer lanes and the client slots.
+``ringfence.actors.engine:TOPOLOGY``, the default ``runtime.topology``, is
+:data:`.topology.TOPOLOGY`, imported when first asked for: importing a module of this
+package (its config section, say) imports nothing else.
 """
 
 from __future__ import annotations
 
-from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS
-from ringfence.actors.topology import fenced_topology
+from typing import Any
 
-# Clients stop first (not waited for), then the engine, then the executors.
-TOPOLOGY = fenced_topology(
-    "ringfence.actors.engine.actor:Engine", before=(CLIENT_ACTOR,), channels=CLIENT_CHANNELS
-)
+
+def __getattr__(name: str) -> Any:
+    if name == "TOPOLOGY":
+        from ringfence.actors.engine.topology import TOPOLOGY
+
+        return TOPOLOGY
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

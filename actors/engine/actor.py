@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ringfence.actors.config import Config
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
 from ringfence.actors.engine.report import (
     Progress,
@@ -70,7 +71,6 @@ from ringfence.cache.ids import BlockHash
 from ringfence.cache.prefix_index import StoragePresence
 from ringfence.cache.storage import StorageBackend
 from ringfence.runtime.actor import Actor, handles
-from ringfence.runtime.config import Config
 from ringfence.runtime.log import ActorLog
 from ringfence.runtime.messages import Tick
 from ringfence.sched.ops import Op

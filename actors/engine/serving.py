@@ -6,16 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ringfence.actors.config import Config
 from ringfence.actors.kv.layout import STAGING_BLOCKS, block_fingerprint
 from ringfence.actors.model.tokenizer import ByteTokenizer
 from ringfence.actors.protocol.worker import ModelInfo
 from ringfence.cache.storage import StorageBackend, StorageLog, open_backend
 from ringfence.cache.storage.guarded import GuardedBackend
-from ringfence.runtime.config import Config
-from ringfence.sched.blocks import TierConfig
+from ringfence.sched.config import SchedulerConfig, TierConfig
 from ringfence.sched.ops import Op, StepOp, SwapOp
 from ringfence.sched.request import Request
-from ringfence.sched.sequence import SchedConfig
 from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
 
 Encode = Callable[[str], Sequence[int]]
@@ -23,10 +22,10 @@ Encode = Callable[[str], Sequence[int]]
 
 def sched_config(
     config: Config, model_id: str, max_position: int, vocab_size: int = 1 << 31
-) -> SchedConfig:
+) -> SchedulerConfig:
     """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limits
     (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``)."""
-    cache, sched = config.cache, config.sched
+    cache = config.cache
     storage = cache.storage.backend != "none"
     tiers = TierConfig(
         block_size=cache.block_size,
@@ -38,12 +37,10 @@ def sched_config(
         host_eviction=cache.host_eviction,
         poison_freed=cache.poison_freed,
     )
-    return SchedConfig(
+    return SchedulerConfig(
+        sched=config.sched,
         tiers=tiers,
         namespace=block_fingerprint(config, model_id).digest(),
-        max_num_seqs=sched.max_num_seqs,
-        max_batched_tokens=sched.max_batched_tokens,
-        preemption=sched.preemption,
         max_model_len=max_position,
         vocab_size=vocab_size,
     )
@@ -74,6 +71,18 @@ def open_storage(
         require_server=False,  # down at launch: misses until it is up, like an outage
     )
     return GuardedBackend(backend, log=log, answer_s=settings.presence_timeout_s)
+
+
+def check_workload(config: Config) -> None:
+    """ValueError naming the file and line when ``engine.workload`` cannot be read (what
+    ``ringfence launch`` checks before a run exists)."""
+    settings = config.engine
+    if not settings.workload:
+        return
+    try:
+        load_workload(settings.workload, seed=settings.seed)
+    except OSError as e:
+        raise ValueError(f"workload {settings.workload}: {e}") from None
 
 
 def load_workload(

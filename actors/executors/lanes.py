@@ -37,9 +37,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ringfence.actors.config import Config
 from ringfence.cache.fences import Fence, Lane
 from ringfence.runtime.actor import Actor
-from ringfence.runtime.config import Config
 from ringfence.shm.counter import CounterBlock, Watermark
 
 LANES = "lanes"  # the topology's counter block of the lane watermarks

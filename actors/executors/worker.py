@@ -41,6 +41,7 @@ from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.kv.layout import kv_layout, model_id
 from ringfence.actors.kv.space import SharedKV, create_kv, torch_dtype
 from ringfence.actors.model.checkpoint import load_checkpoint, special_ids
+from ringfence.actors.model.config import ModelConfig as ModelSettings
 from ringfence.actors.model.decoder import Model, sample
 from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.model.tokenizer import ByteTokenizer
@@ -54,7 +55,6 @@ from ringfence.actors.protocol.worker import (
 )
 from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
-from ringfence.runtime.config import ModelConfig as ModelSettings
 from ringfence.sched.ops import Piece, StepOp
 from ringfence.shm.names import posix_name
 

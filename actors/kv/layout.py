@@ -8,13 +8,13 @@ shape; its identity hashes the weight files once).
 
 from __future__ import annotations
 
+from ringfence.actors.config import Config
 from ringfence.actors.kv.space import LAYOUT_NAME, KVLayout
 from ringfence.actors.model.checkpoint import checkpoint_fingerprint_id, read_config
-from ringfence.actors.model.shape import PRESETS, ModelConfig
+from ringfence.actors.model.config import ModelConfig as ModelSettings
+from ringfence.actors.model.shape import PRESETS, ModelShape
 from ringfence.cache.block_hash import Fingerprint
 from ringfence.cache.fences import Tier
-from ringfence.runtime.config import Config
-from ringfence.runtime.config import ModelConfig as ModelSettings
 
 STAGING_BLOCKS = 64  # host blocks when cache.host_blocks = 0: storage traffic stages here
 
@@ -26,7 +26,7 @@ def model_id(settings: ModelSettings) -> str:
     return f"preset-{settings.preset}-seed{settings.seed}"
 
 
-def model_shape(settings: ModelSettings) -> ModelConfig:
+def model_shape(settings: ModelSettings) -> ModelShape:
     """The architecture the settings name, without loading weights."""
     if settings.path:
         return read_config(settings.path)
@@ -35,7 +35,7 @@ def model_shape(settings: ModelSettings) -> ModelConfig:
     return PRESETS[settings.preset]
 
 
-def kv_layout(config: Config, tier: Tier, shape: ModelConfig | None = None) -> KVLayout:
+def kv_layout(config: Config, tier: Tier, shape: ModelShape | None = None) -> KVLayout:
     """The block-major KV layout of ``tier`` (device or host) at this config."""
     shape = shape or model_shape(config.model)
     if tier == Tier.DEVICE:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ringfence.actors.model.shape import ModelConfig
+from ringfence.actors.model.shape import ModelShape
 
 if TYPE_CHECKING:  # torch is imported by what reads tensors, not by what reads configs
     import torch
@@ -78,8 +78,8 @@ def _float_key(key: str, value: Any) -> float:
     return float(value)
 
 
-def read_config(path: str | Path) -> ModelConfig:
-    """Our ``ModelConfig`` of a checkpoint's ``config.json``; refuses what we do not implement."""
+def read_config(path: str | Path) -> ModelShape:
+    """The ``ModelShape`` of a checkpoint's ``config.json``; refuses what we do not implement."""
     file = Path(path) / "config.json"
     try:
         raw = orjson.loads(file.read_bytes())
@@ -110,14 +110,14 @@ def read_config(path: str | Path) -> ModelConfig:
     if max_position < 2048:
         raise _config_error(
             "max_position_embeddings",
-            f"is {max_position}, but ModelConfig.max_position must be >= 2048 and raising it "
+            f"is {max_position}, but ModelShape.max_position must be >= 2048 and raising it "
             "would admit positions the checkpoint was never configured for",
         )
     hidden = _int_key(raw, "hidden_size")
     heads = _int_key(raw, "num_attention_heads")
     rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0))
     try:
-        return ModelConfig(
+        return ModelShape(
             vocab_size=_int_key(raw, "vocab_size"),
             hidden=hidden,
             layers=_int_key(raw, "num_hidden_layers"),

@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ringfence.actors.model.shape import PRESETS, ModelConfig
+from ringfence.actors.model.shape import PRESETS, ModelShape
 
-__all__ = ["DTYPES", "PRESETS", "Model", "ModelConfig", "Sampled", "kv_block_bytes", "sample"]
+__all__ = ["DTYPES", "PRESETS", "Model", "ModelShape", "Sampled", "kv_block_bytes", "sample"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(config: ModelShape, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block: every layer's K and V for ``block_size`` tokens."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return config.layers * 2 * block_size * config.kv_heads * config.head_dim * itemsize
@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelShape) -> None:
         super().__init__()
         self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
@@ -56,7 +56,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelShape) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
         self.up_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
@@ -64,7 +64,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelShape) -> None:
         super().__init__()
         self.self_attn = Attention(c)
         self.mlp = MLP(c)
@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelShape) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.layers))
@@ -90,7 +90,7 @@ class Model(nn.Module):
     rope_cos: Tensor  # [max_position, head_dim] rotary table; a buffer, not in the state dict
     rope_sin: Tensor
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, seed: int) -> None:
+    def __init__(self, config: ModelShape, dtype: torch.dtype, seed: int) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ringfence.actors.model.decoder import Model, ModelConfig
+from ringfence.actors.model.decoder import Model, ModelShape
 from ringfence.sched.ops import Piece
 
 
@@ -59,7 +59,7 @@ class StepOutput(NamedTuple):
 
 
 def make_kv_cache(
-    config: ModelConfig,
+    config: ModelShape,
     num_blocks: int,
     block_size: int,
     dtype: torch.dtype = torch.float32,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ModelConfig:
+class ModelShape:
     """The shape of a Llama-architecture decoder."""
 
     vocab_size: int  # rows of the embedding and of the LM head
@@ -38,15 +38,15 @@ class ModelConfig:
             raise ValueError(f"model.max_position must be >= 2048, got {self.max_position}")
 
 
-PRESETS: dict[str, ModelConfig] = {
+PRESETS: dict[str, ModelShape] = {
     # Byte-level vocabulary: 256 bytes + bos, eos, pad (see actors/model/tokenizer.py).
-    "tiny": ModelConfig(
+    "tiny": ModelShape(
         vocab_size=259, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128
     ),
     # 20,980,224 parameters (embedding 2,097,152 tied; 2,360,320 per layer; final norm 512).
     # KV block at block_size 16: layers*2*block_size*kv_heads*head_dim*dtype_size
     # = 8*2*16*4*64*4 = 262,144 bytes (256 KiB) in float32, 128 KiB in bfloat16.
-    "small": ModelConfig(
+    "small": ModelShape(
         vocab_size=4096, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1024
     ),
 }

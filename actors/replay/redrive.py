@@ -29,11 +29,11 @@ from typing import Any
 
 import orjson
 
+from ringfence.actors.config import Config
 from ringfence.actors.engine.serving import issue_fields, sched_config
 from ringfence.actors.replay.log import Entry, RunLog
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash
-from ringfence.runtime.config import loads_config
 from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.scheduler import Scheduler
 
@@ -105,7 +105,7 @@ def redrive(log: RunLog) -> Redrive:
     config_file = log.run_dir / "config.toml"
     if not config_file.is_file():
         raise ValueError(f"{config_file} is missing: the scheduler's settings are in it")
-    config = loads_config(config_file.read_text(), str(config_file))
+    config = Config.loads(config_file.read_text(), str(config_file))
     state = _State(log, config)
     engine = log.sources.get("engine-0", [])
     pids = list(dict.fromkeys(e.pid for e in engine))

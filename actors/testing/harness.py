@@ -36,10 +36,12 @@ from typing import Any
 import orjson
 import torch
 
+from ringfence.actors.config import Config
 from ringfence.actors.executors.worker import load_model
 from ringfence.actors.kv.space import SharedKV, open_kv
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
 from ringfence.actors.protocol.worker import SampledToken, StepResult, WorkerReady
+from ringfence.actors.testing.config import HarnessConfig
 from ringfence.actors.testing.programs import (
     Shape,
     differing_blocks,
@@ -49,7 +51,6 @@ from ringfence.actors.testing.programs import (
 from ringfence.actors.topology import fenced_topology
 from ringfence.cache.fences import NO_WAIT, Lane
 from ringfence.runtime.actor import Actor, handles
-from ringfence.runtime.config import Config
 from ringfence.sched.ops import Op, StepOp
 
 REPORT = "harness.json"
@@ -65,7 +66,9 @@ class Harness(Actor):
     def on_start(self) -> None:
         config = self.ctx.config
         assert isinstance(config, Config)
-        self.config, self.settings = config, config.harness
+        settings = config.section("harness")
+        assert isinstance(settings, HarnessConfig)
+        self.config, self.settings = config, settings
         self.sync = config.transfer.mode == "sync"
         self.model = load_model(dataclasses.replace(config.model, device="cpu")).model
         self.device: SharedKV | None = None

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ringfence.actors.config import Config
 from ringfence.actors.engine.report import RequestRecord
 from ringfence.actors.engine.serving import make_request, sched_config
 from ringfence.actors.executors.worker import LoadedModel, load_model
@@ -28,7 +29,6 @@ from ringfence.actors.model.paged import make_kv_cache
 from ringfence.actors.protocol.worker import SampledToken
 from ringfence.actors.testing.programs import Sequential
 from ringfence.cache.fences import Lane
-from ringfence.runtime.config import Config
 from ringfence.sched.ops import Op, StepOp, StoreOp
 from ringfence.sched.request import Request
 from ringfence.sched.scheduler import Scheduler

@@ -15,13 +15,14 @@ applied them all.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from dataclasses import dataclass
 
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.codec import Registry, message
-from ringfence.runtime.config import DemoConfig
+from ringfence.runtime.config import setting
 from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
 from ringfence.shm.errors import RingfenceError
 
@@ -30,6 +31,14 @@ DEMO = Registry("demo")
 # Counters of the "demo" block, each written by one actor.
 SENT, FORWARDED, APPLIED, SINK_REPEATS, RELAY_REPEATS = range(5)
 BATCH = 256  # items a source sends per turn of its loop
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DemoConfig:
+    """[demo]: the demo pipeline run before the engine exists."""
+
+    messages: int = setting(100000, "messages to send; 0 = stream until stopped", ge=0)
+    payload_bytes: int = setting(64, "payload bytes per message", ge=0, le=65536)
 
 
 class LostItem(RingfenceError, AssertionError):

@@ -6,9 +6,9 @@ from typing import get_args
 
 import pytest
 
+from ringfence.cache.config import Eviction
 from ringfence.cache.demotion import POLICIES, CopyDown, on_evicted, on_filled
 from ringfence.cache.ids import BlockHash, BlockId
-from ringfence.runtime.config import Eviction
 
 BLOCKS = [(BlockId(3), BlockHash(b"a" * 16)), (BlockId(1), BlockHash(b"b" * 16))]
 

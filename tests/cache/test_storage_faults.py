@@ -25,6 +25,7 @@ from typing import cast
 import pytest
 from mounts import MOUNT_TIMEOUT_S, mounted_tmpfs
 
+from ringfence.actors.config import Config
 from ringfence.actors.engine.serving import open_storage
 from ringfence.actors.protocol.worker import ModelInfo
 from ringfence.cache.ids import BlockHash
@@ -41,7 +42,6 @@ from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
 from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port, redis_server, url_port
 from ringfence.cache.storage.testing import RecordingLog
-from ringfence.runtime.config import load_config
 from ringfence.shm.errors import ConfigError
 
 FP = hashlib.blake2b(b"model-a", digest_size=16).digest()
@@ -213,13 +213,13 @@ def test_open_storage_gives_the_engine_a_guarded_client_and_none_without_a_tier(
         bos_token_id=None,
         eos_token_id=None,
     )
-    config = load_config(None, ["cache.storage.backend=local"])
+    config = Config.load(None, ["cache.storage.backend=local"])
     storage = open_storage(config, model, str(tmp_path))
     assert isinstance(storage, GuardedBackend) and isinstance(storage.backend, LocalBackend)
     assert storage.answer_s == config.cache.storage.presence_timeout_s == 0.05
     assert storage.backend.root == str(tmp_path / "storage")
     storage.close()
-    none = load_config(None, ["cache.storage.backend=none"])
+    none = Config.load(None, ["cache.storage.backend=none"])
     assert open_storage(none, model, str(tmp_path)) is None
 
 
@@ -249,8 +249,8 @@ def test_the_redis_timeout_setting_must_be_positive():
     with pytest.raises(ConfigError, match=r"^cache\.storage\.timeout_s: must be > 0"):
         open_backend("redis", fingerprint=FP, url="redis://127.0.0.1:1/0", timeout_s=0)
     with pytest.raises(ConfigError, match=r"cache\.storage\.timeout_s: must be > 0"):
-        load_config(None, ["cache.storage.timeout_s=0"])
-    assert load_config(None, []).cache.storage.timeout_s == 2.0
+        Config.load(None, ["cache.storage.timeout_s=0"])
+    assert Config.load(None, []).cache.storage.timeout_s == 2.0
 
 
 def test_a_redis_down_at_open_is_an_error_or_if_not_required_a_warning_until_it_is_up(tmp_path):
@@ -277,7 +277,7 @@ def test_the_engine_and_the_store_lane_open_a_redis_that_is_down_and_count_misse
         model_id="preset-tiny-seed0", vocab_size=259, max_position=2048, dtype="float32",
         bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
-    config = load_config(None, ["cache.storage.backend=redis", f"cache.storage.url={url}"])
+    config = Config.load(None, ["cache.storage.backend=redis", f"cache.storage.url={url}"])
     log = RecordingLog()
     storage = open_storage(config, model, str(tmp_path), log=log)
     assert isinstance(storage, GuardedBackend)

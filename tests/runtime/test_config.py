@@ -4,27 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 import typing
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringfence.actors.config import Config
+from ringfence.actors.model.config import ModelConfig
+from ringfence.cache.config import CacheConfig, StorageConfig
+from ringfence.runtime.bench.demo import DemoConfig
 from ringfence.runtime.config import (
     ACTOR_NAME,
     ActorPolicy,
-    CacheConfig,
-    Config,
-    ModelConfig,
-    StorageConfig,
+    RunConfig,
     check_actor_names,
     dump_config,
     load_config,
     loads_config,
     parse_override,
-    with_overrides,
+    setting,
 )
+from ringfence.runtime.topology import import_target
 from ringfence.shm.errors import ConfigError
 
 # Hypothesis prints a reproduction blob with any failure, which stands in for the seed.
@@ -45,12 +49,12 @@ def error_of(file_text: str | None = None, *overrides: str) -> ConfigError:
         with open("cfg.toml", "w", encoding="utf-8") as f:
             f.write(file_text)
     with pytest.raises(ConfigError) as info:
-        load_config(None if file_text is None else "cfg.toml", overrides)
+        Config.load(None if file_text is None else "cfg.toml", overrides)
     return info.value
 
 
 def test_defaults_load_without_a_file_and_equal_a_default_config():
-    cfg = load_config()
+    cfg = Config.load()
     assert cfg == Config()
     assert hash(cfg) == hash(Config())
     assert (cfg.cache.block_size, cfg.cache.storage.max_bytes) == (16, 1 << 30)
@@ -60,7 +64,7 @@ def test_defaults_load_without_a_file_and_equal_a_default_config():
 
 def test_a_file_overrides_only_the_keys_it_names(tmp_path):
     path = write_config(tmp_path, '[model]\ndtype = "bfloat16"\n[sched]\nmax_num_seqs = 4\n')
-    cfg = load_config(path)
+    cfg = Config.load(path)
     assert cfg.model == ModelConfig(dtype="bfloat16")
     assert cfg.sched.max_num_seqs == 4
     assert cfg.sched.max_batched_tokens == 512
@@ -69,14 +73,14 @@ def test_a_file_overrides_only_the_keys_it_names(tmp_path):
 
 def test_set_beats_the_file_and_a_later_set_beats_an_earlier_one(tmp_path):
     path = write_config(tmp_path, "[model]\nseed = 1\n[demo]\nmessages = 5\n")
-    cfg = load_config(path, ["model.seed=2", "model.seed=3", "demo.payload_bytes=8"])
-    assert (cfg.model.seed, cfg.demo.messages, cfg.demo.payload_bytes) == (3, 5, 8)
+    cfg = Config.load(path, ["model.seed=2", "model.seed=3", "demo.payload_bytes=8"])
+    assert (cfg.model.seed, cfg.section("demo")) == (3, DemoConfig(messages=5, payload_bytes=8))
 
 
 def test_nested_storage_and_actor_tables_load_from_a_file(tmp_path):
     text = '[cache.storage]\nbackend = "local"\npath = "/tmp/kv"\n'
     text += '[actors.relay]\nrestart = "never"\n[actors.echo]\nplacement = "external"\n'
-    cfg = load_config(write_config(tmp_path, text))
+    cfg = Config.load(write_config(tmp_path, text))
     assert cfg.cache.storage == StorageConfig(backend="local", path="/tmp/kv")
     assert list(cfg.actors) == ["echo", "relay"]
     assert cfg.actors["relay"] == ActorPolicy(restart="never")
@@ -86,7 +90,7 @@ def test_nested_storage_and_actor_tables_load_from_a_file(tmp_path):
 def test_nested_storage_and_actor_keys_can_be_set_on_the_command_line(tmp_path):
     path = write_config(tmp_path, '[actors.relay]\nrestart = "never"\n')
     overrides = ["cache.storage.backend=redis", "actors.relay.max_restarts=7"]
-    cfg = load_config(path, [*overrides, "actors.sink.backoff_s=2"])
+    cfg = Config.load(path, [*overrides, "actors.sink.backoff_s=2"])
     assert cfg.cache.storage.backend == "redis"
     assert cfg.actors["relay"] == ActorPolicy(restart="never", max_restarts=7)
     assert cfg.actors["sink"] == ActorPolicy(backoff_s=2.0)
@@ -100,11 +104,11 @@ def test_an_unquoted_override_is_a_string_and_a_toml_value_keeps_its_type():
     assert parse_override("runtime.spin_us=20") == ("runtime.spin_us", 20)
     assert parse_override("cache.poison_freed=true") == ("cache.poison_freed", True)
     assert parse_override("model.path=1\nx = 2") == ("model.path", "1\nx = 2")
-    assert load_config(overrides=["model.device=cuda:1"]).model.device == "cuda:1"
+    assert Config.load(overrides=["model.device=cuda:1"]).model.device == "cuda:1"
 
 
 def test_an_int_is_accepted_for_a_float_field_and_becomes_a_float():
-    spin_us = load_config(overrides=["runtime.spin_us=20"]).runtime.spin_us
+    spin_us = Config.load(overrides=["runtime.spin_us=20"]).runtime.spin_us
     assert (spin_us, type(spin_us)) == (20.0, float)
 
 
@@ -184,7 +188,7 @@ def test_the_cross_field_check_blames_the_layer_that_wrote_last(monkeypatch, tmp
 def test_a_missing_file_is_an_error_that_names_it(tmp_path):
     missing = str(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match=r"^.*nope\.toml: no such config file$"):
-        load_config(missing)
+        Config.load(missing)
 
 
 def test_a_toml_syntax_error_names_the_file_line_and_column(monkeypatch, tmp_path):
@@ -201,7 +205,7 @@ def test_an_override_without_equals_or_with_an_empty_key_names_the_text(text):
 
 
 def test_check_actor_names_rejects_a_name_the_topology_lacks_and_suggests_one():
-    cfg = load_config(overrides=["actors.relya.restart=never", "actors.sink.max_restarts=1"])
+    cfg = Config.load(overrides=["actors.relya.restart=never", "actors.sink.max_restarts=1"])
     check_actor_names(cfg, ["relya", "sink", "source"], "cfg.toml")
     with pytest.raises(ConfigError) as info:
         check_actor_names(cfg, ["relay", "sink"], "cfg.toml")
@@ -222,16 +226,16 @@ def test_section_returns_a_table_by_its_toml_name_and_rejects_an_unknown_one():
 
 
 def test_actor_gives_the_default_policy_for_an_actor_without_a_table():
-    cfg = load_config(overrides=["actors.relay.restart=never"])
+    cfg = Config.load(overrides=["actors.relay.restart=never"])
     assert cfg.actor("relay") == ActorPolicy(restart="never")
     assert cfg.actor("sink") == ActorPolicy()
 
 
 def test_with_overrides_applies_dotted_keys_to_a_loaded_config():
-    cfg = with_overrides(Config(), {"model.seed": 9, "actors.relay.restart": "never"})
+    cfg = Config().with_overrides({"model.seed": 9, "actors.relay.restart": "never"})
     assert (cfg.model.seed, cfg.actor("relay").restart) == (9, "never")
     with pytest.raises(ConfigError, match=r"^workload: model\.seed: must be >= 0, got -1$"):
-        with_overrides(cfg, {"model.seed": -1}, source="workload")
+        cfg.with_overrides({"model.seed": -1}, source="workload")
 
 
 ESCAPES = 'quote " backslash \\ newline \n tab \t nul \x00 del \x7f bell \x07 é 🙂'
@@ -249,10 +253,12 @@ ESCAPES = 'quote " backslash \\ newline \n tab \t nul \x00 del \x7f bell \x07 é
     ids=["defaults", "actors", "escapes"],
 )
 def test_dump_then_load_gives_back_the_same_config(cfg, tmp_path):
-    assert load_config(write_config(tmp_path, dump_config(cfg))) == cfg
+    assert Config.load(write_config(tmp_path, dump_config(cfg))) == cfg
 
 
-SECTIONS = "model cache cache.storage sched transfer runtime demo harness engine actors.relay"
+SECTIONS = (
+    "model cache cache.storage sched transfer engine parallel runtime demo harness actors.relay"
+)
 
 
 def test_dump_writes_every_key_under_a_doc_comment_with_floats_that_read_back_as_floats():
@@ -261,7 +267,7 @@ def test_dump_writes_every_key_under_a_doc_comment_with_floats_that_read_back_as
     headers = [line for line in lines if line.startswith("[")]
     assert headers == [f"[{name}]" for name in SECTIONS.split()]
     keys = [i for i, line in enumerate(lines) if " = " in line and not line.startswith("#")]
-    assert len(keys) == 5 + 6 + 6 + 3 + 3 + 9 + 2 + 4 + 7 + 6
+    assert len(keys) == 5 + 6 + 6 + 3 + 3 + 7 + 1 + 9 + 2 + 4 + 6
     assert all(lines[i - 1].startswith("# ") for i in keys)
     assert "spin_us = 50.0" in lines and "chaos_delay_ms = 0.0" in lines
 
@@ -291,8 +297,12 @@ def value_strategy(tp, meta) -> st.SearchStrategy:
 
 def config_strategy(cls) -> st.SearchStrategy:
     hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
-    built = st.builds(cls, **{f.name: value_strategy(hints[f.name], f.metadata) for f in fields})
+    fields = [f for f in dataclasses.fields(cls) if not f.metadata.get("tools")]
+    strategies = {f.name: value_strategy(hints[f.name], f.metadata) for f in fields}
+    if tools := getattr(cls, "TOOLS", {}):  # the tools' sections, by their import paths
+        sections = {name: config_strategy(import_target(path)) for name, path in tools.items()}
+        strategies["tools"] = st.fixed_dictionaries(sections)
+    built = st.builds(cls, **strategies)
     above = [(f.name, f.metadata["above"]) for f in fields if "above" in f.metadata]
     return built.filter(lambda obj: all(getattr(obj, a) > getattr(obj, b) for a, b in above))
 
@@ -300,7 +310,7 @@ def config_strategy(cls) -> st.SearchStrategy:
 @FAST
 @given(cfg=config_strategy(Config))
 def test_any_valid_config_survives_a_dump_and_load(cfg):
-    assert loads_config(dump_config(cfg)) == cfg
+    assert Config.loads(dump_config(cfg)) == cfg
 
 
 def test_the_config_is_immutable_down_to_the_actor_mapping():
@@ -321,3 +331,68 @@ def test_a_config_with_actors_pickles_for_a_spawned_actor():
     copy = pickle.loads(pickle.dumps(cfg))
     assert copy == cfg
     assert type(copy.actors) is type(cfg.actors)
+
+
+def test_the_runtime_loads_the_schema_it_finds_by_import_path():
+    cfg = load_config(None, ["model.seed=2", "harness.ops=7"])
+    assert type(cfg) is Config and cfg == Config.load(None, ["model.seed=2", "harness.ops=7"])
+    assert loads_config("[sched]\nmax_num_seqs = 3\n") == Config(
+        sched=Config.loads("[sched]\nmax_num_seqs = 3\n").sched
+    )
+
+
+def test_the_runtime_alone_knows_only_its_own_sections():
+    assert RunConfig.load(None, ["runtime.spin_us=3"]).runtime.spin_us == 3.0
+    with pytest.raises(ConfigError) as info:
+        RunConfig.load(None, ["model.seed=1"])
+    assert str(info.value) == "--set model: unknown key"
+
+
+def test_a_tools_section_is_loaded_by_its_path_and_its_errors_name_its_keys():
+    cfg = Config.load(None, ["demo.messages=3"])
+    assert cfg.section("demo") == DemoConfig(messages=3) and cfg.tools["demo"] is cfg.section(
+        "demo"
+    )
+    with pytest.raises(ConfigError) as info:
+        Config.load(None, ["harness.progams=3"])
+    assert str(info.value) == "--set harness.progams: unknown key (did you mean harness.programs?)"
+    with pytest.raises(ConfigError, match=r"^dem: unknown section \(did you mean demo\?\)$"):
+        cfg.section("dem")
+
+
+def section_with(**metadata: object) -> type:
+    return dataclasses.make_dataclass(
+        "Odd",
+        [("x", int, dataclasses.field(default=1, metadata=metadata))],
+        frozen=True,
+        slots=True,
+        kw_only=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("metadata", "problem"),
+    [
+        ({}, "Odd.x: a config field needs setting(..., doc)"),
+        ({"doc": "x", "gte": 1}, "Odd.x: unknown setting rules ['gte']"),
+    ],
+)
+def test_a_section_declared_without_a_doc_or_with_an_unknown_rule_is_refused_on_load(
+    metadata, problem
+):
+    odd = section_with(**metadata)
+    schema: Any = dataclasses.make_dataclass(
+        "Schema",
+        [("odd", odd, dataclasses.field(default_factory=odd))],
+        bases=(RunConfig,),
+        frozen=True,
+        slots=True,
+        kw_only=True,
+    )
+    with pytest.raises(TypeError, match=rf"^{re.escape(problem)}$"):
+        schema.load()
+
+
+def test_setting_keeps_the_doc_and_the_rules_in_the_field_metadata():
+    field: Any = setting(3, "three", ge=1)
+    assert (field.default, dict(field.metadata)) == (3, {"doc": "three", "ge": 1})

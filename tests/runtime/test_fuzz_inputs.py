@@ -19,7 +19,9 @@ import pytest
 from fuzzing import Form, run_examples
 from hypothesis import strategies as st
 
-from ringfence.runtime.config import Config, dump_config, load_config
+from ringfence.actors.config import Config
+from ringfence.runtime.config import dump_config, load_config
+from ringfence.runtime.topology import import_target
 from ringfence.sched.workload import KEYS, WorkloadError, parse_workload
 from ringfence.shm.errors import ConfigError
 
@@ -35,8 +37,12 @@ def dotted_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted key of the config schema, ``actors.<name>`` tables under a few names."""
     keys = []
     hints = typing.get_type_hints(cls)
+    for name, path in getattr(cls, "TOOLS", {}).items():  # the tools' sections, by path
+        keys += dotted_keys(import_target(path), f"{prefix}{name}.")  # type: ignore[arg-type]
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        if f.metadata.get("tools"):
+            continue
         if dataclasses.is_dataclass(tp):
             keys += dotted_keys(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
         elif typing.get_origin(tp) is typing.get_origin(typing.Mapping[str, int]):

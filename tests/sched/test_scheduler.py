@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 from ringfence.cache.block_hash import block_keys
+from ringfence.cache.config import Eviction
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash, BlockId
-from ringfence.sched.blocks import TierConfig
+from ringfence.sched.config import Preemption, SchedConfig, SchedulerConfig, TierConfig
 from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
 from ringfence.sched.request import Request, RequestError, RequestState, SamplingParams
 from ringfence.sched.scheduler import STEP_RETRIES, Scheduler
-from ringfence.sched.sequence import SchedConfig
 
 NAMESPACE = b"\0" * 16
 S = RequestState
@@ -77,14 +77,14 @@ def make_scheduler(
     host_blocks: int = 1,
     host_cache: bool = False,
     storage: FakeStorage | None = None,
-    preemption: str = "recompute",
+    preemption: Preemption = "recompute",
     block_size: int = 4,
     max_num_seqs: int = 16,
     max_batched_tokens: int = 512,
     max_model_len: int = 1 << 30,
     vocab_size: int = 1 << 31,
-    device_eviction: str = "write_back",
-    host_eviction: str = "write_back",
+    device_eviction: Eviction = "write_back",
+    host_eviction: Eviction = "write_back",
     poison_freed: bool = False,
 ) -> Scheduler:
     tiers = TierConfig(
@@ -97,12 +97,14 @@ def make_scheduler(
         host_eviction=host_eviction,
         poison_freed=poison_freed,
     )
-    config = SchedConfig(
+    config = SchedulerConfig(
+        sched=SchedConfig(
+            max_num_seqs=max_num_seqs,
+            max_batched_tokens=max_batched_tokens,
+            preemption=preemption,
+        ),
         tiers=tiers,
         namespace=NAMESPACE,
-        max_num_seqs=max_num_seqs,
-        max_batched_tokens=max_batched_tokens,
-        preemption=preemption,
         max_model_len=max_model_len,
         vocab_size=vocab_size,
     )
@@ -405,8 +407,8 @@ class Sim:
 
     def check_step_shape(self, op: StepOp, wanted: dict[int, int]) -> None:
         config = self.sched.config
-        assert sum(len(p.token_ids) for p in op.pieces) <= config.max_batched_tokens
-        assert len(op.pieces) <= config.max_num_seqs
+        assert sum(len(p.token_ids) for p in op.pieces) <= config.sched.max_batched_tokens
+        assert len(op.pieces) <= config.sched.max_num_seqs
         assert len({p.seq_id for p in op.pieces}) == len(op.pieces)
         kinds = [wanted.get(p.seq_id) == 1 for p in op.pieces]
         assert kinds == sorted(kinds, reverse=True), f"a decode after a prefill in {op}"
@@ -757,7 +759,7 @@ def test_a_failed_prefetch_is_recomputed_and_never_fetched_again(status, missing
     sim.check_drained()
 
 
-def preempted_sim(policy: str) -> Sim:
+def preempted_sim(policy: Preemption) -> Sim:
     """Two running requests on a pool that preempts the newer one when both grow."""
     storage: dict[BlockHash, Contents] = {}
     sim = Sim(

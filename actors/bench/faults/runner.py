@@ -134,12 +134,12 @@ TRACE = "runtime.log_level=trace"
 @cache
 def reference(workload: str, requests: int, model: tuple[str, ...] = MODEL) -> dict[str, list[int]]:
     """Each request's tokens from the plain loop: no tiers, a pool that never runs out."""
+    from ringfence.actors.config import Config
     from ringfence.actors.engine.serving import load_workload
     from ringfence.actors.testing.local import LocalRunner
-    from ringfence.runtime.config import load_config
 
     sets = [*model, "cache.host_blocks=0", "cache.storage.backend=none", "cache.device_blocks=1024"]
-    config = load_config(None, sets)
+    config = Config.load(None, sets)
     lines = load_workload(f"synthetic:{workload}", requests=requests)
     return {r.id: list(r.token_ids) for r in LocalRunner(config).run(lines, arrivals=False)}
 

@@ -43,9 +43,9 @@ def damaged_storage(work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]
     filled = run_scenario(first, work, trace=False)
     if not filled.ok or filled.completed != scenario.requests:
         raise FaultError(f"the first instance did not fill the storage tier: {filled}")
-    from ringfence.runtime.config import load_config
+    from ringfence.actors.config import Config
 
-    config = load_config(None, [*MODEL, *scenario.sets])
+    config = Config.load(None, [*MODEL, *scenario.sets])
     damage_prefix(path, config, workload_of(scenario)[0].prompt_token_ids)
     yield sets
 

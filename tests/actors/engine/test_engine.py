@@ -23,10 +23,10 @@ from engine_runs import (
 )
 from launching import QUICK, launched
 
+from ringfence.actors.config import Config
 from ringfence.actors.engine.serving import load_workload
 from ringfence.actors.testing.local import LocalRunner
 from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
-from ringfence.runtime.config import load_config
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_a_workload_file_with_text_prompts_and_arrivals_runs_and_prints_a_summar
     with launched(tmp_path, *sets) as run:
         outputs, summary = finished(run)
         printed = run.stdout()
-    config = load_config(None, MODEL)
+    config = Config.load(None, MODEL)
     expected = LocalRunner(config).run(load_workload(str(path)), arrivals=False)
     assert [(o["id"], o["token_ids"]) for o in outputs] == [
         (r.id, list(r.token_ids)) for r in expected

@@ -25,6 +25,7 @@ from launching import QUICK, Launch, launched, wait_until
 from mounts import mounted_tmpfs
 
 from ringfence.actors.bench.faults.storage import damage_prefix
+from ringfence.actors.config import Config
 from ringfence.actors.engine.serving import load_workload
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.testing.local import LocalRunner
@@ -33,7 +34,6 @@ from ringfence.cache.storage.blob import decode
 from ringfence.cache.storage.local import LocalBackend
 from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server, url_port
 from ringfence.cache.storage.testing import read_blob
-from ringfence.runtime.config import Config, load_config
 
 REQUESTS = 4  # the first chat's four turns
 BLOCK_SIZE = 16
@@ -134,7 +134,7 @@ def test_corrupt_truncated_and_foreign_blocks_are_logged_misses_and_the_tokens_s
 ):
     shared = tmp_path / "shared-storage"
     sets = (*RUN, "cache.storage.backend=local", f"cache.storage.path={shared}")
-    config = load_config(None, sets)
+    config = Config.load(None, sets)
     if first == "in_process":
         fill_in_process(config, shared)
     else:

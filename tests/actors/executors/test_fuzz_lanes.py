@@ -30,6 +30,7 @@ from fuzzing import Form, Fuzz, decode, frames, run_examples
 from hypothesis import strategies as st
 from ring_rig import RingRig, ring_rig
 
+from ringfence.actors.config import Config
 from ringfence.actors.executors.transfer import StoreLane, SwapLane
 from ringfence.actors.executors.worker import Worker
 from ringfence.actors.kv.layout import kv_layout
@@ -46,7 +47,6 @@ from ringfence.actors.protocol.transfer import (
 from ringfence.actors.protocol.worker import FROM_WORKER, TO_WORKER, StepResult, WorkerReady
 from ringfence.cache.fences import NO_WAIT, Tier
 from ringfence.cache.ids import BlockHash
-from ringfence.runtime.config import Config, load_config
 from ringfence.runtime.messages import Failed
 from ringfence.sched.ops import Piece, StepOp, StoreOp, SwapOp
 from ringfence.shm import names
@@ -191,7 +191,7 @@ def reference() -> tuple[int, float]:
 
 @pytest.fixture
 def worker_rig(tmp_path: Path, run_id: str) -> Iterator[RingRig]:
-    config: Config = load_config(None, SETTINGS)
+    config: Config = Config.load(None, SETTINGS)
     with ring_rig(
         Worker, "worker", config=config, run_id=run_id, log_dir=tmp_path,
         inbox=TO_WORKER, replies=FROM_WORKER,
@@ -262,7 +262,7 @@ def lane_rig(tmp_path: Path, run_id: str) -> Iterator[Any]:
     @contextlib.contextmanager
     def make(lane_cls: type[SwapLane | StoreLane]) -> Iterator[RingRig]:
         storage = ("cache.storage.backend=local", f"cache.storage.path={tmp_path / 'storage'}")
-        config: Config = load_config(None, [*SETTINGS, *storage])
+        config: Config = Config.load(None, [*SETTINGS, *storage])
         inbox = TO_SWAP if lane_cls is SwapLane else TO_STORE
         with ring_rig(
             lane_cls, lane_cls.lane_name, config=config, run_id=run_id, log_dir=tmp_path,

@@ -22,6 +22,7 @@ import pytest
 import torch
 from lane_rig import WAIT_S, Executor, start_executor
 
+from ringfence.actors.config import Config
 from ringfence.actors.executors import transfer
 from ringfence.actors.executors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.executors.transfer import StoreLane, SwapLane, TransferLane
@@ -38,7 +39,6 @@ from ringfence.actors.protocol.transfer import (
 from ringfence.cache.fences import NO_WAIT, Fence, Lane, Tier
 from ringfence.cache.ids import BlockHash, Seq
 from ringfence.cache.storage.redis_server import free_port
-from ringfence.runtime.config import Config, load_config
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.mailbox import ConditionWaiter, LocalInbox, Mailbox
 from ringfence.sched.ops import StoreOp, SwapOp
@@ -148,7 +148,7 @@ def make_lane(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
         name = lane_cls.lane_name
         storage = tmp_path / "storage" if lane_cls is StoreLane else None
         extra = ("cache.storage.backend=local", f"cache.storage.path={storage}") if storage else ()
-        config: Config = load_config(None, [*SETTINGS, *extra, *overrides])
+        config: Config = Config.load(None, [*SETTINGS, *extra, *overrides])
         registry = TO_SWAP if lane_cls is SwapLane else TO_STORE
         ex = start_executor(
             lane_cls, name, config=config, run_id=run_id, log_dir=tmp_path,

@@ -21,6 +21,7 @@ import pytest
 import torch
 from lane_rig import WAIT_S, Executor, start_executor
 
+from ringfence.actors.config import Config
 from ringfence.actors.executors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.executors.worker import Worker
 from ringfence.actors.kv.space import open_kv
@@ -28,7 +29,6 @@ from ringfence.actors.model.decoder import Model
 from ringfence.actors.protocol.worker import FROM_WORKER, TO_WORKER, StepResult, WorkerReady
 from ringfence.cache.fences import Fence, Lane
 from ringfence.cache.ids import Seq as SeqNo
-from ringfence.runtime.config import Config, load_config
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.mailbox import LocalInbox, Mailbox
 from ringfence.sched.ops import Piece, StepOp
@@ -106,7 +106,7 @@ def make_rig(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
     started: list[Executor] = []
 
     def make(*overrides: str, epoch: int = 0) -> Rig:
-        config: Config = load_config(None, [*SETTINGS, *overrides])
+        config: Config = Config.load(None, [*SETTINGS, *overrides])
         ex = start_executor(
             Worker, "worker", config=config, run_id=run_id, log_dir=tmp_path,
             inbox=TO_WORKER, replies=FROM_WORKER, epoch=epoch,

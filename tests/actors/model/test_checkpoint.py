@@ -17,12 +17,12 @@ from ringfence.actors.model.checkpoint import (
     load_checkpoint,
     load_tokenizer,
 )
-from ringfence.actors.model.decoder import Model, ModelConfig
+from ringfence.actors.model.config import ModelConfig as ModelSettings
+from ringfence.actors.model.decoder import Model, ModelShape
 from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
 from ringfence.actors.model.tokenizer import EOS
-from ringfence.runtime.config import ModelConfig as ModelSettings
 
-TINY = ModelConfig(
+TINY = ModelShape(
     vocab_size=300, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
     norm_eps=1e-6,
 )  # fmt: skip
@@ -89,9 +89,7 @@ def tiny_tensors(
     *, tied: bool = True, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
     """Every tensor of a seeded TINY model, as a tied or untied checkpoint stores them."""
-    config = ModelConfig(
-        **{**{f: getattr(TINY, f) for f in TINY.__slots__}, "tie_embeddings": tied}
-    )
+    config = ModelShape(**{**{f: getattr(TINY, f) for f in TINY.__slots__}, "tie_embeddings": tied})
     state = Model(config, torch.float32, seed=3).state_dict()
     if tied:
         del state["lm_head.weight"]

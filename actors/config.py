@@ -1,0 +1,52 @@
+"""The configuration of a run: every package's sections composed into one schema.
+
+``runtime.config`` finds this :class:`Config` by import path (``runtime.config.SCHEMA``)
+and loads the TOML file and ``--set`` overrides into it. Each section is declared next to
+the code that reads it; this module only puts them together, and names the tools'
+sections (the demo pipeline's, the protocol harness's) by import path, so that loading a
+config imports no tool. Every actor that reads several sections takes the whole
+``Config`` (``config_section = ""``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from ringfence.actors.engine.config import EngineConfig
+from ringfence.actors.executors.config import TransferConfig
+from ringfence.actors.model.config import ModelConfig
+from ringfence.cache.config import CacheConfig
+from ringfence.runtime.config import RunConfig, setting
+from ringfence.sched.config import SchedConfig
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    """[parallel]: how many ranks the Worker, the swap lane and the store lane run in."""
+
+    tp_size: int = setting(
+        1,
+        "Worker ranks of one instance (tensor parallelism); 1 until the Worker shards the model",
+        ge=1,
+        le=1,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Config(RunConfig):
+    """Every section of a run (see the module docstring); immutable all the way down."""
+
+    TOOLS = types.MappingProxyType(
+        {
+            "demo": "ringfence.runtime.bench.demo:DemoConfig",
+            "harness": "ringfence.actors.testing.config:HarnessConfig",
+        }
+    )
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    sched: SchedConfig = dataclasses.field(default_factory=SchedConfig)
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)

@@ -1,0 +1,12 @@
+"""The default topology of a run (``runtime.topology``): the Engine, the Worker, both
+Transfer lanes and the client slots."""
+
+from __future__ import annotations
+
+from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS
+from ringfence.actors.topology import fenced_topology
+
+# Clients stop first (not waited for), then the engine, then the executors.
+TOPOLOGY = fenced_topology(
+    "ringfence.actors.engine.actor:Engine", before=(CLIENT_ACTOR,), channels=CLIENT_CHANNELS
+)

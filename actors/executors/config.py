@@ -1,0 +1,24 @@
+"""The ``[transfer]`` section: how block copies are ordered against model steps, and the
+debug knobs every lane executor reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from ringfence.runtime.config import setting
+
+# ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
+
+TransferMode = Literal["fence", "sync"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TransferConfig:
+    """[transfer]: how block copies are ordered against model steps."""
+
+    mode: TransferMode = setting("fence", "fence (asynchronous, ordered by fences) or sync")
+    chaos_delay_ms: float = setting(0.0, "random delay per transfer op, in ms (debug)", ge=0)
+    skip_fences: bool = setting(
+        False, "debug only: executors do not wait for fences (tests show they catch it)"
+    )

@@ -1,0 +1,29 @@
+"""The ``[model]`` section: which weights to run, in which dtype, on which device.
+
+Read by the Worker (and every tool that loads the model) through ``actors/model/loader.py``,
+and by every actor that derives the model's shape or identity without loading it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from ringfence.runtime.config import setting
+
+# ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
+
+Preset = Literal["tiny", "small"]
+Dtype = Literal["float32", "bfloat16", "float64"]
+_DEVICE = (r"cpu|cuda(:[0-9]+)?", "'cpu', 'cuda' or 'cuda:N'")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """[model]: which weights to run, in which dtype, on which device."""
+
+    preset: Preset = setting("tiny", "built-in model preset, used when model.path is empty")
+    path: str = setting("", "checkpoint directory; when set it takes precedence over the preset")
+    dtype: Dtype = setting("float32", "dtype of the weights and the KV cache")
+    device: str = setting("cpu", "torch device: 'cpu', 'cuda' or 'cuda:N'", pattern=_DEVICE)
+    seed: int = setting(0, "random seed of the model (preset weights, sampling)", ge=0)

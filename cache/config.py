@@ -1,0 +1,57 @@
+"""The ``[cache]`` and ``[cache.storage]`` sections: block size, the pools, demotion, storage.
+
+Read by the scheduler's block bookkeeping (through ``TierConfig``), by the Worker and the
+Transfer lanes (the KV layouts), and by the storage clients. ``runtime.config`` loads and
+checks them from each field's metadata (:func:`setting`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, TypeVar
+
+# ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
+
+T = TypeVar("T")
+Eviction = Literal["write_back", "write_through", "none"]
+Backend = Literal["local", "redis", "memory", "none"]
+
+
+def setting(default: T, doc: str, **rules: Any) -> T:
+    """A config field: its default, one-line doc and rules, as ``runtime.config.setting``
+    keeps them (the cache and the scheduler may not import the runtime, so theirs is this)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, **rules})
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StorageConfig:
+    """[cache.storage]: the storage tier below host memory."""
+
+    backend: Backend = setting("local", "storage backend; 'none' disables the storage tier")
+    path: str = setting("", "directory of the 'local' backend; empty = <run dir>/storage")
+    url: str = setting("", "server URL of the 'redis' backend")
+    max_bytes: int = setting(1 << 30, "capacity of the storage tier in bytes", ge=0)
+    timeout_s: float = setting(
+        2.0, "'redis': the most seconds a connect or a reply may take", gt=0, le=3600
+    )
+    presence_timeout_s: float = setting(
+        0.05,
+        "the most seconds the engine waits to learn what the tier holds; later is a miss",
+        gt=0,
+        le=60,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CacheConfig:
+    """[cache]: KV block size, the pool of each tier and how blocks move down."""
+
+    block_size: int = setting(16, "tokens per KV block", ge=1, le=4096)
+    device_blocks: int = setting(512, "KV blocks in the device pool", ge=1)
+    host_blocks: int = setting(2048, "KV blocks in the host pool; 0 = no host cache tier", ge=0)
+    device_eviction: Eviction = setting(
+        "write_back", "device tier: write_back (demote on eviction), write_through or none"
+    )
+    host_eviction: Eviction = setting("write_back", "host tier, demoting to storage: the same")
+    poison_freed: bool = setting(False, "fill freed and swapped-out device blocks with NaN (debug)")
+    storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)

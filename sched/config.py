@@ -1,0 +1,63 @@
+"""The ``[sched]`` section, and everything a :class:`~ringfence.sched.scheduler.Scheduler`
+is built with: that section, the tiers' pools and policies, and the model's limits.
+
+``SchedConfig`` is the TOML table (``runtime.config`` loads and checks it from each
+field's metadata); ``TierConfig`` and ``SchedulerConfig`` are what the engine derives
+from the run's config and the model it serves (``actors/engine/scheduling.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+from ringfence.cache.config import Eviction, setting
+
+# ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
+
+Preemption = Literal["recompute", "swap", "save"]
+POLICIES = get_args(Preemption)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SchedConfig:
+    """[sched]: batch limits and what preemption does with a sequence's blocks."""
+
+    max_num_seqs: int = setting(16, "most sequences in one batch", ge=1)
+    max_batched_tokens: int = setting(512, "most tokens in one step", ge=1)
+    preemption: Preemption = setting("recompute", "recompute, swap (to host) or save (to storage)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TierConfig:
+    """The pools and policies of the three tiers, as the block bookkeeping uses them."""
+
+    block_size: int
+    device_blocks: int
+    host_blocks: int  # the host tensor's blocks: the cache tier, or only staging blocks
+    host_cache: bool  # False: the host blocks only stage storage traffic, nothing is kept
+    storage: bool  # a storage tier exists
+    device_eviction: Eviction = "write_back"  # ringfence.cache.demotion policies
+    host_eviction: Eviction = "write_back"
+    poison_freed: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    """What a Scheduler is built with. Raises ValueError naming the keys for a preemption
+    policy whose tier is missing."""
+
+    sched: SchedConfig = dataclasses.field(default_factory=SchedConfig)
+    tiers: TierConfig
+    namespace: bytes  # the block keys' namespace: the digest of the block fingerprint
+    max_model_len: int = 1 << 30  # positions the model has
+    vocab_size: int = 1 << 31  # token ids the model has (0 .. vocab_size - 1)
+
+    def __post_init__(self) -> None:
+        preemption = self.sched.preemption
+        if preemption not in POLICIES:
+            raise ValueError(f"sched.preemption must be one of {POLICIES}, got {preemption!r}")
+        if preemption == "swap" and not self.tiers.host_cache:
+            raise ValueError("sched.preemption = 'swap' needs a host tier (cache.host_blocks > 0)")
+        if preemption == "save" and not self.tiers.storage:
+            raise ValueError("sched.preemption = 'save' needs a storage tier (cache.storage)")
