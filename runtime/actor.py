@@ -59,6 +59,7 @@ class Services(Protocol):
     """What the driver offers an actor; reached through :class:`Actor` methods."""
 
     def send(self, to: str, msg: object, timeout: float | None) -> int: ...
+    def peers(self, role: str) -> list[str]: ...
     def schedule(self, delay_s: float, msg: object) -> None: ...
     def stop(self, reason: str) -> None: ...
     def request_shutdown(self, reason: str) -> None: ...
@@ -156,12 +157,18 @@ class Actor:
     # Services.
 
     def send(self, to: str, msg: object, *, timeout: float | None = None) -> int:
-        """Send to instance ``to`` ("sink-0"), or to actor ``to`` when that is unambiguous.
+        """Send to instance ``to`` ("sink-0"), or to actor ``to`` when it has one instance
+        here (one with several ranks: name one, or :meth:`send_all`).
 
         Blocks while the ring is full, up to ``timeout`` (default: half the heartbeat
         timeout). Returns the transport seq. RingFull or ActorDead at the deadline.
         """
         return self.ctx.services.send(to, msg, timeout)
+
+    def send_all(self, role: str, msg: object, *, timeout: float | None = None) -> list[int]:
+        """Send ``msg`` to every instance of actor ``role`` (each rank), in rank order, each
+        through :meth:`send`; the transport seqs."""
+        return [self.send(peer, msg, timeout=timeout) for peer in self.ctx.services.peers(role)]
 
     def schedule(self, delay_s: float, msg: object) -> None:
         """Hand ``msg`` to this actor's own handler after ``delay_s`` (a timer is a message)."""

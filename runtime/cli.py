@@ -141,7 +141,7 @@ def _launch(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     # A bad workload line is the command's error, before a run exists. The engine reads
     # workloads; the runtime knows its check only by name.
-    check = import_target("ringfence.actors.engine.serving:check_workload")
+    check = import_target("ringfence.actors.engine.intake:check_workload")
     check(config)  # type: ignore[operator]
     supervisor = Supervisor(config, args.run_dir)
     print(f"ringfence launch: run {supervisor.run_id} in {supervisor.run_dir}", flush=True)

@@ -89,7 +89,9 @@ class RuntimeConfig:
     ring_bytes: int = setting(1 << 20, "bytes of a ring", ge=4096, le=1 << 30, multiple_of=8)
     spin_us: float = setting(50.0, "microseconds a waiter spins before it blocks", ge=0, le=100000)
     topology: str = setting(
-        _ENGINE, "actor topology to launch, 'module:ATTRIBUTE'", pattern=_IMPORT
+        _ENGINE,
+        "actor topology to launch, 'module:ATTRIBUTE': a Topology, or a function of the config",
+        pattern=_IMPORT,
     )
     heartbeat_s: float = setting(0.5, "seconds between actor heartbeats", gt=0)
     heartbeat_timeout_s: float = setting(

@@ -151,22 +151,38 @@ class Driver:
         return self._current
 
     def _route(self, to: str) -> Outbox:
+        """The outbox to instance ``to``, or to actor ``to`` when it has one instance here.
+
+        Never a guess: an actor with several ranks is named by instance (``worker-1``), or
+        sent to with ``send_all``; a name that fits no single outbox is a KeyError.
+        """
         outbox = self._routes.get(to)
         if outbox is not None:
             return outbox
         outboxes = self.mailbox.outboxes
-        same_rank = f"{to}-{self.ctx.rank}"
-        named = [peer for peer in outboxes if peer.rsplit("-", 1)[0] == to]
+        named = self.peers(to)
         if to in outboxes:
             outbox = outboxes[to]
-        elif same_rank in outboxes:
-            outbox = outboxes[same_rank]
         elif len(named) == 1:
             outbox = outboxes[named[0]]
+        elif named:
+            raise KeyError(
+                f"{self.ctx.instance}: {to!r} has {len(named)} ranks here ({', '.join(named)}): "
+                "name one, or send to all of them"
+            )
         else:
-            raise KeyError(f"{self.ctx.instance} has no single outbox to {to!r}: {list(outboxes)}")
+            raise KeyError(f"{self.ctx.instance} has no outbox to {to!r}: {list(outboxes)}")
         self._routes[to] = outbox
         return outbox
+
+    def peers(self, role: str) -> list[str]:
+        """The instances of actor ``role`` this one has an outbox to, in rank order."""
+        ranks = {}
+        for peer in self.mailbox.outboxes:
+            name, _, rank = peer.rpartition("-")
+            if name == role and rank.isdigit():
+                ranks[peer] = int(rank)
+        return sorted(ranks, key=ranks.__getitem__)
 
     def send(self, to: str, msg: object, timeout: float | None) -> int:
         outbox = self._route(to)

@@ -179,7 +179,7 @@ EVENTS: Final[dict[str, Event]] = {
         "warning", "incarnation", "the engine restarted: it resyncs with its executors"
     ),
     "engine.lane_restart": _e(
-        "warning", "lane done", "a transfer lane restarted (it redoes its op)"
+        "warning", "lane instance done", "a transfer lane restarted (it redoes its op)"
     ),
     "engine.tier_reset": _e(
         "warning",

@@ -70,7 +70,10 @@ class Run:
 
 
 def load_topology(config: RunConfig) -> Topology:
-    topology = import_target(config.runtime.topology)
+    """The topology ``runtime.topology`` names: a :class:`Topology`, or a function that
+    builds one from the run's config (the fenced topology takes its ranks from it)."""
+    found = import_target(config.runtime.topology)
+    topology = found(config) if callable(found) else found
     if not isinstance(topology, Topology):
         raise ValueError(f"runtime.topology: {config.runtime.topology} is not a Topology")
     topology.check()

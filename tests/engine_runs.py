@@ -15,7 +15,7 @@ import orjson
 from launching import QUICK, Launch
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.serving import load_workload
+from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.replay.checks import check_run
 from ringfence.actors.replay.log import read_run
 from ringfence.actors.replay.redrive import redrive

@@ -27,7 +27,9 @@ import orjson
 from fuzzing import Fuzz, decode
 
 from ringfence.actors.engine.actor import Engine
-from ringfence.actors.executors.transfer import StoreLane, SwapLane
+from ringfence.actors.engine.ledger import Ledger
+from ringfence.actors.executors.store import StoreLane
+from ringfence.actors.executors.swap import SwapLane
 from ringfence.actors.executors.worker import Worker
 from ringfence.actors.protocol.transfer import (
     FROM_TRANSFER,
@@ -39,7 +41,7 @@ from ringfence.actors.protocol.transfer import (
 )
 from ringfence.actors.protocol.worker import FROM_WORKER, TO_WORKER, StepResult, WorkerReady
 from ringfence.actors.testing.harness import Harness
-from ringfence.actors.topology import fenced_topology
+from ringfence.actors.topology import FencedTopology
 from ringfence.cache.fences import Lane
 from ringfence.runtime.actor import Actor
 from ringfence.runtime.codec import Registry
@@ -153,6 +155,10 @@ class IssuerFuzz(FuzzingPeer):
 
 
 class EngineFuzz(IssuerFuzz):
+    def done_by(self, name: str) -> int:
+        ledger: Ledger = self.ledger  # type: ignore[attr-defined]
+        return ledger.completed(LANE_OF[name])
+
     def fuzz_epoch(self, k: int) -> int:
         # Not the engine's: what an executor answers a fuzzed op with is then stale as well.
         epoch: int = self.epoch  # type: ignore[attr-defined]
@@ -223,4 +229,4 @@ class LaunchedFuzzingHarness(IssuerFuzz, Harness):
         super().on_stop()
 
 
-HARNESS_TOPOLOGY = fenced_topology(f"{__name__}:LaunchedFuzzingHarness")
+HARNESS_TOPOLOGY = FencedTopology(engine=f"{__name__}:LaunchedFuzzingHarness")

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.serving import load_workload
+from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.testing.local import LocalRunner
 
 RUN_TIMEOUT_S = 20.0

@@ -234,8 +234,8 @@ def run_local(run: Run, *, threads: int) -> Side:
     import torch
 
     from ringfence.actors.config import Config
+    from ringfence.actors.engine.intake import load_workload
     from ringfence.actors.engine.report import percentile
-    from ringfence.actors.engine.serving import load_workload
     from ringfence.actors.testing.local import LocalRunner
 
     config = Config.load(None, run.settings)

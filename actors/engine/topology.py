@@ -4,9 +4,9 @@ Transfer lanes and the client slots."""
 from __future__ import annotations
 
 from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS
-from ringfence.actors.topology import fenced_topology
+from ringfence.actors.topology import FencedTopology
 
 # Clients stop first (not waited for), then the engine, then the executors.
-TOPOLOGY = fenced_topology(
-    "ringfence.actors.engine.actor:Engine", before=(CLIENT_ACTOR,), channels=CLIENT_CHANNELS
+TOPOLOGY = FencedTopology(
+    engine="ringfence.actors.engine.actor:Engine", before=(CLIENT_ACTOR,), channels=CLIENT_CHANNELS
 )

@@ -33,21 +33,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
-from ringfence.actors.kv.layout import kv_layout, model_id
-from ringfence.actors.kv.space import SharedKV, create_kv, torch_dtype
-from ringfence.actors.model.checkpoint import load_checkpoint, special_ids
-from ringfence.actors.model.config import ModelConfig as ModelSettings
-from ringfence.actors.model.decoder import Model, sample
+from ringfence.actors.kv.layout import kv_layout
+from ringfence.actors.kv.space import SharedKV, create_kv
+from ringfence.actors.model.decoder import sample
+from ringfence.actors.model.loader import load_model
 from ringfence.actors.model.paged import PagedExecutor
-from ringfence.actors.model.tokenizer import ByteTokenizer
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.worker import (
-    ModelInfo,
     SampledToken,
     StepResult,
     StepStatus,
@@ -57,34 +53,6 @@ from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
 from ringfence.sched.ops import Piece, StepOp
 from ringfence.shm.names import posix_name
-
-
-class LoadedModel(NamedTuple):
-    model: Model
-    info: ModelInfo
-
-
-def load_model(settings: ModelSettings) -> LoadedModel:
-    """The model the ``[model]`` section names: ``path`` (a checkpoint) before ``preset``."""
-    dtype = torch_dtype(settings.dtype)
-    device = settings.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device is {device!r} but torch sees no CUDA device")
-    if settings.path:
-        model = load_checkpoint(settings.path, dtype=dtype, device=device)
-        bos, eos = special_ids(settings.path)
-    else:
-        model = Model.from_preset(settings.preset, dtype, settings.seed).to(device)
-        bos, eos = ByteTokenizer.bos, ByteTokenizer.eos
-    info = ModelInfo(
-        model_id=model_id(settings),
-        vocab_size=model.config.vocab_size,
-        max_position=model.config.max_position,
-        dtype=settings.dtype,
-        bos_token_id=bos,
-        eos_token_id=eos,
-    )
-    return LoadedModel(model.eval(), info)
 
 
 class Worker(LaneExecutor):
@@ -167,7 +135,13 @@ class Worker(LaneExecutor):
             self.log.error("step.refused", step=plan.step, plan_epoch=plan.epoch, error=error)
             self.send(
                 "engine",
-                StepResult(step=plan.step, epoch=plan.epoch, status="rejected", error=error),
+                StepResult(
+                    step=plan.step,
+                    epoch=plan.epoch,
+                    rank=self.ctx.rank,
+                    status="rejected",
+                    error=error,
+                ),
             )
             return
         problem = self._problem(plan)
@@ -270,6 +244,7 @@ class Worker(LaneExecutor):
         result = StepResult(
             step=plan.step,
             epoch=plan.epoch,
+            rank=self.ctx.rank,
             status=status,
             outputs=outputs,
             error=error,

@@ -1,14 +1,34 @@
-"""A byte-level tokenizer for the model presets: ids 0..255 are bytes, then bos, eos, pad."""
+"""Tokenizers: bytes for the model presets (ids 0..255 are bytes, then bos, eos, pad), and a
+checkpoint's ``tokenizer.json`` (through the ``tokenizers`` package) with the same shape.
+
+Kept apart from the checkpoint loader, which reads tensors: the Engine tokenizes text
+prompts and imports no torch.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
 
 NUM_BYTES = 256
 BOS = 256  # start of a sequence
 EOS = 257  # end of a sequence: generation stops here
 PAD = 258  # filler; never produced by encode
 VOCAB_SIZE = 259  # bytes + specials; the "tiny" preset's vocab_size
+
+
+class Tokenizer(Protocol):
+    """What the engine and the tools need of a tokenizer."""
+
+    @property
+    def bos(self) -> int | None: ...
+    @property
+    def eos(self) -> int | None: ...
+    def encode(self, text: str, *, bos: bool = False) -> list[int]: ...
+    def decode(self, ids: Iterable[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -36,3 +56,58 @@ class ByteTokenizer:
             if token < NUM_BYTES:
                 data.append(token)
         return data.decode("utf-8", errors="replace")
+
+
+class CheckpointTokenizer:
+    """A checkpoint's ``tokenizer.json`` with ``ByteTokenizer``'s encode/decode shape.
+
+    Read-only after construction; the ``tokenizers`` object is thread-safe for encoding.
+    """
+
+    def __init__(self, tokenizer: Any, *, bos: int | None, eos: int | None) -> None:
+        self._tokenizer = tokenizer
+        self.bos = bos  # start-of-sequence id from config.json, if it names one
+        self.eos = eos  # end-of-sequence id from config.json, if it names one
+        self.vocab_size: int = tokenizer.get_vocab_size()
+
+    def encode(self, text: str, *, bos: bool = False) -> list[int]:
+        """Ids of ``text`` without the tokenizer's own specials, after ``bos`` when asked for."""
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if not bos:
+            return ids
+        if self.bos is None:
+            raise ValueError("the checkpoint's config.json names no bos_token_id")
+        return [self.bos, *ids]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids, special tokens skipped."""
+        text: str = self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        return text
+
+
+def _special_id(raw: dict[str, Any], key: str) -> int | None:
+    value = raw.get(key)
+    if isinstance(value, list):  # some configs list several eos ids; the first is canonical
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def special_ids(path: str | Path) -> tuple[int | None, int | None]:
+    """The ``bos_token_id`` and ``eos_token_id`` that config.json names (None if it does not)."""
+    config = Path(path) / "config.json"
+    raw = orjson.loads(config.read_bytes()) if config.exists() else {}
+    return _special_id(raw, "bos_token_id"), _special_id(raw, "eos_token_id")
+
+
+def load_tokenizer(path: str | Path) -> CheckpointTokenizer | None:
+    """The checkpoint's tokenizer, or None when it has no ``tokenizer.json``."""
+    root = Path(path)
+    file = root / "tokenizer.json"
+    if not file.exists():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise ImportError(f"{file} needs the 'tokenizers' package, which is not installed") from exc
+    bos, eos = special_ids(root)
+    return CheckpointTokenizer(Tokenizer.from_file(str(file)), bos=bos, eos=eos)

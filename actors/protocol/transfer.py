@@ -64,6 +64,7 @@ class OpDone:
     lane: Literal["swap", "store"]
     op: int
     epoch: int
+    rank: int  # the rank whose lane did it: the engine counts an op complete on every rank
     status: OpStatus
     error: str = ""
     missing: tuple[int, ...] = ()

@@ -71,6 +71,7 @@ class StepResult:
 
     step: int
     epoch: int  # the plan's epoch: results of an older epoch are dropped by the engine
+    rank: int  # the Worker rank that ran it (rank 0's result carries the sampled tokens)
     status: StepStatus
     outputs: tuple[SampledToken, ...] = ()  # one per piece with sample=True, in piece order
     error: str = ""

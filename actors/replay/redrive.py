@@ -30,7 +30,8 @@ from typing import Any
 import orjson
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.serving import issue_fields, sched_config
+from ringfence.actors.engine.ledger import issue_fields
+from ringfence.actors.engine.scheduling import sched_config
 from ringfence.actors.replay.log import Entry, RunLog
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash

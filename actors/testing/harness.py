@@ -37,8 +37,8 @@ import orjson
 import torch
 
 from ringfence.actors.config import Config
-from ringfence.actors.executors.worker import load_model
 from ringfence.actors.kv.space import SharedKV, open_kv
+from ringfence.actors.model.loader import load_model
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
 from ringfence.actors.protocol.worker import SampledToken, StepResult, WorkerReady
 from ringfence.actors.testing.config import HarnessConfig
@@ -48,7 +48,7 @@ from ringfence.actors.testing.programs import (
     generate,
     interpret,
 )
-from ringfence.actors.topology import fenced_topology
+from ringfence.actors.topology import FencedTopology
 from ringfence.cache.fences import NO_WAIT, Lane
 from ringfence.runtime.actor import Actor, handles
 from ringfence.sched.ops import Op, StepOp
@@ -275,4 +275,4 @@ class Harness(Actor):
         self.request_shutdown(f"harness: {self.settings.programs} programs done")
 
 
-TOPOLOGY = fenced_topology(f"{__name__}:Harness")
+TOPOLOGY = FencedTopology(engine=f"{__name__}:Harness")

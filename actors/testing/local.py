@@ -21,10 +21,11 @@ from collections.abc import Sequence
 import torch
 
 from ringfence.actors.config import Config
+from ringfence.actors.engine.intake import make_request
 from ringfence.actors.engine.report import RequestRecord
-from ringfence.actors.engine.serving import make_request, sched_config
-from ringfence.actors.executors.worker import LoadedModel, load_model
+from ringfence.actors.engine.scheduling import sched_config
 from ringfence.actors.kv.space import torch_dtype
+from ringfence.actors.model.loader import LoadedModel, load_model
 from ringfence.actors.model.paged import make_kv_cache
 from ringfence.actors.protocol.worker import SampledToken
 from ringfence.actors.testing.programs import Sequential

@@ -26,7 +26,7 @@ import pytest
 from mounts import MOUNT_TIMEOUT_S, mounted_tmpfs
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.serving import open_storage
+from ringfence.actors.engine.scheduling import open_storage
 from ringfence.actors.protocol.worker import ModelInfo
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import (
@@ -496,9 +496,9 @@ def test_the_engine_gives_its_log_to_its_storage_client():
 
 
 def test_the_store_lane_gives_the_timeout_setting_to_its_storage_client():
-    from ringfence.actors.executors import transfer
+    from ringfence.actors.executors import store
 
-    calls = keywords_of_calls(transfer, "open_backend")
+    calls = keywords_of_calls(store, "open_backend")
     assert calls and all("timeout_s" in keywords for keywords in calls)
 
 

@@ -135,7 +135,7 @@ def test_the_supervisor_and_the_engine_import_no_torch(tmp_path) -> None:
     code = (
         "import sys\n"
         "import ringfence.runtime.cli, ringfence.runtime.supervisor\n"
-        "import ringfence.actors.engine.actor, ringfence.actors.engine.serving\n"
+        "import ringfence.actors.engine.actor, ringfence.actors.engine.scheduling\n"
         "import ringfence.actors.engine.report\n"
         "from ringfence.runtime.topology import import_target\n"
         "import_target('ringfence.actors.engine:TOPOLOGY')\n"

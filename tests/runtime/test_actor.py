@@ -594,10 +594,9 @@ def test_scheduling_a_message_without_a_handler_is_a_protocol_error(make_rig):
 
 
 @pytest.mark.parametrize(
-    ("to", "peer"),
-    [("sink-1", "sink-1"), ("sink", "sink-0"), ("relay", "relay-3"), ("host", "host")],
+    ("to", "peer"), [("sink-1", "sink-1"), ("relay", "relay-3"), ("host", "host")]
 )
-def test_send_routes_to_the_instance_then_the_same_rank_then_the_only_one(make_rig, to, peer):
+def test_send_routes_to_the_instance_or_to_the_only_instance_of_the_actor(make_rig, to, peer):
     rig = make_rig(Recorder)
     inboxes = {"host": rig.replies, **rig.add_peers("sink-0", "sink-1", "relay-3")}
     assert [rig.actor.send(to, Item(n=1)), rig.actor.send(to, Item(n=2))] == [1, 2]
@@ -605,13 +604,35 @@ def test_send_routes_to_the_instance_then_the_same_rank_then_the_only_one(make_r
     assert received == {name: [Item(n=1), Item(n=2)] if name == peer else [] for name in inboxes}
 
 
-@pytest.mark.parametrize("to", ["tap", "nobody", "tap-3"])
-def test_send_to_an_ambiguous_or_unknown_peer_is_a_key_error_listing_the_outboxes(make_rig, to):
+def test_send_to_an_actor_with_several_ranks_names_them_and_never_picks_one(make_rig):
+    """An executor of rank 0 sending to "sink" must not silently reach sink-0 alone."""
+    rig = make_rig(Recorder)
+    inboxes = rig.add_peers("sink-0", "sink-1")
+    with pytest.raises(KeyError) as raised:
+        rig.actor.send("sink", Item(n=1))
+    assert raised.value.args == (
+        "x-0: 'sink' has 2 ranks here (sink-0, sink-1): name one, or send to all of them",
+    )
+    assert {name: drain(inbox) for name, inbox in inboxes.items()} == {"sink-0": [], "sink-1": []}
+
+
+def test_send_all_reaches_every_rank_in_rank_order(make_rig):
+    rig = make_rig(Recorder)
+    inboxes = rig.add_peers("sink-10", "sink-2", "sink-0", "relay-1")
+    assert rig.driver.peers("sink") == ["sink-0", "sink-2", "sink-10"]
+    assert rig.actor.send_all("sink", Item(n=5)) == [1, 1, 1]
+    received = {name: drain(inbox) for name, inbox in inboxes.items()}
+    assert received == {"sink-10": [Item(n=5)], "sink-2": [Item(n=5)], "sink-0": [Item(n=5)],
+                        "relay-1": []}  # fmt: skip
+
+
+@pytest.mark.parametrize("to", ["nobody", "tap-3"])
+def test_send_to_an_unknown_peer_is_a_key_error_listing_the_outboxes(make_rig, to):
     rig = make_rig(Recorder)
     rig.add_peers("tap-1", "tap-2")
     with pytest.raises(KeyError) as raised:
         rig.actor.send(to, Item(n=1))
-    assert raised.value.args == (f"x-0 has no single outbox to {to!r}: ['host', 'tap-1', 'tap-2']",)
+    assert raised.value.args == (f"x-0 has no outbox to {to!r}: ['host', 'tap-1', 'tap-2']",)
 
 
 @pytest.mark.parametrize("level", ["trace", "info"])

@@ -135,7 +135,7 @@ TRACE = "runtime.log_level=trace"
 def reference(workload: str, requests: int, model: tuple[str, ...] = MODEL) -> dict[str, list[int]]:
     """Each request's tokens from the plain loop: no tiers, a pool that never runs out."""
     from ringfence.actors.config import Config
-    from ringfence.actors.engine.serving import load_workload
+    from ringfence.actors.engine.intake import load_workload
     from ringfence.actors.testing.local import LocalRunner
 
     sets = [*model, "cache.host_blocks=0", "cache.storage.backend=none", "cache.device_blocks=1024"]
@@ -402,7 +402,7 @@ def _replay(run_dir: Path) -> str:
 
 def workload_of(scenario: Scenario) -> list[Any]:
     """The requests of ``scenario``'s synthetic workload."""
-    from ringfence.actors.engine.serving import load_workload
+    from ringfence.actors.engine.intake import load_workload
 
     return load_workload(f"synthetic:{scenario.workload}", requests=scenario.requests)
 

@@ -24,7 +24,7 @@ from engine_runs import (
 from launching import QUICK, launched
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.serving import load_workload
+from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.testing.local import LocalRunner
 from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
 

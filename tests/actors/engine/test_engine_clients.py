@@ -17,7 +17,7 @@ from engine_runs import ENGINE, MODEL, TIERS, TRACE, reference, replayed
 from launching import QUICK, launched, wait_until
 
 from ringfence.actors.client.shm import Client, ClientError
-from ringfence.actors.engine.serving import load_workload
+from ringfence.actors.engine.intake import load_workload
 from ringfence.shm import names
 
 WAIT_S = 120.0

@@ -26,7 +26,7 @@ from mounts import mounted_tmpfs
 
 from ringfence.actors.bench.faults.storage import damage_prefix
 from ringfence.actors.config import Config
-from ringfence.actors.engine.serving import load_workload
+from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.testing.local import LocalRunner
 from ringfence.cache.ids import BlockHash

@@ -23,7 +23,7 @@ from engine_runs import replayed
 from inproc import inproc_run
 from random_workloads import ENGINE, RUN_TIMEOUT_S, outputs, reference, write_workload
 
-from ringfence.actors.executors.transfer import SwapLane
+from ringfence.actors.executors.swap import SwapLane
 from ringfence.actors.executors.worker import Worker
 from ringfence.sched.ops import Piece, SwapOp
 

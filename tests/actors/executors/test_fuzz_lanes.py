@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from ring_rig import RingRig, ring_rig
 
 from ringfence.actors.config import Config
-from ringfence.actors.executors.transfer import StoreLane, SwapLane
+from ringfence.actors.executors.store import StoreLane
+from ringfence.actors.executors.swap import SwapLane
 from ringfence.actors.executors.worker import Worker
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv, open_kv

@@ -23,9 +23,11 @@ import torch
 from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.config import Config
-from ringfence.actors.executors import transfer
+from ringfence.actors.executors import swap as swap_module
 from ringfence.actors.executors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
-from ringfence.actors.executors.transfer import StoreLane, SwapLane, TransferLane
+from ringfence.actors.executors.store import StoreLane
+from ringfence.actors.executors.swap import SwapLane
+from ringfence.actors.executors.transfer import TransferLane
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv, open_kv
 from ringfence.actors.protocol.transfer import (
@@ -424,7 +426,7 @@ def test_a_swap_copy_that_raises_fills_its_destination_with_nan_and_reports_fail
         dst[list(dst_ids)] = GARBAGE  # part of it landed, as garbage
         raise OSError("the copy broke part way")
 
-    monkeypatch.setattr(transfer, "copy_blocks", broken)
+    monkeypatch.setattr(swap_module, "copy_blocks", broken)
     written, kv = ((3, 4), dev) if direction == "in" else ((7, 8), host)
     before = bits(kv)
     done = rig.run(swap(1, direction, (3, 4), (7, 8)))

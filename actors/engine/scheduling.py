@@ -1,0 +1,84 @@
+"""The scheduler and the storage client the engine runs with, built from the run's config
+and the model its Worker announced (the in-process runner and replay's redrive build the
+same)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ringfence.actors.config import Config
+from ringfence.actors.kv.layout import STAGING_BLOCKS, block_fingerprint
+from ringfence.actors.protocol.worker import ModelInfo
+from ringfence.cache.ids import BlockHash
+from ringfence.cache.prefix_index import StoragePresence
+from ringfence.cache.storage import StorageBackend, StorageLog, open_backend
+from ringfence.cache.storage.guarded import GuardedBackend
+from ringfence.runtime.log import ActorLog
+from ringfence.sched.config import SchedulerConfig, TierConfig
+
+
+def sched_config(
+    config: Config, model_id: str, max_position: int, vocab_size: int = 1 << 31
+) -> SchedulerConfig:
+    """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limits
+    (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``)."""
+    cache = config.cache
+    storage = cache.storage.backend != "none"
+    tiers = TierConfig(
+        block_size=cache.block_size,
+        device_blocks=cache.device_blocks,
+        host_blocks=cache.host_blocks or STAGING_BLOCKS,
+        host_cache=cache.host_blocks > 0,
+        storage=storage,
+        device_eviction=cache.device_eviction,
+        host_eviction=cache.host_eviction,
+        poison_freed=cache.poison_freed,
+    )
+    return SchedulerConfig(
+        sched=config.sched,
+        tiers=tiers,
+        namespace=block_fingerprint(config, model_id).digest(),
+        max_model_len=max_position,
+        vocab_size=vocab_size,
+    )
+
+
+def open_storage(
+    config: Config, model: ModelInfo, run_dir: str, *, log: StorageLog | None = None
+) -> StorageBackend | None:
+    """The storage tier's client (the engine asks it what is stored), or None.
+
+    Guarded (:class:`GuardedBackend`): while the tier is unreachable its presence answer
+    is "nothing stored" and ``storage.unavailable`` goes to ``log`` (default: the stdlib
+    logger ``ringfence.cache.storage``) once per outage. A server that is down when it
+    opens is such an outage from the start (``storage.unreachable``), not an error.
+    """
+    settings = config.cache.storage
+    if settings.backend == "none":
+        return None
+    path = settings.path or (f"{run_dir}/storage" if settings.backend == "local" else "")
+    backend = open_backend(
+        settings.backend,
+        fingerprint=block_fingerprint(config, model.model_id).digest(),
+        path=path,
+        url=settings.url,
+        max_bytes=settings.max_bytes,
+        timeout_s=settings.timeout_s,
+        log=log,
+        require_server=False,  # down at launch: misses until it is up, like an outage
+    )
+    return GuardedBackend(backend, log=log, answer_s=settings.presence_timeout_s)
+
+
+class LoggedPresence:
+    """The storage tier's presence answers, each logged (``sched.storage``) so that a
+    replay can give a fresh scheduler the same answers without the storage."""
+
+    def __init__(self, backend: StoragePresence, log: ActorLog) -> None:
+        self.backend = backend
+        self.log = log
+
+    def longest_prefix(self, keys: Sequence[BlockHash]) -> int:
+        found = self.backend.longest_prefix(keys)
+        self.log.trace("sched.storage", asked=len(keys), found=found)
+        return found

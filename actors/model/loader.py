@@ -1,0 +1,43 @@
+"""Loading the model the ``[model]`` section names, with what the engine must know of it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ringfence.actors.kv.space import torch_dtype
+from ringfence.actors.model.checkpoint import load_checkpoint
+from ringfence.actors.model.config import ModelConfig
+from ringfence.actors.model.decoder import Model
+from ringfence.actors.model.identity import model_id
+from ringfence.actors.model.tokenizer import ByteTokenizer, special_ids
+from ringfence.actors.protocol.worker import ModelInfo
+
+
+class LoadedModel(NamedTuple):
+    model: Model
+    info: ModelInfo
+
+
+def load_model(settings: ModelConfig) -> LoadedModel:
+    """The model the ``[model]`` section names: ``path`` (a checkpoint) before ``preset``."""
+    dtype = torch_dtype(settings.dtype)
+    device = settings.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device is {device!r} but torch sees no CUDA device")
+    if settings.path:
+        model = load_checkpoint(settings.path, dtype=dtype, device=device)
+        bos, eos = special_ids(settings.path)
+    else:
+        model = Model.from_preset(settings.preset, dtype, settings.seed).to(device)
+        bos, eos = ByteTokenizer.bos, ByteTokenizer.eos
+    info = ModelInfo(
+        model_id=model_id(settings),
+        vocab_size=model.config.vocab_size,
+        max_position=model.config.max_position,
+        dtype=settings.dtype,
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+    return LoadedModel(model.eval(), info)
