@@ -24,7 +24,7 @@ the caller passes in (the engine's storage client, or a fake in tests).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ringfence.cache.block_pool import BlockPool
@@ -74,7 +74,13 @@ class _StoredSet:
 
 
 class BlockManager:
-    """See the module docstring."""
+    """See the module docstring.
+
+    The scheduler drives it through its methods only; of its attributes, the engine
+    reads ``inflight`` and ``moved``, and tests may inspect the pools ``device`` and
+    ``host`` (read only: a block taken or keyed behind the manager's back breaks the
+    references the scheduler counts on).
+    """
 
     def __init__(
         self,
@@ -297,6 +303,71 @@ class BlockManager:
         self.device.free(reversed(blocks))
         if self.config.poison_freed:
             self._poison.extend(b for b in blocks if self.device.ref_count(b) == 0)
+
+    # The host blocks the scheduler holds: swap-out copies, prefetched blocks, host hits.
+
+    def release_host(self, blocks: Iterable[BlockId]) -> None:
+        """Drop one reference to each host block, in order; a block left with none joins
+        the free queue's tail, in that order (the first is reused first).
+
+        Free at issue: the blocks may be reallocated at once, because the op that writes
+        one next is fenced after every op already issued on it (I4). Mutates the host
+        pool's reference counts and free queue; keys stay (a cached block stays findable).
+        """
+        self.host.free(blocks)
+
+    def release_host_hits(self, match: PrefixMatch) -> None:
+        """Drop the references :meth:`acquire` took on the host hits of ``match``, in match
+        order, once their swap-in is issued (free at issue, as :meth:`release_host`).
+
+        The device hits keep theirs: they are the admitted sequence's blocks now.
+        Mutates the host pool as :meth:`release_host`.
+        """
+        self.release_host(
+            [
+                b
+                for w, b in zip(match.where, match.block_ids, strict=True)
+                if w == "host" and b is not None
+            ]
+        )
+
+    def hold_on_host(self, blocks: Sequence[BlockId], keys: Sequence[BlockHash]) -> list[BlockId]:
+        """Key host blocks the caller holds (one reference each) under ``keys``, so that
+        admissions find them; returns the blocks the caller holds after, in order.
+
+        For the full blocks of a swap-out or a finished prefetch: their contents are, or
+        once the op that fills them completes will be, the blocks of ``keys``. A block
+        whose key another host block holds already is a duplicate: the caller holds that
+        block instead (one reference taken) and the duplicate is handed back (its
+        reference dropped; it stays unkeyed). Mutates the host pool's keys, reference
+        counts and free queue; the duplicates join the free queue's tail in order, after
+        every reference is taken.
+        """
+        held: list[BlockId] = []
+        duplicates: list[BlockId] = []
+        for b, key in zip(blocks, keys, strict=True):
+            holder = self.host.set_key(b, key)
+            if holder != b:  # the host tier has it already: hold that copy instead
+                self.host.take(holder)
+                duplicates.append(b)
+            held.append(holder)
+        self.host.free(duplicates)
+        return held
+
+    def forget_copies(self, device: Sequence[BlockId], keys: Iterable[BlockHash]) -> None:
+        """Make every cached copy of a sequence's blocks unfindable, on both tiers: the keys
+        of its device blocks ``device``, then each of ``keys`` wherever a device or host
+        block holds it (a copy made of a block, by write-through or swap-out, carries what
+        the block held; a failed step spoiled its blocks, so their copies too).
+
+        Mutates the keys of both pools only: reference counts and free queues stay.
+        """
+        self.forget(device=device)
+        for key in keys:
+            for pool in (self.device, self.host):
+                block = pool.find(key)
+                if block is not None:
+                    pool.drop_key(block)
 
     def match(self, keys: Sequence[BlockHash], storage_until: int | None = None) -> PrefixMatch:
         """The longest cached prefix of ``keys``; storage hits only before ``storage_until``.

@@ -17,7 +17,8 @@ A step (continuous batching with chunked prefill):
    tiers (:meth:`BlockManager.match`): device hits take references, host hits become
    swap-ins, storage hits become a prefetch, and the request waits for its completion
    (failed blocks are recomputed). A request that does not fit waits: admission never
-   preempts, and a request never overtakes an earlier one.
+   preempts, and a request never overtakes an earlier one. This path, prefetches
+   included, is :class:`ringfence.sched.admission.Admission`.
 
 When a running sequence needs a block and none is free, the newest admitted running
 sequence not yet in this step is preempted (possibly the sequence itself), by the
@@ -31,7 +32,11 @@ configured policy:
 
 Preempted requests go back to the head of the waiting queue, oldest first. A step's
 KV counts as computed when the step is issued ("free at issue, fence at use"): the
-fences order every later op that touches its blocks after it.
+fences order every later op that touches its blocks after it. The blocks it fills get
+their keys once it is issued (:class:`ringfence.sched.pieces.PieceMaker`).
+
+Blocks are the :class:`BlockManager`'s: the scheduler allocates, holds and releases
+them, and issues ops, through its methods only, never through its pools.
 
 When the Worker restarts, :meth:`reset_device` takes the device tier as lost: every op
 in flight as failed, every running request back to waiting with its tokens so far, to
@@ -51,15 +56,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-from ringfence.cache.block_hash import block_keys
 from ringfence.cache.fences import Lane
-from ringfence.cache.ids import BlockHash, BlockId
-from ringfence.cache.prefix_index import PrefixMatch, StoragePresence
+from ringfence.cache.ids import BlockId
+from ringfence.cache.prefix_index import StoragePresence
+from ringfence.sched.admission import Admission
 from ringfence.sched.blocks import BlockManager
 from ringfence.sched.config import SchedulerConfig
 from ringfence.sched.ops import Op, Piece, StepOp, SwapOp
+from ringfence.sched.pieces import PieceMaker
 from ringfence.sched.request import Request, RequestError, RequestState
-from ringfence.sched.sequence import Counters, Decision, Emitted, Sequence, Tail
+from ringfence.sched.sequence import Counters, Decision, Emitted, Journal, Sequence, Tail
 
 STEP_RETRIES = 3  # failed steps in a row a request is computed again after; one more aborts
 
@@ -81,17 +87,16 @@ class Scheduler:
         self.blocks = BlockManager(config.tiers, storage, first_numbers)
         self.counters = Counters()
         # The decisions of the current round, for the engine's log (see take_decisions).
-        self._journal: list[Decision] | None = [] if journal else None
+        self._journal = Journal(journal)
         self._bs = config.tiers.block_size
+        self._pieces = PieceMaker(self._bs, config.namespace)
+        self._admission = Admission(config, self.blocks, self._pieces, self.counters, self._journal)
         self._seqs: dict[int, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}
         self._waiting: deque[Sequence] = deque()  # waiting, prefetching and preempted
         self._running: list[Sequence] = []  # in admission order
         self._next_seq = 0
-        self._admitted = 0
-        self._prefetches: dict[int, Sequence] = {}  # store op -> the sequence it fetches for
         self._step_in_flight: StepOp | None = None
-        self._filled: list[tuple[list[BlockId], list[BlockHash]]] = []  # to key after the step
 
     # Requests.
 
@@ -183,27 +188,18 @@ class Scheduler:
                 pieces.append(piece)
                 scheduled.add(seq.seq_id)
                 budget -= len(piece.token_ids)
-        budget = self._admit(budget, pieces, scheduled)
+        budget = self._admission.admit(self._waiting, self._running, budget, pieces, scheduled)
         if pieces:
             self._step_in_flight = self.blocks.issue_step(pieces)
             self.counters.steps += 1
             self.counters.batched_tokens += self.config.sched.max_batched_tokens - budget
-        for blocks, keys in self._filled:
-            self.blocks.filled(blocks, keys)
-        self._filled.clear()
+        self._pieces.key_filled(self.blocks)  # after the step: see ringfence.sched.pieces
         return self.blocks.take_ops()
 
     def take_decisions(self) -> list[Decision]:
         """The admissions, prefetches and preemptions since the last call, in order
         (always empty unless the scheduler was built with ``journal=True``)."""
-        if not self._journal:
-            return []
-        taken, self._journal = self._journal, []
-        return taken
-
-    def _record(self, kind: str, seq: Sequence, **detail: int | str) -> None:
-        if self._journal is not None:
-            self._journal.append(Decision(kind, seq.seq_id, detail))
+        return self._journal.take()
 
     def _wanted(self, seq: Sequence) -> int:
         """Tokens the sequence could compute now: all known tokens without KV."""
@@ -226,163 +222,7 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return None
-        return self._piece(seq, count)
-
-    def _piece(self, seq: Sequence, count: int) -> Piece:
-        r = seq.request
-        start = r.num_computed_tokens
-        tokens = r.all_token_ids
-        end = start + count
-        r.num_computed_tokens = end
-        self._key_blocks(seq, tokens, end // self._bs)
-        return Piece(
-            seq_id=seq.seq_id,
-            token_ids=tokens[start:end],
-            start=start,
-            block_table=tuple(seq.blocks[: -(-end // self._bs)]),
-            sample=end == len(tokens),
-            temperature=r.params.temperature,
-            seed=r.params.seed,
-        )
-
-    def _keys(self, seq: Sequence, tokens: tuple[int, ...], count: int) -> list[BlockHash]:
-        """The keys of the first ``count`` full blocks of the sequence (computed once)."""
-        have = len(seq.keys)
-        if count > have:
-            parent = seq.keys[-1] if seq.keys else None
-            seq.keys.extend(
-                block_keys(
-                    tokens[have * self._bs : count * self._bs],
-                    self._bs,
-                    namespace=self.config.namespace,
-                    parent=parent,
-                )
-            )
-        return seq.keys[:count]
-
-    def _key_blocks(self, seq: Sequence, tokens: tuple[int, ...], full: int) -> None:
-        """Queue the blocks the step being built fills up to ``full`` for keying.
-
-        They get their keys (and write-through copies) only once the step is issued:
-        a copy issued before the step would read the block before the step writes it,
-        and a piece of the same step must not read what another piece writes.
-        """
-        if full > seq.num_keyed:
-            keys = self._keys(seq, tokens, full)
-            self._filled.append((seq.blocks[seq.num_keyed : full], keys[seq.num_keyed : full]))
-            seq.num_keyed = full
-
-    # Admission.
-
-    def _admit(self, budget: int, pieces: list[Piece], scheduled: set[int]) -> int:
-        for seq in list(self._waiting):
-            if budget == 0 or len(self._running) >= self.config.sched.max_num_seqs:
-                break
-            if _prefetching(seq):
-                continue  # waits for its prefetch; later requests may go on
-            piece = self._start(seq, budget)
-            if piece is None:
-                if _prefetching(seq):
-                    continue
-                break  # first come first served: nobody overtakes a request that does not fit
-            self._waiting.remove(seq)
-            pieces.append(piece)
-            scheduled.add(seq.seq_id)
-            budget -= len(piece.token_ids)
-        return budget
-
-    def _start(self, seq: Sequence, budget: int) -> Piece | None:
-        """Admit ``seq`` with a first piece, or start its prefetch, or None if it does not fit."""
-        r = seq.request
-        tokens = r.all_token_ids
-        limit = (len(tokens) - 1) // self._bs  # leave at least one token to compute
-        keys = self._keys(seq, tokens, limit)
-        match = self.blocks.match(keys, seq.storage_until)
-        stored = [i for i, w in enumerate(match.where) if w == "storage"]
-        if stored:
-            if self._start_prefetch(seq, [match.keys[i] for i in stored], stored):
-                return None
-            end = stored[0]  # no room to stage them: recompute from the first
-            match = type(match)(match.keys[:end], match.where[:end], match.block_ids[:end])
-        hits = len(match.keys)
-        tail = seq.tail if seq.tail is not None and seq.tail.position == hits else None
-        cached = hits * self._bs + (tail.num_tokens if tail else 0)
-        count = min(len(tokens) - cached, budget)
-        on_device = match.count("device")
-        need = -(-(cached + count) // self._bs) - on_device
-        self.blocks.acquire(match)
-        new = self.blocks.allocate_device(need)
-        if new is None:
-            self.blocks.release(match)
-            return None
-        table, swap_host, swap_device = _place(match, tail, new)
-        self.blocks.swap_in(swap_host, swap_device, "resume" if seq.admissions else "admit")
-        # Free at issue: the host blocks may be reused; their next writer waits (I4).
-        self.blocks.host.free(
-            [
-                b
-                for w, b in zip(match.where, match.block_ids, strict=True)
-                if w == "host" and b is not None
-            ]
-        )
-        self._drop_holds(seq)
-        seq.blocks = table
-        seq.num_keyed = 0  # device hits keep their keys; swapped-in ones get theirs below
-        r.num_computed_tokens = cached
-        self._key_blocks(seq, tokens, hits)
-        self._count_hits(seq, match.where, match.keys, tail)
-        if self._journal is not None:
-            where = [
-                "storage" if k in seq.from_storage else w
-                for w, k in zip(match.where, match.keys, strict=True)
-            ]
-            self._record(
-                "resume" if seq.admissions else "admit",
-                seq,
-                computed=cached,
-                device=where.count("device") * self._bs,
-                host=where.count("host") * self._bs + (tail.num_tokens if tail else 0),
-                storage=where.count("storage") * self._bs,
-            )
-        r.transition(RequestState.RUNNING)
-        seq.admitted = self._admitted
-        self._admitted += 1
-        seq.admissions += 1
-        self._running.append(seq)
-        return self._piece(seq, count)
-
-    def _count_hits(
-        self,
-        seq: Sequence,
-        where: tuple[str, ...],
-        keys: tuple[BlockHash, ...],
-        tail: Tail | None,
-    ) -> None:
-        first = seq.admissions == 0
-        for found, key in zip(where, keys, strict=True):
-            tier = "storage" if key in seq.from_storage else found
-            self.counters.hit_tokens[tier] += self._bs
-            if first:
-                seq.request.cached_tokens[tier] += self._bs
-        if tail is not None:
-            self.counters.hit_tokens["host"] += tail.num_tokens
-
-    def _start_prefetch(self, seq: Sequence, keys: list[BlockHash], positions: list[int]) -> bool:
-        host = self.blocks.allocate_host(len(keys))
-        if host is None:
-            return False
-        op = self.blocks.prefetch(host, keys)
-        seq.prefetch = (op.op, tuple(host), tuple(positions))
-        self._prefetches[op.op] = seq
-        seq.request.transition(RequestState.WAITING_FOR_PREFETCH)
-        self._record("prefetch", seq, op=op.op, blocks=len(keys))
-        return True
-
-    def _drop_holds(self, seq: Sequence) -> None:
-        held = seq.held + ([seq.tail.host_block] if seq.tail is not None else [])
-        if held:
-            self.blocks.host.free(held)
-        seq.held, seq.tail = [], None
+        return self._pieces.make(seq, count)
 
     # Preemption.
 
@@ -392,27 +232,23 @@ class Scheduler:
         computed = r.num_computed_tokens
         used = -(-computed // self._bs)
         full = computed // self._bs
-        keys = self._keys(seq, r.all_token_ids, full)
+        keys = self._pieces.keys(seq, r.all_token_ids, full)
         if policy == "swap" and used:
             host = self.blocks.allocate_host(used)
             if host is None:
                 policy = "recompute"  # no room on host: recompute instead (counted as such)
             else:
                 self.blocks.swap_out(seq.blocks[:used], host, "preempt")
-                for i, b in enumerate(host[:full]):
-                    holder = self.blocks.host.set_key(b, keys[i])
-                    if holder != b:  # the host tier has it already: hold that copy instead
-                        self.blocks.host.take(holder)
-                        self.blocks.host.free([b])
-                        host[i] = holder
-                seq.held = host[:full]
+                # Findable at once, before the copy is done: a swap-in of them is issued
+                # after this swap-out on the same lane, which runs its ops in order.
+                seq.held = self.blocks.hold_on_host(host[:full], keys)
                 seq.tail = None
                 if used > full:
                     seq.tail = Tail(host[full], full, computed - full * self._bs)
         elif policy == "save" and full and not self.blocks.save(seq.blocks[:full], keys, "preempt"):
             policy = "recompute"
         self.counters.preemptions[policy] += 1
-        self._record("preempt", seq, policy=policy, computed=computed)
+        self._journal.record("preempt", seq, policy=policy, computed=computed)
         self._requeue(seq)
 
     # Results and completions.
@@ -432,10 +268,11 @@ class Scheduler:
                 seq = self._seqs.get(piece.seq_id)
                 if seq is None or seq.request.is_finished:
                     continue
-                self._forget_copies(seq)
+                # What the step wrote is spoiled, and so is every copy made of it since.
+                self.blocks.forget_copies(seq.blocks, seq.keys)
                 seq.failed_steps += 1
                 if status == "failed" and seq.failed_steps <= STEP_RETRIES:
-                    self._record("retry", seq, computed=seq.request.num_computed_tokens)
+                    self._journal.record("retry", seq, computed=seq.request.num_computed_tokens)
                     self._requeue(seq)
                     self.counters.retries += 1
                 else:
@@ -457,26 +294,13 @@ class Scheduler:
         self._running.remove(seq)
         self._release(seq)
 
-    def _forget_copies(self, seq: Sequence) -> None:
-        """Make every cached copy of the sequence's blocks unfindable: a failed step spoiled
-        what it wrote, and copies made since (a write-through swap-out) carry the spoil."""
-        self.blocks.forget(device=seq.blocks)
-        for key in seq.keys:
-            for pool in (self.blocks.device, self.blocks.host):
-                block = pool.find(key)
-                if block is not None:
-                    pool.drop_key(block)
-
     def _release(self, seq: Sequence) -> None:
         """Give back every block the sequence holds and forget it."""
         if seq.blocks:
             self.blocks.free_device(seq.blocks)
             seq.blocks = []
-        self._drop_holds(seq)
-        if seq.prefetch is not None:
-            self.blocks.host.free(seq.prefetch[1])  # free at issue: the next writer waits
-            self._prefetches.pop(seq.prefetch[0], None)
-            seq.prefetch = None
+        self.blocks.release_host(seq.take_holds())
+        self._admission.drop_prefetch(seq)
         self._seqs.pop(seq.seq_id, None)
         self._by_id.pop(seq.request.request_id, None)
 
@@ -484,8 +308,8 @@ class Scheduler:
         """Apply a transfer completion. A prefetch's request waits again (its blocks now on
         host, the missing ones to be recomputed); any other failed op's blocks are forgotten."""
         done = self.blocks.completed(lane, op, status)
-        if lane is Lane.STORE and op in self._prefetches:
-            self._prefetched(self._prefetches.pop(op), status, set(missing))
+        if lane is Lane.STORE and op in self._admission.prefetches:
+            self._admission.prefetched(op, status, set(missing))
         elif status != "ok" and isinstance(done, SwapOp) and done.direction == "out":
             self._lost_host_copies({BlockId(b) for b in done.host_blocks})
 
@@ -495,7 +319,7 @@ class Scheduler:
         for seq in self._waiting:
             tail = seq.tail.host_block if seq.tail is not None else None
             if tail in blocks or blocks.intersection(seq.held):
-                self._drop_holds(seq)
+                self.blocks.release_host(seq.take_holds())
 
     # Faults.
 
@@ -515,18 +339,17 @@ class Scheduler:
         """
         self._step_in_flight = None
         for lane, number in list(self.blocks.inflight):
-            seq = self._prefetches.pop(number, None) if lane is Lane.STORE else None
+            seq = self._admission.prefetches.get(number) if lane is Lane.STORE else None
             if seq is None:
                 self.on_transfer(lane, number, "cancelled")
                 continue
             self.blocks.completed(lane, number, "cancelled")
-            assert seq.prefetch is not None
-            self.blocks.host.free(seq.prefetch[1])
-            seq.prefetch = None  # not a storage failure: storage may be used again
+            # Not a storage failure (storage may be used again): no storage_until.
+            self._admission.drop_prefetch(seq)
             seq.request.transition(RequestState.WAITING)
         requeued = sorted(self._running, key=lambda s: s.seq_id)
         for seq in requeued:
-            self._record("reset", seq, computed=seq.request.num_computed_tokens)
+            self._journal.record("reset", seq, computed=seq.request.num_computed_tokens)
             self._requeue(seq)
         self.blocks.reset_device()
         self.counters.resets += 1
@@ -546,30 +369,6 @@ class Scheduler:
             index += 1
         self._waiting.insert(index, seq)
 
-    def _prefetched(self, seq: Sequence, status: str, missing: set[int]) -> None:
-        assert seq.prefetch is not None
-        _, host, positions = seq.prefetch
-        seq.prefetch = None
-        lacking = set(range(len(host))) if status != "ok" else missing
-        first_bad = min(lacking, default=len(host))
-        keep, drop = [], []
-        for i, b in enumerate(host):
-            if i < first_bad:
-                key = seq.keys[positions[i]]
-                holder = self.blocks.host.set_key(b, key)
-                if holder != b:
-                    self.blocks.host.take(holder)
-                    drop.append(b)
-                keep.append(holder)
-                seq.from_storage.add(key)
-            else:
-                drop.append(b)
-        if first_bad < len(host):
-            seq.storage_until = positions[first_bad]
-        self.blocks.host.free(drop)
-        seq.held.extend(keep)
-        seq.request.transition(RequestState.WAITING)
-
     @property
     def step_in_flight(self) -> StepOp | None:
         """The step issued whose result has not been applied yet."""
@@ -579,34 +378,3 @@ class Scheduler:
     def idle(self) -> bool:
         """No live request: nothing to schedule until one arrives."""
         return not self._by_id
-
-
-def _place(
-    match: PrefixMatch, tail: Tail | None, new: list[BlockId]
-) -> tuple[list[BlockId], list[BlockId], list[BlockId]]:
-    """The device block table of an admission (device hits in place, new blocks for the
-    rest), and the host -> device pairs to swap in (host hits, then the held tail)."""
-    table: list[BlockId] = []
-    fresh = iter(new)
-    swap_host: list[BlockId] = []
-    swap_device: list[BlockId] = []
-    for where, block in zip(match.where, match.block_ids, strict=True):
-        assert block is not None
-        if where == "device":
-            table.append(block)
-        else:
-            target = next(fresh)
-            table.append(target)
-            swap_host.append(block)
-            swap_device.append(target)
-    if tail is not None:
-        target = next(fresh)
-        table.append(target)
-        swap_host.append(tail.host_block)
-        swap_device.append(target)
-    table.extend(fresh)
-    return table, swap_host, swap_device
-
-
-def _prefetching(seq: Sequence) -> bool:
-    return seq.prefetch is not None

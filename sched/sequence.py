@@ -1,8 +1,10 @@
-"""What the scheduler keeps per request, and its counters.
+"""What the scheduler keeps per request, its decisions and its counters.
 
 :class:`Sequence` is the scheduler's state of one request beyond the request itself
 (its device block table, keys, held host blocks, prefetch in flight); owned and
-mutated by the :class:`ringfence.sched.scheduler.Scheduler` only.
+mutated by the :class:`ringfence.sched.scheduler.Scheduler` (and the admission path it
+delegates to, ``ringfence.sched.admission``) only. :class:`Journal` records the
+scheduler's decisions (:class:`Decision`) for the engine's log.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ class Sequence:
     from_storage: set[BlockHash] = field(default_factory=set)  # prefetched keys, for counting
     failed_steps: int = 0  # its steps that failed since its last token (Scheduler.on_step)
 
+    def take_holds(self) -> list[BlockId]:
+        """The host blocks it holds a reference on (its held copies, then its tail's block),
+        for the caller to release; it holds none after (``held`` empty, no ``tail``)."""
+        holds = self.held + ([self.tail.host_block] if self.tail is not None else [])
+        self.held, self.tail = [], None
+        return holds
+
 
 class Decision(NamedTuple):
     """One scheduling decision about a sequence, for the engine's trace log and replay."""
@@ -51,6 +60,30 @@ class Decision(NamedTuple):
     # prefetch: op, blocks; preempt: policy (the one used), computed (tokens dropped);
     # reset (the device tier was lost under a running sequence): computed;
     # retry (a step of it failed; computed again): computed
+
+
+class Journal:
+    """The decisions since the last :meth:`take`, for the engine's log; when not
+    ``enabled``, it records nothing (and the scheduler skips working out details)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._decisions: list[Decision] | None = [] if enabled else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._decisions is not None
+
+    def record(self, kind: str, seq: Sequence, **detail: int | str) -> None:
+        """Append the decision ``kind`` about ``seq`` (a no-op when not enabled)."""
+        if self._decisions is not None:
+            self._decisions.append(Decision(kind, seq.seq_id, detail))
+
+    def take(self) -> list[Decision]:
+        """The decisions recorded since the last call, in order; clears them."""
+        if not self._decisions:
+            return []
+        taken, self._decisions = self._decisions, []
+        return taken
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,80 @@
+"""The pieces of the step being built, and the keys of the blocks they fill.
+
+A piece (:class:`ringfence.sched.ops.Piece`) is what one sequence computes in a step.
+Making one counts its tokens as computed at once ("free at issue, fence at use") and
+queues the blocks it fills up for keying; :meth:`PieceMaker.key_filled` keys them once
+the step is issued. Keying waits for the step because a key makes a block findable and
+may issue its write-through copy: a copy issued before the step would read the block
+before the step writes it, and a piece of the same step must not read what another
+piece writes.
+
+Owned by one scheduler; not thread-safe; pure.
+"""
+
+from __future__ import annotations
+
+from ringfence.cache.block_hash import block_keys
+from ringfence.cache.ids import BlockHash, BlockId
+from ringfence.sched.blocks import BlockManager
+from ringfence.sched.ops import Piece
+from ringfence.sched.sequence import Sequence
+
+
+class PieceMaker:
+    """See the module docstring."""
+
+    def __init__(self, block_size: int, namespace: bytes) -> None:
+        self._bs = block_size
+        self._namespace = namespace
+        self._filled: list[tuple[list[BlockId], list[BlockHash]]] = []  # to key after the step
+
+    def make(self, seq: Sequence, count: int) -> Piece:
+        """The piece computing the sequence's next ``count`` tokens, which count as computed
+        from now on; the blocks it fills up are queued for keying. The sequence's block
+        table must already cover them."""
+        r = seq.request
+        start = r.num_computed_tokens
+        tokens = r.all_token_ids
+        end = start + count
+        r.num_computed_tokens = end
+        self.queue_keys(seq, tokens, end // self._bs)
+        return Piece(
+            seq_id=seq.seq_id,
+            token_ids=tokens[start:end],
+            start=start,
+            block_table=tuple(seq.blocks[: -(-end // self._bs)]),
+            sample=end == len(tokens),
+            temperature=r.params.temperature,
+            seed=r.params.seed,
+        )
+
+    def keys(self, seq: Sequence, tokens: tuple[int, ...], count: int) -> list[BlockHash]:
+        """The keys of the first ``count`` full blocks of the sequence (computed once, kept
+        in ``seq.keys``)."""
+        have = len(seq.keys)
+        if count > have:
+            parent = seq.keys[-1] if seq.keys else None
+            seq.keys.extend(
+                block_keys(
+                    tokens[have * self._bs : count * self._bs],
+                    self._bs,
+                    namespace=self._namespace,
+                    parent=parent,
+                )
+            )
+        return seq.keys[:count]
+
+    def queue_keys(self, seq: Sequence, tokens: tuple[int, ...], full: int) -> None:
+        """Queue the sequence's blocks not keyed yet, up to ``full``, for
+        :meth:`key_filled` (see the module docstring for why they wait)."""
+        if full > seq.num_keyed:
+            keys = self.keys(seq, tokens, full)
+            self._filled.append((seq.blocks[seq.num_keyed : full], keys[seq.num_keyed : full]))
+            seq.num_keyed = full
+
+    def key_filled(self, blocks: BlockManager) -> None:
+        """Key the queued blocks, in the order they were queued (:meth:`BlockManager.filled`:
+        it may issue their copies); call once the step that fills them is issued."""
+        for table, keys in self._filled:
+            blocks.filled(table, keys)
+        self._filled.clear()
