@@ -42,7 +42,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,13 +52,9 @@ from typing import Any
 
 import orjson
 
-from ringfence.actors.bench.options import (
-    add_counts,
-    kill_group,
-    resolve_counts,
-    resolve_preset,
-    ringfence_command,
-)
+from ringfence.actors.bench import launcher
+from ringfence.actors.bench.launcher import RunError
+from ringfence.actors.bench.options import add_counts, resolve_counts, resolve_preset
 
 DTYPE = "float32"
 BLOCK_SIZE = 16
@@ -99,10 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", type=Path, metavar="FILE", help="the PNG (next to --json, else bench-e2e.png)"
     )
-
-
-class RunError(RuntimeError):
-    """A run of the benchmark failed: nonzero exit, timeout, no summary or aborted requests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,48 +165,24 @@ def pairs(preset: str, requests: int) -> dict[str, tuple[Run, Run]]:
 
 
 def run_launch(run: Run, *, threads: int, timeout: float, folder: Path) -> Side:
-    """``ringfence launch`` the run in a fresh run dir under ``folder``; removed afterwards."""
-    from ringfence.runtime.cli import run_id_of
-    from ringfence.shm import names
+    """``ringfence launch`` the run in a fresh run dir under ``folder``; removed afterwards.
 
+    :class:`RunError` if the launch fails (see :func:`launcher.run`), aborts a request or
+    has no throughput."""
     work = Path(tempfile.mkdtemp(prefix=f"{run.workload}-", dir=folder))
-    run_dir = work / "run"
-    args = [*ringfence_command(), "launch", "--run-dir", str(run_dir)]
-    args += ["--workload", f"synthetic:{run.workload}"]
-    for setting in (*run.settings, f"actors.worker.threads={threads}"):
-        args += ["--set", setting]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    out_path = work / "launch.out"
-    start = time.perf_counter()
     try:
-        with out_path.open("wb") as out:
-            proc = subprocess.Popen(  # its own session: a timeout kills the whole group
-                args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=work,
-                start_new_session=True,
-            )
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            kill_group(proc)
-            if (run_dir / "names.json").is_file():
-                names.clean_run(run_id_of(str(run_dir)))
-            raise RunError(f"{run.workload} launch killed after {timeout:g} s") from None
-        finally:
-            if proc.poll() is None:  # interrupted while waiting
-                kill_group(proc)
-        wall_s = time.perf_counter() - start
-        tail = "\n".join(out_path.read_text(errors="replace").splitlines()[-10:])
-        summary_path, outputs_path = run_dir / "summary.json", run_dir / "outputs.jsonl"
-        if code != 0 or not summary_path.is_file() or not outputs_path.is_file():
-            raise RunError(f"{run.workload} launch exited with status {code}:\n{tail}")
-        summary: dict[str, Any] = orjson.loads(summary_path.read_bytes())
-        lines = [orjson.loads(line) for line in outputs_path.read_bytes().splitlines() if line]
+        done = launcher.run(
+            work / "run",
+            [*run.settings, f"actors.worker.threads={threads}"],
+            what=f"{run.workload} launch",
+            timeout=timeout,
+            workload=f"synthetic:{run.workload}",
+            env={"OMP_NUM_THREADS": str(threads)},
+            needs_summary=True,
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    summary = done.summary
     if summary["requests"]["aborted"] or not summary["throughput"]["output_tokens_per_s"]:
         raise RunError(f"{run.workload} launch: {summary['requests']}, no throughput")
     return Side(
@@ -223,9 +190,9 @@ def run_launch(run: Run, *, threads: int, timeout: float, folder: Path) -> Side:
         ttft_p50_s=summary["ttft_s"]["p50"],
         ttft_p99_s=summary["ttft_s"]["p99"],
         duration_s=float(summary["duration_s"]),
-        tokens={line["id"]: list(line["token_ids"]) for line in lines},
+        tokens={line["id"]: list(line["token_ids"]) for line in done.outputs},
         engine=dict(summary["engine"]),
-        wall_s=wall_s,
+        wall_s=done.wall_s,
     )
 
 

@@ -6,13 +6,7 @@ Standard library only, so ``ringfence --help`` never loads torch.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 
 # name: (default, quick default, help)
 Counts = Mapping[str, tuple[int, int, str]]
@@ -49,18 +43,3 @@ def resolve_preset(args: argparse.Namespace) -> str:
     if preset not in PRESETS:
         raise ValueError(f"--preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
     return preset
-
-
-def ringfence_command() -> list[str]:
-    """How a benchmark launches ``ringfence``: the console script beside this Python."""
-    script = Path(sys.executable).with_name("ringfence")
-    if script.is_file():
-        return [str(script)]
-    return [sys.executable, "-m", "ringfence.runtime.cli"]
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a launch's own process group (the supervisor and its actors), then reap it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()

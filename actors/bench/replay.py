@@ -30,7 +30,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,22 +40,17 @@ from typing import Any
 
 import orjson
 
+from ringfence.actors.bench import launcher
 from ringfence.actors.bench.e2e import (
     DTYPE,
     PRESSURE_BLOCKS_PER_REQUEST,
     PRESSURE_MIN_BLOCKS,
     TIERS_ON,
     Run,
-    RunError,
     _common,
 )
-from ringfence.actors.bench.options import (
-    add_counts,
-    kill_group,
-    resolve_counts,
-    resolve_preset,
-    ringfence_command,
-)
+from ringfence.actors.bench.launcher import RunError
+from ringfence.actors.bench.options import add_counts, resolve_counts, resolve_preset
 
 LEVELS = ("info", "trace")  # the baseline first
 
@@ -130,55 +124,28 @@ def log_size(run_dir: Path) -> tuple[int, int]:
 
 def launch(run: Run, run_dir: Path, *, level: str, threads: int, timeout: float) -> Launch:
     """``ringfence launch`` the run into ``run_dir`` (kept; its parent holds the output)."""
-    from ringfence.runtime.cli import run_id_of
-    from ringfence.shm import names
-
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    args = [*ringfence_command(), "launch", "--run-dir", str(run_dir)]
-    args += ["--workload", f"synthetic:{run.workload}"]
-    for setting in (*run.settings, f"actors.worker.threads={threads}"):
-        args += ["--set", setting]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    out_path = run_dir.with_name(run_dir.name + ".out")
     what = f"{run.workload} launch at {level}"
-    start = time.perf_counter()
-    with out_path.open("wb") as out:
-        proc = subprocess.Popen(  # its own session: a timeout kills the whole group
-            args,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=run_dir.parent,
-            start_new_session=True,
-        )
-    try:
-        code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        if (run_dir / "names.json").is_file():
-            names.clean_run(run_id_of(str(run_dir)))
-        raise RunError(f"{what} killed after {timeout:g} s") from None
-    finally:
-        if proc.poll() is None:  # interrupted while waiting
-            kill_group(proc)
-    wall_s = time.perf_counter() - start
-    summary_path, outputs_path = run_dir / "summary.json", run_dir / "outputs.jsonl"
-    if code != 0 or not summary_path.is_file() or not outputs_path.is_file():
-        tail = "\n".join(out_path.read_text(errors="replace").splitlines()[-10:])
-        raise RunError(f"{what} exited with status {code}:\n{tail}")
-    summary: dict[str, Any] = orjson.loads(summary_path.read_bytes())
+    done = launcher.run(
+        run_dir,
+        [*run.settings, f"actors.worker.threads={threads}"],
+        what=what,
+        timeout=timeout,
+        workload=f"synthetic:{run.workload}",
+        env={"OMP_NUM_THREADS": str(threads)},
+        needs_summary=True,
+    )
+    summary = done.summary
     if summary["requests"]["aborted"] or not summary["duration_s"]:
         raise RunError(f"{what}: {summary['requests']}, no throughput")
-    lines = [orjson.loads(line) for line in outputs_path.read_bytes().splitlines() if line]
     log_bytes, log_lines = log_size(run_dir)
     return Launch(
         level=level,
         output_tokens=int(summary["tokens"]["output"]),
         duration_s=float(summary["duration_s"]),
-        tokens={line["id"]: list(line["token_ids"]) for line in lines},
+        tokens={line["id"]: list(line["token_ids"]) for line in done.outputs},
         log_bytes=log_bytes,
         log_lines=log_lines,
-        wall_s=wall_s,
+        wall_s=done.wall_s,
     )
 
 

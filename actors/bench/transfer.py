@@ -62,7 +62,6 @@ import argparse
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,13 +71,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ringfence.actors.bench.options import (
-    add_counts,
-    kill_group,
-    resolve_counts,
-    resolve_preset,
-    ringfence_command,
-)
+from ringfence.actors.bench import launcher
+from ringfence.actors.bench.launcher import RunError
+from ringfence.actors.bench.options import add_counts, resolve_counts, resolve_preset
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -278,10 +273,6 @@ def bench_bandwidth(
 # Harness.
 
 
-class HarnessError(RuntimeError):
-    """A launched harness run failed: nonzero exit, timeout, missing report or failed ops."""
-
-
 def _settings(mode: str, preset: str, programs: int, ops: int, storage: Path) -> list[str]:
     return [
         "runtime.topology=ringfence.actors.testing.harness:TOPOLOGY",
@@ -303,44 +294,26 @@ def _settings(mode: str, preset: str, programs: int, ops: int, storage: Path) ->
 def run_harness(
     mode: str, *, preset: str, programs: int, ops: int, threads: int, timeout: float, folder: Path
 ) -> dict[str, Any]:
-    """Launch the harness once in ``mode``; its ``harness.json`` and the launch's wall time."""
-    from ringfence.runtime.cli import run_id_of
-    from ringfence.shm import names
+    """Launch the harness once in ``mode``; its ``harness.json`` and the launch's wall time.
 
+    :class:`RunError` if the launch fails (see :func:`launcher.run`), writes no report or
+    has programs with failed ops."""
     run_dir, storage = folder / f"run-{mode}", folder / f"storage-{mode}"
-    args = [*ringfence_command(), "launch", "--run-dir", str(run_dir)]
-    for setting in _settings(mode, preset, programs, ops, storage):
-        args += ["--set", setting]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    out_path = folder / f"launch-{mode}.out"
-    start = time.perf_counter()
-    with out_path.open("wb") as out:
-        # Its own session: on a timeout the whole group (actors included) is killed.
-        proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder, start_new_session=True
-        )
-    try:
-        code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        if (run_dir / "names.json").is_file():
-            names.clean_run(run_id_of(str(run_dir)))
-        raise HarnessError(f"{mode} run killed after {timeout:g} s") from None
-    finally:
-        if proc.poll() is None:  # interrupted while waiting
-            kill_group(proc)
-    wall_s = time.perf_counter() - start
-    tail = "\n".join(out_path.read_text(errors="replace").splitlines()[-10:])
-    if code != 0:
-        raise HarnessError(f"{mode} run exited with status {code}:\n{tail}")
+    done = launcher.run(
+        run_dir,
+        _settings(mode, preset, programs, ops, storage),
+        what=f"{mode} run",
+        timeout=timeout,
+        env={"OMP_NUM_THREADS": str(threads)},
+    )
     report_path = run_dir / "harness.json"
     if not report_path.is_file():
-        raise HarnessError(f"{mode} run wrote no {report_path.name}:\n{tail}")
+        raise RunError(f"{mode} run wrote no {report_path.name}:\n{done.tail}")
     report: dict[str, Any] = orjson.loads(report_path.read_bytes())
     if report.get("mismatched_programs") or not report.get("ops_per_s"):
         problems = report.get("mismatches", [])[:1]
-        raise HarnessError(f"{mode} run: programs with failed ops or no throughput: {problems}")
-    report["launch_wall_s"] = round(wall_s, 3)
+        raise RunError(f"{mode} run: programs with failed ops or no throughput: {problems}")
+    report["launch_wall_s"] = round(done.wall_s, 3)
     return report
 
 
@@ -461,7 +434,7 @@ def main(args: argparse.Namespace) -> int:
                 preset, counts["programs"], counts["ops"], threads, counts["timeout"]
             )
             report["wall_s"]["harness"] = round(time.perf_counter() - start, 3)
-        except HarnessError as e:
+        except RunError as e:
             _print(report)
             print(f"ringfence bench transfer: harness: {e}", file=sys.stderr)
             return 1

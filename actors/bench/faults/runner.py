@@ -30,7 +30,6 @@ import contextlib
 import os
 import select
 import signal
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ from typing import Any
 
 import orjson
 
-from ringfence.actors.bench.options import kill_group, ringfence_command
+from ringfence.actors.bench.launcher import Launched
 
 POLL_S = 0.02  # how often a log is re-read while waiting for an event in it
 SUPERVISOR = "supervisor-0"
@@ -144,29 +143,15 @@ def reference(workload: str, requests: int, model: tuple[str, ...] = MODEL) -> d
     return {r.id: list(r.token_ids) for r in LocalRunner(config).run(lines, arrivals=False)}
 
 
-class Launch:
-    """One ``ringfence launch`` in its own session, and its run dir."""
+class Launch(Launched):
+    """A launched run (:class:`Launched`: its own process group, a deadline) and what the
+    faults read of its logs and do to its processes."""
+
+    __slots__ = ("restarting",)
 
     def __init__(self, run_dir: Path, sets: Sequence[str], *, timeout: float) -> None:
-        self.run_dir = run_dir
-        self.deadline = time.monotonic() + timeout
+        super().__init__(run_dir, sets, timeout=timeout)
         self.restarting: tuple[str, int] | None = None  # the last victim, its actor.ready count
-        args = [*ringfence_command(), "launch", "--run-dir", str(run_dir)]
-        for setting in sets:
-            args += ["--set", setting]
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.out_path = run_dir.parent / f"{run_dir.name}.out"
-        with self.out_path.open("wb") as out:
-            self.proc = subprocess.Popen(
-                args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=run_dir.parent,
-                start_new_session=True,
-            )
-
-    def remaining(self) -> float:
-        return self.deadline - time.monotonic()
 
     def lines(self, log: str) -> list[dict[str, Any]]:
         """Every whole line of ``<log>.jsonl`` so far."""
@@ -223,18 +208,6 @@ class Launch:
             self.wait_for(f"{instance} restarted", lambda: self.ready_count(instance) > before)
             self.restarting = None
 
-    def wait(self) -> int | None:
-        """The exit status, or None after a hang (then the whole session is killed)."""
-        try:
-            return self.proc.wait(max(self.remaining(), 0.1))
-        except subprocess.TimeoutExpired:
-            kill_group(self.proc)
-            return None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            kill_group(self.proc)
-
 
 def _parent(pid: int) -> int | None:
     """The parent pid of a live process, or None."""
@@ -259,9 +232,6 @@ def run_scenario(
 def _run(
     scenario: Scenario, run_dir: Path, extra: tuple[str, ...], timeout: float, trace: bool
 ) -> Outcome:
-    from ringfence.runtime.cli import run_id_of
-    from ringfence.shm import names
-
     sets = [*MODEL, *TIERS, *FAST, *([TRACE] if trace else [])]
     # The supervisor restarts each victim as often as it is killed (3 by default).
     victims = Counter(
@@ -273,36 +243,30 @@ def _run(
         sets += [f"engine.requests={scenario.requests}"]
     sets += extra
     outcome = Outcome(scenario.name, requests=scenario.requests)
-    started = time.monotonic()
-    launch = Launch(run_dir, sets, timeout=timeout)
-    try:
-        for kill in scenario.kills:
-            launch.settle()
-            launch.kill(kill)
-            outcome.injected += 1
-        if scenario.drive is not None:
-            launch.wait_for("engine.ready", lambda: bool(launch.events("engine-0", "engine.ready")))
-            scenario.drive(launch, scenario, outcome)
-            if scenario.serve:
-                launch.proc.send_signal(signal.SIGTERM)
-        if scenario.kills and scenario.kills[-1].instance == SUPERVISOR:
-            outcome.exit_code = launch.wait()
-            _orphans(launch, outcome)
-        else:
-            outcome.exit_code = launch.wait()
-        outcome.hangs = int(outcome.exit_code is None)
-    except FaultError as e:
-        outcome.notes.append(str(e))
-    finally:
-        launch.close()
-    outcome.seconds = time.monotonic() - started
-    if (run_dir / "names.json").is_file():
-        run_id = run_id_of(str(run_dir))
-        if scenario.kills and scenario.kills[-1].instance == SUPERVISOR:
-            names.clean_run(run_id)  # what `ringfence clean RUN_DIR` does
-        outcome.leaked_names = len(names.list_names(run_id))
-        if outcome.leaked_names:
-            names.clean_run(run_id)
+    supervisor_killed = bool(scenario.kills) and scenario.kills[-1].instance == SUPERVISOR
+    with Launch(run_dir, sets, timeout=timeout) as launch:
+        try:
+            for kill in scenario.kills:
+                launch.settle()
+                launch.kill(kill)
+                outcome.injected += 1
+            if scenario.drive is not None:
+                launch.wait_for(
+                    "engine.ready", lambda: bool(launch.events("engine-0", "engine.ready"))
+                )
+                scenario.drive(launch, scenario, outcome)
+                if scenario.serve:
+                    launch.proc.send_signal(signal.SIGTERM)
+            outcome.exit_code = launch.wait()  # None: it hung, and its group is killed
+            if supervisor_killed:
+                _orphans(launch, outcome)
+            outcome.hangs = int(outcome.exit_code is None)
+        except FaultError as e:
+            outcome.notes.append(str(e))
+    outcome.seconds = time.monotonic() - launch.started
+    if supervisor_killed:
+        launch.clean()  # what `ringfence clean RUN_DIR` does
+    outcome.leaked_names = len(launch.clean())  # what the run left, unlinked now
     if outcome.exit_code != scenario.expect_exit and not outcome.hangs:
         outcome.notes.append(f"exit status {outcome.exit_code}, expected {scenario.expect_exit}")
     _judge_tokens(scenario, run_dir, outcome)

@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from ringfence.actors.bench import e2e as bench_e2e
+from ringfence.actors.bench import launcher
 from ringfence.runtime import cli
 
 
@@ -43,6 +44,6 @@ def test_a_quick_e2e_bench_reports_four_positive_ratios_and_writes_a_plot(
 def test_a_failed_launch_is_an_error_with_exit_status_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(bench_e2e, "ringfence_command", lambda: ["false"])
+    monkeypatch.setattr(launcher, "ringfence_command", lambda: ["false"])
     assert cli.main(["bench", "e2e", "--quick", "--requests", "1"]) == 1
     assert "exited with status 1" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
+from ringfence.actors.bench import launcher
 from ringfence.actors.bench import replay as bench_replay
 from ringfence.actors.bench.options import resolve_counts
 from ringfence.actors.bench.replay import Launch
@@ -147,7 +148,7 @@ def test_the_table_prints_both_figures(capsys: pytest.CaptureFixture[str], tmp_p
 def test_a_failed_launch_is_an_error_with_exit_status_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(bench_replay, "ringfence_command", lambda: ["false"])
+    monkeypatch.setattr(launcher, "ringfence_command", lambda: ["false"])
     monkeypatch.setattr(bench_replay, "resolve_preset", lambda args: "tiny")  # no torch import
     args = parse("--quick", "--keep", str(tmp_path))
     assert bench_replay.main(args) == 1

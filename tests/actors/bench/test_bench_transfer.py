@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
+from ringfence.actors.bench import launcher
 from ringfence.actors.bench import transfer as bench_transfer
 from ringfence.runtime import cli
 
@@ -66,6 +67,6 @@ def test_a_bad_transfer_bench_option_is_refused_with_exit_status_2(
 def test_a_failed_harness_run_is_an_error_with_exit_status_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(bench_transfer, "ringfence_command", lambda: ["false"])
+    monkeypatch.setattr(launcher, "ringfence_command", lambda: ["false"])
     assert cli.main(["bench", "transfer", "--quick", "--rounds", "1"]) == 1
     assert "exited with status 1" in capsys.readouterr().err
