@@ -16,36 +16,42 @@ then each ``--set section.key=value`` override in order. Types come from the ann
 validates any table against them. Every problem raises :class:`ConfigError` whose message
 starts with where the value came from (the file path or ``--set``), then the dotted key,
 e.g. ``--set runtime.spinus: unknown key (did you mean runtime.spin_us?)``.
-:func:`dump_config` writes TOML that loads back equal.
+:func:`dump_config` writes TOML that loads back equal. The walker that validates tables
+and the TOML writer live in ``config_tables.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
-import itertools
-import math
-import operator
 import os
-import re
-import reprlib
 import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from ringfence.runtime.config_tables import (
+    dump_table,
+    nest,
+    parse_toml,
+    read_layer,
+    resolve,
+    section_class,
+    suggest,
+    tables_of,
+    to_raw,
+    where,
+)
 from ringfence.runtime.topology import import_target
 from ringfence.shm.errors import ConfigError
 
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
 
 if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
+    pass
 
 T = TypeVar("T")
-D = TypeVar("D", bound="DataclassInstance")
 
 LogLevel = Literal["info", "trace"]
 Placement = Literal["spawn", "external"]
@@ -54,24 +60,15 @@ Self = TypeVar("Self", bound="RunConfig")
 
 # The schema of a whole run, by name: the runtime never imports the actors.
 SCHEMA = "ringfence.actors.config:Config"
-ACTOR_NAME = r"[a-z][a-z0-9_]{0,31}"  # full match; the <name> of an [actors.<name>] table
-RULES = frozenset({"ge", "gt", "le", "multiple_of", "pattern", "above"})
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _IMPORT = (rf"{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*", "an import path 'module:ATTRIBUTE'")
 _ENGINE = "ringfence.actors.engine:TOPOLOGY"  # by name: the runtime never imports actors
-_INT64 = (-(2**63), 2**63 - 1)  # TOML integers are signed 64-bit
-_BOUNDS = (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="))
-_EXPECTED = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
-_TOML_TYPES = {bool: "bool", int: "int", float: "float", str: "str", dict: "table", list: "array"}
-_ESCAPES = dict(zip('"\\\b\t\n\f\r', '"\\btnfr', strict=True))  # TOML's short escapes
-_NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f]')
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def setting(default: T, doc: str, **rules: Any) -> T:
     """A scalar field: its default, its one-line doc and its rules, kept in field metadata.
 
-    Rules (:data:`RULES`): ``ge``, ``gt``, ``le`` (bounds), ``multiple_of``, ``pattern``
+    Rules (``config_tables.RULES``): ``ge``, ``gt``, ``le`` (bounds), ``multiple_of``, ``pattern``
     (``(regex, description)``, matched in full) and ``above`` (a sibling field this value
     must exceed). A package that may not import the runtime (the cache, the scheduler)
     declares its fields with its own two-line copy of this; the loader checks every
@@ -154,7 +151,7 @@ class RunConfig:
         if unknown := given.keys() - self.TOOLS.keys():
             raise TypeError(f"{type(self).__name__} has no tool sections {sorted(unknown)}")
         tools = {
-            name: given.get(name) or _section_class(path)() for name, path in self.TOOLS.items()
+            name: given.get(name) or section_class(path)() for name, path in self.TOOLS.items()
         }
         object.__setattr__(self, "tools", types.MappingProxyType(dict(sorted(tools.items()))))
 
@@ -169,19 +166,19 @@ class RunConfig:
         cls: type[Self], path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
     ) -> Self:
         """The defaults, then the TOML file at ``path`` (if given), then each override in order."""
-        layers = [] if path is None else [_read(path)]
-        layers += [("--set", _nest(*parse_override(text))) for text in overrides]
-        return _resolve(cls, {}, layers, "defaults")
+        layers = [] if path is None else [read_layer(path)]
+        layers += [("--set", nest(*parse_override(text))) for text in overrides]
+        return resolve(cls, {}, layers, "defaults")
 
     @classmethod
     def loads(cls: type[Self], text: str, source: str = "<string>") -> Self:
         """The defaults, then the TOML document ``text``; errors name ``source``."""
-        return _resolve(cls, {}, [(source, _parse(source, text.encode()))], "defaults")
+        return resolve(cls, {}, [(source, parse_toml(source, text.encode()))], "defaults")
 
     def with_overrides(self: Self, overrides: Mapping[str, object], source: str = "--set") -> Self:
         """This config with dotted-key ``overrides`` applied in order, validated like a file's."""
-        layers = [(source, _nest(key, value, source)) for key, value in overrides.items()]
-        return _resolve(type(self), _to_raw(self), layers, "config")
+        layers = [(source, nest(key, value, source)) for key, value in overrides.items()]
+        return resolve(type(self), to_raw(self), layers, "config")
 
     def actor(self, name: str) -> ActorPolicy:
         """The policy configured for actor ``name``, or the default policy."""
@@ -197,7 +194,7 @@ class RunConfig:
             return node
         parts = name.split(".")
         for depth, part in enumerate(parts):
-            tables = _tables(type(node))
+            tables = tables_of(type(node))
             if depth == 0 and part in self.tools:
                 node = self.tools[part]
                 continue
@@ -206,7 +203,7 @@ class RunConfig:
                 prefix = ".".join(parts[:depth])
                 choices = [*tables, *self.tools] if depth == 0 else tables
                 raise ConfigError(
-                    f"{key}: unknown section{_suggest(part, choices, prefix)}", key=key
+                    f"{key}: unknown section{suggest(part, choices, prefix)}", key=key
                 )
             node = getattr(node, part)
         return node
@@ -229,8 +226,8 @@ def check_actor_names(cfg: RunConfig, valid: Iterable[str], source: str) -> None
     for name in cfg.actors:
         if name not in names:
             key = f"actors.{name}"
-            hint = _suggest(name, names, "actors")
-            raise ConfigError(f"{_where(source, key)}: unknown actor{hint}", key=key)
+            hint = suggest(name, names, "actors")
+            raise ConfigError(f"{where(source, key)}: unknown actor{hint}", key=key)
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -270,297 +267,5 @@ def dump_config(cfg: RunConfig) -> str:
     and the actors' policies; loading the text gives back ``cfg``.
     """
     lines = ["# ringfence configuration, resolved: every key, defaults included."]
-    _dump_table(cfg, "", lines)
+    dump_table(cfg, "", lines)
     return "\n".join(lines) + "\n"
-
-
-class _Origin:
-    """Which layer last wrote each dotted key, so an error can say where a value came from."""
-
-    def __init__(self, default: str) -> None:
-        self.default = default  # the source of a key no layer wrote
-        self.writes: dict[str, tuple[int, str]] = {}  # dotted key -> (write number, source)
-        self.counter = itertools.count()
-
-    def record(self, key: str, source: str) -> None:
-        self.writes[key] = (next(self.counter), source)
-
-    def error(self, reason: str, key: str, *related: str) -> ConfigError:
-        """An error at ``key``, blamed on the latest layer that wrote it or a ``related`` key."""
-        source = max(self.writes.get(k, (-1, self.default)) for k in (key, *related))[1]
-        return ConfigError(f"{_where(source, key)}: {reason}", key=key)
-
-
-def _read(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
-    source = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            return source, _parse(source, f.read())
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such config file") from None
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read config file: {exc.strerror}") from None
-
-
-def _parse(source: str, data: bytes) -> dict[str, Any]:
-    # Besides its own errors (and not UTF-8), tomllib lets through the ValueError of an
-    # integer longer than Python converts (4,300 digits) and the RecursionError of arrays
-    # or inline tables nested deeper than the interpreter's stack.
-    try:
-        return tomllib.loads(data.decode())
-    except ValueError as exc:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
-        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: invalid TOML: arrays or tables nested too deeply") from None
-
-
-def _nest(key: str, value: object, source: str = "--set") -> dict[str, Any]:
-    """The one-leaf table ``{"a": {"b": value}}`` of dotted key ``"a.b"``."""
-    if not all(key.split(".")):
-        raise ConfigError(f"{_where(source, repr(key))}: empty key part", key=key)
-    nested: dict[str, Any] = {}
-    for part in reversed(key.split(".")):
-        nested = {part: value}
-        value = nested
-    return nested
-
-
-def _resolve(
-    cls: type[Self],
-    raw: dict[str, Any],
-    layers: Iterable[tuple[str, Mapping[str, Any]]],
-    default: str,
-) -> Self:
-    origin = _Origin(default)
-    for source, layer in layers:
-        _merge(raw, layer, "", source, origin)
-    return _build(cls, raw, "", origin)
-
-
-def _merge(
-    dst: dict[str, Any], src: Mapping[str, Any], prefix: str, source: str, origin: _Origin
-) -> None:
-    """Write ``src`` into ``dst`` key by key (tables merge, anything else replaces)."""
-    for name, value in src.items():
-        key = prefix + name
-        origin.record(key, source)
-        if isinstance(value, dict):
-            if not isinstance(dst.get(name), dict):
-                dst[name] = {}
-            _merge(dst[name], value, key + ".", source, origin)
-        else:
-            dst[name] = value
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _section_class(path: str) -> type:
-    """The section class a tool's import path names."""
-    cls = import_target(path)
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        raise TypeError(f"{path} is not a config section (a dataclass)")
-    return cls
-
-
-def _tables(cls: type) -> list[str]:
-    """The fields of ``cls`` that are TOML tables (sections), in order."""
-    return [n for n, tp in _hints(cls).items() if dataclasses.is_dataclass(tp)]
-
-
-def _tools(cls: type) -> Mapping[str, str]:
-    return getattr(cls, "TOOLS", {})
-
-
-def _check_section(cls: type) -> None:
-    """TypeError unless every scalar field of section ``cls`` and of the sections in it (its
-    tools' included) has a doc and known rules: packages declare their sections themselves,
-    so the loader checks each once."""
-    if cls in _CHECKED:
-        return
-    for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
-        if f.metadata.get("tools"):
-            continue
-        if typing.get_origin(tp) is Mapping:
-            tp = typing.get_args(tp)[1]
-        if dataclasses.is_dataclass(tp):
-            _check_section(typing.cast(type, tp))
-            continue
-        if "doc" not in f.metadata:
-            raise TypeError(f"{cls.__name__}.{f.name}: a config field needs setting(..., doc)")
-        if unknown := f.metadata.keys() - RULES - {"doc"}:
-            raise TypeError(f"{cls.__name__}.{f.name}: unknown setting rules {sorted(unknown)}")
-    for path in _tools(cls).values():
-        _check_section(_section_class(path))
-    _CHECKED.add(cls)
-
-
-_CHECKED: set[type] = set()  # the sections _check_section found sound
-
-
-def _build(cls: type[D], raw: object, key: str, origin: _Origin) -> D:
-    """Validate table ``raw`` at dotted ``key`` ("" for the root) against dataclass ``cls``."""
-    if not isinstance(raw, dict):
-        raise origin.error(f"expected a table, got {_describe(raw)}", key)
-    _check_section(cls)
-    tools = _tools(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("tools")}
-    for name in raw:
-        if name not in fields and name not in tools:
-            hint = _suggest(name, [*fields, *tools], key)
-            raise origin.error(f"unknown key{hint}", _join(key, name))
-    hints = _hints(cls)
-    values: dict[str, Any] = {}
-    given: dict[str, object] = {}  # the tools' sections (the root only)
-    for name, value in raw.items():
-        where = _join(key, name)
-        if name in fields:
-            values[name] = _value(hints[name], fields[name].metadata, value, where, origin)
-        else:
-            given[name] = _build(_section_class(tools[name]), value, where, origin)
-    if given:
-        values["tools"] = given
-    obj = dataclasses.replace(cls(), **values)
-    for f in fields.values():
-        if (other := f.metadata.get("above")) and not getattr(obj, f.name) > getattr(obj, other):
-            low, value = getattr(obj, other), getattr(obj, f.name)
-            reason = f"must be > {_join(key, other)} ({low!r}), got {value!r}"
-            raise origin.error(reason, _join(key, f.name), _join(key, other))
-    return obj
-
-
-def _value(tp: Any, meta: Mapping[str, Any], value: Any, key: str, origin: _Origin) -> object:
-    """Check one value against its annotation ``tp`` and its metadata rules."""
-    if dataclasses.is_dataclass(tp):
-        return _build(typing.cast("type[DataclassInstance]", tp), value, key, origin)
-    if typing.get_origin(tp) is Mapping:  # name -> table, e.g. [actors.<name>]
-        if not isinstance(value, dict):
-            raise origin.error(f"expected a table, got {_describe(value)}", key)
-        for name in value:
-            if not re.fullmatch(ACTOR_NAME, name):
-                raise origin.error(f"bad name, must match {ACTOR_NAME}", _join(key, name))
-        item = typing.get_args(tp)[1]
-        return {name: _build(item, v, _join(key, name), origin) for name, v in value.items()}
-    if typing.get_origin(tp) is Literal:
-        if value not in (choices := typing.get_args(tp)):
-            listed = ", ".join(map(repr, choices))
-            raise origin.error(f"must be one of {listed}, got {reprlib.repr(value)}", key)
-        return value
-    if not (type(value) is tp or (tp is float and type(value) is int)):
-        raise origin.error(f"expected {_EXPECTED[tp]}, got {_describe(value)}", key)
-    value = float(value) if tp is float else value
-    if reason := _rule_broken(meta, value):
-        raise origin.error(reason, key)
-    return value
-
-
-def _rule_broken(meta: Mapping[str, Any], value: Any) -> str | None:
-    """Why ``value`` breaks a rule of its field (or of every TOML value), or None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"must be finite, got {value!r}"
-    if isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
-        return f"must fit a signed 64-bit integer, got {value!r}"
-    for name, holds, sign in _BOUNDS:
-        if (bound := meta.get(name)) is not None and not holds(value, bound):
-            return f"must be {sign} {bound}, got {value!r}"
-    if (step := meta.get("multiple_of")) and value % step:
-        return f"must be a multiple of {step}, got {value!r}"
-    if (pattern := meta.get("pattern")) and not re.fullmatch(pattern[0], value):
-        return f"must be {pattern[1]}, got {value!r}"
-    return None
-
-
-def _describe(value: object) -> str:
-    return f"{_TOML_TYPES.get(type(value), type(value).__name__)} {reprlib.repr(value)}"
-
-
-def _where(source: str, key: str) -> str:
-    # A command-line option reads as typed ("--set a.b"); a file is followed by a colon.
-    return f"{source} {key}" if source.startswith("-") else f"{source}: {key}"
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _suggest(name: str, candidates: Iterable[str], prefix: str) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1)
-    return f" (did you mean {_join(prefix, close[0])}?)" if close else ""
-
-
-def _to_raw(obj: Any) -> Any:
-    """The nested-dict form of a config (or of any value in one), as TOML would parse it."""
-    if dataclasses.is_dataclass(obj):
-        raw: dict[str, Any] = {}
-        for f in dataclasses.fields(obj):
-            if f.metadata.get("tools"):  # the tools' sections are top-level tables
-                raw |= {name: _to_raw(section) for name, section in getattr(obj, f.name).items()}
-            else:
-                raw[f.name] = _to_raw(getattr(obj, f.name))
-        return raw
-    if isinstance(obj, Mapping):
-        return {name: _to_raw(value) for name, value in obj.items()}
-    return obj
-
-
-def _subtables(obj: Any) -> list[tuple[str, Any, str]]:
-    """``(name, section or mapping of sections, doc)`` of each table of ``obj``. At the root:
-    the schema's own sections in its order, then the runtime's, the tools', the actors'."""
-    found: list[tuple[str, Any, str]] = []
-    hints = _hints(obj.__class__)
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if f.metadata.get("tools"):
-            found += [(name, section, _doc(type(section))) for name, section in value.items()]
-        elif dataclasses.is_dataclass(value) or isinstance(value, Mapping):
-            # A section class, or Mapping[str, section class].
-            cls = typing.get_args(hints[f.name])[1] if isinstance(value, Mapping) else hints[f.name]
-            found.append((f.name, value, _doc(cls)))
-    if not isinstance(obj, RunConfig):
-        return found
-    rank = {"runtime": 1, **dict.fromkeys(obj.tools, 2), "actors": 3}
-    return sorted(found, key=lambda table: rank.get(table[0], 0))
-
-
-def _doc(cls: type) -> str:
-    return cls.__doc__ or cls.__name__
-
-
-def _dump_table(obj: Any, key: str, lines: list[str]) -> None:
-    # TOML puts a table's own keys before any sub-table header, so scalars go first.
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if not (dataclasses.is_dataclass(value) or isinstance(value, Mapping)):
-            lines += [f"# {f.metadata['doc']}", f"{_dump_key(f.name)} = {_dump_value(value)}"]
-    for name, value, doc in _subtables(obj):
-        sub = _join(key, _dump_key(name))
-        lines += ["", f"# {doc}"]
-        if isinstance(value, Mapping):
-            named = [(f"{sub}.{_dump_key(item)}", section) for item, section in value.items()]
-        else:
-            named = [(sub, value)]
-        for i, (path, section) in enumerate(named):
-            lines += [""] * (i > 0) + [f"[{path}]"]
-            _dump_table(section, path, lines)
-
-
-def _dump_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)  # a float's repr always has a '.' or an exponent (or is inf/nan)
-    if isinstance(value, str):
-        return _dump_string(value)
-    raise TypeError(f"cannot write {type(value).__name__} as a TOML value")
-
-
-def _dump_string(text: str) -> str:
-    escaped = _NEEDS_ESCAPE.sub(lambda m: "\\" + _ESCAPES.get(m[0], f"u{ord(m[0]):04x}"), text)
-    return f'"{escaped}"'
-
-
-def _dump_key(name: str) -> str:
-    return name if _BARE_KEY.fullmatch(name) else _dump_string(name)

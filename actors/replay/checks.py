@@ -36,12 +36,13 @@ ran without waiting:
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final
 
-from ringfence.actors.replay.log import LANE_NAMES, Entry, Op, RunLog
+from ringfence.actors.replay.findings import TOUCHED, CheckResult, Violation, entries_of, op_name
+from ringfence.actors.replay.invariants import check_invariants
+from ringfence.actors.replay.log import LANE_NAMES, Entry, RunLog
 
 CHECKS: Final = {
     "I1": "no step read a device block before the swap-in that fills it was done",
@@ -55,53 +56,13 @@ CHECKS: Final = {
     "epochs": "no result of another epoch was applied",
     "requests": "every request that arrived finished, was aborted, or is in flight",
 }
-TOUCHED: Final = frozenset({"ok", "failed"})  # statuses of an op that may have touched blocks
-OP_NAMES: Final = {
-    "step": "step",
-    "in": "swap-in",
-    "out": "swap-out",
-    "write": "write-back",
-    "read": "prefetch",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Violation:
-    """One broken rule: the check (a key of CHECKS), what happened, and the entries."""
-
-    check: str
-    message: str
-    entries: tuple[Entry, ...]  # the first is where it shows; the rest are its causes
-
-    @property
-    def at(self) -> Entry | None:
-        return self.entries[0] if self.entries else None
-
-
-@dataclass(slots=True)
-class CheckResult:
-    """Every violation (in history order), what is still in flight, and what was checked."""
-
-    violations: list[Violation] = field(default_factory=list)
-    in_flight: list[str] = field(default_factory=list)  # ops and requests the log leaves open
-    counts: Counter[str] = field(default_factory=Counter)  # what each check looked at
-    skipped: list[str] = field(default_factory=list)  # checks the log level did not allow
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations
-
-
-def op_name(op: Op) -> str:
-    """``step 4``, ``swap-in 3``, ``write-back 7``."""
-    return f"{OP_NAMES.get(op.kind, op.lane)} {op.number}"
 
 
 def check_run(log: RunLog) -> CheckResult:
     """Run every check the log allows (see the module docstring)."""
     result = CheckResult()
     if log.traced:
-        _invariants(log, result)
+        check_invariants(log, result)
     else:
         result.skipped.append(
             "I1-I4, rings and the ops' application (the engine logged at info; set "
@@ -117,127 +78,6 @@ def check_run(log: RunLog) -> CheckResult:
     rank = {check: i for i, check in enumerate(CHECKS)}
     result.violations.sort(key=lambda v: (v.at.order if v.at else -1, rank.get(v.check, 99)))
     return result
-
-
-def _first(*entries: Entry | None) -> tuple[Entry, ...]:
-    return tuple(e for e in entries if e is not None)
-
-
-class Conflict(NamedTuple):
-    """The latest earlier op of another lane that an op must come after, and on what."""
-
-    other: Op
-    tier: str  # "device" or "host"
-    block: int
-    after_write: bool  # the op reads what ``other`` wrote (else it overwrites what it used)
-
-
-def _invariants(log: RunLog, result: CheckResult) -> None:
-    """I1-I4 from an independent per-block record of readers and writers per lane."""
-    size = log.block_size
-    writer: dict[tuple[str, int], dict[str, Op]] = defaultdict(dict)
-    user: dict[tuple[str, int], dict[str, Op]] = defaultdict(dict)
-    ready = {e.pid: e for e in log.events("engine.ready")}
-    issuer: int | None = None
-    last: dict[str, Op] = {}  # per lane, the last op issued (by any engine)
-    for key in log.issue_order:
-        op = log.ops.get(key)
-        if op is None or op.issue is None:
-            continue
-        if op.issue.pid != issuer:
-            # A new engine began only once every executor had handled every op before
-            # (its Resync answers: engine.ready's first_ops); nothing it issues can
-            # conflict with those, so the record starts again. Check that it did.
-            issuer = op.issue.pid
-            _resynced(ready.get(issuer), last, result)
-            writer.clear()
-            user.clear()
-        last[op.lane] = op
-        result.counts["I1-I4 ops"] += 1
-        reads, writes = op.access(size)
-        need: dict[str, Conflict] = {}  # per other lane
-        for tier, blocks in reads.items():
-            for block in blocks:
-                _latest(need, writer[(tier, block)], op, tier, block, after_write=True)
-        for tier, blocks in writes.items():
-            for block in blocks:
-                _latest(need, user[(tier, block)], op, tier, block, after_write=False)
-        for tier, blocks in reads.items():
-            for block in blocks:
-                user[(tier, block)][op.lane] = op
-        for tier, blocks in writes.items():
-            for block in blocks:
-                writer[(tier, block)][op.lane] = op
-                user[(tier, block)][op.lane] = op
-        for lane, conflict in sorted(need.items()):
-            _judge(op, lane, conflict, result)
-
-
-def _resynced(ready: Entry | None, last: dict[str, Op], result: CheckResult) -> None:
-    """An engine's first ops come after every op an engine before it issued, lane by lane."""
-    first = (ready.get("first_ops") if ready is not None else None) or {}
-    for lane, op in last.items():
-        if int(first.get(lane, 1)) <= op.number:
-            causes = _first(ready, op.issue)
-            result.violations.append(
-                Violation(
-                    "ops",
-                    f"an engine began with {lane} op {first.get(lane, 1)}, but an engine before "
-                    f"it had issued {op_name(op)}",
-                    causes,
-                )
-            )
-
-
-def _latest(
-    need: dict[str, Conflict],
-    previous: dict[str, Op],
-    op: Op,
-    tier: str,
-    block: int,
-    *,
-    after_write: bool,
-) -> None:
-    for lane, other in previous.items():
-        if lane != op.lane and (lane not in need or need[lane].other.number < other.number):
-            need[lane] = Conflict(other, tier, block, after_write)
-
-
-def _invariant(op: Op, conflict: Conflict) -> str:
-    if conflict.tier == "host":
-        return "I4"
-    if conflict.after_write:
-        return "I1" if op.lane == "step" else "I2"
-    return "I3"
-
-
-def _judge(op: Op, lane: str, conflict: Conflict, result: CheckResult) -> None:
-    other, tier, block = conflict.other, conflict.tier, conflict.block
-    invariant = _invariant(op, conflict)
-    what = "read" if conflict.after_write else "overwrote"
-    since = "wrote" if conflict.after_write else "used"
-    seen = op.seen(lane)
-    done = op.done[0] if op.done else None
-    causes = _first(done, op.issue, other.issue, other.done[0] if other.done else None)
-    if done is not None and op.status in TOUCHED and seen is not None and seen < other.number:
-        result.violations.append(
-            Violation(
-                invariant,
-                f"{op_name(op)} {what} {tier} block {block} having seen {lane}_done at "
-                f"{seen}, before {op_name(other)} (which {since} it) was done",
-                causes,
-            )
-        )
-    elif op.fence(lane) < other.number:
-        result.violations.append(
-            Violation(
-                invariant,
-                f"{op_name(op)}'s fence waits for {lane} {op.fence(lane)}, but "
-                f"{op_name(other)} {since} {tier} block {block} it {what} (fence too weak"
-                f"{'; this run was lucky' if done is not None else ''})",
-                _first(op.issue, other.issue, done),
-            )
-        )
 
 
 def _waits(log: RunLog, result: CheckResult) -> None:
@@ -307,7 +147,7 @@ def _ops(log: RunLog, result: CheckResult) -> None:
         result.counts["ops"] += 1
         for extra in op.extra_issues:
             result.violations.append(
-                Violation("ops", f"{name} issued twice", (extra, *_first(op.issue)))
+                Violation("ops", f"{name} issued twice", (extra, *entries_of(op.issue)))
             )
         if log.traced and op.issue is None and op.done:
             issuer = killed.get((op.lane, op.number))
@@ -323,7 +163,7 @@ def _ops(log: RunLog, result: CheckResult) -> None:
                     Violation(
                         "ops",
                         f"the engine applied a completion of {name}, which no executor logged",
-                        (op.applied[0], *_first(op.issue)),
+                        (op.applied[0], *entries_of(op.issue)),
                     )
                 )
             elif op.issue is not None and op.number < last_done[op.lane]:

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from ringfence.actors.replay.checks import CHECKS, CheckResult, Violation, check_run
+from ringfence.actors.replay.checks import CHECKS, check_run
+from ringfence.actors.replay.findings import CheckResult, Violation
 from ringfence.actors.replay.log import Entry, ReplayError, RunLog, read_run
 
 CONTEXT_BEFORE = 8  # history entries shown before a violation

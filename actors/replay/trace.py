@@ -32,10 +32,10 @@ from typing import Any, Final
 
 import orjson
 
+from ringfence.actors.replay.findings import op_name
 from ringfence.actors.replay.log import LANE_NAMES, Entry, Op, RunLog
 
 LANE_ACTORS: Final = {"step": "worker", "swap": "swap", "store": "store"}
-OP_NAMES: Final = {"in": "swap-in", "out": "swap-out", "write": "write-back", "read": "prefetch"}
 SUPERVISOR_EVENTS: Final = frozenset(
     {"run.start", "actor.spawn", "actor.exit", "actor.restart", "run.end"}
 )
@@ -125,7 +125,7 @@ def write_trace(log: RunLog, path: str | Path) -> int:
         at = op.issue or next(iter(op.applied + op.stale + op.extra_issues), None)
         if not op.done and at is not None:
             where = tracks.tid(_executor(log, op.lane), f"{op.lane} lane")
-            name = f"{_op_name(op)} never completed"
+            name = f"{op_name(op)} never completed"
             events.append(_event("i", name, "op", where, us(at.ts), s="t", args=_fields(at)))
     for entry in log.history:
         events.extend(_entry_events(entry, tracks, us(entry.ts)))
@@ -142,7 +142,7 @@ def _op_slices(log: RunLog, tracks: _Tracks) -> list[_Slice]:
             where = tracks.tid(done.source, f"{op.lane} lane")
             wait = (done.get("wait_ns") or 0) / 1e9
             work = (done.get("exec_ns" if op.lane == "step" else "copy_ns") or 0) / 1e9
-            name = _op_name(op) + (" (again)" if again else "")
+            name = op_name(op) + (" (again)" if again else "")
             start = min(done.ts - wait - work, done.ts - MIN_SLICE_S)  # cancelled: 0 s
             lanes[where].append(_Slice(op, done, name, where, start, done.ts, wait))
     slices: list[_Slice] = []
@@ -199,7 +199,7 @@ def _entry_events(entry: Entry, tracks: _Tracks, ts: float) -> list[Event]:
                 args[key] = len(args[key] or ())
         op = Op(str(entry.get("lane")), int(entry.get("op") or 0), issue=entry)
         where = tracks.tid(source, "scheduler")
-        return [_event("i", f"issue {_op_name(op)}", "sched", where, ts, s="t", args=args)]
+        return [_event("i", f"issue {op_name(op)}", "sched", where, ts, s="t", args=args)]
     if name in SUPERVISOR_EVENTS:
         label = f"{name} {entry.get('instance')}" if entry.get("instance") else name
         where = tracks.tid(source, "lifecycle")
@@ -208,10 +208,6 @@ def _entry_events(entry: Entry, tracks: _Tracks, ts: float) -> list[Event]:
         where = tracks.tid(source, "log")
         return [_event("i", name, str(entry.get("level")), where, ts, s="t", args=_fields(entry))]
     return []
-
-
-def _op_name(op: Op) -> str:
-    return f"{'step' if op.lane == 'step' else OP_NAMES.get(op.kind, op.lane)} {op.number}"
 
 
 def _executor(log: RunLog, lane: str) -> str:

@@ -18,7 +18,6 @@ from ringfence.actors.model.config import ModelConfig
 from ringfence.cache.config import CacheConfig, StorageConfig
 from ringfence.runtime.bench.demo import DemoConfig
 from ringfence.runtime.config import (
-    ACTOR_NAME,
     ActorPolicy,
     RunConfig,
     check_actor_names,
@@ -28,6 +27,7 @@ from ringfence.runtime.config import (
     parse_override,
     setting,
 )
+from ringfence.runtime.config_tables import ACTOR_NAME
 from ringfence.runtime.topology import import_target
 from ringfence.shm.errors import ConfigError
 

@@ -10,7 +10,8 @@ import orjson
 import pytest
 from replay_logs import ENGINE, Logs
 
-from ringfence.actors.replay.checks import CheckResult, check_run
+from ringfence.actors.replay.checks import check_run
+from ringfence.actors.replay.findings import CheckResult
 from ringfence.actors.replay.log import RunLog, read_run
 from ringfence.runtime.cli import main as cli
 
