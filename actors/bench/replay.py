@@ -150,7 +150,7 @@ def launch(run: Run, run_dir: Path, *, level: str, threads: int, timeout: float)
 
 
 def load_check() -> Check:
-    """``replay_checks.check_run`` (imported only when the benchmark runs)."""
+    """``replay.checks.check_run`` (imported only when the benchmark runs)."""
     from ringfence.actors.replay.checks import check_run
 
     return check_run
@@ -335,7 +335,7 @@ def _print(report: dict[str, Any]) -> None:
         f"outputs equal on both sides: {report['tokens_match']:.0%} of requests)"
     )
     replay = report["replay"]
-    check = "read_run + check_run" if replay["checked"] else "read_run only (no replay_checks)"
+    check = "read_run + check_run" if replay["checked"] else "read_run only (no checks)"
     print(
         f"  replay of a trace run of {replay['requests']} requests, {replay['events']} events, "
         f"median of {counts['replays']}: {check}"

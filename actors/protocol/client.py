@@ -3,7 +3,7 @@
 ``CLIENT_TO_ENGINE`` carries a client's announcement and its requests;
 ``ENGINE_TO_CLIENT`` carries the output of each request, as it is produced. A
 client names its requests with ids of its own choosing; the engine keys them by
-client instance and incarnation (see clienthub.py), so two clients may use the same
+client instance and incarnation (see ``actors/engine/clients.py``), so two clients may use the same
 id. Every engine -> client message carries the client incarnation it answers: the
 ring to a client slot outlives the process attached to it, and a newly attached
 client drops what was meant for its predecessor.

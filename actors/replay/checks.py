@@ -1,6 +1,6 @@
 """The checks of ``ringfence replay``: the protocol's invariants, proved or refuted from logs.
 
-Every check reads only what the actors logged (see replay_log.py), never the code's
+Every check reads only what the actors logged (see ``log.py``), never the code's
 own bookkeeping, so a bug in the scheduler's fences is found as surely as a lane that
 ran without waiting:
 

@@ -1,15 +1,15 @@
 """``ringfence replay RUN_DIR``: check, explain and visualize a run from its logs alone.
 
-Reads and merges every actor's log in happens-before order (replay_log.py), runs the
-protocol checks (replay_checks.py) and prints what was checked, then either "ok" or
+Reads and merges every actor's log in happens-before order (``log.py``), runs the
+protocol checks (``checks.py``) and prints what was checked, then either "ok" or
 the first violation with the events around it in the merged history, and the others
 in brief. Exit status 0 when every check holds, 1 otherwise (2: the run dir cannot be
 read). Options add to that:
 
-- ``--trace FILE``: a Chrome trace event file for Perfetto (replay_trace.py);
-- ``--request ID``: the life of one request (replay_request.py);
+- ``--trace FILE``: a Chrome trace event file for Perfetto (``trace.py``);
+- ``--request ID``: the life of one request (``request.py``);
 - ``--redrive``: repeat the engine's scheduler calls on a fresh scheduler and report the
-  first decision that differs (replay_redrive.py); a difference is exit status 1.
+  first decision that differs (``redrive.py``); a difference is exit status 1.
 
 Most checks need the engine's trace (``runtime.log_level=trace``); at ``info`` the
 report names the checks it could not make.

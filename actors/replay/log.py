@@ -17,7 +17,7 @@ all entries by the protocol's own happens-before:
   saw L's watermark at ``n`` or more before it touched a block.
 
 Clocks (``ts``) only break ties among entries no edge orders. Nothing here judges the
-run; see replay_checks.py.
+run; see ``checks.py``.
 """
 
 from __future__ import annotations

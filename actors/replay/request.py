@@ -1,6 +1,6 @@
 """The life of one request in a run's logs: what ``ringfence replay RUN_DIR --request ID`` prints.
 
-:func:`request_life` walks the merged history of :func:`replay_log.read_run` from the
+:func:`request_life` walks the merged history of :func:`.log.read_run` from the
 request's ``request.arrive`` to its ``request.finish`` and keeps what concerns it, one line
 each, prefixed with the time since its arrival (``+0.123s``):
 

@@ -1,7 +1,7 @@
 """``ringfence bench ring``: ringfence rings against stdlib IPC, side by side, two processes.
 
 Placements: ``cross`` (two CPUs), ``same`` (one CPU), ``loaded`` (unpinned, beside a
-process that burns a CPU). For every transport of ``bench_link`` and every size it
+process that burns a CPU). For every transport of ``link.py`` and every size it
 measures echo round trips and a one-way stream whose clock stops when the peer's count
 comes back. A Queue ``put`` never blocks (a feeder thread buffers), so a measured
 stream is capped at twice what the warm-up rate delivers in its time box. Then it

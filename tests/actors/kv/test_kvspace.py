@@ -59,7 +59,7 @@ def bits(t: Tensor) -> Tensor:
 @pytest.fixture
 def kv_name(run_id):
     """The KV segment's name in a fresh run; every name of the run is unlinked afterwards
-    (the name belongs to the run, and nothing in kvspace unlinks it)."""
+    (the name belongs to the run, and nothing in kv.space unlinks it)."""
     yield names.posix_name(run_id, "kv.device.0")
     names.clean_run(run_id)
 
