@@ -179,6 +179,16 @@ def test_llama_rope_scaling_gives_transformers_frequencies_and_logits(
     assert (ours - float64_throughout(hf)).abs().max().item() <= 1e-15
 
 
+def test_qwen_windows_that_start_past_the_last_layer_are_full_attention(tmp_path: Path) -> None:
+    overrides: dict[str, Any] = {
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        "max_window_layers": 2,
+    }
+    save_family(tmp_path, "Qwen2ForCausalLM", seed=1, **overrides)
+    assert read_config(tmp_path).sliding_window is None
+
+
 def test_a_v4_config_with_a_top_level_rope_theta_is_read(tmp_path: Path) -> None:
     save_family(tmp_path, "Qwen2ForCausalLM", seed=1, rope_parameters={"rope_theta": 1e6})
     v4_form(tmp_path)
