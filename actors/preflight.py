@@ -15,11 +15,7 @@ from pathlib import Path
 
 from ringfence.actors.config import Config
 from ringfence.actors.kv.layout import kv_layout
-from ringfence.actors.model.checkpoint import (
-    read_config,
-    read_safetensors_header,
-    safetensors_files,
-)
+from ringfence.actors.model.checkpoint import check_checkpoint
 from ringfence.actors.model.shape import PRESETS, ModelShape
 from ringfence.cache.fences import Tier
 
@@ -45,12 +41,7 @@ def checkpoint_shape(path: str) -> ModelShape:
         raise ValueError(f"model.path: {path}: no such directory")
     if not root.is_dir():
         raise ValueError(f"model.path: {path}: not a directory")
-    shape = read_config(root)
-    for file in safetensors_files(root):
-        if not file.is_file():
-            raise ValueError(f"{file}: shard file missing")
-        read_safetensors_header(file)
-    return shape
+    return check_checkpoint(root)
 
 
 def check_cache(config: Config, shape: ModelShape) -> None:
