@@ -14,8 +14,9 @@ A run, in order:
    awaited: it may attach at any time, or never;
 4. watch: a child's exit (its process sentinel), a stale heartbeat (the child is
    killed) and the restart policy; a shutdown request from an actor; SIGINT/SIGTERM.
-   An instance that fails before it ever reported ready is not restarted (it would
-   meet the same error again): its failure ends the run at once. A failed child
+   An instance whose start raised before it ever reported ready is not restarted (it
+   would meet the same error again): its failure ends the run at once (one that was
+   late, or killed, is restarted as before). A failed child
    leaves a failure record (failure.py); the supervisor logs it with the exit and
    keeps the one that ended the run in :attr:`Supervisor.failure` for the command;
 5. stop: a Stop on each actor's control ring in topology order, each awaited within
@@ -337,7 +338,9 @@ class Supervisor:
 
     def _failed(self, run: Run, slot: Slot, failure: Failure | None) -> None:
         policy = self.config.actor(slot.entry.name)
-        if policy.restart == "never" or slot.restarts >= policy.max_restarts or not slot.ever_ready:
+        # A start that raised would raise again; one cut short (late, killed) may yet succeed.
+        start_raised = failure is not None and not slot.ever_ready
+        if policy.restart == "never" or slot.restarts >= policy.max_restarts or start_raised:
             slot.state = "failed"
             self.log.error(
                 "actor.gave_up",
