@@ -19,6 +19,7 @@ from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topo
 
 _W = "ringfence.actors.protocol.worker"
 _T = "ringfence.actors.protocol.transfer"
+CHECK_MODEL = "ringfence.actors.preflight:check_model"  # by name: imported when a run starts
 _EXECUTORS = {
     "worker": "ringfence.actors.executors.worker:Worker",
     "swap": "ringfence.actors.executors.swap:SwapLane",
@@ -38,6 +39,8 @@ class FencedTopology:
     engine: str
     before: tuple[ActorSpec, ...] = ()
     channels: tuple[ChannelSpec, ...] = ()
+    # Preflight checks besides the model's (check_model: the Worker loads it in on_start).
+    preflight: tuple[str, ...] = ()
 
     def __call__(self, config: RunConfig) -> Topology:
         """The topology at the run's ``parallel.tp_size``."""
@@ -62,4 +65,5 @@ class FencedTopology:
                 ChannelSpec(src="store", dst="engine", protocol=f"{_T}:FROM_TRANSFER"),
             ),
             counters=(CounterSpec(name=LANES, count=LANE_SLOTS * ranks),),
+            preflight=(CHECK_MODEL, *self.preflight),
         )

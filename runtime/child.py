@@ -1,7 +1,8 @@
 """The body of a process the supervisor spawns: attach one instance, run it, exit with its status.
 
 Exit status: 0 when the instance stopped as asked (or found the supervisor gone),
-1 when it failed (the error is in its log). SIGINT is ignored, because a Ctrl-C at
+1 when it failed: the error is in its log, and its failure record (``failure.py``) in the
+run dir tells the supervisor what it was and where. SIGINT is ignored, because a Ctrl-C at
 the terminal reaches the whole process group and the supervisor alone decides the
 order of the shutdown; SIGTERM keeps its default (the process ends at once, which
 the supervisor treats as a failure).
@@ -44,12 +45,23 @@ def main(spec: ChildSpec) -> None:
         )
     except Exception as e:
         print(f"ringfence: {spec.name}-{spec.rank} could not attach: {e}", file=sys.stderr)
+        _record(spec, "attach", e)
         _leave(1)
     try:
         driver.run()
-    except Exception:
-        _leave(1)  # logged by the driver, with its traceback
+    except Exception as e:  # logged by the driver, with its traceback
+        _record(spec, driver.failed_in or "loop", e)
+        _leave(1)
     _leave(0)
+
+
+def _record(spec: ChildSpec, where: str, error: BaseException) -> None:
+    """Leave the failure record the supervisor reads; a run dir gone or full loses only it."""
+    from ringfence.runtime.failure import Failure, write_failure
+
+    instance = f"{spec.name}-{spec.rank}"
+    with contextlib.suppress(OSError):
+        write_failure(spec.run_dir, Failure.of(instance, spec.incarnation, where, error))
 
 
 def _leave(status: int) -> NoReturn:

@@ -139,10 +139,8 @@ def _launch(args: argparse.Namespace) -> int:
     if args.workload:
         overrides.append(f"engine.workload={args.workload}")
     config = load_config(args.config, overrides)
-    # A bad workload line is the command's error, before a run exists. The engine reads
-    # workloads; the runtime knows its check only by name.
-    check = import_target("ringfence.actors.engine.intake:check_workload")
-    check(config)  # type: ignore[operator]
+    # The topology's preflight (a checkpoint the Worker could not load, a workload the
+    # engine could not read) runs here, before a run exists: its error is the command's.
     supervisor = Supervisor(config, args.run_dir)
     print(f"ringfence launch: run {supervisor.run_id} in {supervisor.run_dir}", flush=True)
     code = supervisor.run()
@@ -151,6 +149,10 @@ def _launch(args: argparse.Namespace) -> int:
         # The table lives with the engine's report; the runtime imports it only by name.
         report = import_target("ringfence.actors.engine.report:format_summary")
         print(report(orjson.loads(summary.read_bytes())))  # type: ignore[operator]
+    if supervisor.failure:  # what ended the run: the actor, its error, where it was raised
+        sys.stdout.flush()  # the run's own lines first, on a terminal that shows both
+        head, *rest = supervisor.failure
+        print("\n".join([f"ringfence launch: {head}", *rest]), file=sys.stderr, flush=True)
     print(
         f"ringfence launch: run {supervisor.run_id} ended ({supervisor.stop_reason}), "
         f"exit status {code}"

@@ -142,6 +142,7 @@ class Driver:
         self.stop_reason: str | None = None
         self.closed = False
         self.error: BaseException | None = None  # what ended the instance, if anything did
+        self.failed_in: str | None = None  # where it did: "on_start", "loop" or "on_stop"
         self._thread: threading.Thread | None = None
 
     # Services offered to the actor (see actor.Services).
@@ -477,7 +478,7 @@ class Driver:
     def _fail(self, where: str, error: BaseException) -> None:
         if self.error is not None:
             return
-        self.error = error
+        self.error, self.failed_in = error, where
         exc: Any = error if isinstance(error, Exception) else None
         self.log.error("actor.failed", where=where, error=repr(error), exc_info=exc)
 

@@ -55,6 +55,8 @@ class Slot:
     beat_at: float = 0.0  # ... and when it was first seen
     started_at: float = 0.0
     shutdowns: int = 0  # shutdown requests seen so far
+    ever_ready: bool = False  # some incarnation reported ready (only then is a restart tried)
+    kill_reason: str | None = None  # why the supervisor killed the current incarnation
 
     @property
     def live(self) -> bool:
@@ -69,16 +71,31 @@ class Run:
     slots: list[Slot] = field(default_factory=list)
 
 
-def load_topology(config: RunConfig) -> Topology:
+def load_topology(config: RunConfig, *, preflight: bool = False) -> Topology:
     """The topology ``runtime.topology`` names: a :class:`Topology`, or a function that
-    builds one from the run's config (the fenced topology takes its ranks from it)."""
+    builds one from the run's config (the fenced topology takes its ranks from it).
+
+    With ``preflight``, its preflight checks run first (:func:`run_preflight`), before
+    the actors' modules are imported: a run they refuse is refused in a moment."""
     found = import_target(config.runtime.topology)
     topology = found(config) if callable(found) else found
     if not isinstance(topology, Topology):
         raise ValueError(f"runtime.topology: {config.runtime.topology} is not a Topology")
-    topology.check()
     check_actor_names(config, [a.name for a in topology.actors], "config")
+    if preflight:
+        run_preflight(config, topology)
+    topology.check()
     return topology
+
+
+def run_preflight(config: RunConfig, topology: Topology) -> None:
+    """Run each of the topology's preflight checks on ``config``, in order; the first
+    ValueError (naming the file and the field at fault) propagates."""
+    for path in topology.preflight:
+        check = import_target(path)
+        if not callable(check):
+            raise ValueError(f"topology: preflight check {path} is not a function")
+        check(config)
 
 
 def prepare_run_dir(run_dir: Path) -> str | None:

@@ -2,8 +2,9 @@
 
 A run, in order:
 
-1. import and check the topology (every receiver handles its channels' messages)
-   and the per-actor config, before anything is created;
+1. import and check the topology (every receiver handles its channels' messages),
+   the per-actor config and the topology's preflight checks (the checkpoint, the
+   workload), before anything is created;
 2. take the run dir (cleaning what a dead earlier run left there), write the lease,
    the names manifest and the resolved config, then create every doorbell, ring and
    counter block the manifest names (run.py);
@@ -12,7 +13,12 @@ A run, in order:
    an ``attach = "optional"`` instance (a client slot, see topology.py) is only
    awaited: it may attach at any time, or never;
 4. watch: a child's exit (its process sentinel), a stale heartbeat (the child is
-   killed) and the restart policy; a shutdown request from an actor; SIGINT/SIGTERM;
+   killed) and the restart policy; a shutdown request from an actor; SIGINT/SIGTERM.
+   An instance whose start raised before it ever reported ready is not restarted (it
+   would meet the same error again): its failure ends the run at once (one that was
+   late, or killed, is restarted as before). A failed child
+   leaves a failure record (failure.py); the supervisor logs it with the exit and
+   keeps the one that ended the run in :attr:`Supervisor.failure` for the command;
 5. stop: a Stop on each actor's control ring in topology order, each awaited within
    the stop deadline (an attached optional instance is sent Stop, not awaited: its
    host process stops when it next polls), then SIGKILL for what is left; unlink
@@ -39,6 +45,7 @@ import multiprocess
 
 from ringfence.runtime import child
 from ringfence.runtime.config import RunConfig
+from ringfence.runtime.failure import Failure, describe_exit, read_failure
 from ringfence.runtime.log import ActorLog, log_path
 from ringfence.runtime.messages import RUNTIME, Stop
 from ringfence.runtime.run import Run, Slot, create_run, load_topology, write_actors
@@ -55,13 +62,17 @@ class Supervisor:
 
     def __init__(self, config: RunConfig, run_dir: Path | None = None) -> None:
         self.config = config
-        self.topology = load_topology(config)
+        # Nothing exists yet: a topology, config or preflight error leaves nothing behind.
+        self.topology = load_topology(config, preflight=True)
         self.run_id = names.new_run_id()
         self.run_dir = run_dir or Path(config.runtime.run_dir) / self.run_id
         # Replaced by the run's log once the run dir exists; until then lines go nowhere.
         self.log = ActorLog(None, actor=SUPERVISOR, rank=0, epoch=0)
         self.exit_code = 0
         self._stop_reason: str | None = None
+        # Why the run failed, in lines for the terminal: the failure record of the actor
+        # that ended it, or how its process ended when it left none.
+        self.failure: list[str] = []
         self._context = multiprocess.get_context("spawn")
         self._by_sentinel: dict[int, Slot] = {}
 
@@ -135,6 +146,7 @@ class Supervisor:
             write_actors(self.run_dir, run)
             return
         slot.incarnation += 1
+        slot.kill_reason = None
         spec = child.ChildSpec(
             str(self.run_dir),
             slot.entry.name,
@@ -208,6 +220,7 @@ class Supervisor:
             ctl = slot.control
             if slot.state == "starting" and ctl.ready.value() >= slot.incarnation:
                 slot.state, slot.beat, slot.beat_at = "ready", ctl.heartbeat.value(), now
+                slot.ever_ready = True
                 if slot.entry.placement == "external":
                     writer = ctl.ready.writer()
                     slot.pid = writer.pid if writer else None
@@ -286,6 +299,7 @@ class Supervisor:
                 "actor.kill", instance=slot.entry.id, instance_pid=slot.pid, reason=reason
             )
             os.kill(slot.pid, signal.SIGKILL)
+            slot.kill_reason = slot.kill_reason or reason
 
     def _reap_fired(self, run: Run, sentinels: set[int]) -> None:
         """Collect the children whose sentinels fired (their exit status follows shortly)."""
@@ -304,6 +318,8 @@ class Supervisor:
             slot.proc.close()
         slot.proc, slot.exitcode = None, code
         clean = code == 0 and slot.control.exited.value() >= slot.incarnation
+        failure = None if clean else read_failure(self.run_dir, slot.entry.id, slot.incarnation)
+        told = {} if failure is None else {"where": failure.where, "at": failure.at}
         self.log.info(
             "actor.exit",
             instance=slot.entry.id,
@@ -311,23 +327,33 @@ class Supervisor:
             exitcode=code,
             incarnation=slot.incarnation,
             clean=clean,
+            **told,
+            **({} if failure is None else {"error": f"{failure.error}: {failure.message}"}),
         )
         if self._stop_reason is not None or clean:
             slot.state = "stopped" if self._stop_reason is not None else "exited"
         else:
-            self._failed(run, slot)
+            self._failed(run, slot, failure)
         write_actors(self.run_dir, run)
 
-    def _failed(self, run: Run, slot: Slot) -> None:
+    def _failed(self, run: Run, slot: Slot, failure: Failure | None) -> None:
         policy = self.config.actor(slot.entry.name)
-        if policy.restart == "never" or slot.restarts >= policy.max_restarts:
+        # A start that raised would raise again; one cut short (late, killed) may yet succeed.
+        start_raised = failure is not None and not slot.ever_ready
+        if policy.restart == "never" or slot.restarts >= policy.max_restarts or start_raised:
             slot.state = "failed"
             self.log.error(
                 "actor.gave_up",
                 instance=slot.entry.id,
                 restarts=slot.restarts,
                 restart=policy.restart,
+                ever_ready=slot.ever_ready,
             )
+            if failure is not None:
+                self.failure = failure.lines()
+            else:
+                said = describe_exit(slot.entry.id, slot.exitcode)
+                self.failure = [f"{said} ({slot.kill_reason})" if slot.kill_reason else said]
             self._begin_stop(f"{slot.entry.id} failed", EXIT_FAILED)
             return
         backoff = min(policy.backoff_s * 2**slot.restarts, policy.backoff_max_s)

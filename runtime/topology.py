@@ -14,6 +14,12 @@ never spawns an optional instance, whatever its configured placement, never wait
 for one to attach, only warns when an attached one's heartbeat goes stale, and
 after one detaches or dies waits for the next attach; it sends an attached one
 Stop when the run ends but does not wait for it to go.
+
+A topology also names its preflight: checks of the run's config, each an import path of
+a function ``check(config) -> None`` that raises ValueError naming the file and the
+field at fault (a checkpoint the Worker could not load, a workload the engine could not
+read). The supervisor runs them before it creates anything (``run.preflight``), so that a
+run its actors would refuse is refused before any process or shared-memory name exists.
 """
 
 from __future__ import annotations
@@ -95,11 +101,13 @@ def import_target(path: str) -> object:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
-    """Actors, in stop order (the first is stopped first), channels and counter blocks."""
+    """Actors, in stop order (the first is stopped first), channels, counter blocks and the
+    preflight checks (import paths, run in order; see the module docstring)."""
 
     actors: tuple[ActorSpec, ...]
     channels: tuple[ChannelSpec, ...] = ()
     counters: tuple[CounterSpec, ...] = ()
+    preflight: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.actors]
@@ -128,6 +136,9 @@ class Topology:
         for counter in self.counters:
             if not NAME_RE.match(counter.name) or counter.count < 1:
                 raise ValueError(f"topology: bad counter block {counter}")
+        for check in self.preflight:
+            if not TARGET_RE.match(check):
+                raise ValueError(f"topology: bad preflight check {check!r}")
 
     def actor(self, name: str) -> ActorSpec:
         for spec in self.actors:

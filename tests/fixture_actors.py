@@ -44,6 +44,21 @@ class FailingStartRelay(Relay):
         raise StartRefused("fixture relay refuses to start")
 
 
+class RestartRefusedRelay(Relay):
+    """A relay whose second incarnation (its first restart) raises in ``on_start``; the
+    first and every later one start as the demo's."""
+
+    def on_start(self) -> None:
+        if self.ctx.incarnation == 2:
+            raise StartRefused("fixture relay refuses its first restart")
+        super().on_start()
+
+
+def refuse_run(config: object) -> None:
+    """A preflight check that refuses every run, naming a file and a field."""
+    raise ValueError("/fixture/settings.json: answer: must be 42, got 41")
+
+
 def _swap(name: str, target: str) -> Topology:
     """The demo topology with actor ``name`` running class ``target`` instead."""
     actors = tuple(
@@ -54,6 +69,9 @@ def _swap(name: str, target: str) -> Topology:
 
 HUNG_SINK = _swap("sink", f"{__name__}:HangingSink")
 FAILING_START = _swap("relay", f"{__name__}:FailingStartRelay")
+FAILING_RESTART = _swap("relay", f"{__name__}:RestartRefusedRelay")
+# The demo pipeline with a preflight that refuses it: no actor may ever start.
+REFUSED = replace(TOPOLOGY, preflight=(f"{__name__}:refuse_run",))
 
 
 # Fixtures of test_supervisor_edges.py: a slow stop, a run the test ends, a relay of 2 ranks.

@@ -3,7 +3,7 @@
 Each becomes the scheduler's :class:`Request`; a text prompt goes through the checkpoint's
 tokenizer (bytes for the presets). Workload files are read here, not in the scheduler
 (which does no I/O); ``ringfence launch`` checks one before a run exists
-(:func:`check_workload`, which the runtime knows only by name).
+(:func:`check_workload`, a preflight check the engine's topology names).
 """
 
 from __future__ import annotations

@@ -167,6 +167,8 @@ def test_with_restart_never_a_killed_relay_ends_the_run_with_status_1(tmp_path):
         assert (end["reason"], end["exit_code"]) == ("relay-0 failed", 1)
         row = run.actor("relay-0")
         assert (row["state"], row["restarts"], row["exitcode"]) == ("failed", 0, -signal.SIGKILL)
+        # Killed, it left no failure record: the terminal says how it ended.
+        assert run.stderr() == "ringfence launch: relay-0 was killed by SIGKILL\n"
 
 
 def test_with_max_restarts_1_the_second_kill_of_the_relay_ends_the_run(tmp_path):

@@ -1,0 +1,91 @@
+"""The fenced topology's preflight: the checks ``ringfence launch`` runs before a run exists.
+
+The supervisor runs a topology's preflight checks by import path before it creates any
+process or shared-memory name (``runtime/topology.py``), so that a run the Worker would
+refuse in ``on_start`` is refused at once, as the command's one-line error (exit 2)
+naming the file and the field or tensor at fault. :func:`check_model` reads only
+headers and JSON (the checkpoint's config.json and its safetensors headers, never a
+tensor's bytes) and imports torch only when ``model.device`` is a CUDA device.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ringfence.actors.config import Config
+from ringfence.actors.kv.layout import kv_layout
+from ringfence.actors.model.checkpoint import check_checkpoint
+from ringfence.actors.model.shape import PRESETS, ModelShape
+from ringfence.cache.fences import Tier
+
+SHM_DIR = "/dev/shm"  # where the CPU KV pools are created (POSIX shared memory)
+
+
+def check_model(config: Config) -> None:
+    """ValueError naming the file and field (or setting) when the Worker could not run
+    ``[model]`` with this ``[cache]`` and ``[parallel]``: the checkpoint (its path,
+    config.json, architecture, shard files, tensor names, shapes and dtypes), the KV heads
+    against ``parallel.tp_size``, ``cache.block_size`` against the model's positions, the
+    KV pools against the room in /dev/shm, and ``model.dtype`` on ``model.device``."""
+    shape = checkpoint_shape(config.model.path) if config.model.path else None
+    shape = shape or PRESETS[config.model.preset]
+    check_cache(config, shape)
+    check_device(config.model.device, config.model.dtype)
+
+
+def checkpoint_shape(path: str) -> ModelShape:
+    """The shape of the checkpoint at ``model.path``, once every file of it checked out."""
+    root = Path(path)
+    if not root.exists():
+        raise ValueError(f"model.path: {path}: no such directory")
+    if not root.is_dir():
+        raise ValueError(f"model.path: {path}: not a directory")
+    return check_checkpoint(root)
+
+
+def check_cache(config: Config, shape: ModelShape) -> None:
+    """The KV layouts at this config (``parallel.tp_size`` divides the KV heads), a block
+    no longer than the model's positions, and the CPU pools within /dev/shm's free room."""
+    block_size = config.cache.block_size
+    if block_size > shape.max_position:
+        raise ValueError(
+            f"cache.block_size: {block_size} tokens exceeds the model's "
+            f"{shape.max_position} positions (max_position_embeddings)"
+        )
+    device, host = kv_layout(config, Tier.DEVICE, shape), kv_layout(config, Tier.HOST, shape)
+    ranks = config.parallel.tp_size
+    pools = {"cache.host_blocks": host.nbytes * ranks}
+    if config.model.device == "cpu":
+        pools["cache.device_blocks"] = device.nbytes * ranks
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:
+        return  # no /dev/shm to measure: creating the pools will say what is wrong
+    free = stat.f_bavail * stat.f_frsize
+    if sum(pools.values()) > free:
+        sizes = ", ".join(f"{key} {nbytes / 2**20:.0f} MiB" for key, nbytes in pools.items())
+        raise ValueError(
+            f"cache: the KV pools ({sizes}) do not fit in the {free / 2**20:.0f} MiB free in "
+            f"{SHM_DIR}"
+        )
+
+
+def check_device(device: str, dtype: str) -> None:
+    """``model.device`` exists and runs ``model.dtype``; torch is imported only for CUDA.
+
+    Every dtype of ``[model]`` runs on the CPU (bfloat16 included: slower, not refused)."""
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"model.device: {device!r}, but torch sees no CUDA device")
+    index = torch.device(device).index or 0
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"model.device: {device!r}, but torch sees {count} CUDA device(s)")
+    if dtype == "bfloat16" and torch.cuda.get_device_capability(index) < (8, 0):
+        # Before compute capability 8.0 bfloat16 is only emulated, if at all.
+        name = torch.cuda.get_device_name(index)
+        raise ValueError(f"model.dtype: bfloat16 is not supported on {device} ({name})")
