@@ -14,14 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringfence.actors.config import Config
-from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
 from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ringfence.actors.protocol.client import Submit
-from ringfence.sched.request import Request, SamplingParams
+from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
+
+if TYPE_CHECKING:
+    from ringfence.actors.model.chat import ChatTemplate
 
 Encode = Callable[[str], Sequence[int]]
 
@@ -121,7 +123,13 @@ class Intake:
             stop_token_ids=msg.stop_token_ids,
         )
         params = with_stops(params, self.tokenizer().stop_ids)
-        tokens = msg.prompt_token_ids or tuple(self.encode(msg.prompt))
+        if msg.messages:
+            try:
+                tokens = tuple(self.encode_chat(msg.messages))
+            except ValueError as e:  # no template, or it refused: the request ends here
+                raise RequestError(f"messages: {e}", field="messages") from None
+        else:
+            tokens = msg.prompt_token_ids or tuple(self.encode(msg.prompt))
         return Request(
             request_id=request_id, prompt_token_ids=tokens, params=params, arrival=arrival
         )
@@ -133,6 +141,9 @@ class Intake:
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """A chat's ids: rendered by the checkpoint's chat template with the assistant's turn
         opened, then encoded (ChatTemplateError if there is no template or it refuses)."""
+        # Imported here: jinja2 is for chats only, and the engine starts faster without it.
+        from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
+
         template = self._template
         if template is None:
             path = self.config.model.path
@@ -158,10 +169,10 @@ class Intake:
             return line
         try:
             ids = self.encode_chat(line.messages)
-        except ChatTemplateError as e:
-            raise ChatTemplateError(f"{source}: request {line.id!r}: messages: {e}") from None
+        except ValueError as e:  # no template, or it refused
+            raise ValueError(f"{source}: request {line.id!r}: messages: {e}") from None
         if not ids:
-            raise ChatTemplateError(
+            raise ValueError(
                 f"{source}: request {line.id!r}: messages: the chat template rendered nothing"
             )
         return replace(line, messages=None, prompt_token_ids=tuple(ids))

@@ -19,7 +19,8 @@ from ringfence.actors.engine.intake import Intake, check_workload
 from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.tokenizer import load_tokenizer
-from ringfence.sched.request import SamplingParams
+from ringfence.actors.protocol.client import Submit
+from ringfence.sched.request import RequestError, SamplingParams
 
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizer.json needs tokenizers")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers")
@@ -395,3 +396,30 @@ def test_a_chat_the_template_refuses_fails_the_workload_check_naming_the_request
     lines = [{"id": "bad", "messages": CONVERSATIONS["system then user"]}]
     with pytest.raises(ValueError, match=r"workload\.jsonl: request 'bad': messages: .*alternate"):
         intake(tmp_path, lines, path=str(root))
+
+
+def test_a_clients_chat_becomes_the_ids_transformers_gives_with_the_stop_ids(
+    tmp_path: Path,
+) -> None:
+    root = write_checkpoint(tmp_path / "ckpt", LLAMA3, generation_config={"eos_token_id": [1]})
+    made = Intake(Config(model=ModelConfig(path=str(root))))
+    messages = CONVERSATIONS["user and assistant"]
+    submit = Submit(request_id="c", messages=tuple(messages), max_tokens=3)
+    request = made.submitted(submit, "client-0/c", 0.0)
+    expected = reference(root).apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=False
+    )
+    assert list(request.prompt_token_ids) == expected
+    assert request.params.stop_token_ids == (made.tokenizer().eos, 1)
+
+
+def test_a_clients_chat_to_a_preset_or_a_refusing_template_is_a_request_error(
+    tmp_path: Path,
+) -> None:
+    submit = Submit(request_id="c", messages=tuple(CONVERSATIONS["system then user"]))
+    with pytest.raises(RequestError, match=r"messages: model\.preset 'tiny' has no chat template"):
+        Intake(Config()).submitted(submit, "client-0/c", 0.0)
+    root = write_checkpoint(tmp_path / "ckpt", ALTERNATING)
+    with pytest.raises(RequestError, match=r"messages: .*roles must alternate") as caught:
+        Intake(Config(model=ModelConfig(path=str(root)))).submitted(submit, "client-0/c", 0.0)
+    assert caught.value.field == "messages"
