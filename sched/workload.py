@@ -1,11 +1,13 @@
 """Workloads: request lists parsed from JSON lines, and built-in synthetic ones.
 
-A workload line is one JSON object with ``id``, ``prompt`` (text) or
-``prompt_token_ids``, and optional ``max_tokens``, ``temperature``, ``seed``,
-``stop_token_ids`` and ``arrival_s`` (DESIGN.md, "Interfaces users and scripts rely
-on"). Parsing takes the lines the caller read: this package does no I/O. Synthetic
-workloads are pure functions of their name, seed and size, with token ids in
-0..255, the byte tokenizer's range, so any model of this project can run them.
+A workload line is one JSON object with ``id``, exactly one of ``prompt`` (text),
+``prompt_token_ids`` and ``messages`` (a chat: a list of objects with string ``role``
+and ``content``, rendered through the model's chat template by the engine), and optional
+``max_tokens``, ``temperature``, ``seed``, ``stop_token_ids`` and ``arrival_s``
+(DESIGN.md, "Interfaces users and scripts rely on"). Parsing takes the lines the caller
+read: this package does no I/O. Synthetic workloads are pure functions of their name,
+seed and size, with token ids in 0..255, the byte tokenizer's range, so any model of
+this project can run them.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ KEYS = (
     "id",
     "prompt",
     "prompt_token_ids",
+    "messages",
     "max_tokens",
     "temperature",
     "seed",
     "stop_token_ids",
     "arrival_s",
 )
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")  # a line gives exactly one
 _PARAM_KEYS = ("max_tokens", "temperature", "seed", "stop_token_ids")
 VOCAB = 256  # synthetic token ids lie in 0..VOCAB-1
 
@@ -53,19 +57,26 @@ class WorkloadRequest:
     """One request of a workload, before tokenization (for a text prompt) and admission."""
 
     id: str  # unique within the workload
-    prompt_token_ids: tuple[int, ...] | None  # exactly one of prompt_token_ids and prompt
+    # Exactly one of prompt_token_ids, prompt and messages is not None.
+    prompt_token_ids: tuple[int, ...] | None
     prompt: str | None  # text for the tokenizer
     params: SamplingParams
     arrival_s: float = 0.0  # seconds after the workload starts
+    # A chat for the model's chat template: objects with string role and content (and any
+    # other keys the template reads), as the line gave them.
+    messages: tuple[dict[str, Any], ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
             raise RequestError(f"id must be a non-empty string, got {self.id!r}", field="id")
-        if (self.prompt is None) == (self.prompt_token_ids is None):
+        given = [self.prompt, self.prompt_token_ids, self.messages]
+        if sum(value is not None for value in given) != 1:
             raise RequestError(
-                f"request {self.id!r}: give exactly one of prompt and prompt_token_ids",
+                f"request {self.id!r}: give exactly one of prompt, prompt_token_ids and messages",
                 field="prompt",
             )
+        if self.messages is not None:
+            object.__setattr__(self, "messages", check_messages(self.messages))
         if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
             raise RequestError(
                 f"prompt must be a non-empty string, got {self.prompt!r}", field="prompt"
@@ -78,6 +89,32 @@ class WorkloadRequest:
                 f"params must be SamplingParams, got {self.params!r}", field="params"
             )
         object.__setattr__(self, "arrival_s", check_number("arrival_s", self.arrival_s))
+
+
+def check_messages(messages: object) -> tuple[dict[str, Any], ...]:
+    """A chat's messages as a tuple of fresh dicts; RequestError (field ``messages``) naming
+    the message that is not an object with non-empty string ``role`` and string ``content``."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise RequestError(
+            f"messages must be a non-empty list of message objects, got {messages!r}",
+            field="messages",
+        )
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(
+                f"messages[{index}] must be an object, got {message!r}", field="messages"
+            )
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise RequestError(
+                f"messages[{index}].role must be a non-empty string, got {role!r}",
+                field="messages",
+            )
+        if not isinstance(content, str):
+            raise RequestError(
+                f"messages[{index}].content must be a string, got {content!r}", field="messages"
+            )
+    return tuple(dict(message) for message in messages)
 
 
 def parse_workload(
@@ -146,9 +183,9 @@ def _parse_line(text: str, where: str, number: int) -> WorkloadRequest:
             raise WorkloadError(f"{where}: {key}: unknown key{hint}", line=number, key=key)
     if "id" not in obj:
         raise WorkloadError(f"{where}: id: missing", line=number, key="id")
-    if ("prompt" in obj) == ("prompt_token_ids" in obj):
+    if sum(key in obj for key in _PROMPT_KEYS) != 1:
         raise WorkloadError(
-            f"{where}: prompt: give exactly one of prompt and prompt_token_ids",
+            f"{where}: prompt: give exactly one of prompt, prompt_token_ids and messages",
             line=number,
             key="prompt",
         )
@@ -158,6 +195,7 @@ def _parse_line(text: str, where: str, number: int) -> WorkloadRequest:
             id=obj["id"],
             prompt=obj.get("prompt"),
             prompt_token_ids=obj.get("prompt_token_ids"),
+            messages=obj.get("messages"),
             params=params,
             arrival_s=obj.get("arrival_s", 0.0),
         )

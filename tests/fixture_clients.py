@@ -50,7 +50,9 @@ class EchoEngine(Actor):
     @handles(Submit)
     def on_submit(self, msg: Submit) -> None:
         peer = self._peer()
-        prompt = msg.prompt_token_ids or tuple(msg.prompt.encode())
+        # A chat echoes its last message's content.
+        text = msg.prompt or (msg.messages[-1]["content"] if msg.messages else "")
+        prompt = msg.prompt_token_ids or tuple(text.encode())
         if EXPLODE in prompt:
             raise Exploded(f"token {EXPLODE} in the prompt")
         try:

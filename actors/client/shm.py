@@ -7,6 +7,7 @@
         for token in client.stream(rid, timeout=30):
             ...
         print(client.generate("hello", max_tokens=4).token_ids)
+        print(client.chat([{"role": "user", "content": "hello"}]).token_ids)
 
 A client attaches, in its own process, to a free slot of the run's optional actor
 ``client`` (:data:`CLIENT_ACTOR`, ``CLIENT_SLOTS`` ranks): the slot's rings to and
@@ -26,7 +27,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -203,19 +204,50 @@ class Client:
         not take the request within the send timeout; ClientError if the client is closed
         or the engine is gone.
         """
-        self._check_open()
-        request_id = uuid.uuid4().hex if request_id is None else request_id
         text, token_ids = (prompt, ()) if isinstance(prompt, str) else ("", tuple(prompt))
-        msg = Submit(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            prompt=text,
-            max_tokens=max_tokens,
-            temperature=float(temperature),
-            seed=seed,
-            stop_token_ids=tuple(stop_token_ids),
+        return self._send(
+            Submit(
+                request_id=uuid.uuid4().hex if request_id is None else request_id,
+                prompt_token_ids=token_ids,
+                prompt=text,
+                max_tokens=max_tokens,
+                temperature=float(temperature),
+                seed=seed,
+                stop_token_ids=tuple(stop_token_ids),
+            )
         )
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        request_id: str | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        timeout: float = 60.0,
+    ) -> Completion:
+        """The model's answer to a chat (``{"role": ..., "content": ...}`` objects), which
+        the engine renders through the model's chat template; raises as :meth:`generate`
+        does, and ClientError when the model has no chat template or it refuses the chat.
+        """
+        request_id = self._send(
+            Submit(
+                request_id=uuid.uuid4().hex if request_id is None else request_id,
+                messages=tuple(dict(m) for m in messages),
+                max_tokens=max_tokens,
+                temperature=float(temperature),
+                seed=seed,
+                stop_token_ids=tuple(stop_token_ids),
+            )
+        )
+        return self.result(request_id, timeout=timeout)
+
+    def _send(self, msg: Submit) -> str:
+        self._check_open()
         check_submit(msg)
+        request_id = msg.request_id
         if request_id in self._actor.requests:
             raise ValueError(f"request id {request_id!r} is in use by an unread request")
         engine = self._engine_ready.writer()

@@ -1,8 +1,12 @@
 """Requests in: a workload's lines at their arrival times, and clients' Submits.
 
 Each becomes the scheduler's :class:`Request`; a text prompt goes through the checkpoint's
-tokenizer (bytes for the presets). Workload files are read here, not in the scheduler
-(which does no I/O); ``ringfence launch`` checks one before a run exists
+tokenizer (bytes for the presets), a chat (``messages``) through the checkpoint's chat
+template and then its tokenizer (the presets have no chat template: a chat is an error
+naming the preset). A checkpoint's requests also stop at its end-of-sequence ids
+(``stop_ids`` of its configs) besides their own stop tokens; a preset's stop only where
+they ask. Workload files are read here, not in the scheduler (which does no I/O);
+``ringfence launch`` checks one, chats rendered, before a run exists
 (:func:`check_workload`, a preflight check the engine's topology names).
 """
 
@@ -10,12 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from ringfence.actors.config import Config
 from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ringfence.actors.protocol.client import Submit
-from ringfence.sched.request import Request, SamplingParams
+from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
+
+if TYPE_CHECKING:
+    from ringfence.actors.model.chat import ChatTemplate
 
 Encode = Callable[[str], Sequence[int]]
 
@@ -33,25 +41,40 @@ def load_workload(
 
 
 def check_workload(config: Config) -> None:
-    """ValueError naming the file and line when ``engine.workload`` cannot be read."""
-    settings = config.engine
-    if not settings.workload:
+    """ValueError naming the file and line (or request) when ``engine.workload`` cannot be
+    read, or a chat of it cannot be rendered."""
+    if not config.engine.workload:
         return
     try:
-        load_workload(settings.workload, seed=settings.seed)
+        Intake(config).load()
     except OSError as e:
-        raise ValueError(f"workload {settings.workload}: {e}") from None
+        raise ValueError(f"workload {config.engine.workload}: {e}") from None
 
 
-def make_request(line: WorkloadRequest, encode: Encode | None = None) -> Request:
-    """The scheduler's request of a workload line; a text prompt goes through ``encode``."""
+def with_stops(params: SamplingParams, stop_ids: Sequence[int]) -> SamplingParams:
+    """``params`` that also stop at ``stop_ids`` (after the request's own, no repeats)."""
+    if not stop_ids:
+        return params
+    stops = tuple(dict.fromkeys([*params.stop_token_ids, *stop_ids]))
+    return params if stops == params.stop_token_ids else replace(params, stop_token_ids=stops)
+
+
+def make_request(
+    line: WorkloadRequest, encode: Encode | None = None, stop_ids: Sequence[int] = ()
+) -> Request:
+    """The scheduler's request of a workload line; a text prompt goes through ``encode``;
+    it also stops at ``stop_ids``. A chat must have been rendered to token ids before."""
     if line.prompt_token_ids is not None:
         tokens = tuple(line.prompt_token_ids)
-    else:
-        assert line.prompt is not None
+    elif line.prompt is not None:
         tokens = tuple((encode or ByteTokenizer().encode)(line.prompt))
+    else:
+        raise ValueError(f"request {line.id!r}: its messages were not rendered to token ids")
     return Request(
-        request_id=line.id, prompt_token_ids=tokens, params=line.params, arrival=line.arrival_s
+        request_id=line.id,
+        prompt_token_ids=tokens,
+        params=with_stops(line.params, stop_ids),
+        arrival=line.arrival_s,
     )
 
 
@@ -63,12 +86,15 @@ class Intake:
         self.workload: list[WorkloadRequest] = []  # sorted by arrival
         self.next = 0  # the workload's next line to arrive
         self._tokenizer: Tokenizer | None = None
+        self._template: ChatTemplate | None = None
 
     def load(self) -> None:
-        """Read ``engine.workload`` (ValueError or OSError if it cannot be read)."""
+        """Read ``engine.workload`` and render its chats to token ids (ValueError naming the
+        file and line or request, or OSError, if it cannot be read or a chat rendered)."""
         settings = self.config.engine
         requests = settings.requests or None
-        self.workload = load_workload(settings.workload, seed=settings.seed, requests=requests)
+        workload = load_workload(settings.workload, seed=settings.seed, requests=requests)
+        self.workload = [self._rendered(line, settings.workload) for line in workload]
         if not settings.arrivals:
             self.workload = [replace(w, arrival_s=0.0) for w in self.workload]
         self.next = 0
@@ -86,7 +112,7 @@ class Intake:
         return lines, None
 
     def request(self, line: WorkloadRequest) -> Request:
-        return make_request(line, self.encode)
+        return make_request(line, self.encode, self.tokenizer().stop_ids)
 
     def submitted(self, msg: Submit, request_id: str, arrival: float) -> Request:
         """The request of a client's Submit, keyed ``request_id`` (RequestError if bad)."""
@@ -96,16 +122,57 @@ class Intake:
             seed=msg.seed,
             stop_token_ids=msg.stop_token_ids,
         )
-        tokens = msg.prompt_token_ids or tuple(self.encode(msg.prompt))
+        params = with_stops(params, self.tokenizer().stop_ids)
+        if msg.messages:
+            try:
+                tokens = tuple(self.encode_chat(msg.messages))
+            except ValueError as e:  # no template, or it refused: the request ends here
+                raise RequestError(f"messages: {e}", field="messages") from None
+        else:
+            tokens = msg.prompt_token_ids or tuple(self.encode(msg.prompt))
         return Request(
             request_id=request_id, prompt_token_ids=tokens, params=params, arrival=arrival
         )
 
     def encode(self, text: str) -> list[int]:
         """A text prompt's ids: the checkpoint's tokenizer, or bytes for the presets."""
+        return self.tokenizer().encode(text)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """A chat's ids: rendered by the checkpoint's chat template with the assistant's turn
+        opened, then encoded (ChatTemplateError if there is no template or it refuses)."""
+        # Imported here: jinja2 is for chats only, and the engine starts faster without it.
+        from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
+
+        template = self._template
+        if template is None:
+            path = self.config.model.path
+            if not path:
+                raise ChatTemplateError(
+                    f"model.preset {self.config.model.preset!r} has no chat template: give "
+                    "prompt or prompt_token_ids, or a model.path checkpoint with a template"
+                )
+            template = self._template = ChatTemplate.from_checkpoint(path)
+        return template.encode(self.tokenizer(), messages, add_generation_prompt=True)
+
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer (bytes for the presets), loaded on first use."""
         tokenizer = self._tokenizer
         if tokenizer is None:
             path = self.config.model.path
             tokenizer = (load_tokenizer(path) if path else None) or ByteTokenizer()
             self._tokenizer = tokenizer
-        return tokenizer.encode(text)
+        return tokenizer
+
+    def _rendered(self, line: WorkloadRequest, source: str) -> WorkloadRequest:
+        if line.messages is None:
+            return line
+        try:
+            ids = self.encode_chat(line.messages)
+        except ValueError as e:  # no template, or it refused
+            raise ValueError(f"{source}: request {line.id!r}: messages: {e}") from None
+        if not ids:
+            raise ValueError(
+                f"{source}: request {line.id!r}: messages: the chat template rendered nothing"
+            )
+        return replace(line, messages=None, prompt_token_ids=tuple(ids))

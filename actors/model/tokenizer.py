@@ -1,5 +1,6 @@
 """Tokenizers: bytes for the model presets (ids 0..255 are bytes, then bos, eos, pad), and a
-checkpoint's ``tokenizer.json`` (through the ``tokenizers`` package) with the same shape.
+checkpoint's ``tokenizer.json`` (through the ``tokenizers`` package) with the same shape,
+its special tokens read from the checkpoint's configs (:mod:`.special_tokens`).
 
 Kept apart from the checkpoint loader, which reads tensors: the Engine tokenizes text
 prompts and imports no torch.
@@ -12,6 +13,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
+
+from ringfence.actors.model.special_tokens import (
+    SpecialTokens,
+    read_special_tokens,
+    token_entries,
+)
 
 NUM_BYTES = 256
 BOS = 256  # start of a sequence
@@ -28,6 +35,8 @@ class Tokenizer(Protocol):
     @property
     def eos(self) -> int | None: ...
     def encode(self, text: str, *, bos: bool = False) -> list[int]: ...
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
@@ -36,6 +45,8 @@ class ByteTokenizer:
 
     bos = BOS
     eos = EOS
+    # No default stop ids: a preset's request stops where it asks (its own stop_token_ids).
+    stop_ids: tuple[int, ...] = ()
     pad = PAD
     vocab_size = VOCAB_SIZE
 
@@ -64,19 +75,26 @@ class CheckpointTokenizer:
     Read-only after construction; the ``tokenizers`` object is thread-safe for encoding.
     """
 
-    def __init__(self, tokenizer: Any, *, bos: int | None, eos: int | None) -> None:
+    def __init__(self, tokenizer: Any, specials: SpecialTokens, *, file: str = "") -> None:
         self._tokenizer = tokenizer
-        self.bos = bos  # start-of-sequence id from config.json, if it names one
-        self.eos = eos  # end-of-sequence id from config.json, if it names one
+        self.file = file  # the tokenizer.json it was read from, for error messages
+        self.specials = specials  # what the checkpoint's configs say of its special tokens
+        self.bos = specials.bos  # start-of-sequence id, if a config names one
+        self.eos = specials.eos  # end-of-sequence id, if a config names one
+        self.stop_ids = specials.stop_ids  # every id that ends generation
         self.vocab_size: int = tokenizer.get_vocab_size()
 
     def encode(self, text: str, *, bos: bool = False) -> list[int]:
-        """Ids of ``text`` without the tokenizer's own specials, after ``bos`` when asked for."""
+        """Ids of ``text`` without the tokenizer's own specials, after ``bos`` when asked for.
+
+        Special tokens written in ``text`` (``<|eot_id|>``) are matched as such, as
+        transformers' ``apply_chat_template(tokenize=True)`` does with a rendered chat.
+        """
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
         if not bos:
             return ids
         if self.bos is None:
-            raise ValueError("the checkpoint's config.json names no bos_token_id")
+            raise ValueError("the checkpoint's configs name no bos token")
         return [self.bos, *ids]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -99,8 +117,34 @@ def special_ids(path: str | Path) -> tuple[int | None, int | None]:
     return _special_id(raw, "bos_token_id"), _special_id(raw, "eos_token_id")
 
 
+def _add_named_tokens(tokenizer: Any, entries: dict[str, Any]) -> None:
+    """Add the configs' named tokens that ``tokenizer.json`` lacks as special added tokens.
+
+    transformers does the same when it loads a tokenizer, so such a token written in a
+    rendered chat is one id there and must be one id here too.
+    """
+    from tokenizers import AddedToken
+
+    known = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
+    for value in entries.values():
+        if isinstance(value, str):
+            token = AddedToken(value, special=True)
+        else:
+            flags = ("single_word", "lstrip", "rstrip", "normalized")
+            token = AddedToken(
+                value["content"], special=True, **{k: bool(value[k]) for k in flags if k in value}
+            )
+        if token.content not in known:
+            tokenizer.add_special_tokens([token])
+            known.add(token.content)
+
+
 def load_tokenizer(path: str | Path) -> CheckpointTokenizer | None:
-    """The checkpoint's tokenizer, or None when it has no ``tokenizer.json``."""
+    """The checkpoint's tokenizer, or None when it has no ``tokenizer.json``.
+
+    ValueError naming the file when tokenizer.json, or a config it reads its special
+    tokens from, does not parse.
+    """
     root = Path(path)
     file = root / "tokenizer.json"
     if not file.exists():
@@ -109,5 +153,10 @@ def load_tokenizer(path: str | Path) -> CheckpointTokenizer | None:
         from tokenizers import Tokenizer
     except ImportError as exc:
         raise ImportError(f"{file} needs the 'tokenizers' package, which is not installed") from exc
-    bos, eos = special_ids(root)
-    return CheckpointTokenizer(Tokenizer.from_file(str(file)), bos=bos, eos=eos)
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as exc:  # the package raises a bare Exception for any malformed file
+        raise ValueError(f"{file}: not a tokenizer the tokenizers package reads: {exc}") from None
+    _add_named_tokens(tokenizer, token_entries(root))
+    specials = read_special_tokens(root, tokenizer.token_to_id)
+    return CheckpointTokenizer(tokenizer, specials, file=str(file))

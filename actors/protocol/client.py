@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ringfence.runtime.codec import Registry, message
+from ringfence.sched.workload import check_messages
 
 CLIENT_TO_ENGINE = Registry("client-to-engine")
 ENGINE_TO_CLIENT = Registry("engine-to-client")
@@ -35,7 +36,8 @@ class Hello:
 @message(CLIENT_TO_ENGINE, tag=2)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Submit:
-    """A new request. Exactly one of ``prompt_token_ids`` and ``prompt`` is non-empty."""
+    """A new request. Exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` is
+    non-empty."""
 
     # An engine handler that raises on it answers Failed (with this frame's seq), so the
     # client learns of the failure instead of waiting for output that never comes.
@@ -47,6 +49,9 @@ class Submit:
     temperature: float = 0.0  # 0: greedy
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # A chat (role, content and any other string keys per message), rendered by the
+    # engine through the model's chat template with the assistant's turn opened.
+    messages: tuple[dict[str, str], ...] = ()
 
 
 def check_submit(msg: Submit) -> None:
@@ -57,8 +62,10 @@ def check_submit(msg: Submit) -> None:
     """
     if not msg.request_id:
         raise ValueError("request_id must not be empty")
-    if bool(msg.prompt_token_ids) == bool(msg.prompt):
-        raise ValueError("exactly one of prompt_token_ids and prompt must be non-empty")
+    if sum(map(bool, (msg.prompt_token_ids, msg.prompt, msg.messages))) != 1:
+        raise ValueError("exactly one of prompt_token_ids, prompt and messages must be non-empty")
+    if msg.messages:
+        check_messages(msg.messages)
     if msg.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {msg.max_tokens}")
     if not msg.temperature >= 0.0:

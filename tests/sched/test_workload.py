@@ -59,6 +59,17 @@ def test_every_field_of_a_line_round_trips_into_the_request():
     assert isinstance(request.params.stop_token_ids, tuple)
 
 
+def test_a_chat_line_carries_its_messages_unrendered_with_their_extra_keys():
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "héllo", "name": "ana"},
+    ]
+    request = parse_one(line(id="c", messages=chat, max_tokens=3))
+    assert request.messages == tuple(chat)
+    assert (request.prompt, request.prompt_token_ids) == (None, None)
+    assert request.params == SamplingParams(max_tokens=3)
+
+
 def test_a_text_prompt_with_only_an_id_gets_the_default_params_and_arrival_0():
     request = parse_one(line(id="t", prompt="héllo"))
     assert (request.prompt, request.prompt_token_ids) == ("héllo", None)
@@ -92,11 +103,15 @@ def test_requests_are_sorted_by_arrival_and_then_by_line_order():
         ('{"id": "a", "promt": "x"}', "promt", r"promt: unknown key \(did you mean prompt\?\)$"),
         ('{"id": "a", "prompt": "x", "zzz": 1}', "zzz", r"zzz: unknown key$"),
         ('{"prompt": "x"}', "id", r"id: missing$"),
-        ('{"id": "a"}', "prompt", r"prompt: give exactly one of prompt and prompt_token_ids$"),
+        (
+            '{"id": "a"}',
+            "prompt",
+            r"prompt: give exactly one of prompt, prompt_token_ids and messages$",
+        ),
         (
             '{"id": "a", "prompt": "x", "prompt_token_ids": [1]}',
             "prompt",
-            r"prompt: give exactly one of prompt and prompt_token_ids$",
+            r"prompt: give exactly one of prompt, prompt_token_ids and messages$",
         ),
         ('{"id": 3, "prompt": "x"}', "id", r"id must be a non-empty string, got 3$"),
         ('{"id": "", "prompt": "x"}', "id", r"id must be a non-empty string, got ''$"),
@@ -142,6 +157,24 @@ def test_requests_are_sorted_by_arrival_and_then_by_line_order():
         ('{"id": "a", "prompt": "x", "arrival_s": -1}', "arrival_s", r">= 0, got -1$"),
         ('{"id": "a", "prompt": "x", "arrival_s": "soon"}', "arrival_s", r"number, got 'soon'$"),
         ('{"id": "a", "prompt": "x", "id": "b"}', "id", r"id: key given twice$"),
+        (
+            '{"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}',
+            "prompt",
+            r"prompt: give exactly one of prompt, prompt_token_ids and messages$",
+        ),
+        ('{"id": "a", "messages": []}', "messages", r"messages must be a non-empty list"),
+        ('{"id": "a", "messages": "hi"}', "messages", r"messages must be a non-empty list"),
+        ('{"id": "a", "messages": ["hi"]}', "messages", r"messages\[0\] must be an object"),
+        (
+            '{"id": "a", "messages": [{"role": "user", "content": "x"}, {"content": "y"}]}',
+            "messages",
+            r"messages\[1\]\.role must be a non-empty string, got None$",
+        ),
+        (
+            '{"id": "a", "messages": [{"role": "user", "content": 7}]}',
+            "messages",
+            r"messages\[0\]\.content must be a string, got 7$",
+        ),
         ('{"id": "a", "prompt": "x"', None, r"invalid JSON: "),
         ('["id", "a"]', None, r"expected a JSON object, got list$"),
         (b'{"id": "a", "prompt": "\xff"}', None, r"not UTF-8: invalid start byte$"),
@@ -165,9 +198,9 @@ def test_a_duplicate_id_names_both_lines():
 
 
 def test_a_workload_request_needs_exactly_one_of_prompt_and_prompt_token_ids():
-    with pytest.raises(RequestError, match="exactly one of prompt and prompt_token_ids"):
+    with pytest.raises(RequestError, match="exactly one of prompt, prompt_token_ids and messages"):
         WorkloadRequest(id="a", prompt="x", prompt_token_ids=(1,), params=SamplingParams())
-    with pytest.raises(RequestError, match="exactly one of prompt and prompt_token_ids"):
+    with pytest.raises(RequestError, match="exactly one of prompt, prompt_token_ids and messages"):
         WorkloadRequest(id="a", prompt=None, prompt_token_ids=None, params=SamplingParams())
 
 

@@ -59,6 +59,13 @@ def test_generate_returns_the_completion_with_cache_hits_and_ttft(tmp_path):
         assert (stopped.token_ids, stopped.finish_reason) == ((3, 2, 1), "stop")
 
 
+def test_chat_sends_the_messages_for_the_engine_to_render(tmp_path):
+    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}]
+        done = client.chat(chat, max_tokens=3, request_id="c", timeout=WAIT_S)
+        assert (done.request_id, done.token_ids) == ("c", (ord("b"), ord("a"), ord("b")))
+
+
 def test_an_aborted_request_ends_with_abort_after_the_tokens_it_had(tmp_path):
     with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
         request_id = client.submit([1, 2], max_tokens=1_000_000)
@@ -85,8 +92,16 @@ def test_a_rejected_request_and_a_failed_handler_raise_client_error(tmp_path):
 
 def test_bad_parameters_are_refused_before_anything_is_sent(tmp_path):
     with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
-        with pytest.raises(ValueError, match="exactly one of prompt_token_ids and prompt"):
+        with pytest.raises(
+            ValueError, match="exactly one of prompt_token_ids, prompt and messages"
+        ):
             client.submit([])
+        with pytest.raises(
+            ValueError, match="exactly one of prompt_token_ids, prompt and messages"
+        ):
+            client.chat([])
+        with pytest.raises(ValueError, match=r"messages\[1\]\.content must be a string"):
+            client.chat([{"role": "user", "content": "hi"}, {"role": "assistant"}])
         with pytest.raises(ValueError, match="max_tokens must be >= 1"):
             client.submit([1], max_tokens=0)
         client.submit([1], request_id="same", max_tokens=50)
