@@ -58,6 +58,7 @@ from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.sched.request import Request, RequestError
 from ringfence.sched.scheduler import Scheduler
+from ringfence.sched.workload import returning_turns
 from ringfence.shm.errors import ProtocolError
 
 
@@ -211,6 +212,7 @@ class Engine(Actor):
                 self.done = True
                 self.request_shutdown(f"workload {settings.workload} failed to load: {e}")
                 return
+            self.outputs.returning = returning_turns(self.intake.workload)
             if settings.progress:
                 self.outputs.start_progress(len(self.intake.workload))
             self.clock0 = time.perf_counter()
