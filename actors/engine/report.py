@@ -137,7 +137,8 @@ def summarize(
 
     Token counts cover every record, aborted ones included; TTFT and TPOT are over the
     records that have them, and ``ttft_by_turn`` splits TTFT into first and returning
-    turns (``requests`` counts the records with a TTFT). Rates and hit rates are None when their denominator is 0.
+    turns (``requests`` counts the records with a TTFT). Rates and hit rates are None
+    when their denominator is 0.
     ``engine`` (the engine's own counters, opaque here) is copied under ``"engine"``.
     """
     if duration_s < 0:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ringfence.sched.request import RequestError, SamplingParams
+from ringfence.sched.workload import CHAT_SYSTEM_TOKENS as SYSTEM
 from ringfence.sched.workload import (
     SYNTHETIC,
     WorkloadError,
@@ -17,7 +18,6 @@ from ringfence.sched.workload import (
     returning_turns,
     synthetic,
 )
-from ringfence.sched.workload import CHAT_SYSTEM_TOKENS as SYSTEM
 from ringfence.shm.errors import RingfenceError
 
 
