@@ -316,7 +316,7 @@ CHAT_OPENING = (768, 1024)  # tokens of a user's first message (a pasted documen
 CHAT_ANSWER = (96, 160)  # tokens standing in for the answer to a turn
 CHAT_QUESTION = (32, 64)  # tokens of each later message
 CHAT_MAX_TOKENS = (8, 16)
-CHAT_GAP_S = 0.5  # seconds between one user's turn and the next user's
+CHAT_GAP_S = 1.0  # seconds between one user's turn and the next user's
 
 
 def _chat(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
@@ -326,8 +326,8 @@ def _chat(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
     768-1,024 tokens; each later turn is the user's whole history (the previous
     prompt, 96-160 tokens standing in for its answer, and a new 32-64-token question),
     so the fourth turn is at most 2,016 tokens and with max_tokens 8-16 fits 2,048
-    positions. Users take turns round-robin, one every 0.5 s (user u's round r at
-    0.5 (r * users + u) s): between two turns of a user every other user has had one,
+    positions. Users take turns round-robin, one a second (user u's round r at
+    r * users + u seconds): between two turns of a user every other user has had one,
     so together the histories outgrow the device pool and a returning turn finds its
     prefix on host or in storage. Every request names its user as ``session``. A size of
     n requests has ceil(n / 4) users; one that is not a multiple of 4 drops the last

@@ -264,7 +264,7 @@ def test_each_chat_round_extends_the_users_previous_prompt_and_fits_the_tiny_mod
 def test_chat_users_take_turns_round_robin_so_every_other_user_comes_between_two_turns():
     workload = synthetic("chat")
     assert [r.id for r in workload[:13]] == [f"chat-u{u}-t0" for u in range(12)] + ["chat-u0-t1"]
-    assert [r.arrival_s for r in workload] == [0.5 * i for i in range(48)]
+    assert [r.arrival_s for r in workload] == [1.0 * i for i in range(48)]
 
 
 def test_chat_users_share_the_system_prompt_and_nothing_longer():
