@@ -1,4 +1,8 @@
-"""The ``ringfence`` command: ``launch``, ``replay``, ``bench NAME`` and ``clean``."""
+"""The ``ringfence`` command: ``launch``, ``replay``, ``bench NAME`` and ``clean``.
+
+Every text argparse prints is plain words (no markup from the docstrings):
+``tests/runtime/test_cli_help.py`` walks every command's ``--help``.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +34,32 @@ BENCHMARKS = {
 }
 
 
+# What ``launch`` checks in the config before a run exists (each raises ValueError).
 REPLAY = "ringfence.actors.replay.cli"  # ``ringfence replay``: the same two functions
+
+DESCRIPTION = (
+    "ringfence: a KV-cache runtime for LLM serving, built as actors that talk through "
+    "shared-memory rings. Start with 'ringfence launch --workload synthetic:chat': it runs "
+    "a long multi-round chat on the tiny built-in model and prints what the cache did."
+)
+LAUNCH_DESCRIPTION = (
+    "Start a run: create its shared-memory names, spawn the actors (engine, worker, "
+    "transfer lanes) and watch them. With --workload the engine runs those requests to the "
+    "end, writes outputs.jsonl and summary.json into the run dir and prints a summary "
+    "table; without it the instance serves clients until Ctrl-C. Exit status: 0 when the "
+    "run ended normally, 2 for a bad config or command line, 1 when an actor failed."
+)
+# One plain line per benchmark, for ``ringfence bench --help`` and each one's own help.
+BENCH_HELP = {
+    "ring": "ringfence rings against multiprocessing queues and pipes",
+    "hop": "messages per second through a supervised actor hop against the bare ring",
+    "cache": "the cache's bookkeeping per block, and storage put/get against a plain write",
+    "worker": "prefill and decode speed of the paged model against transformers",
+    "transfer": "block copies between the tiers, and the transfer harness in fence vs sync mode",
+    "e2e": "whole runs side by side: fence vs sync, tiers on vs off, actors vs one loop",
+    "replay": "the cost of trace logging, and how fast replay reads a run",
+    "faults": "the fault matrix: one real run per injected fault, and what survived it",
+}
 
 
 class _Bench(Protocol):
@@ -48,17 +77,20 @@ def _replay_module() -> _Bench:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ringfence", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ringfence", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    bench = sub.add_parser("bench", help="run a benchmark against its baselines, side by side")
+    text = "run a benchmark against its baselines, side by side"
+    bench = sub.add_parser("bench", help=text, description=f"{text.capitalize()}.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name in BENCHMARKS:
-        p = benches.add_parser(name, help=f"benchmark: {name}")
+        line = BENCH_HELP.get(name, f"benchmark: {name}")
+        p = benches.add_parser(name, help=line, description=f"{line[0].upper()}{line[1:]}.")
         p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
         _bench_module(name).add_arguments(p)
 
-    launch = sub.add_parser("launch", help="start a run: create its names, spawn and watch actors")
+    text = "start a run: create its names, spawn and watch actors"
+    launch = sub.add_parser("launch", help=text, description=LAUNCH_DESCRIPTION)
     launch.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
     launch.add_argument(
         "--set",
@@ -78,15 +110,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         metavar="FILE.jsonl|synthetic:NAME",
         help="run these requests to completion, print a summary and exit (sets engine.workload;"
-        " synthetic: multiturn, unique, pressure); without it the instance serves clients",
+        " synthetic: chat, multiturn, unique, pressure); without it the instance serves clients",
     )
 
+    text = "check, explain and visualize a run from its logs (exit 1: a violation)"
     replay = sub.add_parser(
-        "replay", help="check, explain and visualize a run from its logs (exit 1: a violation)"
+        "replay",
+        help=text,
+        description="Check a run from its logs alone: exit 0 when every protocol check "
+        "holds, 1 with the first violation and the events around it, 2 when the run dir "
+        "cannot be read.",
     )
     _replay_module().add_arguments(replay)
 
-    clean = sub.add_parser("clean", help="remove the shared-memory names of dead runs")
+    text = "remove the shared-memory names of dead runs"
+    clean = sub.add_parser(
+        "clean",
+        help=text,
+        description="Remove the shared-memory names a run left behind (a live run only "
+        "with --force).",
+    )
     target = clean.add_mutually_exclusive_group(required=True)
     target.add_argument("run", nargs="?", help="a run dir (its names manifest) or a run id")
     target.add_argument("--all", action="store_true", help="every run whose creator is dead")

@@ -199,6 +199,9 @@ EVENTS: Final[dict[str, Event]] = {
     "engine.workload_failed": _e(
         "error", "workload error", "the workload could not be loaded: the run ends"
     ),
+    "engine.config_failed": _e(
+        "error", "error", "a setting does not fit the model the Worker loaded: the run ends"
+    ),
     "engine.drain_timeout": _e(
         "warning", "store_done last_sent", "at stop, the store lane's writes were not all done"
     ),

@@ -26,6 +26,12 @@ class SchedConfig:
     max_num_seqs: int = setting(16, "most sequences in one batch", ge=1)
     max_batched_tokens: int = setting(512, "most tokens in one step", ge=1)
     preemption: Preemption = setting("recompute", "recompute, swap (to host) or save (to storage)")
+    max_model_len: int = setting(
+        0,
+        "longest prompt plus max_tokens a request may ask for; 0 = the model's"
+        " max_position_embeddings",
+        ge=0,
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,7 +56,7 @@ class SchedulerConfig:
     sched: SchedConfig = dataclasses.field(default_factory=SchedConfig)
     tiers: TierConfig
     namespace: bytes  # the block keys' namespace: the digest of the block fingerprint
-    max_model_len: int = 1 << 30  # positions the model has
+    max_model_len: int = 1 << 30  # longest prompt plus max_tokens (sched.max_model_len)
     vocab_size: int = 1 << 31  # token ids the model has (0 .. vocab_size - 1)
 
     def __post_init__(self) -> None:

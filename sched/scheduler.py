@@ -102,8 +102,10 @@ class Scheduler:
 
     def add(self, request: Request) -> int:
         """Queue a request (state WAITING); returns its sequence id. RequestError if it can
-        never run: a prompt token outside the vocabulary, longer than the model or than
-        the whole device pool."""
+        never run: a prompt token outside the vocabulary, a prompt plus max_tokens longer
+        than ``max_model_len`` (refused at once, as vLLM's server refuses it, rather than
+        cut short at the limit: the client learns before any token that its answer cannot
+        fit) or than the whole device pool."""
         if request.request_id in self._by_id:
             raise RequestError(f"request id {request.request_id!r} is already live", field="id")
         vocab = self.config.vocab_size
@@ -117,8 +119,10 @@ class Scheduler:
         longest = request.num_prompt_tokens + request.params.max_tokens
         if longest > self.config.max_model_len:
             raise RequestError(
-                f"request {request.request_id!r}: prompt plus max_tokens is {longest} tokens, "
-                f"the model has {self.config.max_model_len} positions",
+                f"request {request.request_id!r}: prompt ({request.num_prompt_tokens} tokens) "
+                f"plus max_tokens ({request.params.max_tokens}) is {longest} tokens, more than "
+                f"max_model_len {self.config.max_model_len} (sched.max_model_len, by default "
+                "the model's positions)",
                 field="max_tokens",
             )
         if -(-longest // self._bs) > self.config.tiers.device_blocks:

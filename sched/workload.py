@@ -3,10 +3,10 @@
 A workload line is one JSON object with ``id``, exactly one of ``prompt`` (text),
 ``prompt_token_ids`` and ``messages`` (a chat: a list of objects with string ``role``
 and ``content``, rendered through the model's chat template by the engine), and optional
-``max_tokens``, ``temperature``, ``seed``, ``stop_token_ids`` and ``arrival_s``
-(DESIGN.md, "Interfaces users and scripts rely on"). Parsing takes the lines the caller
-read: this package does no I/O. Synthetic workloads are pure functions of their name,
-seed and size, with token ids in 0..255, the byte tokenizer's range, so any model of
+``max_tokens``, ``temperature``, ``seed``, ``stop_token_ids``, ``arrival_s`` and
+``session`` (DESIGN.md, "Interfaces users and scripts rely on"). Parsing takes the lines
+the caller read: this package does no I/O. Synthetic workloads are pure functions of their
+name, seed and size, with token ids in 0..255, the byte tokenizer's range, so any model of
 this project can run them.
 """
 
@@ -33,6 +33,7 @@ KEYS = (
     "seed",
     "stop_token_ids",
     "arrival_s",
+    "session",
 )
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")  # a line gives exactly one
 _PARAM_KEYS = ("max_tokens", "temperature", "seed", "stop_token_ids")
@@ -65,6 +66,7 @@ class WorkloadRequest:
     # A chat for the model's chat template: objects with string role and content (and any
     # other keys the template reads), as the line gave them.
     messages: tuple[dict[str, Any], ...] | None = None
+    session: str = ""  # the conversation it belongs to; empty: none (see returning_turns)
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -89,6 +91,40 @@ class WorkloadRequest:
                 f"params must be SamplingParams, got {self.params!r}", field="params"
             )
         object.__setattr__(self, "arrival_s", check_number("arrival_s", self.arrival_s))
+        if not isinstance(self.session, str):
+            raise RequestError(f"session must be a string, got {self.session!r}", field="session")
+
+
+def returning_turns(requests: Iterable[WorkloadRequest]) -> frozenset[str]:
+    """The ids of the returning turns among ``requests``: those whose prompt extends the
+    prompt of a request of the same ``session`` that arrived earlier (or on an earlier
+    line at the same time). A request without a session is never a returning turn.
+
+    The workload names the session and the prompt proves the turn: a line that claims a
+    session but does not extend its earlier prompt counts as a first turn. Prefix-cache
+    hits would be no proof (a first turn hits the shared system prompt; a returning turn
+    whose blocks were evicted everywhere misses).
+    """
+    earlier: dict[str, list[str | tuple[Any, ...]]] = {}
+    found: set[str] = set()
+    for request in sorted(requests, key=lambda r: r.arrival_s):
+        if not request.session:
+            continue
+        prompt = _prompt_of(request)
+        prompts = earlier.setdefault(request.session, [])
+        if any(len(p) < len(prompt) and prompt[: len(p)] == p for p in prompts):
+            found.add(request.id)
+        prompts.append(prompt)
+    return frozenset(found)
+
+
+def _prompt_of(request: WorkloadRequest) -> str | tuple[Any, ...]:
+    """What a returning turn extends: the text, the token ids, or the chat's messages."""
+    if request.prompt is not None:
+        return request.prompt
+    if request.prompt_token_ids is not None:
+        return tuple(request.prompt_token_ids)
+    return tuple(request.messages or ())
 
 
 def check_messages(messages: object) -> tuple[dict[str, Any], ...]:
@@ -198,6 +234,7 @@ def _parse_line(text: str, where: str, number: int) -> WorkloadRequest:
             messages=obj.get("messages"),
             params=params,
             arrival_s=obj.get("arrival_s", 0.0),
+            session=obj.get("session", ""),
         )
     except RequestError as exc:
         # The fields are named as the keys, so the field is the key to point at.
@@ -262,6 +299,7 @@ def _multiturn(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
                     prompt=None,
                     params=SamplingParams(max_tokens=rng.randint(16, 32), seed=len(out)),
                     arrival_s=0.25 * chat + 2.0 * turn,
+                    session=f"multiturn-c{chat}",
                 )
             )
     return sorted(out, key=lambda r: r.arrival_s)
@@ -299,7 +337,7 @@ def _pressure(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
 
     No shared prefixes (each prompt has its own head), so the default's at least
     32 * (300 + 32) = 10,624 tokens need at least 664 blocks of 16 tokens when all
-    run at once: more than the default 512-block device pool, and far more than
+    run at once: more than a 512-block device pool (twice the default), and far more than
     the small pools tests use. Forces preemption or queueing.
     """
     out: list[WorkloadRequest] = []
@@ -317,8 +355,58 @@ def _pressure(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
     return out
 
 
+CHAT_SYSTEM_TOKENS = 256
+CHAT_ROUNDS = 4
+CHAT_USERS = 12  # of the default size
+CHAT_OPENING = (768, 1024)  # tokens of a user's first message (a pasted document)
+CHAT_ANSWER = (96, 160)  # tokens standing in for the answer to a turn
+CHAT_QUESTION = (32, 64)  # tokens of each later message
+CHAT_MAX_TOKENS = (8, 16)
+CHAT_GAP_S = 1.0  # seconds between one user's turn and the next user's
+
+
+def _chat(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
+    """Long-context chat: 12 users return for 4 rounds behind one system prompt (default 48).
+
+    A user's first turn is the shared 256-token system prompt and an opening message of
+    768-1,024 tokens; each later turn is the user's whole history (the previous
+    prompt, 96-160 tokens standing in for its answer, and a new 32-64-token question),
+    so the fourth turn is at most 2,016 tokens and with max_tokens 8-16 fits 2,048
+    positions. Users take turns round-robin, one a second (user u's round r at
+    r * users + u seconds): between two turns of a user every other user has had one,
+    so together the histories outgrow the device pool and a returning turn finds its
+    prefix on host or in storage. Every request names its user as ``session``. A size of
+    n requests has ceil(n / 4) users; one that is not a multiple of 4 drops the last
+    arrivals.
+    """
+    system = _tokens(rng, CHAT_SYSTEM_TOKENS)
+    num_users = -(-num_requests // CHAT_ROUNDS)
+    histories = [
+        system + head + _tokens(rng, rng.randint(*CHAT_OPENING) - len(head))
+        for head in _distinct_heads(rng, num_users)
+    ]
+    out: list[WorkloadRequest] = []
+    for turn in range(CHAT_ROUNDS):
+        for user in range(num_users):
+            if turn:
+                histories[user] += _tokens(rng, rng.randint(*CHAT_ANSWER))
+                histories[user] += _tokens(rng, rng.randint(*CHAT_QUESTION))
+            out.append(
+                WorkloadRequest(
+                    id=f"chat-u{user}-t{turn}",
+                    prompt_token_ids=tuple(histories[user]),
+                    prompt=None,
+                    params=SamplingParams(max_tokens=rng.randint(*CHAT_MAX_TOKENS), seed=len(out)),
+                    arrival_s=CHAT_GAP_S * len(out),
+                    session=f"chat-u{user}",
+                )
+            )
+    return out[:num_requests]
+
+
 SYNTHETIC: Mapping[str, _Synthetic] = MappingProxyType(
     {
+        "chat": _Synthetic(_chat, CHAT_USERS * CHAT_ROUNDS),
         "multiturn": _Synthetic(_multiturn, 24),
         "unique": _Synthetic(_unique, 24),
         "pressure": _Synthetic(_pressure, 32),

@@ -58,6 +58,7 @@ from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.sched.request import Request, RequestError
 from ringfence.sched.scheduler import Scheduler
+from ringfence.sched.workload import returning_turns
 from ringfence.shm.errors import ProtocolError
 
 
@@ -186,32 +187,42 @@ class Engine(Actor):
         self.storage = open_storage(self.config, model, str(self.ctx.run_dir), log=self.log)
         tracing = self.log.tracing
         presence = LoggedPresence(self.storage, self.log) if tracing and self.storage else None
+        try:
+            settings = sched_config(
+                self.config, model.model_id, model.max_position, model.vocab_size
+            )
+        except ValueError as e:  # the launch checked it against the model the config names
+            self.log.error("engine.config_failed", error=str(e))
+            self.done = True
+            self.request_shutdown(str(e))
+            return
         self.scheduler = Scheduler(
-            sched_config(self.config, model.model_id, model.max_position, model.vocab_size),
+            settings,
             presence or self.storage,
             journal=tracing,
             first_numbers=first,
         )
         for rank, tier in sorted(self.tiers.items()):
             self.send(f"swap-{rank}", tier)
-        settings = self.config.engine
+        engine = self.config.engine
         self.log.info(
             "engine.ready",
             model_id=model.model_id,
             max_position=model.max_position,
             vocab_size=model.vocab_size,
-            workload=settings.workload,
+            workload=engine.workload,
             first_ops={str(lane): number for lane, number in first.items()},
         )
-        if settings.workload:
+        if engine.workload:
             try:
                 self.intake.load()
             except (ValueError, OSError) as e:  # the launch checked it; it changed since
-                self.log.error("engine.workload_failed", workload=settings.workload, error=str(e))
+                self.log.error("engine.workload_failed", workload=engine.workload, error=str(e))
                 self.done = True
-                self.request_shutdown(f"workload {settings.workload} failed to load: {e}")
+                self.request_shutdown(f"workload {engine.workload} failed to load: {e}")
                 return
-            if settings.progress:
+            self.outputs.returning = returning_turns(self.intake.workload)
+            if engine.progress:
                 self.outputs.start_progress(len(self.intake.workload))
             self.clock0 = time.perf_counter()
             self.on_arrive(Arrive())

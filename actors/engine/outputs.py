@@ -41,6 +41,7 @@ class Outputs:
         self.records: list[RequestRecord] = []  # the workload's finished requests
         self.output_tokens = 0
         self.progress: Progress | None = None
+        self.returning: frozenset[str] = frozenset()  # the workload's returning turns
 
     def arrived(self, request: Request, key: RequestKey | None, arrival: float) -> None:
         self.times[request.request_id] = _Times(request, key, arrival)
@@ -102,6 +103,7 @@ class Outputs:
                 first_token_s=times.first,
                 finish_s=times.finish,
                 cached_tokens=dict(request.cached_tokens),
+                returning=request.request_id in self.returning,
             )
         )
 

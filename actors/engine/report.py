@@ -8,8 +8,9 @@ Files written into a run dir (see DESIGN.md, "Interfaces users and scripts rely 
 
 * ``outputs.jsonl``: one line per request, in the order given: ``id``, ``prompt_tokens``,
   ``token_ids``, ``finish_reason``, ``error`` (only when there is one), ``ttft_s``,
-  ``tpot_s`` (null when unknown), ``cached_tokens`` (``device``, ``host``, ``storage``)
-  and ``preemptions``.
+  ``tpot_s`` (null when unknown), ``cached_tokens`` (``device``, ``host``, ``storage``),
+  ``preemptions`` and ``returning`` (whether it is a returning turn of a session, see
+  :func:`ringfence.sched.workload.returning_turns`).
 * ``summary.json``: what ``summarize`` returns, indented.
 """
 
@@ -47,6 +48,7 @@ class RequestRecord:
     finish_s: float | None  # when it finished or was aborted; None if it never did
     cached_tokens: Mapping[str, int]  # prompt tokens served from each tier in TIERS
     preemptions: int = 0  # times the scheduler preempted it
+    returning: bool = False  # a returning turn: its prompt extends an earlier one of its session
 
     def __post_init__(self) -> None:
         FinishReason(self.finish_reason)  # ValueError naming the bad value
@@ -88,6 +90,7 @@ class RequestRecord:
         line["tpot_s"] = self.tpot_s
         line["cached_tokens"] = {tier: self.cached(tier) for tier in TIERS}
         line["preemptions"] = self.preemptions
+        line["returning"] = self.returning
         return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
 
 
@@ -115,6 +118,14 @@ def _stats(values: Sequence[float]) -> dict[str, float | None]:
     }
 
 
+def _turn_stats(values: Sequence[float]) -> dict[str, float | int | None]:
+    return {
+        "requests": len(values),
+        "p50": percentile(values, 50) if values else None,
+        "p95": percentile(values, 95) if values else None,
+    }
+
+
 def _rate(amount: float, duration_s: float) -> float | None:
     return amount / duration_s if duration_s > 0 else None
 
@@ -125,7 +136,9 @@ def summarize(
     """The summary of a run (the content of ``summary.json``).
 
     Token counts cover every record, aborted ones included; TTFT and TPOT are over the
-    records that have them. Rates and hit rates are None when their denominator is 0.
+    records that have them, and ``ttft_by_turn`` splits TTFT into first and returning
+    turns (``requests`` counts the records with a TTFT). Rates and hit rates are None
+    when their denominator is 0.
     ``engine`` (the engine's own counters, opaque here) is copied under ``"engine"``.
     """
     if duration_s < 0:
@@ -154,6 +167,12 @@ def summarize(
         },
         "ttft_s": _stats([t for r in records if (t := r.ttft_s) is not None]),
         "tpot_s": _stats([t for r in records if (t := r.tpot_s) is not None]),
+        "ttft_by_turn": {
+            turn: _turn_stats(
+                [t for r in records if r.returning is returning and (t := r.ttft_s) is not None]
+            )
+            for turn, returning in (("first", False), ("returning", True))
+        },
         "cached_tokens": cached,
         "hit_rate": hit_rate,
         "engine": dict(engine),
@@ -207,6 +226,12 @@ def _counts(value: object, prefix: str = "") -> list[tuple[str, float]]:
     return found
 
 
+def _turn(stats: object) -> str:
+    if not isinstance(stats, Mapping):
+        return "-"
+    return f"{_num(stats.get('p50'), '.1f', 1e3)}/{_num(stats.get('p95'), '.1f', 1e3)} ms"
+
+
 def format_summary(summary: Mapping[str, Any]) -> str:
     """A fixed-width table of a summary, for the terminal; missing figures print as ``-``."""
 
@@ -244,6 +269,16 @@ def format_summary(summary: Mapping[str, Any]) -> str:
                 f"p99 {_num(stats.get('p99'), '.1f', 1e3)} ms",
             )
         )
+    turns = section("ttft_by_turn")
+    first, returning = turns.get("first", {}), turns.get("returning", {})
+    rows.append(
+        (
+            "TTFT turns",
+            f"p50/p95: first turns {_turn(first)}, returning turns {_turn(returning)} "
+            f"({_num(first.get('requests'), 'd')} and {_num(returning.get('requests'), 'd')} "
+            "requests)",
+        )
+    )
     rows.append(
         (
             "cache hits",

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from ringfence.actors.config import Config
 from ringfence.actors.kv.layout import STAGING_BLOCKS, block_fingerprint
+from ringfence.actors.model.identity import model_shape
 from ringfence.actors.protocol.worker import ModelInfo
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.prefix_index import StoragePresence
@@ -17,11 +18,31 @@ from ringfence.runtime.log import ActorLog
 from ringfence.sched.config import SchedulerConfig, TierConfig
 
 
+def max_model_len(config: Config, max_position: int) -> int:
+    """The longest prompt plus max_tokens a request may ask for: ``sched.max_model_len``, or
+    the model's ``max_position`` where it is 0. ValueError naming the key and both numbers
+    where it asks for more positions than the model has."""
+    wanted = config.sched.max_model_len
+    if wanted > max_position:
+        raise ValueError(
+            f"sched.max_model_len is {wanted}, more than the model's {max_position} positions "
+            "(max_position_embeddings); set it to at most that, or 0 for the model's own"
+        )
+    return wanted or max_position
+
+
+def check_limits(config: Config) -> None:
+    """The launch's check of ``sched.max_model_len`` against the model the config names,
+    before a run exists (ValueError naming the key; the runtime knows it only by name)."""
+    max_model_len(config, model_shape(config.model).max_position)
+
+
 def sched_config(
     config: Config, model_id: str, max_position: int, vocab_size: int = 1 << 31
 ) -> SchedulerConfig:
     """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limits
-    (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``)."""
+    (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``). ValueError
+    where ``sched.max_model_len`` is past the model's ``max_position``."""
     cache = config.cache
     storage = cache.storage.backend != "none"
     tiers = TierConfig(
@@ -38,7 +59,7 @@ def sched_config(
         sched=config.sched,
         tiers=tiers,
         namespace=block_fingerprint(config, model_id).digest(),
-        max_model_len=max_position,
+        max_model_len=max_model_len(config, max_position),
         vocab_size=vocab_size,
     )
 

@@ -7,10 +7,14 @@ from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS
 from ringfence.actors.topology import FencedTopology
 
 # Clients stop first (not waited for), then the engine, then the executors.
-# The engine reads engine.workload: a line it could not read is refused before the run.
+# The engine reads engine.workload and sched.max_model_len: a line it could not read, or a
+# limit past the model's positions, is refused before the run.
 TOPOLOGY = FencedTopology(
     engine="ringfence.actors.engine.actor:Engine",
     before=(CLIENT_ACTOR,),
     channels=CLIENT_CHANNELS,
-    preflight=("ringfence.actors.engine.intake:check_workload",),
+    preflight=(
+        "ringfence.actors.engine.intake:check_workload",
+        "ringfence.actors.engine.scheduling:check_limits",
+    ),
 )

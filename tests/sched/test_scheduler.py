@@ -900,8 +900,13 @@ def test_every_fence_names_only_earlier_ops_in_a_busy_run():
 
 def test_add_rejects_a_request_longer_than_the_model_or_the_device_pool():
     sched = make_scheduler(device_blocks=4, max_model_len=20)
-    with pytest.raises(RequestError, match="model has 20 positions"):
+    with pytest.raises(
+        RequestError,
+        match=r"'long': prompt \(15 tokens\) plus max_tokens \(6\) is 21 tokens, more than "
+        r"max_model_len 20 \(sched.max_model_len",
+    ):
         sched.add(make_request("long", range(15), max_tokens=6))
+    assert make_scheduler(max_model_len=20).add(make_request("at", range(15), max_tokens=5)) == 0
     sched = make_scheduler(device_blocks=4)
     with pytest.raises(RequestError, match="device pool has 4"):
         sched.add(make_request("big", range(15), max_tokens=2))  # 17 tokens: 5 blocks

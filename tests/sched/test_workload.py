@@ -8,12 +8,14 @@ import json
 import pytest
 
 from ringfence.sched.request import RequestError, SamplingParams
+from ringfence.sched.workload import CHAT_SYSTEM_TOKENS as SYSTEM
 from ringfence.sched.workload import (
     SYNTHETIC,
     WorkloadError,
     WorkloadRequest,
     describe,
     parse_workload,
+    returning_turns,
     synthetic,
 )
 from ringfence.shm.errors import RingfenceError
@@ -47,6 +49,7 @@ def test_every_field_of_a_line_round_trips_into_the_request():
             seed=3,
             stop_token_ids=[1, 2],
             arrival_s=1.25,
+            session="chat-7",
         )
     )
     assert request == WorkloadRequest(
@@ -55,6 +58,7 @@ def test_every_field_of_a_line_round_trips_into_the_request():
         prompt=None,
         params=SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop_token_ids=(1, 2)),
         arrival_s=1.25,
+        session="chat-7",
     )
     assert isinstance(request.params.stop_token_ids, tuple)
 
@@ -216,7 +220,12 @@ def test_a_synthetic_workload_is_the_same_for_the_same_seed_and_differs_across_s
 
 @pytest.mark.parametrize(
     ("name", "size", "shortest", "longest"),
-    [("multiturn", 24, 256, 600), ("unique", 24, 100, 300), ("pressure", 32, 300, 500)],
+    [
+        ("chat", 48, 256 + 768, 2016),
+        ("multiturn", 24, 256, 600),
+        ("unique", 24, 100, 300),
+        ("pressure", 32, 300, 500),
+    ],
 )
 def test_a_synthetic_workload_has_its_documented_size_token_range_and_arrival_order(
     name, size, shortest, longest
@@ -261,6 +270,76 @@ def test_multiturn_chats_share_the_256_token_system_prompt_and_nothing_longer():
         assert 256 <= common_prefix(a, b) < 260
 
 
+def by_session(workload: list[WorkloadRequest]) -> dict[str, list[WorkloadRequest]]:
+    sessions: dict[str, list[WorkloadRequest]] = {}
+    for request in workload:
+        sessions.setdefault(request.session, []).append(request)
+    return sessions
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_chat_round_extends_the_users_previous_prompt_and_fits_the_tiny_models_2048_positions(
+    seed,
+):
+    workload = synthetic("chat", seed=seed)
+    users = by_session(workload)
+    assert len(users) == 12
+    for session, turns in users.items():
+        assert [r.id for r in turns] == [f"{session}-t{t}" for t in range(4)]
+        for before, after in itertools.pairwise(turns):
+            assert before.prompt_token_ids is not None and after.prompt_token_ids is not None
+            assert after.arrival_s > before.arrival_s
+            assert after.prompt_token_ids[: len(before.prompt_token_ids)] == before.prompt_token_ids
+            assert len(after.prompt_token_ids) >= len(before.prompt_token_ids) + 96 + 32
+        assert all(len(r.prompt_token_ids or ()) + r.params.max_tokens <= 2048 for r in turns)
+
+
+def test_chat_users_take_turns_round_robin_so_every_other_user_comes_between_two_turns():
+    workload = synthetic("chat")
+    assert [r.id for r in workload[:13]] == [f"chat-u{u}-t0" for u in range(12)] + ["chat-u0-t1"]
+    assert [r.arrival_s for r in workload] == [1.0 * i for i in range(48)]
+
+
+def test_chat_users_share_the_system_prompt_and_nothing_longer():
+    firsts = [r.prompt_token_ids for r in synthetic("chat") if r.id.endswith("-t0")]
+    for a, b in itertools.combinations(firsts, 2):
+        assert a is not None and b is not None
+        assert common_prefix(a, b) == SYSTEM
+
+
+def test_chat_histories_together_outgrow_the_default_device_and_host_pools():
+    last = [r for r in synthetic("chat") if r.id.endswith("-t3")]
+    blocks = sum((len(r.prompt_token_ids or ()) - SYSTEM) // 16 for r in last)
+    assert blocks > 256 + 768
+
+
+def test_a_chat_of_14_requests_has_4_users_and_drops_the_last_two_arrivals_of_round_4():
+    ids = [r.id for r in synthetic("chat", requests=14)]
+    assert ids == [f"chat-u{u}-t{t}" for t in range(4) for u in range(4)][:14]
+
+
+def test_returning_turns_are_the_chat_rounds_after_the_first():
+    workload = synthetic("chat", requests=30)
+    assert returning_turns(workload) == {r.id for r in workload if not r.id.endswith("-t0")}
+    multiturn = synthetic("multiturn")
+    assert returning_turns(multiturn) == {r.id for r in multiturn if not r.id.endswith("-t0")}
+
+
+def test_a_turn_that_does_not_extend_its_sessions_earlier_prompt_is_not_a_returning_turn():
+    workload = parse_workload(
+        [
+            line(id="a", prompt_token_ids=[1, 2], session="s"),
+            line(id="b", prompt_token_ids=[1, 2, 3], session="s", arrival_s=1),
+            line(id="c", prompt_token_ids=[9, 9, 9, 9], session="s", arrival_s=2),
+            line(id="d", prompt_token_ids=[1, 2, 3, 4], arrival_s=3),
+            line(id="e", prompt="hi there", session="t"),
+            line(id="f", prompt="hi there, again", session="t", arrival_s=1),
+            line(id="g", prompt_token_ids=[1, 2, 3, 4, 5], session="u", arrival_s=4),
+        ]
+    )
+    assert returning_turns(workload) == {"b", "f"}
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_unique_prompts_share_no_prefix_at_all(seed):
     prompts = [r.prompt_token_ids for r in synthetic("unique", seed=seed, requests=200)]
@@ -286,7 +365,7 @@ def test_pressure_arrives_at_once_and_needs_more_kv_than_a_512_block_device_pool
 def test_an_unknown_synthetic_name_lists_the_known_ones():
     with pytest.raises(
         WorkloadError,
-        match=r"^unknown synthetic workload 'multi'; known: multiturn, unique, pressure$",
+        match=r"^unknown synthetic workload 'multi'; known: chat, multiturn, unique, pressure$",
     ):
         synthetic("multi")
 

@@ -31,6 +31,7 @@ def make_record(
     finish_s: float | None = 1.5,
     cached_tokens: dict[str, int] | None = None,
     preemptions: int = 0,
+    returning: bool = False,
 ) -> RequestRecord:
     return RequestRecord(
         id=id,
@@ -43,6 +44,7 @@ def make_record(
         finish_s=finish_s,
         cached_tokens=cached_tokens or {"device": 0, "host": 0, "storage": 0},
         preemptions=preemptions,
+        returning=returning,
     )
 
 
@@ -148,6 +150,7 @@ def test_a_json_line_has_the_design_fields_and_all_three_tiers():
         "tpot_s": 1.0,
         "cached_tokens": {"device": 0, "host": 3, "storage": 0},
         "preemptions": 0,
+        "returning": False,
     }
     assert "error" not in orjson.loads(make_record().to_json_line())
 
@@ -187,6 +190,20 @@ def test_summarize_of_nothing_in_no_time_has_none_for_what_cannot_be_computed():
         summarize([], duration_s=-1.0, engine={})
 
 
+def test_summarize_splits_ttft_into_first_and_returning_turns():
+    records = [
+        make_record("u0-t0", arrival_s=0.0, first_token_s=0.4),
+        make_record("u1-t0", arrival_s=0.0, first_token_s=0.6),
+        make_record("u0-t1", arrival_s=1.0, first_token_s=1.1, returning=True),
+        make_record("u1-t1", arrival_s=1.0, first_token_s=1.2, returning=True),
+        make_record("u0-t2", arrival_s=2.0, first_token_s=None, token_ids=(), returning=True),
+    ]
+    turns = summarize(records, duration_s=3.0, engine={})["ttft_by_turn"]
+    assert turns["first"] == pytest.approx({"requests": 2, "p50": 0.5, "p95": 0.59})
+    assert turns["returning"] == pytest.approx({"requests": 2, "p50": 0.15, "p95": 0.195})
+    assert orjson.loads(records[2].to_json_line())["returning"] is True
+
+
 def test_write_run_report_writes_both_files_that_round_trip_and_leaves_no_temporaries(tmp_path):
     records = make_records()
     summary = summarize(records, duration_s=2.0, engine={"bytes": {"swap_in": 1 << 20}})
@@ -223,6 +240,9 @@ def test_format_summary_shows_the_key_figures():
     assert rows["throughput"] == "4.5 output tok/s, 44.5 total tok/s, 2.00 req/s"
     assert rows["TTFT"] == "p50 300.0 ms, p99 496.0 ms"
     assert rows["TPOT"] == "p50 100.0 ms, p99 100.0 ms"
+    assert rows["TTFT turns"] == (
+        "p50/p95: first turns 300.0/480.0 ms, returning turns -/- ms (3 and 0 requests)"
+    )
     assert rows["cache hits"] == "device 16 (20.0%), host 8 (10.0%), storage 4 (5.0%)"
     assert rows["preemptions"] == "recompute 3, swap 1"
     assert rows["bytes moved"] == "swap_in 3.0 MiB, swap_out 0.5 MiB"
@@ -233,6 +253,10 @@ def test_format_summary_aligns_its_labels_and_survives_missing_figures():
     # The labels are padded to the longest ("preemptions", "bytes moved"), then two spaces.
     assert all(line[11:13] == "  " and line[13] != " " for line in text.splitlines())
     assert "TTFT         p50 - ms, p99 - ms" in text
+    assert (
+        "TTFT turns   p50/p95: first turns -/- ms, returning turns -/- ms (- and - requests)"
+        in text
+    )
     assert "preemptions  none" in text
     assert "bytes moved  host.in 1.0 MiB" in text
     assert format_summary({})  # no figures at all is still a table
