@@ -41,8 +41,10 @@ EVENTS: Final[dict[str, Event]] = {
     ),
     "actor.exit": _e(
         "info",
-        "instance instance_pid exitcode incarnation clean",
-        "a child ended; clean: exit 0 after it reported exited",
+        "instance instance_pid exitcode incarnation clean where at error",
+        "a child ended; clean: exit 0 after it reported exited; a failed child's record "
+        "(runtime/failure.py) adds where (on_start, a handler, ...), at (the innermost "
+        "frame, file:line in function) and error (type: message)",
     ),
     "actor.detach": _e("info", "instance instance_pid clean", "an external actor went away"),
     "actor.hung": _e("warning", "instance instance_pid heartbeat_age_s", "heartbeat stale"),
@@ -52,7 +54,10 @@ EVENTS: Final[dict[str, Event]] = {
         "info", "instance restarts backoff_s new_epoch", "a failed child will be spawned again"
     ),
     "actor.gave_up": _e(
-        "error", "instance restarts restart", "restart policy exhausted; the run stops"
+        "error",
+        "instance restarts restart ever_ready",
+        "restart policy exhausted, or a start that raised before the actor was ever ready "
+        "(ever_ready false: it would raise again); the run stops",
     ),
     # Every actor instance.
     "actor.start": _e(

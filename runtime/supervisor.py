@@ -319,7 +319,6 @@ class Supervisor:
         slot.proc, slot.exitcode = None, code
         clean = code == 0 and slot.control.exited.value() >= slot.incarnation
         failure = None if clean else read_failure(self.run_dir, slot.entry.id, slot.incarnation)
-        told = {} if failure is None else {"where": failure.where, "at": failure.at}
         self.log.info(
             "actor.exit",
             instance=slot.entry.id,
@@ -327,8 +326,9 @@ class Supervisor:
             exitcode=code,
             incarnation=slot.incarnation,
             clean=clean,
-            **told,
-            **({} if failure is None else {"error": f"{failure.error}: {failure.message}"}),
+            where=None if failure is None else failure.where,
+            at=None if failure is None else failure.at,
+            error=None if failure is None else f"{failure.error}: {failure.message}",
         )
         if self._stop_reason is not None or clean:
             slot.state = "stopped" if self._stop_reason is not None else "exited"
