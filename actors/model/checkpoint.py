@@ -1,4 +1,4 @@
-"""Loading a Hugging Face ``LlamaForCausalLM`` checkpoint directory into our ``Model``.
+"""Checking and loading a Hugging Face checkpoint directory of a supported family.
 
 A checkpoint is ``config.json`` plus ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json``, and optionally ``tokenizer.json``. The safetensors
@@ -20,11 +20,12 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 
-from ringfence.actors.model.shape import ModelShape
+from ringfence.actors.model.families import FAMILIES, read_config
+from ringfence.actors.model.shape import ModelShape, expected_tensors
 
 if TYPE_CHECKING:  # torch is imported by what reads tensors, not by what reads configs
     import torch
@@ -56,82 +57,6 @@ class TensorEntry:
     shape: tuple[int, ...]  # stored shape
     begin: int  # absolute byte offset of the first element in the file
     end: int  # absolute byte offset one past the last element
-
-
-def _config_error(key: str, message: str) -> ValueError:
-    return ValueError(f"config.json: {key}: {message}")
-
-
-def _int_key(raw: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = raw.get(key)
-    value = default if value is None else value  # null counts as absent, as in transformers
-    if value is None:
-        raise _config_error(key, "is required")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _config_error(key, f"must be an integer, got {value!r}")
-    return value
-
-
-def _float_key(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _config_error(key, f"must be a number, got {value!r}")
-    return float(value)
-
-
-def read_config(path: str | Path) -> ModelShape:
-    """The ``ModelShape`` of a checkpoint's ``config.json``; refuses what we do not implement."""
-    file = Path(path) / "config.json"
-    try:
-        raw = orjson.loads(file.read_bytes())
-    except (OSError, orjson.JSONDecodeError) as exc:
-        raise ValueError(f"{file}: cannot read the model config: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file}: the model config is not a JSON object")
-    if raw.get("architectures") != ["LlamaForCausalLM"]:
-        raise _config_error(
-            "architectures",
-            f"only ['LlamaForCausalLM'] is supported, got {raw.get('architectures')!r}",
-        )
-    if raw.get("rope_scaling") is not None:
-        raise _config_error("rope_scaling", f"is not supported, got {raw['rope_scaling']!r}")
-    rope = raw.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise _config_error("rope_parameters", f"must be an object, got {rope!r}")
-    if rope.get("rope_type", "default") != "default":
-        raise _config_error("rope_parameters.rope_type", f"only 'default' is supported, got {rope}")
-    for key in ("attention_bias", "mlp_bias"):
-        if raw.get(key, False):
-            raise _config_error(key, "biases are not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise _config_error("hidden_act", f"only 'silu' is supported, got {raw['hidden_act']!r}")
-    if raw.get("quantization_config") is not None:
-        raise _config_error("quantization_config", "quantized weights are not supported")
-    max_position = _int_key(raw, "max_position_embeddings")
-    if max_position < 2048:
-        raise _config_error(
-            "max_position_embeddings",
-            f"is {max_position}, but ModelShape.max_position must be >= 2048 and raising it "
-            "would admit positions the checkpoint was never configured for",
-        )
-    hidden = _int_key(raw, "hidden_size")
-    heads = _int_key(raw, "num_attention_heads")
-    rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0))
-    try:
-        return ModelShape(
-            vocab_size=_int_key(raw, "vocab_size"),
-            hidden=hidden,
-            layers=_int_key(raw, "num_hidden_layers"),
-            heads=heads,
-            kv_heads=_int_key(raw, "num_key_value_heads", heads),
-            head_dim=_int_key(raw, "head_dim", hidden // heads if heads > 0 else None),
-            intermediate=_int_key(raw, "intermediate_size"),
-            max_position=max_position,
-            rope_theta=_float_key("rope_theta", rope_theta),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            norm_eps=_float_key("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{file}: {exc}") from exc
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
@@ -192,16 +117,32 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
     return entries
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = orjson.loads(index.read_bytes())["weight_map"]
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{index}: malformed index (no weight_map): {exc!r}") from exc
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) and isinstance(file, str) and file and "/" not in file
+        for name, file in weight_map.items()
+    ):
+        raise ValueError(f"{index}: weight_map must map tensor names to file names in its folder")
+    return weight_map
+
+
 def safetensors_files(path: str | Path) -> list[Path]:
-    """The checkpoint's weight files: the shards of the index, or the single file."""
+    """The checkpoint's weight files: the shards of the index, or the single file.
+
+    Every shard the index names must exist (ValueError naming the missing file).
+    """
     root = Path(path)
     index = root / INDEX_FILE
     if index.exists():
-        try:
-            weight_map = orjson.loads(index.read_bytes())["weight_map"]
-            return [root / name for name in sorted(set(weight_map.values()))]
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{index}: malformed index (no weight_map): {exc!r}") from exc
+        files = [root / name for name in sorted(set(_weight_map(index).values()))]
+        for file in files:
+            if not file.is_file():
+                raise ValueError(f"{index}: weight_map names {file.name}, but {file} is missing")
+        return files
     if (root / SINGLE_FILE).exists():
         return [root / SINGLE_FILE]
     raise ValueError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} is present")
@@ -234,39 +175,75 @@ def _all_entries(files: Iterable[Path]) -> dict[str, TensorEntry]:
     return entries
 
 
+def _checked_entries(path: str | Path, shape: ModelShape) -> dict[str, TensorEntry]:
+    """The checkpoint's tensors (headers only), checked against ``expected_tensors(shape)``.
+
+    Every tensor of the model must be present with its exact shape, except a tied
+    ``lm_head.weight``, which may be omitted; nothing else may be, but rotary ``inv_freq``
+    buffers, which are derived from the config and skipped.
+    """
+    root = Path(path)
+    entries = _all_entries(safetensors_files(root))
+    index = root / INDEX_FILE
+    if index.exists():
+        for name, file in _weight_map(index).items():
+            if name in entries and entries[name].file.name != file:
+                raise ValueError(
+                    f"{index}: weight_map puts tensor {name!r} in {file}, "
+                    f"but it is in {entries[name].file}"
+                )
+    needed = expected_tensors(shape)
+    optional = {"lm_head.weight"} if shape.tie_embeddings else set()
+    missing = sorted(set(needed) - set(entries) - optional)
+    if missing:
+        raise ValueError(f"{root}: checkpoint lacks tensors {missing}")
+    for name, entry in entries.items():
+        if name not in needed and not name.endswith(_DERIVED_SUFFIX):
+            raise ValueError(
+                f"{entry.file}: tensor {name!r} is not one the {shape.family} model has"
+            )
+        if name in needed and entry.shape != needed[name]:
+            raise ValueError(
+                f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, "
+                f"the model needs {list(needed[name])}"
+            )
+    return {name: entry for name, entry in entries.items() if name in needed}
+
+
+def check_checkpoint(path: str | Path) -> ModelShape:
+    """The checkpoint's ``ModelShape``, once its config and every tensor's header check out.
+
+    Torch-free and reads no tensor data: config.json (``read_config``), the shards the
+    index names (each must exist), and each safetensors header (every tensor the model
+    needs, at its exact shape, in a supported dtype; no unexpected tensors). Whether a
+    stored tied ``lm_head.weight`` equals the embedding needs the data: ``load_checkpoint``
+    checks that. ValueError naming the file and the tensor or field otherwise.
+    """
+    shape = read_config(path)
+    _checked_entries(path, shape)
+    return shape
+
+
 def load_checkpoint(
     path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> Model:
     """A ``Model`` holding the checkpoint's weights, cast to ``dtype``, on ``device``.
 
-    Every parameter must be present with its exact shape; a tied checkpoint may omit
-    ``lm_head.weight``. The files are only read. ``dtype`` defaults to float32.
+    The checks of ``check_checkpoint``, and a tied checkpoint's stored ``lm_head.weight``
+    must equal its embedding. The files are only read. ``dtype`` defaults to float32.
     """
     import torch
 
     from ringfence.actors.model.decoder import Model
 
     config = read_config(path)
-    entries = _all_entries(safetensors_files(path))
+    entries = _checked_entries(path, config)
     # The random initial weights are all overwritten below.
     model = Model(config, torch.float32 if dtype is None else dtype, seed=0)
     targets = model.state_dict(keep_vars=True)
-    optional = {"lm_head.weight"} if config.tie_embeddings else set()
-    missing = sorted(set(targets) - set(entries) - optional)
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks tensors {missing}")
-    unexpected = sorted(n for n in entries if n not in targets and not n.endswith(_DERIVED_SUFFIX))
-    if unexpected:
-        raise ValueError(f"{path}: checkpoint has tensors the model does not: {unexpected}")
-    for name, param in targets.items():
-        entry = entries.get(name)
-        if entry is None:
-            continue
-        if entry.shape != tuple(param.shape):
-            raise ValueError(
-                f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, "
-                f"the model needs {list(param.shape)}"
-            )
+    if set(targets) != set(expected_tensors(config)):  # one definition of the tensors
+        raise RuntimeError(f"the {config.family} model's state dict differs from expected_tensors")
+    for name, entry in entries.items():
         if config.tie_embeddings and name == "lm_head.weight":
             # Tied: the parameter is the embedding, so a stored copy must agree with it.
             embed = read_tensor(entries["model.embed_tokens.weight"])
@@ -274,7 +251,7 @@ def load_checkpoint(
                 raise ValueError(f"{path}: embeddings are tied but lm_head.weight differs")
             continue
         with torch.no_grad():
-            param.copy_(read_tensor(entry))
+            targets[name].copy_(read_tensor(entry))
     return model.to(device)
 
 
@@ -282,9 +259,11 @@ def checkpoint_fingerprint_id(path: str | Path) -> str:
     """A stable id of the model and its weights: BLAKE2b over config.json and every weight byte.
 
     Reads all weight files (seconds per GB). Headers alone would give two fine-tunes of one
-    architecture the same id, and their KV caches must never be shared.
+    architecture the same id, and their KV caches must never be shared. The id begins
+    with the family's slug ("llama-", "qwen2-", ...).
     """
     root = Path(path)
+    slug = FAMILIES[read_config(root).family].slug
     digest = hashlib.blake2b(digest_size=16)
     digest.update((root / "config.json").read_bytes())
     for file in safetensors_files(root):
@@ -292,4 +271,4 @@ def checkpoint_fingerprint_id(path: str | Path) -> str:
         with file.open("rb") as f:
             while chunk := f.read(_HASH_CHUNK):
                 digest.update(chunk)
-    return f"llama-blake2b-{digest.hexdigest()}"
+    return f"{slug}-blake2b-{digest.hexdigest()}"

@@ -1,10 +1,13 @@
-"""A Llama-architecture decoder in plain torch, with seeded random weights, and the sampler.
+"""A decoder of the supported families in plain torch, with seeded random weights, and the sampler.
 
-Parameter names are those of Hugging Face ``LlamaForCausalLM``'s state dict
-(``model.embed_tokens.weight``, ``model.layers.N.self_attn.q_proj.weight``, ...,
+Parameter names are those of the Hugging Face state dicts (``model.embed_tokens.weight``,
+``model.layers.N.self_attn.q_proj.weight`` and ``.bias`` where the shape has
+``qkv_bias``, ``model.layers.N.self_attn.q_norm.weight`` where it has ``qk_norm``, ...,
 ``model.layers.N.mlp.gate_proj.weight``, ``model.layers.N.input_layernorm.weight``,
-``model.norm.weight``, ``lm_head.weight``), and the rotary embedding uses its
-``rotate_half`` convention, so a checkpoint loader can map tensors 1:1. The modules are
+``model.norm.weight``, ``lm_head.weight``; ``shape.expected_tensors`` lists them), and the
+rotary embedding uses their ``rotate_half`` convention, so a checkpoint loader can map
+tensors 1:1. The code reads the shape's flags, never the architecture's name
+(``actors/model/families.py`` says which family sets which flag). The modules are
 only parameter containers: the forward pass is written out with ``torch.nn.functional``
 so that the paged executor (``actors/model/paged.py``) runs the very same per-layer code and
 differs only in where attention reads its keys and values.
@@ -13,6 +16,7 @@ differs only in where attention reads its keys and values.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -21,7 +25,10 @@ from torch import Tensor, nn
 
 from ringfence.actors.model.shape import PRESETS, ModelShape
 
-__all__ = ["DTYPES", "PRESETS", "Model", "ModelShape", "Sampled", "kv_block_bytes", "sample"]
+__all__ = [
+    "DTYPES", "PRESETS", "Model", "ModelShape", "Sampled", "inverse_frequencies",
+    "kv_block_bytes", "sample", "window_mask",
+]  # fmt: skip
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
@@ -30,6 +37,42 @@ def kv_block_bytes(config: ModelShape, block_size: int, dtype: torch.dtype) -> i
     """Bytes of one KV block: every layer's K and V for ``block_size`` tokens."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return config.layers * 2 * block_size * config.kv_heads * config.head_dim * itemsize
+
+
+def inverse_frequencies(config: ModelShape) -> Tensor:
+    """The rotary inverse frequencies [head_dim / 2] in float64, scaled as transformers does.
+
+    ``linear`` divides every frequency by the factor; ``llama3`` divides those of
+    wavelengths above original/low_freq_factor, keeps those below original/high_freq_factor,
+    and interpolates between (transformers' ``_compute_llama3_parameters``).
+    """
+    dim = config.head_dim
+    inv_freq = config.rope_theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    original, factor = scaling.original_max_position, scaling.factor
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def window_mask(queries: Tensor, keys: Tensor, window: int | None) -> Tensor:
+    """Which keys each query sees [len(queries), len(keys)]: key j at query i when j <= i
+    and, under a sliding window, i - window < j (transformers' sliding_window_overlay)."""
+    seen = keys.unsqueeze(0) <= queries.unsqueeze(1)
+    if window is not None:
+        seen &= keys.unsqueeze(0) > queries.unsqueeze(1) - window
+    return seen
 
 
 class QKV(NamedTuple):
@@ -49,10 +92,13 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, c: ModelShape) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim)
+            self.k_norm = RMSNorm(c.head_dim)
 
 
 class MLP(nn.Module):
@@ -107,9 +153,7 @@ class Model(nn.Module):
         self.to(dtype)
         self.requires_grad_(False)
         # Rotary tables in float64, then cast: both execution paths index the same table.
-        inv_freq = config.rope_theta ** (
-            -torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
-        )
+        inv_freq = inverse_frequencies(config)
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
@@ -124,11 +168,13 @@ class Model(nn.Module):
 
     def _init_weights(self, seed: int) -> None:
         # Drawn in float32 in a fixed order from a private generator: deterministic
-        # across runs and dtypes, and the global RNG is left alone.
+        # across runs and dtypes, and the global RNG is left alone. Biases start at zero.
         gen = torch.Generator().manual_seed(seed)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.data.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.data.zero_()
             else:
                 fan_in = self.config.hidden if "embed_tokens" in name else param.shape[1]
                 std = fan_in**-0.5
@@ -161,15 +207,18 @@ class Model(nn.Module):
         layer = self.decoder_layers[index]
         h = self._rms_norm(x, layer.input_layernorm.weight)
         att = layer.self_attn
-        q = F.linear(h, att.q_proj.weight).view(-1, c.heads, c.head_dim)
-        k = F.linear(h, att.k_proj.weight).view(-1, c.kv_heads, c.head_dim)
-        v = F.linear(h, att.v_proj.weight).view(-1, c.kv_heads, c.head_dim)
+        q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(-1, c.heads, c.head_dim)
+        k = F.linear(h, att.k_proj.weight, att.k_proj.bias).view(-1, c.kv_heads, c.head_dim)
+        v = F.linear(h, att.v_proj.weight, att.v_proj.bias).view(-1, c.kv_heads, c.head_dim)
+        if c.qk_norm:  # per head, over head_dim, before rotary
+            q = self._rms_norm(q, att.q_norm.weight)
+            k = self._rms_norm(k, att.k_norm.weight)
         return QKV(self._rope(q, positions), self._rope(k, positions), v)
 
     def finish_layer(self, index: int, x: Tensor, attended: Tensor) -> Tensor:
         """The residual stream after layer ``index``, given its attention output [T, heads*dim]."""
         layer = self.decoder_layers[index]
-        x = x + F.linear(attended, layer.self_attn.o_proj.weight)
+        x = x + F.linear(attended, layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias)
         h = self._rms_norm(x, layer.post_attention_layernorm.weight)
         mlp = layer.mlp
         gated = F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight)
@@ -186,12 +235,16 @@ class Model(nn.Module):
         if length > self.config.max_position:
             raise ValueError(f"sequence length {length} past max_position")
         positions = torch.arange(length)
+        window = self.config.sliding_window
+        mask = None  # plain causal attention, unless the window is shorter than the sequence
+        if window is not None and window < length:
+            mask = window_mask(positions, positions, window).to(self.rope_cos.device)
         x = self.embed(token_ids)
         for index in range(self.config.layers):
             q, k, v = self.attention_inputs(index, x, positions)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                is_causal=True, enable_gqa=True,
+                attn_mask=mask, is_causal=mask is None, enable_gqa=True,
             )  # fmt: skip
             x = self.finish_layer(index, x, out.transpose(0, 1).reshape(length, -1))
         return self.logits(x)

@@ -7,8 +7,9 @@ shapes but never run a tensor.
 
 from __future__ import annotations
 
-from ringfence.actors.model.checkpoint import checkpoint_fingerprint_id, read_config
+from ringfence.actors.model.checkpoint import checkpoint_fingerprint_id
 from ringfence.actors.model.config import ModelConfig
+from ringfence.actors.model.families import read_config
 from ringfence.actors.model.shape import PRESETS, ModelShape
 
 

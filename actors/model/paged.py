@@ -5,6 +5,11 @@ The KV tensor is laid out ``[num_blocks, layers, 2, block_size, kv_heads, head_d
 layer's K (index 0) and V (index 1) for ``block_size`` consecutive positions. The token
 at position ``pos`` of a sequence lives in slot ``pos % block_size`` of block
 ``block_table[pos // block_size]``.
+
+Under a sliding window (``ModelShape.sliding_window``), a query at position i attends to
+keys j with i - window < j <= i, in decode and prefill-chunk pieces alike, as transformers
+masks them. Every block of a table is still kept, read and written as without a window:
+blocks wholly older than the window are masked, not freed.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ringfence.actors.model.decoder import Model, ModelShape
+from ringfence.actors.model.decoder import Model, ModelShape, window_mask
 from ringfence.sched.ops import Piece
 
 
@@ -25,8 +30,8 @@ class _Decodes(NamedTuple):
 
     rows: Tensor  # [D] their rows in the step's token order
     table: Tensor  # [D * width] block ids, each piece's table padded to width blocks
-    valid: Tensor  # [D, width * block_size] True at positions 0..end-1 of the piece
-    hidden: Tensor  # flat indices of the other positions (zeroed after each gather)
+    valid: Tensor  # [D, width * block_size] True at the positions the piece's query sees
+    hidden: Tensor  # flat indices of positions end.. past each piece (zeroed after each gather)
     width: int
 
 
@@ -37,7 +42,7 @@ class _Chunk(NamedTuple):
     length: int
     table: Tensor  # the blocks covering positions 0..end-1
     end: int  # start + length
-    mask: Tensor | None  # [length, end] causal mask with offset; None when start == 0
+    mask: Tensor | None  # [length, end] causal (and window) mask; None: plain causal from 0
 
 
 class _StepIndex(NamedTuple):
@@ -150,6 +155,7 @@ class PagedExecutor:
     def _index(self, pieces: Sequence[Piece]) -> _StepIndex:
         """The step's index tensors, made on the KV tensor's device."""
         bs, dev = self.block_size, self.kv.device
+        window = self.model.config.sliding_window
         lengths = [len(p.token_ids) for p in pieces]
         spans = [range(p.start, p.start + n) for p, n in zip(pieces, lengths, strict=True)]
         flat = [pos for span in spans for pos in span]
@@ -163,9 +169,10 @@ class PagedExecutor:
                 decodes.append((first, table, span.stop))
             else:
                 mask = None
-                if p.start:  # query at position pos sees keys 0..pos
-                    keys = torch.arange(span.stop, device=dev).unsqueeze(0)
-                    mask = keys <= torch.tensor(span, device=dev).unsqueeze(1)
+                # Query at position pos sees keys 0..pos (pos-window+1..pos under a window).
+                if p.start or (window is not None and window < span.stop):
+                    keys = torch.arange(span.stop, device=dev)
+                    mask = window_mask(torch.tensor(span, device=dev), keys, window)
                 index = torch.tensor(table, dtype=torch.long, device=dev)
                 chunks.append(_Chunk(first, len(span), index, span.stop, mask))
             first += len(span)
@@ -179,7 +186,7 @@ class PagedExecutor:
             slot_blocks=torch.tensor(blocks, dtype=torch.long, device=dev),
             slot_offsets=positions % bs,
             last=torch.tensor(lengths, device=dev).cumsum(0) - 1,
-            decodes=_decodes(decodes, bs, dev) if decodes else None,
+            decodes=_decodes(decodes, bs, dev, window) if decodes else None,
             chunks=chunks,
         )
 
@@ -252,17 +259,23 @@ class PagedExecutor:
 
 
 def _decodes(
-    decodes: Sequence[tuple[int, Sequence[int], int]], block_size: int, device: torch.device
+    decodes: Sequence[tuple[int, Sequence[int], int]],
+    block_size: int,
+    device: torch.device,
+    window: int | None,
 ) -> _Decodes:
     """Pad the decode pieces' tables to one width (with their own first block, masked)."""
     width = max(len(table) for _, table, _ in decodes)
     table = [b for _, t, _ in decodes for b in (*t, *(t[0],) * (width - len(t)))]
     ends = torch.tensor([end for _, _, end in decodes], device=device).unsqueeze(1)
-    valid = torch.arange(width * block_size, device=device).unsqueeze(0) < ends
+    keys = torch.arange(width * block_size, device=device).unsqueeze(0)
+    written = keys < ends
+    # Older keys than the window are written (finite): masked, but need no zeroing.
+    valid = written if window is None else written & (keys >= ends - window)
     return _Decodes(
         rows=torch.tensor([row for row, _, _ in decodes], dtype=torch.long, device=device),
         table=torch.tensor(table, dtype=torch.long, device=device),
         valid=valid,
-        hidden=torch.nonzero(~valid.flatten()).flatten(),
+        hidden=torch.nonzero(~written.flatten()).flatten(),
         width=width,
     )

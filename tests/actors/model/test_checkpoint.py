@@ -221,7 +221,9 @@ def test_an_untied_checkpoint_without_lm_head_is_missing_it(tmp_path: Path) -> N
 def test_an_unexpected_tensor_is_named(tmp_path: Path) -> None:
     tensors = {**tiny_tensors(), "model.layers.2.mlp.up_proj.weight": torch.zeros(2)}
     with pytest.raises(
-        ValueError, match=r"model does not: \['model.layers.2.mlp.up_proj.weight'\]"
+        ValueError,
+        match=r"model.safetensors: tensor 'model.layers.2.mlp.up_proj.weight' is not one the "
+        r"LlamaForCausalLM model has",
     ):
         load_checkpoint(write_checkpoint(tmp_path, tensors))
 
@@ -274,13 +276,19 @@ def test_an_unknown_stored_dtype_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "key"),
     [
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_parameters.rope_type"),
-        ({"architectures": ["MistralForCausalLM"]}, "architectures"),
-        ({"attention_bias": True}, "attention_bias"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling.rope_type"),
+        ({"rope_parameters": {"type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_parameters.low_freq_factor",
+        ),
+        ({"rope_scaling": {"type": "linear"}}, "rope_scaling.factor"),
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+        ({"architectures": None}, "architectures"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"max_position_embeddings": 1024}, "max_position_embeddings"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings"),
         ({"hidden_size": None}, "hidden_size"),
         ({"num_hidden_layers": 2.5}, "num_hidden_layers"),
     ],
