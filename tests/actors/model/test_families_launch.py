@@ -13,8 +13,6 @@ have preempted and swapped, and its log must replay.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,105 +20,44 @@ import orjson
 import pytest
 import torch
 from engine_runs import MODEL, TIERS, finished
+from hf_checkpoints import VOCAB, float64_throughout, save_family
 from launching import QUICK, launched
 
-transformers = pytest.importorskip("transformers", reason="the reference is transformers")
+pytest.importorskip("transformers", reason="the reference is transformers")
 
-SHAPE = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 300,
-    "max_position_embeddings": 2048,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-EOS = 2
+EOS = 2  # both sides stop at it: the workload names it, and so does generate()
 DEVICE_BLOCKS = 12  # of 16 tokens: about four requests' prompts, a quarter of the workload
 HOST_BLOCKS = 12  # small enough that the host evicts to storage before the last request
 REQUESTS = 7
 WEIGHTS_SEED = 11
 PROMPTS_SEED = 5
-
-# family id: (transformers config class, model class, config overrides)
-FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # most of the 16-dim head's frequencies change
+}
+# id: (architecture, config overrides)
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {}),
+    "llama-rope-llama3": ("LlamaForCausalLM", {"rope_parameters": LLAMA3}),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3ForCausalLM", {}),
+    # Sequences run to about 130 tokens: a 32-token window hides most of each.
+    "mistral-window32": ("MistralForCausalLM", {"sliding_window": 32}),
 }
 
 
-def save_checkpoint(root: Path, family: str, seed: int) -> Any:
-    """A transformers model of ``family`` with seeded random float64 weights, saved under
-    ``root`` by ``save_pretrained``; returned in eval mode."""
-    config_class, model_class, overrides = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**SHAPE, **overrides})
-    torch.manual_seed(seed)
-    hf = getattr(transformers, model_class)(config).to(torch.float64)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-            param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
-    hf.save_pretrained(root)
-    return hf.eval()
-
-
-@contextmanager
-def float64_throughout(hf: Any) -> Iterator[None]:
-    """Make transformers compute in float64 where it forces float32 in a float64 model.
-
-    Its rotary frequencies and tables and its RMSNorm statistics are float32 in every
-    family; ours follow the dtype. The rope functions (default, linear, llama3, ...)
-    name ``torch.float`` for their dtype, so the frequencies are recomputed by the
-    family's own function with that name meaning float64 for the call.
-    """
-    patched: list[Any] = []
-    for module in hf.modules():
-        kind = type(module).__name__
-        if kind.endswith("RotaryEmbedding"):
-            module.forward = _rotary(module)
-        elif kind.endswith("RMSNorm"):
-            module.forward = _norm(module)
-        else:
-            continue
-        patched.append(module)
-    assert patched, "no rotary embedding or RMSNorm found to patch"
-    try:
-        yield
-    finally:
-        for module in patched:
-            del module.forward
-
-
-def _rotary(module: Any) -> Any:
-    if module.rope_type == "default":
-        init = type(module).compute_default_rope_parameters
-    else:
-        init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS[module.rope_type]
-    single = torch.float
-    torch.float = torch.float64  # type: ignore[misc]
-    try:
-        inv_freq, scaling = init(module.config)
-    finally:
-        torch.float = single  # type: ignore[misc]
-    assert inv_freq.dtype == torch.float64, inv_freq.dtype
-
-    def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids[..., None].to(torch.float64) * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
-        return (angles.cos() * scaling).to(x.dtype), (angles.sin() * scaling).to(x.dtype)
-
-    return forward
-
-
-def _norm(module: Any) -> Any:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-        scaled: torch.Tensor = module.weight * (x * scale)
-        return scaled
-
-    return forward
+def save_checkpoint(root: Path, checkpoint: str, seed: int) -> Any:
+    """The small transformers model of ``checkpoint`` (hf_checkpoints.save_family's
+    weights), saved in float64 under ``root``; returned computing in float64 throughout."""
+    family, overrides = CHECKPOINTS[checkpoint]
+    hf = save_family(root, family, seed=seed, **overrides).to(torch.float64)
+    hf.save_pretrained(root)  # again, in float64
+    float64_throughout(hf)
+    return hf
 
 
 def workload(seed: int) -> list[dict[str, Any]]:
@@ -130,7 +67,7 @@ def workload(seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
-        return [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(n)]
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
 
     head = tokens(40)
     longer = head + tokens(25)
@@ -152,7 +89,7 @@ def workload(seed: int) -> list[dict[str, Any]]:
 def generated(hf: Any, lines: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
     """transformers' greedy tokens of each line, one generate() per prompt (no padding)."""
     out: dict[str, tuple[int, ...]] = {}
-    with float64_throughout(hf), torch.no_grad():
+    with torch.inference_mode():
         for line in lines:
             ids = torch.tensor([line["prompt_token_ids"]])
             tokens = hf.generate(
@@ -167,12 +104,12 @@ def generated(hf: Any, lines: list[dict[str, Any]]) -> dict[str, tuple[int, ...]
     return out
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
 def test_a_launched_checkpoint_of_each_family_gives_the_greedy_tokens_of_transformers(
-    tmp_path: Path, family: str
+    tmp_path: Path, checkpoint: str
 ) -> None:
     print(f"weights seed {WEIGHTS_SEED}")
-    hf = save_checkpoint(tmp_path / "checkpoint", family, WEIGHTS_SEED)
+    hf = save_checkpoint(tmp_path / "checkpoint", checkpoint, WEIGHTS_SEED)
     lines = workload(PROMPTS_SEED)
     path = tmp_path / "workload.jsonl"
     path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
@@ -189,8 +126,8 @@ def test_a_launched_checkpoint_of_each_family_gives_the_greedy_tokens_of_transfo
         *QUICK,
     )
     with launched(tmp_path, *sets) as run:
+        expected = generated(hf, lines)  # while the actors start
         outputs, summary = finished(run)
-    expected = generated(hf, lines)
     assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == expected
     assert len({tokens[:4] for tokens in expected.values()}) == len(lines)  # weights not trivial
     engine = summary["engine"]
@@ -198,4 +135,9 @@ def test_a_launched_checkpoint_of_each_family_gives_the_greedy_tokens_of_transfo
     assert sum(engine["preemptions"].values()) > 0, engine
     assert engine["blocks"].get("swap_out", 0) > 0, engine
     assert engine["blocks"].get("swap_in", 0) > 0, engine
-    print(f"{family}: summary {orjson.dumps(summary).decode()}")
+    # And the lower tiers served prefixes (storage: the last request's head, in this workload).
+    print(f"{checkpoint}: cached tokens {summary['cached_tokens']}, engine {engine}")
+    assert summary["cached_tokens"]["host"] + summary["cached_tokens"]["storage"] > 0, summary
+    if "sliding_window" in CHECKPOINTS[checkpoint][1]:
+        hf.config.sliding_window = None  # the window mattered: without it, other tokens
+        assert generated(hf, lines[:2]) != {line["id"]: expected[line["id"]] for line in lines[:2]}
