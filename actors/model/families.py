@@ -102,9 +102,10 @@ def rope_settings(raw: dict[str, Any], max_position: int) -> tuple[float, RopeSc
     if not isinstance(params, dict):
         raise _config_error(key, f"must be an object, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = _float_key(
-        f"{key}.rope_theta", params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
-    )
+    if "rope_theta" in params:
+        theta = _float_key(f"{key}.rope_theta", params["rope_theta"])
+    else:
+        theta = _float_key("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise _config_error("partial_rotary_factor", f"only 1.0 is supported, got {partial!r}")

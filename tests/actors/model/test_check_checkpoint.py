@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 import torch
 from hf_checkpoints import FAMILIES, save_family
@@ -65,6 +66,25 @@ def test_a_missing_shard_is_named(tmp_path: Path) -> None:
     assert len(shards) > 2
     shards[1].unlink()
     with pytest.raises(ValueError, match=rf"weight_map names {shards[1].name}, but .* is missing"):
+        check_checkpoint(tmp_path)
+
+
+def test_an_index_that_misplaces_a_tensor_is_named(tmp_path: Path) -> None:
+    save_family(tmp_path, "Qwen3ForCausalLM", seed=1, max_shard_size="50KB")
+    index = tmp_path / "model.safetensors.index.json"
+    raw = orjson.loads(index.read_bytes())
+    files = list(raw["weight_map"].values())
+    shards = sorted(set(files), key=files.count, reverse=True)  # the fullest shard first
+    moved = next(n for n, f in raw["weight_map"].items() if f == shards[0])
+    raw["weight_map"][moved] = shards[1]
+    index.write_bytes(orjson.dumps(raw))
+    with pytest.raises(
+        ValueError,
+        match=rf"weight_map puts tensor '{re.escape(moved)}' in {shards[1]}, but it is in",
+    ):
+        check_checkpoint(tmp_path)
+    index.write_bytes(b'{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: malformed index"):
         check_checkpoint(tmp_path)
 
 

@@ -1,4 +1,6 @@
-"""Hugging Face Llama checkpoints: logits against transformers, sharding, errors, tokenizer."""
+"""Hugging Face Llama checkpoints: logits against transformers, sharding, errors, tokenizer.
+
+The other families, rope scaling and sliding windows: test_families.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import orjson
 import pytest
 import torch
 from builders import piece
+from hf_checkpoints import float64_throughout, save_family, transformers_logits
 
 from ringfence.actors.model.checkpoint import checkpoint_fingerprint_id, load_checkpoint
 from ringfence.actors.model.config import ModelConfig as ModelSettings
@@ -100,55 +103,11 @@ def random_ids(seed: int = 0, length: int = SEQ_LEN) -> torch.Tensor:
 
 
 def save_transformers_llama(root: Path, *, tied: bool, max_shard_size: str | None = None) -> Any:
-    """A seeded tiny transformers LlamaForCausalLM with non-trivial weights, saved under root."""
-    transformers = pytest.importorskip("transformers", reason="comparison needs transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=300, max_position_embeddings=2048,
-        tie_word_embeddings=tied,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    hf.save_pretrained(root, **kwargs)
-    return hf.eval()
-
-
-def transformers_logits(hf: Any, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    with torch.no_grad():
-        logits: torch.Tensor = hf.to(dtype)(ids[None], use_cache=False).logits[0]
-        return logits
-
-
-def float64_throughout(hf: Any) -> None:
-    """Make transformers compute in float64 where it forces float32 even in a float64 model.
-
-    Its rotary tables and its RMSNorm statistics are always float32; ours follow the dtype.
-    """
-
-    def rotary(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = 10_000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
-        angles = position_ids[..., None].to(torch.float64) * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-
-    def norm(module: Any) -> Any:
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-            scaled: torch.Tensor = module.weight * (x * scale)
-            return scaled
-
-        return forward
-
-    hf.model.rotary_emb.forward = rotary
-    for module in hf.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
-            module.forward = norm(module)
+    """A seeded small transformers LlamaForCausalLM with non-trivial weights, saved under root."""
+    pytest.importorskip("transformers", reason="comparison needs transformers")
+    return save_family(
+        root, "LlamaForCausalLM", seed=7, max_shard_size=max_shard_size, tie_word_embeddings=tied
+    )
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
