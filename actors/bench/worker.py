@@ -1,11 +1,15 @@
 """``ringfence bench worker``: the paged model path against a contiguous transformers forward.
 
-Prefill and decode tokens per second of a model preset (``--preset``, ``small``) on
-the paged path (``PagedExecutor.step`` over a block-major KV tensor, block size 16,
-every sequence's block table a shuffled run of block ids), next to a Hugging Face
-``LlamaForCausalLM`` holding the very same weights, run in the same process on the
-same threads. The ratio paged / transformers is reported for each; the target is at
-least 0.8x (informational, like every benchmark's targets).
+Prefill and decode tokens per second of a model on the paged path
+(``PagedExecutor.step`` over a block-major KV tensor, block size 16, every sequence's
+block table a shuffled run of block ids), next to transformers holding the very same
+weights, run in the same process on the same threads. The model is a preset
+(``--preset``, ``small``), which transformers runs as a ``LlamaForCausalLM`` built
+from our weights, or a checkpoint directory of any supported family (``--model DIR``),
+which we load with ``load_checkpoint`` and transformers with
+``AutoModelForCausalLM.from_pretrained``, both in the benchmark's dtype. The ratio
+paged / transformers is reported for each; the target is at least 0.8x
+(informational, like every benchmark's targets).
 
 Before anything is timed, both sides compute the logits of one short sequence and the
 largest absolute difference is reported; in float32 it must be below 1e-3, or no
@@ -19,17 +23,19 @@ What each side does, so that both do the work a server does:
   Python lists of token ids. Paged: one step with one prefill piece per sequence,
   which writes every layer's K/V into the blocks and computes the last token's logits.
   Transformers: one batched forward with ``use_cache=True`` into a fresh
-  ``DynamicCache`` (its analogue of our KV write) and ``logits_to_keep=1`` (only the
-  last position's logits, as ``generate`` asks for), SDPA attention.
+  ``DynamicCache`` of the model's config, as ``generate`` makes (its analogue of our KV
+  write; a sliding window's layers keep only their window) and ``logits_to_keep=1``
+  (only the last position's logits, as ``generate`` asks for), SDPA attention.
 * Decode: ``--decode-seqs`` (8) sequences with ``--decode-context`` (256) tokens of
   context each, then ``--decode-steps`` (32) greedy tokens. Paged: one step of one
   decode piece per sequence per token. Transformers: one batched forward of the next
-  token of every sequence with its ``past_key_values`` (same lengths, so no padding).
+  token of every sequence with its cache (same lengths, so no padding).
   Only the decode steps are timed, not the prefill of the context.
 
 Rounds (``--rounds``, 5) alternate which side runs first, after one untimed warm-up
 round, so drift affects both sides alike; figures are medians over the rounds.
-``--quick`` (the test) runs the ``tiny`` preset on short lengths for 2 rounds.
+``--quick`` (the test) runs short lengths for 2 rounds, on the ``tiny`` preset unless
+``--model`` names a checkpoint.
 
 Transformers is an optional dependency (the ``test`` extra); without it this benchmark
 says so and exits with status 2. torch, transformers and the model are imported only
@@ -51,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ringfence.actors.bench.options import add_counts, resolve_counts, resolve_preset
+from ringfence.actors.bench.subject import Subject
 from ringfence.sched.ops import Piece
 
 if TYPE_CHECKING:
@@ -79,54 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register this benchmark's options (``--json`` is added by the CLI)."""
     parser.add_argument("--quick", action="store_true", help="tiny preset, short lengths (tests)")
     parser.add_argument("--preset", help="model preset (small; quick: tiny)")
+    parser.add_argument(
+        "--model", metavar="DIR", help="a checkpoint directory of any supported family (no preset)"
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="%(default)s")
     add_counts(parser, COUNTS)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (torch's default)")
-
-
-def _hf_model(transformers: Any, model: Model) -> Any:
-    """A transformers ``LlamaForCausalLM`` of ``model``'s config holding its weights, in its dtype.
-
-    Built in float32 from the float32 state dict; a bfloat16 copy keeps transformers'
-    rotary frequencies in float32, as ``from_pretrained(dtype=torch.bfloat16)`` does.
-    """
-    import torch
-
-    c = model.config
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden,
-        intermediate_size=c.intermediate,
-        num_hidden_layers=c.layers,
-        num_attention_heads=c.heads,
-        num_key_value_heads=c.kv_heads,
-        head_dim=c.head_dim,
-        max_position_embeddings=c.max_position,
-        rope_theta=c.rope_theta,
-        rms_norm_eps=c.norm_eps,
-        tie_word_embeddings=c.tie_embeddings,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        attn_implementation="sdpa",  # what our path uses, and transformers' default on CPU
-    )
-    hf = transformers.LlamaForCausalLM(config).eval().requires_grad_(False)
-    ours = {name: t.to(torch.float32) for name, t in model.state_dict().items()}
-    theirs = hf.state_dict()
-    missing, extra = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
-    if missing or extra:
-        raise RuntimeError(
-            f"state dicts differ: transformers has {missing} that we lack, we have {extra}"
-        )
-    hf.load_state_dict(ours, strict=True)
-    if c.tie_embeddings and hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr():
-        raise RuntimeError("transformers did not tie lm_head.weight to the embedding")
-    if model.dtype != torch.float32:
-        rotary = {name: b.clone() for name, b in hf.model.rotary_emb.named_buffers()}
-        hf.to(model.dtype)
-        for name, buffer in rotary.items():
-            setattr(hf.model.rotary_emb, name, buffer)
-    return hf
 
 
 def _last_logits_only(hf: Any) -> dict[str, int]:
@@ -206,11 +171,17 @@ class _Sides:
             model, counts["decode_seqs"], counts["decode_context"] + counts["decode_steps"]
         )
         self.keep_last = _last_logits_only(hf)
+        # The cache's keyword: ``cache`` since transformers 5.x, ``past_key_values`` before.
+        parameters = inspect.signature(hf.forward).parameters
+        self.cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self.paged_tokens: list[list[int]] = []  # the greedy tokens of the last decode
         self.hf_tokens: list[list[int]] = []
 
     def _cache(self) -> Any:
-        return importlib.import_module("transformers").DynamicCache()
+        cache = importlib.import_module("transformers").DynamicCache
+        if "config" in inspect.signature(cache).parameters:  # transformers >= 4.56
+            return cache(config=self.hf.config)
+        return cache()
 
     def paged_prefill(self) -> float:
         def run() -> None:
@@ -224,7 +195,8 @@ class _Sides:
     def hf_prefill(self) -> float:
         def run() -> None:
             ids = self.torch.tensor(self.prompts)
-            self.hf(input_ids=ids, past_key_values=self._cache(), use_cache=True, **self.keep_last)
+            cache = {self.cache_keyword: self._cache()}
+            self.hf(input_ids=ids, use_cache=True, **cache, **self.keep_last)
 
         return _timed(run)
 
@@ -251,7 +223,7 @@ class _Sides:
         cache = self._cache()
         out = self.hf(
             input_ids=torch.tensor(self.contexts),
-            past_key_values=cache,
+            **{self.cache_keyword: cache},
             use_cache=True,
             **self.keep_last,
         )
@@ -262,7 +234,7 @@ class _Sides:
             nonlocal tokens
             for _ in range(self.n["decode_steps"]):
                 ids = torch.tensor(tokens).unsqueeze(1)
-                out = self.hf(input_ids=ids, past_key_values=cache, use_cache=True)
+                out = self.hf(input_ids=ids, use_cache=True, **{self.cache_keyword: cache})
                 tokens = out.logits[:, -1].argmax(-1).tolist()
                 generated.append(tokens)
 
@@ -272,15 +244,13 @@ class _Sides:
 
 
 def bench_worker(
-    preset: str, dtype_name: str, counts: dict[str, int], transformers: Any
+    subject: Subject, dtype_name: str, counts: dict[str, int], transformers: Any
 ) -> dict[str, Any]:
     """The report: logits check, then (when it passes) median tok/s of both sides and ratios."""
     import torch
 
-    from ringfence.actors.model.decoder import Model
-
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    reference = Model.from_preset(preset, torch.float32, SEED)
+    reference, hf_reference = subject.load(torch.float32, transformers)
     c = reference.config
     for key in ("prefill_tokens", "decode_context"):
         longest = counts[key] + (counts["decode_steps"] if key == "decode_context" else 0)
@@ -291,13 +261,14 @@ def bench_worker(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
-        "preset": preset,
+        "preset": subject.preset,
+        "checkpoint": subject.checkpoint,
+        "family": c.family,
         "dtype": dtype_name,
         "parameters": sum(p.numel() for p in reference.parameters()),
         "block_size": BLOCK_SIZE,
         "counts": counts,
     }
-    hf_reference = _hf_model(transformers, reference)
     report["attn_implementation"] = hf_reference.config._attn_implementation
     diff, argmax_equal = _logits_diff(reference, hf_reference, check_ids)
     check: dict[str, Any] = {
@@ -313,9 +284,8 @@ def bench_worker(
     if dtype == torch.float32:
         model, hf = reference, hf_reference
     else:
-        del hf_reference
-        model = Model.from_preset(preset, dtype, SEED)
-        hf = _hf_model(transformers, model)
+        del reference, hf_reference
+        model, hf = subject.load(dtype, transformers)
         diff, argmax_equal = _logits_diff(model, hf, check_ids)
         check[f"{dtype_name}_max_abs_diff"] = diff
         check[f"{dtype_name}_argmax_equal"] = argmax_equal
@@ -364,11 +334,17 @@ def bench_worker(
     return report
 
 
+def _named(report: dict[str, Any]) -> str:
+    if report["checkpoint"] is None:
+        return f"preset {report['preset']}"
+    return f"{report['family']} checkpoint {report['checkpoint']}"
+
+
 def _print(report: dict[str, Any]) -> None:
     n = report["counts"]
     print(
         f"torch {report['torch']}, transformers {report['transformers']}, "
-        f"{report['threads']} thread(s); preset {report['preset']} "
+        f"{report['threads']} thread(s); {_named(report)} "
         f"({report['parameters']:,} parameters), {report['dtype']}, block size {BLOCK_SIZE}"
     )
     check = report["logits_check"]
@@ -407,7 +383,12 @@ def _print(report: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     counts = resolve_counts(args, COUNTS)
-    preset = resolve_preset(args)
+    if args.model is not None:
+        if args.preset is not None:
+            raise ValueError("--model and --preset: give one of them")
+        subject = Subject(checkpoint=args.model)
+    else:
+        subject = Subject(preset=resolve_preset(args))
     try:
         transformers = importlib.import_module("transformers")
     except ImportError as exc:
@@ -420,7 +401,7 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    report = bench_worker(preset, args.dtype, counts, transformers)
+    report = bench_worker(subject, args.dtype, counts, transformers)
     _print(report)
     if not report["logits_check"]["passed"]:
         print(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
+from hf_checkpoints import FAMILIES, save_family
 
 from ringfence.runtime import cli
 
@@ -30,6 +32,36 @@ def test_a_quick_worker_bench_reports_both_sides_ratios_and_the_logits_check(
     assert report["target_ratio"] == 0.8
     out = capsys.readouterr().out
     assert "logits check" in out and "x transformers" in out and "parameters" in out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_quick_worker_bench_of_a_checkpoint_runs_each_side_from_its_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str
+) -> None:
+    pytest.importorskip("transformers", reason="the baseline is transformers")
+    # Mistral's window (16) is shorter than the check's 40 tokens and the quick lengths.
+    window: dict[str, Any] = {"sliding_window": 16} if family == "MistralForCausalLM" else {}
+    save_family(tmp_path / "checkpoint", family, seed=2, **window)
+    path = tmp_path / "worker.json"
+    argv = ["bench", "worker", "--quick", "--model", str(tmp_path / "checkpoint")]
+    assert cli.main([*argv, "--json", str(path)]) == 0
+    report = orjson.loads(path.read_bytes())
+    assert report["family"] == family and report["checkpoint"] == str(tmp_path / "checkpoint")
+    assert report["preset"] is None
+    check = report["logits_check"]
+    assert check["passed"] and check["float32_argmax_equal"], check
+    assert report["decode_greedy_tokens_equal"] == 1.0
+    for phase in ("prefill", "decode"):
+        assert all(tok_s > 0 for tok_s in report["tok_s"][phase].values())
+        assert report["ratios"][phase] > 0
+    assert f"{family} checkpoint" in capsys.readouterr().out
+
+
+def test_a_worker_bench_of_both_a_checkpoint_and_a_preset_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", "worker", "--model", str(tmp_path), "--preset", "tiny"]) == 2
+    assert "--model and --preset" in capsys.readouterr().err
 
 
 def test_a_nonpositive_worker_bench_count_is_refused_with_a_message(
