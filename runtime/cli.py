@@ -39,8 +39,9 @@ REPLAY = "ringfence.actors.replay.cli"  # ``ringfence replay``: the same two fun
 
 DESCRIPTION = (
     "ringfence: a KV-cache runtime for LLM serving, built as actors that talk through "
-    "shared-memory rings. Start with 'ringfence launch --workload synthetic:chat': it runs "
-    "a long multi-round chat on the tiny built-in model and prints what the cache did."
+    "shared-memory rings. Start with 'ringfence launch --workload synthetic:chat --set "
+    "model.preset=small': it runs a long multi-round chat on a small built-in model and "
+    "prints what the cache did."
 )
 LAUNCH_DESCRIPTION = (
     "Start a run: create its shared-memory names, spawn the actors (engine, worker, "
