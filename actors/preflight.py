@@ -25,10 +25,13 @@ SHM_DIR = "/dev/shm"  # where the CPU KV pools are created (POSIX shared memory)
 def check_model(config: Config) -> None:
     """ValueError naming the file and field (or setting) when the Worker could not run
     ``[model]`` with this ``[cache]`` and ``[parallel]``: the checkpoint (its path,
-    config.json, architecture, shard files, tensor names, shapes and dtypes), the KV heads
+    config.json, architecture, shard files, tensor names, shapes and dtypes; its tokenizer
+    and chat template), the KV heads
     against ``parallel.tp_size``, ``cache.block_size`` against the model's positions, the
     KV pools against the room in /dev/shm, and ``model.dtype`` on ``model.device``."""
     shape = checkpoint_shape(config.model.path) if config.model.path else None
+    if config.model.path:
+        check_tokenizer(Path(config.model.path))
     shape = shape or PRESETS[config.model.preset]
     check_cache(config, shape)
     check_device(config.model.device, config.model.dtype)
@@ -42,6 +45,18 @@ def checkpoint_shape(path: str) -> ModelShape:
     if not root.is_dir():
         raise ValueError(f"model.path: {path}: not a directory")
     return check_checkpoint(root)
+
+
+def check_tokenizer(root: Path) -> None:
+    """The checkpoint's tokenizer.json and the configs its special tokens come from parse,
+    and its chat template (if it has one) compiles: ValueError naming the file otherwise.
+    A checkpoint may have neither (token ids in, token ids out)."""
+    from ringfence.actors.model.chat import ChatTemplate, find_template
+    from ringfence.actors.model.tokenizer import load_tokenizer
+
+    load_tokenizer(root)
+    if find_template(root)[0] is not None:
+        ChatTemplate.from_checkpoint(root)
 
 
 def check_cache(config: Config, shape: ModelShape) -> None:

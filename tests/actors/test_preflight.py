@@ -136,3 +136,19 @@ def test_a_launch_with_an_unknown_architecture_exits_2_naming_config_json_and_th
     file.write_text(file.read_text().replace("LlamaForCausalLM", "GemmaForCausalLM"))
     said = refused(tmp_path, f"model.path={checkpoint}")
     assert re.search(r"config.json: architectures: .*got \['GemmaForCausalLM'\]", said), said
+
+
+def test_a_launch_with_a_tokenizer_file_that_does_not_parse_exits_2_naming_it(tmp_path, checkpoint):
+    file = checkpoint / "tokenizer.json"
+    file.write_text('{"version": "1.0", "model": {"type": "NoSuchModel"}}')
+    said = refused(tmp_path, f"model.path={checkpoint}")
+    assert said.startswith(f"{file}: not a tokenizer the tokenizers package reads"), said
+
+
+def test_a_launch_with_a_chat_template_that_does_not_compile_exits_2_naming_it(
+    tmp_path, checkpoint
+):
+    file = checkpoint / "chat_template.jinja"
+    file.write_text("{% for message in messages %}{{ message.content }}")
+    said = refused(tmp_path, f"model.path={checkpoint}")
+    assert said.startswith(f"{file}: the chat template does not compile"), said
