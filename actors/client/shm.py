@@ -23,6 +23,7 @@ uses a Client at a time.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import uuid
@@ -206,14 +207,8 @@ class Client:
         """
         text, token_ids = (prompt, ()) if isinstance(prompt, str) else ("", tuple(prompt))
         return self._send(
-            Submit(
-                request_id=uuid.uuid4().hex if request_id is None else request_id,
-                prompt_token_ids=token_ids,
-                prompt=text,
-                max_tokens=max_tokens,
-                temperature=float(temperature),
-                seed=seed,
-                stop_token_ids=tuple(stop_token_ids),
+            _submit(request_id, max_tokens, temperature, seed, stop_token_ids)(
+                prompt=text, prompt_token_ids=token_ids
             )
         )
 
@@ -233,13 +228,8 @@ class Client:
         does, and ClientError when the model has no chat template or it refuses the chat.
         """
         request_id = self._send(
-            Submit(
-                request_id=uuid.uuid4().hex if request_id is None else request_id,
-                messages=tuple(dict(m) for m in messages),
-                max_tokens=max_tokens,
-                temperature=float(temperature),
-                seed=seed,
-                stop_token_ids=tuple(stop_token_ids),
+            _submit(request_id, max_tokens, temperature, seed, stop_token_ids)(
+                messages=tuple(dict(m) for m in messages)
             )
         )
         return self.result(request_id, timeout=timeout)
@@ -379,3 +369,21 @@ class Client:
         if engine is not None and (engine != self._engine_ready.writer() or not engine.is_alive()):
             self._actor.requests.pop(request_id, None)
             raise ClientError(f"request {request_id!r}: the engine is gone (pid {engine.pid})")
+
+
+def _submit(
+    request_id: str | None,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    stop_token_ids: Sequence[int],
+) -> functools.partial[Submit]:
+    """A Submit with these sampling fields, waiting for its prompt (text, ids or a chat)."""
+    return functools.partial(
+        Submit,
+        request_id=uuid.uuid4().hex if request_id is None else request_id,
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        seed=seed,
+        stop_token_ids=tuple(stop_token_ids),
+    )
