@@ -16,6 +16,7 @@ import types
 from ringfence.actors.engine.config import EngineConfig
 from ringfence.actors.executors.config import TransferConfig
 from ringfence.actors.model.config import ModelConfig
+from ringfence.actors.serve.config import ServerConfig
 from ringfence.cache.config import CacheConfig
 from ringfence.runtime.config import RunConfig, setting
 from ringfence.sched.config import SchedConfig
@@ -50,3 +51,4 @@ class Config(RunConfig):
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
