@@ -47,6 +47,7 @@ class Submit:
     prompt: str = ""  # text, tokenized by the engine
     max_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # in (0, 1]: sample from the nucleus of this much probability
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     # A chat (role, content and any other string keys per message), rendered by the
@@ -70,6 +71,8 @@ def check_submit(msg: Submit) -> None:
         raise ValueError(f"max_tokens must be >= 1, got {msg.max_tokens}")
     if not msg.temperature >= 0.0:
         raise ValueError(f"temperature must be >= 0, got {msg.temperature}")
+    if not 0.0 < msg.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {msg.top_p}")
     for name in ("prompt_token_ids", "stop_token_ids"):
         if any(t < 0 for t in getattr(msg, name)):
             raise ValueError(f"{name} must hold non-negative token ids")
