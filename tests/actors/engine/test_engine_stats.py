@@ -1,5 +1,6 @@
 """The engine's Stats, every actor in this process (inproc.py): only clients that asked
-get them, with zeros before the scheduler began and the run's figures after it."""
+get them, with zeros before the scheduler began and the run's figures after it; the
+traced run still replays (the Stats are ring frames like any other)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import time
 
 import pytest
+from engine_runs import TRACE, replayed
 from inproc import inproc_run
 from random_workloads import ENGINE, RUN_TIMEOUT_S, TIERS, write_workload
 
@@ -33,7 +35,7 @@ def settled(client: Client) -> Stats:
 def test_after_a_run_under_pressure_the_stats_hold_the_engines_figures(tmp_path):
     workload = write_workload(tmp_path / "workload.jsonl", seed=5)
     with (
-        inproc_run(tmp_path / "run", (*ENGINE, *TIERS)) as run,
+        inproc_run(tmp_path / "run", (*ENGINE, *TIERS, TRACE)) as run,
         Client.connect(run.run_dir, stats=True) as watcher,
         Client.connect(run.run_dir) as other,
     ):
@@ -53,6 +55,7 @@ def test_after_a_run_under_pressure_the_stats_hold_the_engines_figures(tmp_path)
         with pytest.raises(ClientError, match="did not ask for stats"):
             other.stats()
     assert run.failures() == {}
+    replayed(tmp_path / "run")
     assert stats.began and stats.incarnation == first.incarnation
     assert stats.preemptions == {"recompute": 0, "swap": counters["preemptions"]["swap"], "save": 0}
     assert stats.preemptions["swap"] > 0, counters  # the pool was too small: swap ran
