@@ -129,7 +129,6 @@ def check_request(body: CompletionRequest | ChatCompletionRequest, name: str) ->
         raise ApiError(
             f"model: {body.model!r} is not served here; this server serves {name!r}",
             param="model",
-            status=404,
             code="model_not_found",
         )
 
