@@ -291,13 +291,28 @@ def nucleus(probs: Tensor, top_p: float) -> Tensor:
     """``probs`` [vocab] with every token outside the nucleus zeroed, renormalised.
 
     The nucleus is the smallest set of most probable tokens whose probabilities sum to
-    ``top_p`` or more: a token is in it when the tokens more probable than it (ties broken
-    by the lower id) sum to less than ``top_p``, so the most probable token always is.
+    ``top_p`` or more: a token is in it when the tokens ranked above it (by probability,
+    ties by the lower id) sum to less than ``top_p``, so the most probable token always is.
+
+    Sorting the whole vocabulary is the cost, so only the tokens within a factor
+    2**shift of the most probable one are ranked, the factor widening until the nucleus
+    ends inside them. Every token left out is less probable than every one ranked, so the
+    ranking and the sums are those of the whole vocabulary: the same nucleus, bit for bit.
     """
-    ordered, order = torch.sort(probs, descending=True, stable=True)
-    # The mass of the tokens ranked above each one (0 for the first, exactly).
-    before = torch.cat((ordered.new_zeros(1), torch.cumsum(ordered, dim=-1)[:-1]))
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    keep[order] = before < top_p
-    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    top = probs.max()
+    for shift in _NUCLEUS_SHIFTS:
+        candidates = torch.nonzero(probs >= top * 2.0**-shift).squeeze(1)  # in id order
+        ordered, order = torch.sort(probs[candidates], descending=True, stable=True)
+        # The mass of the tokens ranked above each one (0 for the first, exactly).
+        before = torch.cat((ordered.new_zeros(1), torch.cumsum(ordered, dim=-1)[:-1]))
+        count = int((before < top_p).sum())  # a prefix: before never decreases
+        if count < len(candidates) or len(candidates) == len(probs):
+            break
+    chosen = candidates[order[:count]]
+    kept = torch.zeros_like(probs)
+    kept[chosen] = probs[chosen]
     return kept / kept.sum()
+
+
+# Thresholds (most probable / 2**shift) tried in turn; the last admits every token.
+_NUCLEUS_SHIFTS = (8, 24, math.inf)

@@ -11,10 +11,12 @@ import random
 from pathlib import Path
 
 import orjson
+from engine_runs import TRACE, replayed
 from inproc import inproc_run
 from random_workloads import ENGINE, RUN_TIMEOUT_S, TIERS, outputs, reference
 
 from ringfence.actors.client.shm import Client
+from ringfence.actors.replay.log import read_run
 
 HOT = 1.5  # a temperature at which two seeds rarely draw the same 8 tokens
 TINY = 1e-9  # a top_p that leaves only the most probable token
@@ -38,10 +40,13 @@ def test_a_workloads_top_p_reaches_the_worker_and_a_tiny_one_samples_greedily(tm
             {"id": f"hot{i}", **base, "temperature": HOT},
         ]
     workload = write_lines(tmp_path / "workload.jsonl", lines)
-    sets = (*ENGINE, *TIERS, f"engine.workload={workload}")
+    sets = (*ENGINE, *TIERS, TRACE, f"engine.workload={workload}")
     with inproc_run(tmp_path / "run", sets) as run:
         assert run.wait_shutdown(RUN_TIMEOUT_S), "the workload did not finish"
         assert run.failures() == {}
+    added = read_run(tmp_path / "run").events("sched.add", source="engine-0")
+    assert {e.get("request"): e.get("params")["top_p"] for e in added}["half0"] == 0.5
+    replayed(tmp_path / "run")  # the redrive rebuilds each request's params from the log
     got = outputs(tmp_path / "run")
     assert got == reference(workload)  # the plain loop samples each line the same way
     for i in range(len(prompts)):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from builders import piece
 
-from ringfence.actors.model.decoder import PRESETS, Model, kv_block_bytes, sample
+from ringfence.actors.model.decoder import PRESETS, Model, kv_block_bytes, nucleus, sample
 from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
 from ringfence.actors.model.tokenizer import BOS, EOS, PAD, ByteTokenizer
 
@@ -258,11 +258,11 @@ def test_a_draw_never_leaves_the_nucleus_and_visits_every_token_in_it() -> None:
     # Probabilities 0.4, 0.3, 0.2, 0.1 (tokens 3, 0, 2, 1) at temperature 1.
     logits = torch.tensor([0.3, 0.1, 0.2, 0.4], dtype=torch.float64).log()
     cases = {0.35: {3}, 0.4: {3}, 0.45: {3, 0}, 0.75: {3, 0, 2}, 0.95: {3, 0, 2, 1}}
-    for top_p, nucleus in cases.items():
+    for top_p, kept in cases.items():
         picks = Counter(
             sample(logits, temperature=1.0, seed=s, position=9, top_p=top_p).token_id for s in SEEDS
         )
-        assert set(picks) == nucleus, (top_p, picks)
+        assert set(picks) == kept, (top_p, picks)
     # In proportion within the nucleus: of {3, 0}, token 3 is drawn 4 times in 7 (229 of 400).
     picks = Counter(
         sample(logits, temperature=1.0, seed=s, position=9, top_p=0.5).token_id for s in SEEDS
@@ -279,6 +279,26 @@ def test_top_p_one_draws_exactly_what_the_sampler_without_it_draws() -> None:
         probs = torch.softmax(logits / 0.8, dim=-1)
         gen = torch.Generator().manual_seed(_sampler_seed(s, s))
         assert plain.token_id == int(torch.multinomial(probs, 1, generator=gen))
+
+
+def test_the_nucleus_ranked_among_the_likeliest_tokens_is_the_whole_vocabularys() -> None:
+    gen = torch.Generator().manual_seed(11)
+    for case in range(60):
+        scale = (0.1, 1.0, 4.0, 30.0)[case % 4]  # flat to peaked
+        logits = torch.randn(2000, generator=gen, dtype=torch.float64) * scale
+        logits[case : case + 40 : 3] = float(logits.max())  # ties at the top
+        probs = torch.softmax(logits, dim=-1)
+        for top_p in (1e-9, 0.3, 0.9, 0.999, 1 - 1e-15):
+            assert torch.equal(nucleus(probs, top_p), _nucleus_by_full_sort(probs, top_p))
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    ordered, order = torch.sort(probs, descending=True, stable=True)
+    before = torch.cat((ordered.new_zeros(1), torch.cumsum(ordered, dim=-1)[:-1]))
+    kept = torch.zeros_like(probs)
+    chosen = order[before < top_p]
+    kept[chosen] = probs[chosen]
+    return kept / kept.sum()
 
 
 def _sampler_seed(seed: int, position: int) -> int:
