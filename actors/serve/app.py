@@ -38,7 +38,7 @@ from ringfence.actors.serve.api import (
 )
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.outputs import Delta, Generation
-from ringfence.actors.serve.prompts import Prompt
+from ringfence.actors.serve.prompts import Prompt, Prompter
 
 if TYPE_CHECKING:
     from ringfence.actors.serve.frontend import FrontEnd
@@ -97,7 +97,7 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
 
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_request(body, name)
+        check_request(body, prompter)
         prompt = prompter.completion(body.prompt, body.max_tokens)
         answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics, timeout_s=timeout_s)
         if body.stream:
@@ -106,7 +106,7 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_request(body, name)
+        check_request(body, prompter)
         if body.response_format is not None and body.response_format.type != "text":
             raise ApiError("response_format: only text", param="response_format")
         limit, field = body.max_completion_tokens, "max_completion_tokens"
@@ -123,14 +123,17 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     return app
 
 
-def check_request(body: CompletionRequest | ChatCompletionRequest, name: str) -> None:
+def check_request(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> None:
+    """ApiError naming the first field the server cannot honour as asked (the prompt aside)."""
     check_unsupported(body)
+    name = prompter.model_name
     if body.model is not None and body.model != name:
         raise ApiError(
             f"model: {body.model!r} is not served here; this server serves {name!r}",
             param="model",
             code="model_not_found",
         )
+    prompter.check_ids("stop_token_ids", body.stop_token_ids or ())
 
 
 def model_card(frontend: FrontEnd, name: str) -> dict[str, Any]:
@@ -155,19 +158,56 @@ def model_card(frontend: FrontEnd, name: str) -> dict[str, Any]:
 
 
 def validation_body(exc: RequestValidationError) -> dict[str, Any]:
-    """OpenAI's error body for pydantic's errors: the first one, its field dotted."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
+    """OpenAI's error body for pydantic's errors: the first field at fault, dotted as the
+    client wrote it (``messages.0.role``), and what was wrong with it.
+
+    pydantic reports a value that fits no member of a union (``prompt``) once per member;
+    the error that reached deepest into the value is the one that says most.
+    """
+    errors, body = exc.errors(), exc.body
+    if not errors:
+        return error_body("invalid request")
+    first = errors[0]
+    kind, loc = first.get("type"), tuple(first.get("loc", ()))
+    if kind == "json_invalid":
         return error_body(f"the body is not valid JSON: {first.get('msg')}", param=None)
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    if first.get("type") == "extra_forbidden":
+    if loc in ((), ("body",)):
+        return error_body(f"the body must be a JSON object, got {_json_kind(body)}", param=None)
+    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == loc[:2]]  # one field's errors
+    found = [(_as_written(e, body), e) for e in same]
+    depth = max(len(path) for path, _ in found)
+    deepest = [(path, e) for path, e in found if len(path) == depth]
+    path, chosen = deepest[0]
+    param = ".".join(path) or None
+    said = list(dict.fromkeys(str(e.get("msg")) for _, e in deepest))
+    message = f"{param}: {'; or '.join(said)}"
+    if chosen.get("type") == "extra_forbidden":
         message = f"{param}: unknown field"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problems)"
+    if len(errors) > len(same):
+        message += f" (and {len(errors) - len(same)} more problems)"
     return error_body(message, param=param)
+
+
+def _as_written(error: Any, body: Any) -> list[str]:
+    """The path of ``error`` in ``body``, without the names pydantic gives union members."""
+    parts = list(error.get("loc", ()))[1:]  # after "body"
+    path: list[str] = []
+    value = body
+    for i, part in enumerate(parts):
+        keyed = isinstance(value, dict) and isinstance(part, str) and part in value
+        indexed = isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
+        if keyed or indexed:
+            value = value[part]
+        elif not (i == len(parts) - 1 and error.get("type") == "missing"):
+            continue  # a union member's name ("list[str]"): not in the body
+        path.append(str(part))
+    return path
+
+
+def _json_kind(value: Any) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number"}
+    names[float] = "a number"
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 class Answer:
