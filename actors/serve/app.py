@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from ringfence.actors.config import Config
 from ringfence.actors.protocol.client import Submit
@@ -37,8 +38,17 @@ from ringfence.actors.serve.api import (
     stop_strings,
 )
 from ringfence.actors.serve.metrics import Metrics
+from ringfence.actors.serve.openapi import install
 from ringfence.actors.serve.outputs import Delta, Generation
 from ringfence.actors.serve.prompts import Prompt, Prompter
+from ringfence.actors.serve.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    Health,
+    ModelList,
+    stream_of,
+)
 
 if TYPE_CHECKING:
     from ringfence.actors.serve.frontend import FrontEnd
@@ -53,12 +63,22 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (504, "no output within server.request_timeout_s"),
     )
 }
+
+
+def answers(model: type[ChatCompletionResponse | CompletionResponse], chunk: type[Any]) -> Any:
+    """A route's documented answers: 200 as JSON or as an event stream, and the errors."""
+    streamed = {"text/event-stream": stream_of(chunk)}
+    ok = {"model": model, "description": "the output (an event stream with stream)"}
+    return {200: {**ok, "content": streamed}, **ERRORS}
+
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     """The API of ``frontend`` (its gateway, prompter, liveness and the engine's stats)."""
     app = FastAPI(title="ringfence", version="0.1.0", openapi_url="/openapi.json")
+    install(app)
     gateway, prompter = frontend.gateway, frontend.prompter
     metrics = Metrics(
         pending=lambda: gateway.pending,
@@ -75,27 +95,42 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
         metrics.rejected.labels(status=str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (an unreadable body, no such route) in OpenAI's body."""
+        status = exc.status_code
+        metrics.rejected.labels(status=str(status)).inc()
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = error_body(str(exc.detail), kind=kind)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.rejected.labels(status="400").inc()
         return JSONResponse(validation_body(exc), status_code=400)
 
-    @app.get("/health", responses={503: {"description": "an actor of the instance is down"}})
+    @app.get(
+        "/health",
+        responses={
+            200: {"model": Health, "description": "every actor of the instance is live"},
+            503: {"model": Health, "description": "an actor of the instance is down"},
+        },
+    )
     async def health() -> JSONResponse:
         down = frontend.health()
         if down:
             return JSONResponse({"status": "unavailable", "down": down}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(frontend, name)]}
 
-    @app.post("/v1/completions", responses=ERRORS)
+    @app.post("/v1/completions", responses=answers(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body, prompter)
         prompt = prompter.completion(body.prompt, body.max_tokens)
@@ -104,7 +139,9 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
             return answer.sse(answer.completion_chunks)
         return JSONResponse(await answer.whole(request, answer.completion_body))
 
-    @app.post("/v1/chat/completions", responses=ERRORS)
+    @app.post(
+        "/v1/chat/completions", responses=answers(ChatCompletionResponse, ChatCompletionChunk)
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_request(body, prompter)
         if body.response_format is not None and body.response_format.type != "text":
