@@ -9,6 +9,7 @@ all at once among good requests, the good ones still get the tokens they get alo
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +59,7 @@ SHARED: list[tuple[str, dict[str, Any], str, str]] = [
 ONLY: list[tuple[str, str, Any, str | None, str]] = [
     ("malformed JSON", "/v1/completions", b'{"prompt": ', None, "not valid JSON"),
     ("malformed chat JSON", "/v1/chat/completions", b"{'messages': []}", None, "not valid JSON"),
+    ("a body not UTF-8", "/v1/completions", b'{"prompt": "\xff"}', None, "error parsing the body"),
     ("an array body", "/v1/completions", [COMPLETION], None, "must be a JSON object, got an array"),
     ("a string body", "/v1/chat/completions", "hi", None, "must be a JSON object, got a string"),
     ("no prompt", "/v1/completions", {"max_tokens": 4}, "prompt", "Field required"),
@@ -91,15 +93,17 @@ ONLY: list[tuple[str, str, Any, str | None, str]] = [
      "tools are not supported"),
 ]  # fmt: skip
 
-BAD = [
-    pytest.param(path, {**base, **extra}, param, says, id=f"{path.split('/')[-1]}: {name}")
+# (name, path, body, param, what the message says): every bad request of the module.
+ROWS: list[tuple[str, str, Any, str | None, str]] = [
+    (f"{path.removeprefix('/v1/')}: {name}", path, {**base, **extra}, param, says)
     for path, base in ENDPOINTS.items()
     for name, extra, param, says in SHARED
-] + [pytest.param(path, body, param, says, id=name) for name, path, body, param, says in ONLY]
+] + ONLY
+BAD = [pytest.param(*row[1:], id=row[0]) for row in ROWS]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Server:
+def server(tmp_path_factory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("serve-errors")
     with served(tmp, "model.preset=tiny", f"sched.max_model_len={MAX_MODEL_LEN}") as server:
         yield server
@@ -148,15 +152,15 @@ def test_a_bad_request_is_a_400_naming_the_field_and_what_was_wrong(
 def test_bad_requests_among_good_ones_leave_the_good_answers_alone(server):
     with server.http() as client:
         alone = [greedy(client, p) for p in GOOD]
-        rows = [row.values for row in BAD]
+        rows = ROWS[::2] + ROWS[1::2]  # the order sent: half before the good ones, half after
         with ThreadPoolExecutor(max_workers=8) as pool:
-            bad = [pool.submit(send, client, path, body) for path, body, _, _ in rows[::2]]
+            half = len(ROWS[::2])
+            bad = [pool.submit(send, client, row[1], row[2]) for row in rows[:half]]
             good = [pool.submit(greedy, client, GOOD[i % 4]) for i in range(8)]
-            bad += [pool.submit(send, client, path, body) for path, body, _, _ in rows[1::2]]
+            bad += [pool.submit(send, client, row[1], row[2]) for row in rows[half:]]
             answers = [f.result() for f in bad]
             together = [f.result() for f in good]
-        rows = rows[::2] + rows[1::2]
-        for answer, (_, _, param, says) in zip(answers, rows, strict=True):
+        for answer, (_, _, _, param, says) in zip(answers, rows, strict=True):
             check_refused(answer, param, says)
         assert together == [alone[i % 4] for i in range(8)]
         assert [greedy(client, p) for p in GOOD] == alone
@@ -173,3 +177,11 @@ def test_each_400_is_counted_once_in_the_metrics(server):
         check_refused(send(client, "/v1/completions", {"prompt": ""}), "prompt", "empty")
         check_refused(send(client, "/v1/completions", b"{"), None, "not valid JSON")
     assert rejected_400(server) == before + 2
+
+
+def test_an_unknown_route_is_a_404_in_openai_error_body(server):
+    answer = server.post("/v1/embeddings", {"input": "hi"})
+    assert answer.status_code == 404
+    assert answer.json()["error"] == {
+        "message": "Not Found", "type": "invalid_request_error", "param": None, "code": None,
+    }  # fmt: skip
