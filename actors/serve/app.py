@@ -90,24 +90,7 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     timeout_s = config.server.request_timeout_s
     name = prompter.model_name
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        metrics.rejected.labels(status=str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        """Starlette's own errors (an unreadable body, no such route) in OpenAI's body."""
-        status = exc.status_code
-        metrics.rejected.labels(status=str(status)).inc()
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        body = error_body(str(exc.detail), kind=kind)
-        return JSONResponse(body, status_code=status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.rejected.labels(status="400").inc()
-        return JSONResponse(validation_body(exc), status_code=400)
+    handle_errors(app, metrics)
 
     @app.get(
         "/health",
@@ -158,6 +141,29 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
         return JSONResponse(await answer.whole(request, answer.chat_body))
 
     return app
+
+
+def handle_errors(app: FastAPI, metrics: Metrics) -> None:
+    """Answer every error with OpenAI's error body, counted by status in the metrics."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        metrics.rejected.labels(status=str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (an unreadable body, no such route) in OpenAI's body."""
+        status = exc.status_code
+        metrics.rejected.labels(status=str(status)).inc()
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = error_body(str(exc.detail), kind=kind)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected.labels(status="400").inc()
+        return JSONResponse(validation_body(exc), status_code=400)
 
 
 def check_request(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> None:
