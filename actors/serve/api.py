@@ -5,6 +5,8 @@ Every field a client may send is declared; any other field is an error naming it
 HTTP 200. Fields of the OpenAI API this server does not implement are declared too, with
 the one value it honours (``n`` = 1, ``echo`` = false...), so that a request asking for
 more is refused by name (:func:`check_unsupported`) rather than as an unknown field.
+Types are strict, as the schema states them: ``false`` is no token id, ``0`` no boolean
+and ``"1"`` no number (a float field takes an integer, as JSON has one number type).
 vLLM's extensions that its users rely on are here as well: ``return_token_ids``,
 ``stop_token_ids``, ``ignore_eos``... each documented in its field.
 
@@ -69,8 +71,11 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: bool = False  # a last chunk with the usage (and no choices)
 
@@ -78,7 +83,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """The fields completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = None  # the served model's name (GET /v1/models); omitted: that one
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
@@ -110,21 +115,21 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # templates may read other keys (name, ...)
+    model_config = ConfigDict(extra="allow", strict=True)  # templates may read other keys
 
     role: Annotated[str, Field(min_length=1)]
     content: str | list[TextPart] | None = None
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["text"]
 

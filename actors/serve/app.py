@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from ringfence.actors.config import Config
 from ringfence.actors.protocol.client import Submit
@@ -37,8 +38,17 @@ from ringfence.actors.serve.api import (
     stop_strings,
 )
 from ringfence.actors.serve.metrics import Metrics
+from ringfence.actors.serve.openapi import install
 from ringfence.actors.serve.outputs import Delta, Generation
-from ringfence.actors.serve.prompts import Prompt
+from ringfence.actors.serve.prompts import Prompt, Prompter
+from ringfence.actors.serve.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    Health,
+    ModelList,
+    stream_of,
+)
 
 if TYPE_CHECKING:
     from ringfence.actors.serve.frontend import FrontEnd
@@ -53,12 +63,22 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (504, "no output within server.request_timeout_s"),
     )
 }
+
+
+def answers(model: type[ChatCompletionResponse | CompletionResponse], chunk: type[Any]) -> Any:
+    """A route's documented answers: 200 as JSON or as an event stream, and the errors."""
+    streamed = {"text/event-stream": stream_of(chunk)}
+    ok = {"model": model, "description": "the output (an event stream with stream)"}
+    return {200: {**ok, "content": streamed}, **ERRORS}
+
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     """The API of ``frontend`` (its gateway, prompter, liveness and the engine's stats)."""
     app = FastAPI(title="ringfence", version="0.1.0", openapi_url="/openapi.json")
+    install(app)
     gateway, prompter = frontend.gateway, frontend.prompter
     metrics = Metrics(
         pending=lambda: gateway.pending,
@@ -70,43 +90,43 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     timeout_s = config.server.request_timeout_s
     name = prompter.model_name
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        metrics.rejected.labels(status=str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    handle_errors(app, metrics)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.rejected.labels(status="400").inc()
-        return JSONResponse(validation_body(exc), status_code=400)
-
-    @app.get("/health", responses={503: {"description": "an actor of the instance is down"}})
+    @app.get(
+        "/health",
+        responses={
+            200: {"model": Health, "description": "every actor of the instance is live"},
+            503: {"model": Health, "description": "an actor of the instance is down"},
+        },
+    )
     async def health() -> JSONResponse:
         down = frontend.health()
         if down:
             return JSONResponse({"status": "unavailable", "down": down}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(frontend, name)]}
 
-    @app.post("/v1/completions", responses=ERRORS)
+    @app.post("/v1/completions", responses=answers(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_request(body, name)
+        check_request(body, prompter)
         prompt = prompter.completion(body.prompt, body.max_tokens)
         answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics, timeout_s=timeout_s)
         if body.stream:
             return answer.sse(answer.completion_chunks)
         return JSONResponse(await answer.whole(request, answer.completion_body))
 
-    @app.post("/v1/chat/completions", responses=ERRORS)
+    @app.post(
+        "/v1/chat/completions", responses=answers(ChatCompletionResponse, ChatCompletionChunk)
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_request(body, name)
+        check_request(body, prompter)
         if body.response_format is not None and body.response_format.type != "text":
             raise ApiError("response_format: only text", param="response_format")
         limit, field = body.max_completion_tokens, "max_completion_tokens"
@@ -123,14 +143,40 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     return app
 
 
-def check_request(body: CompletionRequest | ChatCompletionRequest, name: str) -> None:
+def handle_errors(app: FastAPI, metrics: Metrics) -> None:
+    """Answer every error with OpenAI's error body, counted by status in the metrics."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        metrics.rejected.labels(status=str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (an unreadable body, no such route) in OpenAI's body."""
+        status = exc.status_code
+        metrics.rejected.labels(status=str(status)).inc()
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = error_body(str(exc.detail), kind=kind)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected.labels(status="400").inc()
+        return JSONResponse(validation_body(exc), status_code=400)
+
+
+def check_request(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> None:
+    """ApiError naming the first field the server cannot honour as asked (the prompt aside)."""
     check_unsupported(body)
+    name = prompter.model_name
     if body.model is not None and body.model != name:
         raise ApiError(
             f"model: {body.model!r} is not served here; this server serves {name!r}",
             param="model",
             code="model_not_found",
         )
+    prompter.check_ids("stop_token_ids", body.stop_token_ids or ())
 
 
 def model_card(frontend: FrontEnd, name: str) -> dict[str, Any]:
@@ -155,19 +201,56 @@ def model_card(frontend: FrontEnd, name: str) -> dict[str, Any]:
 
 
 def validation_body(exc: RequestValidationError) -> dict[str, Any]:
-    """OpenAI's error body for pydantic's errors: the first one, its field dotted."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
+    """OpenAI's error body for pydantic's errors: the first field at fault, dotted as the
+    client wrote it (``messages.0.role``), and what was wrong with it.
+
+    pydantic reports a value that fits no member of a union (``prompt``) once per member;
+    the error that reached deepest into the value is the one that says most.
+    """
+    errors, body = exc.errors(), exc.body
+    if not errors:
+        return error_body("invalid request")
+    first = errors[0]
+    kind, loc = first.get("type"), tuple(first.get("loc", ()))
+    if kind == "json_invalid":
         return error_body(f"the body is not valid JSON: {first.get('msg')}", param=None)
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    if first.get("type") == "extra_forbidden":
+    if loc in ((), ("body",)):
+        return error_body(f"the body must be a JSON object, got {_json_kind(body)}", param=None)
+    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == loc[:2]]  # one field's errors
+    found = [(_as_written(e, body), e) for e in same]
+    depth = max(len(path) for path, _ in found)
+    deepest = [(path, e) for path, e in found if len(path) == depth]
+    path, chosen = deepest[0]
+    param = ".".join(path) or None
+    said = list(dict.fromkeys(str(e.get("msg")) for _, e in deepest))
+    message = f"{param}: {'; or '.join(said)}"
+    if chosen.get("type") == "extra_forbidden":
         message = f"{param}: unknown field"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problems)"
+    if len(errors) > len(same):
+        message += f" (and {len(errors) - len(same)} more problems)"
     return error_body(message, param=param)
+
+
+def _as_written(error: Any, body: Any) -> list[str]:
+    """The path of ``error`` in ``body``, without the names pydantic gives union members."""
+    parts = list(error.get("loc", ()))[1:]  # after "body"
+    path: list[str] = []
+    value = body
+    for i, part in enumerate(parts):
+        keyed = isinstance(value, dict) and isinstance(part, str) and part in value
+        indexed = isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
+        if keyed or indexed:
+            value = value[part]
+        elif not (i == len(parts) - 1 and error.get("type") == "missing"):
+            continue  # a union member's name ("list[str]"): not in the body
+        path.append(str(part))
+    return path
+
+
+def _json_kind(value: Any) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number"}
+    names[float] = "a number"
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 class Answer:

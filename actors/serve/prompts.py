@@ -71,7 +71,7 @@ class Prompter:
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self._encode("prompt", prompt)
         else:
             assert isinstance(prompt, list)
             ids = prompt
@@ -99,19 +99,31 @@ class Prompter:
             ids = self.template.encode(self.tokenizer, chat, add_generation_prompt=True)
         except ChatTemplateError as e:
             raise ApiError(f"messages: {e}", param="messages") from None
+        except UnicodeEncodeError as e:
+            raise ApiError(f"messages: {_not_unicode(e)}", param="messages") from None
         return self._checked("messages", tuple(ids), max_tokens, field)
 
-    def _checked(
-        self, field: str, ids: tuple[int, ...], max_tokens: int | None, max_field: str
-    ) -> Prompt:
-        if not ids:
-            raise ApiError(f"{field}: the prompt is empty", param=field)
+    def check_ids(self, field: str, ids: Iterable[int]) -> None:
+        """ApiError naming ``field`` if one of ``ids`` is not a token of the model."""
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ApiError(
                 f"{field}: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
                 param=field,
             )
+
+    def _encode(self, field: str, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except UnicodeEncodeError as e:
+            raise ApiError(f"{field}: {_not_unicode(e)}", param=field) from None
+
+    def _checked(
+        self, field: str, ids: tuple[int, ...], max_tokens: int | None, max_field: str
+    ) -> Prompt:
+        if not ids:
+            raise ApiError(f"{field}: the prompt is empty", param=field)
+        self.check_ids(field, ids)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ApiError(
@@ -129,3 +141,9 @@ class Prompter:
                 param=max_field,
             )
         return Prompt(ids, max_tokens)
+
+
+def _not_unicode(error: UnicodeEncodeError) -> str:
+    """What is wrong with text JSON could carry but UTF-8 cannot (a lone surrogate escape)."""
+    char = error.object[error.start : error.end]
+    return f"the text holds {char!r} at {error.start}, which is not a Unicode character"
