@@ -31,7 +31,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-from ringfence.actors.bench.launcher import RunError, kill_group, ringfence_command
+from ringfence.actors.bench import launcher
+from ringfence.actors.bench.launcher import RunError, kill_group
 from ringfence.runtime.cli import run_id_of
 from ringfence.shm import names
 
@@ -94,7 +95,7 @@ class Served:
         start_timeout: float,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        args = [*ringfence_command(), "serve", "--run-dir", str(run_dir)]
+        args = [*launcher.ringfence_command(), "serve", "--run-dir", str(run_dir)]
         args += ["--host", "127.0.0.1", "--port", str(free_port())]
         for setting in settings:
             args += ["--set", setting]

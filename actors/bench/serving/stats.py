@@ -17,6 +17,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -85,7 +86,7 @@ class Timeline:
             )
         if any(n < 1 for n in self.chunk_tokens):
             raise ValueError(f"request {self.id}: a token chunk carries no token")
-        if any(b < a for a, b in zip(self.chunk_s, self.chunk_s[1:], strict=False)):
+        if any(b < a for a, b in itertools.pairwise(self.chunk_s)):
             raise ValueError(f"request {self.id}: chunk times go backwards")
 
     @property
@@ -100,7 +101,7 @@ class Timeline:
     @property
     def itl_s(self) -> list[float]:
         """The gaps between consecutive chunks with tokens."""
-        return [b - a for a, b in zip(self.chunk_s, self.chunk_s[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(self.chunk_s)]
 
     @property
     def tpot_s(self) -> float | None:
