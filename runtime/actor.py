@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 from ringfence.runtime.messages import Failed, Stop, Tick
 
 if TYPE_CHECKING:
+    from ringfence.runtime.codec import Registry
     from ringfence.runtime.config import RuntimeConfig
     from ringfence.runtime.log import ActorLog
-    from ringfence.runtime.mailbox import Delivery
+    from ringfence.runtime.mailbox import Delivery, LocalInbox
     from ringfence.shm.counter import CounterBlock, Waker
 
 F = TypeVar("F", bound=Callable[..., None])
@@ -66,6 +67,7 @@ class Services(Protocol):
     def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool: ...
     def current_epoch(self) -> int: ...
     def bell_of(self, instance: str) -> Waker | None: ...
+    def local_inbox(self, peer: str, registry: Registry) -> LocalInbox: ...
     @property
     def current(self) -> Delivery | None: ...
 
@@ -201,6 +203,12 @@ class Actor:
         """The doorbell of instance ``instance`` ("engine-0") of this run, to ring after an
         advance of a watermark it waits on; None when the run has no such instance."""
         return self.ctx.services.bell_of(instance)
+
+    def local_inbox(self, peer: str, registry: Registry) -> LocalInbox:
+        """A new in-process inbox from ``peer`` (messages of ``registry``): other threads of
+        this process post to it, and each post wakes this actor like a ring frame does. Its
+        messages are handled in this actor's thread, in order, by the usual handlers."""
+        return self.ctx.services.local_inbox(peer, registry)
 
     @handles(Stop)
     def handle_stop(self, msg: Stop) -> None:

@@ -1,4 +1,4 @@
-"""The ``ringfence`` command: ``launch``, ``replay``, ``bench NAME`` and ``clean``.
+"""The ``ringfence`` command: ``launch``, ``serve``, ``replay``, ``bench NAME`` and ``clean``.
 
 Every text argparse prints is plain words (no markup from the docstrings):
 ``tests/runtime/test_cli_help.py`` walks every command's ``--help``.
@@ -37,6 +37,7 @@ BENCHMARKS = {
 
 # What ``launch`` checks in the config before a run exists (each raises ValueError).
 REPLAY = "ringfence.actors.replay.cli"  # ``ringfence replay``: the same two functions
+SERVE = "ringfence.actors.serve.cli"  # ``ringfence serve``: the same two functions
 
 DESCRIPTION = (
     "ringfence: a KV-cache runtime for LLM serving, built as actors that talk through "
@@ -79,6 +80,11 @@ def _replay_module() -> _Bench:
     return cast(_Bench, importlib.import_module(REPLAY))
 
 
+def _serve_module() -> _Bench:
+    """``ringfence serve`` lives with its front-end actor (imported by name)."""
+    return cast(_Bench, importlib.import_module(SERVE))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringfence", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -115,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run these requests to completion, print a summary and exit (sets engine.workload;"
         " synthetic: chat, multiturn, unique, pressure); without it the instance serves clients",
     )
+
+    text = "serve the OpenAI API over HTTP (completions, chat, models, health, metrics)"
+    module = _serve_module()
+    serve = sub.add_parser("serve", help=text, description=getattr(module, "DESCRIPTION", text))
+    module.add_arguments(serve)
 
     text = "check, explain and visualize a run from its logs (exit 1: a violation)"
     replay = sub.add_parser(
@@ -215,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _launch(args)
         if args.command == "replay":
             return _replay_module().main(args)
+        if args.command == "serve":
+            return _serve_module().main(args)
         return _clean(args)
     except ValueError as e:
         print(f"ringfence {args.command}: {e}", file=sys.stderr)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ringfence.runtime.actor import Actor, ActorContext
-from ringfence.runtime.mailbox import Delivery, Mailbox, Outbox
+from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox, Outbox
 from ringfence.runtime.messages import Failed, Tick
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import (
@@ -47,6 +47,7 @@ from ringfence.shm.errors import (
 )
 
 if TYPE_CHECKING:
+    from ringfence.runtime.codec import Registry
     from ringfence.runtime.config import RuntimeConfig
     from ringfence.runtime.control import InstanceControl
     from ringfence.runtime.log import ActorLog
@@ -225,6 +226,9 @@ class Driver:
             bell = Doorbell.attach(self._bell_names[instance], spin_us=self.runtime.spin_us)
             self._bells[instance] = bell
         return bell
+
+    def local_inbox(self, peer: str, registry: Registry) -> LocalInbox:
+        return self.mailbox.add_local_inbox(peer, registry)
 
     # Lifecycle.
 

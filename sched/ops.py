@@ -35,6 +35,7 @@ class Piece:
     block_table: tuple[int, ...]  # device blocks covering positions 0 .. start + len - 1
     sample: bool  # the piece ends the known tokens: sample the next one
     temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # in (0, 1]: sample from the nucleus of this much probability
     seed: int = 0  # with the position, seeds the sampler (a replayed step picks the same)
 
     @property

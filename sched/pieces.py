@@ -45,6 +45,7 @@ class PieceMaker:
             block_table=tuple(seq.blocks[: -(-end // self._bs)]),
             sample=end == len(tokens),
             temperature=r.params.temperature,
+            top_p=r.params.top_p,
             seed=r.params.seed,
         )
 

@@ -64,6 +64,15 @@ def check_number(field: str, value: object, *, minimum: float = 0.0) -> float:
     return float(value)
 
 
+def _check_top_p(value: object) -> float:
+    """``value`` as a float if a number in (0, 1]; RequestError naming ``top_p`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"top_p must be a number, got {value!r}", field="top_p")
+    if not 0.0 < value <= 1.0:  # NaN fails the comparison too
+        raise RequestError(f"top_p must be in (0, 1], got {value!r}", field="top_p")
+    return float(value)
+
+
 def _check_int(field: str, value: object, *, minimum: int) -> None:
     if not _is_int(value):
         raise RequestError(f"{field} must be an int, got {value!r}", field=field)
@@ -77,12 +86,14 @@ class SamplingParams:
 
     max_tokens: int = 16  # output tokens at most; reaching it finishes with "length"
     temperature: float = 0.0  # 0: greedy; > 0: seeded random sampling
+    top_p: float = 1.0  # in (0, 1]: sample from the nucleus of this much probability
     seed: int = 0  # sampling is seeded per request and position, so replays agree
     stop_token_ids: tuple[int, ...] = ()  # sampling one of these finishes with "stop"
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
         object.__setattr__(self, "temperature", check_number("temperature", self.temperature))
+        object.__setattr__(self, "top_p", _check_top_p(self.top_p))
         _check_int("seed", self.seed, minimum=0)
         # frozen, so normalise through object.__setattr__: an int temperature to a
         # float, a caller's list of stop tokens to the tuple the field promises.

@@ -3,7 +3,7 @@
 A workload line is one JSON object with ``id``, exactly one of ``prompt`` (text),
 ``prompt_token_ids`` and ``messages`` (a chat: a list of objects with string ``role``
 and ``content``, rendered through the model's chat template by the engine), and optional
-``max_tokens``, ``temperature``, ``seed``, ``stop_token_ids``, ``arrival_s`` and
+``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop_token_ids``, ``arrival_s`` and
 ``session`` (DESIGN.md, "Interfaces users and scripts rely on"). Parsing takes the lines
 the caller read: this package does no I/O. Synthetic workloads are pure functions of their
 name, seed and size, with token ids in 0..255, the byte tokenizer's range, so any model of
@@ -30,13 +30,14 @@ KEYS = (
     "messages",
     "max_tokens",
     "temperature",
+    "top_p",
     "seed",
     "stop_token_ids",
     "arrival_s",
     "session",
 )
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")  # a line gives exactly one
-_PARAM_KEYS = ("max_tokens", "temperature", "seed", "stop_token_ids")
+_PARAM_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop_token_ids")
 VOCAB = 256  # synthetic token ids lie in 0..VOCAB-1
 
 

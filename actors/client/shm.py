@@ -196,6 +196,7 @@ class Client:
         request_id: str | None = None,
         max_tokens: int = 16,
         temperature: float = 0.0,
+        top_p: float = 1.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
     ) -> str:
@@ -207,9 +208,14 @@ class Client:
         """
         text, token_ids = (prompt, ()) if isinstance(prompt, str) else ("", tuple(prompt))
         return self._send(
-            _submit(request_id, max_tokens, temperature, seed, stop_token_ids)(
-                prompt=text, prompt_token_ids=token_ids
-            )
+            _submit(
+                request_id,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                stop_token_ids=stop_token_ids,
+            )(prompt=text, prompt_token_ids=token_ids)
         )
 
     def chat(
@@ -219,6 +225,7 @@ class Client:
         request_id: str | None = None,
         max_tokens: int = 16,
         temperature: float = 0.0,
+        top_p: float = 1.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
         timeout: float = 60.0,
@@ -228,9 +235,14 @@ class Client:
         does, and ClientError when the model has no chat template or it refuses the chat.
         """
         request_id = self._send(
-            _submit(request_id, max_tokens, temperature, seed, stop_token_ids)(
-                messages=tuple(dict(m) for m in messages)
-            )
+            _submit(
+                request_id,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                stop_token_ids=stop_token_ids,
+            )(messages=tuple(dict(m) for m in messages))
         )
         return self.result(request_id, timeout=timeout)
 
@@ -296,6 +308,7 @@ class Client:
         request_id: str | None = None,
         max_tokens: int = 16,
         temperature: float = 0.0,
+        top_p: float = 1.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
         timeout: float = 60.0,
@@ -306,6 +319,7 @@ class Client:
             request_id=request_id,
             max_tokens=max_tokens,
             temperature=temperature,
+            top_p=top_p,
             seed=seed,
             stop_token_ids=stop_token_ids,
         )
@@ -373,8 +387,10 @@ class Client:
 
 def _submit(
     request_id: str | None,
+    *,
     max_tokens: int,
     temperature: float,
+    top_p: float,
     seed: int,
     stop_token_ids: Sequence[int],
 ) -> functools.partial[Submit]:
@@ -384,6 +400,7 @@ def _submit(
         request_id=uuid.uuid4().hex if request_id is None else request_id,
         max_tokens=max_tokens,
         temperature=float(temperature),
+        top_p=float(top_p),
         seed=seed,
         stop_token_ids=tuple(stop_token_ids),
     )

@@ -12,19 +12,25 @@ its actor only while its user waits for output, so its ring may be full for a
 long time; the hub keeps what the ring did not take, merging the tokens of one
 request into its queued message, and gives up on a client whose queue passes
 ``max_queued`` messages.
+
+A client whose current Hello asked for them (``Hello.stats``) also gets the engine's
+:class:`Stats`: at most one is held per client, outside its queue and its
+``max_queued`` count, a newer one replacing it, and it goes once the client's queued
+output has gone (it is a snapshot: a stale one is worth nothing).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, NewType
 
 from ringfence.actors.protocol.client import (
     FINISH_REASONS,
     Hello,
     Rejected,
+    Stats,
     Submit,
     Tokens,
     check_submit,
@@ -92,6 +98,8 @@ class _Client:
     open: dict[str, _Out] = field(default_factory=dict)  # request id -> its mergeable _Out
     lost: str = ""  # why its process was given up on ("" while it is served)
     overflowed: bool = False  # more than max_queued messages queued since the last check
+    wants_stats: bool = False  # its current Hello asked for Stats
+    stats: Stats | None = None  # the newest Stats not sent yet (never counted as queued)
 
 
 class ClientHub:
@@ -125,19 +133,25 @@ class ClientHub:
         Returns the keys of the previous incarnation's live requests, forgotten here:
         the engine aborts them. What was queued for that incarnation is dropped. A
         repeated Hello of the current incarnation (the client re-announcing itself to a
-        restarted engine) only refreshes the process stamp and returns nothing.
+        restarted engine) only refreshes the process stamp and whether it wants Stats
+        (a Stats held for it is dropped if it no longer does), and returns nothing.
         """
         stamp = ProcessStamp(pid=msg.pid, start_ticks=msg.start_ticks)
         old = self._clients.get(peer)
         if old is not None and old.incarnation == msg.incarnation and not old.lost:
             old.stamp = stamp
+            old.wants_stats = msg.stats
+            if not msg.stats:
+                old.stats = None
             return []
         if old is not None and msg.incarnation < old.incarnation:
             raise RequestRefused(
                 f"{peer}: Hello of incarnation {msg.incarnation} after {old.incarnation}"
             )
         orphans = self._drop(old) if old is not None else []
-        self._clients[peer] = _Client(incarnation=msg.incarnation, stamp=stamp)
+        self._clients[peer] = _Client(
+            incarnation=msg.incarnation, stamp=stamp, wants_stats=msg.stats
+        )
         self._log.info(
             "client.hello",
             peer=peer,
@@ -239,31 +253,51 @@ class ClientHub:
             out.finish_reason, out.error = finish_reason, error
             del client.open[owner.request_id]
 
+    def watching(self, peer: str | None = None) -> bool:
+        """Whether some served client (or ``peer``, if given) asked for Stats in its Hello."""
+        clients = self._clients.values() if peer is None else [self._clients.get(peer)]
+        return any(c is not None and c.wants_stats and not c.lost for c in clients)
+
+    def post_stats(self, stats: Stats, peer: str | None = None) -> None:
+        """Hold ``stats`` for every served client that asked for Stats (or only ``peer``),
+        each a copy with its own incarnation, replacing the one held for it if any.
+
+        Not counted against ``max_queued``; sends nothing: call :meth:`flush`.
+        """
+        for name, client in self._clients.items():
+            if (peer is None or name == peer) and client.wants_stats and not client.lost:
+                client.stats = replace(stats, incarnation=client.incarnation)
+
     def flush(self) -> int:
-        """Send queued messages, oldest first per client, until each ring is full.
+        """Send queued messages, oldest first per client, then the Stats held for it, until
+        each ring is full.
 
         Never waits. Returns how many were sent; the rest stay queued (see pending).
         """
         sent = 0
         for peer, client in self._clients.items():
-            while client.queue and not client.lost:
-                out = client.queue[0]
+            while (client.queue or client.stats is not None) and not client.lost:
+                out = client.queue[0] if client.queue else None
                 try:
-                    self._send(peer, out.message())
+                    self._send(peer, out.message() if out is not None else client.stats)
                 except RingFull:
                     break
                 except ActorDead:
                     client.lost = "its ring's reader is gone"
+                    client.stats = None
                     break
+                sent += 1
+                if out is None:
+                    client.stats = None
+                    continue
                 client.queue.popleft()
                 if client.open.get(out.request_id) is out:
                     del client.open[out.request_id]
-                sent += 1
         return sent
 
     def pending(self) -> bool:
-        """True while some message is queued and not yet sent."""
-        return any(client.queue for client in self._clients.values())
+        """True while some message (a Stats included) is held and not yet sent."""
+        return any(c.queue or c.stats is not None for c in self._clients.values())
 
     def stuck_or_dead(self) -> list[RequestKey]:
         """Keys of the live requests of clients that are gone or not reading; each once.
@@ -280,6 +314,7 @@ class ClientHub:
         for peer, client in self._clients.items():
             if not client.lost and client.incarnation and not client.stamp.is_alive():
                 client.lost = "its process is gone"
+                client.stats = None
             if client.lost and (client.live or client.queue):
                 keys += self._give_up(peer, client, client.lost)
             elif client.overflowed and not client.lost:
@@ -319,4 +354,5 @@ class ClientHub:
         client.live.clear()
         client.queue.clear()
         client.open.clear()
+        client.stats = None
         return keys

@@ -119,6 +119,7 @@ class Intake:
         params = SamplingParams(
             max_tokens=msg.max_tokens,
             temperature=msg.temperature,
+            top_p=msg.top_p,
             seed=msg.seed,
             stop_token_ids=msg.stop_token_ids,
         )

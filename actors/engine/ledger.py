@@ -70,9 +70,11 @@ class Ledger:
     def __init__(self, ranks: int, *, sync: bool, send_all: SendAll, log: ActorLog) -> None:
         self.ranks, self.sync, self.send_all, self.log = ranks, sync, send_all, log
         self.lanes = {lane: _Lane(completed=dict.fromkeys(range(ranks), 0)) for lane in Lane}
+        self.first = dict.fromkeys(Lane, 1)  # each lane's first op number (see begin)
 
     def begin(self, first: Mapping[Lane, int]) -> None:
         """Number each lane's ops from ``first`` on: every op before it is complete."""
+        self.first |= first
         for lane, number in first.items():
             state = self.lanes[lane]
             state.last_sent = number - 1
@@ -93,6 +95,10 @@ class Ledger:
     def completed(self, lane: Lane) -> int:
         """The last op of ``lane`` complete on every rank."""
         return self.lanes[lane].complete()
+
+    def num_completed(self, lane: Lane) -> int:
+        """Ops of ``lane`` this ledger numbered that are complete on every rank."""
+        return self.completed(lane) - self.first[lane] + 1
 
     def in_flight(self, lane: Lane) -> int:
         """Ops sent to ``lane`` that some rank has not completed."""

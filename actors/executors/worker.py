@@ -194,6 +194,8 @@ class Worker(LaneExecutor):
         for i, p in enumerate(plan.pieces):
             if p.temperature < 0:
                 return f"piece {i} has a negative temperature {p.temperature}"
+            if not 0.0 < p.top_p <= 1.0:
+                return f"piece {i} has a top_p {p.top_p} outside (0, 1]"
         if plan.pieces:
             try:
                 self.executor.check(plan.pieces)
@@ -272,7 +274,11 @@ def sample_pieces(pieces: Sequence[Piece], last_logits: torch.Tensor) -> tuple[S
                 )
             position = p.start + len(p.token_ids)
             token = sample(
-                last_logits[row], temperature=p.temperature, seed=p.seed, position=position
+                last_logits[row],
+                temperature=p.temperature,
+                seed=p.seed,
+                position=position,
+                top_p=p.top_p,
             )
             outputs.append(
                 SampledToken(

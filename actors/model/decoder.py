@@ -255,16 +255,24 @@ class Sampled(NamedTuple):
     logprob: float  # log_softmax of the raw (unscaled) logits at token_id
 
 
-def sample(logits: Tensor, *, temperature: float, seed: int, position: int) -> Sampled:
+def sample(
+    logits: Tensor, *, temperature: float, seed: int, position: int, top_p: float = 1.0
+) -> Sampled:
     """Pick a token from logits [vocab].
 
-    Greedy (first maximum) at temperature 0; otherwise a draw from
+    Greedy (first maximum) at temperature 0, whatever ``top_p``; otherwise a draw from
     softmax(logits / temperature) by a generator seeded from (seed, position) only, so
-    a replayed step picks the same token. The reported logprob is always under the raw
-    logits (temperature 1), so it does not depend on the sampling settings.
+    a replayed step picks the same token. Below 1, ``top_p`` keeps the nucleus: the
+    smallest set of most probable tokens whose probabilities sum to ``top_p`` or more
+    (always the most probable one), renormalised before the draw. The reported logprob is
+    always under the raw logits (temperature 1), so it does not depend on the sampling
+    settings. ValueError naming the setting for a temperature below 0 or a top_p outside
+    (0, 1].
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     # On the CPU in float64 whatever the model's device: the same draw on every machine.
     wide = logits.detach().to(device="cpu", dtype=torch.float64)
     if temperature == 0:
@@ -273,5 +281,23 @@ def sample(logits: Tensor, *, temperature: float, seed: int, position: int) -> S
         digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
         probs = torch.softmax(wide / temperature, dim=-1)
+        if top_p < 1.0:  # at 1 the distribution is left as it is: the same draws as before
+            probs = nucleus(probs, top_p)
         token = int(torch.multinomial(probs, 1, generator=gen))
     return Sampled(token, float(torch.log_softmax(wide, dim=-1)[token]))
+
+
+def nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """``probs`` [vocab] with every token outside the nucleus zeroed, renormalised.
+
+    The nucleus is the smallest set of most probable tokens whose probabilities sum to
+    ``top_p`` or more: a token is in it when the tokens more probable than it (ties broken
+    by the lower id) sum to less than ``top_p``, so the most probable token always is.
+    """
+    ordered, order = torch.sort(probs, descending=True, stable=True)
+    # The mass of the tokens ranked above each one (0 for the first, exactly).
+    before = torch.cat((ordered.new_zeros(1), torch.cumsum(ordered, dim=-1)[:-1]))
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order] = before < top_p
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum()

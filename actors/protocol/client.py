@@ -1,7 +1,8 @@
 """The protocol between clients and the Engine: one registry per direction.
 
 ``CLIENT_TO_ENGINE`` carries a client's announcement and its requests;
-``ENGINE_TO_CLIENT`` carries the output of each request, as it is produced. A
+``ENGINE_TO_CLIENT`` carries the output of each request, as it is produced, and the
+engine's :class:`Stats` to a client whose Hello asked for them. A
 client names its requests with ids of its own choosing; the engine keys them by
 client instance and incarnation (see ``actors/engine/clients.py``), so two clients may use the same
 id. Every engine -> client message carries the client incarnation it answers: the
@@ -31,6 +32,9 @@ class Hello:
     incarnation: int  # the client slot's incarnation (1, 2, ... per attach)
     pid: int  # the client process, with start_ticks: the engine checks it is alive
     start_ticks: int  # its start time, so a recycled pid is not taken for it
+    # Whether the client wants the engine's Stats (each Tick, and once after this Hello).
+    # Sent with every Hello, so an engine that restarted and hears it again goes on.
+    stats: bool = False
 
 
 @message(CLIENT_TO_ENGINE, tag=2)
@@ -47,6 +51,7 @@ class Submit:
     prompt: str = ""  # text, tokenized by the engine
     max_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # in (0, 1]: sample from the nucleus of this much probability
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     # A chat (role, content and any other string keys per message), rendered by the
@@ -70,6 +75,8 @@ def check_submit(msg: Submit) -> None:
         raise ValueError(f"max_tokens must be >= 1, got {msg.max_tokens}")
     if not msg.temperature >= 0.0:
         raise ValueError(f"temperature must be >= 0, got {msg.temperature}")
+    if not 0.0 < msg.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {msg.top_p}")
     for name in ("prompt_token_ids", "stop_token_ids"):
         if any(t < 0 for t in getattr(msg, name)):
             raise ValueError(f"{name} must hold non-negative token ids")
@@ -111,3 +118,41 @@ class Rejected:
     request_id: str
     incarnation: int  # the client incarnation that sent it
     error: str  # why, for the user
+
+
+@message(ENGINE_TO_CLIENT, tag=3)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stats:
+    """The engine's state now, for a client whose current Hello asked (``Hello.stats``).
+
+    Sent on every engine Tick and once right after such a Hello; the engine keeps at most
+    one queued per client, the newest. The counts since start are this engine process's
+    (a restarted engine counts from zero again). Every dict holds every key named below,
+    zeros included. Before the scheduler began (the executors have not all answered the
+    engine yet) ``began`` is False and every figure is zero.
+    """
+
+    incarnation: int  # the client incarnation it is for
+    began: bool  # False: the engine is up but its scheduler has not begun (all figures 0)
+    running: int  # requests the scheduler runs now (admitted, with device blocks)
+    waiting: int  # requests waiting for admission: new, prefetching and preempted ones
+    steps: int  # steps the scheduler issued (summary.json's engine.steps), in flight included
+    # Running requests pushed out, by the policy used: "recompute", "swap", "save" (a swap
+    # or save that found no room is counted as "recompute").
+    preemptions: dict[str, int]
+    # Ops complete on every rank, by lane: "step", "swap", "store" (whatever their status;
+    # ops a restart cancelled included).
+    ops: dict[str, int]
+    # KV bytes copied, summed over ranks: "swap_out" (device to host), "swap_in" (host to
+    # device), "store_write" (host to storage), "store_read" (storage to host).
+    bytes: dict[str, int]
+    # Ops sent and not yet complete on every rank, by lane: "step", "swap", "store".
+    in_flight: dict[str, int]
+    # Blocks referenced by a request or an op in flight, per tier: "device", "host"
+    # (free blocks that still hold cached KV are not counted).
+    blocks_used: dict[str, int]
+    # Pool size per tier: "device", "host" (without a host tier, its staging blocks).
+    blocks_total: dict[str, int]
+    # Prompt tokens served from each tier instead of being computed, over every
+    # admission (preempted requests resuming included): "device", "host", "storage".
+    hit_tokens: dict[str, int]

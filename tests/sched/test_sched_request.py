@@ -53,7 +53,7 @@ def make_request(
 
 def test_sampling_params_default_to_16_greedy_tokens_with_seed_0_and_no_stop_tokens():
     assert SamplingParams() == SamplingParams(
-        max_tokens=16, temperature=0.0, seed=0, stop_token_ids=()
+        max_tokens=16, temperature=0.0, top_p=1.0, seed=0, stop_token_ids=()
     )
 
 
@@ -76,6 +76,13 @@ def test_sampling_params_are_frozen_and_keyword_only():
         ("temperature", math.nan, r"^temperature must be finite and >= 0, got nan$"),
         ("temperature", "hot", r"^temperature must be a number, got 'hot'$"),
         ("temperature", False, r"^temperature must be a number, got False$"),
+        ("top_p", 0, r"^top_p must be in \(0, 1\], got 0$"),
+        ("top_p", -0.5, r"^top_p must be in \(0, 1\], got -0\.5$"),
+        ("top_p", 1.01, r"^top_p must be in \(0, 1\], got 1\.01$"),
+        ("top_p", math.nan, r"^top_p must be in \(0, 1\], got nan$"),
+        ("top_p", math.inf, r"^top_p must be in \(0, 1\], got inf$"),
+        ("top_p", "0.9", r"^top_p must be a number, got '0\.9'$"),
+        ("top_p", True, r"^top_p must be a number, got True$"),
         ("seed", -1, r"^seed must be >= 0, got -1$"),
         ("seed", None, r"^seed must be an int, got None$"),
         ("stop_token_ids", (1, -2), r"^stop_token_ids\[1\] must be a non-negative int .* -2$"),
@@ -95,6 +102,11 @@ def test_an_invalid_sampling_param_is_a_request_error_naming_the_field_and_value
 def test_an_integer_temperature_is_accepted_as_a_float():
     assert SamplingParams(temperature=1).temperature == 1.0
     assert isinstance(SamplingParams(temperature=1).temperature, float)
+
+
+def test_a_top_p_in_zero_to_one_is_kept_as_a_float():
+    assert SamplingParams(top_p=1).top_p == 1.0 and isinstance(SamplingParams(top_p=1).top_p, float)
+    assert SamplingParams(top_p=1e-9).top_p == 1e-9
 
 
 def test_stop_token_ids_given_as_a_list_are_copied_into_a_tuple():

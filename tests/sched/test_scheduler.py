@@ -657,6 +657,16 @@ def test_a_step_respects_the_budget_the_batch_size_and_puts_decodes_first():
     assert mixed, "the workload never mixes decodes and prefills"
 
 
+def test_every_piece_carries_its_requests_sampling_settings():
+    sim = Sim(make_scheduler(device_blocks=16, max_batched_tokens=4))
+    params = SamplingParams(max_tokens=3, temperature=0.7, top_p=0.3, seed=5)
+    sim.add(Request(request_id="a", prompt_token_ids=(1, 2, 3, 4, 5, 6), params=params))
+    sim.run()
+    pieces = [p for step, _ in sim.steps for p in step.pieces]
+    assert len(pieces) == 4  # two prefill chunks, then two decodes
+    assert {(p.temperature, p.top_p, p.seed) for p in pieces} == {(0.7, 0.3, 5)}
+
+
 def test_a_request_that_does_not_fit_is_not_overtaken():
     sim = Sim(make_scheduler(device_blocks=8, max_batched_tokens=64))
     sim.add(make_request("a", range(1, 21), max_tokens=8))  # 20 tokens: 5 blocks, then 7

@@ -46,6 +46,7 @@ def test_every_field_of_a_line_round_trips_into_the_request():
             prompt_token_ids=[5, 0, 255],
             max_tokens=7,
             temperature=0.5,
+            top_p=0.9,
             seed=3,
             stop_token_ids=[1, 2],
             arrival_s=1.25,
@@ -56,7 +57,9 @@ def test_every_field_of_a_line_round_trips_into_the_request():
         id="q1",
         prompt_token_ids=(5, 0, 255),
         prompt=None,
-        params=SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop_token_ids=(1, 2)),
+        params=SamplingParams(
+            max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop_token_ids=(1, 2)
+        ),
         arrival_s=1.25,
         session="chat-7",
     )
@@ -148,6 +151,9 @@ def test_requests_are_sorted_by_arrival_and_then_by_line_order():
         ('{"id": "a", "prompt": "x", "seed": false}', "seed", r"seed must be an int, got False$"),
         ('{"id": "a", "prompt": "x", "temperature": -1}', "temperature", r">= 0, got -1$"),
         ('{"id": "a", "prompt": "x", "temperature": NaN}', "temperature", r">= 0, got nan$"),
+        ('{"id": "a", "prompt": "x", "top_p": 0}', "top_p", r"top_p must be in \(0, 1\], got 0$"),
+        ('{"id": "a", "prompt": "x", "top_p": 2.5}', "top_p", r"in \(0, 1\], got 2\.5$"),
+        ('{"id": "a", "prompt": "x", "top_p": null}', "top_p", r"a number, got None$"),
         (
             '{"id": "a", "prompt": "x", "stop_token_ids": [true]}',
             "stop_token_ids",

@@ -104,6 +104,11 @@ def test_bad_parameters_are_refused_before_anything_is_sent(tmp_path):
             client.chat([{"role": "user", "content": "hi"}, {"role": "assistant"}])
         with pytest.raises(ValueError, match="max_tokens must be >= 1"):
             client.submit([1], max_tokens=0)
+        for top_p in (0.0, 1.5):
+            with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got"):
+                client.submit([1], temperature=1.0, top_p=top_p)
+            with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got"):
+                client.chat([{"role": "user", "content": "hi"}], top_p=top_p)
         client.submit([1], request_id="same", max_tokens=50)
         with pytest.raises(ValueError, match="'same' is in use"):
             client.submit([2], request_id="same")

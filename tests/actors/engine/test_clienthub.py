@@ -1,11 +1,24 @@
-"""ClientHub: request keys per client incarnation, output queues, and giving up on clients."""
+"""ClientHub: request keys per client incarnation, output queues, Stats, and giving up on
+clients."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import orjson
 import pytest
 
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
-from ringfence.actors.protocol.client import Hello, Rejected, Submit, Tokens
+from ringfence.actors.engine.stats import no_stats
+from ringfence.actors.protocol.client import (
+    CLIENT_TO_ENGINE,
+    ENGINE_TO_CLIENT,
+    Hello,
+    Rejected,
+    Stats,
+    Submit,
+    Tokens,
+)
 from ringfence.runtime.log import ActorLog
 from ringfence.shm.errors import ActorDead, RingFull
 from ringfence.shm.liveness import ProcessStamp
@@ -36,8 +49,13 @@ def make_hub(max_queued: int = 16, max_live: int = 256) -> tuple[ClientHub, Ring
     return ClientHub(rings, log, max_queued=max_queued, max_live=max_live), rings
 
 
-def hello(incarnation: int = 1, stamp: ProcessStamp = ME) -> Hello:
-    return Hello(incarnation=incarnation, pid=stamp.pid, start_ticks=stamp.start_ticks)
+def hello(incarnation: int = 1, stamp: ProcessStamp = ME, stats: bool = False) -> Hello:
+    return Hello(incarnation=incarnation, pid=stamp.pid, start_ticks=stamp.start_ticks, stats=stats)
+
+
+def stats(steps: int, incarnation: int = 0) -> Stats:
+    """A Stats told apart by its ``steps``."""
+    return dataclasses.replace(no_stats(), began=True, steps=steps, incarnation=incarnation)
 
 
 def submit(request_id: str = "a", **fields) -> Submit:
@@ -75,6 +93,9 @@ def test_submits_before_hello_with_a_live_duplicate_id_or_bad_fields_are_refused
         hub.submit("client-0", submit("a"))
     with pytest.raises(RequestRefused, match="request 'b': max_tokens must be >= 1"):
         hub.submit("client-0", submit("b", max_tokens=0))
+    for top_p in (0.0, -1.0, 1.5, float("nan")):
+        with pytest.raises(RequestRefused, match=r"request 'b': top_p must be in \(0, 1\]"):
+            hub.submit("client-0", submit("b", top_p=top_p))
     hub.emit(key, (5,), finish_reason="length")
     assert hub.submit("client-0", submit("a")) == key  # finished ids may be used again
 
@@ -220,3 +241,110 @@ def test_an_unknown_finish_reason_is_a_value_error():
     hub, _ = make_hub()
     with pytest.raises(ValueError, match="finish_reason must be one of"):
         hub.emit(RequestKey("client-0/1/a"), (), finish_reason="done")
+
+
+# Stats.
+
+
+def test_stats_go_only_to_clients_whose_current_hello_asked_each_with_its_incarnation():
+    hub, rings = make_hub()
+    hub.hello("client-0", hello(2, stats=True))
+    hub.hello("client-1", hello(1))
+    assert hub.watching() and hub.watching("client-0") and not hub.watching("client-1")
+    hub.post_stats(stats(1))
+    assert hub.flush() == 1
+    assert rings.sent == {"client-0": [stats(1, incarnation=2)]}
+    hub.hello("client-1", hello(1, stats=True))  # the same incarnation, now asking
+    hub.hello("client-0", hello(2))  # and no longer
+    hub.post_stats(stats(2))
+    hub.flush()
+    assert rings.sent == {"client-0": [stats(1, incarnation=2)], "client-1": [stats(2, 1)]}
+    assert not hub.watching("client-0") and not hub.watching("client-9")
+
+
+def test_post_stats_to_one_peer_leaves_the_other_watchers_alone():
+    hub, rings = make_hub()
+    hub.hello("client-0", hello(stats=True))
+    hub.hello("client-1", hello(stats=True))
+    hub.post_stats(stats(1), "client-1")
+    hub.flush()
+    assert rings.sent == {"client-1": [stats(1, 1)]}
+
+
+def test_a_newer_stats_replaces_the_one_held_and_goes_after_the_queued_output():
+    hub, rings = make_hub()
+    hub.hello("client-0", hello(stats=True))
+    key = hub.submit("client-0", submit("a"))
+    rings.room["client-0"] = 0
+    hub.post_stats(stats(1))
+    hub.emit(key, (1,))
+    hub.post_stats(stats(2))
+    assert hub.flush() == 0 and hub.pending()
+    rings.room["client-0"] = 1
+    assert hub.flush() == 1
+    assert rings.sent["client-0"] == [tokens("a", (1,))]  # the output first
+    rings.room["client-0"] = 10
+    assert hub.flush() == 1 and not hub.pending()
+    assert rings.sent["client-0"] == [tokens("a", (1,)), stats(2, 1)]  # stats(1) never went
+
+
+def test_a_stats_held_for_a_client_is_not_counted_against_its_max_queued():
+    hub, rings = make_hub(max_queued=2)
+    hub.hello("client-0", hello(stats=True))
+    keys = [hub.submit("client-0", submit(r)) for r in "ab"]
+    rings.room["client-0"] = 0
+    for key in keys:
+        hub.emit(key, (1,))  # two queued: at max_queued, not past it
+    for steps in range(10):
+        hub.post_stats(stats(steps))
+    assert hub.stuck_or_dead() == []
+    rings.room["client-0"] = 10
+    assert hub.flush() == 3
+    assert rings.sent["client-0"] == [tokens("a", (1,)), tokens("b", (1,)), stats(9, 1)]
+
+
+def test_the_stats_of_a_lost_client_are_dropped_and_none_are_held_for_it_after():
+    hub, rings = make_hub()
+    gone = ProcessStamp(pid=ME.pid, start_ticks=ME.start_ticks + 1)  # a recycled pid
+    hub.hello("client-0", hello(stamp=gone, stats=True))
+    hub.hello("client-1", hello(stats=True))
+    rings.room["client-0"] = rings.room["client-1"] = 0
+    hub.post_stats(stats(1))
+    rings.dead.add("client-1")
+    hub.stuck_or_dead()  # client-0's process is gone
+    assert hub.flush() == 0  # client-1's ring's reader is gone
+    assert not hub.pending() and not hub.watching()
+    hub.post_stats(stats(2))
+    assert not hub.pending()
+    rings.room.clear()
+    rings.dead.clear()
+    assert hub.flush() == 0 and not any(rings.sent.values())
+
+
+def test_a_new_incarnation_drops_the_stats_held_for_the_old_one():
+    hub, rings = make_hub()
+    hub.hello("client-0", hello(1, stats=True))
+    rings.room["client-0"] = 0
+    hub.post_stats(stats(1))
+    hub.hello("client-0", hello(2))
+    assert not hub.pending()
+    rings.room["client-0"] = 10
+    hub.post_stats(stats(2))
+    assert hub.flush() == 0
+
+
+def test_a_stats_round_trips_through_the_codec():
+    msg = dataclasses.replace(
+        stats(7, 3),
+        running=2,
+        waiting=1,
+        preemptions={"recompute": 0, "swap": 4, "save": 0},
+        bytes={"swap_out": 1 << 40, "swap_in": 5, "store_write": 0, "store_read": 0},
+    )
+    kind, payload = ENGINE_TO_CLIENT.encode(msg)
+    assert ENGINE_TO_CLIENT.decode(kind, payload) == msg
+    # A Hello of a client that does not know the field decodes as not asking.
+    kind, payload = CLIENT_TO_ENGINE.encode(hello(stats=True))
+    older = orjson.loads(payload)
+    del older["stats"]
+    assert CLIENT_TO_ENGINE.decode(kind, orjson.dumps(older)) == hello()

@@ -421,9 +421,18 @@ PIECE = Piece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=T
             Piece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True,
                       temperature=-1.0),
         )), "negative temperature"),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            PIECE,
+            Piece(seq_id=2, token_ids=(1,), start=0, block_table=(1,), sample=True,
+                  temperature=1.0, top_p=0.0),
+        )), "piece 1 has a top_p 0.0 outside (0, 1]"),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            Piece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True, top_p=1.5),
+        )), "piece 0 has a top_p 1.5 outside (0, 1]"),
     ],
     ids=["unknown-block", "table-past-pool", "past-max-position", "short-table", "bad-token",
-         "repeated-block", "own-lane-fence", "bad-poison", "negative-temperature"],
+         "repeated-block", "own-lane-fence", "bad-poison", "negative-temperature", "zero-top-p",
+         "top-p-past-one"],
 )  # fmt: skip
 def test_a_malformed_plan_is_rejected_naming_the_problem_and_touches_no_block(
     make_rig, plan: StepOp, message: str
@@ -477,6 +486,20 @@ def test_sampled_tokens_are_reproducible_per_seed_and_position(make_rig) -> None
         picks.append(rig.result(step).outputs)
     assert picks[0] == picks[1]
     assert len({out.token_id for out in picks[0]}) > 1, "every seed drew the same token"
+
+
+def test_a_tiny_top_p_draws_the_greedy_token_whatever_the_seed(make_rig) -> None:
+    rig = make_rig()
+    pieces = tuple(
+        Piece(
+            seq_id=seed, token_ids=(5, 6, 7), start=0, block_table=(seed,), sample=True,
+            temperature=0.0 if seed == 0 else 1.5, top_p=1e-9, seed=seed,
+        )
+        for seed in range(6)
+    )  # fmt: skip
+    rig.post(StepOp(step=1, epoch=0, fence=Fence(), pieces=pieces))
+    outputs = rig.result(1).outputs
+    assert len(outputs) == 6 and {out.token_id for out in outputs} == {outputs[0].token_id}
 
 
 needs_cuda = pytest.mark.skipif(

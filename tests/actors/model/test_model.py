@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -233,6 +236,62 @@ def test_the_sampler_is_greedy_at_temperature_zero_and_reproducible_per_seed_and
     assert all(d.logprob == float(torch.log_softmax(logits, -1)[d.token_id]) for d in draws)
     with pytest.raises(ValueError, match="temperature"):
         sample(logits, temperature=-1.0, seed=0, position=0)
+
+
+SEEDS = range(400)
+
+
+def test_a_tiny_top_p_samples_the_greedy_token_at_any_temperature() -> None:
+    logits = torch.randn(259, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    logits[17] = logits[40] = float(logits.max()) + 1.0  # a tie: greedy takes the first
+    greedy = sample(logits, temperature=0, seed=0, position=0)
+    assert greedy.token_id == 17
+    for temperature in (0.1, 1.0, 5.0, 100.0):
+        picks = {
+            sample(logits, temperature=temperature, seed=s, position=3, top_p=1e-9)
+            for s in range(50)
+        }
+        assert picks == {greedy}, (temperature, picks)
+
+
+def test_a_draw_never_leaves_the_nucleus_and_visits_every_token_in_it() -> None:
+    # Probabilities 0.4, 0.3, 0.2, 0.1 (tokens 3, 0, 2, 1) at temperature 1.
+    logits = torch.tensor([0.3, 0.1, 0.2, 0.4], dtype=torch.float64).log()
+    cases = {0.35: {3}, 0.4: {3}, 0.45: {3, 0}, 0.75: {3, 0, 2}, 0.95: {3, 0, 2, 1}}
+    for top_p, nucleus in cases.items():
+        picks = Counter(
+            sample(logits, temperature=1.0, seed=s, position=9, top_p=top_p).token_id for s in SEEDS
+        )
+        assert set(picks) == nucleus, (top_p, picks)
+    # In proportion within the nucleus: of {3, 0}, token 3 is drawn 4 times in 7 (229 of 400).
+    picks = Counter(
+        sample(logits, temperature=1.0, seed=s, position=9, top_p=0.5).token_id for s in SEEDS
+    )
+    assert 190 <= picks[3] <= 270, picks
+
+
+def test_top_p_one_draws_exactly_what_the_sampler_without_it_draws() -> None:
+    logits = torch.randn(259, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    for s in range(100):
+        plain = sample(logits, temperature=0.8, seed=s, position=s)
+        assert sample(logits, temperature=0.8, seed=s, position=s, top_p=1.0) == plain
+        # What the sampler drew before top_p existed: one draw from the whole softmax.
+        probs = torch.softmax(logits / 0.8, dim=-1)
+        gen = torch.Generator().manual_seed(_sampler_seed(s, s))
+        assert plain.token_id == int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _sampler_seed(seed: int, position: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.1, 1.5, math.nan, math.inf])
+def test_a_top_p_outside_zero_to_one_is_refused_naming_it(top_p: float) -> None:
+    logits = torch.zeros(8, dtype=torch.float64)
+    for temperature in (0.0, 1.0):  # greedy ignores top_p, but not a bad one
+        with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got "):
+            sample(logits, temperature=temperature, seed=0, position=0, top_p=top_p)
 
 
 def test_the_tokenizer_round_trips_text_and_skips_specials() -> None:

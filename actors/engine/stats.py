@@ -1,0 +1,63 @@
+"""The engine's :class:`Stats` for the clients that ask for them (``Hello.stats``).
+
+Read from the scheduler (requests, preemptions, steps, pools, cache hits), the ledger
+(ops complete and in flight per lane) and the engine's count of bytes moved; the
+ClientHub holds and sends them. Reads only; engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ringfence.actors.engine.ledger import Ledger
+from ringfence.actors.protocol.client import Stats
+from ringfence.cache.fences import Lane
+from ringfence.sched.config import POLICIES
+from ringfence.sched.scheduler import Scheduler
+
+LANES = tuple(str(lane) for lane in Lane)  # "step", "swap", "store"
+BYTES = ("swap_out", "swap_in", "store_write", "store_read")  # "<lane>_<direction>"
+POOLS = ("device", "host")
+HIT_TIERS = ("device", "host", "storage")
+
+
+def no_stats() -> Stats:
+    """What the engine reports before its scheduler began: every figure zero."""
+    zeros = dict.fromkeys
+    return Stats(
+        incarnation=0,
+        began=False,
+        running=0,
+        waiting=0,
+        steps=0,
+        preemptions=zeros(POLICIES, 0),
+        ops=zeros(LANES, 0),
+        bytes=zeros(BYTES, 0),
+        in_flight=zeros(LANES, 0),
+        blocks_used=zeros(POOLS, 0),
+        blocks_total=zeros(POOLS, 0),
+        hit_tokens=zeros(HIT_TIERS, 0),
+    )
+
+
+def stats_of(scheduler: Scheduler, ledger: Ledger, moved: Mapping[str, int]) -> Stats:
+    """The figures now; ``moved``: bytes copied per "<lane>_<direction>" (Engine.bytes).
+
+    ``incarnation`` is 0: the hub stamps each client's copy with its own.
+    """
+    c = scheduler.counters
+    pools = {"device": scheduler.blocks.device, "host": scheduler.blocks.host}
+    return Stats(
+        incarnation=0,
+        began=True,
+        running=scheduler.num_running,
+        waiting=scheduler.num_waiting,
+        steps=c.steps,
+        preemptions={policy: c.preemptions[policy] for policy in POLICIES},
+        ops={str(lane): ledger.num_completed(lane) for lane in Lane},
+        bytes={name: moved.get(name, 0) for name in BYTES},
+        in_flight={str(lane): ledger.in_flight(lane) for lane in Lane},
+        blocks_used={tier: pool.num_used for tier, pool in pools.items()},
+        blocks_total={tier: pool.num_blocks for tier, pool in pools.items()},
+        hit_tokens={tier: c.hit_tokens[tier] for tier in HIT_TIERS},
+    )

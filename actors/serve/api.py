@@ -1,0 +1,180 @@
+"""The OpenAI request bodies the front end accepts, as pydantic models (its OpenAPI schema).
+
+Every field a client may send is declared; any other field is an error naming it
+(``extra="forbid"``), because a knob silently ignored is a wrong answer served with
+HTTP 200. Fields of the OpenAI API this server does not implement are declared too, with
+the one value it honours (``n`` = 1, ``echo`` = false...), so that a request asking for
+more is refused by name (:func:`check_unsupported`) rather than as an unknown field.
+vLLM's extensions that its users rely on are here as well: ``return_token_ids``,
+``stop_token_ids``, ``ignore_eos``... each documented in its field.
+
+The error body is OpenAI's: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ringfence.shm.errors import RingfenceError
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+Seed = Annotated[int, Field(ge=0, lt=1 << 63)]
+Stop = str | list[str] | None
+
+
+class ApiError(RingfenceError, ValueError):
+    """A request the server answers with an error status and OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param  # the request field at fault, dotted ("messages.0.content")
+        self.status = status
+        self.kind = kind
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, param=self.param, kind=self.kind, code=self.code)
+
+
+def error_body(
+    message: str, *, param: str | None = None, kind: str = "invalid_request_error",
+    code: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx answer of the API."""
+
+    error: ErrorDetail
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a last chunk with the usage (and no choices)
+
+
+class _Sampling(BaseModel):
+    """The fields completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # the served model's name (GET /v1/models); omitted: that one
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: Seed | None = None  # None: a fresh seed per request
+    stop: Stop = None  # up to 16 strings; the output ends before the first one produced
+    stop_token_ids: TokenIds | None = None  # vLLM: ids that end the output (kept in it)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # vLLM: choices carry token_ids, and prompt_token_ids
+    user: str | None = None  # accepted, not used
+    # Not implemented beyond the default; any other value is refused by name.
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    ignore_eos: bool = False  # vLLM: generate past the stop ids (not supported)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: str | TokenIds | list[str] | list[TokenIds]  # one prompt (a list holds one)
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # None: up to the model's length
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # templates may read other keys (name, ...)
+
+    role: Annotated[str, Field(min_length=1)]
+    content: str | list[TextPart] | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the model's length
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    top_logprobs: int | None = None
+
+
+# field -> (the value honoured, how to say it)
+_UNSUPPORTED: dict[str, tuple[object, str]] = {
+    "n": (1, "only n = 1 is supported"),
+    "presence_penalty": (0.0, "penalties are not supported: only 0"),
+    "frequency_penalty": (0.0, "penalties are not supported: only 0"),
+    "logprobs": (None, "log probabilities are not supported"),
+    "ignore_eos": (False, "ignore_eos is not supported"),
+    "echo": (False, "echo is not supported"),
+    "best_of": (None, "best_of is not supported"),
+    "suffix": (None, "suffix is not supported"),
+    "tools": (None, "tools are not supported"),
+    "tool_choice": (None, "tool_choice is not supported"),
+    "top_logprobs": (None, "log probabilities are not supported"),
+}
+
+
+def check_unsupported(request: _Sampling) -> None:
+    """ApiError naming the first field set to something this server does not do."""
+    for name, (honoured, why) in _UNSUPPORTED.items():
+        value = getattr(request, name, honoured)
+        if name == "best_of" and value == 1:
+            continue
+        if name == "logprobs" and value in (False, 0):
+            continue
+        if value != honoured and not (name == "tools" and value == []):
+            raise ApiError(f"{name}: {why}, got {value!r}", param=name)
+    if request.logit_bias:
+        raise ApiError("logit_bias: not supported", param="logit_bias")
+    stops = stop_strings(request.stop)
+    if len(stops) > 16:
+        raise ApiError(f"stop: at most 16 strings, got {len(stops)}", param="stop")
+
+
+def stop_strings(stop: Stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)

@@ -1,0 +1,222 @@
+"""The front-end actor: an HTTP server (uvicorn, its own thread) in front of the engine.
+
+The actor is one client of the engine, on its own pair of rings (channels ``frontend ->
+engine`` and back, the client protocol), so HTTP concurrency is bounded by
+``server.max_pending``, not by client slots. Its thread alone writes the ring to the
+engine: the HTTP side posts ``Submit`` and ``Abort`` to the actor's local inbox
+(:mod:`.gateway`), and the handlers below forward them. The engine's output comes back on
+the ring and is handed to the event loop, one request's stream each.
+
+The engine is watched like the shm client watches it: the process that wrote its
+``ready`` watermark when a request was sent must still be the writer and alive. When it
+is not (the engine died or was replaced), every request in the engine is lost: each of
+their streams ends with an error, and the next engine hears a new Hello. A Worker that
+restarts loses nothing here: the engine recomputes its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from ringfence.actors.config import Config
+from ringfence.actors.protocol.client import (
+    CLIENT_TO_ENGINE,
+    Abort,
+    Hello,
+    Rejected,
+    Stats,
+    Submit,
+    Tokens,
+)
+from ringfence.actors.serve.gateway import Gateway, Handoff, Lost
+from ringfence.actors.serve.health import Liveness
+from ringfence.actors.serve.prompts import Prompter
+from ringfence.runtime.actor import Actor, handles
+from ringfence.runtime.control import InstanceControl
+from ringfence.runtime.manifest import read_manifest
+from ringfence.runtime.messages import Failed, Tick
+from ringfence.shm.counter import CounterBlock
+from ringfence.shm.errors import ActorDead
+from ringfence.shm.liveness import ProcessStamp
+
+ENGINE = "engine"
+HTTP = "http"  # the peer name of the local inbox the event loop posts to
+STOP_TIMEOUT_S = 5.0  # how long on_stop waits for the HTTP thread to end
+LISTENING = "ringfence serve: listening on http://{host}:{port} (front end pid {pid})"
+READY = "ringfence serve: ready"
+
+
+class FrontEnd(Actor):
+    """See the module docstring. Handlers run in the actor's thread."""
+
+    config_section = ""
+    tick_s = 0.2  # how soon a dead engine's requests are reported lost
+
+    def on_start(self) -> None:
+        config = self.ctx.config
+        assert isinstance(config, Config) and self.ctx.run_dir is not None
+        self.config = config
+        manifest = read_manifest(self.ctx.run_dir)
+        self.block = CounterBlock.attach(manifest.control)
+        required = [
+            e for e in manifest.instances if e.attach == "required" and e.id != self.ctx.instance
+        ]
+        self.liveness = Liveness(self.block, required)
+        self.engine_ready = InstanceControl.of(self.block, manifest.instance(ENGINE, 0).index).ready
+        self.engine: ProcessStamp | None = None  # the engine our requests are in
+        self.in_engine: set[str] = set()  # request ids sent and not finished
+        self.announced_ready = False
+        self.stats: Stats | None = None  # the engine's latest (Hello.stats asks for them)
+        self.started_at = time.time()
+        self.prompter = Prompter(config)
+        self.inbox = self.local_inbox(HTTP, CLIENT_TO_ENGINE)
+        settings = config.server
+        sock = bind(settings.host, settings.port)  # an address in use fails the start here
+        self.loop = asyncio.new_event_loop()
+        self.gateway = Gateway(
+            self.inbox.post,
+            max_pending=settings.max_pending,
+            retry_after_s=settings.retry_after_s,
+            engine_up=self.engine_down_reason,
+        )
+        self.handoff = Handoff(self.loop, self.gateway.deliver)
+        # Imported here: the HTTP stack is for this actor only.
+        from ringfence.actors.serve.app import build_app
+        from ringfence.actors.serve.server import HttpThread
+
+        app = build_app(self, config)
+        self.http = HttpThread(app, sock, self.loop)
+        self.http.start()
+        host, port = sock.getsockname()[:2]
+        self.address = (host, port)
+        print(LISTENING.format(host=host, port=port, pid=_pid()), flush=True)
+        self.log.info("server.listening", host=host, port=port)
+        self.hello()
+
+    def on_stop(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.gateway.lose_all, "the server is stopping")
+        except RuntimeError:
+            pass  # the loop already closed
+        self.http.stop(STOP_TIMEOUT_S)
+        self.block.close()
+
+    # The engine.
+
+    def hello(self) -> None:
+        self.engine = self.engine_ready.writer()
+        self.stats = None  # until this engine sends its own
+        hello = Hello(incarnation=self.ctx.incarnation, pid=_pid(), start_ticks=_ticks(), stats=True)
+        self.send(ENGINE, hello)
+
+    def engine_down_reason(self) -> str:
+        """"" when the engine takes requests; else why not (any thread)."""
+        if not self.liveness.live(f"{ENGINE}-0"):
+            return "the engine is not running (starting or restarting)"
+        if self.stats is None or not self.stats.began:
+            return "the engine is starting: its executors have not all answered yet"
+        return ""
+
+    def health(self) -> list[str]:
+        """What is down now ([] = healthy): instances, and "engine-0 (starting)" while the
+        engine is up but not serving yet. Any thread."""
+        down = self.liveness.down()
+        if not down and (self.stats is None or not self.stats.began):
+            down.append(f"{ENGINE}-0 (starting)")
+        return down
+
+    def _engine_changed(self) -> bool:
+        writer = self.engine_ready.writer()
+        return writer != self.engine or writer is None or not writer.is_alive()
+
+    # Requests from the event loop (local inbox) and output from the engine (ring).
+
+    @handles(Submit)
+    def on_submit(self, msg: Submit) -> None:
+        if self._engine_changed():
+            self._lose_all("the engine restarted; the request was not run")
+            if not self.liveness.live(f"{ENGINE}-0"):
+                self.handoff.put(Lost(request_id=msg.request_id, error="the engine is down"))
+                return
+            self.hello()
+        try:
+            self.send(ENGINE, msg, timeout=0)
+        except ActorDead:
+            self.handoff.put(Lost(request_id=msg.request_id, error="the engine is down"))
+            return
+        self.in_engine.add(msg.request_id)
+
+    @handles(Abort)
+    def on_abort(self, msg: Abort) -> None:
+        if msg.request_id in self.in_engine:
+            self.send(ENGINE, msg, timeout=0)
+
+    @handles(Tokens)
+    def on_tokens(self, msg: Tokens) -> None:
+        if msg.incarnation not in (0, self.ctx.incarnation):
+            return  # meant for this front end's previous process
+        if msg.finish_reason:
+            self.in_engine.discard(msg.request_id)
+        self.handoff.put(msg)
+
+    @handles(Rejected)
+    def on_rejected(self, msg: Rejected) -> None:
+        if msg.incarnation not in (0, self.ctx.incarnation):
+            return
+        self.in_engine.discard(msg.request_id)
+        self.handoff.put(msg)
+
+    @handles(Stats)
+    def on_stats(self, msg: Stats) -> None:
+        if msg.incarnation in (0, self.ctx.incarnation):
+            self.stats = msg  # read by /metrics and the engine's readiness, any thread
+
+    def handle_failed(self, msg: Failed) -> None:
+        super().handle_failed(msg)  # logged; the Submit it names is lost at the engine
+        self.log.error("server.engine_refused", seq=msg.seq, error=msg.error, message=msg.message)
+
+    @handles(Tick)
+    def on_tick(self, msg: Tick) -> None:
+        if self.in_engine and self._engine_changed():
+            self._lose_all("the engine died or restarted while running it")
+        down = self.health()
+        if not self.liveness.down() and self.engine != self.engine_ready.writer():
+            self.hello()  # a new engine serves: announce ourselves before any request
+        if not down and not self.announced_ready:
+            self.announced_ready = True
+            print(READY, flush=True)
+            self.log.info("server.ready")
+
+    def _lose_all(self, error: str) -> None:
+        lost, self.in_engine = self.in_engine, set()
+        for request_id in sorted(lost):
+            self.handoff.put(Lost(request_id=request_id, error=error))
+        if lost:
+            self.log.warning("server.requests_lost", requests=len(lost), error=error)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; OSError naming the address if it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            e.errno, f"server.host/server.port: cannot listen on {host}:{port}: {e.strerror}"
+        ) from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def _pid() -> int:
+    return ProcessStamp.current().pid
+
+
+def _ticks() -> int:
+    return ProcessStamp.current().start_ticks

@@ -1,0 +1,131 @@
+"""Prompts of API requests as token ids, checked against the model before they reach the engine.
+
+The front end tokenizes (and renders chats) itself, so that it can answer a prompt that is
+empty, too long for the model or holds ids past its vocabulary with a 400 naming the field,
+count the prompt's tokens for ``usage``, and send the engine ids only. The presets have no
+chat template of their own; they get :data:`PRESET_TEMPLATE`, a plain one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ringfence.actors.config import Config
+from ringfence.actors.engine.scheduling import max_model_len
+from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
+from ringfence.actors.model.identity import model_shape
+from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from ringfence.actors.serve.api import ApiError, ChatMessage
+
+PRESET_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A checked prompt: its ids, and how many tokens the output may have."""
+
+    token_ids: tuple[int, ...]
+    max_tokens: int
+
+
+class Prompter:
+    """The model's tokenizer, chat template and limits. Immutable; threads may share it."""
+
+    def __init__(self, config: Config) -> None:
+        shape = model_shape(config.model)
+        self.vocab_size = shape.vocab_size
+        self.max_model_len = max_model_len(config, shape.max_position)
+        path = config.model.path
+        tokenizer: Tokenizer | None = load_tokenizer(path) if path else None
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        if path:
+            try:
+                self.template: ChatTemplate | None = ChatTemplate.from_checkpoint(path)
+            except ChatTemplateError:
+                self.template = None  # chats are refused, naming the checkpoint
+        else:
+            self.template = ChatTemplate(
+                PRESET_TEMPLATE, origin="the presets' built-in chat template", variables={}
+            )
+        self.model_path = path
+        self.model_name = config.server.model_name or (
+            Path(path).name if path else f"ringfence-{config.model.preset}"
+        )
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def completion(self, prompt: object, max_tokens: int | None) -> Prompt:
+        """The ids of a completions ``prompt``: a string, ids, or a list of one of them."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(
+                    f"prompt: one prompt per request is supported, got a list of {len(prompt)}",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            assert isinstance(prompt, list)
+            ids = prompt
+        return self._checked("prompt", tuple(ids), max_tokens, "max_tokens")
+
+    def chat(self, messages: Sequence[ChatMessage], max_tokens: int | None, field: str) -> Prompt:
+        """The ids of a chat, rendered through the chat template with the assistant's turn
+        opened. ``field`` names the max-tokens field the client used."""
+        if self.template is None:
+            raise ApiError(
+                f"messages: the model at {self.model_path} has no chat template "
+                "(use /v1/completions)",
+                param="messages",
+            )
+        chat: list[dict[str, Any]] = []
+        for message in messages:
+            plain = message.model_dump(exclude_none=True)
+            content = message.content
+            if isinstance(content, list):
+                plain["content"] = "".join(part.text for part in content)
+            elif content is None:
+                plain["content"] = ""
+            chat.append(plain)
+        try:
+            ids = self.template.encode(self.tokenizer, chat, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise ApiError(f"messages: {e}", param="messages") from None
+        return self._checked("messages", tuple(ids), max_tokens, field)
+
+    def _checked(
+        self, field: str, ids: tuple[int, ...], max_tokens: int | None, max_field: str
+    ) -> Prompt:
+        if not ids:
+            raise ApiError(f"{field}: the prompt is empty", param=field)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(
+                f"{field}: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
+                param=field,
+            )
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ApiError(
+                f"{field}: the prompt has {len(ids)} tokens; this model's maximum context "
+                f"length is {self.max_model_len} (sched.max_model_len), prompt and output",
+                param=field,
+            )
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise ApiError(
+                f"{max_field}: {max_tokens} output tokens after a {len(ids)}-token prompt pass "
+                f"this model's maximum context length of {self.max_model_len} "
+                "(sched.max_model_len)",
+                param=max_field,
+            )
+        return Prompt(ids, max_tokens)

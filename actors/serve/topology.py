@@ -1,0 +1,51 @@
+"""The topology of ``ringfence serve``: the engine's (``actors/engine/topology.py``) plus the
+``frontend`` actor, the HTTP server, on its own pair of rings to the engine.
+
+The front end stops first (the supervisor stops actors in topology order): it answers the
+requests it holds before the engine that runs them goes away.
+"""
+
+from __future__ import annotations
+
+from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS
+from ringfence.actors.config import Config
+from ringfence.actors.topology import FencedTopology
+from ringfence.runtime.topology import ActorSpec, ChannelSpec
+
+FRONTEND = "frontend"
+_PROTO = "ringfence.actors.protocol.client"
+FRONTEND_ACTOR = ActorSpec(name=FRONTEND, target="ringfence.actors.serve.frontend:FrontEnd")
+FRONTEND_CHANNELS = (
+    ChannelSpec(src=FRONTEND, dst="engine", protocol=f"{_PROTO}:CLIENT_TO_ENGINE"),
+    ChannelSpec(src="engine", dst=FRONTEND, protocol=f"{_PROTO}:ENGINE_TO_CLIENT"),
+)
+
+TOPOLOGY = FencedTopology(
+    engine="ringfence.actors.engine.actor:Engine",
+    before=(FRONTEND_ACTOR, CLIENT_ACTOR),
+    channels=(*FRONTEND_CHANNELS, *CLIENT_CHANNELS),
+    preflight=(
+        "ringfence.actors.engine.scheduling:check_limits",
+        f"{__name__}:check_server",
+    ),
+)
+
+
+def check_server(config: Config) -> None:
+    """``ringfence serve``'s checks before a run exists (ValueError naming the keys): the
+    engine must accept every request the front end may hold, and it runs no workload."""
+    if config.engine.workload:
+        raise ValueError(
+            f"engine.workload is {config.engine.workload!r}: ringfence serve takes requests over "
+            "HTTP; run a workload with ringfence launch --workload"
+        )
+    if config.server.max_pending > config.engine.max_requests_per_client:
+        raise ValueError(
+            f"server.max_pending ({config.server.max_pending}) is more than "
+            f"engine.max_requests_per_client ({config.engine.max_requests_per_client}), the "
+            "requests the engine takes from one client: raise the second or lower the first"
+        )
+    # The front end tokenizes prompts and renders chats itself: its tokenizer must load.
+    from ringfence.actors.serve.prompts import Prompter
+
+    Prompter(config)
