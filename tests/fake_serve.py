@@ -9,7 +9,7 @@ knows every token before it asks. Some seeds misbehave on purpose (see ``SEED_*`
 
 Run as a script (``python fake_serve.py serve --run-dir D --host H --port P [--set
 K=V ...]``) it listens on H:P, prints ``ringfence serve``'s listening line with its own
-pid as the front end's, and exits 0 on SIGINT, as the real command does.
+pid as the front end's and its ready line, and exits 0 on SIGINT, as the real command does.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     # requests in flight, then re-raises the signal; one before it started is a stop too).
     with contextlib.suppress(KeyboardInterrupt):
         print(f"ringfence serve: listening on http://{host}:{port} (front end pid {os.getpid()})")
-        sys.stdout.flush()
+        print("ringfence serve: ready", flush=True)
         server.run(sockets=[sock])
     return 0
 

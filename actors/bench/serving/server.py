@@ -10,8 +10,8 @@ Contract:
   names are unlinked afterwards, and the names that had to be unlinked are reported (a
   clean stop leaves none).
 * A reader thread copies the server's output, line by line, into ``<run_dir>.out`` (so the
-  pipe never fills) and hands the listening line to :meth:`Served.__init__`, which waits
-  for it ``start_timeout`` seconds at most.
+  pipe never fills) and hands the listening and ready lines to :meth:`Served.__init__`,
+  which waits for both ``start_timeout`` seconds at most.
 
 Standard library only.
 """
@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -38,6 +39,8 @@ from ringfence.shm import names
 
 # ``ringfence serve: listening on http://HOST:PORT (front end pid N)``
 LISTENING = re.compile(r"listening on (?P<url>https?://\S+?) \(front end pid (?P<pid>\d+)\)")
+# Printed once every actor is live: before it, a request may be answered 503 (starting).
+READY = re.compile(r"^ringfence serve: ready$")
 TAIL_LINES = 10  # lines of the server's output a RunError quotes
 STOP_S = 60.0  # how long a stopped server may take to exit before it is killed
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -62,27 +65,43 @@ def cpu_seconds(pid: int) -> float:
 
 
 def _copy_lines(source: IO[bytes], out_path: Path, found: queue.Queue[str | None]) -> None:
-    """Copy ``source`` into ``out_path``; put the first listening line on ``found``, and
-    None once ``source`` ends (the server exited) if none came."""
-    listening = False
+    """Copy ``source`` into ``out_path``; put each listening or ready line on ``found``,
+    and None once ``source`` ends (the server exited)."""
     with out_path.open("wb") as out:
         for raw in source:
             out.write(raw)
             out.flush()
-            if not listening and LISTENING.search(raw.decode(errors="replace")):
-                listening = True
-                found.put(raw.decode(errors="replace"))
-    if not listening:
-        found.put(None)
+            line = raw.decode(errors="replace").rstrip("\n")
+            if LISTENING.search(line) or READY.search(line):
+                found.put(line)
+    found.put(None)
+
+
+def _wait_ready(found: queue.Queue[str | None], timeout: float) -> re.Match[str] | bool:
+    """The listening line's match once the ready line came too; else whether the server's
+    output ended (True) or ``timeout`` seconds passed first (False)."""
+    deadline = time.monotonic() + timeout
+    listening = None
+    while True:
+        try:
+            line = found.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            return False
+        if line is None:
+            return True
+        listening = listening or LISTENING.search(line)
+        if listening is not None and READY.search(line):
+            return listening
 
 
 class Served:
     """One ``ringfence serve`` into ``run_dir`` on ``settings`` (``--set`` overrides), on a
-    free port of 127.0.0.1, started in its own session; returns once it listens.
+    free port of 127.0.0.1, started in its own session; returns once it has printed its
+    listening line and then ``ringfence serve: ready`` (every actor live).
 
     ``url`` is its base URL and ``frontend_pid`` its front end's pid, both from the
     listening line. :class:`RunError` with the tail of its output when it exits first or
-    prints no listening line within ``start_timeout`` seconds (it is then stopped).
+    is not ready within ``start_timeout`` seconds (it is then stopped).
     """
 
     __slots__ = ("frontend_pid", "out_path", "proc", "reader", "run_dir", "url")
@@ -117,18 +136,11 @@ class Served:
             target=_copy_lines, args=(self.proc.stdout, self.out_path, found), daemon=True
         )
         self.reader.start()
-        try:
-            line = found.get(timeout=start_timeout)
-        except queue.Empty:
-            line = None
-        match = LISTENING.search(line) if line is not None else None
-        if match is None:
-            self.stop(deadline_s=start_timeout)
-            waited = "exited" if self.proc.returncode is not None else "did not listen"
-            raise RunError(
-                f"ringfence serve {waited} (status {self.proc.returncode}) within "
-                f"{start_timeout:g} s:\n{self.tail()}"
-            )
+        match = _wait_ready(found, start_timeout)
+        if not isinstance(match, re.Match):
+            self.stop(deadline_s=start_timeout)  # an ended output: it is exiting, or has
+            what = f"exited (status {self.proc.returncode})" if match else "was not ready"
+            raise RunError(f"ringfence serve {what} within {start_timeout:g} s:\n{self.tail()}")
         self.url = match["url"]
         self.frontend_pid = int(match["pid"])
 

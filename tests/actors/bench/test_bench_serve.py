@@ -95,8 +95,18 @@ def test_a_server_that_exits_before_listening_is_a_run_error_with_its_output(
 ) -> None:
     command = [sys.executable, "-c", "print('no model here'); raise SystemExit(2)"]
     monkeypatch.setattr(launcher, "ringfence_command", lambda: command)
-    with pytest.raises(launcher.RunError, match=r"(?s)exited \(status 2\).*no model here"):
+    with pytest.raises(launcher.RunError, match=r"(?s)exited \(status 2\) within 30 s:.*no model"):
         Served(tmp_path / "run", [], start_timeout=30.0)
+
+
+def test_a_server_that_listens_but_is_never_ready_is_stopped_at_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    line = "ringfence serve: listening on http://h:1 (front end pid {os.getpid()})"
+    script = f"import os, time; print(f'{line}', flush=True); time.sleep(60)"
+    monkeypatch.setattr(launcher, "ringfence_command", lambda: [sys.executable, "-c", script])
+    with pytest.raises(launcher.RunError, match="was not ready within 2 s"):
+        Served(tmp_path / "run", [], start_timeout=2.0)
 
 
 def test_a_stopped_fake_server_exits_and_its_front_end_cpu_was_readable(
