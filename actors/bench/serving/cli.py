@@ -18,8 +18,9 @@ per-token times, so no ITL), request and output-token throughput over the busy p
 and the serve/launch ratios of TTFT p50 (above 1: serving's first tokens come later)
 and of output-token throughput (below 1: serving is slower), with the share of requests
 whose output tokens are the same on both sides. Last, the front end's own CPU: a burst
-of ``--burst`` streams at once on a fresh server, with ``/proc/PID/stat`` of the front
-end process read before and after: CPU seconds per second and per output token.
+of ``--burst`` streams at once (short unique prompts) on a fresh server, with
+``/proc/PID/stat`` of the front end process read before and after: CPU seconds per
+second and per output token.
 
 A server or launch that fails to start or exit, or a request that fails, is an error
 (exit status 1) after the table, JSON and plot are written.
@@ -48,9 +49,12 @@ from ringfence.actors.bench.serving.stats import parse_rate, poisson_arrivals, r
 WORKLOADS = ("chat", "unique")
 DEFAULT_SETTINGS = ("model.preset=small",)  # the main job's; --set comes after and wins
 DEFAULT_RATES = "1,inf"
-DEFAULT_REQUESTS = 12  # chat: 3 users, 4 rounds each
+DEFAULT_REQUESTS = 8  # chat: 2 users, 4 rounds each
 BURST_STREAMS = 64
 BURST_TOKENS = 32
+# The burst's prompts: the first tokens of unique's (each its own head), short so that the
+# streams spend the burst streaming, which is the front end's work, not waiting for prefill.
+BURST_PROMPT_TOKENS = 32
 START_S = 180.0  # a server's start-up (four processes importing torch, the model built)
 
 
@@ -209,8 +213,10 @@ def launch_side(
 def burst(
     settings: Sequence[str], streams: int, tokens: int, folder: Path, timeout: float
 ) -> dict[str, Any]:
-    """``streams`` unique prompts streamed at once from a fresh server (max_tokens
-    ``tokens``): the front end's CPU seconds over the burst, per second and per token."""
+    """``streams`` unique prompts of BURST_PROMPT_TOKENS tokens streamed at once from a
+    fresh server (max_tokens ``tokens``): the front end's CPU seconds over the burst (from
+    just before the first request to just after the last stream ended), per second and
+    per output token."""
     from ringfence.actors.bench.serving.client import run_load, served_model
     from ringfence.actors.bench.serving.server import Served
     from ringfence.actors.bench.serving.stats import busy_period, summarize
@@ -218,7 +224,7 @@ def burst(
     requests = [
         LoadRequest(
             id=r.id,
-            prompt_token_ids=r.prompt_token_ids,
+            prompt_token_ids=r.prompt_token_ids[:BURST_PROMPT_TOKENS],
             max_tokens=tokens,
             arrival_s=0.0,
             seed=r.seed,

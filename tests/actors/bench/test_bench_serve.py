@@ -137,3 +137,30 @@ def test_bad_options_are_refused_naming_the_option(capsys: pytest.CaptureFixture
     ):
         assert cli.main(["bench", "serve", *argv]) == 2
         assert name in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_tiny_bench_against_the_real_server_matches_the_launch_token_for_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--workloads", "unique", "--rates", "inf", "--requests", "3"]
+    argv += ["--burst", "4", "--burst-tokens", "4", "--set", "model.preset=tiny"]
+    assert cli.main([*argv, "--json", str(path)]) == 0, capsys.readouterr().err
+    result = orjson.loads(path.read_bytes())
+    (row,) = result["rows"]
+    assert (
+        row["serve"]["requests"]
+        == row["launch"]["requests"]
+        == {
+            "total": 3,
+            "finished": 3,
+            "failed": 0,
+        }
+    )
+    assert row["serve"]["output_tokens"] == row["launch"]["output_tokens"] > 0
+    assert row["tokens_match"] == 1.0  # greedy, the same model: the same tokens
+    assert row["ratios"]["ttft_p50"] > 0 and row["ratios"]["output_tokens_per_s"] > 0
+    assert row["serve"]["leaked_names"] == [] and result["burst"]["leaked_names"] == []
+    assert result["burst"]["output_tokens"] == 16
+    assert result["burst"]["frontend_cpu_s"] > 0
