@@ -129,6 +129,18 @@ def test_cpu_seconds_reads_utime_and_stime_of_a_process() -> None:
     assert cpu_seconds(os.getpid()) > before
 
 
+def test_failed_requests_and_leaked_names_are_failures_of_the_run() -> None:
+    ok = {"requests": {"failed": 0}, "errors": [], "leaked_names": []}
+    bad = {"requests": {"failed": 2}, "errors": ["HTTP 503: starting"], "leaked_names": []}
+    leaky = {**ok, "leaked_names": ["/rf_ab12_engine"]}
+    rows = [{"workload": "chat", "rate": "inf", "serve": bad, "launch": ok}]
+    assert report.failures({"rows": rows, "burst": leaky}) == [
+        "chat @ inf/s serve: 2 request(s) failed: ['HTTP 503: starting']",
+        "burst: the server left ['/rf_ab12_engine'] in /dev/shm",
+    ]
+    assert report.failures({"rows": [{**rows[0], "serve": ok}], "burst": None}) == []
+
+
 def test_bad_options_are_refused_naming_the_option(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, name in (
         (["--rates", "0"], "--rates"),
