@@ -3,17 +3,21 @@
 :class:`EchoEngine` answers each request with its prompt tokens reversed (a text
 prompt's tokens are its UTF-8 bytes), cycled, one token per request per tick,
 until ``max_tokens`` ("length") or a stop token ("stop"). Prompt token REFUSED is
-rejected through the hub; prompt token EXPLODE makes the Submit handler raise.
+rejected through the hub; prompt token EXPLODE makes the Submit handler raise. A client
+whose Hello asks for Stats gets one then and on every tick: began, ``steps`` the ticks
+so far, ``running`` its requests running, every other figure zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS, Client
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
-from ringfence.actors.protocol.client import Abort, Hello, Submit
+from ringfence.actors.engine.stats import no_stats
+from ringfence.actors.protocol.client import Abort, Hello, Stats, Submit
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.runtime.topology import ActorSpec, Topology
@@ -41,11 +45,21 @@ class EchoEngine(Actor):
     def on_start(self) -> None:
         self.hub = ClientHub(lambda to, m: self.send(to, m, timeout=0), self.log)
         self.running: dict[RequestKey, tuple[Submit, list[int]]] = {}  # key -> request, output
+        self.ticks = 0
+
+    def stats(self) -> Stats:
+        return dataclasses.replace(
+            no_stats(), began=True, steps=self.ticks, running=len(self.running)
+        )
 
     @handles(Hello)
     def on_hello(self, msg: Hello) -> None:
-        for key in self.hub.hello(self._peer(), msg):
+        peer = self._peer()
+        for key in self.hub.hello(peer, msg):
             self.running.pop(key, None)
+        if msg.stats:
+            self.hub.post_stats(self.stats(), peer)
+            self.hub.flush()
 
     @handles(Submit)
     def on_submit(self, msg: Submit) -> None:
@@ -75,8 +89,11 @@ class EchoEngine(Actor):
 
     @handles(Tick)
     def on_tick(self, msg: Tick) -> None:
+        self.ticks += 1
         for key in self.hub.stuck_or_dead():
             self.running.pop(key, None)
+        if self.hub.watching():
+            self.hub.post_stats(self.stats())
         for key, (submit, output) in list(self.running.items()):
             done = submit.max_tokens - len(output)
             token = output.pop(0)

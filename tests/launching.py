@@ -52,7 +52,7 @@ EXIT_TIMEOUT_S = 30.0
 
 # Settings that keep a launched run quick to start, watch and stop in a test.
 QUICK = ("runtime.heartbeat_s=0.1", "runtime.stop_timeout_s=5.0")
-_RUN_LINE = re.compile(r"^ringfence launch: run ([a-z0-9]+) in ", re.MULTILINE)
+_RUN_LINE = re.compile(r"^ringfence (?:launch|serve): run ([a-z0-9]+) in ", re.MULTILINE)
 
 
 def launch_env(mark: str | None = None) -> dict[str, str]:
@@ -301,8 +301,11 @@ def launched(
     *sets: str,
     run_dir: Path | None = None,
     config: Path | None = None,
+    command: tuple[str, ...] = ("launch",),
 ) -> Iterator[Launch]:
     """Start ``ringfence launch --set S ...`` in ``run_dir`` (default tmp_path/run); reap it after.
+
+    ``command`` replaces ``launch`` (``("serve", "--port", "0")``: see ``tests/serving.py``).
 
     On exit, whatever happened in the block: SIGKILL the supervisor if it still runs
     and every process carrying this launch's mark (its actors), wait for them to go,
@@ -310,11 +313,12 @@ def launched(
     """
     run_dir = run_dir or tmp_path / "run"
     mark = uuid.uuid4().hex
-    args: list[str] = [str(RINGFENCE), "launch", "--run-dir", str(run_dir)]
+    args: list[str] = [str(RINGFENCE), *command, "--run-dir", str(run_dir)]
     # These tests follow the demo pipeline unless they name a topology (the built-in
     # default is the engine's).
     named = any(s.startswith("runtime.topology=") for s in sets)
-    if not named and (config is None or "topology" not in config.read_text()):
+    own = config is not None and "topology" in config.read_text()
+    if not named and not own and command == ("launch",):
         sets = (f"runtime.topology={DEMO_TOPOLOGY}", *sets)
     if config is not None:
         args += ["--config", str(config)]

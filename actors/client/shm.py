@@ -19,6 +19,9 @@ when the process that served a request (the writer of the engine instance's
 ``ready`` watermark when it was submitted) has died or been replaced; its waiters
 then get :class:`ClientError` within a heartbeat, not at their deadline. One thread
 uses a Client at a time.
+
+A client connected with ``stats=True`` asks the engine for its :class:`Stats` in every
+Hello; the engine sends them each tick, and :meth:`Client.stats` returns the newest.
 """
 
 from __future__ import annotations
@@ -32,7 +35,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ringfence.actors.protocol.client import Abort, Hello, Rejected, Submit, Tokens, check_submit
+from ringfence.actors.protocol.client import (
+    Abort,
+    Hello,
+    Rejected,
+    Stats,
+    Submit,
+    Tokens,
+    check_submit,
+)
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.driver import Driver
@@ -47,6 +58,7 @@ from ringfence.shm.liveness import ProcessStamp
 CLIENT = "client"  # the actor name of the client slots
 ENGINE = "engine"  # the actor a client talks to
 CLIENT_SLOTS = 4
+DRAIN_ROUNDS = 64  # Client.stats handles at most this many batches of what has arrived
 CLIENT_ACTOR = ActorSpec(
     name=CLIENT, target=f"{__name__}:ClientActor", ranks=CLIENT_SLOTS, attach="optional"
 )
@@ -94,16 +106,23 @@ class ClientActor(Actor):
     """
 
     hello_timeout_s: float | None = None  # how long the Hello may wait for room; None: default
+    wants_stats = False  # whether each Hello asks the engine for its Stats
 
     def on_start(self) -> None:
         self.requests: dict[str, _Request] = {}  # by request id, until the caller took it
         self.dropped = 0  # output for requests this incarnation does not know (stale)
+        self.stats: Stats | None = None  # the newest Stats for this incarnation
         self.hello()
 
     def hello(self) -> None:
         """Announce this incarnation and process to the engine (again, after it restarted)."""
         stamp = ProcessStamp.current()
-        msg = Hello(incarnation=self.ctx.incarnation, pid=stamp.pid, start_ticks=stamp.start_ticks)
+        msg = Hello(
+            incarnation=self.ctx.incarnation,
+            pid=stamp.pid,
+            start_ticks=stamp.start_ticks,
+            stats=self.wants_stats,
+        )
         self.send(ENGINE, msg, timeout=self.hello_timeout_s)
 
     def _mine(self, request_id: str, incarnation: int) -> _Request | None:
@@ -128,6 +147,13 @@ class ClientActor(Actor):
         if msg.error:
             request.error = msg.error
         request.finish_reason = msg.finish_reason
+
+    @handles(Stats)
+    def on_stats(self, msg: Stats) -> None:
+        if msg.incarnation != self.ctx.incarnation:
+            self.dropped += 1  # meant for this slot's previous process
+            return
+        self.stats = msg
 
     @handles(Rejected)
     def on_rejected(self, msg: Rejected) -> None:
@@ -156,8 +182,11 @@ class Client:
         self.closed = False
 
     @classmethod
-    def connect(cls, run_dir: str | os.PathLike[str], *, timeout: float = 10.0) -> Client:
-        """Attach to the first free client slot of the run in ``run_dir`` and say Hello.
+    def connect(
+        cls, run_dir: str | os.PathLike[str], *, timeout: float = 10.0, stats: bool = False
+    ) -> Client:
+        """Attach to the first free client slot of the run in ``run_dir`` and say Hello
+        (asking for the engine's Stats if ``stats``; see :meth:`stats`).
 
         ``timeout`` bounds the wait for room for the Hello. ClientError if every slot is
         held by a live process; ValueError if ``run_dir`` is no run or has no slots.
@@ -177,6 +206,7 @@ class Client:
                 actor = driver.actor
                 assert isinstance(actor, ClientActor)
                 actor.hello_timeout_s = timeout
+                actor.wants_stats = stats
                 driver.start()  # on_start: the Hello
             except BaseException:
                 driver.close()
@@ -252,16 +282,49 @@ class Client:
         request_id = msg.request_id
         if request_id in self._actor.requests:
             raise ValueError(f"request id {request_id!r} is in use by an unread request")
-        engine = self._engine_ready.writer()
         try:
-            if engine != self._engine:  # a (re)started engine has not heard our Hello
-                self._actor.hello()
-                self._engine = engine
+            engine = self._hello_if_restarted()
             seq = self._actor.send(ENGINE, msg)
         except ActorDead as e:
             raise ClientError(f"the engine is gone: {e}") from e
         self._actor.requests[request_id] = _Request(engine=engine, seq=seq)
         return request_id
+
+    def _hello_if_restarted(self) -> ProcessStamp | None:
+        """Say Hello again if the engine process changed since the last; the engine now."""
+        engine = self._engine_ready.writer()
+        if engine != self._engine:  # a (re)started engine has not heard our Hello
+            self._actor.hello()
+            self._engine = engine
+        return engine
+
+    def stats(self, *, timeout: float = 0.0, fresh: bool = False) -> Stats | None:
+        """The newest :class:`Stats` the engine sent this client; None if none came yet.
+
+        Handles what has arrived first (other output is filed for its request, as
+        :meth:`stream` would), and if no Stats came yet waits up to ``timeout`` seconds
+        for one (the engine sends one right after the Hello, then every tick). With
+        ``fresh``, only a Stats handled by this call will do: it waits for the next one,
+        and returns None if none came within ``timeout``. Says Hello again to an engine
+        that restarted, so it goes on sending. ClientError if the client was connected
+        without ``stats=True``, is closed, or the engine is gone.
+        """
+        self._check_open()
+        if not self._actor.wants_stats:
+            raise ClientError(f"client {self.instance} did not ask for stats (connect(stats=True))")
+        try:
+            self._hello_if_restarted()
+        except ActorDead as e:
+            raise ClientError(f"the engine is gone: {e}") from e
+        seen = self._actor.stats if fresh else None
+        deadline = time.monotonic() + timeout
+        for _ in range(DRAIN_ROUNDS):
+            if not self._driver.poll(0):
+                break
+        while self._actor.stats is seen and (remaining := deadline - time.monotonic()) > 0:
+            self._driver.poll(remaining)
+            self._check_open()
+        return self._actor.stats if self._actor.stats is not seen else None
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to stop a request; it then ends with "abort". No-op once it ended."""
@@ -375,8 +438,11 @@ class Client:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"request {request_id!r} did not finish within {timeout}s")
+        produced = len(request.token_ids)
         self._driver.poll(remaining)  # wakes on output, and at the driver's next heartbeat
-        if request.done or request.unread:
+        # New output: the caller goes on. (Not "unread is not empty": result() never reads
+        # it, and would never see the engine gone under a request that had tokens.)
+        if request.done or len(request.token_ids) > produced:
             return
         self._check_open()
         engine = request.engine

@@ -13,7 +13,10 @@ runs a loop made of messages only:
   every op its fence names is complete, then sent with no fence);
 - a :class:`StepResult` or :class:`OpDone` is counted per rank; an op complete on every
   rank is applied to the scheduler, and tokens go to their clients or to the run's
-  records (:mod:`.outputs`); then the loop schedules again.
+  records (:mod:`.outputs`); then the loop schedules again;
+- on each Tick, and once right after a Hello that asks for them, the clients that asked
+  get the engine's :class:`Stats` (:mod:`.stats`; zeros with ``began`` False until the
+  scheduler began).
 
 Faults (DESIGN.md "Sequence numbers" on epochs and restarts):
 
@@ -47,8 +50,9 @@ from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
 from ringfence.actors.engine.outputs import Outputs
 from ringfence.actors.engine.roster import EXECUTORS, Roster
 from ringfence.actors.engine.scheduling import LoggedPresence, open_storage, sched_config
+from ringfence.actors.engine.stats import no_stats, stats_of
 from ringfence.actors.executors.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
-from ringfence.actors.protocol.client import Abort, Hello, Submit
+from ringfence.actors.protocol.client import Abort, Hello, Stats, Submit
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
 from ringfence.actors.protocol.worker import ModelInfo, StepResult, WorkerReady
@@ -264,8 +268,11 @@ class Engine(Actor):
 
     @handles(Hello)
     def on_hello(self, msg: Hello) -> None:
-        for key in self.clients.hello(self._peer(), msg):
+        peer = self._peer()
+        for key in self.clients.hello(peer, msg):
             self._abort(key, "the client attached again")
+        if msg.stats:
+            self.clients.post_stats(self.stats(), peer)
         self._flush()
 
     @handles(Submit)
@@ -389,8 +396,10 @@ class Engine(Actor):
     def on_tick(self, msg: Tick) -> None:
         for key in self.clients.stuck_or_dead():
             self._abort(key, "the client is gone or does not read its outputs")
+        if self.clients.watching():
+            self.clients.post_stats(self.stats())
         self.outputs.show_progress()
-        self._kick()
+        self._kick()  # flushes the Stats too
 
     def _flush(self) -> None:
         if self.clients.pending():
@@ -410,6 +419,12 @@ class Engine(Actor):
             "engine.workload_done", requests=len(workload), duration_s=summary["duration_s"]
         )
         self.request_shutdown(f"workload {self.config.engine.workload} done")
+
+    def stats(self) -> Stats:
+        """The engine's state now, for the clients that asked (the hub sets incarnation)."""
+        if self.scheduler is None:
+            return no_stats()
+        return stats_of(self.scheduler, self.ledger, self.bytes)
 
     def counters(self) -> dict[str, Any]:
         assert self.scheduler is not None

@@ -99,7 +99,7 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body, name)
         prompt = prompter.completion(body.prompt, body.max_tokens)
-        answer = Answer(frontend, body, prompt, "cmpl", metrics, timeout_s)
+        answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics, timeout_s=timeout_s)
         if body.stream:
             return answer.sse(answer.completion_chunks)
         return JSONResponse(await answer.whole(request, answer.completion_body))
@@ -113,7 +113,9 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
         if limit is None:
             limit, field = body.max_tokens, "max_tokens"
         prompt = prompter.chat(body.messages, limit, field)
-        answer = Answer(frontend, body, prompt, "chatcmpl", metrics, timeout_s)
+        answer = Answer(
+            frontend, body, prompt, kind="chatcmpl", metrics=metrics, timeout_s=timeout_s
+        )
         if body.stream:
             return answer.sse(answer.chat_chunks)
         return JSONResponse(await answer.whole(request, answer.chat_body))
@@ -127,7 +129,6 @@ def check_request(body: CompletionRequest | ChatCompletionRequest, name: str) ->
         raise ApiError(
             f"model: {body.model!r} is not served here; this server serves {name!r}",
             param="model",
-            status=404,
             code="model_not_found",
         )
 
@@ -146,7 +147,7 @@ def model_card(frontend: FrontEnd, name: str) -> dict[str, Any]:
         "max_model_len": frontend.prompter.max_model_len,
         "ringfence": {
             "model_id": ident,
-            "fingerprint": block_fingerprint(config, ident).hexdigest(),
+            "fingerprint": block_fingerprint(config, ident).digest().hex(),
             "block_size": config.cache.block_size,
             "tp_size": config.parallel.tp_size,
         },
@@ -177,6 +178,7 @@ class Answer:
         frontend: FrontEnd,
         body: CompletionRequest | ChatCompletionRequest,
         prompt: Prompt,
+        *,
         kind: str,
         metrics: Metrics,
         timeout_s: float,
@@ -217,7 +219,9 @@ class Answer:
         """Wait for the output (aborting it if the client disconnects); ``render`` it."""
 
         async def collect() -> tuple[str, list[int], str]:
-            text, ids, finish = [], [], "length"
+            text: list[str] = []
+            ids: list[int] = []
+            finish = "length"
             async for delta in self.generation.deltas():
                 text.append(delta.text)
                 ids.extend(delta.token_ids)

@@ -9,10 +9,12 @@ stops the instance in order and removes every shared-memory name.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 TOPOLOGY_PATH = "ringfence.actors.serve.topology:TOPOLOGY"
+STOP_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM}  # the supervisor's exit on a signal
 
 DESCRIPTION = (
     "Serve the OpenAI API over HTTP: POST /v1/completions and /v1/chat/completions "
@@ -55,6 +57,8 @@ def main(args: argparse.Namespace) -> int:
     supervisor = Supervisor(config, args.run_dir)  # the preflight runs here
     print(f"ringfence serve: run {supervisor.run_id} in {supervisor.run_dir}", flush=True)
     code = supervisor.run()
+    if code in STOP_CODES and not supervisor.failure:
+        code = 0  # a server stopped by Ctrl-C or its orchestrator's SIGTERM did its job
     if supervisor.failure:
         sys.stdout.flush()
         head, *rest = supervisor.failure

@@ -17,8 +17,10 @@ restarts loses nothing here: the engine recomputes its requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from dataclasses import dataclass
 
 from ringfence.actors.config import Config
 from ringfence.actors.protocol.client import (
@@ -48,6 +50,14 @@ LISTENING = "ringfence serve: listening on http://{host}:{port} (front end pid {
 READY = "ringfence serve: ready"
 
 
+@dataclass(slots=True)
+class _Sent:
+    """A request the front end sent the engine, as the actor follows it."""
+
+    seq: int  # the transport seq of its Submit (a Failed reply names it)
+    tokens: int = 0  # output tokens received so far
+
+
 class FrontEnd(Actor):
     """See the module docstring. Handlers run in the actor's thread."""
 
@@ -66,7 +76,7 @@ class FrontEnd(Actor):
         self.liveness = Liveness(self.block, required)
         self.engine_ready = InstanceControl.of(self.block, manifest.instance(ENGINE, 0).index).ready
         self.engine: ProcessStamp | None = None  # the engine our requests are in
-        self.in_engine: set[str] = set()  # request ids sent and not finished
+        self.in_engine: dict[str, _Sent] = {}  # by request id, until it finished
         self.announced_ready = False
         self.stats: Stats | None = None  # the engine's latest (Hello.stats asks for them)
         self.started_at = time.time()
@@ -96,10 +106,8 @@ class FrontEnd(Actor):
         self.hello()
 
     def on_stop(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop already closed
             self.loop.call_soon_threadsafe(self.gateway.lose_all, "the server is stopping")
-        except RuntimeError:
-            pass  # the loop already closed
         self.http.stop(STOP_TIMEOUT_S)
         self.block.close()
 
@@ -108,11 +116,13 @@ class FrontEnd(Actor):
     def hello(self) -> None:
         self.engine = self.engine_ready.writer()
         self.stats = None  # until this engine sends its own
-        hello = Hello(incarnation=self.ctx.incarnation, pid=_pid(), start_ticks=_ticks(), stats=True)
+        hello = Hello(
+            incarnation=self.ctx.incarnation, pid=_pid(), start_ticks=_ticks(), stats=True
+        )
         self.send(ENGINE, hello)
 
     def engine_down_reason(self) -> str:
-        """"" when the engine takes requests; else why not (any thread)."""
+        """ "" when the engine takes requests; else why not (any thread)."""
         if not self.liveness.live(f"{ENGINE}-0"):
             return "the engine is not running (starting or restarting)"
         if self.stats is None or not self.stats.began:
@@ -142,30 +152,35 @@ class FrontEnd(Actor):
                 return
             self.hello()
         try:
-            self.send(ENGINE, msg, timeout=0)
+            seq = self.send(ENGINE, msg, timeout=0)
         except ActorDead:
             self.handoff.put(Lost(request_id=msg.request_id, error="the engine is down"))
             return
-        self.in_engine.add(msg.request_id)
+        self.in_engine[msg.request_id] = _Sent(seq)
 
     @handles(Abort)
     def on_abort(self, msg: Abort) -> None:
-        if msg.request_id in self.in_engine:
+        sent = self.in_engine.get(msg.request_id)
+        if sent is not None:
             self.send(ENGINE, msg, timeout=0)
+            # With the engine's request.finish of the same request: how far it ran past this.
+            self.log.info("server.abort", request=msg.request_id, output_tokens=sent.tokens)
 
     @handles(Tokens)
     def on_tokens(self, msg: Tokens) -> None:
         if msg.incarnation not in (0, self.ctx.incarnation):
             return  # meant for this front end's previous process
         if msg.finish_reason:
-            self.in_engine.discard(msg.request_id)
+            self.in_engine.pop(msg.request_id, None)
+        elif msg.request_id in self.in_engine:
+            self.in_engine[msg.request_id].tokens += len(msg.token_ids)
         self.handoff.put(msg)
 
     @handles(Rejected)
     def on_rejected(self, msg: Rejected) -> None:
         if msg.incarnation not in (0, self.ctx.incarnation):
             return
-        self.in_engine.discard(msg.request_id)
+        self.in_engine.pop(msg.request_id, None)
         self.handoff.put(msg)
 
     @handles(Stats)
@@ -174,8 +189,12 @@ class FrontEnd(Actor):
             self.stats = msg  # read by /metrics and the engine's readiness, any thread
 
     def handle_failed(self, msg: Failed) -> None:
-        super().handle_failed(msg)  # logged; the Submit it names is lost at the engine
-        self.log.error("server.engine_refused", seq=msg.seq, error=msg.error, message=msg.message)
+        super().handle_failed(msg)  # logged
+        failed = [r for r, sent in self.in_engine.items() if sent.seq == msg.seq]
+        for request_id in failed:  # the Submit the engine's handler raised on
+            del self.in_engine[request_id]
+            error = f"the engine failed on it: {msg.error}: {msg.message}"
+            self.handoff.put(Lost(request_id=request_id, error=error))
 
     @handles(Tick)
     def on_tick(self, msg: Tick) -> None:
@@ -190,7 +209,7 @@ class FrontEnd(Actor):
             self.log.info("server.ready")
 
     def _lose_all(self, error: str) -> None:
-        lost, self.in_engine = self.in_engine, set()
+        lost, self.in_engine = self.in_engine, {}
         for request_id in sorted(lost):
             self.handoff.put(Lost(request_id=request_id, error=error))
         if lost:

@@ -18,6 +18,7 @@ client that went away still counts until the engine let go of its request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -56,10 +57,8 @@ class Handoff:
             if self._scheduled:
                 return
             self._scheduled = True
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server stopped
             self._loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed: the server stopped, nobody waits
-            pass
 
     def _drain(self) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ client stops reading (:meth:`Generation.close`, from a ``finally``).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,7 @@ class Generation:
         stream: RequestStream,
         *,
         prompt_tokens: int,
-        decode: Callable[[Sequence[int]], str],
+        decode: Callable[[Iterable[int]], str],
         stop: Sequence[str],
         metrics: Metrics,
         timeout_s: float,

@@ -8,7 +8,7 @@ chat template of their own; they get :data:`PRESET_TEMPLATE`, a plain one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ class Prompter:
             Path(path).name if path else f"ringfence-{config.model.preset}"
         )
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Iterable[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
     def completion(self, prompt: object, max_tokens: int | None) -> Prompt:

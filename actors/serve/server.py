@@ -16,7 +16,7 @@ import threading
 import uvicorn
 from starlette.types import ASGIApp
 
-GRACE_S = 1.0  # open connections get this long to finish when the server stops
+GRACE_S = 1  # open connections get this long to finish when the server stops
 
 
 class HttpThread:

@@ -126,6 +126,8 @@ class _Generator:
                     block_table=tuple(table),
                     sample=end >= seq.prompt,
                     temperature=rng.choice((0.0, 0.0, 0.9)),
+                    # Not drawn from rng, so the programs of a seed stay what they were.
+                    top_p=(1.0, 0.8)[seq.seq_id % 2],
                     seed=seq.seq_id,
                 )
             )

@@ -257,7 +257,8 @@ def test_dump_then_load_gives_back_the_same_config(cfg, tmp_path):
 
 
 SECTIONS = (
-    "model cache cache.storage sched transfer engine parallel server runtime demo harness actors.relay"
+    "model cache cache.storage sched transfer engine parallel server runtime demo harness "
+    "actors.relay"
 )
 
 

@@ -9,7 +9,7 @@ message (the probe) must be handled as if they had not been there.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -20,7 +20,14 @@ from hypothesis import strategies as st
 from ring_rig import SUPERVISOR, RingRig, ring_rig
 
 from ringfence.actors.client.shm import ClientActor, _Request
-from ringfence.actors.protocol.client import CLIENT_TO_ENGINE, ENGINE_TO_CLIENT, Hello, Tokens
+from ringfence.actors.engine.stats import no_stats
+from ringfence.actors.protocol.client import (
+    CLIENT_TO_ENGINE,
+    ENGINE_TO_CLIENT,
+    Hello,
+    Stats,
+    Tokens,
+)
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.codec import Registry, make_kind, message
 from ringfence.runtime.config import load_config
@@ -299,3 +306,16 @@ def test_tokens_for_an_unknown_request_or_another_incarnation_are_counted_as_dro
     client.post(Tokens(request_id="real", incarnation=7, token_ids=(2,)))
     client.turn()
     assert client.actor.dropped == 2 and client.actor.requests["real"].token_ids == []
+
+
+def test_the_client_keeps_the_newest_stats_of_its_incarnation_and_drops_another_ones(client):
+    def stats(steps: int, incarnation: int) -> Stats:
+        return replace(no_stats(), began=True, steps=steps, incarnation=incarnation)
+
+    client.post(stats(1, incarnation=7))
+    client.turn()
+    assert (client.actor.stats, client.actor.dropped) == (None, 1)
+    client.post(stats(2, incarnation=1))
+    client.post(stats(3, incarnation=1))
+    client.turn()
+    assert client.actor.stats == stats(3, incarnation=1) and client.actor.dropped == 1

@@ -187,6 +187,32 @@ def test_a_waiting_client_learns_the_engine_is_gone_and_talks_to_its_successor(t
         assert client.generate([2, 3], max_tokens=2, timeout=WAIT_S).token_ids == (3, 2)
 
 
+def test_a_client_that_asked_for_stats_gets_the_newest_and_keeps_them_across_an_engine_restart(
+    tmp_path,
+):
+    restart_at_once = "actors.engine.backoff_s=0.0"
+    with (
+        echo_run(tmp_path, restart_at_once) as run,
+        Client.connect(run.run_dir, stats=True) as watcher,
+        Client.connect(run.run_dir) as other,
+    ):
+        first = watcher.stats(timeout=WAIT_S)  # the one sent right after the Hello
+        assert first is not None and first.began and first.incarnation == 1
+        request_id = watcher.submit([1], max_tokens=1_000_000)
+        later = watcher.stats(timeout=WAIT_S, fresh=True)
+        assert later is not None and later.steps > first.steps and later.running == 1
+        assert watcher.stats() is later  # nothing newer handled: the same one
+        with pytest.raises(ClientError, match="client-1 did not ask for stats"):
+            other.stats()
+        run.kill_actor("engine-0")
+        run.wait_for_event("actor.ready", instance="engine-0", incarnation=2)
+        with pytest.raises(ClientError, match="the engine is gone"):
+            watcher.result(request_id, timeout=WAIT_S)
+        watcher.stats()  # handles what the dead engine left, says Hello to the new one
+        again = watcher.stats(timeout=WAIT_S, fresh=True)
+        assert again is not None and again.running == 0  # the new engine's
+
+
 def peers_target(name: str):
     import fixture_clients
 
