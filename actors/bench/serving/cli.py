@@ -171,21 +171,32 @@ def workload_file(requests: Sequence[LoadRequest]) -> bytes:
 
 
 def serve_side(
-    requests: Sequence[LoadRequest], settings: Sequence[str], folder: Path, timeout: float
+    requests: Sequence[LoadRequest], settings: Sequence[str], run_dir: Path, timeout: float
 ) -> dict[str, Any]:
-    """The requests against a fresh ``ringfence serve``: its figures (see
-    :func:`report.served`), its output tokens by request, and the names its stop left."""
+    """The requests against a fresh ``ringfence serve`` in ``run_dir``: the figures of
+    :func:`stats.summarize`, the front end's CPU seconds over the load (from just before
+    the first request to just after the last stream ended: ``frontend_cpu_s``, per second
+    and per output token), the served model's name, the output tokens by request, and the
+    names the server's stop left behind (unlinked)."""
     from ringfence.actors.bench.serving.client import run_load, served_model
     from ringfence.actors.bench.serving.server import Served
     from ringfence.actors.bench.serving.stats import busy_period, summarize
 
-    with Served(folder / "serve", settings, start_timeout=START_S) as server:
+    with Served(run_dir, settings, start_timeout=START_S) as server:
         model = served_model(server.url, timeout=timeout)
+        cpu_before, wall_before = server.frontend_cpu_s(), time.perf_counter()
         timelines, start = run_load(server.url, requests, model=model, timeout=timeout)
+        cpu_after, wall_after = server.frontend_cpu_s(), time.perf_counter()
         leaked = server.stop(deadline_s=timeout)
     figures = summarize(timelines, duration_s=busy_period(timelines, start_s=start))
+    cpu_s, wall_s = cpu_after - cpu_before, wall_after - wall_before
+    tokens = figures["output_tokens"]
     return {
         **figures,
+        "frontend_cpu_s": cpu_s,
+        "wall_s": wall_s,
+        "frontend_cpu_s_per_s": cpu_s / wall_s if wall_s > 0 else None,
+        "frontend_cpu_s_per_token": cpu_s / tokens if tokens else None,
         "model": model,
         "leaked_names": leaked,
         "tokens": {t.id: list(t.token_ids) for t in timelines},
@@ -214,12 +225,8 @@ def burst(
     settings: Sequence[str], streams: int, tokens: int, folder: Path, timeout: float
 ) -> dict[str, Any]:
     """``streams`` unique prompts of BURST_PROMPT_TOKENS tokens streamed at once from a
-    fresh server (max_tokens ``tokens``): the front end's CPU seconds over the burst (from
-    just before the first request to just after the last stream ended), per second and
-    per output token."""
-    from ringfence.actors.bench.serving.client import run_load, served_model
-    from ringfence.actors.bench.serving.server import Served
-    from ringfence.actors.bench.serving.stats import busy_period, summarize
+    fresh server (max_tokens ``tokens``): :func:`serve_side`'s figures, the front end's
+    CPU among them, without the tokens."""
 
     requests = [
         LoadRequest(
@@ -231,26 +238,9 @@ def burst(
         )
         for r in load_requests("unique", streams, math.inf, seed=0)
     ]
-    with Served(folder / "burst", settings, start_timeout=START_S) as server:
-        model = served_model(server.url, timeout=timeout)
-        cpu_before, wall_before = server.frontend_cpu_s(), time.perf_counter()
-        timelines, start = run_load(server.url, requests, model=model, timeout=timeout)
-        cpu_after, wall_after = server.frontend_cpu_s(), time.perf_counter()
-        leaked = server.stop(deadline_s=timeout)
-    figures = summarize(timelines, duration_s=busy_period(timelines, start_s=start))
-    cpu_s, wall_s = cpu_after - cpu_before, wall_after - wall_before
-    return {
-        **figures,
-        "streams": streams,
-        "max_tokens": tokens,
-        "frontend_cpu_s": cpu_s,
-        "wall_s": wall_s,
-        "frontend_cpu_s_per_s": cpu_s / wall_s if wall_s > 0 else None,
-        "frontend_cpu_s_per_token": (
-            cpu_s / figures["output_tokens"] if figures["output_tokens"] else None
-        ),
-        "leaked_names": leaked,
-    }
+    found = serve_side(requests, settings, folder / "burst", timeout)
+    del found["tokens"]
+    return {**found, "streams": streams, "max_tokens": tokens}
 
 
 def bench(
@@ -273,7 +263,7 @@ def bench(
                 folder = Path(tmp) / f"{workload}-{rate_label(rate)}"
                 folder.mkdir()
                 load = load_requests(workload, requests, rate, seed=seed)
-                served = serve_side(load, settings, folder, timeout)
+                served = serve_side(load, settings, folder / "serve", timeout)
                 launched = launch_side(load, settings, folder, timeout)
                 rows.append(report.row(workload, rate, served, launched))
                 shutil.rmtree(folder, ignore_errors=True)  # its storage tier: up to 250 MB

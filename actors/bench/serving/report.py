@@ -107,6 +107,14 @@ def _side_line(workload: str, rate: str, side: str, f: Mapping[str, Any]) -> str
     )
 
 
+def _cpu(figures: Mapping[str, Any]) -> str:
+    per_token = figures.get("frontend_cpu_s_per_token")
+    return (
+        f"{_num(figures.get('frontend_cpu_s_per_s'), '.3f')}, "
+        f"{_num(None if per_token is None else per_token * 1e3, '.3f')}"
+    )
+
+
 def table(result: Mapping[str, Any]) -> str:
     """The report for the terminal: each pair's two sides, their ratios, then the burst."""
     lines = [
@@ -120,14 +128,14 @@ def table(result: Mapping[str, Any]) -> str:
             lines.append(_side_line(r["workload"], r["rate"], side, r[side]))
     lines.append(
         f"{'workload':<8}{'rate':>5}  {'TTFT p50 serve/launch':>22}"
-        f"{'throughput serve/launch':>25}{'same tokens':>13}"
+        f"{'throughput serve/launch':>25}{'same tokens':>13}{'front end CPU s/s, ms/tok':>27}"
     )
     for r in result["rows"]:
-        ratios, match = r["ratios"], r["tokens_match"]
+        ratios, match, serve = r["ratios"], r["tokens_match"], r["serve"]
         lines.append(
             f"{r['workload']:<8}{r['rate']:>5}  {_num(ratios['ttft_p50'], '.2f') + 'x':>22}"
             f"{_num(ratios['output_tokens_per_s'], '.2f') + 'x':>25}"
-            f"{'-' if match is None else f'{match:.0%}':>13}"
+            f"{'-' if match is None else f'{match:.0%}':>13}{_cpu(serve):>27}"
         )
     b = result.get("burst")
     if b:

@@ -73,6 +73,7 @@ def test_a_bench_against_the_fake_server_reports_each_pair_and_the_burst(
     burst = result["burst"]
     assert burst["requests"]["finished"] == 8 and burst["output_tokens"] == 24
     assert burst["frontend_cpu_s_per_s"] >= 0 and burst["frontend_cpu_s_per_token"] >= 0
+    assert burst["streams"] == 8 and burst["max_tokens"] == 3 and "tokens" not in burst
     assert result["settings"] == ["model.preset=small"]
     assert (tmp_path / "serve.png").stat().st_size > 0
     out = capsys.readouterr().out
@@ -151,13 +152,12 @@ def test_bad_options_are_refused_naming_the_option(capsys: pytest.CaptureFixture
         assert name in capsys.readouterr().err
 
 
-@pytest.mark.timeout(120)
 def test_a_tiny_bench_against_the_real_server_matches_the_launch_token_for_token(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "serve.json"
     argv = ["bench", "serve", "--workloads", "unique", "--rates", "inf", "--requests", "3"]
-    argv += ["--burst", "4", "--burst-tokens", "4", "--set", "model.preset=tiny"]
+    argv += ["--burst", "0", "--set", "model.preset=tiny"]
     assert cli.main([*argv, "--json", str(path)]) == 0, capsys.readouterr().err
     result = orjson.loads(path.read_bytes())
     (row,) = result["rows"]
@@ -173,6 +173,5 @@ def test_a_tiny_bench_against_the_real_server_matches_the_launch_token_for_token
     assert row["serve"]["output_tokens"] == row["launch"]["output_tokens"] > 0
     assert row["tokens_match"] == 1.0  # greedy, the same model: the same tokens
     assert row["ratios"]["ttft_p50"] > 0 and row["ratios"]["output_tokens_per_s"] > 0
-    assert row["serve"]["leaked_names"] == [] and result["burst"]["leaked_names"] == []
-    assert result["burst"]["output_tokens"] == 16
-    assert result["burst"]["frontend_cpu_s"] > 0
+    assert row["serve"]["leaked_names"] == [] and result["burst"] is None
+    assert row["serve"]["frontend_cpu_s_per_token"] >= 0  # read from the real front end's pid
