@@ -14,13 +14,14 @@ instance (so the cache starts cold for both) and on the same ``--set`` overrides
   FILE`` (its arrivals honoured); its ``summary.json`` and ``outputs.jsonl`` are read.
 
 Reported per (workload, rate) and side: TTFT, TPOT and ITL p50/p99 (a launch has no
-per-token times, so no ITL), request and output-token throughput over the busy period,
-and the serve/launch ratios of TTFT p50 (above 1: serving's first tokens come later)
-and of output-token throughput (below 1: serving is slower), with the share of requests
-whose output tokens are the same on both sides. Last, the front end's own CPU: a burst
-of ``--burst`` streams at once (short unique prompts) on a fresh server, with
-``/proc/PID/stat`` of the front end process read before and after: CPU seconds per
-second and per output token.
+per-token times, so no ITL; its TTFT counts from the request's arrival time in the
+engine, the client's from when it sent the request), request and output-token
+throughput over the busy period, and the serve/launch ratios of TTFT p50 (above 1:
+serving's first tokens come later) and of output-token throughput (below 1: serving is
+slower), with the share of requests whose output tokens are the same on both sides,
+and the front end's CPU over the load. Last, the front end's own CPU at ``--burst``
+streams at once (short unique prompts) on a fresh server: ``/proc/PID/stat`` of the
+front end process read before and after, CPU seconds per second and per output token.
 
 A server or launch that fails to start or exit, or a request that fails, is an error
 (exit status 1) after the table, JSON and plot are written.
@@ -111,10 +112,12 @@ def _check(args: argparse.Namespace) -> tuple[list[float], list[str]]:
 
     rates = [parse_rate(part.strip()) for part in args.rates.split(",") if part.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if not rates:
-        raise ValueError("--rates: no rate given")
-    if not workloads:
-        raise ValueError("--workloads: no workload given")
+    for flag, given in (("--rates", [rate_label(r) for r in rates]), ("--workloads", workloads)):
+        if not given:
+            raise ValueError(f"{flag}: none given")
+        twice = sorted({g for g in given if given.count(g) > 1})
+        if twice:
+            raise ValueError(f"{flag}: {', '.join(twice)} given twice")
     unknown = [w for w in workloads if w not in SYNTHETIC]
     if unknown:
         raise ValueError(f"--workloads: unknown {unknown}; known: {', '.join(SYNTHETIC)}")
@@ -178,12 +181,17 @@ def serve_side(
     the first request to just after the last stream ended: ``frontend_cpu_s``, per second
     and per output token), the served model's name, the output tokens by request, and the
     names the server's stop left behind (unlinked)."""
+    import httpx
+
     from ringfence.actors.bench.serving.client import run_load, served_model
     from ringfence.actors.bench.serving.server import Served
     from ringfence.actors.bench.serving.stats import busy_period, summarize
 
     with Served(run_dir, settings, start_timeout=START_S) as server:
-        model = served_model(server.url, timeout=timeout)
+        try:
+            model = served_model(server.url, timeout=timeout)
+        except (httpx.HTTPError, ValueError) as e:
+            raise RunError(f"ringfence serve: GET /v1/models failed: {e}\n{server.tail()}") from e
         cpu_before, wall_before = server.frontend_cpu_s(), time.perf_counter()
         timelines, start = run_load(server.url, requests, model=model, timeout=timeout)
         cpu_after, wall_after = server.frontend_cpu_s(), time.perf_counter()

@@ -147,6 +147,8 @@ def test_bad_options_are_refused_naming_the_option(capsys: pytest.CaptureFixture
         (["--rates", "0"], "--rates"),
         (["--workloads", "nope"], "--workloads"),
         (["--requests", "0"], "--requests"),
+        (["--rates", "1,inf,1.0"], "--rates: 1 given twice"),
+        (["--workloads", "chat,chat"], "--workloads: chat given twice"),
     ):
         assert cli.main(["bench", "serve", *argv]) == 2
         assert name in capsys.readouterr().err
