@@ -13,6 +13,7 @@ from typing import Any
 import fake_serve
 import orjson
 import pytest
+from launching import QUICK
 
 from ringfence.actors.bench import launcher
 from ringfence.actors.bench.serving import cli as bench_serve
@@ -160,6 +161,8 @@ def test_a_tiny_bench_against_the_real_server_matches_the_launch_token_for_token
     path = tmp_path / "serve.json"
     argv = ["bench", "serve", "--workloads", "unique", "--rates", "inf", "--requests", "3"]
     argv += ["--burst", "0", "--set", "model.preset=tiny"]
+    for setting in QUICK:  # a faster heartbeat and stop, as the launch tests use
+        argv += ["--set", setting]
     assert cli.main([*argv, "--json", str(path)]) == 0, capsys.readouterr().err
     result = orjson.loads(path.read_bytes())
     (row,) = result["rows"]
