@@ -31,6 +31,7 @@ BENCHMARKS = {
     "e2e": "ringfence.actors.bench.e2e",
     "replay": "ringfence.actors.bench.replay",
     "faults": "ringfence.actors.bench.faults.cli",
+    "serve": "ringfence.actors.bench.serving.cli",
 }
 
 
@@ -61,6 +62,7 @@ BENCH_HELP = {
     "e2e": "whole runs side by side: fence vs sync, tiers on vs off, actors vs one loop",
     "replay": "the cost of trace logging, and how fast replay reads a run",
     "faults": "the fault matrix: one real run per injected fault, and what survived it",
+    "serve": "load over HTTP against ringfence serve, beside the same requests through launch",
 }
 
 
