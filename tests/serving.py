@@ -37,7 +37,7 @@ class Server:
     def http(self, timeout: float = 60.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
-    def openai(self, **kwargs: Any) -> openai.OpenAI:
+    def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
 
     def async_openai(self, **kwargs: Any) -> openai.AsyncOpenAI:

@@ -156,6 +156,10 @@ class FrontEnd(Actor):
         except ActorDead:
             self.handoff.put(Lost(request_id=msg.request_id, error="the engine is down"))
             return
+        except (ValueError, TypeError, OverflowError) as e:  # the codec refused to encode it
+            self.log.warning("server.unsendable", request=msg.request_id, error=str(e))
+            self.handoff.put(Lost(request_id=msg.request_id, error=str(e), status=400))
+            return
         self.in_engine[msg.request_id] = _Sent(seq)
 
     @handles(Abort)

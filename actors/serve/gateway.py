@@ -35,6 +35,7 @@ class Lost:
 
     request_id: str
     error: str
+    status: int = 503  # the HTTP status it means: 503 (engine gone), 400 (could not be sent)
 
 
 Event = Tokens | Rejected | Lost

@@ -95,7 +95,7 @@ class Generation:
     def _take(self, event: Tokens | Rejected | Lost) -> Delta | None:
         if isinstance(event, Rejected | Lost):
             self._end("error")
-            status = 400 if isinstance(event, Rejected) else 503
+            status = 400 if isinstance(event, Rejected) else event.status
             kind = "invalid_request_error" if status == 400 else "service_unavailable"
             raise ApiError(f"the engine could not run the request: {event.error}", status=status,
                            kind=kind)  # fmt: skip

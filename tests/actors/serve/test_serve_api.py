@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -20,7 +21,7 @@ PROMPTS = [[10 + i, 20 + 2 * i, 30 + 3 * i, 40, 50 + i] for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Server:
+def server(tmp_path_factory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("serve")
     with served(tmp, "model.preset=tiny", f"sched.max_model_len={MAX_MODEL_LEN}") as server:
         yield server
@@ -39,7 +40,7 @@ def greedy(server: Server, prompt: list[int], max_tokens: int = 12) -> list[int]
 
 
 def test_a_completion_through_the_openai_client_reports_its_text_tokens_and_usage(server):
-    client = server.openai()
+    client = server.client()
     answer = client.completions.create(
         model=MODEL,
         prompt=PROMPTS[0],
@@ -61,7 +62,7 @@ def test_a_completion_through_the_openai_client_reports_its_text_tokens_and_usag
 def test_a_streamed_completion_has_the_same_tokens_and_ends_with_its_usage(server):
     whole = greedy(server, PROMPTS[1])
     chunks = list(
-        server.openai().completions.create(
+        server.client().completions.create(
             model=MODEL,
             prompt=PROMPTS[1],
             max_tokens=12,
@@ -78,7 +79,7 @@ def test_a_streamed_completion_has_the_same_tokens_and_ends_with_its_usage(serve
 
 
 def test_chat_through_the_openai_client_streamed_or_not_gives_the_same_answer(server):
-    client = server.openai()
+    client = server.client()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     answer = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=10, temperature=0
@@ -95,7 +96,7 @@ def test_chat_through_the_openai_client_streamed_or_not_gives_the_same_answer(se
 
 
 def test_the_models_list_names_the_model_and_its_fingerprint(server):
-    (model,) = server.openai().models.list().data
+    (model,) = server.client().models.list().data
     assert model.id == "ringfence-tiny"
     extra = model.model_extra
     assert extra["max_model_len"] == MAX_MODEL_LEN

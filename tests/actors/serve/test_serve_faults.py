@@ -96,10 +96,10 @@ def test_a_client_that_disconnects_is_aborted_in_the_engine_within_a_step_and_a_
         accepted = [r for r in results if r["status"] == 200]
         refused = [r for r in results if r["status"] == 429]
         assert len(accepted) + len(refused) == 12 and len(accepted) >= 4 and refused
-        for r in refused:
-            assert r["retry_after"] == "1" and r["body"]["error"]["code"] == "rate_limit_exceeded"
-        for r in accepted:
-            assert r["done"] and r["error"] is None and len(r["tokens"]) == 300
+        for no in refused:
+            assert no["retry_after"] == "1" and no["body"]["error"]["code"] == "rate_limit_exceeded"
+        for yes in accepted:
+            assert yes["done"] and yes["error"] is None and len(yes["tokens"]) == 300
         assert "ringfence_requests_pending 0.0" in server.get("/metrics").text
         assert len(greedy(server, PROMPTS[1], 8)) == 8  # served again once the flood passed
 
