@@ -270,6 +270,24 @@ EVENTS: Final[dict[str, Event]] = {
         "peer incarnation reason aborted",
         "a client's process is gone or it stopped reading its output; its requests end",
     ),
+    # The HTTP front end of ringfence serve (actor "frontend", actors/serve/frontend.py);
+    # ``request`` is its own request id (the engine's key is "frontend-0/<inc>/<request>").
+    "server.listening": _e("info", "host port", "the HTTP server accepts connections here"),
+    "server.ready": _e("info", "", "every actor is live and the engine began: requests are served"),
+    "server.abort": _e(
+        "info",
+        "request output_tokens",
+        "the client went away or a stop string ended it: the request's Abort went to the engine "
+        "after output_tokens tokens (its request.finish says how many the engine made)",
+    ),
+    "server.unsendable": _e(
+        "warning", "request error", "the codec refused a request's Submit: it ends with a 400"
+    ),
+    "server.requests_lost": _e(
+        "warning",
+        "requests error",
+        "the engine died or was replaced: its requests end with an error event",
+    ),
     # The demo pipeline (ringfence.runtime.bench.demo).
     "demo.sent": _e("info", "messages", "the source sent its last item"),
     "demo.done": _e(

@@ -155,6 +155,9 @@ def test_bad_options_are_refused_naming_the_option(capsys: pytest.CaptureFixture
         assert name in capsys.readouterr().err
 
 
+# Slow (two real instances): CI runs the fake-server tests above, and
+# tests/actors/serve/test_serve_api.py checks serve against launch token for token.
+@pytest.mark.slow
 def test_a_tiny_bench_against_the_real_server_matches_the_launch_token_for_token(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

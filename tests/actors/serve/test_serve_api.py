@@ -9,22 +9,19 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-from collections.abc import Iterator
 
 import orjson
 import pytest
-from serving import Server, served
+from serving import Server
 
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 256  # the shared server's (conftest.py)
 MODEL = "ringfence-tiny"
 PROMPTS = [[10 + i, 20 + 2 * i, 30 + 3 * i, 40, 50 + i] for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("serve")
-    with served(tmp, "model.preset=tiny", f"sched.max_model_len={MAX_MODEL_LEN}") as server:
-        yield server
+def server(tiny_server: Server) -> Server:
+    return tiny_server
 
 
 def greedy(server: Server, prompt: list[int], max_tokens: int = 12) -> list[int]:

@@ -9,15 +9,14 @@ all at once among good requests, the good ones still get the tokens they get alo
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from serving import Server, served
+from serving import Server
 
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 256  # the shared server's (conftest.py)
 VOCAB = 259  # the tiny preset's: 256 bytes and three specials
 COMPLETION = {"prompt": [10, 20, 30, 40, 50], "max_tokens": 4}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -103,10 +102,8 @@ BAD = [pytest.param(*row[1:], id=row[0]) for row in ROWS]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("serve-errors")
-    with served(tmp, "model.preset=tiny", f"sched.max_model_len={MAX_MODEL_LEN}") as server:
-        yield server
+def server(tiny_server: Server) -> Server:
+    return tiny_server
 
 
 def send(client: httpx.Client, path: str, body: Any) -> httpx.Response:
