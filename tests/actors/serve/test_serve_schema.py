@@ -1,18 +1,17 @@
 """`ringfence serve` keeps the promises of its own OpenAPI document, under schemathesis.
 
 schemathesis reads the live server's ``/openapi.json`` and sends each operation requests
-generated from it, valid and invalid (the tiny preset, a 64-token context so outputs are
-short); every answer must be no 5xx, have a status and a content type the document lists,
-and a body (streams: each event's data) its schema admits; a request the schema rules out
-must be refused. The server's semantic limits (an empty prompt, a context too long, a
-knob it does not implement) are 400s the document lists, so a valid-looking request may be
-refused: that check (``positive_data_acceptance``) is not asked for.
+generated from it, valid and invalid (the shared tiny server of conftest.py, a 256-token
+context so outputs are short); every answer must be no 5xx, have a status and a content type
+the document lists, and a body (streams: each event's data) its schema admits; a request the
+schema rules out must be refused. The server's semantic limits (an empty prompt, a context
+too long, a knob it does not implement) are 400s the document lists, so a valid-looking
+request may be refused: that check (``positive_data_acceptance``) is not asked for.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +27,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from serving import Server, served
+from serving import Server
 
 CHECKS = [
     not_a_server_error,
@@ -59,10 +58,8 @@ EVERY_FIELD = {"max_tokens": 3, "stream": True, "return_token_ids": True,
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("serve-schema")
-    with served(tmp, "model.preset=tiny", "sched.max_model_len=64") as server:
-        yield server
+def server(tiny_server: Server) -> Server:
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
