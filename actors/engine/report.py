@@ -108,7 +108,8 @@ def percentile(values: Iterable[float], q: float) -> float:
     return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
 
 
-def _stats(values: Sequence[float]) -> dict[str, float | None]:
+def stats(values: Sequence[float]) -> dict[str, float | None]:
+    """p50, p99 and mean of ``values`` (all None when there are none)."""
     if not values:
         return {"p50": None, "p99": None, "mean": None}
     return {
@@ -165,8 +166,8 @@ def summarize(
             "total_tokens_per_s": _rate(prompt_tokens + output_tokens, duration_s),
             "requests_per_s": _rate(len(records), duration_s),
         },
-        "ttft_s": _stats([t for r in records if (t := r.ttft_s) is not None]),
-        "tpot_s": _stats([t for r in records if (t := r.tpot_s) is not None]),
+        "ttft_s": stats([t for r in records if (t := r.ttft_s) is not None]),
+        "tpot_s": stats([t for r in records if (t := r.tpot_s) is not None]),
         "ttft_by_turn": {
             turn: _turn_stats(
                 [t for r in records if r.returning is returning and (t := r.ttft_s) is not None]

@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ringfence.actors.bench.serving.stats import rate_label, stats
+from ringfence.actors.bench.serving.stats import rate_label
+from ringfence.actors.engine.report import stats
 
 NO_STATS: dict[str, float | None] = {"p50": None, "p99": None, "mean": None}
 

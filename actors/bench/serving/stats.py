@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ringfence.actors.engine.report import percentile
+from ringfence.actors.engine.report import stats
 
 
 def parse_rate(text: str) -> float:
@@ -109,17 +109,6 @@ class Timeline:
         if self.output_tokens < 2:
             return None
         return (self.chunk_s[-1] - self.chunk_s[0]) / (self.output_tokens - 1)
-
-
-def stats(values: Sequence[float]) -> dict[str, float | None]:
-    """p50, p99 and mean of ``values`` (all None when there are none)."""
-    if not values:
-        return {"p50": None, "p99": None, "mean": None}
-    return {
-        "p50": percentile(values, 50),
-        "p99": percentile(values, 99),
-        "mean": math.fsum(values) / len(values),
-    }
 
 
 def summarize(timelines: Sequence[Timeline], *, duration_s: float) -> dict[str, Any]:

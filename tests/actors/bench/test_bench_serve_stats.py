@@ -15,9 +15,9 @@ from ringfence.actors.bench.serving.stats import (
     parse_rate,
     poisson_arrivals,
     rate_label,
-    stats,
     summarize,
 )
+from ringfence.actors.engine.report import stats
 
 
 def timeline(
