@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import orjson
+import pytest
 from launching import wait_until
 from serving import Server, served
 
 PROMPTS = [[7 + i, 70 + i, 170 - i, 33, 44 + 2 * i, 9] for i in range(16)]
+MAX_PENDING = 8
 
 
 def greedy(server: Server, prompt: list[int], max_tokens: int) -> list[int]:
@@ -67,81 +70,87 @@ def run_streams(server: Server, bodies: list[dict[str, Any]], during=None) -> li
     return asyncio.run(main())
 
 
-def test_a_client_that_disconnects_is_aborted_in_the_engine_within_a_step_and_a_flood_gets_429(
-    tmp_path,
-):
-    with served(tmp_path, "model.preset=tiny", "server.max_pending=4") as server:
-        body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": True}
-        with server.http() as client, client.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            first = orjson.loads(next(line for line in lines if line).removeprefix("data: "))
-            next(line for line in lines if line)  # a second chunk: the request runs
-        # The connection is closed: the front end aborts the request in the engine.
-        key = f"frontend-0/1/{first['id']}"
-        wait_until(
-            "the engine to end the request",
-            lambda: bool(server.engine_events("request.finish", request=key)),
-            30,
-        )
-        (finish,) = server.engine_events("request.finish", request=key)
-        (abort,) = server.frontend_events("server.abort", request=first["id"])
-        assert finish["reason"] == "abort" and finish["output_tokens"] < 1500
-        # What the engine produced after the front end sent the Abort: the step in flight,
-        # and the one it had issued alongside, at most (each step gives the request a token).
-        assert finish["output_tokens"] - abort["output_tokens"] <= 2, (finish, abort)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    """One server for the module; each test leaves it serving, nothing pending."""
+    tmp = tmp_path_factory.mktemp("serve-faults")
+    with served(tmp, "model.preset=tiny", f"server.max_pending={MAX_PENDING}") as server:
+        yield server
 
-        # A flood: 12 long streams at once against max_pending = 4.
-        bodies = [{"prompt": PROMPTS[i], "max_tokens": 300} for i in range(12)]
-        results = run_streams(server, bodies)
-        accepted = [r for r in results if r["status"] == 200]
-        refused = [r for r in results if r["status"] == 429]
-        assert len(accepted) + len(refused) == 12 and len(accepted) >= 4 and refused
-        for no in refused:
-            assert no["retry_after"] == "1" and no["body"]["error"]["code"] == "rate_limit_exceeded"
-        for yes in accepted:
-            assert yes["done"] and yes["error"] is None and len(yes["tokens"]) == 300
-        assert "ringfence_requests_pending 0.0" in server.get("/metrics").text
-        assert len(greedy(server, PROMPTS[1], 8)) == 8  # served again once the flood passed
+
+def test_a_client_that_disconnects_is_aborted_in_the_engine_within_a_step_and_a_flood_gets_429(
+    server: Server,
+):
+    body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": True}
+    with server.http() as client, client.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = orjson.loads(next(line for line in lines if line).removeprefix("data: "))
+        next(line for line in lines if line)  # a second chunk: the request runs
+    # The connection is closed: the front end aborts the request in the engine.
+    key = f"frontend-0/1/{first['id']}"
+    wait_until(
+        "the engine to end the request",
+        lambda: bool(server.engine_events("request.finish", request=key)),
+        30,
+    )
+    (finish,) = server.engine_events("request.finish", request=key)
+    (abort,) = server.frontend_events("server.abort", request=first["id"])
+    assert finish["reason"] == "abort" and finish["output_tokens"] < 1500
+    # What the engine produced after the front end sent the Abort: the step in flight,
+    # and the one it had issued alongside, at most (each step gives the request a token).
+    assert finish["output_tokens"] - abort["output_tokens"] <= 2, (finish, abort)
+
+    # A flood: 16 long streams at once against max_pending = 8.
+    bodies = [{"prompt": PROMPTS[i], "max_tokens": 300} for i in range(16)]
+    results = run_streams(server, bodies)
+    accepted = [r for r in results if r["status"] == 200]
+    refused = [r for r in results if r["status"] == 429]
+    assert len(accepted) + len(refused) == 16 and len(accepted) >= MAX_PENDING and refused
+    for no in refused:
+        assert no["retry_after"] == "1" and no["body"]["error"]["code"] == "rate_limit_exceeded"
+    for yes in accepted:
+        assert yes["done"] and yes["error"] is None and len(yes["tokens"]) == 300
+    assert "ringfence_requests_pending 0.0" in server.get("/metrics").text
+    assert len(greedy(server, PROMPTS[1], 8)) == 8  # served again once the flood passed
 
 
 def test_a_worker_then_the_engine_killed_under_load_cost_errors_or_nothing_never_wrong_tokens(
-    tmp_path,
+    server: Server,
 ):
-    with served(tmp_path, "model.preset=tiny") as server:
-        # Long enough that the kill lands mid-stream; the reference is the same batch run
-        # undisturbed (a stream's tokens do not depend on its neighbours: test_serve_api).
-        bodies = [{"prompt": p, "max_tokens": 300} for p in PROMPTS]
-        reference = [r["tokens"] for r in run_streams(server, bodies)]
-        assert all(len(tokens) == 300 for tokens in reference)
-        health: list[int] = []
+    # Long enough that the kill lands mid-stream; the reference is the same batch run
+    # undisturbed (a stream's tokens do not depend on its neighbours: test_serve_api).
+    bodies = [{"prompt": p, "max_tokens": 300} for p in PROMPTS[:MAX_PENDING]]
+    reference = [r["tokens"] for r in run_streams(server, bodies)]
+    assert all(len(tokens) == 300 for tokens in reference)
+    health: list[int] = []
 
-        def kill(instance: str, before: float) -> None:
-            # Once the streams run (tokens flow), kill the actor by pid, and watch /health
-            # go 503 and come back.
-            wait_until("tokens to flow", lambda: generated(server) > before + 16, 60)
-            server.launch.kill_actor(instance)
-            server.wait_health(503, timeout=30)
-            health.append(503)
-            server.wait_health(200, timeout=120)
-            health.append(200)
+    def kill(instance: str, before: float) -> None:
+        # Once the streams run (tokens flow), kill the actor by pid, and watch /health
+        # go 503 and come back.
+        wait_until("tokens to flow", lambda: generated(server) > before + 16, 60)
+        server.launch.kill_actor(instance)
+        server.wait_health(503, timeout=30)
+        health.append(503)
+        server.wait_health(200, timeout=120)
+        health.append(200)
 
-        for instance in ("worker-0", "engine-0"):
-            started = time.monotonic()
-            before = generated(server)
-            results = run_streams(server, bodies, during=lambda i=instance, b=before: kill(i, b))
-            assert health[-2:] == [503, 200]
-            for r, want in zip(results, reference, strict=True):
-                assert r["status"] == 200 and r["done"], r
-                if r["error"] is None:
-                    assert r["tokens"] == want  # completed: exactly the reference tokens
-                else:
-                    assert r["error"]["message"], r  # ended with a clear error event
-                    assert r["tokens"] == want[: len(r["tokens"])]
-            if instance == "engine-0":  # the requests in the dead engine are lost: said so
-                assert any(r["error"] for r in results), time.monotonic() - started
-            # Served again, with the right tokens.
-            assert greedy(server, PROMPTS[0], 300) == reference[0]
-        assert 'ringfence_restarts_total{actor="worker-0"} 1.0' in server.get("/metrics").text
+    for instance in ("worker-0", "engine-0"):
+        started = time.monotonic()
+        before = generated(server)
+        results = run_streams(server, bodies, during=lambda i=instance, b=before: kill(i, b))
+        assert health[-2:] == [503, 200]
+        for r, want in zip(results, reference, strict=True):
+            assert r["status"] == 200 and r["done"], r
+            if r["error"] is None:
+                assert r["tokens"] == want  # completed: exactly the reference tokens
+            else:
+                assert r["error"]["message"], r  # ended with a clear error event
+                assert r["tokens"] == want[: len(r["tokens"])]
+        if instance == "engine-0":  # the requests in the dead engine are lost: said so
+            assert any(r["error"] for r in results), time.monotonic() - started
+        # Served again, with the right tokens.
+        assert greedy(server, PROMPTS[0], 300) == reference[0]
+    assert 'ringfence_restarts_total{actor="worker-0"} 1.0' in server.get("/metrics").text
 
 
 def generated(server: Server) -> float:
