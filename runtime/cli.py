@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import orjson
 
 from ringfence.runtime.topology import import_target
 from ringfence.shm import names
 
+if TYPE_CHECKING:
+    from ringfence.runtime.config import RunConfig
+
 MANIFEST = "names.json"
+STOP_CODES = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM})  # a stop by a signal
 
 # Benchmarks by name -> module implementing ``add_arguments(parser)`` and ``main(args) -> int``.
 # Imported only when chosen, so the command starts fast.
@@ -100,21 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     text = "start a run: create its names, spawn and watch actors"
     launch = sub.add_parser("launch", help=text, description=LAUNCH_DESCRIPTION)
-    launch.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
-    launch.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        dest="overrides",
-        help="override one config key, e.g. runtime.log_level=trace (repeatable)",
-    )
-    launch.add_argument(
-        "--run-dir",
-        type=Path,
-        metavar="DIR",
-        help="the run dir (default: runtime.run_dir/<run id>)",
-    )
+    add_run_arguments(launch)
     launch.add_argument(
         "--workload",
         metavar="FILE.jsonl|synthetic:NAME",
@@ -188,33 +179,78 @@ def _clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config``, ``--set`` and ``--run-dir``: what every command that starts a run takes."""
+    parser.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="override one config key, e.g. runtime.log_level=trace (repeatable)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        metavar="DIR",
+        help="the run dir (default: runtime.run_dir/<run id>)",
+    )
+
+
+def supervise(
+    command: str,
+    config: RunConfig,
+    run_dir: Path | None,
+    *,
+    signal_is_success: bool = False,
+    after: Callable[[Path], None] | None = None,
+) -> int:
+    """Run a supervisor on ``config`` to its end, telling the terminal as ``ringfence
+    COMMAND``: the run's dir, what ended it (an actor's failure on stderr), its exit status.
+
+    ``after(run_dir)`` prints what the run left (launch: its summary). With
+    ``signal_is_success`` a stop by SIGINT/SIGTERM exits 0 rather than 128 + the signal.
+    """
+    from ringfence.runtime.supervisor import Supervisor
+
+    # The topology's preflight (a checkpoint the Worker could not load, a workload the
+    # engine could not read) runs here, before a run exists: its error is the command's.
+    supervisor = Supervisor(config, run_dir)
+    print(f"ringfence {command}: run {supervisor.run_id} in {supervisor.run_dir}", flush=True)
+    code = supervisor.run()
+    if signal_is_success and code in STOP_CODES and not supervisor.failure:
+        code = 0
+    if after is not None:
+        after(supervisor.run_dir)
+    if supervisor.failure:  # what ended the run: the actor, its error, where it was raised
+        sys.stdout.flush()  # the run's own lines first, on a terminal that shows both
+        head, *rest = supervisor.failure
+        print("\n".join([f"ringfence {command}: {head}", *rest]), file=sys.stderr, flush=True)
+    print(
+        f"ringfence {command}: run {supervisor.run_id} ended ({supervisor.stop_reason}), "
+        f"exit status {code}",
+        flush=True,
+    )
+    return code
+
+
 def _launch(args: argparse.Namespace) -> int:
     from ringfence.runtime.config import load_config
-    from ringfence.runtime.supervisor import Supervisor
 
     overrides = list(args.overrides)
     if args.workload:
         overrides.append(f"engine.workload={args.workload}")
-    config = load_config(args.config, overrides)
-    # The topology's preflight (a checkpoint the Worker could not load, a workload the
-    # engine could not read) runs here, before a run exists: its error is the command's.
-    supervisor = Supervisor(config, args.run_dir)
-    print(f"ringfence launch: run {supervisor.run_id} in {supervisor.run_dir}", flush=True)
-    code = supervisor.run()
-    summary = supervisor.run_dir / "summary.json"
-    if summary.exists():  # a workload run (--workload or engine.workload)
+    return supervise("launch", load_config(args.config, overrides), args.run_dir, after=_summary)
+
+
+def _summary(run_dir: Path) -> None:
+    """The summary table of a workload run (--workload or engine.workload)."""
+    summary = run_dir / "summary.json"
+    if summary.exists():
         # The table lives with the engine's report; the runtime imports it only by name.
         report = import_target("ringfence.actors.engine.report:format_summary")
         print(report(orjson.loads(summary.read_bytes())))  # type: ignore[operator]
-    if supervisor.failure:  # what ended the run: the actor, its error, where it was raised
-        sys.stdout.flush()  # the run's own lines first, on a terminal that shows both
-        head, *rest = supervisor.failure
-        print("\n".join([f"ringfence launch: {head}", *rest]), file=sys.stderr, flush=True)
-    print(
-        f"ringfence launch: run {supervisor.run_id} ended ({supervisor.stop_reason}), "
-        f"exit status {code}"
-    )
-    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -124,15 +124,10 @@ class Launched:
             kill_group(self.proc)
 
     def clean(self) -> list[str]:
-        """Unlink the run's shared-memory names, as ``ringfence clean RUN_DIR`` does, and
-        return them (none if the supervisor never got as far as writing names.json)."""
-        if not (self.run_dir / "names.json").is_file():
-            return []
-        return names.clean_run(run_id_of(str(self.run_dir)))
+        return clean_names(self.run_dir)
 
     def tail(self, lines: int = TAIL_LINES) -> str:
-        """The last ``lines`` lines of the run's output."""
-        return "\n".join(self.out_path.read_text(errors="replace").splitlines()[-lines:])
+        return tail_of(self.out_path, lines)
 
     def __enter__(self) -> Self:
         return self
@@ -144,6 +139,21 @@ class Launched:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def clean_names(run_dir: Path) -> list[str]:
+    """Unlink a run's shared-memory names, as ``ringfence clean RUN_DIR`` does, and return
+    them (none if its supervisor never got as far as writing names.json)."""
+    if not (run_dir / "names.json").is_file():
+        return []
+    return names.clean_run(run_id_of(str(run_dir)))
+
+
+def tail_of(out_path: Path, lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` lines of a run's output file ("" before it exists)."""
+    if not out_path.is_file():
+        return ""
+    return "\n".join(out_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 @dataclass(frozen=True, slots=True)

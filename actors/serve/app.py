@@ -27,6 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from ringfence.actors.config import Config
+from ringfence.actors.kv.layout import block_fingerprint
+from ringfence.actors.model.identity import model_id
 from ringfence.actors.protocol.client import Submit
 from ringfence.actors.serve.api import (
     ApiError,
@@ -82,7 +84,7 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     gateway, prompter = frontend.gateway, frontend.prompter
     metrics = Metrics(
         pending=lambda: gateway.pending,
-        stats=lambda: getattr(frontend, "stats", None),
+        stats=lambda: frontend.stats,
         restarts=frontend.liveness.restarts,
         down=frontend.health,
     )
@@ -109,9 +111,11 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    models_body = {"object": "list", "data": [model_card(frontend, name)]}  # fixed: once
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(frontend, name)]}
+        return models_body
 
     @app.post("/v1/completions", responses=answers(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -180,9 +184,7 @@ def check_request(body: CompletionRequest | ChatCompletionRequest, prompter: Pro
 
 
 def model_card(frontend: FrontEnd, name: str) -> dict[str, Any]:
-    from ringfence.actors.kv.layout import block_fingerprint
-    from ringfence.actors.model.identity import model_id
-
+    """The served model as /v1/models lists it (its id hashes a checkpoint's headers)."""
     config = frontend.config
     ident = model_id(config.model)
     return {

@@ -48,6 +48,7 @@ HTTP = "http"  # the peer name of the local inbox the event loop posts to
 STOP_TIMEOUT_S = 5.0  # how long on_stop waits for the HTTP thread to end
 LISTENING = "ringfence serve: listening on http://{host}:{port} (front end pid {pid})"
 READY = "ringfence serve: ready"
+STARTING = f"{ENGINE}-0 (starting)"  # /health's word for an engine up but not serving yet
 
 
 @dataclass(slots=True)
@@ -78,6 +79,10 @@ class FrontEnd(Actor):
         self.engine: ProcessStamp | None = None  # the engine our requests are in
         self.in_engine: dict[str, _Sent] = {}  # by request id, until it finished
         self.announced_ready = False
+        # What is down, as of the last tick ([] = healthy): read by the event loop's /health
+        # and by every request's admission, so neither reads /proc nor races the tick.
+        self.down: tuple[str, ...] = (STARTING,)
+        self.engine_live = False  # the engine's process serves (as of the last tick)
         self.stats: Stats | None = None  # the engine's latest (Hello.stats asks for them)
         self.started_at = time.time()
         self.prompter = Prompter(config)
@@ -122,20 +127,18 @@ class FrontEnd(Actor):
         self.send(ENGINE, hello)
 
     def engine_down_reason(self) -> str:
-        """ "" when the engine takes requests; else why not (any thread)."""
-        if not self.liveness.live(f"{ENGINE}-0"):
+        """ "" when the engine takes requests; else why not (any thread; as of the last
+        tick: a request sent to an engine that died since is lost in on_submit)."""
+        if not self.engine_live:
             return "the engine is not running (starting or restarting)"
         if self.stats is None or not self.stats.began:
             return "the engine is starting: its executors have not all answered yet"
         return ""
 
     def health(self) -> list[str]:
-        """What is down now ([] = healthy): instances, and "engine-0 (starting)" while the
-        engine is up but not serving yet. Any thread."""
-        down = self.liveness.down()
-        if not down and (self.stats is None or not self.stats.began):
-            down.append(f"{ENGINE}-0 (starting)")
-        return down
+        """What is down ([] = healthy) as of the last tick: instances, and "engine-0
+        (starting)" while the engine is up but not serving yet. Any thread."""
+        return list(self.down)
 
     def _engine_changed(self) -> bool:
         writer = self.engine_ready.writer()
@@ -147,7 +150,7 @@ class FrontEnd(Actor):
     def on_submit(self, msg: Submit) -> None:
         if self._engine_changed():
             self._lose_all("the engine restarted; the request was not run")
-            if not self.liveness.live(f"{ENGINE}-0"):
+            if not self.liveness.live(f"{ENGINE}-0"):  # the actor's thread: no race
                 self.handoff.put(Lost(request_id=msg.request_id, error="the engine is down"))
                 return
             self.hello()
@@ -204,10 +207,13 @@ class FrontEnd(Actor):
     def on_tick(self, msg: Tick) -> None:
         if self.in_engine and self._engine_changed():
             self._lose_all("the engine died or restarted while running it")
-        down = self.health()
-        if not self.liveness.down() and self.engine != self.engine_ready.writer():
+        instances = self.liveness.down()
+        self.engine_live = f"{ENGINE}-0" not in instances
+        if not instances and self.engine != self.engine_ready.writer():
             self.hello()  # a new engine serves: announce ourselves before any request
-        if not down and not self.announced_ready:
+        began = self.stats is not None and self.stats.began
+        self.down = tuple(instances) if instances or began else (STARTING,)
+        if not self.down and not self.announced_ready:
             self.announced_ready = True
             print(READY, flush=True)
             self.log.info("server.ready")

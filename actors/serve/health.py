@@ -7,7 +7,8 @@ counters (becoming their writer) as soon as it attaches, but it serves only once
 ``on_start`` returned and ``ready`` moved to its incarnation. Restarts are the incarnations
 past the first.
 
-Reads shared memory only; any thread may call it (the values are single 8-byte words).
+Reads shared memory only. ``live`` and ``down`` remember who wrote each ``ready``, so one
+thread calls them (the front end's actor, each tick); ``restarts`` any thread.
 """
 
 from __future__ import annotations

@@ -34,8 +34,6 @@ from typing import IO, Self
 
 from ringfence.actors.bench import launcher
 from ringfence.actors.bench.launcher import RunError, kill_group
-from ringfence.runtime.cli import run_id_of
-from ringfence.shm import names
 
 # ``ringfence serve: listening on http://HOST:PORT (front end pid N)``
 LISTENING = re.compile(r"listening on (?P<url>https?://\S+?) \(front end pid (?P<pid>\d+)\)")
@@ -163,15 +161,10 @@ class Served:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.reader.join(deadline_s)
-        if not (self.run_dir / "names.json").is_file():
-            return []
-        return names.clean_run(run_id_of(str(self.run_dir)))
+        return launcher.clean_names(self.run_dir)
 
     def tail(self, lines: int = TAIL_LINES) -> str:
-        """The last ``lines`` lines of the server's output."""
-        if not self.out_path.is_file():
-            return ""
-        return "\n".join(self.out_path.read_text(errors="replace").splitlines()[-lines:])
+        return launcher.tail_of(self.out_path, lines)
 
     def __enter__(self) -> Self:
         return self
