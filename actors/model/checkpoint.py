@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # torch is imported by what reads tensors, not by what reads 
     import torch
 
     from ringfence.actors.model.decoder import Model
+    from ringfence.actors.model.parallel import Group, Shard
 
 HEADER_LENGTH = struct.Struct("<Q")  # the u64 N in front of the JSON header
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit on N
@@ -165,6 +166,35 @@ def read_tensor(entry: TensorEntry) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
 
 
+def read_tensor_slice(entry: TensorEntry, dim: int, start: int, length: int) -> torch.Tensor:
+    """Elements ``start .. start+length-1`` along ``dim`` of the stored tensor (a fresh copy),
+    reading only their bytes: one read for a run of rows (``dim`` 0), one read per row for
+    a run of columns (``dim`` 1 of a matrix)."""
+    import torch
+
+    dtype = getattr(torch, SAFETENSORS_DTYPES[entry.dtype][0])
+    itemsize = SAFETENSORS_DTYPES[entry.dtype][1]
+    shape = entry.shape
+    if not 0 <= dim < len(shape) or not 0 <= start <= start + length <= shape[dim]:
+        raise ValueError(f"{entry.file}: no slice {start}+{length} along {dim} of {list(shape)}")
+    if sys.byteorder != "little":
+        raise ValueError("safetensors data is little-endian; this host is not")
+    inner = math.prod(shape[dim + 1 :]) * itemsize  # bytes of one step along dim
+    outer = math.prod(shape[:dim])  # runs to read: 1 for rows, one per row for columns
+    run, stride = length * inner, shape[dim] * inner
+    buffer = bytearray(outer * run)
+    view = memoryview(buffer)
+    with entry.file.open("rb") as f:
+        for i in range(outer):
+            f.seek(entry.begin + i * stride + start * inner)
+            if f.readinto(view[i * run : (i + 1) * run]) != run:
+                raise ValueError(f"{entry.file}: short read at offset {f.tell()}")
+    out_shape = (*shape[:dim], length, *shape[dim + 1 :])
+    if not buffer:
+        return torch.empty(out_shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype).reshape(out_shape)
+
+
 def _all_entries(files: Iterable[Path]) -> dict[str, TensorEntry]:
     entries: dict[str, TensorEntry] = {}
     for file in files:
@@ -225,21 +255,32 @@ def check_checkpoint(path: str | Path) -> ModelShape:
 
 
 def load_checkpoint(
-    path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    shard: Shard | None = None,
+    group: Group | None = None,
 ) -> Model:
     """A ``Model`` holding the checkpoint's weights, cast to ``dtype``, on ``device``.
 
     The checks of ``check_checkpoint``, and a tied checkpoint's stored ``lm_head.weight``
     must equal its embedding. The files are only read. ``dtype`` defaults to float32.
+    Under tensor parallelism (``shard``) only the rank's slice of each split tensor is
+    read (``actors/model/parallel.py`` says which are split).
     """
     import torch
 
     from ringfence.actors.model.decoder import Model
+    from ringfence.actors.model.parallel import Shard, shard_range
 
+    shard = shard or Shard()
     config = read_config(path)
     entries = _checked_entries(path, config)
     # The random initial weights are all overwritten below.
-    model = Model(config, torch.float32 if dtype is None else dtype, seed=0)
+    model = Model(
+        config, torch.float32 if dtype is None else dtype, seed=0, shard=shard, group=group
+    )
     targets = model.state_dict(keep_vars=True)
     if set(targets) != set(expected_tensors(config)):  # one definition of the tensors
         raise RuntimeError(f"the {config.family} model's state dict differs from expected_tensors")
@@ -250,8 +291,10 @@ def load_checkpoint(
             if not torch.equal(read_tensor(entry), embed):
                 raise ValueError(f"{path}: embeddings are tied but lm_head.weight differs")
             continue
+        where = shard_range(name, entry.shape, shard)
+        value = read_tensor(entry) if where is None else read_tensor_slice(entry, *where)
         with torch.no_grad():
-            targets[name].copy_(read_tensor(entry))
+            targets[name].copy_(value)
     return model.to(device)
 
 

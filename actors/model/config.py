@@ -13,7 +13,7 @@ from ringfence.runtime.config import setting
 
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
 
-Preset = Literal["tiny", "small"]
+Preset = Literal["tiny", "tiny-4kv", "small"]
 Dtype = Literal["float32", "bfloat16", "float64"]
 _DEVICE = (r"cpu|cuda(:[0-9]+)?", "'cpu', 'cuda' or 'cuda:N'")
 

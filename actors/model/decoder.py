@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ringfence.actors.model.shape import PRESETS, ModelShape
+from ringfence.actors.model.parallel import SINGLE, WHOLE, Group, Shard, local_shape, take_shard
+from ringfence.actors.model.shape import PRESETS, ModelShape, expected_tensors
 
 __all__ = [
     "DTYPES", "PRESETS", "Model", "ModelShape", "Sampled", "inverse_frequencies",
@@ -131,19 +132,38 @@ class Model(nn.Module):
 
     Immutable after construction (no grad, inference only); safe to share between
     threads that only read it. ``forward_contiguous`` keeps no state between calls.
+
+    Under tensor parallelism (``shard.size`` > 1, ``actors/model/parallel.py``) it holds
+    one rank's shard: ``config`` stays the whole model's shape, ``local`` is this rank's
+    (its heads, KV heads and MLP width), and each layer's row-parallel outputs are summed
+    over the ranks by ``group``. Every rank's random weights are slices of the same whole
+    tensors, drawn as a single rank draws them, so any ``tp_size`` computes the same model.
     """
 
     rope_cos: Tensor  # [max_position, head_dim] rotary table; a buffer, not in the state dict
     rope_sin: Tensor
 
-    def __init__(self, config: ModelShape, dtype: torch.dtype, seed: int) -> None:
+    def __init__(
+        self,
+        config: ModelShape,
+        dtype: torch.dtype,
+        seed: int,
+        *,
+        shard: Shard = WHOLE,
+        group: Group | None = None,
+    ) -> None:
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+        if group is not None and group.shard != shard:
+            raise ValueError(f"the group is of {group.shard}, the model of {shard}")
         self.config = config
+        self.local = local_shape(config, shard.size)
+        self.shard = shard
+        self.group = group or (SINGLE if shard.size == 1 else Group(shard, None))
         self.dtype = dtype
         with torch.device("meta"):
-            self.model = Body(config)
+            self.model = Body(self.local)
             self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         self.to_empty(device="cpu")
@@ -160,25 +180,38 @@ class Model(nn.Module):
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
 
     @classmethod
-    def from_preset(cls, name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> Model:
-        """A preset with random weights that depend only on ``seed`` (the same in every dtype)."""
+    def from_preset(
+        cls,
+        name: str,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        *,
+        shard: Shard = WHOLE,
+        group: Group | None = None,
+    ) -> Model:
+        """A preset with random weights that depend only on ``seed`` (the same in every
+        dtype), or ``shard``'s slices of them."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
-        return cls(PRESETS[name], dtype, seed)
+        return cls(PRESETS[name], dtype, seed, shard=shard, group=group)
 
     def _init_weights(self, seed: int) -> None:
         # Drawn in float32 in a fixed order from a private generator: deterministic
         # across runs and dtypes, and the global RNG is left alone. Biases start at zero.
+        # Each tensor is drawn whole (the whole model's shape) and this rank keeps its slice.
         gen = torch.Generator().manual_seed(seed)
+        whole = expected_tensors(self.config)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.data.fill_(1.0)
             elif name.endswith(".bias"):
                 param.data.zero_()
             else:
-                fan_in = self.config.hidden if "embed_tokens" in name else param.shape[1]
+                shape = whole[name]
+                fan_in = self.config.hidden if "embed_tokens" in name else shape[1]
                 std = fan_in**-0.5
-                param.data.copy_(torch.randn(param.shape, generator=gen) * std)
+                drawn = torch.randn(shape, generator=gen) * std
+                param.data.copy_(take_shard(name, drawn, self.shard))
 
     def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
         # Like Hugging Face: normalize in at least float32, scale in the model dtype.
@@ -203,7 +236,7 @@ class Model(nn.Module):
 
     def attention_inputs(self, index: int, x: Tensor, positions: Tensor) -> QKV:
         """Layer ``index``'s queries, keys and values of hidden states x [T, hidden]."""
-        c = self.config
+        c = self.local
         layer = self.decoder_layers[index]
         h = self._rms_norm(x, layer.input_layernorm.weight)
         att = layer.self_attn
@@ -216,13 +249,16 @@ class Model(nn.Module):
         return QKV(self._rope(q, positions), self._rope(k, positions), v)
 
     def finish_layer(self, index: int, x: Tensor, attended: Tensor) -> Tensor:
-        """The residual stream after layer ``index``, given its attention output [T, heads*dim]."""
+        """The residual stream after layer ``index``, given its attention output [T, heads*dim]
+        (this rank's heads): o and down are row-parallel, summed over the ranks."""
         layer = self.decoder_layers[index]
-        x = x + F.linear(attended, layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias)
+        o = layer.self_attn.o_proj
+        projected = self.group.all_reduce(F.linear(attended, o.weight))
+        x = x + (projected if o.bias is None else projected + o.bias)
         h = self._rms_norm(x, layer.post_attention_layernorm.weight)
         mlp = layer.mlp
         gated = F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight)
-        return x + F.linear(gated, mlp.down_proj.weight)
+        return x + self.group.all_reduce(F.linear(gated, mlp.down_proj.weight))
 
     def logits(self, x: Tensor) -> Tensor:
         """Final norm and LM head: logits [T, vocab] of hidden states [T, hidden]."""

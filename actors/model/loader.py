@@ -11,6 +11,7 @@ from ringfence.actors.model.checkpoint import load_checkpoint
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.model.identity import model_id
+from ringfence.actors.model.parallel import Group, Shard, rank_device
 from ringfence.actors.model.tokenizer import ByteTokenizer, special_ids
 from ringfence.actors.protocol.worker import ModelInfo
 
@@ -20,17 +21,24 @@ class LoadedModel(NamedTuple):
     info: ModelInfo
 
 
-def load_model(settings: ModelConfig) -> LoadedModel:
-    """The model the ``[model]`` section names: ``path`` (a checkpoint) before ``preset``."""
+def load_model(
+    settings: ModelConfig, *, shard: Shard | None = None, group: Group | None = None
+) -> LoadedModel:
+    """The model the ``[model]`` section names: ``path`` (a checkpoint) before ``preset``;
+    under tensor parallelism ``shard``'s part of it, on the rank's device
+    (``parallel.rank_device``), its all-reduces through ``group``."""
     dtype = torch_dtype(settings.dtype)
-    device = settings.device
+    shard = shard or Shard()
+    device = rank_device(settings.device, shard.rank)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"model.device is {device!r} but torch sees no CUDA device")
     if settings.path:
-        model = load_checkpoint(settings.path, dtype=dtype, device=device)
+        model = load_checkpoint(settings.path, dtype=dtype, device=device, shard=shard, group=group)
         bos, eos = special_ids(settings.path)
     else:
-        model = Model.from_preset(settings.preset, dtype, settings.seed).to(device)
+        model = Model.from_preset(
+            settings.preset, dtype, settings.seed, shard=shard, group=group
+        ).to(device)
         bos, eos = ByteTokenizer.bos, ByteTokenizer.eos
     info = ModelInfo(
         model_id=model_id(settings),

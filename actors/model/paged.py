@@ -59,7 +59,7 @@ class _StepIndex(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    last_logits: Tensor  # [num_pieces, vocab]: logits of the last token of each piece
+    last_logits: Tensor | None  # [num_pieces, vocab]: of each piece's last token; None: not asked
     all_logits: Tensor | None  # [total tokens, vocab] in piece order, when asked for
 
 
@@ -70,7 +70,8 @@ def make_kv_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> Tensor:
-    """A new, uninitialized block-major KV tensor (its contents are garbage until written)."""
+    """A new, uninitialized block-major KV tensor (its contents are garbage until written).
+    ``config``: the shape whose KV heads it holds (a rank's: ``Model.local``)."""
     shape = (num_blocks, config.layers, 2, block_size, config.kv_heads, config.head_dim)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -86,7 +87,7 @@ class PagedExecutor:
     """
 
     def __init__(self, model: Model, kv: Tensor) -> None:
-        c = model.config
+        c = model.local  # this rank's heads (all of them on a single rank)
         if kv.dim() != 6 or (kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[5]) != (
             c.layers,
             2,
@@ -191,8 +192,12 @@ class PagedExecutor:
         )
 
     @torch.inference_mode()
-    def step(self, pieces: Sequence[Piece], *, all_logits: bool = False) -> StepOutput:
-        """Run one step: write each token's K/V into its slot, attend causally, return logits.
+    def step(
+        self, pieces: Sequence[Piece], *, all_logits: bool = False, logits: bool = True
+    ) -> StepOutput:
+        """Run one step: write each token's K/V into its slot, attend causally, return logits
+        (none with ``logits=False``: a tensor-parallel rank other than 0 writes its KV and
+        takes part in the all-reduces, and skips the LM head).
 
         Linear layers run once over all tokens of the step. Attention runs once per layer
         for all one-token (decode) pieces together, over their tables gathered into one
@@ -203,7 +208,7 @@ class PagedExecutor:
         NaN, and NaN * 0 is still NaN.
         """
         self.check(pieces)
-        model, c = self.model, self.model.config
+        model, c = self.model, self.model.local
         ix = self._index(pieces)
         kv, dec = self.kv, ix.decodes
         if dec is not None:  # gather buffers, reused by every layer
@@ -252,9 +257,11 @@ class PagedExecutor:
                 )
                 out[rows] = attended[0].transpose(0, 1).reshape(chunk.length, -1)
             x = model.finish_layer(layer, x, out)
+        if not logits:
+            return StepOutput(None, None)
         if all_logits:
-            logits = model.logits(x)
-            return StepOutput(logits[ix.last], logits)
+            every = model.logits(x)
+            return StepOutput(every[ix.last], every)
         return StepOutput(model.logits(x[ix.last]), None)
 
 

@@ -119,6 +119,10 @@ PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(
         vocab_size=259, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128
     ),
+    # "tiny" with four KV heads (eight query heads of 8): it splits over tp_size 1, 2 or 4.
+    "tiny-4kv": ModelShape(
+        vocab_size=259, hidden=64, layers=2, heads=8, kv_heads=4, head_dim=8, intermediate=128
+    ),
     # 20,980,224 parameters (embedding 2,097,152 tied; 2,360,320 per layer; final norm 512).
     # KV block at block_size 16: layers*2*block_size*kv_heads*head_dim*dtype_size
     # = 8*2*16*4*64*4 = 262,144 bytes (256 KiB) in float32, 128 KiB in bfloat16.
