@@ -60,7 +60,7 @@ def test_checkpoint_shards_give_the_transformers_logits_in_float64(
     tmp_path: Path, family: str
 ) -> None:
     """Qwen3 with attention biases (q/k/v sliced, o's bias added once after the sum, q/k
-    norms per head) and Qwen2 (q/k/v biases), loaded rank by rank from the files."""
+    norms per head), loaded rank by rank from the files."""
     pytest.importorskip("transformers")
     from hf_checkpoints import float64_throughout, save_family, transformers_logits
 
