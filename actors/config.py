@@ -28,9 +28,10 @@ class ParallelConfig:
 
     tp_size: int = setting(
         1,
-        "Worker ranks of one instance (tensor parallelism); 1 until the Worker shards the model",
+        "Worker ranks of one instance (tensor parallelism): each holds its share of the heads "
+        "and of the MLP, with its own swap and store lanes; must divide the KV heads",
         ge=1,
-        le=1,
+        le=64,
     )
 
 

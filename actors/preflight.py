@@ -16,6 +16,7 @@ from pathlib import Path
 from ringfence.actors.config import Config
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.model.checkpoint import check_checkpoint
+from ringfence.actors.model.parallel import check_divisible
 from ringfence.actors.model.shape import PRESETS, ModelShape
 from ringfence.cache.fences import Tier
 
@@ -33,8 +34,9 @@ def check_model(config: Config) -> None:
     if config.model.path:
         check_tokenizer(Path(config.model.path))
     shape = shape or PRESETS[config.model.preset]
+    check_divisible(shape, config.parallel.tp_size)
     check_cache(config, shape)
-    check_device(config.model.device, config.model.dtype)
+    check_device(config.model.device, config.model.dtype, config.parallel.tp_size)
 
 
 def checkpoint_shape(path: str) -> ModelShape:
@@ -86,8 +88,9 @@ def check_cache(config: Config, shape: ModelShape) -> None:
         )
 
 
-def check_device(device: str, dtype: str) -> None:
+def check_device(device: str, dtype: str, ranks: int = 1) -> None:
     """``model.device`` exists and runs ``model.dtype``; torch is imported only for CUDA.
+    On CUDA, rank r runs on device index + r: every one of them must exist.
 
     Every dtype of ``[model]`` runs on the CPU (bfloat16 included: slower, not refused)."""
     if device == "cpu":
@@ -100,6 +103,11 @@ def check_device(device: str, dtype: str) -> None:
     count = torch.cuda.device_count()
     if index >= count:
         raise ValueError(f"model.device: {device!r}, but torch sees {count} CUDA device(s)")
+    if index + ranks > count:
+        raise ValueError(
+            f"parallel.tp_size: {ranks} ranks from {device!r} need CUDA devices "
+            f"{index}..{index + ranks - 1}, but torch sees {count}"
+        )
     if dtype == "bfloat16" and torch.cuda.get_device_capability(index) < (8, 0):
         # Before compute capability 8.0 bfloat16 is only emulated, if at all.
         name = torch.cuda.get_device_name(index)

@@ -114,13 +114,19 @@ EVENTS: Final[dict[str, Event]] = {
     # The Worker (ringfence.actors.executors.worker): the step lane's executor.
     "worker.ready": _e(
         "info",
-        "model_id device kv_shm num_blocks block_bytes step_done threads",
-        "the model is loaded and the device KV tensor is mapped; step_done it resumes from",
+        "model_id device kv_shm num_blocks block_bytes step_done threads tp_size group",
+        "the model (this rank's shard) is loaded and the device KV tensor is mapped; step_done "
+        "it resumes from; group: the generation of the ranks' process group",
+    ),
+    "worker.group": _e(
+        "info",
+        "tp_size generation backend join_s",
+        "this Worker rank joined its instance's process group (gloo or nccl) of this generation",
     ),
     "step.done": _e(
         "info",
         "step plan_epoch status fence_swap fence_store seen_swap seen_store pieces tokens poison "
-        "wait_ns exec_ns error",
+        "wait_ns exec_ns reduce_ns reduces error",
         "step_done reached step; status ok, rejected (malformed, nothing touched) or cancelled "
         "(stale epoch); seen_* are the watermarks observed once the fence was reached",
     ),
@@ -188,9 +194,16 @@ EVENTS: Final[dict[str, Event]] = {
     ),
     "engine.tier_reset": _e(
         "warning",
-        "incarnation new_epoch step_done requeued",
+        "incarnation new_epoch step_done requeued rank waiting",
         "the worker restarted with a fresh device tier: every op in flight is lost, the running "
-        "requests (requeued) are computed again; new_epoch: the engine's from now on",
+        "requests (requeued) are computed again; new_epoch: the engine's from now on; rank: "
+        "the first rank of the new generation to announce; waiting: the ranks still to come "
+        "(nothing is issued until none is left)",
+    ),
+    "engine.rank_rejoined": _e(
+        "info",
+        "rank waiting",
+        "a Worker rank of the restarted group announced itself; waiting: the ranks still to come",
     ),
     "engine.stale": _e(
         "warning",

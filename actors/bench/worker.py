@@ -203,7 +203,7 @@ class _Sides:
     def paged_decode(self) -> float:
         executor, tables, context = self.decode_executor, self.decode_tables, self.contexts
         pieces = [_piece(c, 0, t) for c, t in zip(context, tables, strict=True)]
-        tokens: list[int] = executor.step(pieces).last_logits.argmax(-1).tolist()
+        tokens = _greedy(executor, pieces)
         start = len(context[0])
         generated = [tokens]
 
@@ -211,7 +211,7 @@ class _Sides:
             nonlocal tokens
             for pos in range(start, start + self.n["decode_steps"]):
                 pieces = [_piece([tok], pos, t) for tok, t in zip(tokens, tables, strict=True)]
-                tokens = executor.step(pieces).last_logits.argmax(-1).tolist()
+                tokens = _greedy(executor, pieces)
                 generated.append(tokens)
 
         seconds = _timed(run)
@@ -414,3 +414,11 @@ def main(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     return 0
+
+
+def _greedy(executor: Any, pieces: list[Any]) -> list[int]:
+    """The greedy next token of every piece of one step."""
+    logits = executor.step(pieces).last_logits
+    assert logits is not None
+    tokens: list[int] = logits.argmax(-1).tolist()
+    return tokens

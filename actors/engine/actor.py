@@ -99,6 +99,8 @@ class Engine(Actor):
         self.storage: StorageBackend | None = None
         self.model: ModelInfo | None = None
         self.tiers: dict[int, DeviceTier] = {}  # rank -> the device tier its swap lane copies
+        self.worker_generation: dict[int, int] = {}  # rank -> its Worker's incarnation
+        self.reset_generation = 0  # the Worker incarnation the device tier was last reset for
         self.bytes: dict[str, int] = {}
         self.done = False
         # Every op an engine before this one issued is stale from now on; then ask each
@@ -138,10 +140,22 @@ class Engine(Actor):
         self.model = msg.model
         self.epoch = max(self.epoch, msg.epoch)  # ops of the old tier are stale from here
         self.tiers[msg.rank] = DeviceTier(epoch=self.epoch, kv=msg.kv)
+        self.worker_generation[msg.rank] = msg.incarnation
         if not began:
             self._maybe_begin()
         elif announced.restarted:
             self._reset_tier(msg)
+
+    @property
+    def regrouping(self) -> list[int]:
+        """The Worker ranks a restarted group still waits for (DESIGN.md "Ranks": the ranks
+        restart together, under one incarnation number): nothing is issued until every rank
+        of the new generation announced itself, so every rank gets every op of its epoch."""
+        return [
+            rank
+            for rank in range(self.ranks)
+            if self.worker_generation.get(rank, 0) < self.reset_generation
+        ]
 
     @handles(LaneReady)
     def on_lane(self, msg: LaneReady) -> None:
@@ -165,8 +179,16 @@ class Engine(Actor):
             raise ProtocolError(str(e)) from None
 
     def _reset_tier(self, msg: WorkerReady) -> None:
-        """A Worker restarted: its device tier is new, every op in flight is lost."""
+        """A Worker restarted: its device tier is new, every op in flight is lost. Under
+        tensor parallelism the first rank of a new generation resets; the others' device
+        tiers are told to their swap lanes as they announce."""
         assert self.scheduler is not None
+        if msg.incarnation <= self.reset_generation:  # a later rank of the same generation
+            self.send(f"swap-{msg.rank}", self.tiers[msg.rank])
+            self.log.info("engine.rank_rejoined", rank=msg.rank, waiting=self.regrouping)
+            self._kick()
+            return
+        self.reset_generation = msg.incarnation
         if self.log.tracing:
             self.log.trace("sched.reset", tier_epoch=msg.epoch)
         requeued = self.scheduler.reset_device()
@@ -176,6 +198,8 @@ class Engine(Actor):
             new_epoch=self.epoch,
             step_done=msg.step_done,
             requeued=[r.request_id for r in requeued],
+            rank=msg.rank,
+            waiting=self.regrouping,
         )
         self.send(f"swap-{msg.rank}", self.tiers[msg.rank])  # before any op of the new epoch
         self._kick()
@@ -318,7 +342,7 @@ class Engine(Actor):
     def _kick(self) -> None:
         """Schedule the next step if the step lane is idle, then send what has credit."""
         scheduler = self.scheduler
-        if scheduler is not None and not self.done:
+        if scheduler is not None and not self.done and not self.regrouping:
             if scheduler.step_in_flight is None and not scheduler.idle:
                 ops = scheduler.schedule()
                 self.ledger.queue(ops, self.epoch)

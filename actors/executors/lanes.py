@@ -43,7 +43,7 @@ from ringfence.runtime.actor import Actor
 from ringfence.shm.counter import CounterBlock, Watermark
 
 LANES = "lanes"  # the topology's counter block of the lane watermarks
-LANE_SLOTS = 6  # counters per rank: step_done, swap_done, store_done, two epochs, a spare
+LANE_SLOTS = 6  # per rank: step_done, swap_done, store_done, two epochs, the step gate (ranks.py)
 _LANE_SLOT = {Lane.STEP: 0, Lane.SWAP: 1, Lane.STORE: 2}
 TIER_EPOCH, ISSUER_EPOCH = "tier", "issuer"  # the epoch counters (see the module docstring)
 _EPOCH_SLOT = {TIER_EPOCH: 3, ISSUER_EPOCH: 4}

@@ -36,12 +36,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
+from ringfence.actors.executors.lanes import LANES, WAITERS, Cancelled, LaneExecutor
+from ringfence.actors.executors.ranks import StepGate
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
 from ringfence.actors.model.decoder import sample
 from ringfence.actors.model.loader import load_model
 from ringfence.actors.model.paged import PagedExecutor
+from ringfence.actors.model.parallel import Group, Shard, join_group, rank_device, rendezvous_file
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.worker import (
     SampledToken,
@@ -68,10 +70,14 @@ class Worker(LaneExecutor):
         tier_epoch.claim()
         tier_epoch.advance(self.ctx.epoch)
         config, rank = self.config, self.ctx.rank
-        self.model, self.info = load_model(config.model)
+        self.shard = Shard(rank, config.parallel.tp_size)
+        self.gate = self._step_gate() if self.shard.size > 1 else None
+        self.group = self._join_group()
+        self.model, self.info = load_model(config.model, shard=self.shard, group=self.group)
         layout = kv_layout(config, Tier.DEVICE, self.model.config)
         shm_name = posix_name(self.ctx.run_id, f"kv.device.{rank}") if self.ctx.run_id else ""
-        self.space: SharedKV | None = create_kv(layout, config.model.device, shm_name=shm_name)
+        device = rank_device(config.model.device, rank)
+        self.space: SharedKV | None = create_kv(layout, device, shm_name=shm_name)
         if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN
             self.space.poison(range(layout.num_blocks))
         self.executor: PagedExecutor | None = PagedExecutor(self.model, self.space.kv)
@@ -86,8 +92,43 @@ class Worker(LaneExecutor):
             block_bytes=layout.block_bytes,
             step_done=self.done.value(),
             threads=torch.get_num_threads(),
+            tp_size=self.shard.size,
+            group=self.group_generation,
         )
         self.announce()
+
+    def _step_gate(self) -> StepGate:
+        """This rank's step gate (ranks.py); its step_done rings the peers too."""
+        rank, size = self.shard.rank, self.shard.size
+        bells = [self.bell_of(f"worker-{p}") for p in range(size) if p != rank]
+        peers = [bell for bell in bells if bell is not None]
+        own = [self.bell_of(f"{name}-{rank}") for name in WAITERS[self.lane]]
+        self.done.claim(notify=[bell for bell in own if bell is not None] + peers)
+        return StepGate(self.ctx.counters[LANES], rank, size, peers)
+
+    def _join_group(self) -> Group:
+        """The process group of this instance's Worker ranks: one rendezvous file per
+        generation (the ranks restart together, so they share the incarnation number)."""
+        self.group_generation = self.ctx.incarnation
+        if self.shard.size == 1:
+            return Group(self.shard, None)
+        if self.ctx.run_dir is None:
+            raise RuntimeError(
+                f"parallel.tp_size {self.shard.size} needs a run dir for the ranks' rendezvous"
+            )
+        store = rendezvous_file(self.ctx.run_dir, self.group_generation)
+        began = time.perf_counter()
+        group = join_group(
+            self.shard, self.config.model.device, store, self.ctx.runtime.ready_timeout_s
+        )
+        self.log.info(
+            "worker.group",
+            tp_size=self.shard.size,
+            generation=self.group_generation,
+            backend="nccl" if self.config.model.device.startswith("cuda") else "gloo",
+            join_s=round(time.perf_counter() - began, 3),
+        )
+        return group
 
     def announce(self, resync: int = -1) -> None:
         """Send WorkerReady: on start, and in answer to an engine's Resync."""
@@ -114,6 +155,7 @@ class Worker(LaneExecutor):
         if self.space is not None:
             self.space.close()
             self.space = None
+        self.group.close()
 
     @property
     def kv(self) -> torch.Tensor:
@@ -157,6 +199,11 @@ class Worker(LaneExecutor):
         except Cancelled as e:
             self._finish(plan, "cancelled", error=e.reason)
             return
+        if self.gate is not None and plan.pieces:  # the forward holds collectives
+            passed = self.gate.enter(plan.step, self.wait_until)
+            if passed:
+                self._finish(plan, "cancelled", error=passed)
+                return
         waited = time.perf_counter_ns()
         try:
             outputs = self._execute(plan)
@@ -170,6 +217,10 @@ class Worker(LaneExecutor):
             self.log.error(
                 "step.failed", step=plan.step, error=repr(e), spoiled=len(spoiled), exc_info=e
             )
+            if self.shard.size > 1 and not isinstance(e, NonFiniteLogits):
+                # The peers are inside (or past) this step's collectives and cannot be told:
+                # the group goes down together and restarts (DESIGN.md "Ranks").
+                raise
             self._finish(plan, "failed", error=f"{type(e).__name__}: {e}")
             return
         self._finish(
@@ -210,8 +261,14 @@ class Worker(LaneExecutor):
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return ()
+        # Rank 0 samples; the other ranks write their KV heads and join the all-reduces.
+        logits = self.executor.step(plan.pieces, logits=self.shard.rank == 0).last_logits
+        if logits is None:
+            if self.cuda:  # step_done covers the writes: done, not merely queued
+                torch.cuda.current_stream(self.kv.device).synchronize()
+            return ()
         # One copy for all pieces; on CUDA it waits for the step, KV writes included.
-        return sample_pieces(plan.pieces, self.executor.step(plan.pieces).last_logits.to("cpu"))
+        return sample_pieces(plan.pieces, logits.to("cpu"))
 
     def _finish(
         self,
@@ -227,6 +284,7 @@ class Worker(LaneExecutor):
     ) -> None:
         """Advance step_done past the plan, then report it."""
         self.steps += 1
+        reduce_ns, reduces = self.group.take_reduce_ns()
         self.log.info(
             "step.done",
             step=plan.step,
@@ -241,6 +299,8 @@ class Worker(LaneExecutor):
             poison=len(plan.poison),
             wait_ns=wait_ns,
             exec_ns=exec_ns,
+            reduce_ns=reduce_ns if reduces else None,
+            reduces=reduces or None,
             error=error or None,
         )
         result = StepResult(

@@ -128,7 +128,7 @@ class Group:
         import torch.distributed as dist
 
         began = time.perf_counter_ns()
-        dist.all_reduce(x, group=self.process_group)  # type: ignore[arg-type]
+        dist.all_reduce(x, group=self.process_group)
         self.reduce_ns += time.perf_counter_ns() - began
         self.reduces += 1
         return x
@@ -170,7 +170,7 @@ def join_group(
     import torch.distributed as dist
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    store = dist.FileStore(os.fspath(store_path), shard.size)
+    store = dist.FileStore(os.fspath(store_path), shard.size)  # type: ignore[attr-defined]
     kwargs: dict[str, object] = {}
     if backend == "nccl":
         import torch

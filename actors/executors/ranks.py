@@ -1,0 +1,98 @@
+"""The step gate: the Worker ranks of one instance enter a step's collectives together.
+
+Under tensor parallelism every rank runs every step plan, and a step's forward pass
+holds all-reduces: a rank that enters it waits inside the collective for all the
+others. Each rank waits only on its own rank's watermarks for the plan's fence (DESIGN.md
+"Ranks": shards of different ranks are disjoint memory), so the ranks reach the
+forward at different times; a rank whose swap lane is restarting may be seconds late,
+and one that finds the plan stale or malformed never enters it. A rank blocked in a
+collective cannot heartbeat, nor see that a peer will never come.
+
+So before the forward, rank r *commits* to step s by advancing its ``step_gate[r]`` to s
+(a counter of the ``lanes`` block, one writer), then sleeps on its own doorbell, with the
+driver's deadline, until every peer p has either committed (``step_gate[p] >= s``) or
+passed s without running it (``step_done[p] >= s``: it cancelled or refused s, since no
+rank can finish s by running it before all have entered). If every peer committed, all
+run; if one passed, this rank cancels s too. A rank decides to pass only before it
+commits, so every rank sees the same passer and they all agree. The wait defers like a
+fence wait (the plan is handed over again after a heartbeat): nothing blocks a rank in a
+collective for longer than the ranks' compute skew.
+
+A gate value left by a dead incarnation is at most its ``step_done + 1``, and that step
+is of the old epoch: every new rank cancels it as stale without committing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ringfence.actors.executors.lanes import LANE_SLOTS, lane_counter
+from ringfence.cache.fences import Lane
+from ringfence.shm.counter import CounterBlock, Waker, Watermark
+from ringfence.shm.errors import WaitTimeout
+
+GATE_SLOT = 5  # of the LANE_SLOTS counters of a rank (lanes.py): the step gate
+
+
+def gate_counter(block: CounterBlock, rank: int) -> Watermark:
+    """``step_gate`` of ``rank`` in the ``lanes`` counter block."""
+    index = rank * LANE_SLOTS + GATE_SLOT
+    if index >= block.count:
+        raise ValueError(f"rank {rank} has no step gate in a block of {block.count}")
+    return block[index]
+
+
+class StepGate:
+    """Rank ``rank``'s side of the gate among ``size`` ranks (see the module docstring),
+    over the ``lanes`` counter block; ``notify``: the peers' doorbells, rung on a commit."""
+
+    def __init__(self, block: CounterBlock, rank: int, size: int, notify: list[Waker]) -> None:
+        self.rank, self.size = rank, size
+        peers = [p for p in range(size) if p != rank]
+        self.own = gate_counter(block, rank)
+        self.gates = {p: gate_counter(block, p) for p in peers}
+        self.done = {p: lane_counter(block, p, Lane.STEP) for p in peers}
+        self.own.claim(notify=notify)
+
+    def commit(self, step: int) -> None:
+        """This rank will run ``step`` unless a peer passes it."""
+        if self.own.value() < step:
+            self.own.advance(step)
+
+    def settled(self, step: int) -> bool:
+        """Whether every peer committed to ``step`` or passed it."""
+        return all(
+            self.gates[p].value() >= step or self.done[p].value() >= step for p in self.gates
+        )
+
+    def passed_by(self, step: int) -> int | None:
+        """A peer that passed ``step`` without running it, or None (all committed).
+
+        ``step_done`` is read after ``step_gate`` in :meth:`settled`: a peer that has
+        committed and not finished shows ``step_done < step`` here."""
+        for p in sorted(self.done):
+            if self.done[p].value() >= step:
+                return p
+        return None
+
+    def enter(self, step: int, wait_until: Callable[[Callable[[], bool]], bool]) -> str:
+        """Commit to ``step`` and wait for the peers: "" to run it, else why it is cancelled.
+
+        ``wait_until`` is the actor's deadline wait; False (its deadline passed) raises
+        :class:`GateOverdue` so that the caller hands the plan over again later."""
+        self.commit(step)
+        if not self.settled(step) and not wait_until(lambda: self.settled(step)):
+            late = [p for p in sorted(self.gates) if not self._settled_at(p, step)]
+            raise GateOverdue(f"step {step}: ranks {late} have neither entered nor passed it")
+        peer = self.passed_by(step)
+        if peer is None:
+            return ""
+        return f"rank {peer} passed step {step} without running it"
+
+    def _settled_at(self, peer: int, step: int) -> bool:
+        return self.gates[peer].value() >= step or self.done[peer].value() >= step
+
+
+class GateOverdue(WaitTimeout):
+    """The peers did not reach a step's gate within the wait's deadline (the driver hands
+    the plan over again after a heartbeat, as for a fence wait)."""
