@@ -61,25 +61,27 @@ def start_executor(
     inbox: Registry,
     replies: Registry,
     epoch: int = 0,
+    rank: int = 0,
 ) -> Executor:
-    """Start ``actor_cls`` as ``<name>-0`` of run ``run_id`` (names: the caller cleans the run)."""
-    lanes = CounterBlock.create(names.posix_name(run_id, LANES), LANE_SLOTS)
+    """Start ``actor_cls`` as ``<name>-<rank>`` of run ``run_id`` (names: the caller cleans the
+    run); the ``lanes`` block holds ranks 0..rank."""
+    lanes = CounterBlock.create(names.posix_name(run_id, LANES), LANE_SLOTS * (rank + 1))
     control = CounterBlock.create(names.posix_name(run_id, "control"), 6)
     control[0].advance(epoch)
     waiter = ConditionWaiter()
     mailbox = Mailbox(waiter)
     ops = mailbox.add_local_inbox("engine-0", inbox)
     replies_box = Mailbox(ConditionWaiter())
-    answers = replies_box.add_local_inbox(f"{name}-0", replies)
+    answers = replies_box.add_local_inbox(f"{name}-{rank}", replies)
     mailbox.add_outbox(LocalOutbox("engine-0", answers))
-    log_path = log_dir / f"{name}-0.jsonl"
+    log_path = log_dir / f"{name}-{rank}.jsonl"
     driver = Driver(
         actor_cls,
         name=name,
-        rank=0,
+        rank=rank,
         mailbox=mailbox,
         runtime=config.runtime,
-        log=ActorLog(log_path, actor=name, rank=0, epoch=0),
+        log=ActorLog(log_path, actor=name, rank=rank, epoch=0),
         config=config,
         run_id=run_id,
         counters={LANES: lanes},

@@ -76,6 +76,7 @@ class Rig:
     storage: Path | None = None
     device: SharedKV | None = None
     seen: list[object] = field(default_factory=list)
+    rank: int = 0
 
     @property
     def lane(self) -> TransferLane:
@@ -92,8 +93,8 @@ class Rig:
         assert self.device is not None
         return self.device.kv
 
-    def mark(self, lane: Lane) -> Watermark:
-        return lane_counter(self.lanes, 0, lane)
+    def mark(self, lane: Lane, rank: int | None = None) -> Watermark:
+        return lane_counter(self.lanes, self.rank if rank is None else rank, lane)
 
     def issuer_epoch(self) -> Watermark:
         """Play a restarted engine: the writer of ``issuer_epoch``."""
@@ -101,9 +102,10 @@ class Rig:
         mark.claim()
         return mark
 
-    def play(self, lane: Lane) -> Watermark:
-        """Become the writer of ``lane``'s watermark, ringing the lane under test on advance."""
-        mark = self.mark(lane)
+    def play(self, lane: Lane, rank: int | None = None) -> Watermark:
+        """Become the writer of ``lane``'s watermark (of the lane's rank, or ``rank``'s),
+        ringing the lane under test on advance."""
+        mark = self.mark(lane, rank)
         mark.claim(notify=[self.waiter])
         return mark
 
@@ -132,7 +134,8 @@ class Rig:
         run_id = self.driver.ctx.run_id
         if self.device is None:
             layout = kv_layout(self.lane.config, Tier.DEVICE)
-            self.device = create_kv(layout, "cpu", shm_name=names.posix_name(run_id, "kv.device.0"))
+            name = names.posix_name(run_id, f"kv.device.{self.rank}")
+            self.device = create_kv(layout, "cpu", shm_name=name)
         self.post(DeviceTier(epoch=epoch, kv=self.device.handle))
 
     def events(self, name: str) -> list[dict[str, Any]]:
@@ -146,24 +149,27 @@ def make_lane(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
     made: list[Executor] = []
 
-    def make(lane_cls: type[TransferLane], *overrides: str, device: bool = True) -> Rig:
+    def make(
+        lane_cls: type[TransferLane], *overrides: str, device: bool = True, rank: int = 0
+    ) -> Rig:
         name = lane_cls.lane_name
         storage = tmp_path / "storage" if lane_cls is StoreLane else None
         extra = ("cache.storage.backend=local", f"cache.storage.path={storage}") if storage else ()
-        config: Config = Config.load(None, [*SETTINGS, *extra, *overrides])
+        ranks = (f"parallel.tp_size={rank + 1}",) if rank else ()
+        config: Config = Config.load(None, [*SETTINGS, *extra, *ranks, *overrides])
         registry = TO_SWAP if lane_cls is SwapLane else TO_STORE
         ex = start_executor(
             lane_cls, name, config=config, run_id=run_id, log_dir=tmp_path,
-            inbox=registry, replies=FROM_TRANSFER,
+            inbox=registry, replies=FROM_TRANSFER, rank=rank,
         )  # fmt: skip
         made.append(ex)
         ready = ex.next_reply()
         assert isinstance(ready, LaneReady), ready
-        assert (ready.lane, ready.rank, ready.done) == (name, 0, 0)
-        assert ready.host.shm == names.posix_name(run_id, "kv.host.0")
+        assert (ready.lane, ready.rank, ready.done) == (name, rank, 0)
+        assert ready.host.shm == names.posix_name(run_id, f"kv.host.{rank}")
         rig = Rig(
             ex.driver, ex.inbox, ex.replies, ex.replies_box, ex.waiter, ex.lanes, ex.control,
-            ex.log_path, ready, host=open_kv(ready.host), storage=storage,
+            ex.log_path, ready, host=open_kv(ready.host), storage=storage, rank=rank,
         )  # fmt: skip
         rigs.append(rig)
         if lane_cls is SwapLane and device:
@@ -312,6 +318,35 @@ def test_a_swap_out_reads_device_blocks_only_after_the_step_watermark_reaches_it
         assert line["fence_step"] == 2 and line["seen_step"] >= 2
     else:  # it copied what the step had not yet written
         assert same(host[list(to)], old)
+
+
+def test_a_lane_of_rank_1_waits_on_rank_1s_step_watermark_not_on_rank_0s(make_lane) -> None:
+    """DESIGN.md "Ranks": rank r's executors wait only on rank r's watermarks. Rank 0's
+    step 2 is done at once; rank 1's only later, after it wrote the blocks: a lane that read
+    rank 0's watermark would copy what rank 1's step 2 had not yet written."""
+    rig = make_lane(SwapLane, rank=1)
+    mine, other = rig.play(Lane.STEP), rig.play(Lane.STEP, rank=0)
+    mine.advance(1)
+    other.advance(2)
+    dev, host = rig.device_kv, rig.host_kv
+    blocks, to = (2, 3), (5, 6)
+    fill(dev, blocks, seed=10)
+    final = pattern(dev, 99)
+
+    def step_2() -> None:  # play rank 1's Worker: step 2 writes the blocks, then is done
+        dev[list(blocks)] = final
+        mine.advance(2)
+
+    worker = threading.Timer(0.3, step_2)
+    worker.start()
+    try:
+        done = rig.run(swap(1, "out", blocks, to, fence=Fence(step=Seq(2))))
+    finally:
+        worker.join(WAIT_S)
+    assert done.status == "ok" and done.rank == 1, done
+    assert same(host[list(to)], final.expand(len(to), *final.shape))
+    [line] = rig.events("lane.done")
+    assert line["rank"] == 1 and line["seen_step"] == 2
 
 
 # 3. I4: a write-back reads a host block only after the swap-out that fills it.
