@@ -35,11 +35,18 @@ DEVICE_BLOCKS = {"pressure": 48, "multiturn": 40}  # pressure: 4 requests need ~
 
 
 @cache
-def reference(workload: str) -> dict[str, tuple[int, ...]]:
-    """Output tokens per request of the plain loop: no tiers, a pool that never runs out."""
+def reference(workload: str, preset: str = "tiny") -> dict[str, tuple[int, ...]]:
+    """Output tokens per request of the plain loop (one rank, the whole model of
+    ``preset``): no tiers, a pool that never runs out."""
     config = Config.load(
         None,
-        [*MODEL, "cache.host_blocks=0", "cache.storage.backend=none", "cache.device_blocks=1024"],
+        [
+            *MODEL,
+            "cache.host_blocks=0",
+            "cache.storage.backend=none",
+            "cache.device_blocks=1024",
+            f"model.preset={preset}",
+        ],
     )
     lines = load_workload(f"synthetic:{workload}", requests=SIZES[workload])
     return {r.id: r.token_ids for r in LocalRunner(config).run(lines, arrivals=False)}
