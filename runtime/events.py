@@ -194,15 +194,15 @@ EVENTS: Final[dict[str, Event]] = {
     ),
     "engine.tier_reset": _e(
         "warning",
-        "incarnation new_epoch step_done requeued rank waiting",
+        "incarnation new_epoch step_done requeued worker_rank waiting",
         "the worker restarted with a fresh device tier: every op in flight is lost, the running "
-        "requests (requeued) are computed again; new_epoch: the engine's from now on; rank: "
+        "requests (requeued) are computed again; new_epoch: the engine's from now on; worker_rank: "
         "the first rank of the new generation to announce; waiting: the ranks still to come "
         "(nothing is issued until none is left)",
     ),
     "engine.rank_rejoined": _e(
         "info",
-        "rank waiting",
+        "worker_rank waiting",
         "a Worker rank of the restarted group announced itself; waiting: the ranks still to come",
     ),
     "engine.stale": _e(

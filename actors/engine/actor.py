@@ -185,7 +185,7 @@ class Engine(Actor):
         assert self.scheduler is not None
         if msg.incarnation <= self.reset_generation:  # a later rank of the same generation
             self.send(f"swap-{msg.rank}", self.tiers[msg.rank])
-            self.log.info("engine.rank_rejoined", rank=msg.rank, waiting=self.regrouping)
+            self.log.info("engine.rank_rejoined", worker_rank=msg.rank, waiting=self.regrouping)
             self._kick()
             return
         self.reset_generation = msg.incarnation
@@ -198,7 +198,7 @@ class Engine(Actor):
             new_epoch=self.epoch,
             step_done=msg.step_done,
             requeued=[r.request_id for r in requeued],
-            rank=msg.rank,
+            worker_rank=msg.rank,
             waiting=self.regrouping,
         )
         self.send(f"swap-{msg.rank}", self.tiers[msg.rank])  # before any op of the new epoch

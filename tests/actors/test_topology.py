@@ -10,6 +10,7 @@ from ringfence.actors.executors.lanes import LANE_SLOTS, LANES, epoch_counter, l
 from ringfence.actors.kv.layout import block_fingerprint, kv_layout
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.shape import PRESETS
+from ringfence.actors.preflight import check_model
 from ringfence.actors.topology import FencedTopology
 from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.run import load_topology
@@ -70,6 +71,10 @@ def test_each_rank_stores_its_shard_under_a_fingerprint_of_its_own():
     assert block_fingerprint(TWO, "m", rank=1).tp_size == 2
 
 
-def test_the_config_refuses_more_than_one_rank_until_the_worker_shards_the_model():
-    with pytest.raises(ValueError, match=r"^--set parallel.tp_size: must be <= 1, got 2$"):
-        Config.load(None, ["parallel.tp_size=2"])
+def test_the_launch_refuses_a_tp_size_the_model_does_not_split_into_naming_both():
+    assert Config.load(None, ["parallel.tp_size=2"]).parallel.tp_size == 2
+    with pytest.raises(ValueError, match=r"^--set parallel.tp_size: must be >= 1, got 0$"):
+        Config.load(None, ["parallel.tp_size=0"])
+    config = Config.load(None, ["parallel.tp_size=4"])  # tiny: 4 heads but 2 KV heads
+    with pytest.raises(ValueError, match=r"parallel.tp_size \(4\) must divide the model's 2 KV"):
+        check_model(config)
