@@ -25,6 +25,9 @@ _EXECUTORS = {
     "swap": "ringfence.actors.executors.swap:SwapLane",
     "store": "ringfence.actors.executors.store:StoreLane",
 }
+# The Worker's ranks share a process group that dies with any of them: they restart as one
+# group (runtime/topology.py). A lane's rank restarts alone and redoes its op.
+_TOGETHER = frozenset({"worker"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,12 +51,15 @@ class FencedTopology:
         return self.ranked(getattr(parallel, "tp_size", 1))
 
     def ranked(self, ranks: int = 1) -> Topology:
-        """The topology with ``ranks`` ranks of each executor."""
+        """The topology with ``ranks`` ranks of each executor; the Worker's restart together."""
         return Topology(
             actors=(
                 *self.before,
                 ActorSpec(name="engine", target=self.engine),
-                *(ActorSpec(name=n, target=t, ranks=ranks) for n, t in _EXECUTORS.items()),
+                *(
+                    ActorSpec(name=n, target=t, ranks=ranks, restart_together=n in _TOGETHER)
+                    for n, t in _EXECUTORS.items()
+                ),
             ),
             channels=(
                 *self.channels,

@@ -53,6 +53,18 @@ EVENTS: Final[dict[str, Event]] = {
     "actor.restart": _e(
         "info", "instance restarts backoff_s new_epoch", "a failed child will be spawned again"
     ),
+    "actor.group_restart": _e(
+        "info",
+        "group instance siblings killed restarts backoff_s new_epoch",
+        "a rank of a restart_together actor (group) failed (instance): its live siblings "
+        "(killed, of siblings) are SIGKILLed, the epoch bumped once, and every rank spawned "
+        "again after the backoff, once every old rank process has exited",
+    ),
+    "actor.group_stuck": _e(
+        "error",
+        "group instances reap_timeout_s",
+        "ranks killed for a group restart were still alive reap_timeout_s after; the run stops",
+    ),
     "actor.gave_up": _e(
         "error",
         "instance restarts restart ever_ready",

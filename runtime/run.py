@@ -50,7 +50,9 @@ class Slot:
     restarts: int = 0
     state: str = "starting"  # starting, ready, killing, restarting, exited, failed, stopped
     exitcode: int | None = None
-    deadline: float = 0.0  # ready deadline while starting; restart time while restarting
+    # Ready deadline while starting; restart time while restarting (math.inf for a rank of
+    # a group restart: the group's is kept by groups.py).
+    deadline: float = 0.0
     beat: int = -1  # last heartbeat value seen ...
     beat_at: float = 0.0  # ... and when it was first seen
     started_at: float = 0.0

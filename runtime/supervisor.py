@@ -18,7 +18,9 @@ A run, in order:
    would meet the same error again): its failure ends the run at once (one that was
    late, or killed, is restarted as before). A failed child
    leaves a failure record (failure.py); the supervisor logs it with the exit and
-   keeps the one that ended the run in :attr:`Supervisor.failure` for the command;
+   keeps the one that ended the run in :attr:`Supervisor.failure` for the command.
+   The ranks of a ``restart_together`` actor fail and restart as one group: the others
+   are killed and every rank spawned again once all old ones have exited (groups.py);
 5. stop: a Stop on each actor's control ring in topology order, each awaited within
    the stop deadline (an attached optional instance is sent Stop, not awaited: its
    host process stops when it next polls), then SIGKILL for what is left; unlink
@@ -46,6 +48,7 @@ import multiprocess
 from ringfence.runtime import child
 from ringfence.runtime.config import RunConfig
 from ringfence.runtime.failure import Failure, describe_exit, read_failure
+from ringfence.runtime.groups import KILL_REAP_S, Groups, ranks_of
 from ringfence.runtime.log import ActorLog, log_path
 from ringfence.runtime.messages import RUNTIME, Stop
 from ringfence.runtime.run import Run, Slot, create_run, load_topology, write_actors
@@ -75,6 +78,7 @@ class Supervisor:
         self.failure: list[str] = []
         self._context = multiprocess.get_context("spawn")
         self._by_sentinel: dict[int, Slot] = {}
+        self._groups = Groups(self.topology)
 
     # Setup and teardown.
 
@@ -180,10 +184,10 @@ class Supervisor:
         wake = [time.monotonic() + timeout]
         for s in run.slots:
             if s.state in ("starting", "restarting"):
-                wake.append(s.deadline)
+                wake.append(s.deadline)  # math.inf for a rank of a group restart
             elif s.state == "ready":
                 wake.append(s.beat_at + timeout)
-        return min(wake)
+        return min(*wake, *self._groups.wakes(run.slots))
 
     def _supervise(self, run: Run, waker: Any) -> None:
         while True:
@@ -241,6 +245,8 @@ class Supervisor:
                 self._late(run, slot)
             elif slot.state == "restarting" and now >= slot.deadline and self._stop_reason is None:
                 self._start(run, slot, waker)
+        if self._stop_reason is None:
+            self._respawn_groups(run, waker, now)
         # Optional slots wait for attaches forever: only the required actors keep a run alive.
         required = [s for s in run.slots if s.entry.attach == "required"]
         if (
@@ -330,8 +336,12 @@ class Supervisor:
             at=None if failure is None else failure.at,
             error=None if failure is None else f"{failure.error}: {failure.message}",
         )
-        if self._stop_reason is not None or clean:
-            slot.state = "stopped" if self._stop_reason is not None else "exited"
+        if self._stop_reason is not None:
+            slot.state = "stopped"
+        elif slot.state == "restarting":
+            pass  # killed for its group's restart (groups.py): no failure of its own
+        elif clean:
+            slot.state = "exited"
         else:
             self._failed(run, slot, failure)
         write_actors(self.run_dir, run)
@@ -357,6 +367,9 @@ class Supervisor:
             self._begin_stop(f"{slot.entry.id} failed", EXIT_FAILED)
             return
         backoff = min(policy.backoff_s * 2**slot.restarts, policy.backoff_max_s)
+        if self._groups.together(slot):
+            self._restart_group(run, slot, backoff)
+            return
         slot.restarts += 1
         slot.state, slot.deadline = "restarting", time.monotonic() + backoff
         epoch = run.control[0]
@@ -368,6 +381,42 @@ class Supervisor:
             backoff_s=backoff,
             new_epoch=epoch.value(),
         )
+
+    def _restart_group(self, run: Run, slot: Slot, backoff: float) -> None:
+        """``slot``, a rank of a restart_together actor, failed: kill the other ranks and
+        respawn every rank once all have exited (groups.py). One event, one epoch bump."""
+        running = self._groups.begin(run.slots, slot, backoff=backoff, now=time.monotonic())
+        epoch = run.control[0]
+        epoch.advance(epoch.value() + 1)
+        self.log.info(
+            "actor.group_restart",
+            group=slot.entry.name,
+            instance=slot.entry.id,
+            siblings=[s.entry.id for s in ranks_of(run.slots, slot.entry.name) if s is not slot],
+            killed=[s.entry.id for s in running],
+            restarts=slot.restarts,
+            backoff_s=backoff,
+            new_epoch=epoch.value(),
+        )
+        for sibling in running:
+            self._kill(sibling, f"group restart: {slot.entry.id} failed")
+
+    def _respawn_groups(self, run: Run, waker: Any, now: float) -> None:
+        """Spawn every group whose old ranks have all exited and whose backoff has passed,
+        all ranks under one incarnation; stop the run if a killed rank outlived its kill."""
+        ready, stuck = self._groups.due(run.slots, now)
+        for ranks in ready:
+            for rank in ranks:
+                self._start(run, rank, waker)
+            incarnations = {rank.incarnation for rank in ranks}
+            assert len(incarnations) == 1, f"a group spawned under {incarnations}"
+        if stuck:
+            ids, group = [s.entry.id for s in stuck], stuck[0].entry.name
+            self.log.error(
+                "actor.group_stuck", group=group, instances=ids, reap_timeout_s=KILL_REAP_S
+            )
+            self.failure = [f"{', '.join(ids)} still alive {KILL_REAP_S}s after SIGKILL"]
+            self._begin_stop(f"group {group} could not restart", EXIT_FAILED)
 
     # Stopping.
 
@@ -406,8 +455,8 @@ class Supervisor:
     ) -> str | None:
         """Wait until every slot of ``group`` has exited: None; else why the wait was cut short."""
 
-        def done() -> bool:
-            return waker.pending or all(
+        def exited() -> bool:
+            return all(
                 s.proc is None
                 if s.entry.placement == "spawn"
                 else s.control.exited.value() >= s.incarnation
@@ -418,7 +467,7 @@ class Supervisor:
         while True:
             signals, fired = waker.take()
             self._reap_fired(run, fired)
-            finished = done()
+            finished = exited()  # not waker.pending: an exit not yet collected is no exit
             for slot in group:
                 if slot.entry.placement == "external" and slot.live and finished:
                     slot.state = "stopped"
@@ -435,7 +484,7 @@ class Supervisor:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return "stop deadline passed"
-            run.bell.wait_until(done, remaining)
+            run.bell.wait_until(lambda: waker.pending or exited(), remaining)
 
     def _reap_all(self, run: Run) -> None:
         """Last step on every exit path: no child of this run outlives the supervisor."""

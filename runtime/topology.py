@@ -15,6 +15,14 @@ for one to attach, only warns when an attached one's heartbeat goes stale, and
 after one detaches or dies waits for the next attach; it sends an attached one
 Stop when the run ends but does not wait for it to go.
 
+An actor of several ranks may be ``restart_together``: its ranks share state that does not
+survive the death of any one of them (the Worker's torch.distributed process group), so
+the supervisor restarts them as one group. When one rank fails, it SIGKILLs every other
+live rank, waits until every old rank process has exited, and spawns every rank again
+under one new run epoch and one incarnation number (runtime/supervisor.py). Only ranks the
+supervisor spawns can be killed: with ``placement = "external"`` the flag has no effect
+(each rank is awaited alone, as any external instance), and an optional actor may not set it.
+
 A topology also names its preflight: checks of the run's config, each an import path of
 a function ``check(config) -> None`` that raises ValueError naming the file and the
 field at fault (a checkpoint the Worker could not load, a workload the engine could not
@@ -48,6 +56,8 @@ class ActorSpec:
     # "optional": slots for processes that come and go (never spawned, never awaited);
     # see the module docstring.
     attach: Attach = "required"
+    # True: the ranks fail and restart as one group; see the module docstring.
+    restart_together: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +132,11 @@ class Topology:
                 raise ValueError(
                     f"topology: actor {spec.name}: attach must be one of {ATTACH_MODES}, "
                     f"got {spec.attach!r}"
+                )
+            if spec.restart_together and spec.attach == "optional":
+                raise ValueError(
+                    f"topology: actor {spec.name}: an optional actor cannot restart_together "
+                    "(the supervisor never spawns its instances)"
                 )
         if len(set(names)) != len(names):
             raise ValueError(f"topology: duplicate actor names in {names}")

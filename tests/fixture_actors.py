@@ -191,3 +191,24 @@ RANKED = Topology(
         CounterSpec(name="ranks", count=len(FORWARDED_BY + APPLIED_FROM)),
     ),
 )
+
+
+# Fixtures of test_supervisor_groups.py: ranks that restart together, beside ranks that do not.
+
+
+class Idle(Actor):
+    """Handles nothing and only beats: a rank whose spawns, exits and restarts a test follows."""
+
+
+def _grouped(ranks: int) -> Topology:
+    """A "worker" of ``ranks`` ranks that restart together, and a "lane" of 2 that do not."""
+    return Topology(
+        actors=(
+            ActorSpec(name="worker", target=f"{__name__}:Idle", ranks=ranks, restart_together=True),
+            ActorSpec(name="lane", target=f"{__name__}:Idle", ranks=2),
+        )
+    )
+
+
+GROUP_OF_2 = _grouped(2)
+GROUP_OF_3 = _grouped(3)

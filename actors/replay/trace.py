@@ -37,7 +37,7 @@ from ringfence.actors.replay.log import LANE_NAMES, Entry, Op, RunLog
 
 LANE_ACTORS: Final = {"step": "worker", "swap": "swap", "store": "store"}
 SUPERVISOR_EVENTS: Final = frozenset(
-    {"run.start", "actor.spawn", "actor.exit", "actor.restart", "run.end"}
+    {"run.start", "actor.spawn", "actor.exit", "actor.restart", "actor.group_restart", "run.end"}
 )
 ACTOR_ORDER: Final = ("supervisor", "engine", "worker", "swap", "store")
 COMMON_FIELDS: Final = frozenset({"ts", "mono_ns", "level", "actor", "rank", "pid", "event"})

@@ -36,6 +36,12 @@ def test_each_executor_runs_in_every_rank_with_a_ring_to_and_from_the_one_engine
     assert (lanes.name, lanes.count) == (LANES, 2 * LANE_SLOTS)
 
 
+def test_only_the_workers_ranks_restart_together():
+    topology = FencedTopology(engine="ringfence.actors.engine.actor:Engine").ranked(2)
+    together = {a.name: a.restart_together for a in topology.actors}
+    assert together == {"engine": False, "worker": True, "swap": False, "store": False}
+
+
 def test_every_ranks_watermarks_and_epochs_have_slots_of_their_own():
     class Block:
         count = 2 * LANE_SLOTS
