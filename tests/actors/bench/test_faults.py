@@ -49,6 +49,22 @@ def test_repeated_kills_of_the_transfer_lanes_and_a_kill_of_the_worker_lose_no_r
     judged(outcome, completed=4)
 
 
+def test_at_tp_2_a_ranks_swap_lane_killed_twice_and_a_worker_rank_killed_once_lose_nothing(
+    tmp_path,
+):
+    """DESIGN.md "Ranks": the lane restarts alone and redoes its op; the killed Worker rank
+    takes its group down, both ranks restart together under a new tier epoch."""
+    kill = (Kill("swap-1", 10), Kill("worker-1", 30), Kill("swap-1", 55))
+    sets = (*PRESSURE, "parallel.tp_size=2")
+    scenario = Scenario("tp2 rank lane and worker rank", "pressure", 4, sets, kill)
+    outcome = run_scenario(scenario, tmp_path, timeout=300)
+    assert outcome.injected == len(kill) and outcome.exit_code == 0
+    judged(outcome, completed=4)
+    run_dir = tmp_path / "tp2-rank-lane-and-worker-rank" / "run"
+    supervisor = (run_dir / "supervisor-0.jsonl").read_text()
+    assert supervisor.count('"event":"actor.group_restart"') == 1
+
+
 @pytest.mark.slow
 def test_a_killed_engine_is_restarted_and_runs_its_workload_again_to_the_same_tokens(tmp_path):
     scenario = Scenario("engine", "pressure", 4, PRESSURE, kills("engine-0", 30))
