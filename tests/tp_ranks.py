@@ -30,6 +30,7 @@ def run_rank(
     steps: list[list[tuple[list[int], int]]],
     out: str,
     poison: bool,
+    device: str = "cpu",
 ) -> None:
     """Rank ``rank`` of ``size``: the model of ``source`` (a preset name or a checkpoint
     directory) in float64, every step run over a paged KV tensor; rank 0 saves each
@@ -39,18 +40,20 @@ def run_rank(
     from ringfence.actors.model.checkpoint import load_checkpoint
     from ringfence.actors.model.decoder import Model
     from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
-    from ringfence.actors.model.parallel import Shard, join_group
+    from ringfence.actors.model.parallel import Shard, join_group, rank_device
     from ringfence.sched.ops import Piece
 
     torch.set_num_threads(1)
     shard = Shard(rank, size)
-    group = join_group(shard, "cpu", store, timeout_s=60)
+    device = rank_device(device, rank)
+    group = join_group(shard, device, store, timeout_s=60)
     try:
         if Path(source).is_dir():
             model = load_checkpoint(source, dtype=torch.float64, shard=shard, group=group)
         else:
             model = Model.from_preset(source, torch.float64, 0, shard=shard, group=group)
-        kv = make_kv_cache(model.local, 16, BLOCK_SIZE, torch.float64)
+        model = model.to(device)
+        kv = make_kv_cache(model.local, 16, BLOCK_SIZE, torch.float64, device=device)
         kv.fill_(float("nan") if poison else 0.0)
         executor = PagedExecutor(model, kv)
         table = list(range(15, -1, -1))  # blocks out of order, all of one sequence
@@ -69,7 +72,7 @@ def run_rank(
             logits = executor.step(pieces, logits=rank == 0).last_logits
             if rank == 0:
                 assert logits is not None
-                saved.append(logits.clone())
+                saved.append(logits.to("cpu"))
         if rank == 0:
             torch.save(saved, out)
     finally:
@@ -77,7 +80,13 @@ def run_rank(
 
 
 def run_group(
-    tmp: Path, size: int, source: str, steps: list[Any], *, poison: bool = True
+    tmp: Path,
+    size: int,
+    source: str,
+    steps: list[Any],
+    *,
+    poison: bool = True,
+    device: str = "cpu",
 ) -> list[Any]:
     """Run ``steps`` on ``size`` spawned ranks meeting in ``tmp``; rank 0's logits per step."""
     import torch

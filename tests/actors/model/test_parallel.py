@@ -96,6 +96,18 @@ def test_a_rank_reads_only_its_slice_of_a_split_tensor(tmp_path: Path) -> None:
             assert torch.equal(got, take_shard(name, state[name], Shard(rank, 2))), name
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="no two CUDA devices: the NCCL path of tensor parallelism",
+)
+def test_cuda_shards_joined_by_nccl_compute_the_whole_models_logits(tmp_path: Path) -> None:
+    whole = Model.from_preset("tiny", torch.float64, 0)
+    steps = steps_of(PROMPT, greedy(whole, PROMPT, 3))
+    sharded = run_group(tmp_path, 2, "tiny", steps, device="cuda")
+    for got, want in zip(sharded, whole_steps(whole, steps), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
 def test_each_rank_holds_its_heads_and_a_column_or_row_slice() -> None:
     shape = PRESETS["tiny-4kv"]
     local = local_shape(shape, 4)
