@@ -224,3 +224,16 @@ def test_the_trace_joins_fences_rank_by_rank_and_marks_what_a_rank_never_complet
     ]  # fmt: skip
     (lost,) = [e for e in events if "never completed" in e["name"]]
     assert lost["name"] == "write-back 1 never completed" and names[lost["pid"]] == "store-1"
+
+
+@pytest.mark.parametrize(("applied_as", "ok"), [("failed", True), ("ok", False)])
+def test_an_op_whose_ranks_differ_is_applied_with_the_worst_status(applied_as, ok, tmp_path):
+    logs = build(CLEAN)
+    logs.files["store-1"][logs.find("store-1", "lane.done", op=1)]["status"] = "failed"
+    logs.files[ENGINE][logs.find(ENGINE, "sched.transfer", lane="store", op=1)]["status"] = (
+        applied_as
+    )
+    _, result = replay(logs, tmp_path)
+    assert messages(result) == (
+        [] if ok else ["[ops] the engine applied write-back 1 as ok; its executors reported failed"]
+    )
