@@ -61,7 +61,6 @@ from ringfence.actors.replay.log import (
     Entry,
     Op,
     RunLog,
-    message_pairs,
 )
 
 CHECKS: Final = {
@@ -274,7 +273,7 @@ def _applied_after_reports(op: Op, receipts: dict[int, Entry] | None, result: Ch
 def _report_receipts(log: RunLog) -> dict[int, Entry]:
     """id(completion) -> the engine's ``msg.recv`` of the report its executor sent next (the
     first ``msg.send`` to an engine after it, by the same process)."""
-    received = {id(send): receive for send, receive in message_pairs(log.sources)}
+    received = log.received
     receipts: dict[int, Entry] = {}
     for entries in log.sources.values():
         pending: Entry | None = None

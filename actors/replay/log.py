@@ -113,6 +113,7 @@ class Op:
     applied: list[Entry] = field(default_factory=list)  # the engine's sched.step/sched.transfer
     stale: list[Entry] = field(default_factory=list)  # engine.stale: dropped, an older epoch
     extra_issues: list[Entry] = field(default_factory=list)  # op.issue again: a violation
+    _first: tuple[int, dict[int, Entry]] | None = field(default=None, repr=False)  # first_done
 
     @property
     def kind(self) -> str:
@@ -127,10 +128,12 @@ class Op:
     def first_done(self) -> dict[int, Entry]:
         """Each rank's first completion (a restarted executor may complete an op again),
         by rank in rank order."""
-        first: dict[int, Entry] = {}
-        for entry in self.done:
-            first.setdefault(entry.rank, entry)
-        return dict(sorted(first.items()))
+        if self._first is None or self._first[0] != len(self.done):  # not each time: it is read
+            first: dict[int, Entry] = {}
+            for entry in self.done:
+                first.setdefault(entry.rank, entry)
+            self._first = (len(self.done), dict(sorted(first.items())))
+        return self._first[1]
 
     @property
     def status(self) -> str | None:
@@ -207,6 +210,7 @@ class RunLog:
     warnings: list[str]  # lines skipped, launches ignored, clock-ordered cycles
     traced: bool  # the engine logged at trace level: op.issue, sched.*, msg.* are there
     lane_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # see _lane_ranks
+    received: dict[int, Entry] = field(default_factory=dict)  # id(msg.send) -> its msg.recv
 
     @property
     def block_size(self) -> int:
@@ -249,12 +253,15 @@ def read_run(run_dir: str | Path) -> RunLog:
     if config_file.is_file():
         config = tomllib.loads(config_file.read_text())
     ops, issue_order = _gather_ops(sources, warnings)
-    history = _merge(sources, ops, warnings)
+    pairs = list(message_pairs(sources))
+    history = _merge(sources, _cross_edges(pairs, ops), warnings)
     for i, entry in enumerate(history):
         entry.order = i
     traced = any(e.get("level") == "trace" for e in sources.get("engine-0", ()))
-    ranks = _lane_ranks(sources, ops, config)
-    return RunLog(root, sources, history, ops, issue_order, config, warnings, traced, ranks)
+    ranks, received = _lane_ranks(sources, ops, config), {id(s): r for s, r in pairs}
+    return RunLog(
+        root, sources, history, ops, issue_order, config, warnings, traced, ranks, received
+    )
 
 
 def _lane_ranks(
@@ -375,7 +382,7 @@ def _gather(entry: Entry, op: Callable[[str, int], Op], order: list[tuple[str, i
 
 
 def _merge(
-    sources: dict[str, list[Entry]], ops: dict[tuple[str, int], Op], warnings: list[str]
+    sources: dict[str, list[Entry]], edges: Iterable[tuple[Entry, Entry]], warnings: list[str]
 ) -> list[Entry]:
     """Every entry, topologically sorted by the happens-before edges, ties by clock.
 
@@ -390,7 +397,7 @@ def _merge(
             where[id(entry)] = (f, i)
     after: dict[int, list[Entry]] = defaultdict(list)
     waits: dict[int, int] = defaultdict(int)  # id(entry) -> cross edges not yet satisfied
-    for a, b in _cross_edges(sources, ops):
+    for a, b in edges:
         if where[id(a)][0] != where[id(b)][0]:  # within a file, program order rules
             after[id(a)].append(b)
             waits[id(b)] += 1
@@ -431,10 +438,11 @@ def _merge(
 
 
 def _cross_edges(
-    sources: dict[str, list[Entry]], ops: dict[tuple[str, int], Op]
+    pairs: list[tuple[Entry, Entry]], ops: dict[tuple[str, int], Op]
 ) -> Iterator[tuple[Entry, Entry]]:
-    """(before, after) pairs the protocol orders (see the module docstring)."""
-    yield from message_pairs(sources)
+    """(before, after) pairs the protocol orders (see the module docstring); ``pairs``:
+    the ring messages' (send, receive)."""
+    yield from pairs
     first_done = {
         (lane, number, rank): done
         for (lane, number), record in ops.items()
