@@ -4,23 +4,34 @@ Every check reads only what the actors logged (see ``log.py``), never the code's
 own bookkeeping, so a bug in the scheduler's fences is found as surely as a lane that
 ran without waiting:
 
+With ``parallel.tp_size`` = N every op goes to every rank (DESIGN.md "Ranks"): each
+rank's executor runs it on its own shard, waiting only on its own rank's watermarks, and
+the engine counts it complete once every rank reported it. So every check below that
+reads a completion reads each rank's, on its own: a completion at one rank never
+vouches for another, and each finding names the executor (``worker-1``, ``swap-0``).
+
 - **I1-I4** (needs the engine's trace: ``op.issue`` with every block an op touches).
   Walking the ops in the scheduler's issue order, an independent per-block record of
   the last writer and the last user of each device and host block in each lane gives,
   for every op and every other lane, the latest earlier op it conflicts with (at
-  least one of the two writes the block). The op must have *seen* that op's lane
-  watermark at or past it before it touched a block (``seen_*`` of its completion:
-  else the violation really happened), and its fence must name it (else the run was
-  lucky: the scheduler's fence is too weak). Device reads after a write: I1 for a step
-  (after a swap-in), I2 for a swap-out (after a step); a device block overwritten
-  while an earlier op of another lane still uses it: I3; any host block conflict: I4.
-- **wait**: every op that ran saw each lane's watermark at or past its fence.
-- **lanes**: each lane completed ops 1, 2, 3, ... with no gap and none twice (twice is
-  allowed only across a restart of the executor, which redoes its op in flight).
-- **ops**: every issued op completed (ok, failed, rejected or cancelled), or is reported
-  as still in flight at the end of the log when no later op of its lane completed;
-  nothing was executed that the engine never issued; the engine applied each
-  completion with the status the executor reported, or dropped it as stale.
+  least one of the two writes the block). At every rank, the op must have *seen* that
+  op's lane watermark at or past it before it touched a block (``seen_*`` of its
+  completion at that rank: else the violation really happened there), and its fence
+  must name it (else the run was lucky: the scheduler's fence is too weak). Device
+  reads after a write: I1 for a step (after a swap-in), I2 for a swap-out (after a
+  step); a device block overwritten while an earlier op of another lane still uses it:
+  I3; any host block conflict: I4.
+- **wait**: every op that ran saw, at each rank, each lane's watermark at or past its
+  fence.
+- **lanes**: each lane at each rank completed ops 1, 2, 3, ... with no gap and none
+  twice (twice is allowed only across a restart of the executor, which redoes its op in
+  flight).
+- **ops**: every issued op completed (ok, failed, rejected or cancelled) at every rank,
+  or is reported as still in flight at the end of the log where no later op of its lane
+  completed at that rank; nothing was executed that the engine never issued; the engine
+  applied an op only once every rank had completed it, after it received every rank's
+  report (where the ring messages were logged), with the status the ranks reported (the
+  worst of them), or dropped it as stale.
 - **rings** (trace: ``msg.send``/``msg.recv``): every ring delivers its sequence numbers
   in order with no gap and no duplicate within one incarnation of the logging end (a
   killed process's last trace lines may never have reached its log, so across its
@@ -28,7 +39,8 @@ ran without waiting:
   again).
 - **epochs**: no result or completion of another epoch than the engine's at the time
   was applied (the engine's epoch is the one it started in, raised by each
-  ``engine.tier_reset``), and no step of an older epoch ran on a restarted Worker.
+  ``engine.tier_reset``: once per restart of the Worker, whose ranks restart together),
+  and no step of an older epoch ran on a restarted Worker rank.
 - **requests**: every request that arrived finished or was aborted once, or is
   reported as still in flight (also one in flight in an engine that died, unless the
   next engine ran it again); none finished that never arrived.
@@ -36,13 +48,20 @@ ran without waiting:
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Final
 
 from ringfence.actors.replay.findings import TOUCHED, CheckResult, Violation, entries_of, op_name
 from ringfence.actors.replay.invariants import check_invariants
-from ringfence.actors.replay.log import LANE_NAMES, Entry, RunLog
+from ringfence.actors.replay.log import (
+    DONE_EVENTS,
+    LANE_ACTORS,
+    LANE_NAMES,
+    Entry,
+    Op,
+    RunLog,
+)
 
 CHECKS: Final = {
     "I1": "no step read a device block before the swap-in that fills it was done",
@@ -82,30 +101,32 @@ def check_run(log: RunLog) -> CheckResult:
 
 def _waits(log: RunLog, result: CheckResult) -> None:
     for op in log.ops.values():
-        if not op.done or op.status not in TOUCHED:
-            continue
-        done = op.done[0]
-        result.counts["wait"] += 1
-        for lane in LANE_NAMES:
-            target = int(done.get(f"fence_{lane}") or 0)
-            seen = done.get(f"seen_{lane}")
-            if lane != op.lane and target and seen is not None and int(seen) < target:
-                result.violations.append(
-                    Violation(
-                        "wait",
-                        f"{op_name(op)} ran having seen {lane}_done at {seen}; its fence "
-                        f"names {lane} {target}",
-                        (done,),
+        for done in op.first_done().values():
+            if str(done.get("status")) not in TOUCHED:
+                continue
+            result.counts["wait"] += 1
+            for lane in LANE_NAMES:
+                target = int(done.get(f"fence_{lane}") or 0)
+                seen = done.get(f"seen_{lane}")
+                if lane != op.lane and target and seen is not None and int(seen) < target:
+                    result.violations.append(
+                        Violation(
+                            "wait",
+                            f"{done.source}: {op_name(op)} ran having seen {lane}_done at "
+                            f"{seen}; its fence names {lane} {target}",
+                            (done,),
+                        )
                     )
-                )
 
 
 def _lanes(log: RunLog, result: CheckResult) -> None:
-    for lane in LANE_NAMES:
-        completions = sorted(
-            (done for op in log.ops.values() if op.lane == lane for done in op.done),
-            key=lambda e: e.order,
-        )
+    """Each lane at each rank (each executor) completes 1, 2, 3, ... on its own."""
+    executors: dict[tuple[str, int], list[Entry]] = defaultdict(list)
+    for op in log.ops.values():
+        for done in op.done:
+            executors[op.lane, done.rank].append(done)
+    for (lane, _), completions in sorted(executors.items()):
+        completions.sort(key=lambda e: e.order)
         expected, last_pid = 1, None
         seen: dict[int, Entry] = {}
         for done in completions:
@@ -116,7 +137,7 @@ def _lanes(log: RunLog, result: CheckResult) -> None:
                     result.violations.append(
                         Violation(
                             "lanes",
-                            f"{lane} op {number} completed twice",
+                            f"{done.source}: {lane} op {number} completed twice",
                             (done, seen[number]),
                         )
                     )
@@ -126,8 +147,8 @@ def _lanes(log: RunLog, result: CheckResult) -> None:
                 result.violations.append(
                     Violation(
                         "lanes",
-                        f"{lane} op {number} completed when op {expected} was next: "
-                        f"op {skipped} never completed",
+                        f"{done.source}: {lane} op {number} completed when op {expected} was "
+                        f"next: op {skipped} never completed",
                         (done,),
                     )
                 )
@@ -136,12 +157,14 @@ def _lanes(log: RunLog, result: CheckResult) -> None:
 
 
 def _ops(log: RunLog, result: CheckResult) -> None:
-    last_done: dict[str, int] = Counter()
+    last_done: Counter[tuple[str, int]] = Counter()  # (lane, rank) -> its last op completed
     for op in log.ops.values():
-        if op.done:
-            last_done[op.lane] = max(last_done[op.lane], op.number)
+        for done in op.done:
+            key = (op.lane, done.rank)
+            last_done[key] = max(last_done[key], op.number)
     killed = _killed_engines(log)
     dead = _dead_engines(log)
+    receipts = _report_receipts(log) if log.traced else None
     for op in sorted(log.ops.values(), key=lambda o: (o.lane, o.number)):
         name = op_name(op)
         result.counts["ops"] += 1
@@ -157,27 +180,7 @@ def _ops(log: RunLog, result: CheckResult) -> None:
                 result.violations.append(
                     Violation("ops", f"{name} was executed but never issued", (op.done[0],))
                 )
-        if not op.done:
-            if op.applied:
-                result.violations.append(
-                    Violation(
-                        "ops",
-                        f"the engine applied a completion of {name}, which no executor logged",
-                        (op.applied[0], *entries_of(op.issue)),
-                    )
-                )
-            elif op.issue is not None and op.number < last_done[op.lane]:
-                result.violations.append(
-                    Violation(
-                        "ops",
-                        f"{name} never completed, though {op.lane} op {last_done[op.lane]} did",
-                        (op.issue,),
-                    )
-                )
-            elif op.issue is not None:
-                result.in_flight.append(f"{name} (issued, not completed by the end of the log)")
-            continue
-        if not log.traced:
+        if not _every_rank_done(log, op, last_done, result) or not log.traced:
             continue
         status = op.status
         if op.applied:
@@ -186,14 +189,15 @@ def _ops(log: RunLog, result: CheckResult) -> None:
                 result.violations.append(
                     Violation(
                         "ops",
-                        f"the engine applied {name} as {got}; its executor reported {status}",
-                        (op.applied[0], op.done[0]),
+                        f"the engine applied {name} as {got}; its executors reported {status}",
+                        (op.applied[0], *op.first_done().values()),
                     )
                 )
             if len(op.applied) > 1:
                 result.violations.append(
                     Violation("ops", f"the engine applied {name} twice", tuple(op.applied))
                 )
+            _applied_after_reports(op, receipts, result)
         elif not op.stale:
             issuer = op.issue.pid if op.issue is not None else killed.get((op.lane, op.number))
             if issuer in dead:  # its engine died before the completion came back
@@ -201,6 +205,92 @@ def _ops(log: RunLog, result: CheckResult) -> None:
             else:
                 why = "not applied by the end"
             result.in_flight.append(f"{name} (completed {status}; {why})")
+
+
+def _every_rank_done(
+    log: RunLog, op: Op, last_done: Counter[tuple[str, int]], result: CheckResult
+) -> bool:
+    """Whether every rank of the op's lane completed it; if not, what that means at each rank
+    that did not: applied anyway, a hole in the rank's lane, or still in flight."""
+    name, first = op_name(op), op.first_done()
+    missing = [rank for rank in log.ranks(op.lane) if rank not in first]
+    if not missing:
+        return True
+    actor = LANE_ACTORS[op.lane]
+    if op.applied:
+        executors = ", ".join(f"{actor}-{rank}" for rank in missing)
+        done = "".join(f" ({e.source} did)" for e in first.values())
+        result.violations.append(
+            Violation(
+                "ops",
+                f"the engine applied {name}, which {executors} never completed{done}: an op is "
+                "complete only once every rank reported it",
+                (op.applied[0], *entries_of(op.issue), *first.values()),
+            )
+        )
+        return False
+    if op.issue is None:
+        return False
+    pending = [rank for rank in missing if op.number >= last_done[op.lane, rank]]
+    for rank in missing:
+        if rank not in pending:
+            later = last_done[op.lane, rank]
+            result.violations.append(
+                Violation(
+                    "ops",
+                    f"{actor}-{rank}: {name} never completed, though {op.lane} op {later} did",
+                    (op.issue,),
+                )
+            )
+    if pending and first:
+        at = ", ".join(f"{actor}-{rank}" for rank in pending)
+        result.in_flight.append(f"{name} (issued, not completed at {at} by the end of the log)")
+    elif pending:
+        result.in_flight.append(f"{name} (issued, not completed by the end of the log)")
+    return False
+
+
+def _applied_after_reports(op: Op, receipts: dict[int, Entry] | None, result: CheckResult) -> None:
+    """The engine applied the op only after it received every rank's report: the message
+    each executor sent right after its completion was received (``msg.recv``, when both
+    ends logged it) before the application, in the engine's own log."""
+    applied = op.applied[0]
+    for done in op.first_done().values():
+        receive = (receipts or {}).get(id(done))
+        if receive is None or receive.source != applied.source or receive.pid != applied.pid:
+            continue
+        if receive.line > applied.line:
+            result.violations.append(
+                Violation(
+                    "ops",
+                    f"the engine applied {op_name(op)} before it received {done.source}'s "
+                    "report of it",
+                    (applied, receive, done),
+                )
+            )
+
+
+def _report_receipts(log: RunLog) -> dict[int, Entry]:
+    """id(completion) -> the engine's ``msg.recv`` of the report its executor sent next (the
+    first ``msg.send`` to an engine after it, by the same process)."""
+    received = log.received
+    receipts: dict[int, Entry] = {}
+    for entries in log.sources.values():
+        pending: Entry | None = None
+        for entry in entries:
+            if entry.event in DONE_EVENTS:
+                pending = entry
+            elif (
+                pending is not None
+                and entry.event == "msg.send"
+                and str(entry.get("peer")).startswith("engine-")
+                and entry.pid == pending.pid
+            ):
+                receive = received.get(id(entry))
+                if receive is not None:
+                    receipts[id(pending)] = receive
+                pending = None
+    return receipts
 
 
 def _dead_engines(log: RunLog) -> set[int]:
@@ -301,7 +391,7 @@ def _epochs(log: RunLog, result: CheckResult) -> None:
                 result.violations.append(
                     Violation(
                         "epochs",
-                        f"the worker ran step {entry.get('step')} of epoch {plan} in epoch "
+                        f"{entry.source} ran step {entry.get('step')} of epoch {plan} in epoch "
                         f"{entry.epoch}: a plan for a device tier since reset",
                         (entry,),
                     )

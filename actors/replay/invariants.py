@@ -6,6 +6,12 @@ lane, the latest earlier op it conflicts with (at least one of the two writes th
 The op must have *seen* that op's lane watermark at or past it before it touched a block
 (``seen_*`` of its completion: else the violation really happened), and its fence must
 name it (else the run was lucky: the scheduler's fence is too weak). See ``checks.py``.
+
+With several ranks (DESIGN.md "Ranks") every rank runs every op on its own shard, and
+rank r's executor waits only on rank r's watermarks: the op's completion at rank r (its
+``seen_*``, logged by rank r's executor) must show rank r's lanes past the conflicting
+op. One rank's completion never vouches for another's. The fence is the engine's, one
+for every rank, so a fence too weak is one finding, not one per rank.
 """
 
 from __future__ import annotations
@@ -110,25 +116,29 @@ def _judge(op: Op, lane: str, conflict: Conflict, result: CheckResult) -> None:
     invariant = _invariant(op, conflict)
     what = "read" if conflict.after_write else "overwrote"
     since = "wrote" if conflict.after_write else "used"
-    seen = op.seen(lane)
-    done = op.done[0] if op.done else None
-    causes = entries_of(done, op.issue, other.issue, other.done[0] if other.done else None)
-    if done is not None and op.status in TOUCHED and seen is not None and seen < other.number:
+    first = op.first_done()
+    broken = False
+    for rank, done in first.items():
+        seen = op.seen(lane, rank)
+        if op.status_at(rank) not in TOUCHED or seen is None or seen >= other.number:
+            continue
+        broken = True
+        before = other.first_done().get(rank)
         result.violations.append(
             Violation(
                 invariant,
-                f"{op_name(op)} {what} {tier} block {block} having seen {lane}_done at "
-                f"{seen}, before {op_name(other)} (which {since} it) was done",
-                causes,
+                f"{done.source}: {op_name(op)} {what} {tier} block {block} having seen "
+                f"{lane}_done at {seen}, before {op_name(other)} (which {since} it) was done",
+                entries_of(done, op.issue, other.issue, before),
             )
         )
-    elif op.fence(lane) < other.number:
+    if not broken and op.fence(lane) < other.number:
         result.violations.append(
             Violation(
                 invariant,
                 f"{op_name(op)}'s fence waits for {lane} {op.fence(lane)}, but "
                 f"{op_name(other)} {since} {tier} block {block} it {what} (fence too weak"
-                f"{'; this run was lucky' if done is not None else ''})",
-                entries_of(op.issue, other.issue, done),
+                f"{'; this run was lucky' if first else ''})",
+                entries_of(op.issue, other.issue, *first.values()),
             )
         )

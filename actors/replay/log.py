@@ -11,10 +11,12 @@ all entries by the protocol's own happens-before:
 
 - program order within each file;
 - a ring message's ``msg.send`` before its ``msg.recv`` (same ring, same sequence number);
-- an op's ``op.issue`` before its executor's completion, and that before the engine
-  applies it;
-- the completion of op ``n`` of lane L before the completion of any op whose executor
-  saw L's watermark at ``n`` or more before it touched a block.
+- an op's ``op.issue`` before each rank's completion of it, and every rank's before the
+  engine applies it (DESIGN.md "Ranks": the engine counts an op complete once every rank
+  reported it);
+- the completion of op ``n`` of lane L at rank r before the completion at rank r of any
+  op whose executor saw L's watermark at ``n`` or more before it touched a block (rank
+  r's executors wait only on rank r's watermarks).
 
 Clocks (``ts``) only break ties among entries no edge orders. Nothing here judges the
 run; see ``checks.py``.
@@ -33,6 +35,10 @@ from typing import Any, Final
 import orjson
 
 LANE_NAMES: Final = ("step", "swap", "store")
+LANE_ACTORS: Final = {"step": "worker", "swap": "swap", "store": "store"}  # each lane's executor
+# An op whose ranks report different statuses has the worst of them, in this order (as the
+# engine's ledger combines them: actors/engine/ledger.py).
+WORST_LAST: Final = ("ok", "cancelled", "failed", "rejected")
 DONE_EVENTS: Final = ("step.done", "lane.done")
 APPLY_EVENTS: Final = ("sched.step", "sched.transfer")
 NOT_LOGS: Final = frozenset({"outputs.jsonl"})  # the run's results, not a log
@@ -61,6 +67,15 @@ class Entry:
     @property
     def epoch(self) -> int:
         return int(self.data.get("epoch") or 0)
+
+    @property
+    def rank(self) -> int:
+        """The logging actor's rank: the line's ``rank``, else the log's name says it."""
+        rank = self.data.get("rank")
+        if isinstance(rank, int):
+            return rank
+        suffix = self.source.rsplit("-", 1)[-1]
+        return int(suffix) if suffix.isdigit() else 0
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)
@@ -94,10 +109,11 @@ class Op:
     lane: str  # "step", "swap" or "store"
     number: int
     issue: Entry | None = None  # the engine's op.issue (trace level only)
-    done: list[Entry] = field(default_factory=list)  # the executor's completions (one, normally)
+    done: list[Entry] = field(default_factory=list)  # every rank's completions (one each, normally)
     applied: list[Entry] = field(default_factory=list)  # the engine's sched.step/sched.transfer
     stale: list[Entry] = field(default_factory=list)  # engine.stale: dropped, an older epoch
     extra_issues: list[Entry] = field(default_factory=list)  # op.issue again: a violation
+    _first: tuple[int, dict[int, Entry]] | None = field(default=None, repr=False)  # first_done
 
     @property
     def kind(self) -> str:
@@ -109,16 +125,35 @@ class Op:
                 return str(entry.get("direction"))
         return "?"
 
+    def first_done(self) -> dict[int, Entry]:
+        """Each rank's first completion (a restarted executor may complete an op again),
+        by rank in rank order."""
+        if self._first is None or self._first[0] != len(self.done):  # not each time: it is read
+            first: dict[int, Entry] = {}
+            for entry in self.done:
+                first.setdefault(entry.rank, entry)
+            self._first = (len(self.done), dict(sorted(first.items())))
+        return self._first[1]
+
     @property
     def status(self) -> str | None:
-        """The executor's status of its first completion, or None if it never completed."""
-        return str(self.done[0].get("status")) if self.done else None
-
-    def seen(self, lane: str) -> int | None:
-        """Lane ``lane``'s watermark the executor saw before it touched a block."""
-        if not self.done:
+        """The op's status as the engine combines its ranks' (the worst of each rank's first
+        completion, ``WORST_LAST``), or None if no rank completed it."""
+        statuses = {str(entry.get("status")) for entry in self.first_done().values()}
+        if not statuses:
             return None
-        value = self.done[0].get(f"seen_{lane}")
+        return max(statuses, key=lambda s: WORST_LAST.index(s) if s in WORST_LAST else 99)
+
+    def status_at(self, rank: int) -> str | None:
+        """Rank ``rank``'s status of its first completion, or None if it never completed."""
+        done = self.first_done().get(rank)
+        return str(done.get("status")) if done is not None else None
+
+    def seen(self, lane: str, rank: int) -> int | None:
+        """Lane ``lane``'s watermark at ``rank`` that rank's executor saw before it touched a
+        block (its first completion's ``seen_<lane>``); None if it did not complete."""
+        done = self.first_done().get(rank)
+        value = done.get(f"seen_{lane}") if done is not None else None
         return int(value) if value is not None else None
 
     def fence(self, lane: str) -> int:
@@ -174,10 +209,16 @@ class RunLog:
     config: dict[str, Any]  # config.toml of the run dir ({} when absent)
     warnings: list[str]  # lines skipped, launches ignored, clock-ordered cycles
     traced: bool  # the engine logged at trace level: op.issue, sched.*, msg.* are there
+    lane_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # see _lane_ranks
+    received: dict[int, Entry] = field(default_factory=dict)  # id(msg.send) -> its msg.recv
 
     @property
     def block_size(self) -> int:
         return int(self.config.get("cache", {}).get("block_size", 16))
+
+    def ranks(self, lane: str) -> tuple[int, ...]:
+        """The ranks that execute ``lane``, each of which must complete every op of it."""
+        return self.lane_ranks.get(lane, (0,))
 
     def events(self, *names: str, source: str | None = None) -> Iterator[Entry]:
         """Entries of these events (every event when none), in history order."""
@@ -212,11 +253,35 @@ def read_run(run_dir: str | Path) -> RunLog:
     if config_file.is_file():
         config = tomllib.loads(config_file.read_text())
     ops, issue_order = _gather_ops(sources, warnings)
-    history = _merge(sources, ops, warnings)
+    pairs = list(message_pairs(sources))
+    history = _merge(sources, _cross_edges(pairs, ops), warnings)
     for i, entry in enumerate(history):
         entry.order = i
     traced = any(e.get("level") == "trace" for e in sources.get("engine-0", ()))
-    return RunLog(root, sources, history, ops, issue_order, config, warnings, traced)
+    ranks, received = _lane_ranks(sources, ops, config), {id(s): r for s, r in pairs}
+    return RunLog(
+        root, sources, history, ops, issue_order, config, warnings, traced, ranks, received
+    )
+
+
+def _lane_ranks(
+    sources: dict[str, list[Entry]], ops: dict[tuple[str, int], Op], config: dict[str, Any]
+) -> dict[str, tuple[int, ...]]:
+    """Per lane, the ranks executing it: ``parallel.tp_size`` of config.toml, and every rank
+    with a log of the lane's executor or a completion of one of its ops (rank 0 alone when
+    nothing says more)."""
+    tp_size = config.get("parallel", {}).get("tp_size", 1)
+    ranks: dict[str, set[int]] = {
+        lane: set(range(tp_size if isinstance(tp_size, int) else 1)) for lane in LANE_NAMES
+    }
+    lane_of = {actor: lane for lane, actor in LANE_ACTORS.items()}
+    for source in sources:
+        actor, _, rank = source.rpartition("-")
+        if actor in lane_of and rank.isdigit():
+            ranks[lane_of[actor]].add(int(rank))
+    for op in ops.values():
+        ranks.setdefault(op.lane, set()).update(done.rank for done in op.done)
+    return {lane: tuple(sorted(found)) or (0,) for lane, found in ranks.items()}
 
 
 def _read_file(path: Path, warnings: list[str]) -> list[Entry]:
@@ -317,7 +382,7 @@ def _gather(entry: Entry, op: Callable[[str, int], Op], order: list[tuple[str, i
 
 
 def _merge(
-    sources: dict[str, list[Entry]], ops: dict[tuple[str, int], Op], warnings: list[str]
+    sources: dict[str, list[Entry]], edges: Iterable[tuple[Entry, Entry]], warnings: list[str]
 ) -> list[Entry]:
     """Every entry, topologically sorted by the happens-before edges, ties by clock.
 
@@ -332,7 +397,7 @@ def _merge(
             where[id(entry)] = (f, i)
     after: dict[int, list[Entry]] = defaultdict(list)
     waits: dict[int, int] = defaultdict(int)  # id(entry) -> cross edges not yet satisfied
-    for a, b in _cross_edges(sources, ops):
+    for a, b in edges:
         if where[id(a)][0] != where[id(b)][0]:  # within a file, program order rules
             after[id(a)].append(b)
             waits[id(b)] += 1
@@ -373,11 +438,16 @@ def _merge(
 
 
 def _cross_edges(
-    sources: dict[str, list[Entry]], ops: dict[tuple[str, int], Op]
+    pairs: list[tuple[Entry, Entry]], ops: dict[tuple[str, int], Op]
 ) -> Iterator[tuple[Entry, Entry]]:
-    """(before, after) pairs the protocol orders (see the module docstring)."""
-    yield from _message_pairs(sources)
-    first_done = {key: record.done[0] for key, record in ops.items() if record.done}
+    """(before, after) pairs the protocol orders (see the module docstring); ``pairs``:
+    the ring messages' (send, receive)."""
+    yield from pairs
+    first_done = {
+        (lane, number, rank): done
+        for (lane, number), record in ops.items()
+        for rank, done in record.first_done().items()
+    }
     for record in ops.values():
         for done in record.done:
             if record.issue is not None:
@@ -385,15 +455,15 @@ def _cross_edges(
             for lane in LANE_NAMES:
                 seen = done.get(f"seen_{lane}")
                 if lane != record.lane and seen:
-                    before = first_done.get((lane, int(seen)))
+                    before = first_done.get((lane, int(seen), done.rank))
                     if before is not None:
                         yield before, done
-        if record.done:
+        for done in record.first_done().values():
             for applied in record.applied:
-                yield record.done[0], applied
+                yield done, applied
 
 
-def _message_pairs(sources: dict[str, list[Entry]]) -> Iterable[tuple[Entry, Entry]]:
+def message_pairs(sources: dict[str, list[Entry]]) -> Iterable[tuple[Entry, Entry]]:
     """(msg.send, msg.recv) of every ring message logged at both ends.
 
     A ring whose sequence numbers start again at 1 (a client slot taken anew) begins a

@@ -83,6 +83,10 @@ class _Life:
         self.prompt_tokens = int(arrive.get("prompt_tokens") or 0)
         self.lines: list[str] = []
         self.finished = False
+        # A prefetch is done at its first completion, or with several ranks once the engine
+        # applied it: every rank's (their missing positions together).
+        one_rank = len(log.ranks("store")) == 1
+        self.prefetch_done = ("lane.done", "sched.transfer") if one_rank else ("sched.transfer",)
         self.decodes: _Decodes | None = None
         self.table: list[int] = []  # its block table in its latest step so far
         self.prefetches: set[int] = set()  # store ops fetching for it, not yet done
@@ -142,7 +146,7 @@ class _Life:
             self.round(entry)
         elif event == "op.issue" and entry.get("lane") == "step":
             self.step(entry)
-        elif event in ("lane.done", "sched.transfer") and entry.get("lane") == "store":
+        elif event in self.prefetch_done and entry.get("lane") == "store":
             number = int(entry.get("op"))
             if number in self.prefetches:
                 self.prefetches.discard(number)

@@ -8,9 +8,10 @@
 - a thread per lane on its executor ("step lane" on the worker, "swap lane", "store
   lane"): a slice per completed op ("step 12", "swap-in 3", "swap-out 4", "write-back 5",
   "prefetch 6") with a nested "fence wait" slice for the time it waited on its fence, and
-  an instant "<op> never completed" at the issue of an op no completion was logged for;
+  an instant "<op> never completed" at the issue of an op no completion was logged for
+  (on each rank's executor that logged none);
 - flow arrows (category "fence") from the end of op ``(L, n)`` to the start of every op
-  whose fence on lane L is ``n``;
+  whose fence on lane L is ``n``, rank by rank (rank r waits on rank r's watermarks);
 - on the engine, a "scheduler" thread with an instant per ``sched.schedule`` round and
   per ``op.issue``, and a "requests" async slice per request from arrive to finish;
 - on the supervisor, instants for the launch, spawns, exits, restarts and the end; any
@@ -33,9 +34,8 @@ from typing import Any, Final
 import orjson
 
 from ringfence.actors.replay.findings import op_name
-from ringfence.actors.replay.log import LANE_NAMES, Entry, Op, RunLog
+from ringfence.actors.replay.log import LANE_ACTORS, LANE_NAMES, Entry, Op, RunLog
 
-LANE_ACTORS: Final = {"step": "worker", "swap": "swap", "store": "store"}
 SUPERVISOR_EVENTS: Final = frozenset(
     {"run.start", "actor.spawn", "actor.exit", "actor.restart", "actor.group_restart", "run.end"}
 )
@@ -97,10 +97,11 @@ def write_trace(log: RunLog, path: str | Path) -> int:
         return round((ts - origin) * 1e6, 3)
 
     events: list[Event] = []
-    first: dict[tuple[str, int], _Slice] = {}
+    first: dict[tuple[str, int, int], _Slice] = {}  # (lane, number, rank) -> its first slice
     for s in slices:
-        if s.done is s.op.done[0]:  # flows join first completions, not redone ones
-            first[s.op.lane, s.op.number] = s
+        key = (s.op.lane, s.op.number, s.done.rank)
+        if key not in first or s.done.order < first[key].done.order:
+            first[key] = s  # flows join first completions, not redone ones
         start, dur = us(s.start), round(us(s.end) - us(s.start), 3)
         events.append(_event("X", s.name, "op", s.where, start, dur=dur, args=_op_args(s)))
         if s.wait > 0:
@@ -109,7 +110,8 @@ def write_trace(log: RunLog, path: str | Path) -> int:
     flow = 0
     for s in first.values():
         for lane in LANE_NAMES:
-            before = first.get((lane, s.op.fence(lane))) if lane != s.op.lane else None
+            fence = s.op.fence(lane)
+            before = first.get((lane, fence, s.done.rank)) if lane != s.op.lane else None
             if before is None:
                 continue
             flow += 1  # both ends well inside their slices, or Perfetto binds them to none
@@ -123,8 +125,12 @@ def write_trace(log: RunLog, path: str | Path) -> int:
             )
     for op in log.ops.values():
         at = op.issue or next(iter(op.applied + op.stale + op.extra_issues), None)
-        if not op.done and at is not None:
-            where = tracks.tid(_executor(log, op.lane), f"{op.lane} lane")
+        if at is None:
+            continue
+        done = op.first_done()
+        for rank in (rank for rank in log.ranks(op.lane) if rank not in done):
+            executor = f"{LANE_ACTORS.get(op.lane, op.lane)}-{rank}"
+            where = tracks.tid(executor, f"{op.lane} lane")
             name = f"{op_name(op)} never completed"
             events.append(_event("i", name, "op", where, us(at.ts), s="t", args=_fields(at)))
     for entry in log.history:
@@ -208,11 +214,6 @@ def _entry_events(entry: Entry, tracks: _Tracks, ts: float) -> list[Event]:
         where = tracks.tid(source, "log")
         return [_event("i", name, str(entry.get("level")), where, ts, s="t", args=_fields(entry))]
     return []
-
-
-def _executor(log: RunLog, lane: str) -> str:
-    actor = LANE_ACTORS.get(lane, lane)
-    return next((s for s in sorted(log.sources) if s.startswith(f"{actor}-")), f"{actor}-0")
 
 
 def _source_rank(source: str) -> tuple[int, str]:

@@ -141,13 +141,11 @@ def test_a_missing_completion_breaks_the_lane_and_the_op(unapplied, tmp_path):
     _, result = replay(logs, tmp_path)
     assert failed(result) == {"lanes", "ops"}, messages(result)
     text = "\n".join(messages(result))
-    assert "[lanes] swap op 2 completed when op 1 was next: op 1 never completed" in text
+    assert "[lanes] swap-0: swap op 2 completed when op 1 was next: op 1 never completed" in text
     if unapplied:
-        assert "[ops] swap-in 1 never completed, though swap op 2 did" in text
+        assert "[ops] swap-0: swap-in 1 never completed, though swap op 2 did" in text
     else:
-        assert (
-            "[ops] the engine applied a completion of swap-in 1, which no executor logged" in text
-        )
+        assert "[ops] the engine applied swap-in 1, which swap-0 never completed" in text
 
 
 def test_an_op_completed_twice_by_one_executor_breaks_its_lane(tmp_path):
@@ -155,7 +153,7 @@ def test_an_op_completed_twice_by_one_executor_breaks_its_lane(tmp_path):
     done = logs.find("swap-0", "lane.done", op=1)
     logs.files["swap-0"].insert(done + 1, dict(logs.files["swap-0"][done]))
     _, result = replay(logs, tmp_path)
-    assert messages(result) == ["[lanes] swap op 1 completed twice"]
+    assert messages(result) == ["[lanes] swap-0: swap op 1 completed twice"]
 
 
 def _ring_edit(logs: Logs, edit: str) -> None:
@@ -196,7 +194,7 @@ def test_ring_sequence_numbers(edit, expected, tmp_path):
         (ENGINE, "sched.transfer", {"op": 2}, "msg_epoch",
          "the engine (epoch 0) applied swap op 2's completion of epoch 1"),
         ("worker-0", "step.done", {"step": 1}, "epoch",
-         "the worker ran step 1 of epoch 0 in epoch 1: a plan for a device tier since reset"),
+         "worker-0 ran step 1 of epoch 0 in epoch 1: a plan for a device tier since reset"),
     ],
     ids=["sched.step", "sched.transfer", "step.done"],
 )  # fmt: skip
@@ -290,11 +288,12 @@ def test_only_the_last_launch_on_a_run_dir_is_replayed(tmp_path):
         ({}, True, 0, ["ok: every check holds"], ["  ok   I1 "]),
         ({"step1": {"seen": {"swap": 0}}}, False, 1,
          ["  FAIL I1 ", "  FAIL wait ", "  ok   I2 ",
-          "FAIL: 2 violations; the first:\n  [I1] step 1",
-          "  [wait] step 1 ran having seen swap_done at 0; its fence names swap 1",
+          "FAIL: 2 violations; the first:\n  [I1] worker-0: step 1",
+          "  [wait] worker-0: step 1 ran having seen swap_done at 0; its fence names swap 1",
           ">> worker-0.jsonl:"], []),
         ({"step1": {"seen": {"swap": 0}}}, True, 1,
-         ["FAIL: 2 violations; the first:\n  [I1] step 1 read device block 0"], ["  ok   I2 "]),
+         ["FAIL: 2 violations; the first:\n  [I1] worker-0: step 1 read device block 0"],
+         ["  ok   I2 "]),
     ],
     ids=["ok", "ok-quiet", "fail", "fail-quiet"],
 )  # fmt: skip

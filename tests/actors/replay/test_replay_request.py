@@ -216,3 +216,30 @@ def test_an_info_level_log_gives_arrival_and_finish(tmp_path: Path) -> None:
         f"+0.000s {TRACE_NOTE}",
         "+0.002s finished: length, 8 output tokens, cached device 16 / host 0 / storage 0",
     ]
+
+
+def test_with_two_ranks_a_prefetch_is_done_once_the_engine_applied_every_ranks(
+    tmp_path: Path,
+) -> None:
+    run = _Run()
+    _arrive(run, "r-1", 1, 32, 4)
+    admit = ["admit", 1, {"computed": 0, "device": 0, "host": 0, "storage": 32}]
+    prefetch = ["prefetch", 1, {"op": 1, "blocks": 2}]
+    run.engine("sched.schedule", ops=[["store", 1]], decisions=[admit, prefetch])
+    run.engine(
+        "op.issue", lane="store", op=1, fence={}, direction="read", reason="prefetch",
+        device_blocks=[], host_blocks=[12, 13],
+    )  # fmt: skip
+    for rank, missing in ((0, [16]), (1, [17])):  # each rank's shard lacks another position
+        run.log(
+            f"store-{rank}", "lane.done", lane="store", op=1, status="ok", direction="read",
+            missing=missing,
+        )  # fmt: skip
+    run.engine("sched.transfer", lane="store", op=1, msg_epoch=0, status="ok", missing=[16, 17])
+    lines = _text(request_life(read_run(run.write(tmp_path)), "r-1"))
+    assert lines[1:] == [
+        "admitted: cached device 0 / host 0 / storage 32 tokens, 0 computed",
+        "prefetch: store op 1, 2 blocks",
+        "prefetch store op 1 done after 1.0 ms: ok, 2 positions missing [16, 17]",
+        "still in flight at the end of the log",
+    ]
