@@ -60,6 +60,7 @@ class Services(Protocol):
     """What the driver offers an actor; reached through :class:`Actor` methods."""
 
     def send(self, to: str, msg: object, timeout: float | None) -> int: ...
+    def send_all(self, role: str, msg: object, timeout: float | None) -> list[int]: ...
     def peers(self, role: str) -> list[str]: ...
     def schedule(self, delay_s: float, msg: object) -> None: ...
     def stop(self, reason: str) -> None: ...
@@ -168,9 +169,10 @@ class Actor:
         return self.ctx.services.send(to, msg, timeout)
 
     def send_all(self, role: str, msg: object, *, timeout: float | None = None) -> list[int]:
-        """Send ``msg`` to every instance of actor ``role`` (each rank), in rank order, each
-        through :meth:`send`; the transport seqs."""
-        return [self.send(peer, msg, timeout=timeout) for peer in self.ctx.services.peers(role)]
+        """Send ``msg`` to every instance of actor ``role`` (each rank), in rank order, as
+        :meth:`send` would (encoded once where every ring shares a registry); the transport
+        seqs."""
+        return self.ctx.services.send_all(role, msg, timeout)
 
     def schedule(self, delay_s: float, msg: object) -> None:
         """Hand ``msg`` to this actor's own handler after ``delay_s`` (a timer is a message)."""

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ringfence.runtime.actor import Actor, ActorContext
-from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox, Outbox
+from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox, Outbox, RingOutbox
 from ringfence.runtime.messages import Failed, Tick
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import (
@@ -192,6 +192,26 @@ class Driver:
         if self.log.tracing:
             self.log.trace("msg.send", peer=outbox.peer, seq=seq, type=type(msg).__name__)
         return seq
+
+    def send_all(self, role: str, msg: object, timeout: float | None) -> list[int]:
+        """Send ``msg`` to every instance of ``role``, in rank order; over rings of one
+        registry it is encoded once and the same bytes go to each (a step plan to every
+        Worker rank)."""
+        outboxes = [self.mailbox.outboxes[peer] for peer in self.peers(role)]
+        rings = [o for o in outboxes if isinstance(o, RingOutbox)]
+        if len(rings) < 2 or len(rings) != len(outboxes) or any(
+            o.registry is not rings[0].registry for o in rings
+        ):
+            return [self.send(o.peer, msg, timeout) for o in outboxes]
+        kind, payload = rings[0].encode(msg)
+        wait = self._send_timeout if timeout is None else timeout
+        seqs = []
+        for ring in rings:
+            seq = ring.put(kind, payload, wait)
+            if self.log.tracing:
+                self.log.trace("msg.send", peer=ring.peer, seq=seq, type=type(msg).__name__)
+            seqs.append(seq)
+        return seqs
 
     def schedule(self, delay_s: float, msg: object) -> None:
         if type(msg) not in self._table:

@@ -122,7 +122,15 @@ class RingOutbox:
 
     def send(self, msg: object, timeout: float) -> int:
         """Encode and publish; returns the transport seq. RingFull/ActorDead at the deadline."""
-        kind, payload = _encode(self.registry, msg)
+        kind, payload = self.encode(msg)
+        return self.writer.put(kind, payload, timeout)
+
+    def encode(self, msg: object) -> tuple[int, bytes]:
+        """The frame kind and payload of ``msg`` on this ring."""
+        return _encode(self.registry, msg)
+
+    def put(self, kind: int, payload: bytes, timeout: float) -> int:
+        """Publish a frame already encoded for this ring's registry (see :meth:`encode`)."""
         return self.writer.put(kind, payload, timeout)
 
     def close(self) -> None:

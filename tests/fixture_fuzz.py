@@ -74,6 +74,13 @@ class FuzzingPeer(Actor):
                 self._put_one(name)
         return seq
 
+    def send_all(self, role: str, msg: object, *, timeout: float | None = None) -> list[int]:
+        seqs = super().send_all(role, msg, timeout=timeout)
+        if self.pool(role):
+            for _ in range(self.every_time()):
+                self._put_one(role)
+        return seqs
+
     def pool(self, name: str) -> list[Fuzz]:
         """The frames to put on the ring to actor ``name`` (none: that ring is left alone)."""
         return self.pools.get(name, [])
