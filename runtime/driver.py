@@ -199,8 +199,10 @@ class Driver:
         Worker rank)."""
         outboxes = [self.mailbox.outboxes[peer] for peer in self.peers(role)]
         rings = [o for o in outboxes if isinstance(o, RingOutbox)]
-        if len(rings) < 2 or len(rings) != len(outboxes) or any(
-            o.registry is not rings[0].registry for o in rings
+        if (
+            len(rings) < 2
+            or len(rings) != len(outboxes)
+            or any(o.registry is not rings[0].registry for o in rings)
         ):
             return [self.send(o.peer, msg, timeout) for o in outboxes]
         kind, payload = rings[0].encode(msg)

@@ -15,7 +15,10 @@ leaves to the host tier when there is one, else to storage through the staging
 blocks of the host tensor; a host block leaves to storage. ``stored`` remembers the
 keys this instance has sent to storage, so it never writes one twice, and counts
 them as present in the prefix index at once: the store lane is one FIFO, so a
-prefetch issued after a write-back finds the write done.
+prefetch issued after a write-back finds the write done. With several ranks each
+rank's store lane is its own FIFO and every op goes to each, so the same holds at
+every rank; the engine applies a write-back's completion once every rank reported
+it, failed if any rank's failed, and a failed one takes its keys out of ``stored``.
 
 Owned by one scheduler; not thread-safe; no I/O except the storage presence object
 the caller passes in (the engine's storage client, or a fake in tests).

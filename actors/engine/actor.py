@@ -57,7 +57,7 @@ from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
 from ringfence.actors.protocol.worker import ModelInfo, StepResult, WorkerReady
 from ringfence.cache.fences import Lane
-from ringfence.cache.storage import StorageBackend
+from ringfence.cache.storage.ranks import AllRanks
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.sched.request import Request, RequestError
@@ -96,7 +96,7 @@ class Engine(Actor):
         self.intake = Intake(config)
         self.outputs = Outputs(self.clients, self.log, self.now)
         self.scheduler: Scheduler | None = None
-        self.storage: StorageBackend | None = None
+        self.storage: AllRanks | None = None  # every rank's presence, from the first begin
         self.model: ModelInfo | None = None
         self.tiers: dict[int, DeviceTier] = {}  # rank -> the device tier its swap lane copies
         self.worker_generation: dict[int, int] = {}  # rank -> its Worker's incarnation

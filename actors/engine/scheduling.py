@@ -12,8 +12,9 @@ from ringfence.actors.model.identity import model_shape
 from ringfence.actors.protocol.worker import ModelInfo
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.prefix_index import StoragePresence
-from ringfence.cache.storage import StorageBackend, StorageLog, open_backend
+from ringfence.cache.storage import StorageLog, open_backend, stdlib_log
 from ringfence.cache.storage.guarded import GuardedBackend
+from ringfence.cache.storage.ranks import AllRanks, RankLog
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.config import SchedulerConfig, TierConfig
 
@@ -66,29 +67,43 @@ def sched_config(
 
 def open_storage(
     config: Config, model: ModelInfo, run_dir: str, *, log: StorageLog | None = None
-) -> StorageBackend | None:
+) -> AllRanks | None:
     """The storage tier's client (the engine asks it what is stored), or None.
 
-    Guarded (:class:`GuardedBackend`): while the tier is unreachable its presence answer
-    is "nothing stored" and ``storage.unavailable`` goes to ``log`` (default: the stdlib
-    logger ``ringfence.cache.storage``) once per outage. A server that is down when it
-    opens is such an outage from the start (``storage.unreachable``), not an error.
+    One client per rank, each under that rank's fingerprint (the key space its store
+    lane writes), behind :class:`AllRanks`: a block is present only where every rank's
+    shard is. Each is guarded (:class:`GuardedBackend`): while its tier is unreachable
+    its presence answer is "nothing stored" and ``storage.unavailable`` goes to ``log``
+    (default: the stdlib logger ``ringfence.cache.storage``), with ``tp_rank``, once
+    per outage. A server that is down when it opens is such an outage from the start
+    (``storage.unreachable``), not an error.
     """
     settings = config.cache.storage
     if settings.backend == "none":
         return None
     path = settings.path or (f"{run_dir}/storage" if settings.backend == "local" else "")
-    backend = open_backend(
-        settings.backend,
-        fingerprint=block_fingerprint(config, model.model_id).digest(),
-        path=path,
-        url=settings.url,
-        max_bytes=settings.max_bytes,
-        timeout_s=settings.timeout_s,
-        log=log,
-        require_server=False,  # down at launch: misses until it is up, like an outage
-    )
-    return GuardedBackend(backend, log=log, answer_s=settings.presence_timeout_s)
+    clients: list[GuardedBackend] = []
+    try:
+        for rank in range(config.parallel.tp_size):
+            rank_log = RankLog(log if log is not None else stdlib_log(), rank)
+            backend = open_backend(
+                settings.backend,
+                fingerprint=block_fingerprint(config, model.model_id, rank).digest(),
+                path=path,
+                url=settings.url,
+                max_bytes=settings.max_bytes,
+                timeout_s=settings.timeout_s,
+                log=rank_log,
+                require_server=False,  # down at launch: misses until it is up, like an outage
+            )
+            clients.append(
+                GuardedBackend(backend, log=rank_log, answer_s=settings.presence_timeout_s)
+            )
+    except BaseException:  # a later rank's failed: close the ranks opened before it
+        for client in clients:
+            client.close()
+        raise
+    return AllRanks(clients)
 
 
 class LoggedPresence:

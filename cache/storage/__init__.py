@@ -8,6 +8,12 @@ key, the length and a checksum; a blob that is short, corrupt or from another
 fingerprint reads as a miss, is reported as a ``storage.corrupt`` error and is
 deleted, never returned as data.
 
+A backend's key space is its fingerprint's: backends of two fingerprints sharing one
+directory or server store the same key side by side, each sees only its own blocks,
+and bounds, evicts and counts only those. So the ranks of one instance, which store
+their shards of a block under its key and each its own fingerprint, never collide;
+the engine asks all of them through :class:`~.ranks.AllRanks`.
+
 Package helpers for tests (a recording log, raw access to stored blobs) are in
 :mod:`.testing`.
 
@@ -28,7 +34,8 @@ Backends, picked by name with :func:`open_backend` (``cache.storage.backend``):
 - ``memory`` (:mod:`.memory`): a dict, for tests, through the same blob checks.
 - ``none``: no storage tier: nothing is stored and every lookup misses.
 
-Log events, all with the field ``backend`` (the name above):
+Log events, all with the field ``backend`` (the name above), and ``tp_rank`` where the
+engine's client of one rank logs them (:class:`~.ranks.RankLog`):
 
 - ``storage.corrupt`` (error; ``key`` hex, ``reason`` a :class:`~.blob.CorruptBlock`
   reason): a blob failed its checks; it was treated as a miss and deleted.

@@ -2,10 +2,19 @@
 
 Layout under the root directory::
 
-    <root>/<k0>/<key hex>              a stored blob (see blob.py); <k0> = the key's first
-                                       byte in hex, so no directory holds more than
-                                       1/256 of the blocks
-    <root>/<k0>/.tmp-<pid>-<random>    a blob being written by process <pid>
+    <root>/<fp>/<k0>/<key hex>              a stored blob (see blob.py); <fp> = the
+                                            writer's fingerprint in hex; <k0> = the key's
+                                            first byte in hex, so no directory holds
+                                            more than 1/256 of the blocks
+    <root>/<fp>/<k0>/.tmp-<pid>-<random>    a blob being written by process <pid>
+
+Each fingerprint has its own key space, ``<root>/<fp>`` (the backend's ``directory``):
+the ranks of one instance store their shards of a block under one key, each under
+its own fingerprint (DESIGN.md "Ranks"), and so do models that happen to share a
+root. A backend sees only its fingerprint's directory: its index, its ``max_bytes``
+bound, its eviction and its stats are that directory's, never another's.
+Blocks left directly under ``<root>/<k0>`` by the layout before this one are never
+read (misses), nor removed.
 
 A block is written to a temp file in its final directory, flushed with
 ``fdatasync``, and renamed over its final name with ``os.replace``, which is atomic:
@@ -30,9 +39,10 @@ hit also set the file's mtime to ``time.time_ns()``, so a scan of the directory,
 which orders by mtime, reproduces every process's uses in one order. The index is
 built by a scan on open and rebuilt by one whenever this process has written
 ``max_bytes / 8`` since the last, so it learns of other processes' blocks; it then
-evicts its oldest blocks while its total exceeds ``max_bytes``. The directory may
-thus exceed ``max_bytes`` by about ``max_bytes / 8`` per writing process between
-scans. A block that another process evicted is a miss here and leaves the index.
+evicts its oldest blocks while its total exceeds ``max_bytes``. The fingerprint's
+directory may thus exceed ``max_bytes`` by about ``max_bytes / 8`` per writing
+process between scans; the root holds up to ``max_bytes`` per fingerprint. A block
+that another process evicted is a miss here and leaves the index.
 A corrupt blob is deleted when found; if another process had just renamed a good
 copy over it, that copy goes too, which costs a miss, never wrong data.
 
@@ -102,7 +112,8 @@ class _Loaded(NamedTuple):
 
 
 class LocalBackend:
-    """Blocks as files under ``root``; see the module docstring for layout and eviction.
+    """Blocks as files under ``root``, in the directory of ``fingerprint``; see the module
+    docstring for layout and eviction.
 
     Owner: one thread. A call with several blocks does their file I/O and checksums
     on up to ``num_threads`` pool threads (both release the GIL), so flushes overlap
@@ -127,6 +138,7 @@ class LocalBackend:
         check_key(fingerprint, "fingerprint")
         self.root = os.fspath(root)
         self.fingerprint = fingerprint
+        self.directory = os.path.join(self.root, fingerprint.hex())  # this key space
         self.max_bytes = max_bytes  # 0: no bound
         self.fsync = fsync
         self._num_threads = num_threads
@@ -137,14 +149,14 @@ class LocalBackend:
         self._written_since_scan = 0
         self._last_stamp = 0
         self._closed = False
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.directory, exist_ok=True)
         self.rescan()
         self._bound()
 
     def path_for(self, key: BlockHash) -> str:
-        """The file a key is stored in (whether or not it exists)."""
+        """The file a key is stored in under this fingerprint (whether or not it exists)."""
         name = key.hex()
-        return os.path.join(self.root, name[:2], name)
+        return os.path.join(self.directory, name[:2], name)
 
     def put_many(self, items: Iterable[tuple[BlockHash, Buffer]]) -> int:
         self._check_open()
@@ -208,9 +220,10 @@ class LocalBackend:
             self._pool = None
 
     def rescan(self) -> None:
-        """Rebuild the index from the directory, and remove temp files of dead processes."""
+        """Rebuild the index from this fingerprint's directory, and remove temp files of
+        dead processes there (other fingerprints' directories are not looked at)."""
         found: list[tuple[int, str, int]] = []  # (mtime ns, key hex, size)
-        with os.scandir(self.root) as shards:
+        with os.scandir(self.directory) as shards:
             shard_paths = [e.path for e in shards if len(e.name) == 2 and e.is_dir()]
         for shard in shard_paths:
             with contextlib.suppress(FileNotFoundError), os.scandir(shard) as entries:
@@ -290,7 +303,7 @@ class LocalBackend:
         raise StorageWriteFailed(
             first.errno,
             f"{len(failed)} of {len(failed) + written} new blocks not written under "
-            f"{self.root}: {first}",
+            f"{self.directory}: {first}",
             failed=len(failed),
             written=written,
         )

@@ -221,6 +221,34 @@ def test_a_backend_of_another_fingerprint_never_returns_the_block(make):
     assert other.get_many([key(0)]) == [None]
 
 
+def test_two_fingerprints_store_one_key_side_by_side_and_each_reads_its_own(make):
+    log = RecordingLog()
+    rank0, rank1 = make(log=log), make(fingerprint=OTHER_FP, log=log)
+    assert rank0.put_many([(key(0), payload(0))]) == 1
+    assert rank1.longest_prefix([key(0)]) == 0  # rank 0's shard is not rank 1's
+    assert rank1.put_many([(key(0), payload(1)), (key(1), payload(2))]) == 2
+    assert rank0.get_many([key(0), key(1)]) == [payload(0), None]
+    assert rank1.get_many([key(0), key(1)]) == [payload(1), payload(2)]
+    assert log.errors == []  # neither blob read as the other's (a foreign fingerprint)
+    assert (rank0.stats().num_blocks, rank1.stats().num_blocks) == (1, 2)
+    assert rank1.delete([key(0)]) == 1
+    assert rank0.get_many([key(0)]) == [payload(0)]
+
+
+def test_each_fingerprint_is_bounded_and_evicted_on_its_own(make):
+    bound = 2 * (TRAILER.size + BLOCK)
+    rank0, rank1 = make(max_bytes=bound), make(max_bytes=bound, fingerprint=OTHER_FP)
+    if rank0.name == "redis":
+        pytest.skip("redis evicts by the server's maxmemory-policy, not by max_bytes")
+    rank0.put_many([(key(i), payload(i)) for i in range(2)])
+    rank1.put_many([(key(i), payload(i)) for i in range(3)])  # past its bound: evicts key 0
+    assert rank1.longest_prefix([key(0)]) == 0 and rank1.stats().evictions == 1
+    assert rank0.longest_prefix([key(0), key(1)]) == 2 and rank0.stats().evictions == 0
+    if rank0.name == "local":  # a rescan of the shared root indexes rank 0's blocks only
+        reopened = make(max_bytes=bound)
+        assert (reopened.stats().num_blocks, reopened.stats().num_bytes) == (2, bound)
+
+
 def test_blocks_past_max_bytes_are_evicted_least_recently_used_first(make):
     store = make(max_bytes=3 * (TRAILER.size + BLOCK))
     if store.name == "redis":
@@ -323,10 +351,13 @@ def files_under(root: Path) -> list[str]:
     return sorted(p.name for p in root.rglob("*") if p.is_file())
 
 
-def test_a_local_block_is_a_file_named_by_its_key_in_a_directory_per_first_byte(tmp_path):
+def test_a_local_block_is_a_file_named_by_its_key_under_its_fingerprint_and_first_byte(
+    tmp_path,
+):
     with closing(LocalBackend(tmp_path, fingerprint=FP, fsync=False)) as store:
         store.put_many([(key(0), payload(0))])
-        assert store.path_for(key(0)) == str(tmp_path / key(0).hex()[:2] / key(0).hex())
+        where = tmp_path / FP.hex() / key(0).hex()[:2] / key(0).hex()
+        assert store.path_for(key(0)) == str(where) and where.is_file()
         assert files_under(tmp_path) == [key(0).hex()]
 
 

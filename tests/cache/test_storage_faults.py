@@ -215,9 +215,11 @@ def test_open_storage_gives_the_engine_a_guarded_client_and_none_without_a_tier(
     )
     config = Config.load(None, ["cache.storage.backend=local"])
     storage = open_storage(config, model, str(tmp_path))
-    assert isinstance(storage, GuardedBackend) and isinstance(storage.backend, LocalBackend)
-    assert storage.answer_s == config.cache.storage.presence_timeout_s == 0.05
-    assert storage.backend.root == str(tmp_path / "storage")
+    assert storage is not None
+    (client,) = storage.ranks  # tp_size 1: one rank's client
+    assert isinstance(client, GuardedBackend) and isinstance(client.backend, LocalBackend)
+    assert client.answer_s == config.cache.storage.presence_timeout_s == 0.05
+    assert client.backend.root == str(tmp_path / "storage")
     storage.close()
     none = Config.load(None, ["cache.storage.backend=none"])
     assert open_storage(none, model, str(tmp_path)) is None
@@ -280,10 +282,12 @@ def test_the_engine_and_the_store_lane_open_a_redis_that_is_down_and_count_misse
     config = Config.load(None, ["cache.storage.backend=redis", f"cache.storage.url={url}"])
     log = RecordingLog()
     storage = open_storage(config, model, str(tmp_path), log=log)
-    assert isinstance(storage, GuardedBackend)
+    assert storage is not None
+    (client,) = storage.ranks
+    assert isinstance(client, GuardedBackend)
     with closing(storage):
         assert storage.longest_prefix([key(0)]) == 0  # a miss, never an exception
-        assert not storage.available
+        assert not client.available
 
 
 def test_a_stopped_redis_fails_every_call_at_once_and_a_restart_on_its_port_serves_again(

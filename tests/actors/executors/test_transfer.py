@@ -28,7 +28,7 @@ from ringfence.actors.executors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_cou
 from ringfence.actors.executors.store import StoreLane
 from ringfence.actors.executors.swap import SwapLane
 from ringfence.actors.executors.transfer import TransferLane
-from ringfence.actors.kv.layout import kv_layout
+from ringfence.actors.kv.layout import block_fingerprint, kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv, open_kv
 from ringfence.actors.protocol.transfer import (
     FROM_TRANSFER,
@@ -77,6 +77,7 @@ class Rig:
     device: SharedKV | None = None
     seen: list[object] = field(default_factory=list)
     rank: int = 0
+    config: Config | None = None  # the lane's
 
     @property
     def lane(self) -> TransferLane:
@@ -170,6 +171,7 @@ def make_lane(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
         rig = Rig(
             ex.driver, ex.inbox, ex.replies, ex.replies_box, ex.waiter, ex.lanes, ex.control,
             ex.log_path, ready, host=open_kv(ready.host), storage=storage, rank=rank,
+            config=config,
         )  # fmt: skip
         rigs.append(rig)
         if lane_cls is SwapLane and device:
@@ -427,8 +429,9 @@ def test_a_corrupt_stored_blob_reads_as_missing_and_is_poisoned(make_lane) -> No
     fill(host, (0, 1), seed=70)
     good = host[1].clone()
     assert rig.run(store(1, "write", (0, 1), (key(0x51), key(0x52)))).status == "ok"
-    assert rig.storage is not None
-    path = rig.storage / key(0x51).hex()[:2] / key(0x51).hex()
+    assert rig.storage is not None and rig.config is not None
+    rank_dir = rig.storage / block_fingerprint(rig.config, rank=0).digest().hex()
+    path = rank_dir / key(0x51).hex()[:2] / key(0x51).hex()
     assert path.is_file(), stored_files(rig.storage)
     with open(path, "r+b") as f:  # flip one payload byte
         f.seek(100)
