@@ -11,6 +11,13 @@ import pytest
 from engine_runs import TIERS, finished, reference, workload_sets
 from launching import launched
 
+from ringfence.actors.config import Config
+from ringfence.actors.engine.intake import load_workload
+from ringfence.actors.kv.layout import block_fingerprint
+from ringfence.cache.block_hash import block_keys
+from ringfence.cache.storage.local import LocalBackend
+from ringfence.cache.storage.testing import read_blob, write_blob
+
 
 def events(run_dir: Path, log: str, name: str) -> list[dict[str, Any]]:
     lines = (run_dir / f"{log}.jsonl").read_bytes().splitlines()
@@ -58,3 +65,55 @@ def test_tp_ranks_give_the_single_rank_tokens_with_tiers_chaos_and_poison(
     moved = engine["blocks"]
     assert moved.get("swap_out" if policy == "swap" else "write_back", 0) > 0, engine
     every_rank_ran_every_step(run.run_dir, ranks)
+
+
+def test_rank_1s_copy_corrupt_or_deleted_is_a_miss_on_every_rank_and_the_tokens_stay_exact(
+    tmp_path: Path,
+) -> None:
+    """A first tp 2 instance fills a local tier; then rank 1's copy of block 1 of the shared
+    prefix is corrupted and its copy of block 3 deleted, rank 0's left whole. The second
+    instance's presence stops before block 3 (a prefix is stored only where every rank's
+    block is), rank 1's prefetch reports block 1 missing, and the engine recomputes it on
+    both ranks: the tokens are the single-rank reference's."""
+    shared = tmp_path / "shared-storage"
+    sets = (
+        *workload_sets("multiturn", requests=4),
+        "cache.host_blocks=0",
+        "cache.device_eviction=write_through",
+        "cache.storage.backend=local",
+        f"cache.storage.path={shared}",
+        "parallel.tp_size=2",
+    )
+    turns = load_workload("synthetic:multiturn", requests=4)  # the first chat's four turns
+    expected = {line.id: reference("multiturn")[line.id] for line in turns}
+    with launched(tmp_path, *sets, run_dir=tmp_path / "first") as run:
+        finished(run)
+    config = Config.load(None, sets)
+    prompt = turns[0].prompt_token_ids
+    assert prompt is not None
+    keys = block_keys(prompt, 16, namespace=block_fingerprint(config).digest())
+    rank_1 = LocalBackend(shared, fingerprint=block_fingerprint(config, rank=1).digest())
+    try:
+        blob = read_blob(rank_1, keys[1])
+        assert blob is not None and rank_1.longest_prefix(keys[:4]) == 4
+        write_blob(rank_1, keys[1], blob[:100] + bytes([blob[100] ^ 0xFF]) + blob[101:])
+        assert rank_1.delete([keys[3]]) == 1
+    finally:
+        rank_1.close()
+    with launched(tmp_path, *sets, run_dir=tmp_path / "second") as run:
+        outputs, _summary = finished(run)
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == expected
+    corrupt = {e["key"]: e["reason"] for e in events(run.run_dir, "store-1", "storage.corrupt")}
+    assert corrupt == {keys[1].hex(): "checksum"}
+    assert events(run.run_dir, "store-0", "storage.corrupt") == []
+    reads = [
+        [
+            (e["op"], e["blocks"], e["missing"])
+            for e in events(run.run_dir, f"store-{r}", "lane.done")
+            if e.get("direction") == "read"
+        ]
+        for r in range(2)
+    ]
+    assert reads[0] and [op for op, _, _ in reads[0]] == [op for op, _, _ in reads[1]]
+    assert reads[0][0][1] == 3, reads  # blocks 0..2: not 3, which rank 1 lacks
+    assert reads[1][0][2] == [1] and reads[0][0][2] == [], reads
