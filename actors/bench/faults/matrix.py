@@ -14,6 +14,8 @@ from ringfence.actors.bench.faults.storage import (
     writes_into_a_full_tier,
 )
 
+TP2 = (*PRESSURE, "parallel.tp_size=2")
+
 
 def matrix(quick: bool) -> list[Scenario]:
     """Every scenario of ``ringfence bench faults`` (quick: fewer requests and kills)."""
@@ -26,6 +28,9 @@ def matrix(quick: bool) -> list[Scenario]:
         Scenario("kill store lane", "pressure", n, SAVE, kills("store-0", *steps)),
         Scenario("kill worker", "pressure", n, PRESSURE, kills("worker-0", *steps[:2])),
         Scenario("kill engine", "pressure", n, PRESSURE, kills("engine-0", steps[0])),
+        # Tensor parallelism: a rank's lane restarts alone, a Worker rank takes its group down.
+        Scenario("tp2 kill swap lane of rank 1", "pressure", n, TP2, kills("swap-1", *steps)),
+        Scenario("tp2 kill worker rank 1", "pressure", n, TP2, kills("worker-1", *steps[:2])),
         Scenario(
             "kill engine (restart never)",
             "pressure",
