@@ -38,6 +38,7 @@ A failed launch (nonzero exit, timeout, no summary, an aborted request) is an er
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shutil
@@ -45,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ class Run:
     settings: tuple[str, ...]  # --set KEY=VALUE overrides
 
 
-def _common(preset: str, requests: int) -> list[str]:
+def common_settings(preset: str, requests: int) -> list[str]:
     return [
         f"engine.requests={requests}",
         "engine.arrivals=false",
@@ -136,7 +137,7 @@ TIERS_OFF = ("cache.storage.backend=none", "cache.host_blocks=0")
 
 def pairs(preset: str, requests: int) -> dict[str, tuple[Run, Run]]:
     """The launched pairs, by name: (side A, side B)."""
-    common = _common(preset, requests)
+    common = common_settings(preset, requests)
     blocks = max(PRESSURE_MIN_BLOCKS, requests * PRESSURE_BLOCKS_PER_REQUEST)
     pressure = [*common, f"cache.device_blocks={blocks}", "sched.preemption=swap"]
     pressure += ["cache.storage.backend=none", f"cache.host_blocks={HOST_BLOCKS}"]
@@ -164,8 +165,12 @@ def pairs(preset: str, requests: int) -> dict[str, tuple[Run, Run]]:
     }
 
 
-def run_launch(run: Run, *, threads: int, timeout: float, folder: Path) -> Side:
-    """``ringfence launch`` the run in a fresh run dir under ``folder``; removed afterwards.
+@contextlib.contextmanager
+def launched_run(
+    run: Run, *, threads: int, timeout: float, folder: Path
+) -> Iterator[tuple[Side, Path]]:
+    """``ringfence launch`` the run in a fresh run dir under ``folder``; yields its figures
+    and the run dir (its logs readable inside the block), removed when the block ends.
 
     :class:`RunError` if the launch fails (see :func:`launcher.run`), aborts a request or
     has no throughput."""
@@ -180,20 +185,29 @@ def run_launch(run: Run, *, threads: int, timeout: float, folder: Path) -> Side:
             env={"OMP_NUM_THREADS": str(threads)},
             needs_summary=True,
         )
+        summary = done.summary
+        if summary["requests"]["aborted"] or not summary["throughput"]["output_tokens_per_s"]:
+            raise RunError(f"{run.workload} launch: {summary['requests']}, no throughput")
+        yield (
+            Side(
+                output_tokens_per_s=float(summary["throughput"]["output_tokens_per_s"]),
+                ttft_p50_s=summary["ttft_s"]["p50"],
+                ttft_p99_s=summary["ttft_s"]["p99"],
+                duration_s=float(summary["duration_s"]),
+                tokens={line["id"]: list(line["token_ids"]) for line in done.outputs},
+                engine=dict(summary["engine"]),
+                wall_s=done.wall_s,
+            ),
+            work / "run",
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    summary = done.summary
-    if summary["requests"]["aborted"] or not summary["throughput"]["output_tokens_per_s"]:
-        raise RunError(f"{run.workload} launch: {summary['requests']}, no throughput")
-    return Side(
-        output_tokens_per_s=float(summary["throughput"]["output_tokens_per_s"]),
-        ttft_p50_s=summary["ttft_s"]["p50"],
-        ttft_p99_s=summary["ttft_s"]["p99"],
-        duration_s=float(summary["duration_s"]),
-        tokens={line["id"]: list(line["token_ids"]) for line in done.outputs},
-        engine=dict(summary["engine"]),
-        wall_s=done.wall_s,
-    )
+
+
+def run_launch(run: Run, *, threads: int, timeout: float, folder: Path) -> Side:
+    """The figures of :func:`launched_run`; the run dir is gone when this returns."""
+    with launched_run(run, threads=threads, timeout=timeout, folder=folder) as (side, _):
+        return side
 
 
 def run_local(run: Run, *, threads: int) -> Side:
@@ -230,17 +244,20 @@ def run_local(run: Run, *, threads: int) -> Side:
     )
 
 
-def _match(a: Side, b: Side) -> float:
+def tokens_match(a: Side, b: Side) -> float:
+    """The fraction of requests (of either side) whose output tokens are the same on both."""
     ids = set(a.tokens) | set(b.tokens)
     return sum(a.tokens.get(i) == b.tokens.get(i) for i in ids) / len(ids) if ids else 1.0
 
 
-def _median(values: Sequence[float | None]) -> float | None:
+def median(values: Sequence[float | None]) -> float | None:
+    """The median of the known values; None if there are none."""
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio_of(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None if either is unknown or ``b`` is 0."""
     return a / b if a is not None and b else None
 
 
@@ -266,30 +283,30 @@ def bench(preset: str, requests: int, rounds: int, threads: int, timeout: float)
             sides["actor/local"][1].append(run_local(launched["tiers unique"][1], threads=threads))
     rows = []
     for name, (a_runs, b_runs) in sides.items():
-        a_tps = _median([s.output_tokens_per_s for s in a_runs])
-        b_tps = _median([s.output_tokens_per_s for s in b_runs])
+        a_tps = median([s.output_tokens_per_s for s in a_runs])
+        b_tps = median([s.output_tokens_per_s for s in b_runs])
         rows.append(
             _row(
                 name,
                 unit="tokens/s",
                 a=a_tps,
                 b=b_tps,
-                ratio=_ratio(a_tps, b_tps),
+                ratio=ratio_of(a_tps, b_tps),
                 a_runs=a_runs,
                 b_runs=b_runs,
             )
         )
         if name == "tiers multiturn":
             for q in ("p50", "p99"):
-                a_ttft = _median([getattr(s, f"ttft_{q}_s") for s in a_runs])
-                b_ttft = _median([getattr(s, f"ttft_{q}_s") for s in b_runs])
+                a_ttft = median([getattr(s, f"ttft_{q}_s") for s in a_runs])
+                b_ttft = median([getattr(s, f"ttft_{q}_s") for s in b_runs])
                 rows.append(
                     _row(
                         f"{name} ttft {q}",
                         unit=f"TTFT {q} s",
                         a=a_ttft,
                         b=b_ttft,
-                        ratio=_ratio(b_ttft, a_ttft),
+                        ratio=ratio_of(b_ttft, a_ttft),
                         a_runs=[],
                         b_runs=[],
                     )
@@ -319,7 +336,7 @@ def _row(
         "meets_target": None if target is None else ratio is not None and ratio >= target,
     }
     if a_runs:
-        row["tokens_match"] = _match(a_runs[0], b_runs[0])
+        row["tokens_match"] = tokens_match(a_runs[0], b_runs[0])
         row["sides"] = [
             [
                 {
@@ -337,7 +354,8 @@ def _row(
     return row
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted by ``spec``, or "n/a" when unknown."""
     return "n/a" if value is None else format(value, spec)
 
 
@@ -353,9 +371,9 @@ def _print(report: dict[str, Any]) -> None:
         verdict = "-" if target is None else "pass" if row["meets_target"] else "FAIL"
         match = f"{row['tokens_match']:.0%}" if "tokens_match" in row else ""
         print(
-            f"  {row['name']:<22}{row['unit']:>11}{_fmt(row['a'], '10.3f')}"
-            f"{_fmt(row['b'], '10.3f')}{_fmt(row['ratio'], '7.3f')}x"
-            f"{_fmt(target, '7.2f') if target is not None else '':>8}  {verdict:<6}  {match}"
+            f"  {row['name']:<22}{row['unit']:>11}{fmt(row['a'], '10.3f')}"
+            f"{fmt(row['b'], '10.3f')}{fmt(row['ratio'], '7.3f')}x"
+            f"{fmt(target, '7.2f') if target is not None else '':>8}  {verdict:<6}  {match}"
         )
     print(
         "  (A/B: fence/sync, tiers on/off, actor pipeline/local runner; TTFT ratio is B / A, "

@@ -47,7 +47,7 @@ from ringfence.actors.bench.e2e import (
     PRESSURE_MIN_BLOCKS,
     TIERS_ON,
     Run,
-    _common,
+    common_settings,
 )
 from ringfence.actors.bench.launcher import RunError
 from ringfence.actors.bench.options import add_counts, resolve_counts, resolve_preset
@@ -104,7 +104,7 @@ class Launch:
 def workload(preset: str, requests: int, level: str) -> Run:
     """The launched run: e2e's ``pressure`` settings with the tiers on, at ``level``."""
     blocks = max(PRESSURE_MIN_BLOCKS, requests * PRESSURE_BLOCKS_PER_REQUEST)
-    settings = [*_common(preset, requests), f"cache.device_blocks={blocks}"]
+    settings = [*common_settings(preset, requests), f"cache.device_blocks={blocks}"]
     settings += ["sched.preemption=swap", *TIERS_ON, f"runtime.log_level={level}"]
     return Run("pressure", requests, tuple(settings))
 
