@@ -69,10 +69,10 @@ def run_rank(
                 )
                 for ids, start in step
             ]
-            logits = executor.step(pieces, logits=rank == 0).last_logits
             if rank == 0:
-                assert logits is not None
-                saved.append(logits.to("cpu"))
+                saved.append(executor.step(pieces).last_logits.to("cpu"))
+            else:
+                executor.step_without_logits(pieces)
         if rank == 0:
             torch.save(saved, out)
     finally:

@@ -418,7 +418,5 @@ def main(args: argparse.Namespace) -> int:
 
 def _greedy(executor: Any, pieces: list[Any]) -> list[int]:
     """The greedy next token of every piece of one step."""
-    logits = executor.step(pieces).last_logits
-    assert logits is not None
-    tokens: list[int] = logits.argmax(-1).tolist()
+    tokens: list[int] = executor.step(pieces).last_logits.argmax(-1).tolist()
     return tokens

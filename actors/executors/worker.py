@@ -261,14 +261,13 @@ class Worker(LaneExecutor):
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return ()
-        # Rank 0 samples; the other ranks write their KV heads and join the all-reduces.
-        logits = self.executor.step(plan.pieces, logits=self.shard.rank == 0).last_logits
-        if logits is None:
+        if self.shard.rank > 0:  # rank 0 samples; the others write KV and join the all-reduces
+            self.executor.step_without_logits(plan.pieces)
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return ()
         # One copy for all pieces; on CUDA it waits for the step, KV writes included.
-        return sample_pieces(plan.pieces, logits.to("cpu"))
+        return sample_pieces(plan.pieces, self.executor.step(plan.pieces).last_logits.to("cpu"))
 
     def _finish(
         self,

@@ -59,7 +59,7 @@ class _StepIndex(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    last_logits: Tensor | None  # [num_pieces, vocab]: of each piece's last token; None: not asked
+    last_logits: Tensor  # [num_pieces, vocab]: logits of the last token of each piece
     all_logits: Tensor | None  # [total tokens, vocab] in piece order, when asked for
 
 
@@ -192,12 +192,23 @@ class PagedExecutor:
         )
 
     @torch.inference_mode()
-    def step(
-        self, pieces: Sequence[Piece], *, all_logits: bool = False, logits: bool = True
-    ) -> StepOutput:
-        """Run one step: write each token's K/V into its slot, attend causally, return logits
-        (none with ``logits=False``: a tensor-parallel rank other than 0 writes its KV and
-        takes part in the all-reduces, and skips the LM head).
+    def step(self, pieces: Sequence[Piece], *, all_logits: bool = False) -> StepOutput:
+        """Run one step (see :meth:`hidden`) and return its logits."""
+        x, last = self.hidden(pieces)
+        if all_logits:
+            every = self.model.logits(x)
+            return StepOutput(every[last], every)
+        return StepOutput(self.model.logits(x[last]), None)
+
+    @torch.inference_mode()
+    def step_without_logits(self, pieces: Sequence[Piece]) -> None:
+        """Run one step and skip the LM head: what a tensor-parallel rank other than 0 does
+        (it writes its KV heads and takes part in the all-reduces; rank 0 samples)."""
+        self.hidden(pieces)
+
+    def hidden(self, pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+        """Run one step: write each token's K/V into its slot, attend causally; the final
+        hidden states [T, hidden] and the row of each piece's last token.
 
         Linear layers run once over all tokens of the step. Attention runs once per layer
         for all one-token (decode) pieces together, over their tables gathered into one
@@ -257,12 +268,7 @@ class PagedExecutor:
                 )
                 out[rows] = attended[0].transpose(0, 1).reshape(chunk.length, -1)
             x = model.finish_layer(layer, x, out)
-        if not logits:
-            return StepOutput(None, None)
-        if all_logits:
-            every = model.logits(x)
-            return StepOutput(every[ix.last], every)
-        return StepOutput(model.logits(x[ix.last]), None)
+        return x, ix.last
 
 
 def _decodes(

@@ -10,7 +10,7 @@ rank's KV tensor holds its ``kv_heads / tp_size`` heads of every block.
 
 The embedding, the norms and the LM head are replicated: the embedding is a lookup (no
 collective needed to produce the full hidden state every rank starts from), and only
-rank 0 computes logits and samples (``PagedExecutor.step(logits=False)`` on the others),
+rank 0 computes logits and samples (``PagedExecutor.step_without_logits`` on the others),
 so the LM head costs no collective and the other ranks skip its matmul. The price is the
 embedding's memory on every rank, which a vocabulary-parallel embedding would split.
 

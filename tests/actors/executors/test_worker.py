@@ -370,7 +370,7 @@ def test_a_step_that_raises_fills_the_blocks_it_wrote_with_nan_and_no_other(
     assert executor is not None
     real = executor.step
 
-    def broken(pieces, **_):  # it ran, wrote its KV, then raised (out of memory, a driver error)
+    def broken(pieces):  # it ran, wrote its KV, then raised (out of memory, a driver error)
         real(pieces)
         raise RuntimeError("the step broke after writing")
 
