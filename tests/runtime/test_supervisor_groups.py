@@ -43,7 +43,11 @@ class GroupRun:
     names_left: list[Any]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+# Three ranks in the slow soak: the bookkeeping of any size is tested without processes.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(2, id="2-ranks"), pytest.param(3, id="3-ranks", marks=pytest.mark.slow)],
+)
 def group_run(request, tmp_path_factory):
     """A run whose worker-1 is SIGKILLed once every instance is ready; once every worker
     rank is ready again, lane-1 is SIGKILLed; once it is ready again, worker-0 is SIGKILLed:

@@ -14,6 +14,7 @@ from launching import launched
 from ringfence.actors.config import Config
 from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.kv.layout import block_fingerprint
+from ringfence.actors.testing.local import LocalRunner
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.storage.local import LocalBackend
 from ringfence.cache.storage.testing import read_blob, write_blob
@@ -41,7 +42,9 @@ def every_rank_ran_every_step(run_dir: Path, ranks: int) -> None:
     ("policy", "ranks", "preset"),
     [
         ("swap", 2, "tiny"),
-        ("save", 2, "tiny"),
+        # Save preemption in the slow soak; CI runs each rank's store lane (prefetches with
+        # misses) in the corrupt-storage test below and the swap lanes here.
+        pytest.param("save", 2, "tiny", marks=pytest.mark.slow),
         pytest.param("swap", 4, "tiny-4kv", marks=pytest.mark.slow),
         pytest.param("recompute", 2, "tiny", marks=pytest.mark.slow),
     ],
@@ -67,11 +70,35 @@ def test_tp_ranks_give_the_single_rank_tokens_with_tiers_chaos_and_poison(
     every_rank_ran_every_step(run.run_dir, ranks)
 
 
+def fill_rank_shards(config: Config, path: Path, turns: list[Any]) -> None:
+    """A first instance, run in this process on the whole model: each block it stored is
+    split by KV heads into the shards the ranks hold, each written under its rank's
+    fingerprint (so the second instance also proves that rank r's KV is heads r*k..)."""
+    runner = LocalRunner(config)
+    records = runner.run(turns, arrivals=False)
+    assert {r.id: r.token_ids for r in records} == {
+        line.id: reference("multiturn")[line.id] for line in turns
+    }
+    ranks = config.parallel.tp_size
+    for rank in range(ranks):
+        store = LocalBackend(path, fingerprint=block_fingerprint(config, rank=rank).digest())
+        try:
+            blocks = []
+            for key, block in runner.machine.storage.items():
+                heads = block.shape[-2] // ranks
+                shard = block[..., rank * heads : (rank + 1) * heads, :].contiguous()
+                blocks.append((key, shard.numpy().data))
+            assert store.put_many(blocks) == len(blocks) > 0
+        finally:
+            store.close()
+
+
 def test_rank_1s_copy_corrupt_or_deleted_is_a_miss_on_every_rank_and_the_tokens_stay_exact(
     tmp_path: Path,
 ) -> None:
-    """A first tp 2 instance fills a local tier; then rank 1's copy of block 1 of the shared
-    prefix is corrupted and its copy of block 3 deleted, rank 0's left whole. The second
+    """A first instance (in this process, on the whole model) fills a local tier with each
+    rank's shard of every block; then rank 1's copy of block 1 of the shared prefix is
+    corrupted and its copy of block 3 deleted, rank 0's left whole. The second tp 2
     instance's presence stops before block 3 (a prefix is stored only where every rank's
     block is), rank 1's prefetch reports block 1 missing, and the engine recomputes it on
     both ranks: the tokens are the single-rank reference's."""
@@ -86,9 +113,8 @@ def test_rank_1s_copy_corrupt_or_deleted_is_a_miss_on_every_rank_and_the_tokens_
     )
     turns = load_workload("synthetic:multiturn", requests=4)  # the first chat's four turns
     expected = {line.id: reference("multiturn")[line.id] for line in turns}
-    with launched(tmp_path, *sets, run_dir=tmp_path / "first") as run:
-        finished(run)
     config = Config.load(None, sets)
+    fill_rank_shards(config, shared, turns)
     prompt = turns[0].prompt_token_ids
     assert prompt is not None
     keys = block_keys(prompt, 16, namespace=block_fingerprint(config).digest())
