@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -55,7 +54,7 @@ import orjson
 
 from ringfence.actors.bench import launcher
 from ringfence.actors.bench.launcher import RunError
-from ringfence.actors.bench.options import add_counts, resolve_counts, resolve_preset
+from ringfence.actors.bench.options import add_counts, environment, resolve_counts, resolve_preset
 
 DTYPE = "float32"
 BLOCK_SIZE = 16
@@ -406,10 +405,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     report: dict[str, Any] = {
         "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
+        **environment(),
         "threads": threads,
         "preset": preset,
         "dtype": DTYPE,

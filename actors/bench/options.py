@@ -6,7 +6,10 @@ Standard library only, so ``ringfence --help`` never loads torch.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 from collections.abc import Mapping
+from typing import Any
 
 # name: (default, quick default, help)
 Counts = Mapping[str, tuple[int, int, str]]
@@ -43,3 +46,13 @@ def resolve_preset(args: argparse.Namespace) -> str:
     if preset not in PRESETS:
         raise ValueError(f"--preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
     return preset
+
+
+def environment() -> dict[str, Any]:
+    """Where the figures were measured (every bench's report opens with it)."""
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }

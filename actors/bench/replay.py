@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -50,7 +49,7 @@ from ringfence.actors.bench.e2e import (
     common_settings,
 )
 from ringfence.actors.bench.launcher import RunError
-from ringfence.actors.bench.options import add_counts, resolve_counts, resolve_preset
+from ringfence.actors.bench.options import add_counts, environment, resolve_counts, resolve_preset
 
 LEVELS = ("info", "trace")  # the baseline first
 
@@ -380,10 +379,7 @@ def main(args: argparse.Namespace) -> int:
 
     report: dict[str, Any] = {
         "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
+        **environment(),
         "threads": threads,
         "preset": preset,
         "dtype": DTYPE,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import orjson
 
 from ringfence.actors.bench import e2e
 from ringfence.actors.bench.launcher import RunError
-from ringfence.actors.bench.options import add_counts, resolve_counts, resolve_preset
+from ringfence.actors.bench.options import add_counts, environment, resolve_counts, resolve_preset
 
 WORKLOADS = ("unique", "pressure")  # synthetic workloads that run all at t=0
 NS_PER_MS = 1_000_000
@@ -277,10 +276,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     report: dict[str, Any] = {
         "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
+        **environment(),
         "threads": threads,
         "preset": preset,
         "dtype": e2e.DTYPE,

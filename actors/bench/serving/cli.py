@@ -43,6 +43,7 @@ import orjson
 
 from ringfence.actors.bench import launcher
 from ringfence.actors.bench.launcher import RunError
+from ringfence.actors.bench.options import environment
 from ringfence.actors.bench.serving import report
 from ringfence.actors.bench.serving.client import LoadRequest
 from ringfence.actors.bench.serving.stats import parse_rate, poisson_arrivals, rate_label
@@ -310,7 +311,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"ringfence bench serve: {e}", file=sys.stderr)
         return 1
     result: dict[str, Any] = {
-        **report.environment(),
+        **environment(),
         "settings": settings,
         "requests": args.requests,
         "rates": [rate_label(r) for r in rates],

@@ -8,8 +8,6 @@ Standard library and orjson only (matplotlib inside :func:`plot`, through
 
 from __future__ import annotations
 
-import os
-import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,16 +70,6 @@ def row(
             ),
         },
         "tokens_match": match,
-    }
-
-
-def environment() -> dict[str, Any]:
-    """Where the figures were measured."""
-    return {
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
     }
 
 
