@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ringfence.runtime.actor import Actor, ActorContext
-from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox, Outbox, RingOutbox
+from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox
 from ringfence.runtime.messages import Failed, Tick
+from ringfence.runtime.routes import Routes
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import (
     ActorDead,
@@ -128,6 +129,7 @@ class Driver:
             counters=counters or {},
             services=self,
         )
+        self.routes = Routes(self.ctx.instance, mailbox.outboxes, log)
         self.actor = actor_cls(self.ctx)
         self._table = {t: getattr(self.actor, m) for t, m in actor_cls.handlers.items()}
         self._timers: list[tuple[float, int, object]] = []
@@ -135,7 +137,6 @@ class Driver:
         self._ticks = 0
         self._next_beat = 0.0
         self._current: Delivery | None = None
-        self._routes: dict[str, Outbox] = {}
         self.handled = 0  # messages handed to a handler (failed ones included)
         self.failures = 0  # handlers that raised, and frames that could not be decoded
         self.deferred = 0  # messages handed over again because a send or wait was blocked
@@ -152,68 +153,14 @@ class Driver:
     def current(self) -> Delivery | None:
         return self._current
 
-    def _route(self, to: str) -> Outbox:
-        """The outbox to instance ``to``, or to actor ``to`` when it has one instance here.
-
-        Never a guess: an actor with several ranks is named by instance (``worker-1``), or
-        sent to with ``send_all``; a name that fits no single outbox is a KeyError.
-        """
-        outbox = self._routes.get(to)
-        if outbox is not None:
-            return outbox
-        outboxes = self.mailbox.outboxes
-        named = self.peers(to)
-        if to in outboxes:
-            outbox = outboxes[to]
-        elif len(named) == 1:
-            outbox = outboxes[named[0]]
-        elif named:
-            raise KeyError(
-                f"{self.ctx.instance}: {to!r} has {len(named)} ranks here ({', '.join(named)}): "
-                "name one, or send to all of them"
-            )
-        else:
-            raise KeyError(f"{self.ctx.instance} has no outbox to {to!r}: {list(outboxes)}")
-        self._routes[to] = outbox
-        return outbox
-
     def peers(self, role: str) -> list[str]:
-        """The instances of actor ``role`` this one has an outbox to, in rank order."""
-        ranks = {}
-        for peer in self.mailbox.outboxes:
-            name, _, rank = peer.rpartition("-")
-            if name == role and rank.isdigit():
-                ranks[peer] = int(rank)
-        return sorted(ranks, key=ranks.__getitem__)
+        return self.routes.peers(role)
 
     def send(self, to: str, msg: object, timeout: float | None) -> int:
-        outbox = self._route(to)
-        seq = outbox.send(msg, self._send_timeout if timeout is None else timeout)
-        if self.log.tracing:
-            self.log.trace("msg.send", peer=outbox.peer, seq=seq, type=type(msg).__name__)
-        return seq
+        return self.routes.send(to, msg, self._send_timeout if timeout is None else timeout)
 
     def send_all(self, role: str, msg: object, timeout: float | None) -> list[int]:
-        """Send ``msg`` to every instance of ``role``, in rank order; over rings of one
-        registry it is encoded once and the same bytes go to each (a step plan to every
-        Worker rank)."""
-        outboxes = [self.mailbox.outboxes[peer] for peer in self.peers(role)]
-        rings = [o for o in outboxes if isinstance(o, RingOutbox)]
-        if (
-            len(rings) < 2
-            or len(rings) != len(outboxes)
-            or any(o.registry is not rings[0].registry for o in rings)
-        ):
-            return [self.send(o.peer, msg, timeout) for o in outboxes]
-        kind, payload = rings[0].encode(msg)
-        wait = self._send_timeout if timeout is None else timeout
-        seqs = []
-        for ring in rings:
-            seq = ring.put(kind, payload, wait)
-            if self.log.tracing:
-                self.log.trace("msg.send", peer=ring.peer, seq=seq, type=type(msg).__name__)
-            seqs.append(seq)
-        return seqs
+        return self.routes.send_all(role, msg, self._send_timeout if timeout is None else timeout)
 
     def schedule(self, delay_s: float, msg: object) -> None:
         if type(msg) not in self._table:

@@ -1,0 +1,79 @@
+"""Where an actor's messages go: its outboxes by instance, and by role across ranks.
+
+An actor names a peer by instance (``worker-1``), or by role when the role has one instance
+here (``engine``); a role with several ranks is reached one rank at a time or all together
+(:meth:`Routes.send_all`), never by a guess. Sends are traced (``msg.send``) when the log is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ringfence.runtime.log import ActorLog
+from ringfence.runtime.mailbox import Outbox, RingOutbox
+
+
+class Routes:
+    """The outboxes of instance ``instance`` (the mailbox's, as they are when asked)."""
+
+    def __init__(self, instance: str, outboxes: Mapping[str, Outbox], log: ActorLog) -> None:
+        self.instance = instance
+        self.outboxes = outboxes
+        self.log = log
+        self._routes: dict[str, Outbox] = {}
+
+    def route(self, to: str) -> Outbox:
+        """The outbox to instance ``to``, or to actor ``to`` when it has one instance here.
+
+        A name that fits no single outbox is a KeyError naming what there is.
+        """
+        outbox = self._routes.get(to)
+        if outbox is not None:
+            return outbox
+        outboxes = self.outboxes
+        named = self.peers(to)
+        if to in outboxes:
+            outbox = outboxes[to]
+        elif len(named) == 1:
+            outbox = outboxes[named[0]]
+        elif named:
+            raise KeyError(
+                f"{self.instance}: {to!r} has {len(named)} ranks here ({', '.join(named)}): "
+                "name one, or send to all of them"
+            )
+        else:
+            raise KeyError(f"{self.instance} has no outbox to {to!r}: {list(outboxes)}")
+        self._routes[to] = outbox
+        return outbox
+
+    def peers(self, role: str) -> list[str]:
+        """The instances of actor ``role`` this one has an outbox to, in rank order."""
+        ranks = {}
+        for peer in self.outboxes:
+            name, _, rank = peer.rpartition("-")
+            if name == role and rank.isdigit():
+                ranks[peer] = int(rank)
+        return sorted(ranks, key=ranks.__getitem__)
+
+    def send(self, to: str, msg: object, timeout: float) -> int:
+        """Send ``msg`` to ``to`` (see :meth:`route`); the transport seq."""
+        outbox = self.route(to)
+        return self._sent(outbox.peer, msg, outbox.send(msg, timeout))
+
+    def send_all(self, role: str, msg: object, timeout: float) -> list[int]:
+        """Send ``msg`` to every instance of ``role``, in rank order; over rings of one
+        registry it is encoded once and the same bytes go to each (a step plan to every
+        Worker rank)."""
+        outboxes = [self.outboxes[peer] for peer in self.peers(role)]
+        rings = [o for o in outboxes if isinstance(o, RingOutbox)]
+        if len(rings) < 2 or len(rings) != len(outboxes):
+            return [self.send(o.peer, msg, timeout) for o in outboxes]
+        if any(o.registry is not rings[0].registry for o in rings):
+            return [self.send(o.peer, msg, timeout) for o in outboxes]
+        kind, payload = rings[0].encode(msg)
+        return [self._sent(r.peer, msg, r.put(kind, payload, timeout)) for r in rings]
+
+    def _sent(self, peer: str, msg: object, seq: int) -> int:
+        if self.log.tracing:
+            self.log.trace("msg.send", peer=peer, seq=seq, type=type(msg).__name__)
+        return seq
