@@ -96,11 +96,16 @@ class LaneExecutor(Actor):
         rank = self.ctx.rank
         self.marks = {lane: lane_counter(block, rank, lane) for lane in Lane}
         self.done = self.marks[self.lane]
-        bells = [self.bell_of(f"{name}-{rank}") for name in WAITERS[self.lane]]
+        bells = [self.bell_of(instance) for instance in self.waiters()]
         self.done.claim(notify=[bell for bell in bells if bell is not None])
         self.epochs = [epoch_counter(block, rank, which) for which in (TIER_EPOCH, ISSUER_EPOCH)]
         self.last: object | None = None  # the last completion sent, to answer a repeat
         self.last_op = 0
+
+    def waiters(self) -> list[str]:
+        """The instances that wait on this lane's watermark (rung after each advance): the
+        other lanes of this rank that :data:`WAITERS` names."""
+        return [f"{name}-{self.ctx.rank}" for name in WAITERS[self.lane]]
 
     def order(self, op: int) -> str:
         """``"next"``, ``"repeat"`` (at or below the watermark) or ``"hole"`` (past the next)."""

@@ -61,9 +61,7 @@ class StepGate:
 
     def settled(self, step: int) -> bool:
         """Whether every peer committed to ``step`` or passed it."""
-        return all(
-            self.gates[p].value() >= step or self.done[p].value() >= step for p in self.gates
-        )
+        return all(self._settled_at(p, step) for p in self.gates)
 
     def passed_by(self, step: int) -> int | None:
         """A peer that passed ``step`` without running it, or None (all committed).

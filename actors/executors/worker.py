@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ringfence.actors.executors.lanes import LANES, WAITERS, Cancelled, LaneExecutor
+from ringfence.actors.executors.lanes import LANES, Cancelled, LaneExecutor
 from ringfence.actors.executors.ranks import StepGate
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
@@ -93,30 +93,33 @@ class Worker(LaneExecutor):
             step_done=self.done.value(),
             threads=torch.get_num_threads(),
             tp_size=self.shard.size,
-            group=self.group_generation,
+            group=self.ctx.incarnation,
         )
         self.announce()
 
+    def waiters(self) -> list[str]:
+        """Besides this rank's swap lane, the other Worker ranks: their step gates read
+        this rank's step_done (ranks.py)."""
+        rank, size = self.ctx.rank, self.config.parallel.tp_size
+        return [*super().waiters(), *(f"worker-{p}" for p in range(size) if p != rank)]
+
     def _step_gate(self) -> StepGate:
-        """This rank's step gate (ranks.py); its step_done rings the peers too."""
+        """This rank's step gate (ranks.py): a commit rings the other ranks."""
         rank, size = self.shard.rank, self.shard.size
         bells = [self.bell_of(f"worker-{p}") for p in range(size) if p != rank]
         peers = [bell for bell in bells if bell is not None]
-        own = [self.bell_of(f"{name}-{rank}") for name in WAITERS[self.lane]]
-        self.done.claim(notify=[bell for bell in own if bell is not None] + peers)
         return StepGate(self.ctx.counters[LANES], rank, size, peers)
 
     def _join_group(self) -> Group:
         """The process group of this instance's Worker ranks: one rendezvous file per
         generation (the ranks restart together, so they share the incarnation number)."""
-        self.group_generation = self.ctx.incarnation
         if self.shard.size == 1:
             return Group(self.shard, None)
         if self.ctx.run_dir is None:
             raise RuntimeError(
                 f"parallel.tp_size {self.shard.size} needs a run dir for the ranks' rendezvous"
             )
-        store = rendezvous_file(self.ctx.run_dir, self.group_generation)
+        store = rendezvous_file(self.ctx.run_dir, self.ctx.incarnation)
         began = time.perf_counter()
         group = join_group(
             self.shard, self.config.model.device, store, self.ctx.runtime.ready_timeout_s
@@ -124,7 +127,7 @@ class Worker(LaneExecutor):
         self.log.info(
             "worker.group",
             tp_size=self.shard.size,
-            generation=self.group_generation,
+            generation=self.ctx.incarnation,
             backend="nccl" if self.config.model.device.startswith("cuda") else "gloo",
             join_s=round(time.perf_counter() - began, 3),
         )

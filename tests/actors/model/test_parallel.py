@@ -3,6 +3,7 @@ computes what the whole model does (and what transformers does) in float64."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from ringfence.actors.model.parallel import (
     split_dim,
     take_shard,
 )
-from ringfence.actors.model.shape import PRESETS
+from ringfence.actors.model.shape import PRESETS, ModelShape
 
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 84, 104, 101]
 
@@ -139,14 +140,19 @@ def test_a_random_shard_is_the_slice_of_the_whole_models_weights() -> None:
 
 
 @pytest.mark.parametrize(
-    ("size", "what"),
-    [(4, "4 attention heads"), (3, "2 KV heads")],
+    ("shape", "size", "what"),
+    [
+        (PRESETS["tiny"], 4, "2 KV heads"),
+        (PRESETS["tiny"], 3, "2 KV heads"),
+        (dataclasses.replace(PRESETS["tiny"], intermediate=129), 2, "129 MLP inner width"),
+    ],
 )
 def test_a_tp_size_that_does_not_divide_the_model_is_refused_naming_both(
-    size: int, what: str
+    shape: ModelShape, size: int, what: str
 ) -> None:
-    with pytest.raises(ValueError, match=rf"parallel.tp_size \({size}\) must divide the model's"):
-        check_divisible(PRESETS["tiny"], size)
-    with pytest.raises(ValueError, match="must divide"):
-        local_shape(PRESETS["tiny"], size)
-    del what
+    with pytest.raises(
+        ValueError, match=rf"parallel.tp_size \({size}\) must divide the model's {what}"
+    ):
+        check_divisible(shape, size)
+    with pytest.raises(ValueError, match=rf"must divide the model's {what}"):
+        local_shape(shape, size)
