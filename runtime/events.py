@@ -242,7 +242,36 @@ EVENTS: Final[dict[str, Event]] = {
         "warning", "request error", "a workload request that can never run ended before it began"
     ),
     "request.finish": _e(
-        "info", "request reason output_tokens cached_tokens error", "a request ended (or aborted)"
+        "info",
+        "request reason output_tokens cached_tokens error stored_blocks",
+        "a request ended (or aborted); stored_blocks: a prefill instance's hand-over (the "
+        "leading full blocks storage holds), else -1",
+    ),
+    # Prefill/decode disaggregation (actors/engine/handover.py). ``reservation`` is the
+    # engine-wide key "<peer>/<incarnation>/<id>", as ``request`` is.
+    "reservation.grant": _e(
+        "info",
+        "reservation prompt_tokens max_tokens blocks ttl_s free_blocks headroom",
+        "a decode instance holds room for a request (blocks of free_blocks, beside headroom "
+        "kept for running requests' growth)",
+    ),
+    "reservation.refuse": _e(
+        "info", "reservation prompt_tokens error retry", "no reservation (retry: no room now)"
+    ),
+    "reservation.claim": _e("info", "reservation request", "a request took its reservation"),
+    "reservation.expire": _e(
+        "warning", "reservation blocks", "a reservation unclaimed for engine.reservation_ttl_s"
+    ),
+    "handover.hold": _e(
+        "info",
+        "request blocks store_op",
+        "a prefill instance's request finished: its full blocks are written to storage and its "
+        "finish held until store op store_op is complete on every rank",
+    ),
+    "handover.done": _e(
+        "info",
+        "request blocks stored_blocks wait_ms",
+        "the writes are complete: the request finishes, stored_blocks of its blocks durable",
     ),
     "op.issue": _e(
         "trace",

@@ -114,6 +114,15 @@ class BlockManager:
         out, self._out = self._out, []
         return out
 
+    @property
+    def has_ops(self) -> bool:
+        """Whether ops were issued since the last :meth:`take_ops`."""
+        return bool(self._out)
+
+    def last_number(self, lane: Lane) -> int:
+        """The number of the last op issued on ``lane`` (0 before the first)."""
+        return self._next[lane] - 1
+
     def _number(self, lane: Lane) -> Seq:
         seq = self._next[lane]
         self._next[lane] = seq + 1
@@ -269,6 +278,21 @@ class BlockManager:
         self._store("write", host, [k for _, k in pairs], reason)
         self.host.free(host)  # free at issue: a later writer of these blocks waits (I4)
         return True
+
+    def save_all(self, blocks: Sequence[BlockId], keys: Sequence[BlockHash], reason: Reason) -> int:
+        """:meth:`save` in rounds of as many blocks as the host pool has free (each round's
+        staging blocks are free again at issue, so the next round may take them: its
+        swap-out waits for the write that reads them, I4). Returns how many leading blocks
+        are stored or being stored: all, unless the host pool has no free block at all."""
+        done = 0
+        while done < len(blocks):
+            chunk = min(len(blocks) - done, self.host.num_free)
+            if chunk == 0 or not self.save(
+                blocks[done : done + chunk], keys[done : done + chunk], reason
+            ):
+                break
+            done += chunk
+        return done
 
     def write_back(
         self, host: Sequence[BlockId], keys: Sequence[BlockHash], reason: Reason

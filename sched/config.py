@@ -26,6 +26,13 @@ class SchedConfig:
     max_num_seqs: int = setting(16, "most sequences in one batch", ge=1)
     max_batched_tokens: int = setting(512, "most tokens in one step", ge=1)
     preemption: Preemption = setting("recompute", "recompute, swap (to host) or save (to storage)")
+    reserve_blocks: int = setting(
+        -1,
+        "a decode instance (engine.role) grants a reservation only if its blocks fit beside "
+        "this many kept for running requests' growth; -1 = all they may still grow into "
+        "(their max_tokens), so no new request ever makes a running one preempted",
+        ge=-1,
+    )
     max_model_len: int = setting(
         0,
         "longest prompt plus max_tokens a request may ask for; 0 = the model's"
@@ -58,6 +65,9 @@ class SchedulerConfig:
     namespace: bytes  # the block keys' namespace: the digest of the block fingerprint
     max_model_len: int = 1 << 30  # longest prompt plus max_tokens (sched.max_model_len)
     vocab_size: int = 1 << 31  # token ids the model has (0 .. vocab_size - 1)
+    # A prefill instance (engine.role): a finishing request's full blocks are written to
+    # storage and the request held until they are (Scheduler.take_handovers).
+    handover: bool = False
 
     def __post_init__(self) -> None:
         preemption = self.sched.preemption
@@ -67,3 +77,5 @@ class SchedulerConfig:
             raise ValueError("sched.preemption = 'swap' needs a host tier (cache.host_blocks > 0)")
         if preemption == "save" and not self.tiers.storage:
             raise ValueError("sched.preemption = 'save' needs a storage tier (cache.storage)")
+        if self.handover and not self.tiers.storage:
+            raise ValueError("a prefill instance needs a storage tier (cache.storage)")

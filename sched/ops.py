@@ -21,7 +21,8 @@ from ringfence.cache.fences import Fence, Lane
 from ringfence.cache.ids import BlockHash
 
 # Why a transfer op was issued, for metrics and for reading a log.
-Reason = Literal["evict", "through", "preempt", "admit", "resume"]
+# "handover": a prefill instance's finished request, for a decode instance to prefetch.
+Reason = Literal["evict", "through", "preempt", "admit", "resume", "handover"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -38,6 +38,10 @@ their keys once it is issued (:class:`ringfence.sched.pieces.PieceMaker`).
 Blocks are the :class:`BlockManager`'s: the scheduler allocates, holds and releases
 them, and issues ops, through its methods only, never through its pools.
 
+A prefill instance (``SchedulerConfig.handover``) writes every full block of a finishing
+request to storage (:meth:`take_handovers`); a decode instance admits requests by
+reservation (:meth:`reserve`, :mod:`ringfence.sched.reservations`). DESIGN.md "Instances".
+
 When the Worker restarts, :meth:`reset_device` takes the device tier as lost: every op
 in flight as failed, every running request back to waiting with its tokens so far, to
 be computed again from host, storage or scratch.
@@ -65,7 +69,16 @@ from ringfence.sched.config import SchedulerConfig
 from ringfence.sched.ops import Op, Piece, StepOp, SwapOp
 from ringfence.sched.pieces import PieceMaker
 from ringfence.sched.request import Request, RequestError, RequestState
-from ringfence.sched.sequence import Counters, Decision, Emitted, Journal, Sequence, Tail
+from ringfence.sched.reservations import Refusal, Reservation, Reservations
+from ringfence.sched.sequence import (
+    Counters,
+    Decision,
+    Emitted,
+    HandOver,
+    Journal,
+    Sequence,
+    Tail,
+)
 
 STEP_RETRIES = 3  # failed steps in a row a request is computed again after; one more aborts
 
@@ -97,47 +110,67 @@ class Scheduler:
         self._running: list[Sequence] = []  # in admission order
         self._next_seq = 0
         self._step_in_flight: StepOp | None = None
+        self.reservations = Reservations(self._bs, config.sched.reserve_blocks)
+        self._handovers: list[HandOver] = []  # since the last take_handovers
 
     # Requests.
 
-    def add(self, request: Request) -> int:
+    def add(self, request: Request, reservation: str = "") -> int:
         """Queue a request (state WAITING); returns its sequence id. RequestError if it can
         never run: a prompt token outside the vocabulary, a prompt plus max_tokens longer
         than ``max_model_len`` (refused at once, as vLLM's server refuses it, rather than
         cut short at the limit: the client learns before any token that its answer cannot
-        fit) or than the whole device pool."""
+        fit) or than the whole device pool; or if ``reservation`` is given and is not live
+        or not for this request (field "reservation"). A live one is taken: its room is now
+        the request's."""
         if request.request_id in self._by_id:
             raise RequestError(f"request id {request.request_id!r} is already live", field="id")
-        vocab = self.config.vocab_size
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:  # the Worker would refuse the whole step that held it
-            raise RequestError(
-                f"request {request.request_id!r}: prompt token {bad} is outside the model's "
-                f"vocabulary of {vocab}",
-                field="prompt_token_ids",
-            )
-        longest = request.num_prompt_tokens + request.params.max_tokens
-        if longest > self.config.max_model_len:
-            raise RequestError(
-                f"request {request.request_id!r}: prompt ({request.num_prompt_tokens} tokens) "
-                f"plus max_tokens ({request.params.max_tokens}) is {longest} tokens, more than "
-                f"max_model_len {self.config.max_model_len} (sched.max_model_len, by default "
-                "the model's positions)",
-                field="max_tokens",
-            )
-        if -(-longest // self._bs) > self.config.tiers.device_blocks:
-            raise RequestError(
-                f"request {request.request_id!r}: {longest} tokens need "
-                f"{-(-longest // self._bs)} blocks, the device pool has "
-                f"{self.config.tiers.device_blocks}",
-                field="max_tokens",
-            )
+        self._check(request.request_id, request.prompt_token_ids, request.params.max_tokens)
+        if reservation:
+            try:
+                self.reservations.claim(
+                    reservation, request.prompt_token_ids, request.params.max_tokens
+                )
+            except KeyError:
+                raise RequestError(
+                    f"reservation {reservation!r} expired or was never granted",
+                    field="reservation",
+                ) from None
+            except ValueError as e:
+                raise RequestError(str(e), field="reservation") from None
         seq = Sequence(self._next_seq, request)
         self._next_seq += 1
         self._seqs[seq.seq_id] = seq
         self._by_id[request.request_id] = seq
         self._waiting.append(seq)
         return seq.seq_id
+
+    def _check(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> None:
+        """RequestError if a request of ``prompt`` and ``max_tokens`` can never run."""
+        vocab = self.config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:  # the Worker would refuse the whole step that held it
+            raise RequestError(
+                f"request {request_id!r}: prompt token {bad} is outside the model's "
+                f"vocabulary of {vocab}",
+                field="prompt_token_ids",
+            )
+        longest = len(prompt) + max_tokens
+        if longest > self.config.max_model_len:
+            raise RequestError(
+                f"request {request_id!r}: prompt ({len(prompt)} tokens) "
+                f"plus max_tokens ({max_tokens}) is {longest} tokens, more than "
+                f"max_model_len {self.config.max_model_len} (sched.max_model_len, by default "
+                "the model's positions)",
+                field="max_tokens",
+            )
+        if -(-longest // self._bs) > self.config.tiers.device_blocks:
+            raise RequestError(
+                f"request {request_id!r}: {longest} tokens need "
+                f"{-(-longest // self._bs)} blocks, the device pool has "
+                f"{self.config.tiers.device_blocks}",
+                field="max_tokens",
+            )
 
     def abort(self, request_id: str) -> Request | None:
         """Abort a live request, releasing its blocks; None if it is not live."""
@@ -167,6 +200,68 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    # Prefill and decode instances (DESIGN.md "Instances").
+
+    def reserve(
+        self,
+        reservation_id: str,
+        prompt_token_ids: tuple[int, ...],
+        max_tokens: int,
+        expires_at: float,
+    ) -> Reservation | Refusal:
+        """Room for a request to be claimed by :meth:`add` before ``expires_at``, or why not
+        (:mod:`ringfence.sched.reservations`): a request that can never run is refused for
+        good, one that does not fit now with ``retry``."""
+        try:
+            self._check(reservation_id, prompt_token_ids, max_tokens)
+        except RequestError as e:
+            return Refusal(str(e), retry=False)
+        lives = (
+            (s.request.num_prompt_tokens, s.request.params.max_tokens, len(s.blocks))
+            for s in self._seqs.values()
+        )
+        return self.reservations.grant(
+            reservation_id,
+            prompt_token_ids,
+            max_tokens,
+            free_blocks=self.blocks.device.num_free,
+            headroom=self.reservations.growth(lives),
+            expires_at=expires_at,
+        )
+
+    def take_handovers(self) -> list[HandOver]:
+        """The requests handed over since the last call (``handover`` only), in finish order."""
+        taken, self._handovers = self._handovers, []
+        return taken
+
+    def stored_blocks(self, handover: HandOver) -> int:
+        """How many leading blocks of ``handover`` storage holds, once its ``mark`` is complete
+        (a write that failed took its keys out of the stored set)."""
+        stored = self.blocks.stored.keys
+        count = 0
+        for key in handover.keys:
+            if key not in stored and key not in handover.present:
+                break
+            count += 1
+        return count
+
+    def _hand_over(self, seq: Sequence) -> None:
+        """Write the finished sequence's full blocks to storage (DESIGN.md "Instances")."""
+        r = seq.request
+        full = r.num_computed_tokens // self._bs
+        keys = self._pieces.keys(seq, r.all_token_ids, full)
+        done = self.blocks.save_all(seq.blocks[:full], keys, "handover")
+        own = self.blocks.stored.keys
+        self._handovers.append(
+            HandOver(
+                request_id=r.request_id,
+                keys=tuple(keys[:done]),
+                mark=self.blocks.last_number(Lane.STORE),
+                # Skipped by save: storage had them (another instance wrote them).
+                present=frozenset(k for k in keys[:done] if k not in own),
+            )
+        )
 
     # Scheduling.
 
@@ -296,6 +391,8 @@ class Scheduler:
 
     def _finish(self, seq: Sequence) -> None:
         self._running.remove(seq)
+        if self.config.handover:
+            self._hand_over(seq)  # its blocks are read before they are freed (fenced)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -380,5 +477,6 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        """No live request: nothing to schedule until one arrives."""
-        return not self._by_id
+        """No live request and no op issued outside a round (a hand-over's writes): nothing
+        to schedule until one arrives."""
+        return not self._by_id and not self.blocks.has_ops

@@ -95,6 +95,19 @@ class Emitted:
     finished: bool
 
 
+@dataclass(frozen=True, slots=True)
+class HandOver:
+    """A prefill instance's finished request whose full blocks are being written to storage
+    for a decode instance (DESIGN.md "Instances"): the engine holds its finish until the
+    store op ``mark`` is complete on every rank, then reports how many leading blocks are
+    durable (:meth:`ringfence.sched.scheduler.Scheduler.stored_blocks`)."""
+
+    request_id: str
+    keys: tuple[BlockHash, ...]  # its full blocks' keys, in order
+    mark: int  # the last store op issued with its writes: complete -> they are done
+    present: frozenset[BlockHash]  # keys storage held already (not written again)
+
+
 @dataclass(slots=True)
 class Counters:
     preemptions: Counter[str] = field(default_factory=Counter)  # by policy used

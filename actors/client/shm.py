@@ -30,142 +30,47 @@ import functools
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
+from ringfence.actors.client.slot import (
+    CLIENT,
+    CLIENT_ACTOR,
+    CLIENT_CHANNELS,
+    CLIENT_SLOTS,
+    ENGINE,
+    ClientActor,
+    ClientError,
+    Completion,
+    _Request,
+)
 from ringfence.actors.protocol.client import (
     Abort,
-    Hello,
-    Rejected,
+    Reservation,
+    Reserve,
     Stats,
     Submit,
-    Tokens,
     check_submit,
 )
-from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.embed import attach
 from ringfence.runtime.manifest import read_manifest
-from ringfence.runtime.messages import Failed
-from ringfence.runtime.topology import ActorSpec, ChannelSpec
 from ringfence.shm.counter import CounterBlock, Watermark
-from ringfence.shm.errors import ActorDead, EndpointTaken, RingfenceError
+from ringfence.shm.errors import ActorDead, EndpointTaken
 from ringfence.shm.liveness import ProcessStamp
 
-CLIENT = "client"  # the actor name of the client slots
-ENGINE = "engine"  # the actor a client talks to
-CLIENT_SLOTS = 4
+__all__ = [
+    "CLIENT_ACTOR",
+    "CLIENT_CHANNELS",
+    "CLIENT_SLOTS",
+    "Client",
+    "ClientActor",
+    "ClientError",
+    "Completion",
+    "_Request",
+]
+
 DRAIN_ROUNDS = 64  # Client.stats handles at most this many batches of what has arrived
-CLIENT_ACTOR = ActorSpec(
-    name=CLIENT, target=f"{__name__}:ClientActor", ranks=CLIENT_SLOTS, attach="optional"
-)
-_PROTO = "ringfence.actors.protocol.client"
-CLIENT_CHANNELS = (
-    ChannelSpec(src=CLIENT, dst=ENGINE, protocol=f"{_PROTO}:CLIENT_TO_ENGINE"),
-    ChannelSpec(src=ENGINE, dst=CLIENT, protocol=f"{_PROTO}:ENGINE_TO_CLIENT"),
-)
-
-
-class ClientError(RingfenceError, RuntimeError):
-    """A request was rejected or failed, the engine is gone, or the client stopped."""
-
-
-class Completion(NamedTuple):
-    request_id: str
-    token_ids: tuple[int, ...]
-    finish_reason: str  # "stop", "length" or "abort"
-    cached_tokens: dict[str, int]  # prompt tokens served from "device", "host", "storage"
-    ttft_s: float  # seconds from submit to first token, as the engine measured it
-
-
-@dataclass(slots=True)
-class _Request:
-    """One request of this client, as its output arrives."""
-
-    engine: ProcessStamp | None  # the engine process when it was submitted (None: not started)
-    seq: int  # transport seq of its Submit (a Failed reply names it)
-    token_ids: list[int] = field(default_factory=list)  # every token so far
-    unread: deque[int] = field(default_factory=deque)  # tokens stream() has not yielded
-    finish_reason: str = ""
-    error: str = ""  # set: rejected, failed or ended abnormally
-    cached_tokens: dict[str, int] = field(default_factory=dict)
-    ttft_s: float = -1.0
-
-    @property
-    def done(self) -> bool:
-        return bool(self.finish_reason or self.error)
-
-
-class ClientActor(Actor):
-    """A client slot's actor: announces itself, files the engine's output per request.
-
-    Runs in the client's process, in the thread that uses the :class:`Client`.
-    """
-
-    hello_timeout_s: float | None = None  # how long the Hello may wait for room; None: default
-    wants_stats = False  # whether each Hello asks the engine for its Stats
-
-    def on_start(self) -> None:
-        self.requests: dict[str, _Request] = {}  # by request id, until the caller took it
-        self.dropped = 0  # output for requests this incarnation does not know (stale)
-        self.stats: Stats | None = None  # the newest Stats for this incarnation
-        self.hello()
-
-    def hello(self) -> None:
-        """Announce this incarnation and process to the engine (again, after it restarted)."""
-        stamp = ProcessStamp.current()
-        msg = Hello(
-            incarnation=self.ctx.incarnation,
-            pid=stamp.pid,
-            start_ticks=stamp.start_ticks,
-            stats=self.wants_stats,
-        )
-        self.send(ENGINE, msg, timeout=self.hello_timeout_s)
-
-    def _mine(self, request_id: str, incarnation: int) -> _Request | None:
-        request = self.requests.get(request_id)
-        # Incarnation 0: the engine had no Hello from us (it restarted) yet answered.
-        if request is None or request.done or incarnation not in (0, self.ctx.incarnation):
-            self.dropped += 1  # meant for this slot's previous process, or after the end
-            return None
-        return request
-
-    @handles(Tokens)
-    def on_tokens(self, msg: Tokens) -> None:
-        request = self._mine(msg.request_id, msg.incarnation)
-        if request is None:
-            return
-        request.token_ids.extend(msg.token_ids)
-        request.unread.extend(msg.token_ids)
-        if sum(msg.cached_tokens.values()) or not request.cached_tokens:
-            request.cached_tokens = dict(msg.cached_tokens)
-        if msg.ttft_s >= 0:
-            request.ttft_s = msg.ttft_s
-        if msg.error:
-            request.error = msg.error
-        request.finish_reason = msg.finish_reason
-
-    @handles(Stats)
-    def on_stats(self, msg: Stats) -> None:
-        if msg.incarnation != self.ctx.incarnation:
-            self.dropped += 1  # meant for this slot's previous process
-            return
-        self.stats = msg
-
-    @handles(Rejected)
-    def on_rejected(self, msg: Rejected) -> None:
-        request = self._mine(msg.request_id, msg.incarnation)
-        if request is not None:
-            request.error = f"rejected: {msg.error}"
-
-    def handle_failed(self, msg: Failed) -> None:
-        super().handle_failed(msg)
-        for request in self.requests.values():
-            if request.seq == msg.seq and not request.done:
-                request.error = f"the engine failed on it: {msg.error}: {msg.message}"
 
 
 class Client:
@@ -229,9 +134,11 @@ class Client:
         top_p: float = 1.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
+        reservation_id: str = "",
     ) -> str:
         """Send a request (text, or prompt token ids); return its id. Does not wait for output.
 
+        ``reservation_id``: on a decode instance, the :meth:`reserve` answer it claims.
         ValueError for bad parameters or an id still in use; RingFull if the engine does
         not take the request within the send timeout; ClientError if the client is closed
         or the engine is gone.
@@ -245,8 +152,30 @@ class Client:
                 top_p=top_p,
                 seed=seed,
                 stop_token_ids=stop_token_ids,
-            )(prompt=text, prompt_token_ids=token_ids)
+            )(prompt=text, prompt_token_ids=token_ids, reservation_id=reservation_id)
         )
+
+    def reserve(
+        self, prompt_token_ids: Sequence[int], *, max_tokens: int = 16, timeout: float = 10.0
+    ) -> Reservation:
+        """Ask a decode instance for room for a request (DESIGN.md "Instances"); its answer,
+        granted or not. TimeoutError without one in ``timeout`` s; ClientError as submit."""
+        self._check_open()
+        name, ids = f"rsv-{uuid.uuid4().hex}", tuple(prompt_token_ids)
+        try:
+            self._hello_if_restarted()
+            self._actor.send(ENGINE, Reserve(reservation_id=name, prompt_token_ids=ids,
+                                             max_tokens=max_tokens))  # fmt: skip
+        except ActorDead as e:
+            raise ClientError(f"the engine is gone: {e}") from e
+        deadline = time.monotonic() + timeout
+        while name not in self._actor.reservations:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"reservation {name!r}: no answer within {timeout}s")
+            self._driver.poll(remaining)
+            self._check_open()
+        return self._actor.reservations.pop(name)
 
     def chat(
         self,
@@ -362,6 +291,7 @@ class Client:
             finish_reason=request.finish_reason,
             cached_tokens=request.cached_tokens,
             ttft_s=request.ttft_s,
+            stored_blocks=request.stored_blocks,
         )
 
     def generate(

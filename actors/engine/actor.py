@@ -16,7 +16,9 @@ runs a loop made of messages only:
   records (:mod:`.outputs`); then the loop schedules again;
 - on each Tick, and once right after a Hello that asks for them, the clients that asked
   get the engine's :class:`Stats` (:mod:`.stats`; zeros with ``began`` False until the
-  scheduler began).
+  scheduler began);
+- a prefill or decode instance (``engine.role``) holds finishes until their blocks are
+  stored, or grants reservations (:mod:`.handover`, DESIGN.md "Instances").
 
 Faults (DESIGN.md "Sequence numbers" on epochs and restarts):
 
@@ -45,14 +47,15 @@ from typing import Any
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
+from ringfence.actors.engine.handover import Expire, HandOverDesk
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
 from ringfence.actors.engine.outputs import Outputs
 from ringfence.actors.engine.roster import EXECUTORS, Roster
 from ringfence.actors.engine.scheduling import LoggedPresence, open_storage, sched_config
-from ringfence.actors.engine.stats import no_stats, stats_of
+from ringfence.actors.engine.stats import counters_of, no_stats, stats_of
 from ringfence.actors.executors.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
-from ringfence.actors.protocol.client import Abort, Hello, Stats, Submit
+from ringfence.actors.protocol.client import Abort, Hello, Reserve, Stats, Submit
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
 from ringfence.actors.protocol.worker import ModelInfo, StepResult, WorkerReady
@@ -95,6 +98,9 @@ class Engine(Actor):
         )
         self.intake = Intake(config)
         self.outputs = Outputs(self.clients, self.log, self.now)
+        self.desk = HandOverDesk(  # prefill/decode instances' hand-over
+            config.engine, self.clients, self.outputs, self.log, self.schedule, now=self.now
+        )
         self.scheduler: Scheduler | None = None
         self.storage: AllRanks | None = None  # every rank's presence, from the first begin
         self.model: ModelInfo | None = None
@@ -103,15 +109,14 @@ class Engine(Actor):
         self.reset_generation = 0  # the Worker incarnation the device tier was last reset for
         self.bytes: dict[str, int] = {}
         self.done = False
-        # Every op an engine before this one issued is stale from now on; then ask each
-        # executor where its lane stands once it has handled what is in its ring.
+        # Every op an engine before this one issued is stale from now on.
         for rank in range(self.ranks):
             issuer = epoch_counter(self.ctx.counters[LANES], rank, ISSUER_EPOCH)
             issuer.claim()
             issuer.advance(self.epoch)
         if self.ctx.incarnation > 1:
             self.log.warning("engine.restart", incarnation=self.ctx.incarnation)
-        for role in EXECUTORS:
+        for role in EXECUTORS:  # then ask each executor where its lane stands
             self.send_all(role, Resync(epoch=self.ctx.epoch))
 
     def on_stop(self) -> None:
@@ -270,7 +275,9 @@ class Engine(Actor):
             self.schedule(wait, Arrive())
         self._kick()
 
-    def _add(self, request: Request, key: RequestKey | None, arrival: float) -> None:
+    def _add(
+        self, request: Request, key: RequestKey | None, arrival: float, reservation: str = ""
+    ) -> None:
         assert self.scheduler is not None
         if self.log.tracing:  # before the call: replay repeats it, RequestError included
             self.log.trace(
@@ -279,7 +286,9 @@ class Engine(Actor):
                 prompt=list(request.prompt_token_ids),
                 params=asdict(request.params),
             )
-        seq_id = self.scheduler.add(request)
+        seq_id = self.scheduler.add(request, reservation)
+        if reservation:
+            self.log.info("reservation.claim", reservation=reservation, request=request.request_id)
         self.outputs.arrived(request, key, arrival)
         self.log.info(
             "request.arrive",
@@ -305,17 +314,27 @@ class Engine(Actor):
         try:
             if self.scheduler is None:
                 raise RequestRefused("the engine is starting: its worker is not ready yet")
+            reservation = self.desk.claimed(peer, msg, self.scheduler)
             key = self.clients.submit(peer, msg)
         except RequestRefused as e:
-            self.clients.reject(peer, msg.request_id, str(e))
+            self.clients.reject(peer, msg.request_id, str(e), e.code)
             self._flush()
             return
         try:
             now = self.now()
-            self._add(self.intake.submitted(msg, key, now), key, now)
+            self._add(self.intake.submitted(msg, key, now), key, now, reservation)
         except RequestError as e:  # e.g. longer than the model: the request ends here
             self.clients.emit(key, finish_reason="abort", error=str(e))
         self._kick()
+
+    @handles(Reserve)
+    def on_reserve(self, msg: Reserve) -> None:
+        self.desk.reserve(self._peer(), msg, self.scheduler)
+        self._flush()
+
+    @handles(Expire)
+    def on_expire(self, msg: Expire) -> None:
+        self.desk.expire(msg, self.scheduler)
 
     @handles(Abort)
     def on_abort(self, msg: Abort) -> None:
@@ -375,7 +394,10 @@ class Engine(Actor):
             )  # fmt: skip
         emitted, failed = self.scheduler.on_step(done.number, done.status, outputs)
         for e in emitted:
-            self.outputs.emitted(e)
+            self.outputs.emitted(e, hold=self.scheduler.config.handover)
+        if self.scheduler.config.handover:  # finishes wait for writes (DESIGN.md "Instances")
+            self.desk.hold(self.scheduler.take_handovers())
+            self.desk.settle(self.ledger.completed(Lane.STORE), self.scheduler)
         for request in failed:
             error = f"step {done.number} {done.status}: {done.error}"
             self.outputs.finished(request.request_id, error)
@@ -385,17 +407,21 @@ class Engine(Actor):
     def on_op(self, msg: OpDone) -> None:
         lane = LANE_OF[msg.lane]
         done = self._settle(lane, msg.rank, msg)
-        if done is None or self.scheduler is None:
-            return
-        if done.status != "ok":
-            self.log.warning("engine.op_failed", lane=msg.lane, op=done.number, status=done.status)
-        self._count_bytes(done)
-        if self.log.tracing:
-            self.log.trace(
-                "sched.transfer", lane=msg.lane, op=done.number, msg_epoch=msg.epoch,
-                status=done.status, missing=list(done.missing),
-            )  # fmt: skip
-        self.scheduler.on_transfer(lane, done.number, done.status, done.missing)
+        if done is not None and self.scheduler is not None:
+            if done.status != "ok":
+                self.log.warning(
+                    "engine.op_failed", lane=msg.lane, op=done.number, status=done.status
+                )
+            self._count_bytes(done)
+            if self.log.tracing:
+                self.log.trace(
+                    "sched.transfer", lane=msg.lane, op=done.number, msg_epoch=msg.epoch,
+                    status=done.status, missing=list(done.missing),
+                )  # fmt: skip
+            self.scheduler.on_transfer(lane, done.number, done.status, done.missing)
+        if lane is Lane.STORE and self.scheduler is not None:
+            # After the write's outcome is applied: a failed one is not counted as stored.
+            self.desk.settle(self.ledger.completed(Lane.STORE), self.scheduler)
         self._kick()
 
     def _settle(self, lane: Lane, rank: int, report: StepResult | OpDone) -> Outcome | None:
@@ -452,21 +478,7 @@ class Engine(Actor):
 
     def counters(self) -> dict[str, Any]:
         assert self.scheduler is not None
-        c = self.scheduler.counters
-        moved = self.scheduler.blocks.moved
-        return {
-            "mode": self.config.transfer.mode,
-            "preemption_policy": self.config.sched.preemption,
-            "preemptions": dict(c.preemptions),
-            "hit_tokens": dict(c.hit_tokens),
-            "steps": c.steps,
-            "resets": c.resets,
-            "retries": c.retries,
-            "batched_tokens": c.batched_tokens,
-            "ops": dict(moved.ops),
-            "blocks": dict(moved.blocks),
-            "bytes": dict(self.bytes),
-        }
+        return counters_of(self.scheduler, self.config, self.bytes)
 
     def _drain_store(self) -> None:
         """Wait (with a deadline) until every rank's store lane did every op sent to it."""

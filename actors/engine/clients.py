@@ -30,6 +30,7 @@ from ringfence.actors.protocol.client import (
     FINISH_REASONS,
     Hello,
     Rejected,
+    Reservation,
     Stats,
     Submit,
     Tokens,
@@ -49,7 +50,12 @@ MAX_LIVE = (
 
 
 class RequestRefused(RingfenceError, ValueError):
-    """A Submit the hub will not accept; the engine answers it with :meth:`ClientHub.reject`."""
+    """A Submit the hub (or the engine) will not accept; the engine answers it with
+    :meth:`ClientHub.reject`, passing on ``code`` (``Rejected.code``)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Owner(NamedTuple):
@@ -69,12 +75,20 @@ class _Out:
     error: str = ""
     cached_tokens: dict[str, int] = field(default_factory=no_cached_tokens)
     ttft_s: float = -1.0
+    stored_blocks: int = -1
     rejected: bool = False  # a Rejected (error) rather than a Tokens
+    code: str = ""  # a Rejected's code
+    reservation: Reservation | None = None  # a Reservation rather than either
 
-    def message(self) -> Tokens | Rejected:
+    def message(self) -> Tokens | Rejected | Reservation:
+        if self.reservation is not None:
+            return replace(self.reservation, incarnation=self.incarnation)
         if self.rejected:
             return Rejected(
-                request_id=self.request_id, incarnation=self.incarnation, error=self.error
+                request_id=self.request_id,
+                incarnation=self.incarnation,
+                error=self.error,
+                code=self.code,
             )
         return Tokens(
             request_id=self.request_id,
@@ -84,6 +98,7 @@ class _Out:
             error=self.error,
             cached_tokens=self.cached_tokens,
             ttft_s=self.ttft_s,
+            stored_blocks=self.stored_blocks,
         )
 
 
@@ -199,7 +214,7 @@ class ClientHub:
         client = self._clients.get(peer)
         return None if client is None or client.lost else client.live.get(request_id)
 
-    def reject(self, peer: str, request_id: str, error: str) -> None:
+    def reject(self, peer: str, request_id: str, error: str, code: str = "") -> None:
         """Queue a Rejected for ``peer`` (dropped if the hub gave up on that client)."""
         client = self._clients.get(peer)
         incarnation = 0 if client is None else client.incarnation  # 0: no Hello seen
@@ -207,6 +222,23 @@ class ClientHub:
             client = self._clients[peer] = _Client(incarnation=0, stamp=ProcessStamp(0, 0))
         if not client.lost:
             out = _Out(request_id=request_id, incarnation=incarnation, error=error, rejected=True)
+            out.code = code
+            self._queue(client, out)
+
+    def scoped(self, peer: str, name: str) -> str | None:
+        """``name`` made engine-wide as a request key is (``<peer>/<incarnation>/<name>``);
+        None if ``peer`` is not served (no Hello, or given up on)."""
+        client = self._clients.get(peer)
+        if client is None or client.lost or not client.incarnation:
+            return None
+        return f"{peer}/{client.incarnation}/{name}"
+
+    def answer_reservation(self, peer: str, answer: Reservation) -> None:
+        """Queue ``answer`` for ``peer``'s current incarnation (dropped if it is not served)."""
+        client = self._clients.get(peer)
+        if client is not None and not client.lost and client.incarnation:
+            out = _Out(request_id=answer.reservation_id, incarnation=client.incarnation)
+            out.reservation = answer
             self._queue(client, out)
 
     # Output.
@@ -220,6 +252,7 @@ class ClientHub:
         error: str = "",
         cached_tokens: Mapping[str, int] | None = None,
         ttft_s: float = -1.0,
+        stored_blocks: int = -1,
     ) -> None:
         """Queue output of request ``key`` for its client; a finish forgets the key.
 
@@ -251,6 +284,7 @@ class ClientHub:
             out.ttft_s = ttft_s
         if finish_reason:
             out.finish_reason, out.error = finish_reason, error
+            out.stored_blocks = stored_blocks
             del client.open[owner.request_id]
 
     def watching(self, peer: str | None = None) -> bool:

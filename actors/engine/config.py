@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from ringfence.runtime.config import setting
+
+# ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
+
+Role = Literal["both", "prefill", "decode"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -20,6 +25,15 @@ class EngineConfig:
     progress: bool = setting(True, "show progress on the terminal during a workload")
     drain_timeout_s: float = setting(
         30.0, "at shutdown, how long to wait for the store lane's writes in flight", ge=0
+    )
+    role: Role = setting(
+        "both",
+        'both, or one side of prefill/decode disaggregation (DESIGN.md "Instances"): '
+        "prefill writes every finished request's blocks to the shared storage tier and "
+        "answers once they are durable; decode takes requests only by reservation",
+    )
+    reservation_ttl_s: float = setting(
+        10.0, "a decode instance's reservation unclaimed this long expires", gt=0, le=3600
     )
     max_requests_per_client: int = setting(
         256, "requests one client may have live; more are refused (backpressure)", ge=1

@@ -46,8 +46,9 @@ class Outputs:
     def arrived(self, request: Request, key: RequestKey | None, arrival: float) -> None:
         self.times[request.request_id] = _Times(request, key, arrival)
 
-    def emitted(self, e: Emitted) -> None:
-        """New tokens of a request (and its end, when it finished)."""
+    def emitted(self, e: Emitted, *, hold: bool = False) -> None:
+        """New tokens of a request (and its end, when it finished, unless ``hold``: the
+        caller ends it later, with :meth:`finished`)."""
         rid, now = e.request.request_id, self.now()
         times = self.times[rid]
         first = times.first is None
@@ -61,11 +62,12 @@ class Outputs:
                 cached_tokens=dict(e.request.cached_tokens) if first else None,
                 ttft_s=now - times.arrival if first else -1.0,
             )
-        if e.finished:
+        if e.finished and not hold:
             self.finished(rid, "")
 
-    def finished(self, request_id: str, error: str) -> None:
-        """A request ended: stopped, at its length, aborted, or failed with ``error``."""
+    def finished(self, request_id: str, error: str, *, stored_blocks: int = -1) -> None:
+        """A request ended: stopped, at its length, aborted, or failed with ``error``
+        (``stored_blocks``: a prefill instance's hand-over, see ``Tokens``)."""
         times = self.times.pop(request_id)
         times.finish = self.now()
         request = times.request
@@ -77,9 +79,12 @@ class Outputs:
             output_tokens=request.num_output_tokens,
             cached_tokens=dict(request.cached_tokens),
             error=error,
+            stored_blocks=stored_blocks,
         )
         if times.key is not None:
-            self.clients.emit(times.key, finish_reason=reason, error=error)
+            self.clients.emit(
+                times.key, finish_reason=reason, error=error, stored_blocks=stored_blocks
+            )
             return
         self._record(request, tuple(request.output_token_ids), reason, error, times)
         self.show_progress()

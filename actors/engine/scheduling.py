@@ -38,6 +38,38 @@ def check_limits(config: Config) -> None:
     max_model_len(config, model_shape(config.model).max_position)
 
 
+def check_role(config: Config) -> None:
+    """The launch's check of ``engine.role`` against the rest of the config (ValueError
+    naming the keys): a prefill or decode instance shares KV through a storage tier that
+    another instance can reach, and a decode instance preempts by ``save``."""
+    role, storage = config.engine.role, config.cache.storage
+    if role == "both":
+        return
+    where = "a directory every instance of the pair uses (cache.storage.path)"
+    if storage.backend in ("none", "memory"):
+        raise ValueError(
+            f"engine.role = {role!r} hands KV over through a shared storage tier, but "
+            f"cache.storage.backend is {storage.backend!r}: use 'local' with {where}, or "
+            "'redis' with the server's cache.storage.url"
+        )
+    if storage.backend == "local" and not storage.path:
+        raise ValueError(
+            f"engine.role = {role!r} hands KV over through a shared storage tier, but "
+            "cache.storage.path is empty (the run's own directory, which no other instance "
+            f"reads): set it to {where}"
+        )
+    if role == "decode" and config.sched.preemption != "save":
+        raise ValueError(
+            "engine.role = 'decode' preempts by writing to the shared tier: set "
+            f"sched.preemption = 'save' (it is {config.sched.preemption!r})"
+        )
+    if role == "decode" and config.engine.workload:
+        raise ValueError(
+            "engine.role = 'decode' takes requests only by reservation (through "
+            "'ringfence router'); engine.workload would run none of them"
+        )
+
+
 def sched_config(
     config: Config, model_id: str, max_position: int, vocab_size: int = 1 << 31
 ) -> SchedulerConfig:
@@ -62,6 +94,7 @@ def sched_config(
         namespace=block_fingerprint(config, model_id).digest(),
         max_model_len=max_model_len(config, max_position),
         vocab_size=vocab_size,
+        handover=config.engine.role == "prefill",
     )
 
 

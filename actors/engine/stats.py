@@ -2,13 +2,16 @@
 
 Read from the scheduler (requests, preemptions, steps, pools, cache hits), the ledger
 (ops complete and in flight per lane) and the engine's count of bytes moved; the
-ClientHub holds and sends them. Reads only; engine thread.
+ClientHub holds and sends them; and the figures of a workload run's ``summary.json``.
+Reads only; engine thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+from ringfence.actors.config import Config
 from ringfence.actors.engine.ledger import Ledger
 from ringfence.actors.protocol.client import Stats
 from ringfence.cache.fences import Lane
@@ -60,4 +63,26 @@ def stats_of(scheduler: Scheduler, ledger: Ledger, moved: Mapping[str, int]) -> 
         blocks_used={tier: pool.num_used for tier, pool in pools.items()},
         blocks_total={tier: pool.num_blocks for tier, pool in pools.items()},
         hit_tokens={tier: c.hit_tokens[tier] for tier in HIT_TIERS},
+        free_blocks=scheduler.blocks.device.num_free,
+        reservations=len(scheduler.reservations.live),
+        reserved_blocks=scheduler.reservations.num_blocks,
     )
+
+
+def counters_of(scheduler: Scheduler, config: Config, moved: Mapping[str, int]) -> dict[str, Any]:
+    """The engine's figures of a workload run, for ``summary.json``."""
+    c = scheduler.counters
+    blocks = scheduler.blocks.moved
+    return {
+        "mode": config.transfer.mode,
+        "preemption_policy": config.sched.preemption,
+        "preemptions": dict(c.preemptions),
+        "hit_tokens": dict(c.hit_tokens),
+        "steps": c.steps,
+        "resets": c.resets,
+        "retries": c.retries,
+        "batched_tokens": c.batched_tokens,
+        "ops": dict(blocks.ops),
+        "blocks": dict(blocks.blocks),
+        "bytes": dict(moved),
+    }

@@ -16,5 +16,6 @@ TOPOLOGY = FencedTopology(
     preflight=(
         "ringfence.actors.engine.intake:check_workload",
         "ringfence.actors.engine.scheduling:check_limits",
+        "ringfence.actors.engine.scheduling:check_role",
     ),
 )

@@ -57,6 +57,9 @@ class Submit:
     # A chat (role, content and any other string keys per message), rendered by the
     # engine through the model's chat template with the assistant's turn opened.
     messages: tuple[dict[str, str], ...] = ()
+    # A decode instance's claim: the Reserve's reservation_id this request takes the room
+    # of (its prompt_token_ids must be the reserved ones). "" everywhere else.
+    reservation_id: str = ""
 
 
 def check_submit(msg: Submit) -> None:
@@ -90,6 +93,18 @@ class Abort:
     request_id: str
 
 
+@message(CLIENT_TO_ENGINE, tag=4)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reserve:
+    """Ask a decode instance for room for a request (DESIGN.md "Instances"); answered by a
+    :class:`Reservation` of the same ``reservation_id``."""
+
+    expects_reply: ClassVar[bool] = True
+    reservation_id: str  # unique among this client's live reservations and requests
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+
+
 def no_cached_tokens() -> dict[str, int]:
     return {"device": 0, "host": 0, "storage": 0}
 
@@ -108,6 +123,9 @@ class Tokens:
     # first Tokens of a request.
     cached_tokens: dict[str, int] = field(default_factory=no_cached_tokens)
     ttft_s: float = -1.0  # seconds from submit to the first token; -1 until known
+    # A prefill instance's last Tokens: the leading full blocks of the request that storage
+    # holds now (written and complete on every rank, or there already); -1 elsewhere.
+    stored_blocks: int = -1
 
 
 @message(ENGINE_TO_CLIENT, tag=2)
@@ -118,6 +136,10 @@ class Rejected:
     request_id: str
     incarnation: int  # the client incarnation that sent it
     error: str  # why, for the user
+    # What kind of refusal, for a front end to answer by: "" (a bad request),
+    # "reservation" (a claim whose reservation is not live: reserve again), "role" (not
+    # what this instance's engine.role takes).
+    code: str = ""
 
 
 @message(ENGINE_TO_CLIENT, tag=3)
@@ -156,3 +178,23 @@ class Stats:
     # Prompt tokens served from each tier instead of being computed, over every
     # admission (preempted requests resuming included): "device", "host", "storage".
     hit_tokens: dict[str, int]
+    # Device blocks free now (cached ones included: they can be taken), and the live
+    # reservations of a decode instance with the blocks counted for them.
+    free_blocks: int = 0
+    reservations: int = 0
+    reserved_blocks: int = 0
+
+
+@message(ENGINE_TO_CLIENT, tag=4)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reservation:
+    """A decode instance's answer to :class:`Reserve`: granted (claim it with a Submit of
+    that ``reservation_id`` within ``ttl_s``) or not, and why."""
+
+    reservation_id: str
+    incarnation: int  # the client incarnation that asked
+    granted: bool
+    ttl_s: float = 0.0  # granted: seconds it stays live unclaimed
+    blocks: int = 0  # granted: device blocks counted for it
+    error: str = ""  # not granted: why
+    retry: bool = False  # not granted for now (no room): the same Reserve may fit later

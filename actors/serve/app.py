@@ -59,6 +59,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": why}
     for status, why in (
         (400, "the request is malformed or asks for what the model cannot do"),
+        (409, "a reservation claimed where the instance's role takes none, or expired"),
         (429, "too many requests pending (server.max_pending); see Retry-After"),
         (500, "the engine failed on the request"),
         (503, "the engine is not running (starting, restarting or stopping)"),
@@ -117,34 +118,89 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
     async def models() -> dict[str, Any]:
         return models_body
 
-    @app.post("/v1/completions", responses=answers(CompletionResponse, CompletionResponse))
+    role = config.engine.role
+
+    @app.post(
+        "/v1/completions",
+        responses=answers(CompletionResponse, CompletionResponse),
+        openapi_extra=CLAIM_HEADER,
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_request(body, prompter)
-        prompt = prompter.completion(body.prompt, body.max_tokens)
-        answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics, timeout_s=timeout_s)
+        prompt = prompt_of(body, prompter)
+        reservation = claimed(request, role)
+        answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics, timeout_s=timeout_s,
+                        reservation=reservation)  # fmt: skip
         if body.stream:
             return answer.sse(answer.completion_chunks)
         return JSONResponse(await answer.whole(request, answer.completion_body))
 
     @app.post(
-        "/v1/chat/completions", responses=answers(ChatCompletionResponse, ChatCompletionChunk)
+        "/v1/chat/completions",
+        responses=answers(ChatCompletionResponse, ChatCompletionChunk),
+        openapi_extra=CLAIM_HEADER,
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_request(body, prompter)
-        if body.response_format is not None and body.response_format.type != "text":
-            raise ApiError("response_format: only text", param="response_format")
-        limit, field = body.max_completion_tokens, "max_completion_tokens"
-        if limit is None:
-            limit, field = body.max_tokens, "max_tokens"
-        prompt = prompter.chat(body.messages, limit, field)
-        answer = Answer(
-            frontend, body, prompt, kind="chatcmpl", metrics=metrics, timeout_s=timeout_s
-        )
+        prompt = prompt_of(body, prompter)
+        reservation = claimed(request, role)
+        answer = Answer(frontend, body, prompt, kind="chatcmpl", metrics=metrics,
+                        timeout_s=timeout_s, reservation=reservation)  # fmt: skip
         if body.stream:
             return answer.sse(answer.chat_chunks)
         return JSONResponse(await answer.whole(request, answer.chat_body))
 
+    # Imported here: the routes between instances and the router (DESIGN.md "Instances").
+    from ringfence.actors.serve.handover import install_handover
+
+    install_handover(app, frontend, config)
     return app
+
+
+RESERVATION_HEADER = "X-Ringfence-Reservation"
+CLAIM_HEADER: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": RESERVATION_HEADER,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "a decode instance's reservation this request claims (the router's)",
+        }
+    ]
+}
+
+
+def prompt_of(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> Prompt:
+    """The request's checked prompt (ApiError naming the field the server cannot honour)."""
+    check_request(body, prompter)
+    if isinstance(body, CompletionRequest):
+        return prompter.completion(body.prompt, body.max_tokens)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError("response_format: only text", param="response_format")
+    limit, field = body.max_completion_tokens, "max_completion_tokens"
+    if limit is None:
+        limit, field = body.max_tokens, "max_tokens"
+    return prompter.chat(body.messages, limit, field)
+
+
+def claimed(request: Request, role: str) -> str:
+    """The reservation a request claims ("" for none); ApiError 409 where the instance's
+    role does not take it: a decode instance only claims, the others none."""
+    reservation = request.headers.get(RESERVATION_HEADER, "")
+    if role == "decode" and not reservation:
+        raise ApiError(
+            "this is a decode instance (engine.role): it answers only requests that claim a "
+            f"reservation ({RESERVATION_HEADER}); send requests through 'ringfence router'",
+            status=409,
+            code="reservation_required",
+        )
+    if reservation and role != "decode":
+        raise ApiError(
+            f"{RESERVATION_HEADER}: engine.role is {role!r}; only a decode instance takes "
+            "reservations",
+            status=409,
+            code="wrong_role",
+        )
+    return reservation
 
 
 def handle_errors(app: FastAPI, metrics: Metrics) -> None:
@@ -267,6 +323,7 @@ class Answer:
         kind: str,
         metrics: Metrics,
         timeout_s: float,
+        reservation: str = "",
     ) -> None:
         self.body = body
         self.prompt = prompt
@@ -282,6 +339,7 @@ class Answer:
             top_p=body.top_p,
             seed=seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
+            reservation_id=reservation,
         )
         stream = frontend.gateway.open(submit)  # 429 / 503 raised here, before any output
         self.generation = Generation(

@@ -28,6 +28,8 @@ from ringfence.actors.protocol.client import (
     Abort,
     Hello,
     Rejected,
+    Reservation,
+    Reserve,
     Stats,
     Submit,
     Tokens,
@@ -78,6 +80,7 @@ class FrontEnd(Actor):
         self.engine_ready = InstanceControl.of(self.block, manifest.instance(ENGINE, 0).index).ready
         self.engine: ProcessStamp | None = None  # the engine our requests are in
         self.in_engine: dict[str, _Sent] = {}  # by request id, until it finished
+        self.reserving: dict[str, int] = {}  # reservation id -> its Reserve's seq, until answered
         self.announced_ready = False
         # What is down, as of the last tick ([] = healthy): read by the event loop's /health
         # and by every request's admission, so neither reads /proc nor races the tick.
@@ -165,6 +168,25 @@ class FrontEnd(Actor):
             return
         self.in_engine[msg.request_id] = _Sent(seq)
 
+    @handles(Reserve)
+    def on_reserve(self, msg: Reserve) -> None:
+        if self._engine_changed():
+            self._lose_all("the engine restarted")
+            if not self.liveness.live(f"{ENGINE}-0"):
+                self.handoff.put(Lost(request_id=msg.reservation_id, error="the engine is down"))
+                return
+            self.hello()
+        try:
+            self.reserving[msg.reservation_id] = self.send(ENGINE, msg, timeout=0)
+        except (ActorDead, ValueError, TypeError, OverflowError) as e:
+            self.handoff.put(Lost(request_id=msg.reservation_id, error=f"not sent: {e}"))
+
+    @handles(Reservation)
+    def on_reservation(self, msg: Reservation) -> None:
+        if msg.incarnation in (0, self.ctx.incarnation):
+            self.reserving.pop(msg.reservation_id, None)
+            self.handoff.put(msg)
+
     @handles(Abort)
     def on_abort(self, msg: Abort) -> None:
         sent = self.in_engine.get(msg.request_id)
@@ -198,14 +220,16 @@ class FrontEnd(Actor):
     def handle_failed(self, msg: Failed) -> None:
         super().handle_failed(msg)  # logged
         failed = [r for r, sent in self.in_engine.items() if sent.seq == msg.seq]
-        for request_id in failed:  # the Submit the engine's handler raised on
-            del self.in_engine[request_id]
+        failed += [r for r, seq in self.reserving.items() if seq == msg.seq]
+        for request_id in failed:  # the Submit or Reserve the engine's handler raised on
+            self.in_engine.pop(request_id, None)
+            self.reserving.pop(request_id, None)
             error = f"the engine failed on it: {msg.error}: {msg.message}"
             self.handoff.put(Lost(request_id=request_id, error=error))
 
     @handles(Tick)
     def on_tick(self, msg: Tick) -> None:
-        if self.in_engine and self._engine_changed():
+        if (self.in_engine or self.reserving) and self._engine_changed():
             self._lose_all("the engine died or restarted while running it")
         instances = self.liveness.down()
         self.engine_live = f"{ENGINE}-0" not in instances
@@ -220,7 +244,8 @@ class FrontEnd(Actor):
 
     def _lose_all(self, error: str) -> None:
         lost, self.in_engine = self.in_engine, {}
-        for request_id in sorted(lost):
+        reserving, self.reserving = self.reserving, {}
+        for request_id in sorted([*lost, *reserving]):
             self.handoff.put(Lost(request_id=request_id, error=error))
         if lost:
             self.log.warning("server.requests_lost", requests=len(lost), error=error)

@@ -5,7 +5,8 @@ the engine's rings) and the HTTP server's event loop (every request's coroutine)
 meet here, and only here:
 
 - loop -> actor: :meth:`Gateway.open` and :meth:`RequestStream.abort` post a ``Submit``
-  or an ``Abort`` to the actor's local inbox (thread-safe, wakes the actor);
+  or an ``Abort`` to the actor's local inbox (thread-safe, wakes the actor), and
+  :meth:`Gateway.reserve` a ``Reserve`` (a decode instance's), answered by a future;
 - actor -> loop: the actor hands each engine message for a request to :class:`Handoff`,
   which schedules one drain on the loop however many messages arrive meanwhile.
 
@@ -25,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ringfence.actors.protocol.client import Abort, Rejected, Submit, Tokens
+from ringfence.actors.protocol.client import Abort, Rejected, Reservation, Reserve, Submit, Tokens
 from ringfence.actors.serve.api import ApiError
 
 
@@ -118,6 +119,7 @@ class Gateway:
         self.retry_after_s = retry_after_s
         self._engine_up = engine_up  # "" when the engine takes requests, else why not
         self.streams: dict[str, RequestStream] = {}
+        self.reserving: dict[str, asyncio.Future[Reservation | Lost]] = {}  # by reservation id
         self.on_event: Callable[[RequestStream, Event], None] = lambda stream, event: None
 
     @property
@@ -153,8 +155,33 @@ class Gateway:
         self.post(submit)
         return stream
 
+    def reserve(self, msg: Reserve) -> asyncio.Future[Reservation | Lost]:
+        """Send ``msg`` to the engine (through the actor); its answer, or Lost if the engine
+        went away first. ApiError 503 when the engine is not taking requests."""
+        down = self._engine_up()
+        if down:
+            raise ApiError(
+                f"the server cannot take requests now: {down}",
+                status=503,
+                kind="service_unavailable",
+                code="no_room",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        answer: asyncio.Future[Reservation | Lost] = asyncio.get_running_loop().create_future()
+        self.reserving[msg.reservation_id] = answer
+        self.post(msg)
+        return answer
+
     def deliver(self, item: object) -> None:
         """Hand one engine message to its request's stream (event-loop thread)."""
+        if isinstance(item, Reservation) or (
+            isinstance(item, Lost) and item.request_id in self.reserving
+        ):
+            name = item.reservation_id if isinstance(item, Reservation) else item.request_id
+            answer = self.reserving.pop(name, None)
+            if answer is not None and not answer.done():
+                answer.set_result(item)
+            return
         if not isinstance(item, Tokens | Rejected | Lost):
             return
         stream = self.streams.get(item.request_id)
@@ -167,6 +194,6 @@ class Gateway:
         stream.put(item)
 
     def lose_all(self, error: str) -> None:
-        """End every open request with ``error`` (the server is stopping)."""
-        for request_id in list(self.streams):
+        """End every open request and reservation with ``error`` (the server is stopping)."""
+        for request_id in [*self.streams, *self.reserving]:
             self.deliver(Lost(request_id=request_id, error=error))

@@ -21,6 +21,10 @@ from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.text import TextStream
 from ringfence.sched.request import TIERS
 
+# Rejected.code -> the API's error code (answered 409): the router reserves again on
+# "reservation_expired".
+REJECTED_CODES = {"reservation": "reservation_expired", "role": "wrong_role"}
+
 
 @dataclass(frozen=True, slots=True)
 class Delta:
@@ -96,9 +100,11 @@ class Generation:
         if isinstance(event, Rejected | Lost):
             self._end("error")
             status = 400 if isinstance(event, Rejected) else event.status
-            kind = "invalid_request_error" if status == 400 else "service_unavailable"
+            code = REJECTED_CODES.get(event.code) if isinstance(event, Rejected) else None
+            status = 409 if code else status
+            kind = "invalid_request_error" if status < 500 else "service_unavailable"
             raise ApiError(f"the engine could not run the request: {event.error}", status=status,
-                           kind=kind)  # fmt: skip
+                           kind=kind, code=code)  # fmt: skip
         if event.error:
             self._end("error")
             raise ApiError(f"the request failed in the engine: {event.error}", status=500,

@@ -26,6 +26,7 @@ TOPOLOGY = FencedTopology(
     channels=(*FRONTEND_CHANNELS, *CLIENT_CHANNELS),
     preflight=(
         "ringfence.actors.engine.scheduling:check_limits",
+        "ringfence.actors.engine.scheduling:check_role",
         f"{__name__}:check_server",
     ),
 )
