@@ -99,7 +99,8 @@ def test_a_reservation_expires_only_when_due_and_only_once():
 def test_the_scheduler_refuses_for_good_a_reservation_that_can_never_run():
     decode = decode_side({}, device_blocks=8)
     refusal = decode.sched.reserve("x", (1,) * 30, 8, 1.0)
-    assert isinstance(refusal, Refusal) and not refusal.retry and "device pool has 8" in refusal.reason
+    assert isinstance(refusal, Refusal) and not refusal.retry
+    assert "device pool has 8" in refusal.reason
 
 
 def test_a_claim_of_a_reservation_not_live_is_a_request_error_naming_it():
@@ -144,9 +145,8 @@ def test_a_block_storage_held_already_is_not_written_again_but_counts_as_stored(
     second.run([(0, make_request("b", prompt(3, 3 * BS) + prompt(4, 2 * BS), max_tokens=1))])
     (handover,) = second.sched.take_handovers()
     assert len(handover.present) == 3
-    written = [
-        k for op in second.ops if isinstance(op, StoreOp) and op.direction == "write" for k in op.keys
-    ]
+    writes = [op for op in second.ops if isinstance(op, StoreOp) and op.direction == "write"]
+    written = [k for op in writes for k in op.keys]
     assert len(written) == 2 and second.sched.stored_blocks(handover) == 5
 
 
@@ -203,7 +203,7 @@ def test_a_flood_of_long_prompts_never_preempts_a_running_decode():
     claim(decode, running, "r0")
     granted = refused = 0
     flood = 0
-    for round_ in range(400):
+    for _ in range(400):
         if not running.is_finished or flood < 30:
             flood += 1
             tokens = prompt(rng.randrange(1 << 20), rng.randrange(4, 10) * BS)
