@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 from test_scheduler import FakeStorage, Sim, expected_output, make_request, make_scheduler
@@ -23,7 +24,7 @@ from ringfence.sched.scheduler import Scheduler
 BS = 4
 
 
-def prefill_side(storage: dict, *, device_blocks: int = 64, host_blocks: int = 4) -> Sim:
+def prefill_side(storage: dict[Any, Any], *, device_blocks: int = 64, host_blocks: int = 4) -> Sim:
     base = make_scheduler(
         device_blocks=device_blocks, host_blocks=host_blocks, storage=FakeStorage(storage),
         block_size=BS,
@@ -32,7 +33,9 @@ def prefill_side(storage: dict, *, device_blocks: int = 64, host_blocks: int = 4
     return Sim(Scheduler(config, FakeStorage(storage)), storage=storage)
 
 
-def decode_side(storage: dict, *, device_blocks: int = 64, reserve_blocks: int = -1) -> Sim:
+def decode_side(
+    storage: dict[Any, Any], *, device_blocks: int = 64, reserve_blocks: int = -1
+) -> Sim:
     base = make_scheduler(
         device_blocks=device_blocks, host_blocks=64, storage=FakeStorage(storage), block_size=BS,
         preemption="save",
@@ -114,7 +117,7 @@ def test_a_claim_of_a_reservation_not_live_is_a_request_error_naming_it():
 
 
 def test_a_prefill_writes_every_full_block_of_a_finished_request_and_reports_them_stored():
-    storage: dict = {}
+    storage: dict[Any, Any] = {}
     sim = prefill_side(storage)
     tokens = prompt(1, 4 * BS + 2)  # four full blocks and a partial one
     sim.run([(0, make_request("p", tokens, max_tokens=1))])
@@ -128,7 +131,7 @@ def test_a_prefill_writes_every_full_block_of_a_finished_request_and_reports_the
 
 
 def test_a_prefill_writes_in_rounds_when_the_host_pool_is_smaller_than_the_prompt():
-    storage: dict = {}
+    storage: dict[Any, Any] = {}
     sim = prefill_side(storage, host_blocks=2)
     sim.run([(0, make_request("p", prompt(2, 7 * BS), max_tokens=1))])
     (handover,) = sim.sched.take_handovers()
@@ -138,7 +141,7 @@ def test_a_prefill_writes_in_rounds_when_the_host_pool_is_smaller_than_the_promp
 
 
 def test_a_block_storage_held_already_is_not_written_again_but_counts_as_stored():
-    storage: dict = {}
+    storage: dict[Any, Any] = {}
     first = prefill_side(storage)
     first.run([(0, make_request("a", prompt(3, 3 * BS), max_tokens=1))])
     second = prefill_side(storage)  # another prefill instance on the same tier
@@ -151,7 +154,7 @@ def test_a_block_storage_held_already_is_not_written_again_but_counts_as_stored(
 
 
 def test_a_failed_write_leaves_the_stored_count_at_the_blocks_before_it():
-    storage: dict = {}
+    storage: dict[Any, Any] = {}
     sim = prefill_side(storage, host_blocks=2)
     sim.add(make_request("p", prompt(5, 6 * BS), max_tokens=1))
     for _ in range(20):
@@ -171,7 +174,7 @@ def test_a_failed_write_leaves_the_stored_count_at_the_blocks_before_it():
 
 
 def test_a_decode_side_computes_only_what_the_prefill_side_did_not_hand_over():
-    storage: dict = {}
+    storage: dict[Any, Any] = {}
     rng = random.Random(7)
     prompts = [prompt(rng.randrange(1000), rng.randrange(2, 9) * BS + rng.randrange(BS))
                for _ in range(6)]  # fmt: skip
@@ -228,7 +231,7 @@ def test_a_flood_of_long_prompts_never_preempts_a_running_decode():
 
 
 def test_with_a_headroom_cap_more_requests_fit_and_outgrowing_it_preempts_by_save():
-    storage: dict = {}
+    storage: dict[Any, Any] = {}
     decode = decode_side(storage, device_blocks=16, reserve_blocks=0)
     requests = []
     for i in range(3):
