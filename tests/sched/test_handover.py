@@ -13,7 +13,13 @@ import random
 from typing import Any
 
 import pytest
-from test_scheduler import FakeStorage, Sim, expected_output, make_request, make_scheduler
+from test_scheduler import (  # type: ignore[import-not-found]  # the sibling module, by pytest
+    FakeStorage,
+    Sim,
+    expected_output,
+    make_request,
+    make_scheduler,
+)
 
 from ringfence.cache.fences import Lane
 from ringfence.sched.ops import StoreOp, SwapOp
