@@ -104,12 +104,14 @@ def _run_checked(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def _end(proc: subprocess.Popen[bytes], signum: int = signal.SIGINT) -> None:
+def _end(
+    proc: subprocess.Popen[bytes], signum: int = signal.SIGINT, timeout_s: float = STOP_TIMEOUT_S
+) -> None:
     """Signal ``proc`` by its pid, SIGKILL it if it has not exited in time, and reap it."""
     if proc.poll() is None:
         os.kill(proc.pid, signum)
         try:
-            proc.wait(STOP_TIMEOUT_S)
+            proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(STOP_TIMEOUT_S)
@@ -161,40 +163,53 @@ def _try(prefix: Sequence[str], tag: str) -> None:
         _run_checked([*prefix, "ip", "netns", "delete", tag])
 
 
+def _check(way: str) -> str:
+    """Why namespaces cannot be made the ``way`` given ("root", "userns"); "" if they can."""
+    tag = f"rft{os.getpid()}probe"
+    try:
+        keeper = _Keeper() if way == "userns" else None
+    except RuntimeError as e:
+        return f"no user namespace: {e}"
+    try:
+        _try(keeper.prefix if keeper else (), tag)
+    except RuntimeError as e:
+        return f"{'in a user namespace' if keeper else 'as root'}: {e}"
+    finally:
+        if keeper:
+            keeper.close()
+    return ""
+
+
 @functools.cache
 def probe() -> Probe:
     """Find out once per session whether and how network namespaces can be made here."""
     if shutil.which("ip") is None:
         return Probe(None, "no `ip` command (Debian: apt-get install iproute2)")
-    tag = f"rft{os.getpid()}probe"
     if os.geteuid() == 0:
-        try:
-            _try((), tag)
-        except RuntimeError as e:
-            return Probe(None, f"as root: {e}")
-        return Probe("root", "")
+        why = _check("root")
+        return Probe(None if why else "root", why)
     if shutil.which("unshare") is None or shutil.which("nsenter") is None:
         return Probe(None, "not root, and no unshare/nsenter (util-linux)")
-    try:
-        keeper = _Keeper()
-    except RuntimeError as e:
-        return Probe(None, f"not root, and no user namespace: {e}")
-    try:
-        _try(keeper.prefix, tag)
-    except RuntimeError as e:
-        return Probe(None, f"not root; in a user namespace: {e}")
-    finally:
-        keeper.close()
-    return Probe("userns", "")
+    why = _check("userns")
+    return Probe(None if why else "userns", f"not root; {why}" if why else "")
 
 
 class Hosts:
     """Named network namespaces on one bridge for the length of a ``with`` block (see the
     module docstring). Owned by the test's thread; not thread-safe."""
 
-    def __init__(self, *names: str, unlinked: Sequence[str] = (), third: int | None = None):
+    def __init__(
+        self,
+        *names: str,
+        unlinked: Sequence[str] = (),
+        third: int | None = None,
+        way: str | None = None,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
+    ):
         """``names``: linked hosts, addressed .2, .3, ... in that order; ``unlinked``: hosts
-        with no link; ``third``: the /24's third octet (default from the pid)."""
+        with no link; ``third``: the /24's third octet (default from the pid); ``way``:
+        "root" or "userns" (default: :func:`probe`'s); ``stop_timeout_s``: from SIGINT to
+        SIGKILL at the exit."""
         assert len({*names, *unlinked}) == len(names) + len(unlinked), "a name repeats"
         assert len(names) < 250, "one /24"
         self.names, self.unlinked = tuple(names), tuple(unlinked)
@@ -205,6 +220,7 @@ class Hosts:
         self._keeper: _Keeper | None = None
         self._made: list[str] = []  # namespaces, in the order made
         self._procs: list[subprocess.Popen[bytes]] = []  # what run() started
+        self.way, self.stop_timeout_s = way, stop_timeout_s
 
     # The hosts.
 
@@ -263,8 +279,9 @@ class Hosts:
         found = probe()
         if found.way is None:
             pytest.skip(f"network namespaces cannot be made here: {found.why}")
+        self.way = self.way or found.way
         try:
-            if found.way == "userns":
+            if self.way == "userns":
                 self._keeper = _Keeper()
                 self._prefix = self._keeper.prefix
             self._make()
@@ -309,7 +326,7 @@ class Hosts:
         """End every process :meth:`run` started, then delete every namespace made
         (idempotent; also after a half-made setup)."""
         while self._procs:
-            _end(self._procs.pop())
+            _end(self._procs.pop(), timeout_s=self.stop_timeout_s)
         failed = []
         while self._made:
             namespace = self._made.pop()

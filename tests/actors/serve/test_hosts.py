@@ -10,6 +10,8 @@ then serves the same prompt from redis, with the same tokens.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,25 @@ def instance_sets(redis_url: str) -> tuple[str, ...]:
         "cache.storage.backend=redis",
         f"cache.storage.url={redis_url}",
     )
+
+
+def instance(hosts: Hosts, name: str, redis_url: str, tmp_path: Path) -> ContextManager[Server]:
+    """``ringfence serve`` in host ``name``, on its address, port PORT."""
+    sets = instance_sets(redis_url)
+    return served(
+        tmp_path / name, *sets, host=hosts.address(name), port=PORT, prefix=hosts.command(name)
+    )
+
+
+def started(stack: contextlib.ExitStack, servers: list[ContextManager[Server]]) -> list[Server]:
+    """Enter every context at once (each instance takes seconds to start); their exits go on
+    ``stack``, those that entered, before a failure to start is raised."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        futures = [pool.submit(server.__enter__) for server in servers]
+    for server, future in zip(servers, futures, strict=True):
+        if future.exception() is None:
+            stack.push(server.__exit__)
+    return [future.result() for future in futures]
 
 
 def complete(hosts: Hosts, name: str) -> dict[str, Any]:
@@ -75,18 +96,14 @@ def test_a_prompt_one_host_wrote_to_redis_is_served_from_it_by_another_host(tmp_
             )
         )
         assert url == f"redis://{hosts.address('redis')}:{REDIS_PORT}/0"
-        servers = {
-            name: stack.enter_context(
-                served(
-                    tmp_path / name,
-                    *instance_sets(url),
-                    host=hosts.address(name),
-                    port=PORT,
-                    prefix=hosts.command(name),
-                )
+        names = ("inst-a", "inst-b")
+        servers = dict(
+            zip(
+                names,
+                started(stack, [instance(hosts, name, url, tmp_path) for name in names]),
+                strict=True,
             )
-            for name in ("inst-a", "inst-b")
-        }
+        )
         assert servers["inst-a"].url == f"http://{hosts.address('inst-a')}:{PORT}"
 
         first = complete(hosts, "inst-a")
