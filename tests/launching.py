@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,10 +302,13 @@ def launched(
     run_dir: Path | None = None,
     config: Path | None = None,
     command: tuple[str, ...] = ("launch",),
+    prefix: Sequence[str] = (),
 ) -> Iterator[Launch]:
     """Start ``ringfence launch --set S ...`` in ``run_dir`` (default tmp_path/run); reap it after.
 
     ``command`` replaces ``launch`` (``("serve", "--port", "0")``: see ``tests/serving.py``).
+    ``prefix`` runs it through a command that execs it (``Hosts.command``: in a network
+    namespace), so that the process started is still the supervisor.
 
     On exit, whatever happened in the block: SIGKILL the supervisor if it still runs
     and every process carrying this launch's mark (its actors), wait for them to go,
@@ -313,7 +316,7 @@ def launched(
     """
     run_dir = run_dir or tmp_path / "run"
     mark = uuid.uuid4().hex
-    args: list[str] = [str(RINGFENCE), *command, "--run-dir", str(run_dir)]
+    args: list[str] = [*prefix, str(RINGFENCE), *command, "--run-dir", str(run_dir)]
     # These tests follow the demo pipeline unless they name a topology (the built-in
     # default is the engine's).
     named = any(s.startswith("runtime.topology=") for s in sets)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,9 +74,22 @@ class Server:
 
 
 @contextmanager
-def served(tmp_path: Path, *sets: str, stop: bool = True) -> Iterator[Server]:
-    """``ringfence serve --port 0 --set S ...`` until the block ends (see the module docstring)."""
-    with launched(tmp_path, *QUICK, *sets, command=("serve", "--port", "0")) as launch:
+def served(
+    tmp_path: Path,
+    *sets: str,
+    stop: bool = True,
+    host: str | None = None,
+    port: int = 0,
+    prefix: Sequence[str] = (),
+) -> Iterator[Server]:
+    """``ringfence serve --port 0 --set S ...`` until the block ends (see the module docstring).
+
+    ``host``, ``port``: ``--host`` (default the server's, 127.0.0.1) and ``--port``;
+    ``prefix``: a command that runs it elsewhere (``Hosts.command``: in a network namespace,
+    from where :meth:`Server.http` cannot reach it).
+    """
+    command = ("serve", *(("--host", host) if host else ()), "--port", str(port))
+    with launched(tmp_path, *QUICK, *sets, command=command, prefix=prefix) as launch:
 
         def line(pattern: str) -> bool:
             if launch.proc.poll() is not None:

@@ -1,4 +1,5 @@
-"""A throwaway redis-server for tests and benchmarks: loopback, no persistence, stopped by PID."""
+"""A throwaway redis-server for tests and benchmarks: loopback (or an address a test
+made), no persistence, stopped by PID."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import signal
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -71,24 +72,39 @@ def url_port(url: str) -> int:
 
 @contextmanager
 def redis_server(
-    workdir: Path, *, port: int | None = None, timeout_s: float = 10.0
+    workdir: Path,
+    *,
+    port: int | None = None,
+    timeout_s: float = 10.0,
+    bind: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
 ) -> Iterator[str]:
-    """Run redis-server on 127.0.0.1 with ``workdir`` as its dir; yield its URL; stop it.
+    """Run redis-server on ``bind`` with ``workdir`` as its dir; yield its URL; stop it.
 
     ``port``: the port to listen on (a server restarted where one was stopped);
     default a free one. Ready means: its log said it accepts connections (no polling)
     and it answered a PING. Raises ``RuntimeError`` with the server's log if it never
     got there.
+
+    ``bind`` and ``prefix``: listen on another address, started through a command that
+    execs it (a test's network namespace: ``ip netns exec NS``). Then ``port`` is
+    required (this process cannot tell which ports are free there), it is not pinged
+    (its log line is the readiness), and protected mode is off (its clients are not on
+    loopback).
     """
     import redis
 
     if REDIS_SERVER is None:
         raise RuntimeError("redis-server is not on PATH")
+    if prefix and port is None:
+        raise ValueError("redis_server: a server started through a prefix needs a port")
     log = b""
     for _ in range(1 if port else START_ATTEMPTS):
         listen = port or free_port()
-        args = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(listen), "--dir", str(workdir)]
+        args = [*prefix, REDIS_SERVER, "--bind", bind, "--port", str(listen), "--dir", str(workdir)]
         args += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", ""]
+        if prefix:
+            args += ["--protected-mode", "no"]
         proc = subprocess.Popen(
             args,
             cwd=workdir,
@@ -100,9 +116,10 @@ def redis_server(
         try:
             output.settled.wait(timeout_s)
             if output.ready:
-                url = f"redis://127.0.0.1:{listen}/0"
-                with redis.Redis.from_url(url, socket_timeout=timeout_s) as client:
-                    assert client.ping()
+                url = f"redis://{bind}:{listen}/0"
+                if not prefix:
+                    with redis.Redis.from_url(url, socket_timeout=timeout_s) as client:
+                        assert client.ping()
                 yield url
                 return
         finally:
