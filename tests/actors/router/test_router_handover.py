@@ -4,6 +4,7 @@ what it does when an instance says no, is slow, or dies."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import httpx
 import openai
@@ -15,7 +16,8 @@ from routing import routed
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 BODY = {"model": "fake", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
-CHAT = {"model": "fake", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}
+MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
+CHAT = {"model": "fake", "messages": MESSAGES, "max_tokens": 3}
 TEXT = "tok0 tok1 tok2 "
 RUN = [("d", "/ringfence/reserve"), ("p", "/ringfence/prefill"), ("d", "/v1/completions")]
 
@@ -62,7 +64,7 @@ def test_a_streamed_chat_is_relayed_byte_for_byte_to_done(fakes):
             assert s.headers["content-type"].startswith("text/event-stream")
             assert s.read() == event_bytes("chat", body)
         stream = rig.openai().chat.completions.create(
-            model="fake", messages=CHAT["messages"], max_tokens=3, stream=True
+            model="fake", messages=MESSAGES, max_tokens=3, stream=True
         )
         assert "".join(c.choices[0].delta.content or "" for c in stream) == TEXT
         paths = [p for _, p in rig.journal]
@@ -76,7 +78,7 @@ def test_a_plain_chat_and_a_streamed_completion_through_the_openai_client(fakes)
     prefill, decode = fakes("p", role="prefill"), fakes("d")
     with routed([prefill], [decode]) as rig:
         client = rig.openai()
-        chat = client.chat.completions.create(model="fake", messages=CHAT["messages"], max_tokens=3)
+        chat = client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=3)
         assert chat.choices[0].message.content == TEXT
         assert chat.model_dump(exclude_none=True)["usage"] == whole("chat", CHAT)["usage"]
         stream = client.completions.create(model="fake", prompt=PROMPT, max_tokens=3, stream=True)
