@@ -1,4 +1,5 @@
-"""The ``ringfence`` command: ``launch``, ``serve``, ``replay``, ``bench NAME`` and ``clean``.
+"""The ``ringfence`` command: ``launch``, ``serve``, ``router``, ``replay``, ``bench NAME``
+and ``clean``.
 
 Every text argparse prints is plain words (no markup from the docstrings):
 ``tests/runtime/test_cli_help.py`` walks every command's ``--help``.
@@ -44,6 +45,7 @@ BENCHMARKS = {
 # What ``launch`` checks in the config before a run exists (each raises ValueError).
 REPLAY = "ringfence.actors.replay.cli"  # ``ringfence replay``: the same two functions
 SERVE = "ringfence.actors.serve.cli"  # ``ringfence serve``: the same two functions
+ROUTER = "ringfence.actors.router.cli"  # ``ringfence router``: the same two functions
 
 DESCRIPTION = (
     "ringfence: a KV-cache runtime for LLM serving, built as actors that talk through "
@@ -92,6 +94,11 @@ def _serve_module() -> _Bench:
     return cast(_Bench, importlib.import_module(SERVE))
 
 
+def _router_module() -> _Bench:
+    """``ringfence router`` lives with the instances' front end (imported by name)."""
+    return cast(_Bench, importlib.import_module(ROUTER))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringfence", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -119,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     module = _serve_module()
     serve = sub.add_parser("serve", help=text, description=getattr(module, "DESCRIPTION", text))
     module.add_arguments(serve)
+
+    text = "one OpenAI endpoint over prefill and decode instances (disaggregated serving)"
+    module = _router_module()
+    router = sub.add_parser("router", help=text, description=getattr(module, "DESCRIPTION", text))
+    module.add_arguments(router)
 
     text = "check, explain and visualize a run from its logs (exit 1: a violation)"
     replay = sub.add_parser(
@@ -266,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay_module().main(args)
         if args.command == "serve":
             return _serve_module().main(args)
+        if args.command == "router":
+            return _router_module().main(args)
         return _clean(args)
     except ValueError as e:
         print(f"ringfence {args.command}: {e}", file=sys.stderr)

@@ -342,6 +342,46 @@ EVENTS: Final[dict[str, Event]] = {
         "requests error",
         "the engine died or was replaced: its requests end with an error event",
     ),
+    # ringfence router (actors/router/; no actor of a run: its lines go to its stderr, with
+    # "actor": "router"). ``request`` is the router's own id, sent to the prefill instance.
+    "router.started": _e(
+        "info", "host port instances", "every instance answered and the pool was checked"
+    ),
+    "router.answered": _e(
+        "info",
+        "request kind outcome status total_s decode prefill retries claims fallback prefill_s "
+        "stored_blocks first_byte_s",
+        "a request ended (outcome as the requests metric counts it: ok, relayed_error, "
+        "no_room, decode_failed, client_closed, error); retries: reserve calls after the "
+        "first; claims: 1 unless a reservation expired; fallback: why the prefill failed",
+    ),
+    "router.reserve_failed": _e(
+        "warning",
+        "request decode error",
+        "a decode instance failed a reserve call (unreachable, a bad answer, an unexpected "
+        "status): the request tries the other decode instances, then again",
+    ),
+    "router.gave_up": _e(
+        "warning",
+        "request waited_s last retries",
+        "no decode instance had room within reserve_timeout_s: the client got a 503",
+    ),
+    "router.fell_back": _e(
+        "warning",
+        "request why error prefill decode prompt_tokens",
+        "the prefill failed or was not tried (why: no_instance, refused, timeout, "
+        "http_error, bad_answer, transport): the decode instance computes the prompt itself",
+    ),
+    "router.expired": _e(
+        "info",
+        "request decode reservation",
+        "a claim found its reservation expired: reserving again",
+    ),
+    "router.decode_lost": _e(
+        "error",
+        "request decode error",
+        "the decode instance failed during the claim: a 502, or a stream's last error event",
+    ),
     # The demo pipeline (ringfence.runtime.bench.demo).
     "demo.sent": _e("info", "messages", "the source sent its last item"),
     "demo.done": _e(

@@ -30,7 +30,7 @@ PARSERS = every_parser(cli.build_parser())
 
 def test_the_walk_reaches_every_command_and_every_benchmark():
     paths = {" ".join(path) for path, _ in PARSERS}
-    expected = {"", "launch", "serve", "replay", "clean", "bench"} | {
+    expected = {"", "launch", "serve", "router", "replay", "clean", "bench"} | {
         f"bench {b}" for b in cli.BENCHMARKS
     }
     assert paths == expected

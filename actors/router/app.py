@@ -1,0 +1,177 @@
+"""The router's HTTP API: OpenAI's completions and chat completions, run over the instances
+(:mod:`.handover`), the models of a decode instance, the pool's health, and metrics.
+
+The client's body goes to the instances unchanged: the router reads only that it is a JSON
+object (else its own 400); every other check is the decode instance's (its reserve answers
+400 naming the field, relayed as is). Every error the router makes itself is answered with
+OpenAI's error body. A client that disconnects before its answer began has its request
+dropped (the upstream call cancelled and closed); one that leaves a stream has the
+upstream stream closed, so the decode instance aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from ringfence.actors.router.handover import Handover, Relayed
+from ringfence.actors.router.instances import Instance
+from ringfence.actors.router.relay import EventRelay, is_event_stream, read_whole
+from ringfence.actors.router.state import Router
+from ringfence.actors.serve.api import ApiError, error_body
+
+PROBE_S = 2.0  # one instance's /health or /v1/models, asked by the router's own routes
+OUTCOME_OF_STATUS = {502: "decode_failed", 503: "no_room"}  # the router's own errors
+
+
+def build_app(router: Router) -> FastAPI:
+    """The API of ``router`` (its instances, client, metrics and log)."""
+    app = FastAPI(title="ringfence router", version="0.1.0", openapi_url="/openapi.json")
+    handle_errors(app, router)
+    pool = router.pool
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while at least one decode instance is healthy; ``down`` names the others."""
+        whys = await asyncio.gather(*(probe(router, i) for i in pool.instances))
+        said = list(zip(pool.instances, whys, strict=True))
+        down = [f"{i.role} {i.url}: {why}" for i, why in said if why]
+        up = [i for i, why in said if why is None and i.role == "decode"]
+        if not up:
+            return JSONResponse({"status": "unavailable", "down": down}, status_code=503)
+        return JSONResponse({"status": "ok" if not down else "degraded", "down": down})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        """A decode instance's /v1/models, as it answered."""
+        last = "no decode instance"
+        for instance in pool.of_role("decode"):
+            try:
+                answer = await router.client.get(f"{instance.url}/v1/models", timeout=PROBE_S)
+            except httpx.TransportError as e:
+                last = f"{instance.url}: {type(e).__name__}: {e}"
+                continue
+            if answer.status_code == 200:
+                media_type = answer.headers.get("content-type", "application/json")
+                return Response(answer.content, media_type=media_type)
+            last = f"{instance.url}: HTTP {answer.status_code}"
+        raise ApiError(
+            f"no decode instance answered /v1/models (last: {last})",
+            status=503, kind="server_error",
+        )  # fmt: skip
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await route(router, "completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await route(router, "chat", request)
+
+    return app
+
+
+def handle_errors(app: FastAPI, router: Router) -> None:
+    """Answer the router's errors with OpenAI's error body, and instances' errors as is."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(Relayed)
+    async def relayed(request: Request, exc: Relayed) -> Response:
+        return Response(exc.content, exc.status, headers=exc.headers, media_type=exc.media_type)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (no such route, a method not allowed) in OpenAI's body."""
+        status = exc.status_code
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = error_body(str(exc.detail), kind=kind)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
+
+
+async def route(router: Router, kind: str, request: Request) -> Response:
+    """One client request, from its body to the start of its answer."""
+    raw = await request.body()
+    try:
+        check_object(raw)
+    except ApiError:
+        router.metrics.requests.labels(outcome="bad_request").inc()
+        raise
+    handover = Handover(router, kind, raw, f"rtr-{uuid.uuid4().hex}")
+    work = asyncio.ensure_future(answer_of(handover))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            await handover.finish("client_closed", 499)
+            return Response(status_code=499)
+        response = work.result()
+    except ApiError as e:
+        await handover.finish(OUTCOME_OF_STATUS.get(e.status, "error"), e.status)
+        raise
+    except Relayed as e:
+        await handover.finish("relayed_error", e.status)
+        raise
+    except BaseException:  # a bug, or the server stopping: the request still ends here
+        await handover.finish("error", 500)
+        raise
+    finally:
+        gone.cancel()
+        work.cancel()  # a no-op once done; else the server stopping cancelled this route
+    if not isinstance(response, EventRelay):  # an event stream finishes when it ends
+        await handover.finish("ok", response.status_code)
+    return response
+
+
+async def answer_of(handover: Handover) -> Response:
+    """The client's answer: the claim's event stream (not begun), or its whole JSON."""
+    upstream = await handover.run()
+    if is_event_stream(upstream):
+        return EventRelay(handover, upstream)
+    return await read_whole(handover, upstream)
+
+
+def check_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or the router's own 400."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(f"the body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def probe(router: Router, instance: Instance) -> str | None:
+    """None if ``instance`` answers /health 200, else why not."""
+    try:
+        answer = await router.client.get(f"{instance.url}/health", timeout=PROBE_S)
+    except httpx.TransportError as e:
+        return f"{type(e).__name__}: {e}"
+    if answer.status_code == 200:
+        return None
+    return f"HTTP {answer.status_code}: {answer.text[:200]}"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closed the connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

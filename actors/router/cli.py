@@ -1,0 +1,82 @@
+"""``ringfence router``: one OpenAI-compatible endpoint over prefill and decode instances.
+
+It waits until every instance answers ``GET /ringfence/instance``, refuses instances that
+cannot work together (exit 2), prints the address it listens on, then ``ringfence router:
+ready``, and serves until Ctrl-C or SIGTERM (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+DESCRIPTION = (
+    "Serve the OpenAI API (POST /v1/completions and /v1/chat/completions, GET /v1/models, "
+    "/health and /metrics) over prefill and decode instances (ringfence serve with "
+    "engine.role=prefill or decode sharing one storage tier): each request is reserved on a "
+    "decode instance, prefilled into the tier by a prefill instance, then decoded. Exit "
+    "status: 0 when stopped by Ctrl-C or SIGTERM, 2 for a bad command line or instances "
+    "that cannot work together (a wrong role, differing fingerprints), 1 when an instance "
+    "did not answer in time."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefill", action="append", required=True, metavar="URL",
+        help="a prefill instance, e.g. http://10.0.0.2:8000 (repeatable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode", action="append", required=True, metavar="URL",
+        help="a decode instance (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="the TCP port to listen on (0: any free one)"
+    )
+    parser.add_argument(
+        "--reserve-timeout-s", type=float, default=30.0, metavar="S",
+        help="how long a request may wait for room on a decode instance before a 503",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-timeout-s", type=float, default=None, metavar="S",
+        help="the prefill deadline (default: the reservation's lifetime less a margin); past "
+        "it the decode instance computes the prompt itself",
+    )  # fmt: skip
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=120.0, metavar="S",
+        help="how long every instance has to answer at start",
+    )  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    from ringfence.actors.router.instances import StartTimeout
+    from ringfence.actors.router.options import RouterOptions
+    from ringfence.actors.router.server import listen, serve
+
+    options = RouterOptions(
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        reserve_timeout_s=args.reserve_timeout_s,
+        prefill_timeout_s=args.prefill_timeout_s,
+        start_timeout_s=args.start_timeout_s,
+    )
+    sock = listen(args.host, args.port)
+    # While it starts, SIGTERM stops it as Ctrl-C does (serving, uvicorn handles both).
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        asyncio.run(serve(options, sock, out=sys.stdout))
+        print("ringfence router: stopped", flush=True)
+    except KeyboardInterrupt:
+        print("ringfence router: stopped while starting", file=sys.stderr)
+    except StartTimeout as e:
+        print(
+            f"ringfence router: {e} (--start-timeout-s {args.start_timeout_s:g})", file=sys.stderr
+        )
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+    return 0

@@ -1,0 +1,334 @@
+"""One request's run over the instances: reserve on a decode instance, prefill on a prefill
+instance, claim on the decode instance (the contract: DESIGN.md "Instances").
+
+1. Reserve: the decode instance picked by load; on ``503 no_room`` (or one unreachable)
+   the other decode instances, then a wait (Retry-After, at least the backoff that doubles
+   each round, at most ``retry_cap_s``) and another round, until ``reserve_timeout_s``:
+   then 503 with Retry-After. A 400 (the client's body is bad) reaches the client as is.
+2. Prefill: the prefill instance picked by load, with the reservation's token ids, within
+   the prefill deadline. Any failure is logged and counted, and the request goes on: the
+   decode instance computes what the shared tier lacks.
+3. Claim: the client's body, byte for byte, with the reservation header. An expired
+   reservation is reserved again (the same instance preferred) and claimed again.
+
+The router counts a request in flight on its decode instance from the reserve call to the
+end of the answer's relay, and on its prefill instance during the prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from ringfence.actors.router.instances import Instance
+from ringfence.actors.router.options import FIRST_BACKOFF_S
+from ringfence.actors.router.state import Router
+from ringfence.actors.serve.api import ApiError
+from ringfence.shm.errors import RingfenceError
+
+RESERVATION_HEADER = "X-Ringfence-Reservation"
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+RESERVE_CALL_S = 5.0  # one reserve call (the reserve deadline bounds it too)
+# Between two bytes of a claim's answer: a plain answer's first byte comes when the whole
+# output is made, so this bounds the longest generation (the instance has its own limit).
+CLAIM_READ_S = 600.0
+CLAIM_TIMEOUT = httpx.Timeout(CLAIM_READ_S, connect=5.0)
+JSON = {"content-type": "application/json"}
+
+
+class Relayed(RingfenceError):
+    """An instance's error answer that the client gets as is (a 400 naming its field)."""
+
+    def __init__(self, answer: httpx.Response, content: bytes) -> None:
+        super().__init__(f"HTTP {answer.status_code} from {answer.request.url}")
+        self.status = answer.status_code
+        self.content = content
+        self.media_type = answer.headers.get("content-type", "application/json")
+        after = answer.headers.get("retry-after")
+        self.headers = {"Retry-After": after} if after is not None else {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reservation:
+    """Room on a decode instance for one request, until its ttl_s runs out."""
+
+    instance: Instance
+    id: str
+    ttl_s: float
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A reserve call that got no reservation (no room, or the instance failed)."""
+
+    why: str
+    retry_after_s: float | None = None
+
+
+def error_code(content: bytes) -> str | None:
+    """``error.code`` of an OpenAI error body, or None."""
+    try:
+        code = orjson.loads(content)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
+def retry_after_s(answer: httpx.Response) -> float | None:
+    try:
+        return max(float(answer.headers["retry-after"]), 0.0)
+    except (KeyError, ValueError):
+        return None
+
+
+class Handover:
+    """One request's run. On the router's event loop: :meth:`run` once, then the answer's
+    relay, then :meth:`finish` once (also after a failure or a cancellation)."""
+
+    def __init__(self, router: Router, kind: str, body: bytes, request_id: str) -> None:
+        self.router = router
+        self.kind = kind
+        self.body = body  # the client's body as sent
+        self.id = request_id
+        self.started = time.monotonic()
+        self.upstream: httpx.Response | None = None  # the claim's answer being relayed
+        self.held: list[Instance] = []  # decode instances this request counts in flight on
+        self.trace: dict[str, Any] = {"retries": 0, "claims": 0, "decode": None, "prefill": None}
+        self._claimed_at = 0.0
+        self._finished = False
+
+    # The run.
+
+    async def run(self) -> httpx.Response:
+        """The claim's answer (status 200, body unread), once reserved and prefilled.
+
+        Raises ApiError (503: no room in time; 502: the decode instance failed before its
+        answer began) or Relayed (an instance's own error answer, for the client as is).
+        """
+        reservation = await self.reserve(prefer=None)
+        await self.prefill(reservation)
+        for _ in range(self.router.options.max_claims):
+            answer = await self.claim(reservation)
+            if answer is not None:
+                return answer
+            reservation = await self.reserve(prefer=reservation.instance)
+        raise ApiError(
+            f"the reservation on {reservation.instance.url} expired "
+            f"{self.router.options.max_claims} times before its claim",
+            status=503, kind="server_error", code="reservation_expired",
+            headers={"Retry-After": "1"},
+        )  # fmt: skip
+
+    async def reserve(self, prefer: Instance | None) -> Reservation:
+        """A reservation on a decode instance (``prefer`` first), waiting for room."""
+        router, options = self.router, self.router.options
+        start = time.monotonic()
+        deadline = start + options.reserve_timeout_s
+        payload = b'{"kind":"%s","body":%s}' % (self.kind.encode(), self.body)
+        wait, tried, last = FIRST_BACKOFF_S, set[Instance](), Refusal("no answer")
+        asked = 0
+        while True:
+            instance = router.pool.pick("decode", exclude=frozenset(tried), prefer=prefer)
+            left = deadline - time.monotonic()
+            if instance is None or (asked and left <= 0):
+                if left <= 0:
+                    raise self._no_room(last, options.reserve_timeout_s)
+                pause = max(wait, last.retry_after_s or 0.0)
+                await asyncio.sleep(min(pause, options.retry_cap_s, left))
+                wait, tried = min(wait * 2, options.retry_cap_s), set()
+                continue
+            if asked:
+                router.metrics.reserve_retries.inc()
+                self.trace["retries"] += 1
+            asked += 1
+            tried.add(instance)
+            got = await self._reserve_on(instance, payload, left)
+            if isinstance(got, Reservation):
+                router.metrics.stage_seconds.labels(stage="reserve").observe(
+                    time.monotonic() - start
+                )
+                self.trace["decode"] = instance.url
+                return got
+            last = got
+
+    async def _reserve_on(
+        self, instance: Instance, payload: bytes, left: float
+    ) -> Reservation | Refusal:
+        """One reserve call; the request counts in flight on ``instance`` if it is granted."""
+        self.router.pool.acquire(instance)
+        self.held.append(instance)
+        try:
+            answer = await self.router.client.post(
+                f"{instance.url}/ringfence/reserve",
+                content=payload,
+                headers=JSON,
+                timeout=max(min(RESERVE_CALL_S, left), 0.01),
+            )
+        except httpx.TransportError as e:
+            self._release(instance)
+            error = f"{type(e).__name__}: {e}"
+            self.router.log.warning(
+                "router.reserve_failed", request=self.id, decode=instance.url, error=error
+            )
+            return Refusal(f"{instance.url} failed: {error}")
+        if answer.status_code == 200:
+            try:
+                got = orjson.loads(answer.content)
+                return Reservation(
+                    instance=instance,
+                    id=str(got["reservation_id"]),
+                    ttl_s=float(got["ttl_s"]),
+                    prompt_token_ids=[int(t) for t in got["prompt_token_ids"]],
+                )
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                error = f"not a reservation ({e!r}): {answer.text[:200]}"
+        else:
+            error = f"HTTP {answer.status_code}: {answer.text[:200]}"
+        self._release(instance)
+        if answer.status_code == 400:
+            raise Relayed(answer, answer.content)
+        if answer.status_code == 503:
+            return Refusal(f"{instance.url}: {error}", retry_after_s(answer))
+        self.router.log.warning(
+            "router.reserve_failed", request=self.id, decode=instance.url, error=error
+        )
+        return Refusal(f"{instance.url}: {error}")
+
+    def _no_room(self, last: Refusal, timeout_s: float) -> ApiError:
+        after = str(max(1, math.ceil(last.retry_after_s or 1.0)))
+        self.router.log.warning(
+            "router.gave_up", request=self.id, waited_s=timeout_s, last=last.why,
+            retries=self.trace["retries"],
+        )  # fmt: skip
+        return ApiError(
+            f"no decode instance had room for the request within {timeout_s:g} s "
+            f"(last: {last.why})",
+            status=503, kind="server_error", code="no_room", headers={"Retry-After": after},
+        )  # fmt: skip
+
+    async def prefill(self, reservation: Reservation) -> None:
+        """Prefill the reservation's prompt into the shared tier, or log why not."""
+        router = self.router
+        instance = router.pool.pick("prefill")
+        if instance is None:
+            self._fell_back("no_instance", None, "no prefill instance", reservation)
+            return
+        self.trace["prefill"] = instance.url
+        timeout = router.options.prefill_deadline_s(reservation.ttl_s)
+        start = time.monotonic()
+        body = {"prompt_token_ids": reservation.prompt_token_ids, "request_id": self.id}
+        with router.pool.busy(instance):
+            try:
+                async with asyncio.timeout(timeout):  # the whole call, not each read
+                    answer = await router.client.post(
+                        f"{instance.url}/ringfence/prefill", json=body, timeout=timeout
+                    )
+            except httpx.ConnectError as e:
+                return self._fell_back("refused", instance, repr(e), reservation)
+            except (TimeoutError, httpx.TimeoutException):
+                why = f"no answer within {timeout:g} s"
+                return self._fell_back("timeout", instance, why, reservation)
+            except httpx.TransportError as e:
+                return self._fell_back("transport", instance, repr(e), reservation)
+        if answer.status_code != 200:
+            error = f"HTTP {answer.status_code}: {answer.text[:200]}"
+            return self._fell_back("http_error", instance, error, reservation)
+        try:
+            done = orjson.loads(answer.content)
+            self.trace["stored_blocks"] = int(done["stored_blocks"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            error = f"not a prefill's answer ({e!r}): {answer.text[:200]}"
+            return self._fell_back("bad_answer", instance, error, reservation)
+        elapsed = time.monotonic() - start
+        router.metrics.prefills.inc()
+        router.metrics.stage_seconds.labels(stage="prefill").observe(elapsed)
+        self.trace["prefill_s"] = round(elapsed, 6)
+
+    def _fell_back(
+        self, why: str, instance: Instance | None, error: str, reservation: Reservation
+    ) -> None:
+        self.router.metrics.fallbacks.labels(why=why).inc()
+        self.trace["fallback"] = why
+        self.router.log.warning(
+            "router.fell_back", request=self.id, why=why, error=error,
+            prefill=instance.url if instance is not None else None,
+            decode=reservation.instance.url, prompt_tokens=len(reservation.prompt_token_ids),
+        )  # fmt: skip
+
+    async def claim(self, reservation: Reservation) -> httpx.Response | None:
+        """The decode instance's answer to the claim (200, unread); None: it expired."""
+        instance, router = reservation.instance, self.router
+        self.trace["claims"] += 1
+        request = router.client.build_request(
+            "POST",
+            instance.url + PATHS[self.kind],
+            content=self.body,
+            headers={**JSON, RESERVATION_HEADER: reservation.id},
+            timeout=CLAIM_TIMEOUT,
+        )
+        self._claimed_at = time.monotonic()
+        try:
+            answer = await router.client.send(request, stream=True)
+            if answer.status_code == 200:
+                self.upstream = answer
+                return answer
+            content = await answer.aread()
+            await answer.aclose()
+        except httpx.TransportError as e:
+            raise self.decode_failed(f"{type(e).__name__}: {e}") from e
+        if answer.status_code == 409 and error_code(content) == "reservation_expired":
+            router.metrics.expired.inc()
+            router.log.info(
+                "router.expired", request=self.id, decode=instance.url, reservation=reservation.id
+            )
+            self._release(instance)
+            return None
+        raise Relayed(answer, content)
+
+    # The answer.
+
+    def first_byte(self) -> None:
+        """The claim's answer began (its first body bytes arrived)."""
+        elapsed = time.monotonic() - self._claimed_at
+        self.router.metrics.stage_seconds.labels(stage="claim_to_first_byte").observe(elapsed)
+        self.trace["first_byte_s"] = round(elapsed, 6)
+
+    def decode_failed(self, error: str) -> ApiError:
+        """The error of a decode instance that failed mid-request (logged here)."""
+        decode = self.trace["decode"]
+        self.router.log.error("router.decode_lost", request=self.id, decode=decode, error=error)
+        return ApiError(
+            f"the decode instance {decode} failed: {error}",
+            status=502, kind="server_error", code="decode_failed",
+        )  # fmt: skip
+
+    async def finish(self, outcome: str, status: int) -> None:
+        """Close the upstream answer, stop counting the request in flight, count and log
+        its outcome. Idempotent: the first call counts."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.upstream is not None:
+            await self.upstream.aclose()  # mid-stream: the decode instance aborts it
+        while self.held:
+            self._release(self.held[-1])
+        self.router.metrics.requests.labels(outcome=outcome).inc()
+        total, trace = round(time.monotonic() - self.started, 6), self.trace
+        self.router.log.info(
+            "router.answered", request=self.id, kind=self.kind, outcome=outcome, status=status,
+            total_s=total, decode=trace["decode"], prefill=trace["prefill"],
+            retries=trace["retries"], claims=trace["claims"], fallback=trace.get("fallback"),
+            prefill_s=trace.get("prefill_s"), stored_blocks=trace.get("stored_blocks"),
+            first_byte_s=trace.get("first_byte_s"),
+        )  # fmt: skip
+
+    def _release(self, instance: Instance) -> None:
+        self.held.remove(instance)
+        self.router.pool.release(instance)

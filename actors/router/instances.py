@@ -1,0 +1,198 @@
+"""The router's instances: who each one is (read once at start), and which one gets the next.
+
+At start the router reads ``GET /ringfence/instance`` of every instance it was given,
+waiting until each one answers (an instance starts in minutes), and refuses a pool it
+cannot run: an instance of the wrong role, or two instances whose fingerprints differ
+(they could not share KV through the tier). After that it asks them nothing about their
+load: the load it picks by is its own count of requests in flight on each instance
+(:attr:`Instance.in_flight`), exact for the requests it routes and free to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ringfence.shm.errors import RingfenceError
+
+ROLES = ("prefill", "decode")
+IDENTIFY_CALL_S = 5.0  # one GET /ringfence/instance
+FIRST_WAIT_S = 0.05  # the first wait between two tries at start; it doubles up to MAX_WAIT_S
+MAX_WAIT_S = 1.0
+
+
+class PoolRefused(RingfenceError, ValueError):
+    """The instances cannot work together (roles, fingerprints); the message names them."""
+
+
+class StartTimeout(RingfenceError, TimeoutError):
+    """An instance did not answer ``/ringfence/instance`` before the start deadline."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Identity:
+    """What ``GET /ringfence/instance`` says of an instance (the fields the router uses)."""
+
+    role: str  # "both", "prefill" or "decode"
+    model: str  # the served model's name
+    fingerprints: tuple[str, ...]  # the storage namespaces, one per tp rank
+
+    @classmethod
+    def of(cls, url: str, body: Any) -> Identity:
+        """The identity in ``body``; ValueError naming ``url`` and the field if malformed."""
+        try:
+            prints = body["fingerprints"]
+            if not (isinstance(prints, list) and all(isinstance(p, str) for p in prints)):
+                raise TypeError(f"fingerprints is {prints!r}, not a list of strings")
+            return cls(
+                role=str(body["role"]),
+                model=str(body["model"]),
+                fingerprints=tuple(prints),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PoolRefused(f"{url}/ringfence/instance: not an instance's answer ({e!r})") from e
+
+
+class Instance:
+    """One instance as the router knows it. Owned by the server's event loop."""
+
+    def __init__(self, url: str, role: str, identity: Identity) -> None:
+        self.url = url.rstrip("/")
+        self.role = role  # the role the router was told (--prefill or --decode)
+        self.identity = identity
+        self.in_flight = 0  # requests of this router on it: reserved/prefilling to answered
+
+    def __repr__(self) -> str:
+        return f"Instance({self.role} {self.url}, in_flight={self.in_flight})"
+
+    def count_in_flight(self) -> int:
+        return self.in_flight
+
+    def describe(self) -> str:
+        """``http://h:p (decode, fingerprints [ab12..])``: for messages naming the instance."""
+        prints = ", ".join(self.identity.fingerprints)
+        return f"{self.url} ({self.identity.role}, fingerprints [{prints}])"
+
+
+class Pool:
+    """The instances by role, and the pick: fewest in flight, ties round robin."""
+
+    def __init__(self, instances: list[Instance]) -> None:
+        self.instances = instances
+        self._by_role = {role: [i for i in instances if i.role == role] for role in ROLES}
+        self._cursor = dict.fromkeys(ROLES, 0)  # where the next tie-break starts, per role
+
+    def of_role(self, role: str) -> list[Instance]:
+        return list(self._by_role[role])
+
+    def pick(
+        self,
+        role: str,
+        *,
+        exclude: frozenset[Instance] = frozenset(),
+        prefer: Instance | None = None,
+    ) -> Instance | None:
+        """The instance of ``role`` to use next (``prefer`` if it may be used), or None.
+
+        Among those with the fewest requests in flight, the first from the cursor on: equal
+        loads take turns, so idle instances share a trickle of requests evenly.
+        """
+        if prefer is not None and prefer.role == role and prefer not in exclude:
+            return prefer
+        ring = self._by_role[role]
+        start = self._cursor[role]
+        order = [ring[(start + k) % len(ring)] for k in range(len(ring))]
+        order = [i for i in order if i not in exclude]
+        if not order:
+            return None
+        chosen = min(order, key=lambda i: i.in_flight)  # min keeps the first of equals
+        self._cursor[role] = (ring.index(chosen) + 1) % len(ring)
+        return chosen
+
+    @staticmethod
+    def acquire(instance: Instance) -> None:
+        """Count one more request in flight on ``instance`` (release() it once)."""
+        instance.in_flight += 1
+
+    @staticmethod
+    def release(instance: Instance) -> None:
+        if instance.in_flight <= 0:
+            raise AssertionError(f"{instance!r} released more often than acquired")
+        instance.in_flight -= 1
+
+    @contextmanager
+    def busy(self, instance: Instance) -> Iterator[Instance]:
+        """Count one request in flight on ``instance`` while the block runs."""
+        self.acquire(instance)
+        try:
+            yield instance
+        finally:
+            self.release(instance)
+
+
+def check_pool(instances: list[Instance]) -> None:
+    """PoolRefused naming the first instance of the wrong role, or the first two whose
+    fingerprints differ (both named, with their roles and fingerprints)."""
+    for instance in instances:
+        if instance.identity.role != instance.role:
+            raise PoolRefused(
+                f"--{instance.role} {instance.url}: the instance's role is "
+                f"{instance.identity.role!r}, not {instance.role!r} (engine.role={instance.role})"
+            )
+    first = instances[0]
+    for other in instances[1:]:
+        if other.identity.fingerprints != first.identity.fingerprints:
+            raise PoolRefused(
+                f"{first.describe()} and {other.describe()} cannot share KV: their "
+                "fingerprints differ (another model, dtype, block size or tp size)"
+            )
+
+
+async def identify(client: httpx.AsyncClient, url: str, deadline: float) -> Identity:
+    """The identity of the instance at ``url``, asking again (waits doubling up to a second)
+    until it answers 200 or ``deadline`` (time.monotonic()) passes: StartTimeout then."""
+    wait = FIRST_WAIT_S
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            answer = await client.get(
+                f"{url}/ringfence/instance", timeout=max(min(IDENTIFY_CALL_S, left), 0.01)
+            )
+            if answer.status_code == 200:
+                return Identity.of(url, answer.json())
+            last = f"HTTP {answer.status_code}: {answer.text[:200]}"
+        except httpx.TransportError as e:
+            last = f"{type(e).__name__}: {e}"
+        except ValueError as e:  # not JSON
+            raise PoolRefused(f"{url}/ringfence/instance: not an instance's answer ({e})") from e
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StartTimeout(f"{url} did not answer /ringfence/instance in time (last: {last})")
+        await asyncio.sleep(min(wait, left))
+        wait = min(wait * 2, MAX_WAIT_S)
+
+
+async def open_pool(
+    client: httpx.AsyncClient, prefill: tuple[str, ...], decode: tuple[str, ...], timeout_s: float
+) -> Pool:
+    """The checked pool of these instances, once every one answered (all asked at once)."""
+    deadline = time.monotonic() + timeout_s
+    named = [(url.rstrip("/"), "prefill") for url in prefill]
+    named += [(url.rstrip("/"), "decode") for url in decode]
+    tasks = [asyncio.ensure_future(identify(client, url, deadline)) for url, _ in named]
+    try:
+        identities = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # the first failure ends the others' waits
+            task.cancel()
+    instances = [
+        Instance(url, role, ident) for (url, role), ident in zip(named, identities, strict=True)
+    ]
+    check_pool(instances)
+    return Pool(instances)

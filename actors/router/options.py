@@ -1,0 +1,45 @@
+"""What a router is told at start: its instances, its address and its deadlines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFILL_MARGIN_S = 2.0  # the default prefill deadline: the reservation's ttl_s less this
+RETRY_CAP_S = 2.0  # the longest wait between two reserve rounds (Retry-After is capped here)
+FIRST_BACKOFF_S = 0.05  # the first wait between two reserve rounds; it doubles each round
+MAX_CLAIMS = 3  # claims of one request (each expired reservation costs one more)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterOptions:
+    """The command line of ``ringfence router``, checked (ValueError naming the option)."""
+
+    prefill: tuple[str, ...]  # base URLs of the prefill instances ("http://host:port")
+    decode: tuple[str, ...]  # base URLs of the decode instances (at least one)
+    reserve_timeout_s: float = 30.0  # how long one request may wait for room on a decode
+    prefill_timeout_s: float | None = None  # None: the reservation's ttl_s less a margin
+    start_timeout_s: float = 120.0  # how long every instance has to answer at start
+    retry_cap_s: float = RETRY_CAP_S
+    max_claims: int = MAX_CLAIMS
+
+    def __post_init__(self) -> None:
+        if not self.decode:
+            raise ValueError("--decode: at least one decode instance is needed")
+        urls = [*self.prefill, *self.decode]
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r}: an instance URL starts with http:// or https://")
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)}: each instance may be named once")
+        for name in ("reserve_timeout_s", "start_timeout_s", "retry_cap_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
+        if self.prefill_timeout_s is not None and not self.prefill_timeout_s > 0:
+            raise ValueError("--prefill-timeout-s: must be > 0")
+
+    def prefill_deadline_s(self, ttl_s: float) -> float:
+        """How long the prefill of a reservation that lives ``ttl_s`` seconds may take."""
+        if self.prefill_timeout_s is not None:
+            return self.prefill_timeout_s
+        return max(ttl_s - min(PREFILL_MARGIN_S, ttl_s / 2), 0.1)

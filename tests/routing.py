@@ -1,0 +1,107 @@
+"""A ``ringfence router`` in the test's process over fake instances (tests/fake_instance.py):
+:func:`routed` serves one with uvicorn in a thread on 127.0.0.1 (a free port)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+import orjson
+from fake_instance import FakeInstance
+from fake_serve import listening_socket
+from prometheus_client.parser import text_string_to_metric_families
+
+from ringfence.actors.router.app import build_app
+from ringfence.actors.router.log import RouterLog
+from ringfence.actors.router.options import RouterOptions
+from ringfence.actors.router.server import nodelay
+from ringfence.actors.router.state import Router, open_router
+from ringfence.actors.serve.server import HttpThread
+
+
+class LogLines(io.StringIO):
+    """The router's log, kept for the test (written from the server's thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def write(self, s: str) -> int:
+        with self.lock:
+            return super().write(s)
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        with self.lock:
+            lines = [orjson.loads(line) for line in self.getvalue().splitlines()]
+        return [line for line in lines if line["event"] == event]
+
+
+@dataclass
+class Rig:
+    """A router serving in this process, as a test sees it."""
+
+    url: str
+    router: Router
+    log: LogLines
+    journal: list[tuple[str, str]] = field(default_factory=list)
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30.0, trust_env=False)
+
+    def post(self, path: str, body: Any) -> httpx.Response:
+        with self.http() as client:
+            return client.post(path, content=orjson.dumps(body))
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the sample ``name`` with ``labels`` in GET /metrics."""
+        with self.http() as client:
+            text = client.get("/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        raise AssertionError(f"no sample {name}{labels} in /metrics:\n{text}")
+
+
+@contextmanager
+def routed(
+    prefill: list[FakeInstance], decode: list[FakeInstance], **options: Any
+) -> Iterator[Rig]:
+    """A router over these fakes until the block ends (the journal: after its start)."""
+    opts = RouterOptions(
+        prefill=tuple(f.url for f in prefill),
+        decode=tuple(f.url for f in decode),
+        start_timeout_s=options.pop("start_timeout_s", 5.0),
+        **options,
+    )
+    log = LogLines()
+    loop = asyncio.new_event_loop()
+    try:
+        router = loop.run_until_complete(open_router(opts, RouterLog(log)))
+    except BaseException:
+        loop.close()
+        raise
+    sock = listening_socket("127.0.0.1", 0)
+    nodelay(sock)
+    host, port = sock.getsockname()[:2]
+    http = HttpThread(build_app(router), sock, loop)
+    http.start()
+    journal = (prefill + decode)[0].journal
+    journal.clear()  # the start-up's identity calls are not the tests' business
+    for fake in prefill + decode:
+        fake.calls.clear()
+    try:
+        yield Rig(f"http://{host}:{port}", router, log, journal)
+    finally:
+        asyncio.run_coroutine_threadsafe(router.aclose(), loop).result(5.0)
+        assert http.stop(5.0), "the router's server did not stop"
