@@ -257,6 +257,9 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # No Nagle delay: uvicorn writes an answer's head and body apart, and the body would
+        # wait 40 ms for the client's delayed ACK on a kept-alive connection (a router's).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError as e:
