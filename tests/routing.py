@@ -78,12 +78,36 @@ def routed(
     prefill: list[FakeInstance], decode: list[FakeInstance], **options: Any
 ) -> Iterator[Rig]:
     """A router over these fakes until the block ends (the journal: after its start)."""
-    opts = RouterOptions(
-        prefill=tuple(f.url for f in prefill),
-        decode=tuple(f.url for f in decode),
+    journal = (prefill + decode)[0].journal
+
+    def started() -> None:
+        journal.clear()  # the start-up's identity calls are not the tests' business
+        for fake in prefill + decode:
+            fake.calls.clear()
+
+    with routed_urls(
+        [f.url for f in prefill],
+        [f.url for f in decode],
+        journal=journal,
+        on_start=started,
         start_timeout_s=options.pop("start_timeout_s", 5.0),
         **options,
-    )
+    ) as rig:
+        yield rig
+
+
+@contextmanager
+def routed_urls(
+    prefill: list[str],
+    decode: list[str],
+    *,
+    journal: list[tuple[str, str]] | None = None,
+    on_start: Any = None,
+    **options: Any,
+) -> Iterator[Rig]:
+    """A router over the instances at these URLs (real ones: ``tests/serving.py``) until
+    the block ends."""
+    opts = RouterOptions(prefill=tuple(prefill), decode=tuple(decode), **options)
     log = LogLines()
     loop = asyncio.new_event_loop()
     try:
@@ -96,12 +120,10 @@ def routed(
     host, port = sock.getsockname()[:2]
     http = HttpThread(build_app(router), sock, loop)
     http.start()
-    journal = (prefill + decode)[0].journal
-    journal.clear()  # the start-up's identity calls are not the tests' business
-    for fake in prefill + decode:
-        fake.calls.clear()
+    if on_start is not None:
+        on_start()
     try:
-        yield Rig(f"http://{host}:{port}", router, log, journal)
+        yield Rig(f"http://{host}:{port}", router, log, journal if journal is not None else [])
     finally:
         asyncio.run_coroutine_threadsafe(router.aclose(), loop).result(5.0)
         assert http.stop(5.0), "the router's server did not stop"

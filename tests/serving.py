@@ -8,9 +8,12 @@ process and no shared-memory name of the run is left.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +74,17 @@ class Server:
 
     def frontend_events(self, event: str, **fields: Any) -> list[dict[str, Any]]:
         return self.launch.events(event, log="frontend-0", **fields)
+
+
+def started(stack: contextlib.ExitStack, servers: list[ContextManager[Server]]) -> list[Server]:
+    """Enter every context at once (each instance takes seconds to start); their exits go on
+    ``stack``, those that entered, before a failure to start is raised."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        futures = [pool.submit(server.__enter__) for server in servers]
+    for server, future in zip(servers, futures, strict=True):
+        if future.exception() is None:
+            stack.push(server.__exit__)
+    return [future.result() for future in futures]
 
 
 @contextmanager

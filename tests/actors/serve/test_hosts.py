@@ -10,7 +10,6 @@ then serves the same prompt from redis, with the same tokens.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import orjson
 import pytest
 from launching import wait_until
 from netns import Hosts
-from serving import Server, served
+from serving import Server, served, started
 
 from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
 
@@ -49,17 +48,6 @@ def instance(hosts: Hosts, name: str, redis_url: str, tmp_path: Path) -> Context
     return served(
         tmp_path / name, *sets, host=hosts.address(name), port=PORT, prefix=hosts.command(name)
     )
-
-
-def started(stack: contextlib.ExitStack, servers: list[ContextManager[Server]]) -> list[Server]:
-    """Enter every context at once (each instance takes seconds to start); their exits go on
-    ``stack``, those that entered, before a failure to start is raised."""
-    with ThreadPoolExecutor(len(servers)) as pool:
-        futures = [pool.submit(server.__enter__) for server in servers]
-    for server, future in zip(servers, futures, strict=True):
-        if future.exception() is None:
-            stack.push(server.__exit__)
-    return [future.result() for future in futures]
 
 
 def complete(hosts: Hosts, name: str) -> dict[str, Any]:

@@ -1,0 +1,237 @@
+"""Prefill/decode disaggregation end to end: real instances, a router, a shared tier.
+
+One prefill, one decode and one ``both`` instance serve the whole module (``tests/pd.py``);
+the router runs in the test's process over the first two. Every answer through the router
+is compared with the ``both`` instance's answer to the same request (float64, greedy).
+The faults come last, in order: each leaves the instances as the next test needs them,
+and the last two kill an instance.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from engine_runs import replayed
+from launching import wait_until
+from pd import Pd, cached, completion, full_blocks, pd_instances, tokens
+from routing import Rig, routed_urls
+
+from ringfence.actors.engine.intake import load_workload
+
+TTL_S = 3.0  # the decode instance's reservation_ttl_s
+DEVICE_BLOCKS = 64  # the decode instance's pool: a flood of long prompts outgrows it
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd]:
+    with pd_instances(
+        tmp_path_factory.mktemp("pd"),
+        decode_sets=(
+            f"cache.device_blocks={DEVICE_BLOCKS}",
+            f"engine.reservation_ttl_s={TTL_S}",
+        ),
+    ) as instances:
+        yield instances
+
+
+@pytest.fixture(scope="module")
+def rig(pd: Pd) -> Iterator[Rig]:
+    prefill, decode = pd.urls()
+    # The prefill's deadline past the reservation's life: a late prefill costs a reservation.
+    with routed_urls(prefill, decode, prefill_timeout_s=20.0, reserve_timeout_s=120.0) as rig:
+        yield rig
+
+
+def prompts(workload: str, count: int) -> list[tuple[int, ...]]:
+    return [tuple(line.prompt_token_ids or ()) for line in load_workload(workload, requests=count)]
+
+
+def fresh_prompt(seed: int, length: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(3, 250) for _ in range(length))
+
+
+def both_and_routed(pd: Pd, rig: Rig, prompt: tuple[int, ...], max_tokens: int) -> dict[str, Any]:
+    """The router's answer, checked against the ``both`` instance's tokens."""
+    expected = tokens(completion(pd.both.url, prompt, max_tokens))
+    answer = completion(rig.url, prompt, max_tokens)
+    assert tokens(answer) == expected
+    return answer
+
+
+def test_unique_prompts_through_the_router_equal_a_both_instance_and_come_from_the_tier(
+    pd: Pd, rig: Rig
+):
+    batch = prompts("synthetic:unique", 6)
+    with ThreadPoolExecutor(len(batch)) as pool:
+        answers = list(pool.map(lambda p: both_and_routed(pd, rig, p, 12), batch))
+    for prompt, answer in zip(batch, answers, strict=True):
+        assert cached(answer)["storage"] == full_blocks(prompt), cached(answer)
+    assert rig.metric("ringfence_router_prefills_total") >= len(batch)
+
+
+def test_multi_turn_chats_through_the_router_equal_a_both_instance(pd: Pd, rig: Rig):
+    for prompt in prompts("synthetic:multiturn", 6):  # each turn extends an earlier one
+        answer = both_and_routed(pd, rig, prompt, 10)
+        # Every full block came from a cache: the tier, or the decode side's own device.
+        assert sum(cached(answer).values()) == full_blocks(prompt), cached(answer)
+
+
+def test_a_streamed_chat_through_the_router_equals_the_both_instance(pd: Pd, rig: Rig):
+    messages = [{"role": "user", "content": "Tell me about shared memory rings. " * 12}]
+    expected = pd.both.client().chat.completions.create(
+        model="ringfence-tiny",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    stream = rig.openai().chat.completions.create(
+        model="ringfence-tiny", messages=messages, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert text == expected.choices[0].message.content
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= full_blocks(range(usage.prompt_tokens))
+
+
+def test_a_flood_of_long_prompts_waits_for_room_and_never_preempts_a_running_decode(
+    pd: Pd, rig: Rig
+):
+    long_decode = fresh_prompt(1, 40)
+    retries = rig.metric("ringfence_router_reserve_retries_total")
+    running: dict[str, Any] = {}
+
+    def decode_long() -> None:
+        running["answer"] = both_and_routed(pd, rig, long_decode, 160)
+
+    first = threading.Thread(target=decode_long)
+    first.start()
+    wait_until(
+        "the long decode to run",
+        lambda: bool(pd.decode.engine_events("reservation.claim")),
+        60.0,
+    )
+    flood = [fresh_prompt(100 + i, 560) for i in range(5)]  # 36 blocks each, beside 13
+    with ThreadPoolExecutor(len(flood)) as pool:
+        list(pool.map(lambda p: both_and_routed(pd, rig, p, 8), flood))
+    first.join(120.0)
+    assert "answer" in running
+    assert rig.metric("ringfence_router_reserve_retries_total") > retries  # backpressure
+    refused = pd.decode.engine_events("reservation.refuse", retry=True)
+    assert refused and "kept for running requests' growth" in refused[0]["error"]
+    decisions = [d for e in pd.decode.engine_events("sched.schedule") for d in e["decisions"]]
+    assert not [d for d in decisions if d[0] == "preempt"], "a running decode was preempted"
+
+
+def test_a_corrupt_stored_block_is_a_miss_computed_again(pd: Pd, rig: Rig):
+    prompt = fresh_prompt(7, 100)
+    with httpx.Client(base_url=pd.prefill.url, timeout=60.0, trust_env=False) as client:
+        before = set(pd.tier.rglob("*"))
+        body = {"prompt_token_ids": list(prompt), "request_id": "corrupt"}
+        answer = client.post("/ringfence/prefill", json=body).json()
+    assert answer["stored_blocks"] == len(prompt) // 16
+    written = sorted(p for p in set(pd.tier.rglob("*")) - before if p.is_file())
+    assert written
+    for path in written:  # same length, other bytes: only the checksum can tell
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    routed = both_and_routed(pd, rig, prompt, 8)  # the prefill side skips what it stored
+    assert cached(routed)["storage"] < full_blocks(prompt)
+    assert pd.decode.launch.events("storage.corrupt", log="store-0")
+
+
+def test_a_prefill_delayed_past_the_reservation_costs_a_second_reservation(pd: Pd, rig: Rig):
+    expired = rig.metric("ringfence_router_reservations_expired_total")
+    store = pd.prefill.launch.actor("store-0")["pid"]
+    prompt = fresh_prompt(11, 90)
+    assert store in {s.pid for s in pd.prefill.launch.child_stamps()}
+    holder = threading.Timer(TTL_S + 1.5, lambda: _signal(store, signal.SIGCONT))
+    _signal(store, signal.SIGSTOP)  # its writes wait: the prefill answers late
+    holder.start()
+    try:
+        answer = both_and_routed(pd, rig, prompt, 8)
+    finally:
+        holder.join()
+        _signal(store, signal.SIGCONT)
+    assert rig.metric("ringfence_router_reservations_expired_total") == expired + 1
+    assert pd.decode.engine_events("reservation.expire")
+    assert cached(answer)["storage"] == full_blocks(prompt)  # the late prefill was whole
+
+
+def test_replay_passes_on_the_prefill_and_decode_instances_run_dirs(pd: Pd):
+    for server in (pd.prefill, pd.decode):
+        wait_until("the instance to be idle", lambda s=server: _idle(s), 30.0)
+        replayed(server.launch.run_dir)
+
+
+def test_the_prefill_instance_killed_mid_run_costs_recomputation_not_tokens(pd: Pd, rig: Rig):
+    batch = [fresh_prompt(200 + i, 150) for i in range(6)]
+    fallbacks = _fallbacks(rig)
+    with ThreadPoolExecutor(len(batch) + 1) as pool:
+        expected = list(pool.map(lambda p: tokens(completion(pd.both.url, p, 10)), batch))
+        answers = [pool.submit(completion, rig.url, p, 10) for p in batch]
+        holds = len(pd.prefill.engine_events("handover.hold"))
+        wait_until(  # some prefills ran: the kill lands mid-run
+            "a prefill", lambda: len(pd.prefill.engine_events("handover.hold")) > holds, 60.0
+        )
+        for stamp in [*pd.prefill.launch.child_stamps()]:
+            _signal(stamp.pid, signal.SIGKILL)
+        pd.prefill.launch.send_signal(signal.SIGKILL)
+        results = [a.result(120.0) for a in answers]
+    assert [tokens(r) for r in results] == expected
+    assert _fallbacks(rig) > fallbacks
+
+
+def test_the_decode_instance_killed_ends_the_stream_with_an_error_at_the_router(pd: Pd, rig: Rig):
+    body = {"prompt": list(fresh_prompt(300, 60)), "max_tokens": 400, "temperature": 0.0,
+            "stream": True}  # fmt: skip
+    events: list[str] = []
+    with (
+        httpx.Client(base_url=rig.url, timeout=60.0, trust_env=False) as client,
+        client.stream("POST", "/v1/completions", json=body) as answer,
+    ):
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            events.append(line)
+            if len(events) == 3:
+                for stamp in pd.decode.launch.child_stamps():
+                    _signal(stamp.pid, signal.SIGKILL)
+                pd.decode.launch.send_signal(signal.SIGKILL)
+    assert events[-1] == "data: [DONE]"
+    error = orjson.loads(events[-2].removeprefix("data: "))
+    assert "error" in error and error["error"]["code"] == "decode_failed", error
+
+
+def _signal(pid: int, signum: int) -> None:
+    os.kill(pid, signum)
+
+
+def _idle(server: Any) -> bool:
+    load = server.get("/ringfence/instance").json()["load"]
+    return bool(load.get("running", 1) == 0 and load.get("waiting", 1) == 0)
+
+
+def _fallbacks(rig: Rig) -> float:
+    text = rig.http().get("/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("ringfence_router_prefill_fallbacks_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
