@@ -15,6 +15,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ import orjson
 import pytest
 from engine_runs import replayed
 from launching import wait_until
+from openai.types.chat import ChatCompletionMessageParam
 from pd import Pd, cached, completion, full_blocks, pd_instances, tokens
 from routing import Rig, routed_urls
 
@@ -87,15 +89,14 @@ def test_multi_turn_chats_through_the_router_equal_a_both_instance(pd: Pd, rig: 
 
 
 def test_a_streamed_chat_through_the_router_equals_the_both_instance(pd: Pd, rig: Rig):
-    messages = [{"role": "user", "content": "Tell me about shared memory rings. " * 12}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me about shared memory rings. " * 12}
+    ]
     expected = pd.both.client().chat.completions.create(
-        model="ringfence-tiny",
-        messages=messages,
-        max_tokens=12,
-        temperature=0,  # type: ignore[arg-type]
+        model="ringfence-tiny", messages=messages, max_tokens=12, temperature=0
     )
     stream = rig.openai().chat.completions.create(
-        model="ringfence-tiny", messages=messages, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+        model="ringfence-tiny", messages=messages, max_tokens=12, temperature=0,
         stream=True, stream_options={"include_usage": True},
     )  # fmt: skip
     text, usage = "", None
@@ -105,7 +106,8 @@ def test_a_streamed_chat_through_the_router_equals_the_both_instance(pd: Pd, rig
         usage = chunk.usage or usage
     assert text == expected.choices[0].message.content
     assert usage is not None and usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens >= full_blocks(range(usage.prompt_tokens))
+    cached_tokens = usage.prompt_tokens_details.cached_tokens or 0
+    assert cached_tokens >= full_blocks(range(usage.prompt_tokens))
 
 
 def test_a_flood_of_long_prompts_waits_for_room_and_never_preempts_a_running_decode(
@@ -175,7 +177,7 @@ def test_a_prefill_delayed_past_the_reservation_costs_a_second_reservation(pd: P
 
 def test_replay_passes_on_the_prefill_and_decode_instances_run_dirs(pd: Pd):
     for server in (pd.prefill, pd.decode):
-        wait_until("the instance to be idle", lambda s=server: _idle(s), 30.0)
+        wait_until("the instance to be idle", partial(_idle, server), 30.0)
         replayed(server.launch.run_dir)
 
 
