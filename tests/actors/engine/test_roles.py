@@ -31,7 +31,7 @@ def config(*sets: str) -> Config:
                 "engine.workload=synthetic:chat",
             ),
             "takes requests only by reservation",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_role_that_cannot_hand_over_is_refused_naming_the_keys(sets, names):
