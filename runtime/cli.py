@@ -39,6 +39,7 @@ BENCHMARKS = {
     "replay": "ringfence.actors.bench.replay",
     "faults": "ringfence.actors.bench.faults.cli",
     "serve": "ringfence.actors.bench.serving.cli",
+    "pd": "ringfence.actors.bench.serving.pd",
 }
 
 
@@ -72,6 +73,7 @@ BENCH_HELP = {
     "replay": "the cost of trace logging, and how fast replay reads a run",
     "faults": "the fault matrix: one real run per injected fault, and what survived it",
     "serve": "load over HTTP against ringfence serve, beside the same requests through launch",
+    "pd": "prefill and decode instances behind the router against one instance doing both",
 }
 
 
@@ -119,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         metavar="FILE.jsonl|synthetic:NAME",
         help="run these requests to completion, print a summary and exit (sets engine.workload;"
-        " synthetic: chat, multiturn, unique, pressure); without it the instance serves clients",
+        " synthetic: chat, multiturn, unique, pressure, interleaved); without it the instance"
+        " serves clients",
     )
 
     text = "serve the OpenAI API over HTTP (completions, chat, models, health, metrics)"

@@ -356,6 +356,48 @@ def _pressure(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
     return out
 
 
+INTERLEAVED_SHORT = (32, 64)  # tokens of a decoding stream's prompt
+INTERLEAVED_DECODE_TOKENS = (96, 128)  # its max_tokens: it decodes while the long ones come
+INTERLEAVED_LONG = (768, 1024)  # tokens of a long prompt
+INTERLEAVED_LONG_TOKENS = (8, 16)  # its max_tokens
+INTERLEAVED_FIRST_S = 0.5  # when the first long prompt arrives
+INTERLEAVED_GAP_S = 0.75  # between two long prompts
+
+
+def _interleaved(rng: random.Random, num_requests: int) -> list[WorkloadRequest]:
+    """Long prompts arriving while others decode (default 16).
+
+    A quarter of the requests (at least one) are decoding streams: 32-64-token prompts
+    with max_tokens 96-128, all at t=0. The others are long prompts of 768-1,024 tokens
+    with max_tokens 8-16, the first at 0.5 s and then one every 0.75 s, so each long
+    prompt's prefill lands among the streams' decode steps: where prefill and decode share
+    a batch, the streams' inter-token gaps grow by a prefill; where they run on
+    different instances (prefill/decode disaggregation), they need not. No two prompts
+    share a prefix (each has its own head).
+    """
+    num_streams = max(1, num_requests // 4)
+    out: list[WorkloadRequest] = []
+    for index, head in enumerate(_distinct_heads(rng, num_requests)):
+        streaming = index < num_streams
+        length = rng.randint(*(INTERLEAVED_SHORT if streaming else INTERLEAVED_LONG))
+        max_tokens = rng.randint(
+            *(INTERLEAVED_DECODE_TOKENS if streaming else INTERLEAVED_LONG_TOKENS)
+        )
+        arrival = (
+            0.0 if streaming else INTERLEAVED_FIRST_S + INTERLEAVED_GAP_S * (index - num_streams)
+        )
+        out.append(
+            WorkloadRequest(
+                id=f"{'stream' if streaming else 'long'}-{index}",
+                prompt_token_ids=tuple(head + _tokens(rng, length - len(head))),
+                prompt=None,
+                params=SamplingParams(max_tokens=max_tokens, seed=index),
+                arrival_s=arrival,
+            )
+        )
+    return out
+
+
 CHAT_SYSTEM_TOKENS = 256
 CHAT_ROUNDS = 4
 CHAT_USERS = 12  # of the default size
@@ -411,6 +453,7 @@ SYNTHETIC: Mapping[str, _Synthetic] = MappingProxyType(
         "multiturn": _Synthetic(_multiturn, 24),
         "unique": _Synthetic(_unique, 24),
         "pressure": _Synthetic(_pressure, 32),
+        "interleaved": _Synthetic(_interleaved, 16),
     }
 )
 

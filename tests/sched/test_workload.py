@@ -231,6 +231,7 @@ def test_a_synthetic_workload_is_the_same_for_the_same_seed_and_differs_across_s
         ("multiturn", 24, 256, 600),
         ("unique", 24, 100, 300),
         ("pressure", 32, 300, 500),
+        ("interleaved", 16, 32, 1024),
     ],
 )
 def test_a_synthetic_workload_has_its_documented_size_token_range_and_arrival_order(
@@ -368,10 +369,26 @@ def test_pressure_arrives_at_once_and_needs_more_kv_than_a_512_block_device_pool
     assert all(32 <= r.params.max_tokens <= 64 for r in workload)
 
 
+def test_interleaved_streams_start_at_once_and_each_long_prompt_arrives_while_they_decode():
+    workload = synthetic("interleaved")
+    streams = [r for r in workload if r.id.startswith("stream-")]
+    longs = [r for r in workload if r.id.startswith("long-")]
+    assert len(streams) == 4 and len(longs) == 12
+    assert {r.arrival_s for r in streams} == {0.0}
+    assert all(32 <= len(r.prompt_token_ids or ()) <= 64 for r in streams)
+    assert all(96 <= r.params.max_tokens <= 128 for r in streams)
+    assert all(768 <= len(r.prompt_token_ids or ()) <= 1024 for r in longs)
+    assert [r.arrival_s for r in longs] == [0.5 + 0.75 * i for i in range(12)]
+    heads = {(r.prompt_token_ids or ())[:1] for r in workload}
+    assert len(heads) == 16  # nothing shared
+    assert [r.id for r in synthetic("interleaved", requests=3)] == ["stream-0", "long-1", "long-2"]
+
+
 def test_an_unknown_synthetic_name_lists_the_known_ones():
     with pytest.raises(
         WorkloadError,
-        match=r"^unknown synthetic workload 'multi'; known: chat, multiturn, unique, pressure$",
+        match=r"^unknown synthetic workload 'multi'; "
+        r"known: chat, multiturn, unique, pressure, interleaved$",
     ):
         synthetic("multi")
 
