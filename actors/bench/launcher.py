@@ -149,6 +149,23 @@ def clean_names(run_dir: Path) -> list[str]:
     return names.clean_run(run_id_of(str(run_dir)))
 
 
+def read_log(run_dir: Path, instance: str) -> list[dict[str, Any]]:
+    """The lines of ``<run_dir>/<instance>.jsonl`` (``worker-0``, ``store-1``);
+    :class:`RunError` naming the file if it is missing or a line is not JSON."""
+    path = run_dir / f"{instance}.jsonl"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise RunError(f"{path}: cannot read the log: {e}") from None
+    lines = []
+    for number, raw in enumerate(data.splitlines(), 1):
+        try:
+            lines.append(orjson.loads(raw))
+        except orjson.JSONDecodeError as e:
+            raise RunError(f"{path} line {number}: not JSON: {e}") from None
+    return lines
+
+
 def tail_of(out_path: Path, lines: int = TAIL_LINES) -> str:
     """The last ``lines`` lines of a run's output file ("" before it exists)."""
     if not out_path.is_file():

@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from ringfence.actors.bench import e2e
+from ringfence.actors.bench import e2e, launcher
 from ringfence.actors.bench.launcher import RunError
 from ringfence.actors.bench.options import add_counts, environment, resolve_counts, resolve_preset
 
@@ -131,20 +131,8 @@ def step_stats(lines: Iterable[dict[str, Any]]) -> StepStats:
 
 
 def read_worker_log(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    """The lines of ``worker-<rank>.jsonl``; :class:`RunError` naming the file if it is
-    missing or a line is not JSON."""
-    path = run_dir / f"worker-{rank}.jsonl"
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise RunError(f"{path}: cannot read the Worker's log: {e}") from None
-    lines = []
-    for number, raw in enumerate(data.splitlines(), 1):
-        try:
-            lines.append(orjson.loads(raw))
-        except orjson.JSONDecodeError as e:
-            raise RunError(f"{path} line {number}: not JSON: {e}") from None
-    return lines
+    """The lines of ``worker-<rank>.jsonl`` (see :func:`launcher.read_log`)."""
+    return launcher.read_log(run_dir, f"worker-{rank}")
 
 
 @dataclass(frozen=True, slots=True)

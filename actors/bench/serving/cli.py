@@ -135,13 +135,18 @@ def _check(args: argparse.Namespace) -> tuple[list[float], list[str]]:
     return rates, workloads
 
 
-def load_requests(workload: str, requests: int, rate: float, *, seed: int) -> list[LoadRequest]:
+def load_requests(
+    workload: str, requests: int, rate: float | None, *, seed: int
+) -> list[LoadRequest]:
     """The synthetic workload's first ``requests`` requests, in their order, with Poisson
-    arrival times of ``rate`` in place of their own."""
+    arrival times of ``rate`` in place of their own (None: their own)."""
     from ringfence.sched.workload import synthetic
 
     lines = synthetic(workload, requests=requests)
-    arrivals = poisson_arrivals(rate, len(lines), seed=seed)
+    if rate is None:
+        arrivals = [line.arrival_s for line in lines]
+    else:
+        arrivals = poisson_arrivals(rate, len(lines), seed=seed)
     return [
         LoadRequest(
             id=line.id,

@@ -131,6 +131,7 @@ async def stream_completion(
         end_s=time.perf_counter(),
         token_ids=tuple(stream.token_ids),
         error=error,
+        usage=stream.usage,
     )
 
 

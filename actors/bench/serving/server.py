@@ -1,17 +1,17 @@
-"""The one way the serving benchmark runs ``ringfence serve``: start it, wait for its
-listening line, read its front end's CPU time, stop it.
+"""The one way the serving benchmarks run ``ringfence serve`` and ``ringfence router``:
+start one, wait for its listening and ready lines, read its CPU time, stop it.
 
 Contract:
 
-* Each server is a session of its own (its supervisor leads a process group holding every
-  actor it spawns), started on a TCP port this module found free, with ``--run-dir``.
-* :meth:`Served.stop` sends SIGINT to the server's pid and waits for it with a deadline;
-  one that overruns is SIGKILLed by its process group. Either way the run's shared-memory
-  names are unlinked afterwards, and the names that had to be unlinked are reported (a
+* Each server is a session of its own (a serve's supervisor leads a process group holding
+  every actor it spawns), started on a TCP port this module found free.
+* :meth:`Started.stop` sends SIGINT to the server's pid and waits for it with a deadline;
+  one that overruns is SIGKILLed by its process group. A serve's run then has its
+  shared-memory names unlinked, and the names that had to be unlinked are reported (a
   clean stop leaves none).
-* A reader thread copies the server's output, line by line, into ``<run_dir>.out`` (so the
-  pipe never fills) and hands the listening and ready lines to :meth:`Served.__init__`,
-  which waits for both ``start_timeout`` seconds at most.
+* A reader thread copies the server's output, line by line, into a file (so the pipe
+  never fills) and hands the listening and ready lines to :meth:`Started.__init__`, which
+  waits for both ``start_timeout`` seconds at most.
 
 Standard library only.
 """
@@ -39,6 +39,11 @@ from ringfence.actors.bench.launcher import RunError, kill_group
 LISTENING = re.compile(r"listening on (?P<url>https?://\S+?) \(front end pid (?P<pid>\d+)\)")
 # Printed once every actor is live: before it, a request may be answered 503 (starting).
 READY = re.compile(r"^ringfence serve: ready$")
+# ``ringfence router: listening on http://HOST:PORT (pid N)``, then its ready line.
+ROUTER_LISTENING = re.compile(
+    r"^ringfence router: listening on (?P<url>https?://\S+?) \(pid (?P<pid>\d+)\)"
+)
+ROUTER_READY = re.compile(r"^ringfence router: ready$")
 TAIL_LINES = 10  # lines of the server's output a RunError quotes
 STOP_S = 60.0  # how long a stopped server may take to exit before it is killed
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -62,24 +67,34 @@ def cpu_seconds(pid: int) -> float:
     return (utime + stime) / _CLOCK_TICKS
 
 
-def _copy_lines(source: IO[bytes], out_path: Path, found: queue.Queue[str | None]) -> None:
-    """Copy ``source`` into ``out_path``; put each listening or ready line on ``found``,
-    and None once ``source`` ends (the server exited)."""
+def _copy_lines(
+    source: IO[bytes],
+    out_path: Path,
+    found: queue.Queue[str | None],
+    patterns: tuple[re.Pattern[str], ...],
+) -> None:
+    """Copy ``source`` into ``out_path``; put each line that one of ``patterns`` finds on
+    ``found``, and None once ``source`` ends (the server exited)."""
     with out_path.open("wb") as out:
         for raw in source:
             out.write(raw)
             out.flush()
             line = raw.decode(errors="replace").rstrip("\n")
-            if LISTENING.search(line) or READY.search(line):
+            if any(pattern.search(line) for pattern in patterns):
                 found.put(line)
     found.put(None)
 
 
-def _wait_ready(found: queue.Queue[str | None], timeout: float) -> re.Match[str] | bool:
-    """The listening line's match once the ready line came too; else whether the server's
-    output ended (True) or ``timeout`` seconds passed first (False)."""
+def _wait_ready(
+    found: queue.Queue[str | None],
+    timeout: float,
+    listening: re.Pattern[str],
+    ready: re.Pattern[str],
+) -> re.Match[str] | bool:
+    """The ``listening`` line's match once a ``ready`` line came too; else whether the
+    server's output ended (True) or ``timeout`` seconds passed first (False)."""
     deadline = time.monotonic() + timeout
-    listening = None
+    match = None
     while True:
         try:
             line = found.get(timeout=max(deadline - time.monotonic(), 0.0))
@@ -87,22 +102,103 @@ def _wait_ready(found: queue.Queue[str | None], timeout: float) -> re.Match[str]
             return False
         if line is None:
             return True
-        listening = listening or LISTENING.search(line)
-        if listening is not None and READY.search(line):
-            return listening
+        match = match or listening.search(line)
+        if match is not None and ready.search(line):
+            return match
 
 
-class Served:
-    """One ``ringfence serve`` into ``run_dir`` on ``settings`` (``--set`` overrides), on a
-    free port of 127.0.0.1, started in its own session; returns once it has printed its
-    listening line and then ``ringfence serve: ready`` (every actor live).
+class Started:
+    """A server command (``args``) started in a session of its own in ``cwd``; returns once
+    it has printed a line ``listening`` finds and then one ``ready`` finds.
 
-    ``url`` is its base URL and ``frontend_pid`` its front end's pid, both from the
-    listening line. :class:`RunError` with the tail of its output when it exits first or
-    is not ready within ``start_timeout`` seconds (it is then stopped).
+    Its stdout goes line by line to ``out_path``, its stderr there too unless
+    ``stderr_path`` names a file of its own. ``url`` and ``pid`` come from the listening
+    line. :class:`RunError` naming ``what``, with the tail of its output, when it exits
+    first or is not ready within ``start_timeout`` seconds (it is then stopped).
     """
 
-    __slots__ = ("frontend_pid", "out_path", "proc", "reader", "run_dir", "url")
+    __slots__ = ("out_path", "pid", "proc", "reader", "url")
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        what: str,
+        out_path: Path,
+        cwd: Path,
+        listening: re.Pattern[str],
+        ready: re.Pattern[str],
+        start_timeout: float,
+        env: Mapping[str, str] | None = None,
+        stderr_path: Path | None = None,
+    ) -> None:
+        self.out_path = out_path
+        found: queue.Queue[str | None] = queue.Queue()
+        with contextlib.ExitStack() as files:
+            stderr: int | IO[bytes] = subprocess.STDOUT
+            if stderr_path is not None:
+                stderr = files.enter_context(stderr_path.open("wb"))
+            # A session of its own: one killpg ends the server and all it started.
+            self.proc: subprocess.Popen[bytes] = subprocess.Popen(
+                list(args),
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=None if env is None else {**os.environ, **env},
+                cwd=cwd,
+                start_new_session=True,
+            )
+        assert self.proc.stdout is not None
+        self.reader = threading.Thread(
+            target=_copy_lines,
+            args=(self.proc.stdout, out_path, found, (listening, ready)),
+            daemon=True,
+        )
+        self.reader.start()
+        match = _wait_ready(found, start_timeout, listening, ready)
+        if not isinstance(match, re.Match):
+            self.stop(deadline_s=start_timeout)  # an ended output: it is exiting, or has
+            how = f"exited (status {self.proc.returncode})" if match else "was not ready"
+            raise RunError(f"{what} {how} within {start_timeout:g} s:\n{self.tail()}")
+        self.url = match["url"]
+        self.pid = int(match["pid"])
+
+    def stop(self, *, deadline_s: float) -> list[str]:
+        """SIGINT the server and wait ``deadline_s`` for it to exit, then SIGKILL its group
+        if it still runs. Idempotent. What it left behind: none (see :class:`Served`)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(deadline_s)
+            except subprocess.TimeoutExpired:
+                kill_group(self.proc)
+        # A process that outlived its leader (an actor, a worker): end the whole group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.reader.join(deadline_s)
+        return []
+
+    def tail(self, lines: int = TAIL_LINES) -> str:
+        return launcher.tail_of(self.out_path, lines)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop(deadline_s=STOP_S)
+
+
+class Served(Started):
+    """One ``ringfence serve`` into ``run_dir`` on ``settings`` (``--set`` overrides), on a
+    free port of 127.0.0.1 (see :class:`Started`): ready once every actor is live.
+    ``pid`` is its front end's; its output goes to ``<run_dir>.out``."""
+
+    __slots__ = ("run_dir",)
 
     def __init__(
         self,
@@ -118,61 +214,68 @@ class Served:
             args += ["--set", setting]
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
-        self.out_path = run_dir.with_name(f"{run_dir.name}.out")
-        found: queue.Queue[str | None] = queue.Queue()
-        # A session of its own: one killpg ends the supervisor and every actor.
-        self.proc: subprocess.Popen[bytes] = subprocess.Popen(
+        super().__init__(
             args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else {**os.environ, **env},
+            what="ringfence serve",
+            out_path=run_dir.with_name(f"{run_dir.name}.out"),
             cwd=run_dir.parent,
-            start_new_session=True,
+            listening=LISTENING,
+            ready=READY,
+            start_timeout=start_timeout,
+            env=env,
         )
-        assert self.proc.stdout is not None
-        self.reader = threading.Thread(
-            target=_copy_lines, args=(self.proc.stdout, self.out_path, found), daemon=True
-        )
-        self.reader.start()
-        match = _wait_ready(found, start_timeout)
-        if not isinstance(match, re.Match):
-            self.stop(deadline_s=start_timeout)  # an ended output: it is exiting, or has
-            what = f"exited (status {self.proc.returncode})" if match else "was not ready"
-            raise RunError(f"ringfence serve {what} within {start_timeout:g} s:\n{self.tail()}")
-        self.url = match["url"]
-        self.frontend_pid = int(match["pid"])
+
+    @property
+    def frontend_pid(self) -> int:
+        return self.pid
 
     def frontend_cpu_s(self) -> float:
         """CPU seconds the front end process has used so far."""
-        return cpu_seconds(self.frontend_pid)
+        return cpu_seconds(self.pid)
 
     def stop(self, *, deadline_s: float) -> list[str]:
-        """SIGINT the server and wait ``deadline_s`` for it to exit, then SIGKILL its group
-        if it still runs; unlink what its run left in /dev/shm and return those names.
-        Idempotent."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(deadline_s)
-            except subprocess.TimeoutExpired:
-                kill_group(self.proc)
-        # An actor that outlived its supervisor would hold the run's names: end the group.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.reader.join(deadline_s)
+        """:meth:`Started.stop`, then unlink what the run left in /dev/shm and return those
+        names (a clean stop leaves none)."""
+        super().stop(deadline_s=deadline_s)
         return launcher.clean_names(self.run_dir)
 
-    def tail(self, lines: int = TAIL_LINES) -> str:
-        return launcher.tail_of(self.out_path, lines)
 
-    def __enter__(self) -> Self:
-        return self
+class Routed(Started):
+    """One ``ringfence router`` over ``prefill`` and ``decode`` instance URLs, on a free
+    port of 127.0.0.1, with ``options`` (its own flags, as ``["--prefill-timeout-s",
+    "30"]``); its stdout goes to ``<folder>/router.out``, its log (stderr: one JSON line
+    per event) to ``<folder>/router.jsonl``."""
 
-    def __exit__(
+    __slots__ = ("log_path",)
+
+    def __init__(
         self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
+        folder: Path,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *,
+        start_timeout: float,
+        options: Sequence[str] = (),
     ) -> None:
-        self.stop(deadline_s=STOP_S)
+        args = [*launcher.ringfence_command(), "router", "--host", "127.0.0.1"]
+        args += ["--port", str(free_port()), "--start-timeout-s", f"{start_timeout:g}"]
+        args += [arg for url in prefill for arg in ("--prefill", url)]
+        args += [arg for url in decode for arg in ("--decode", url)]
+        folder.mkdir(parents=True, exist_ok=True)
+        self.log_path = folder / "router.jsonl"
+        super().__init__(
+            [*args, *options],
+            what="ringfence router",
+            out_path=folder / "router.out",
+            cwd=folder,
+            listening=ROUTER_LISTENING,
+            ready=ROUTER_READY,
+            start_timeout=start_timeout,
+            stderr_path=self.log_path,
+        )
+
+    def tail(self, lines: int = TAIL_LINES) -> str:
+        """The last lines of its stdout and of its log (where its refusals go)."""
+        return "\n".join(
+            part for part in (super().tail(lines), launcher.tail_of(self.log_path, lines)) if part
+        )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,7 @@ class Timeline:
     end_s: float  # when the stream ended ([DONE], an error, or the connection dropped)
     token_ids: tuple[int, ...] = ()  # the output token ids, in order
     error: str = ""  # why the request failed; empty when it finished
+    usage: Mapping[str, Any] | None = None  # the usage chunk's ``usage``, if one came
 
     def __post_init__(self) -> None:
         if len(self.chunk_s) != len(self.chunk_tokens):
