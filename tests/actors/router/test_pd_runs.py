@@ -27,6 +27,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from pd import Pd, cached, completion, full_blocks, pd_instances, tokens
 from routing import Rig, routed_urls
 
+from ringfence.actors.bench.serving.handover import read_handover
 from ringfence.actors.engine.intake import load_workload
 
 TTL_S = 3.0  # the decode instance's reservation_ttl_s
@@ -79,6 +80,20 @@ def test_unique_prompts_through_the_router_equal_a_both_instance_and_come_from_t
     for prompt, answer in zip(batch, answers, strict=True):
         assert cached(answer)["storage"] == full_blocks(prompt), cached(answer)
     assert rig.metric("ringfence_router_prefills_total") >= len(batch)
+
+
+def test_the_hand_over_is_timed_per_block_from_the_instances_logs_and_the_routers(pd: Pd, rig: Rig):
+    prompt = fresh_prompt(3, 5 * 16 + 4)  # five full blocks to hand over
+    both_and_routed(pd, rig, prompt, 4)
+    found = read_handover(
+        pd.prefill.launch.run_dir, pd.decode.launch.run_dir, rig.log.events("router.answered")
+    )
+    write, visible, prefetched = found["write"], found["visible"], found["prefetched"]
+    assert write["ops"] >= 1 and write["blocks"] >= 5 and write["us_per_block"] > 0
+    assert visible["requests"] >= 1 and visible["blocks"] >= 5 and visible["ms_per_block"] > 0
+    assert prefetched["blocks"] >= 5 and prefetched["us_per_block"] > 0
+    assert found["router"]["outcomes"].get("ok", 0) >= 1
+    assert found["router"]["prefill_s"]["p50"] > 0 and found["router"]["stored_blocks"] >= 5
 
 
 def test_multi_turn_chats_through_the_router_equal_a_both_instance(pd: Pd, rig: Rig):
