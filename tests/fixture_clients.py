@@ -5,7 +5,8 @@ prompt's tokens are its UTF-8 bytes), cycled, one token per request per tick,
 until ``max_tokens`` ("length") or a stop token ("stop"). Prompt token REFUSED is
 rejected through the hub; prompt token EXPLODE makes the Submit handler raise. A client
 whose Hello asks for Stats gets one then and on every tick: began, ``steps`` the ticks
-so far, ``running`` its requests running, every other figure zero.
+so far, ``running`` its requests running, every other figure zero. A Reserve is refused
+(NO_RESERVATIONS).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS, Client
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
 from ringfence.actors.engine.stats import no_stats
-from ringfence.actors.protocol.client import Abort, Hello, Stats, Submit
+from ringfence.actors.protocol.client import Abort, Hello, Reservation, Reserve, Stats, Submit
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.runtime.topology import ActorSpec, Topology
@@ -25,6 +26,7 @@ from ringfence.runtime.topology import ActorSpec, Topology
 REFUSED = 999  # a prompt holding this token is rejected
 EXPLODE = 666  # a prompt holding this token makes the engine's handler raise
 TICK_S = 0.02
+NO_RESERVATIONS = "the echo engine grants no reservations"
 
 
 class Exploded(RuntimeError):
@@ -60,6 +62,15 @@ class EchoEngine(Actor):
         if msg.stats:
             self.hub.post_stats(self.stats(), peer)
             self.hub.flush()
+
+    @handles(Reserve)
+    def on_reserve(self, msg: Reserve) -> None:
+        """An echo engine is no decode instance: every reservation is refused for good."""
+        # incarnation: the hub sends it with the peer's current one.
+        answer = Reservation(reservation_id=msg.reservation_id, incarnation=0, granted=False,
+                             error=NO_RESERVATIONS)  # fmt: skip
+        self.hub.answer_reservation(self._peer(), answer)
+        self.hub.flush()
 
     @handles(Submit)
     def on_submit(self, msg: Submit) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import peers
 import pytest
-from fixture_clients import EXPLODE, REFUSED, echo_tokens
+from fixture_clients import EXPLODE, NO_RESERVATIONS, REFUSED, echo_tokens
 from launching import QUICK, Launch, launched, wait_until
 
 from ringfence.actors.client.shm import CLIENT_SLOTS, Client, ClientError, Completion
@@ -43,6 +43,14 @@ def test_a_client_streams_the_tokens_of_a_request_in_order(tmp_path):
         assert list(client.stream("r1", timeout=WAIT_S)) == [7, 6, 5, 7, 6]
         with pytest.raises(KeyError, match="no unread request 'r1'"):
             client.result("r1")
+
+
+def test_a_reservation_the_engine_refuses_is_answered_with_why_and_the_client_goes_on(tmp_path):
+    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+        answer = client.reserve([1, 2, 3], max_tokens=4, timeout=WAIT_S)
+        assert (answer.granted, answer.retry, answer.error) == (False, False, NO_RESERVATIONS)
+        assert answer.incarnation > 0  # the hub answers the current incarnation
+        assert list(client.stream(client.submit([4, 5], max_tokens=2), timeout=WAIT_S)) == [5, 4]
 
 
 def test_generate_returns_the_completion_with_cache_hits_and_ttft(tmp_path):
