@@ -1,0 +1,247 @@
+/*
+ * The executors of every rank (actors/executors): the Worker runs the step lane, two
+ * Transfer lanes the swap and store lanes. Each takes its ring's ops in order, waits until
+ * every other lane's watermark (of its own rank) reaches the op's fence, checks the op's
+ * epoch after the wait, touches its blocks, marks it finished, advances its watermark,
+ * then reports. A ring entry is removed only after the report: a crashed lane finds its
+ * op again (a repeat once the watermark covers it: the completion it lost is resent).
+ */
+
+#define DI(r, g, b) (((r) * NG + (g)) * ND + (b))
+#define HI(r, h) ((r) * NH + (h))
+#define SI(r, key) ((r) * NK + (key))
+#define KILLED(r) (wgen[r] < wkill)  /* the Worker group died; this rank has not restarted */
+
+byte sgen[NR];  /* the device generation each rank's swap lane copies (its DeviceTier) */
+
+/* I1-I4: every earlier op of another lane that touches a block of op k (one of them
+   writing it) has finished on rank r. */
+inline order_check(r, k) {
+  j = 0;
+  do
+  :: j < k ->
+     if
+     :: olane[j] != olane[k] && !fin[r * NOPS + j] ->
+        if
+        :: (wrD[j] & rdD[k]) && olane[k] == STEP ->
+           printf("I1 violated on rank %d: step op %d reads a device block swap op %d has not filled\n", r, k, j);
+           assert(false)
+        :: (wrD[j] & rdD[k]) && olane[k] == SWAP ->
+           printf("I2 violated on rank %d: swap-out op %d reads a device block step op %d has not written\n", r, k, j);
+           assert(false)
+        :: (rdD[j] | wrD[j]) & wrD[k] ->
+           printf("I3 violated on rank %d: op %d overwrites a device block op %d still uses\n", r, k, j);
+           assert(false)
+        :: (wrH[j] & (rdH[k] | wrH[k])) | (rdH[j] & wrH[k]) ->
+           printf("I4 violated on rank %d: op %d and op %d touch a host block out of issue order\n", r, k, j);
+           assert(false)
+        :: else
+        fi
+     :: else
+     fi; j++
+  :: else -> break
+  od
+}
+
+/* R: a read sees what the issue order says, or data a failed op spoiled (which whoever
+   computes or stores it detects). */
+inline read_check(r, k, v) {
+  if
+  :: v != oexp[k] && v != SPOILED ->
+     printf("R violated on rank %d: op %d read identity %d, the issue order says %d\n", r, k, v, oexp[k]);
+     assert(false)
+  :: else
+  fi
+}
+
+#ifdef MUT_NO_EPOCH_CHECK
+#define STALE_WAIT(r, k) false
+#else
+#define STALE_WAIT(r, k) STALE(r, k)
+#endif
+
+#ifdef MUT_NO_SPOIL
+#define SPOIL GARBAGE
+#else
+#define SPOIL SPOILED
+#endif
+
+proctype worker(byte r) {
+  byte k, g, st, v, i, j, c;
+  c = r * NL + STEP;
+top:
+  do
+  :: ring[c]?<k> ->
+     if
+     :: k == RESYNC -> ring[c]?k; acks!c
+     :: k < NOPS && oseq[k] <= wm[c] -> ring[c]?k  /* done before a restart */
+     :: else ->
+        if
+        :: FENCE_OK(r, k) && !KILLED(r) -> skip
+        :: STALE_WAIT(r, k) && !KILLED(r) -> skip  /* past the deadline: the op is stale */
+        :: KILLED(r) -> goto restart
+        :: wkill < WORKER_RESTARTS && !eng_done ->  /* this Worker dies: its group with it */
+           atomic { wkill++; epoch_ctr++; wepoch = epoch_ctr }; goto restart
+        fi;
+#ifndef MUT_NO_EPOCH_CHECK
+        if
+        :: STALE(r, k) -> st = CANCELLED; goto finish
+        :: else
+        fi;
+#endif
+        order_check(r, k);
+        st = OK;
+        if
+        :: rdD[k] ->
+           i = 0;
+           do
+           :: rdD[k] & BIT(i) -> break
+           :: else -> i++
+           od;
+           v = dev[DI(r, g, i)]; read_check(r, k, v);
+           if :: v == SPOILED -> st = FAILED :: else fi
+        :: else
+        fi;
+        if :: fails < MAXFAIL -> fails++; st = FAILED :: skip fi;
+        dev[DI(r, g, odev[k])] = GARBAGE;  /* being computed */
+        if
+        :: KILLED(r) -> goto restart
+        :: wkill < WORKER_RESTARTS && !eng_done ->
+           atomic { wkill++; epoch_ctr++; wepoch = epoch_ctr }; goto restart
+        :: !KILLED(r) -> skip
+        fi;
+        if
+        :: st == OK -> dev[DI(r, g, odev[k])] = k + 1
+        :: else -> dev[DI(r, g, odev[k])] = SPOIL  /* a failed step spoils what it wrote */
+        fi;
+finish:
+        fin[r * NOPS + k] = 1; wm[c] = oseq[k];
+        rep!k, r, st, oep[k]; ring[c]?k
+     fi
+  :: KILLED(r) -> goto restart
+  :: eng_done && empty(ring[c]) -> break
+  od;
+  goto out;
+restart:
+  /* A new Worker process: fresh device memory, its tier epoch written before anything else,
+     so that a step it cancels (advancing step_done) is seen together with the epoch. */
+  wgen[r] = wkill; g = wgen[r];
+#ifdef MUT_CANCEL_BEFORE_EPOCH
+  do
+  :: nempty(ring[c]) ->
+     ring[c]?<k>;
+     if
+     :: k < NOPS && oep[k] < wepoch && oseq[k] > wm[c] ->
+        ring[c]?k; fin[r * NOPS + k] = 1; wm[c] = oseq[k]; rep!k, r, CANCELLED, oep[k]
+     :: else -> break
+     fi
+  :: empty(ring[c]) -> break
+  od;
+#endif
+  tier_ep[r] = wepoch;
+  wready!r, wepoch;
+  goto top;
+out:
+  skip
+}
+
+proctype xfer(byte r; byte L) {
+  byte k, st, v, i, j, c, dst;
+  c = r * NL + L;
+top:
+  do
+  :: ring[c]?<k> ->
+     if
+     :: k == TIER -> ring[c]?k; sgen[r] = wgen[r]
+     :: k == RESYNC -> ring[c]?k; acks!c
+     :: k < NOPS && oseq[k] <= wm[c] ->
+        /* A repeat: the completion was lost with the incarnation that did the op. */
+        if :: odir[k] == D_READ -> st = FAILED :: else -> st = OK fi;
+        rep!k, r, st, oep[k]; ring[c]?k
+     :: else ->
+        if
+        :: FENCE_OK(r, k) -> skip
+        :: STALE_WAIT(r, k) -> skip  /* past the deadline: the op is stale */
+        fi;
+#ifndef MUT_NO_EPOCH_CHECK
+        if
+        :: STALE(r, k) -> st = CANCELLED; goto finish
+        :: else
+        fi;
+#endif
+        order_check(r, k);
+#ifdef MUT_WM_EARLY
+        wm[c] = oseq[k];
+#endif
+        st = OK;
+        if :: fails < MAXFAIL -> fails++; st = FAILED :: skip fi;
+        if
+        :: odir[k] == D_IN ->
+           v = host[HI(r, ohost[k])]; read_check(r, k, v); dst = DI(r, sgen[r], odev[k])
+        :: odir[k] == D_OUT ->
+           v = dev[DI(r, sgen[r], odev[k])]; read_check(r, k, v); dst = HI(r, ohost[k])
+        :: odir[k] == D_WRITE ->
+           v = host[HI(r, ohost[k])]; read_check(r, k, v);
+           if :: v == SPOILED -> st = FAILED :: else fi  /* a spoiled block is never stored */
+        :: odir[k] == D_READ ->
+           v = stor[SI(r, okey[k])];
+           if
+           :: v == NOTHING -> st = FAILED  /* a miss: reported missing, the block untouched */
+           :: else -> read_check(r, k, v)
+           fi;
+           dst = HI(r, ohost[k])
+        fi;
+        /* A crash mid copy leaves half a copy; the next incarnation redoes the op. A
+           write-back's key becomes visible only whole: a crash leaves none. */
+        if
+        :: crashes < LANE_CRASHES ->
+           crashes++;
+           if
+           :: odir[k] == D_IN -> dev[dst] = GARBAGE
+           :: odir[k] == D_OUT || odir[k] == D_READ -> host[dst] = GARBAGE
+           :: else
+           fi;
+           goto top
+        :: skip
+        fi;
+        if
+        :: odir[k] == D_IN -> if :: st == OK -> dev[dst] = v :: else -> dev[dst] = SPOIL fi
+        :: odir[k] == D_OUT -> if :: st == OK -> host[dst] = v :: else -> host[dst] = SPOIL fi
+        :: odir[k] == D_WRITE -> if :: st == OK -> stor[SI(r, okey[k])] = v :: else fi
+        :: odir[k] == D_READ ->
+           if
+           :: st == OK -> host[dst] = v
+           :: st != OK && v != NOTHING -> host[dst] = SPOIL  /* storage failed mid read */
+           :: else
+           fi
+        fi;
+finish:
+        fin[r * NOPS + k] = 1; wm[c] = oseq[k];
+        if
+        :: crashes < LANE_CRASHES -> crashes++; goto top  /* dies before its report */
+        :: skip
+        fi;
+        rep!k, r, st, oep[k]; ring[c]?k
+     fi
+  :: eng_done && empty(ring[c]) -> break
+  od
+}
+
+init {
+  byte r;
+  atomic {
+    r = 0;
+    do
+    :: r < NR -> tier_ep[r] = 1; issuer_ep[r] = 1; stor[SI(r, PRE)] = PRE; r++
+    :: else -> break
+    od;
+    run engine();
+    r = 0;
+    do
+    :: r < NR -> run worker(r); run xfer(r, SWAP); run xfer(r, STORE); r++
+    :: else -> break
+    od
+  }
+}
+
+ltl done { <> eng_done }
