@@ -11,6 +11,13 @@ same ``--set`` overrides:
   (``sched.preemption=save``) sharing one local storage directory, behind a ``ringfence
   router`` (its own process, as a user runs it).
 
+Each side gets the machine's CPUs: the both instance's Worker torch's default threads (one
+per CPU), each of the pd side's two Workers half of them (``actors.worker.threads``; a
+``--set`` of it wins). Two Workers of a thread per CPU each would oversubscribe the
+machine: measured here, that made every prefill five times slower and the pd side's
+inter-token p99 ten times the both side's, the opposite of what it measures with the
+CPUs split.
+
 Rounds alternate the sides (both, pd, both, pd, ...); the report gives the median over
 rounds of each figure: TTFT, ITL and TPOT p50/p99 per class of request (the id's first
 word: ``stream`` and ``long`` for interleaved) and over all, output-token throughput, the
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -65,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"requests of the workload ({DEFAULT_REQUESTS}; interleaved: a quarter stream)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="rounds, each both then pd on fresh instances (1)"
+        "--rounds", type=int, default=2, help="rounds, each both then pd on fresh instances (2)"
     )
     parser.add_argument(
         "--set",
@@ -144,7 +152,9 @@ def pd_side(
     from ringfence.actors.bench.serving.handover import read_handover, router_lines
     from ringfence.actors.bench.serving.server import Routed, Served
 
-    shared = [*settings, "cache.storage.backend=local", f"cache.storage.path={folder / 'tier'}"]
+    threads = f"actors.worker.threads={pd_threads()}"  # before --set: a --set of it wins
+    tier = f"cache.storage.path={folder / 'tier'}"
+    shared = [threads, *settings, "cache.storage.backend=local", tier]
     prefill_sets = [*shared, "engine.role=prefill"]
     decode_sets = [*shared, "engine.role=decode", "sched.preemption=save"]
     with contextlib.ExitStack() as stack:
@@ -162,6 +172,11 @@ def pd_side(
     routed = router_lines(router.log_path)
     found["handover"] = read_handover(prefill.run_dir, decode.run_dir, routed)
     return found
+
+
+def pd_threads() -> int:
+    """Threads of each of the pd side's two Workers: half the machine's CPUs."""
+    return max(1, (os.cpu_count() or 1) // 2)
 
 
 SIDES = {"both": both_side, "pd": pd_side}
@@ -207,6 +222,7 @@ def main(args: argparse.Namespace) -> int:
         "settings": settings,
         "workload": args.workload,
         "requests": len(requests),
+        "pd_worker_threads": pd_threads(),
         **pd_report.figures(requests, rounds),
         "wall_s": round(time.perf_counter() - start, 3),
     }

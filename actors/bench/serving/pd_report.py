@@ -140,7 +140,8 @@ def table(result: Mapping[str, Any]) -> str:
     """The report for the terminal: each class's two sides, the ratios, the hand-over."""
     lines = [
         f"{result['cpus']} CPU(s); {', '.join(result['settings'])}; {result['workload']}, "
-        f"{result['requests']} requests; medians of {len(result['rounds'])} round(s)",
+        f"{result['requests']} requests; medians of {len(result['rounds'])} round(s); "
+        f"pd Workers {result['pd_worker_threads']} thread(s) each",
         f"{'class':<8}{'reqs':>5}  {'side':<5}{'TTFT p50/99':>14}{'ITL p50/99':>12}"
         f"{'TPOT p50/99':>13}{'tok/s':>8}   (times in ms)",
     ]

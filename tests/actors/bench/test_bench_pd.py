@@ -16,6 +16,7 @@ from launching import QUICK
 
 from ringfence.actors.bench import launcher
 from ringfence.actors.bench.serving import pd as bench_pd
+from ringfence.actors.bench.serving import server
 from ringfence.actors.bench.serving.client import LoadRequest
 from ringfence.actors.bench.serving.handover import (
     lane_cost,
@@ -196,6 +197,28 @@ def test_a_failed_request_or_a_leaked_name_makes_the_bench_fail(
     assert "round 0 both: left ['/rf_x_engine'] in /dev/shm" in err
 
 
+def test_the_pd_sides_workers_split_the_cpus_unless_a_set_says_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: dict[str, list[str]] = {}
+
+    class Recorded:
+        def __init__(self, run_dir: Path, settings: list[str], **kwargs: Any) -> None:
+            started[run_dir.name] = list(settings)
+            raise launcher.RunError("recorded")
+
+    monkeypatch.setattr(server, "Served", Recorded)
+    monkeypatch.setattr(bench_pd.os, "cpu_count", lambda: 8)
+    assert bench_pd.pd_threads() == 4
+    with pytest.raises(launcher.RunError, match="recorded"):
+        bench_pd.pd_side([], ["model.preset=small", "actors.worker.threads=3"], tmp_path, 1.0)
+    for role in ("prefill", "decode"):
+        sets = started[role]
+        assert sets.index("actors.worker.threads=4") < sets.index("actors.worker.threads=3")
+        assert f"engine.role={role}" in sets
+    assert "sched.preemption=save" in started["decode"]
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
@@ -217,7 +240,7 @@ def test_a_tiny_bench_on_real_instances_gives_the_same_tokens_from_the_tier(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "pd.json"
-    argv = ["bench", "pd", "--requests", "4", "--json", str(path)]
+    argv = ["bench", "pd", "--requests", "4", "--rounds", "1", "--json", str(path)]
     for setting in ("model.preset=tiny", "model.dtype=float64", *QUICK):
         argv += ["--set", setting]
     assert cli.main(argv) == 0, capsys.readouterr().err
