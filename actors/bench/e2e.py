@@ -54,7 +54,13 @@ import orjson
 
 from ringfence.actors.bench import launcher
 from ringfence.actors.bench.launcher import RunError
-from ringfence.actors.bench.options import add_counts, environment, resolve_counts, resolve_preset
+from ringfence.actors.bench.options import (
+    add_counts,
+    environment,
+    plot_path,
+    resolve_counts,
+    resolve_preset,
+)
 
 DTYPE = "float32"
 BLOCK_SIZE = 16
@@ -381,14 +387,6 @@ def _print(report: dict[str, Any]) -> None:
     print(f"wall time {report['wall_s']:.1f} s")
 
 
-def _plot_path(args: argparse.Namespace) -> Path:
-    if args.plot is not None:
-        return Path(args.plot)
-    if args.json is not None:
-        return Path(args.json).with_suffix(".png")
-    return Path("bench-e2e.png")
-
-
 def main(args: argparse.Namespace) -> int:
     counts = resolve_counts(args, COUNTS)
     preset = resolve_preset(args)
@@ -414,7 +412,7 @@ def main(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - start, 3),
     }
     _print(report)
-    plot = _plot_path(args)
+    plot = plot_path(args, "bench-e2e.png")
     write_ratio_plot(
         plot,
         [

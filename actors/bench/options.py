@@ -9,6 +9,7 @@ import argparse
 import os
 import platform
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 # name: (default, quick default, help)
@@ -56,3 +57,25 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
     }
+
+
+def add_overrides(parser: argparse.ArgumentParser, after: str) -> None:
+    """``--set KEY=VALUE`` (repeatable, into ``args.overrides``): config overrides for every
+    run of the benchmark, applied after its own defaults ``after``."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help=f"a config override for every run, after {after} (repeatable)",
+    )
+
+
+def plot_path(args: argparse.Namespace, default: str) -> Path:
+    """Where a benchmark's PNG goes: ``--plot``, else beside ``--json``, else ``default``."""
+    if args.plot is not None:
+        return Path(args.plot)
+    if args.json is not None:
+        return Path(args.json).with_suffix(".png")
+    return Path(default)

@@ -20,7 +20,7 @@ MODELS = Path(__file__).resolve().parent
 MEMORY_MB = 6144  # pan's memory limit (MEMLIM): a run past it stops, reported as such
 DEPTH = 20_000  # pan's search depth limit (the deepest trail seen is about 1,300 steps)
 HASH_BITS = 24  # exhaustive searches' hash table (-w); bitstate uses BITSTATE_BITS
-BITSTATE_BITS = 31  # 2^31 bits: 256 MiB of bit array
+BITSTATE_BITS = 27  # 2^27 bits (16 MiB): a few minutes a search, a partial coverage
 
 
 # How the models' printf names a property before its assert fails: "I1 violated ...".
@@ -58,9 +58,12 @@ def _number(pattern: str, text: str, kind: type = int) -> float | int:
 
 def _run(args: Sequence[str], cwd: Path, timeout: float, *, check: bool = True) -> str:
     """What the command printed; SpinError if it exits nonzero and ``check``."""
-    done = subprocess.run(
-        list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    try:
+        done = subprocess.run(
+            list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise SpinError(f"{' '.join(args)} ran past {timeout:g} s") from None
     if check and done.returncode != 0:
         raise SpinError(f"{' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
     return done.stdout + done.stderr

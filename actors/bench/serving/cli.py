@@ -43,7 +43,7 @@ import orjson
 
 from ringfence.actors.bench import launcher
 from ringfence.actors.bench.launcher import RunError
-from ringfence.actors.bench.options import environment
+from ringfence.actors.bench.options import add_overrides, environment, plot_path
 from ringfence.actors.bench.serving import report
 from ringfence.actors.bench.serving.client import LoadRequest
 from ringfence.actors.bench.serving.stats import parse_rate, poisson_arrivals, rate_label
@@ -78,14 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(WORKLOADS),
         help=f"synthetic workloads, comma-separated ({','.join(WORKLOADS)})",
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        dest="overrides",
-        help="a config override for every server and launch, after model.preset=small (repeatable)",
-    )
+    add_overrides(parser, "model.preset=small")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times (0)")
     parser.add_argument(
         "--burst",
@@ -289,14 +282,6 @@ def bench(
     return {"rows": rows, "burst": found}
 
 
-def _plot_path(args: argparse.Namespace) -> Path:
-    if args.plot is not None:
-        return Path(args.plot)
-    if args.json is not None:
-        return Path(args.json).with_suffix(".png")
-    return Path("bench-serve.png")
-
-
 def main(args: argparse.Namespace) -> int:
     rates, workloads = _check(args)
     settings = [*DEFAULT_SETTINGS, *args.overrides]
@@ -325,7 +310,7 @@ def main(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - start, 3),
     }
     print(report.table(result))
-    plot = _plot_path(args)
+    plot = plot_path(args, "bench-serve.png")
     report.plot(plot, result)
     result["plot"] = str(plot)
     if args.json is not None:

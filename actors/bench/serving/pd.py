@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import orjson
 
 from ringfence.actors.bench.launcher import RunError
-from ringfence.actors.bench.options import environment
+from ringfence.actors.bench.options import add_overrides, environment, plot_path
 from ringfence.actors.bench.serving import pd_report
 from ringfence.actors.bench.serving.cli import load_requests
 from ringfence.actors.bench.serving.client import LoadRequest
@@ -75,14 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds", type=int, default=2, help="rounds, each both then pd on fresh instances (2)"
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        dest="overrides",
-        help="a config override for every instance, after model.preset=small (repeatable)",
-    )
+    add_overrides(parser, "model.preset=small")
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds each side's load may run (300)"
     )
@@ -199,14 +192,6 @@ def bench(
     return found
 
 
-def _plot_path(args: argparse.Namespace) -> Path:
-    if args.plot is not None:
-        return Path(args.plot)
-    if args.json is not None:
-        return Path(args.json).with_suffix(".png")
-    return Path("bench-pd.png")
-
-
 def main(args: argparse.Namespace) -> int:
     _check(args)
     settings = [*DEFAULT_SETTINGS, *args.overrides]
@@ -227,7 +212,7 @@ def main(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - start, 3),
     }
     print(pd_report.table(result))
-    plot = _plot_path(args)
+    plot = plot_path(args, "bench-pd.png")
     pd_report.plot(plot, result)
     result["plot"] = str(plot)
     if args.json is not None:
