@@ -16,7 +16,7 @@ import torch
 from ringfence.actors.executors.transfer import TransferLane
 from ringfence.actors.kv.copies import block_buffer
 from ringfence.actors.kv.layout import block_fingerprint
-from ringfence.actors.protocol.transfer import OpDone
+from ringfence.actors.protocol.transfer import LOST, OpDone
 from ringfence.cache.block_hash import DIGEST_SIZE
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash
@@ -56,12 +56,12 @@ class StoreLane(TransferLane):
 
     def lost_completion(self, msg: SwapOp | StoreOp) -> OpDone:
         """Which blocks a prefetch found is lost with its report: all count as missing (the
-        engine recomputes them). A write-back is whole once the watermark says done."""
+        engine recomputes them). A write-back's is reported failed (its keys are dropped)."""
         if not isinstance(msg, StoreOp) or msg.direction == "write":
             return super().lost_completion(msg)
         return self.report(
             msg.op, msg.epoch, "ok", missing=tuple(range(len(msg.host_blocks))),
-            error="completion lost in a restart: every block counts as missing",
+            error=f"{LOST}: every block counts as missing",
         )  # fmt: skip
 
     @handles(StoreOp)

@@ -44,7 +44,7 @@ from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
 from ringfence.actors.protocol.resync import Resync
-from ringfence.actors.protocol.transfer import LaneReady, OpDone, OpStatus
+from ringfence.actors.protocol.transfer import LOST, LaneReady, OpDone, OpStatus
 from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
 from ringfence.sched.ops import StoreOp, SwapOp
@@ -126,9 +126,14 @@ class TransferLane(LaneExecutor):
         return False
 
     def lost_completion(self, msg: SwapOp | StoreOp) -> OpDone:
-        """The completion of a done op whose report was lost in a restart. A copy either
-        happened whole or the watermark would not say it is done."""
-        return self.report(msg.op, msg.epoch, "ok", error="completion resent after a restart")
+        """The completion of a done op whose report was lost in a restart. The watermark
+        says the op finished, not how: it copied whole, or it failed (its destination
+        spoiled), or it was cancelled as stale and copied nothing. Reported failed, so the
+        engine relies on no block the op may not have filled: the cost is recomputation.
+        (Reported "ok", a swap-out cancelled by a Worker restart that the engine had not
+        heard of yet made the engine take an unfilled host block for a copy: found by the
+        model checker, tests/modelcheck, mutant MUT_LOST_AS_OK.)"""
+        return self.report(msg.op, msg.epoch, "failed", error=f"{LOST}: counted failed")
 
     def chaos(self) -> None:
         """transfer.chaos_delay_ms: hold the op a random while (debug: shakes the ordering)."""

@@ -23,6 +23,10 @@ TO_STORE = Registry("engine-to-store")
 FROM_TRANSFER = Registry("transfer-to-engine")
 
 OpStatus = Literal["ok", "rejected", "cancelled", "failed"]
+# How the error of a completion starts when a restarted lane resends it for an op whose
+# report went with the crashed incarnation: the lane cannot know how the op ended, so it
+# reports it failed (a prefetch: every block missing).
+LOST = "completion lost in a restart"
 
 
 @message(TO_SWAP, tag=1)

@@ -39,6 +39,7 @@ from ringfence.actors.kv.space import SharedKV, create_kv, open_kv
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.protocol.transfer import (
     FROM_TRANSFER,
+    LOST,
     TO_STORE,
     TO_SWAP,
     DeviceTier,
@@ -171,8 +172,9 @@ class LaneFuzzer:
         elif s.role:  # a repeat: the kept completion, a lost one resent, or nothing
             if number_of(head) != s.number:
                 return
-            lost = isinstance(head, OpDone) and "restart" in head.error  # resent or lost
-            assert head == self.kept or (lost and head.status == "ok"), (s.role, head)
+            # A lost one is resent failed (a prefetch: ok, every block missing).
+            lost = isinstance(head, OpDone) and head.error.startswith(LOST)
+            assert head == self.kept or (lost and head.status in ("failed", "ok")), (s.role, head)
         elif isinstance(head, WorkerReady | LaneReady):
             pass  # an announcement asked for by a decodable message (a resync)
         else:

@@ -32,6 +32,7 @@ from ringfence.actors.kv.layout import block_fingerprint, kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv, open_kv
 from ringfence.actors.protocol.transfer import (
     FROM_TRANSFER,
+    LOST,
     TO_STORE,
     TO_SWAP,
     DeviceTier,
@@ -640,11 +641,12 @@ def test_a_repeated_swap_op_gets_the_kept_completion_and_is_not_copied_again(mak
     assert rig.done(1) == first
     assert same(host[3], copied)
     assert rig.mark(Lane.SWAP).value() == 1 and rig.lane.ops == 1
-    # Its completion went with the incarnation that did it: a report, no redo.
+    # Its completion went with the incarnation that did it: a report, no redo. How the op
+    # ended went with it too, so the report says failed (the engine recomputes).
     rig.lane.last = None
     rig.post(op)
     lost = rig.done(1)
-    assert lost.status == "ok" and lost.error == "completion resent after a restart", lost
+    assert lost.status == "failed" and lost.error.startswith(LOST), lost
     assert same(host[3], copied)
     assert rig.lane.ops == 1
     assert [e["resent"] for e in rig.events("lane.repeat")] == [True, False]
@@ -668,11 +670,12 @@ def test_a_repeated_prefetch_without_its_kept_completion_reports_every_block_mis
     assert (lost.status, lost.missing) == ("ok", (0, 1, 2)), lost
     assert "restart" in lost.error
     assert rig.mark(Lane.STORE).value() == 2 and rig.lane.ops == 2
-    # A repeated write-back is whole once the watermark says so: resent as ok, no missing.
+    # A repeated write-back may have failed before the restart: resent as failed (its keys
+    # are dropped by the engine, which never counts on a block it may not have stored).
     rig.post(store(1, "write", (0, 1), (key(7), key(8))))
     resent = rig.done(1)
-    assert (resent.status, resent.missing) == ("ok", ()), resent
-    assert resent.error == "completion resent after a restart"
+    assert (resent.status, resent.missing) == ("failed", ()), resent
+    assert resent.error.startswith(LOST)
 
 
 # 7. Epochs of the device tier.
@@ -697,6 +700,29 @@ def test_a_swap_op_older_than_the_device_tier_is_cancelled_without_copying(make_
     done = rig.run(swap(3, "out", (1,), (3,), epoch=2))
     assert done.status == "ok"
     assert same(host[3], dev[1])
+
+
+def test_a_cancelled_swap_out_whose_completion_was_lost_is_resent_failed_never_ok(
+    make_lane,
+) -> None:
+    """The model checker's counterexample (tests/modelcheck, MUT_LOST_AS_OK): a swap-out
+    cancelled as stale by a Worker restart, its lane crashed before reporting it, and the
+    resent report said ok; an engine that had not heard of the restart yet took the host
+    block for a copy of the device block, and a later write-back stored what it held."""
+    rig = make_lane(SwapLane, device=False)
+    run_epoch = rig.control[0]
+    run_epoch.claim()
+    run_epoch.advance(2)
+    rig.give_device_tier(epoch=2)
+    fill(rig.host_kv, (3,), seed=170)
+    host_before = bits(rig.host_kv)
+    op = swap(1, "out", (1,), (3,), epoch=1)
+    assert rig.run(op).status == "cancelled"
+    rig.lane.last = None  # the incarnation that cancelled it died before its report
+    rig.post(op)
+    resent = rig.done(1)
+    assert resent.status == "failed" and resent.error.startswith(LOST), resent
+    assert torch.equal(bits(rig.host_kv), host_before)  # nothing was copied, then or now
 
 
 def test_a_device_tier_of_an_epoch_the_run_has_not_reached_is_refused(make_lane) -> None:
