@@ -99,7 +99,9 @@ top:
            :: else -> i++
            od;
            v = dev[DI(r, g, i)]; read_check(r, k, v);
-           if :: v == SPOILED -> st = FAILED :: else fi
+#ifndef MUT_NO_NAN_CHECK
+           if :: v == SPOILED -> st = FAILED :: else fi  /* NaN logits: the step fails */
+#endif
         :: else
         fi;
         if :: fails < MAXFAIL -> fails++; st = FAILED :: skip fi;
@@ -109,6 +111,12 @@ top:
         :: wkill < WORKER_RESTARTS && !eng_done ->
            atomic { wkill++; epoch_ctr++; wepoch = epoch_ctr }; goto restart
         :: !KILLED(r) -> skip
+        fi;
+        if
+        :: st == OK && rdD[k] && v == SPOILED ->
+           printf("S violated on rank %d: step op %d succeeded on a spoiled block\n", r, k);
+           assert(false)
+        :: else
         fi;
         if
         :: st == OK -> dev[DI(r, g, odev[k])] = k + 1
@@ -155,8 +163,13 @@ top:
      :: k == TIER -> ring[c]?k; sgen[r] = wgen[r]
      :: k == RESYNC -> ring[c]?k; acks!c
      :: k < NOPS && oseq[k] <= wm[c] ->
-        /* A repeat: the completion was lost with the incarnation that did the op. */
+        /* A repeat: the completion was lost with the incarnation that did the op, and so
+           was how it ended (copied, failed, or cancelled as stale): reported failed. */
+#ifdef MUT_LOST_AS_OK
         if :: odir[k] == D_READ -> st = FAILED :: else -> st = OK fi;
+#else
+        st = FAILED;
+#endif
         rep!k, r, st, oep[k]; ring[c]?k
      :: else ->
         if
@@ -182,7 +195,9 @@ top:
            v = dev[DI(r, sgen[r], odev[k])]; read_check(r, k, v); dst = HI(r, ohost[k])
         :: odir[k] == D_WRITE ->
            v = host[HI(r, ohost[k])]; read_check(r, k, v);
+#ifndef MUT_NO_NAN_CHECK
            if :: v == SPOILED -> st = FAILED :: else fi  /* a spoiled block is never stored */
+#endif
         :: odir[k] == D_READ ->
            v = stor[SI(r, okey[k])];
            if
@@ -207,7 +222,14 @@ top:
         if
         :: odir[k] == D_IN -> if :: st == OK -> dev[dst] = v :: else -> dev[dst] = SPOIL fi
         :: odir[k] == D_OUT -> if :: st == OK -> host[dst] = v :: else -> host[dst] = SPOIL fi
-        :: odir[k] == D_WRITE -> if :: st == OK -> stor[SI(r, okey[k])] = v :: else fi
+        :: odir[k] == D_WRITE ->
+           if
+           :: st == OK && (v == SPOILED || v == GARBAGE) ->
+              printf("S violated on rank %d: write-back op %d stored a spoiled block\n", r, k);
+              assert(false)
+           :: st == OK -> stor[SI(r, okey[k])] = v
+           :: else
+           fi
         :: odir[k] == D_READ ->
            if
            :: st == OK -> host[dst] = v

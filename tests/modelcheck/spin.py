@@ -24,7 +24,7 @@ BITSTATE_BITS = 27  # 2^27 bits (16 MiB): a few minutes a search, a partial cove
 
 
 # How the models' printf names a property before its assert fails: "I1 violated ...".
-PROPERTY = re.compile(r"\b(?:I[1-4]|R|E1|F|D[1-3]) violated")
+PROPERTY = re.compile(r"\b(?:I[1-4]|R|S|E1|F|D[1-3]) violated")
 
 
 class SpinError(RuntimeError):
@@ -115,7 +115,8 @@ def verify(
     out = _run(pan, folder, timeout, check=False)
     seconds = time.perf_counter() - start
     errors = int(_number(r"errors: (\d+)", out))
-    complete = "error: max search depth too small" not in out and "out of memory" not in out
+    cut = ("max search depth too small", "out of memory", "MEMLIM")
+    complete = not any(reason in out for reason in cut)
     result = Result(
         errors=errors,
         states=int(_number(r"([\d.e+]+) states, stored", out)),
