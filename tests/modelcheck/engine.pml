@@ -22,6 +22,7 @@ bit got[NR * NOPS];                   /* the rank's report of the op was counted
 byte regroup;                         /* Worker ranks of a new generation still to announce */
 byte resyncing;                       /* lanes still to answer a new engine's Resync */
 byte kd; byte kh;                     /* device / host blocks the engine may read */
+byte egen[NR];                        /* each rank's device generation, as its Worker said */
 
 inline known() {
   kd = 0; kh = 0; i = 0;
@@ -186,7 +187,8 @@ proctype engine() {
        fi }
   /* A Worker of a new generation: the first resets the device tier; each rank's swap lane
      is told its new tier before any op of the new epoch. */
-  :: atomic { wready?rr, ee ->
+  :: atomic { wready?rr, ee, st ->
+       egen[rr] = st;
        if
        :: ee > eepoch ->  /* the first rank of a new generation */
           eepoch = ee; regroup = NR - 1;
@@ -205,7 +207,7 @@ proctype engine() {
        :: ee <= eepoch && regroup > 0 -> regroup--
        :: else  /* a new engine's epoch is past it: nothing to reset */
        fi;
-       ring[rr * NL + SWAP]!TIER;
+       ring[rr * NL + SWAP]!TIER + st;
        known() }
   /* The engine restarts: a new issuer epoch cancels every op issued before; it knows
      nothing and begins once every executor has answered its Resync. */
@@ -240,7 +242,20 @@ proctype engine() {
        od;
        resyncing = NR * NL;
        known() }
-  :: atomic { acks?i -> resyncing-- }
+  /* A Resync answered; the Worker's answer says its tier. Once all answered, the new engine
+     tells every swap lane its tier before any op (Engine._maybe_begin). */
+  :: atomic { acks?i, st ->
+       resyncing--;
+       if :: i % NL == STEP -> egen[i / NL] = st :: else fi;
+       if
+       :: resyncing == 0 ->
+          r = 0;
+          do
+          :: r < NR -> ring[r * NL + SWAP]!TIER + egen[r]; r++
+          :: else -> break
+          od
+       :: else
+       fi }
   /* Every op issued and complete: the run ends. */
   :: atomic { nissued == NOPS && ncomp == NOPS && regroup == 0 && resyncing == 0 ->
        eng_done = 1; break }

@@ -73,7 +73,7 @@ top:
   do
   :: ring[c]?<k> ->
      if
-     :: k == RESYNC -> ring[c]?k; acks!c
+     :: k == RESYNC -> ring[c]?k; acks!c, g  /* its WorkerReady: where it stands, its tier */
      :: k < NOPS && oseq[k] <= wm[c] -> ring[c]?k  /* done before a restart */
      :: else ->
         if
@@ -147,7 +147,7 @@ restart:
   od;
 #endif
   tier_ep[r] = wepoch;
-  wready!r, wepoch;
+  wready!r, wepoch, g;
   goto top;
 out:
   skip
@@ -160,8 +160,8 @@ top:
   do
   :: ring[c]?<k> ->
      if
-     :: k == TIER -> ring[c]?k; sgen[r] = wgen[r]
-     :: k == RESYNC -> ring[c]?k; acks!c
+     :: k >= TIER && k < RESYNC -> ring[c]?k; sgen[r] = k - TIER
+     :: k == RESYNC -> ring[c]?k; acks!c, 0
      :: k < NOPS && oseq[k] <= wm[c] ->
         /* A repeat: the completion was lost with the incarnation that did the op, and so
            was how it ended (copied, failed, or cancelled as stale): reported failed. */

@@ -88,7 +88,7 @@
 #define GARBAGE 255
 
 /* Ring markers besides op indexes. */
-#define TIER 250    /* the engine tells a swap lane its rank's new device tier */
+#define TIER 240    /* TIER + g: the engine tells a swap lane its rank's device tier, generation g */
 #define RESYNC 251  /* a new engine asks each executor where its lane stands */
 
 /* Report statuses. */
@@ -127,8 +127,8 @@ byte wgen[NR];               /* the Worker's device generation */
 
 chan ring[NR * NL] = [NOPS + 4] of { byte };
 chan rep = [NOPS * NR + 2] of { byte, byte, byte, byte };  /* op, rank, status, epoch */
-chan wready = [2 * NR] of { byte, byte };                          /* rank, epoch */
-chan acks = [NR * NL + 1] of { byte };
+chan wready = [2 * NR] of { byte, byte, byte };  /* rank, epoch, device generation */
+chan acks = [NR * NL + 1] of { byte, byte };       /* lane index, (a Worker's) generation */
 
 /* ---- fault budgets and epochs ---- */
 byte fails; byte crashes; byte wkill; byte wepoch; byte erest;

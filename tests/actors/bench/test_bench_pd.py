@@ -208,7 +208,7 @@ def test_the_pd_sides_workers_split_the_cpus_unless_a_set_says_otherwise(
             raise launcher.RunError("recorded")
 
     monkeypatch.setattr(server, "Served", Recorded)
-    monkeypatch.setattr(bench_pd.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
     assert bench_pd.pd_threads() == 4
     with pytest.raises(launcher.RunError, match="recorded"):
         bench_pd.pd_side([], ["model.preset=small", "actors.worker.threads=3"], tmp_path, 1.0)
