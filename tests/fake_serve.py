@@ -82,12 +82,22 @@ async def _completions(request: Request) -> Response:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def app() -> Starlette:
+def app(*ready_lines: str) -> Starlette:
+    """The fake's routes; ``ready_lines`` are printed once the server has started (its
+    signal handlers installed, its loop running), so a SIGINT after them is a clean stop."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        for line in ready_lines:
+            print(line, flush=True)
+        yield
+
     return Starlette(
         routes=[
             Route("/v1/models", _models, methods=["GET"]),
             Route("/v1/completions", _completions, methods=["POST"]),
-        ]
+        ],
+        lifespan=lifespan,
     )
 
 
@@ -115,12 +125,14 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app(), log_level="warning"))
+    lines = (
+        f"ringfence serve: listening on http://{host}:{port} (front end pid {os.getpid()})",
+        "ringfence serve: ready",
+    )
+    server = uvicorn.Server(uvicorn.Config(app(*lines), log_level="warning"))
     # A SIGINT from here on stops it cleanly, exit 0 (uvicorn returns on SIGINT after the
     # requests in flight, then re-raises the signal; one before it started is a stop too).
     with contextlib.suppress(KeyboardInterrupt):
-        print(f"ringfence serve: listening on http://{host}:{port} (front end pid {os.getpid()})")
-        print("ringfence serve: ready", flush=True)
         server.run(sockets=[sock])
     return 0
 

@@ -67,7 +67,7 @@ def test_hosts_reach_each_other_by_address_each_on_its_own_port_and_an_unlinked_
 
 
 def test_the_exit_ends_every_process_and_removes_every_namespace_also_when_the_block_raises(way):
-    hosts = Hosts("polite", "deaf", way=way, stop_timeout_s=0.5)
+    hosts = Hosts("polite", "deaf", way=way, stop_timeout_s=3.0)  # polite exits well before
     with pytest.raises(RuntimeError, match="the test failed"), hosts:
         polite, deaf = serve(hosts, "polite"), serve(hosts, "deaf", "deaf")
         made = [hosts.namespace(n) for n in ("polite", "deaf")]
