@@ -56,6 +56,7 @@ T = TypeVar("T")
 LogLevel = Literal["info", "trace"]
 Placement = Literal["spawn", "external"]
 Restart = Literal["never", "on-failure"]
+Wait = Literal["block", "poll"]
 Self = TypeVar("Self", bound="RunConfig")
 
 # The schema of a whole run, by name: the runtime never imports the actors.
@@ -85,6 +86,11 @@ class RuntimeConfig:
     log_level: LogLevel = setting("info", "info, or trace for the full protocol trace")
     ring_bytes: int = setting(1 << 20, "bytes of a ring", ge=4096, le=1 << 30, multiple_of=8)
     spin_us: float = setting(50.0, "microseconds a waiter spins before it blocks", ge=0, le=100000)
+    wait: Wait = setting(
+        "block",
+        "block: an idle actor sleeps on its doorbell; poll: the legacy design's pollers, a "
+        "1 ms sleep between looks at its inboxes and watermarks (a baseline to measure)",
+    )
     topology: str = setting(
         _ENGINE,
         "actor topology to launch, 'module:ATTRIBUTE': a Topology, or a function of the config",

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ringfence.runtime.actor import Actor, ActorContext
-from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox
+from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox, PollWaiter
 from ringfence.runtime.messages import Failed, Tick
 from ringfence.runtime.routes import Routes
 from ringfence.shm.doorbell import Doorbell
@@ -105,6 +105,8 @@ class Driver:
         owns_log: bool = True,
         bells: Mapping[str, str] | None = None,
     ) -> None:
+        if runtime.wait == "poll" and not isinstance(mailbox.waiter, PollWaiter):
+            mailbox.waiter = PollWaiter(mailbox.waiter)
         self.mailbox = mailbox
         self.runtime = runtime
         self.log = log
@@ -136,6 +138,7 @@ class Driver:
         self._timer_ids = itertools.count()
         self._ticks = 0
         self._next_beat = 0.0
+        self._ready_cpu_s = time.process_time()
         self._current: Delivery | None = None
         self.handled = 0  # messages handed to a handler (failed ones included)
         self.failures = 0  # handlers that raised, and frames that could not be decoded
@@ -224,6 +227,7 @@ class Driver:
         except BaseException as e:
             self._fail("on_start", e)
             raise
+        self._ready_cpu_s = time.process_time()
         self._next_beat = time.monotonic()
 
     def run(self) -> str:
@@ -305,6 +309,9 @@ class Driver:
                 failures=self.failures,
                 deferred=self.deferred,
                 error=None if self.error is None else repr(self.error),
+                # CPU of the process (every thread) since ready: the whole-instance cost a
+                # bench adds up (in a process of several actors, each counts all of it).
+                cpu_s=round(time.process_time() - self._ready_cpu_s, 3),
             )
             if self._control is not None and self.error is None:
                 self._control.exited.advance(self._incarnation)

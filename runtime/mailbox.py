@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
 
@@ -150,6 +151,29 @@ class ConditionWaiter:
     def ring(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+
+class PollWaiter:
+    """``runtime.wait = poll``: the legacy design's pollers, kept as a baseline to measure.
+    Every wait looks, sleeps ``period_s``, and looks again until ready or its deadline;
+    rings pass to ``inner`` (a local post still wakes a waiter blocked there, never this
+    one)."""
+
+    def __init__(self, inner: Waiter, period_s: float = 0.001) -> None:
+        self.inner = inner
+        self.period_s = period_s
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(self.period_s, left))  # the baseline's poll: measured, not used
+        return True
+
+    def ring(self) -> None:
+        self.inner.ring()
 
 
 class LocalInbox:

@@ -62,6 +62,7 @@ def start_executor(
     replies: Registry,
     epoch: int = 0,
     rank: int = 0,
+    run_dir: Path | None = None,
 ) -> Executor:
     """Start ``actor_cls`` as ``<name>-<rank>`` of run ``run_id`` (names: the caller cleans the
     run); the ``lanes`` block holds ranks 0..rank."""
@@ -84,6 +85,7 @@ def start_executor(
         log=ActorLog(log_path, actor=name, rank=rank, epoch=0),
         config=config,
         run_id=run_id,
+        run_dir=run_dir,
         counters={LANES: lanes},
         control=InstanceControl.of(control, 0),
     )

@@ -8,7 +8,17 @@ configurations that differ in one thing, and reports side A over side B:
 1. ``fence/sync``: ``transfer.mode=fence`` vs ``sync`` on ``pressure``, with a device
    pool of about half what the requests need at once (so sequences are preempted) and
    ``sched.preemption=swap`` (so the swap lane carries blocks while steps run).
-   Output-token throughput ratio; no target.
+   Output-token throughput ratio; target >= 1.
+   ``fence/lock``: the same against ``transfer.mode=lock``, the legacy design's lock
+   around every step and every copy (actors/executors/legacy.py). Target >= 1.2.
+   ``storage fence/sync`` and ``storage fence/lock``: the same on ``pressure`` with
+   ``sched.preemption=save`` and write-through to local storage
+   (``cache.device_eviction=write_through``): every full block is stored, and a preempted
+   sequence comes back from storage. Targets >= 1 and >= 1.2.
+   ``block/poll``: ``runtime.wait=block`` (each idle actor sleeps on its doorbell) vs
+   ``poll`` (the legacy design's pollers, a 1 ms sleep between looks) on the swap-heavy
+   run. Throughput ratio (target >= 1.05) and the instance's CPU seconds per output
+   token (every actor's ``cpu_s`` at stop, from ready), poll over block.
 2. ``tiers multiturn``: the host tier and local storage on (``cache.host_blocks`` > 0,
    ``cache.storage.backend=local``) vs off (``host_blocks=0``, ``backend=none``) on
    ``multiturn`` with its arrivals (turns 2 s apart), on the same small device pool
@@ -73,7 +83,12 @@ MULTITURN_FACTOR = 3
 PRESSURE_BLOCKS_PER_REQUEST = 11  # about half of what a pressure request needs (21 blocks)
 PRESSURE_MIN_BLOCKS = 48  # the longest pressure request (500 + 64 tokens) fits
 TARGETS: dict[str, float | None] = {
-    "fence/sync": None,
+    "fence/sync": 1.0,
+    "fence/lock": 1.2,
+    "storage fence/sync": 1.0,
+    "storage fence/lock": 1.2,
+    "block/poll": 1.05,
+    "block/poll cpu per token": 1.0,
     "tiers multiturn": None,
     "tiers multiturn ttft p50": None,
     "tiers multiturn ttft p99": None,
@@ -113,6 +128,7 @@ class Side:
     tokens: dict[str, list[int]]  # output token ids by request id
     engine: dict[str, Any]  # the engine's counters (empty for the local runner)
     wall_s: float  # the whole run, start-up included
+    cpu_s: float | None = None  # every actor's CPU from ready to stop (launches only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +162,11 @@ def pairs(preset: str, requests: int) -> dict[str, tuple[Run, Run]]:
     blocks = max(PRESSURE_MIN_BLOCKS, requests * PRESSURE_BLOCKS_PER_REQUEST)
     pressure = [*common, f"cache.device_blocks={blocks}", "sched.preemption=swap"]
     pressure += ["cache.storage.backend=none", f"cache.host_blocks={HOST_BLOCKS}"]
+    # Storage-heavy: every full block written through, preempted sequences saved and
+    # prefetched back (the host tier is the staging area of the store lane).
+    storage = [*common, f"cache.device_blocks={blocks}", "sched.preemption=save"]
+    storage += ["cache.storage.backend=local", f"cache.host_blocks={HOST_BLOCKS}"]
+    storage += ["cache.device_eviction=write_through"]
     small = [*common, f"cache.device_blocks={SMALL_POOL_BLOCKS}"]
     # engine.requests comes last, so it wins over the common one.
     arrivals = ("engine.arrivals=true", f"engine.requests={MULTITURN_FACTOR * requests}")
@@ -157,6 +178,22 @@ def pairs(preset: str, requests: int) -> dict[str, tuple[Run, Run]]:
         "fence/sync": (
             run("pressure", [*pressure, "transfer.mode=fence"]),
             run("pressure", [*pressure, "transfer.mode=sync"]),
+        ),
+        "fence/lock": (
+            run("pressure", [*pressure, "transfer.mode=fence"]),
+            run("pressure", [*pressure, "transfer.mode=lock"]),
+        ),
+        "storage fence/sync": (
+            run("pressure", [*storage, "transfer.mode=fence"]),
+            run("pressure", [*storage, "transfer.mode=sync"]),
+        ),
+        "storage fence/lock": (
+            run("pressure", [*storage, "transfer.mode=fence"]),
+            run("pressure", [*storage, "transfer.mode=lock"]),
+        ),
+        "block/poll": (
+            run("pressure", [*pressure, "runtime.wait=block"]),
+            run("pressure", [*pressure, "runtime.wait=poll"]),
         ),
         # Multiturn keeps its arrivals: a chat's next turn comes 2 s after the last, by
         # when the device pool has often reused the blocks of its prefix; that is where a
@@ -193,6 +230,7 @@ def launched_run(
         summary = done.summary
         if summary["requests"]["aborted"] or not summary["throughput"]["output_tokens_per_s"]:
             raise RunError(f"{run.workload} launch: {summary['requests']}, no throughput")
+        cpu_s = instance_cpu_s(work / "run")
         yield (
             Side(
                 output_tokens_per_s=float(summary["throughput"]["output_tokens_per_s"]),
@@ -202,11 +240,28 @@ def launched_run(
                 tokens={line["id"]: list(line["token_ids"]) for line in done.outputs},
                 engine=dict(summary["engine"]),
                 wall_s=done.wall_s,
+                cpu_s=cpu_s,
             ),
             work / "run",
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def instance_cpu_s(run_dir: Path) -> float:
+    """CPU seconds of every actor of a finished launch, each from ready to its last stop
+    (the ``cpu_s`` of its ``actor.stop`` lines); RunError if an actor's log has none."""
+    total = 0.0
+    for path in sorted(run_dir.glob("*-[0-9]*.jsonl")):
+        stops = [
+            line["cpu_s"]
+            for line in launcher.read_log(run_dir, path.stem)
+            if line.get("event") == "actor.stop" and "cpu_s" in line
+        ]
+        if not stops:
+            raise RunError(f"{path}: no actor.stop line with cpu_s")
+        total += sum(stops)
+    return total
 
 
 def run_launch(run: Run, *, threads: int, timeout: float, folder: Path) -> Side:
@@ -247,6 +302,12 @@ def run_local(run: Run, *, threads: int) -> Side:
         engine={},
         wall_s=wall_s,
     )
+
+
+def cpu_per_token(side: Side) -> float | None:
+    """The instance's CPU seconds per output token of a launch; None without its CPU."""
+    tokens = sum(len(t) for t in side.tokens.values())
+    return side.cpu_s / tokens if side.cpu_s is not None and tokens else None
 
 
 def tokens_match(a: Side, b: Side) -> float:
@@ -301,6 +362,20 @@ def bench(preset: str, requests: int, rounds: int, threads: int, timeout: float)
                 b_runs=b_runs,
             )
         )
+        if name == "block/poll":
+            a_cpu = median([cpu_per_token(s) for s in a_runs])
+            b_cpu = median([cpu_per_token(s) for s in b_runs])
+            rows.append(
+                _row(
+                    f"{name} cpu per token",
+                    unit="CPU ms/tok",
+                    a=None if a_cpu is None else a_cpu * 1e3,
+                    b=None if b_cpu is None else b_cpu * 1e3,
+                    ratio=ratio_of(b_cpu, a_cpu),
+                    a_runs=[],
+                    b_runs=[],
+                )
+            )
         if name == "tiers multiturn":
             for q in ("p50", "p99"):
                 a_ttft = median([getattr(s, f"ttft_{q}_s") for s in a_runs])
@@ -350,6 +425,7 @@ def _row(
                     "ttft_p99_s": s.ttft_p99_s,
                     "duration_s": s.duration_s,
                     "wall_s": round(s.wall_s, 3),
+                    "cpu_s": s.cpu_s,
                     "engine": s.engine,
                 }
                 for s in runs
@@ -381,8 +457,8 @@ def _print(report: dict[str, Any]) -> None:
             f"{fmt(target, '7.2f') if target is not None else '':>8}  {verdict:<6}  {match}"
         )
     print(
-        "  (A/B: fence/sync, tiers on/off, actor pipeline/local runner; TTFT ratio is B / A, "
-        "above 1 = faster first tokens with the tiers; tokens: requests with equal outputs)"
+        "  (A/B: fence/sync, fence/lock, block/poll, tiers on/off, actor pipeline/local runner; "
+        "TTFT and CPU ratios are B / A, above 1 = A better; tokens: requests with equal outputs)"
     )
     print(f"wall time {report['wall_s']:.1f} s")
 

@@ -10,14 +10,22 @@ from ringfence.runtime.config import setting
 
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
 
-TransferMode = Literal["fence", "sync"]
+TransferMode = Literal["fence", "sync", "lock"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TransferConfig:
     """[transfer]: how block copies are ordered against model steps."""
 
-    mode: TransferMode = setting("fence", "fence (asynchronous, ordered by fences) or sync")
+    mode: TransferMode = setting(
+        "fence",
+        "fence (asynchronous, ordered by fences), or the baselines sync (an op held until "
+        "what it waits for is complete) and lock (fences plus the legacy design's lock "
+        "around every step and every copy)",
+    )
+    lock_timeout_s: float = setting(
+        30.0, "mode lock: seconds an executor waits for the lock before its op fails", gt=0
+    )
     chaos_delay_ms: float = setting(0.0, "random delay per transfer op, in ms (debug)", ge=0)
     skip_fences: bool = setting(
         False, "debug only: executors do not wait for fences (tests show they catch it)"

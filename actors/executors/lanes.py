@@ -35,9 +35,11 @@ would catch a missing fence.
 
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar
 
 from ringfence.actors.config import Config
+from ringfence.actors.executors.legacy import LegacyLock, lock_path
 from ringfence.cache.fences import Fence, Lane
 from ringfence.runtime.actor import Actor
 from ringfence.shm.counter import CounterBlock, Watermark
@@ -101,6 +103,23 @@ class LaneExecutor(Actor):
         self.epochs = [epoch_counter(block, rank, which) for which in (TIER_EPOCH, ISSUER_EPOCH)]
         self.last: object | None = None  # the last completion sent, to answer a repeat
         self.last_op = 0
+        self.legacy: LegacyLock | None = None
+        if config.transfer.mode == "lock":
+            if self.ctx.run_dir is None:
+                raise RuntimeError("transfer.mode=lock needs a run dir for its lock file")
+            path = lock_path(self.ctx.run_dir, rank)
+            self.legacy = LegacyLock(path, config.transfer.lock_timeout_s)
+
+    def on_stop(self) -> None:
+        if self.legacy is not None:
+            waited = self.legacy.wait_ns / 1e6
+            self.log.info("legacy.lock", waits=self.legacy.waits, wait_ms=round(waited, 3))
+            self.legacy.close()
+            self.legacy = None
+
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
+        """The legacy lock held (``transfer.mode = lock``), else nothing."""
+        return contextlib.nullcontext() if self.legacy is None else self.legacy.held()
 
     def waiters(self) -> list[str]:
         """The instances that wait on this lane's watermark (rung after each advance): the

@@ -96,6 +96,7 @@ class TransferLane(LaneExecutor):
         self.announce(resync=msg.epoch)
 
     def on_stop(self) -> None:
+        super().on_stop()
         if self.host is not None:
             self.host.close()
             self.host = None
@@ -173,7 +174,8 @@ class TransferLane(LaneExecutor):
         self.chaos()
         waited = time.perf_counter_ns()
         try:
-            fields = work()
+            with self.exclusive():
+                fields = work()
         except Exception as e:  # storage down, a bad copy: the lane moves on, the engine is told
             spoiled = 0 if spoil is None else spoil()  # raising, the lane dies: see the doc
             self.log.error(

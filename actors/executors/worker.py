@@ -154,6 +154,7 @@ class Worker(LaneExecutor):
         self.announce(resync=msg.epoch)
 
     def on_stop(self) -> None:
+        super().on_stop()
         self.executor = None
         if self.space is not None:
             self.space.close()
@@ -209,7 +210,8 @@ class Worker(LaneExecutor):
                 return
         waited = time.perf_counter_ns()
         try:
-            outputs = self._execute(plan)
+            with self.exclusive():
+                outputs = self._execute(plan)
         except Exception as e:  # it ran part way: the lane moves on, the engine is told
             # What it wrote is spoiled before step_done moves: a swap-out or write-back
             # fenced on this step must not copy half-computed KV as if it were valid.

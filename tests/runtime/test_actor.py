@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from ringfence.runtime.mailbox import (
     LocalInbox,
     LocalOutbox,
     Mailbox,
+    PollWaiter,
     RingInbox,
     Waiter,
 )
@@ -359,6 +361,56 @@ def test_start_thread_runs_the_actor_until_stop_and_join(make_rig):
     assert rig.driver.join(5)
     assert (rig.driver.stop_reason, rig.driver.closed) == ("done", True)
     assert rig.actor.seen == ["start", Item(n=1), "stop"]
+
+
+class Deaf(SleepSignal):
+    """A doorbell whose rings do not arrive while ``deaf``: a mailbox blocked on it sleeps
+    out its wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deaf = True
+        self.rings = 0
+
+    def ring(self) -> None:
+        self.rings += 1
+        if not self.deaf:
+            super().ring()
+
+
+@pytest.mark.parametrize("wait", ["block", "poll"])
+def test_runtime_wait_poll_looks_at_the_inboxes_between_sleeps_block_waits_for_a_ring(
+    make_rig, wait
+):
+    waiter = Deaf()
+    rig = make_rig(Recorder, waiter=waiter, runtime=dataclasses.replace(SLOW_BEAT, wait=wait))
+    assert isinstance(rig.driver.mailbox.waiter, PollWaiter) == (wait == "poll")
+    rig.driver.start_thread()
+    try:
+        if wait == "block":  # the loop is asleep on the deaf doorbell (poll sleeps without it)
+            assert waiter.sleeping.wait(5)
+        rig.post(Item(n=1))
+        seen = rig.driver.wait_until(lambda: Item(n=1) in rig.actor.seen, 1.0)
+        assert seen == (wait == "poll")  # blocked, the loop sleeps on until a ring or 60 s
+    finally:
+        waiter.deaf = False
+        rig.driver.stop("done")
+        assert rig.driver.join(5)
+
+
+def test_a_poll_waiter_returns_when_ready_or_at_its_deadline_and_passes_rings_on():
+    inner = Deaf()
+    poll = PollWaiter(inner, period_s=0.001)
+    flag = threading.Event()
+    timer = threading.Timer(0.05, flag.set)
+    timer.start()
+    assert poll.wait_until(flag.is_set, 5.0)  # no ring: it saw the flag on a look
+    timer.join(5)
+    started = time.monotonic()
+    assert not poll.wait_until(lambda: False, 0.05)
+    assert 0.05 <= time.monotonic() - started < 5.0
+    poll.ring()
+    assert inner.rings == 1
 
 
 def test_the_stop_message_ends_run_with_its_reason_before_later_messages(make_rig):

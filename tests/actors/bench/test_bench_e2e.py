@@ -1,6 +1,6 @@
-"""``ringfence bench e2e``: the four ratios, the JSON and the PNG; no timing asserted.
+"""``ringfence bench e2e``: the ratios, the JSON and the PNG; no timing asserted.
 
-Six real launches take about 100 s on a 2-CPU machine (each one's start-up, four
+Fourteen real launches take about 100 s on a 2-CPU machine (each one's start-up, four
 processes importing torch, is most of it), so here each launch is replaced by the
 same run in process (:func:`bench_e2e.run_local`): everything but the subprocess runs.
 ``ringfence launch`` itself is covered by the launch tests.
@@ -18,7 +18,7 @@ from ringfence.actors.bench import launcher
 from ringfence.runtime import cli
 
 
-def test_a_quick_e2e_bench_reports_four_positive_ratios_and_writes_a_plot(
+def test_a_quick_e2e_bench_reports_every_pairs_positive_ratio_and_writes_a_plot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     launched: list[bench_e2e.Run] = []
@@ -30,11 +30,16 @@ def test_a_quick_e2e_bench_reports_four_positive_ratios_and_writes_a_plot(
     monkeypatch.setattr(bench_e2e, "run_launch", in_process)
     path = tmp_path / "e2e.json"
     assert cli.main(["bench", "e2e", "--quick", "--requests", "3", "--json", str(path)]) == 0
-    assert len(launched) == 6
+    assert len(launched) == 14
     report = orjson.loads(path.read_bytes())
     ratios = {row["name"]: row["ratio"] for row in report["rows"]}
-    for name in ("fence/sync", "tiers multiturn", "tiers unique", "actor/local"):
+    pairs = ["fence/sync", "fence/lock", "storage fence/sync", "storage fence/lock"]
+    pairs += ["block/poll", "tiers multiturn", "tiers unique", "actor/local"]
+    for name in pairs:
         assert isinstance(ratios[name], float) and ratios[name] > 0
+    assert ratios["block/poll cpu per token"] is None  # in process: no actor logs
+    sides = {r.settings[-1] for r in launched if r.workload == "pressure"}
+    assert {"transfer.mode=lock", "runtime.wait=poll", "runtime.wait=block"} <= sides
     assert report["preset"] == "tiny" and report["counts"]["requests"] == 3
     assert all(0 <= row["tokens_match"] <= 1 for row in report["rows"] if "tokens_match" in row)
     assert (tmp_path / "e2e.png").stat().st_size > 0
@@ -47,3 +52,17 @@ def test_a_failed_launch_is_an_error_with_exit_status_1(
     monkeypatch.setattr(launcher, "ringfence_command", lambda: ["false"])
     assert cli.main(["bench", "e2e", "--quick", "--requests", "1"]) == 1
     assert "exited with status 1" in capsys.readouterr().err
+
+
+def test_the_instances_cpu_is_every_actors_cpu_from_its_stop_lines(tmp_path: Path) -> None:
+    def log(name: str, *lines: dict[str, object]) -> None:
+        (tmp_path / f"{name}.jsonl").write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+
+    log("engine-0", {"event": "actor.start"}, {"event": "actor.stop", "cpu_s": 1.5})
+    # a restarted Worker: each incarnation's stop counts
+    log("worker-0", {"event": "actor.stop", "cpu_s": 2.0}, {"event": "actor.stop", "cpu_s": 0.25})
+    log("supervisor", {"event": "actor.stop", "cpu_s": 100.0})  # not an actor instance
+    assert bench_e2e.instance_cpu_s(tmp_path) == 3.75
+    log("swap-0", {"event": "actor.start"})
+    with pytest.raises(launcher.RunError, match=r"swap-0\.jsonl: no actor.stop line"):
+        bench_e2e.instance_cpu_s(tmp_path)

@@ -33,3 +33,33 @@ def test_in_sync_mode_every_request_gets_the_plain_loops_tokens(tmp_path, policy
     assert outputs(tmp_path / "run") == reference(workload)
     engine = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())["engine"]
     assert engine["mode"] == "sync" and engine["preemptions"].get(policy, 0) > 0, engine
+
+
+def test_in_lock_mode_with_polling_actors_every_request_gets_the_plain_loops_tokens(tmp_path):
+    """The legacy baselines together: the lock around every step and copy, and every idle
+    wait a 1 ms poll. Slower, never different. (That the lock excludes is tested in
+    test_transfer.py and test_legacy.py; here each executor held one.)"""
+    workload = write_workload(tmp_path / "workload.jsonl", seed=12)
+    sets = (
+        *ENGINE,
+        *TIERS,
+        "transfer.mode=lock",
+        "runtime.wait=poll",
+        "sched.preemption=swap",
+        "cache.device_eviction=write_back",
+        f"engine.workload={workload}",
+    )
+    with inproc_run(tmp_path / "run", sets) as run:
+        assert run.wait_shutdown(RUN_TIMEOUT_S), "the workload did not finish"
+        assert run.failures() == {}
+    assert outputs(tmp_path / "run") == reference(workload)
+    engine = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())["engine"]
+    assert engine["mode"] == "lock" and engine["preemptions"].get("swap", 0) > 0, engine
+    assert (tmp_path / "run" / "legacy-0.lock").exists()
+    waits = [
+        line["waits"]
+        for path in (tmp_path / "run").glob("*.jsonl")
+        for line in map(orjson.loads, path.read_bytes().splitlines())
+        if line.get("event") == "legacy.lock"
+    ]
+    assert len(waits) == 3, waits  # the Worker and both lanes

@@ -10,6 +10,9 @@ bitwise.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +28,7 @@ from lane_rig import WAIT_S, Executor, start_executor
 from ringfence.actors.config import Config
 from ringfence.actors.executors import swap as swap_module
 from ringfence.actors.executors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
+from ringfence.actors.executors.legacy import lock_path
 from ringfence.actors.executors.store import StoreLane
 from ringfence.actors.executors.swap import SwapLane
 from ringfence.actors.executors.transfer import TransferLane
@@ -152,7 +156,11 @@ def make_lane(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
     made: list[Executor] = []
 
     def make(
-        lane_cls: type[TransferLane], *overrides: str, device: bool = True, rank: int = 0
+        lane_cls: type[TransferLane],
+        *overrides: str,
+        device: bool = True,
+        rank: int = 0,
+        run_dir: Path | None = None,
     ) -> Rig:
         name = lane_cls.lane_name
         storage = tmp_path / "storage" if lane_cls is StoreLane else None
@@ -162,7 +170,7 @@ def make_lane(tmp_path: Path, run_id: str) -> Iterator[Callable[..., Rig]]:
         registry = TO_SWAP if lane_cls is SwapLane else TO_STORE
         ex = start_executor(
             lane_cls, name, config=config, run_id=run_id, log_dir=tmp_path,
-            inbox=registry, replies=FROM_TRANSFER, rank=rank,
+            inbox=registry, replies=FROM_TRANSFER, rank=rank, run_dir=run_dir,
         )  # fmt: skip
         made.append(ex)
         ready = ex.next_reply()
@@ -839,6 +847,53 @@ def test_a_fence_wait_past_its_deadline_defers_the_op_and_runs_it_when_the_step_
 
 
 # 9. Chaos delays.
+
+
+# 8. The legacy lock (transfer.mode = lock): a baseline, still exact.
+
+
+@contextlib.contextmanager
+def holding_legacy_lock(run_dir: Path, rank: int = 0) -> Iterator[None]:
+    """Play another executor of the rank inside its step or copy: hold its lock file."""
+    fd = os.open(lock_path(run_dir, rank), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def test_in_lock_mode_a_swap_copies_only_once_no_other_executor_holds_the_lock(
+    make_lane, tmp_path: Path
+) -> None:
+    rig = make_lane(SwapLane, "transfer.mode=lock", run_dir=tmp_path)
+    dev, host = rig.device_kv, rig.host_kv
+    fill(dev, (1, 2), seed=5)
+    with holding_legacy_lock(tmp_path):
+        rig.post(swap(1, "out", (1, 2), (3, 4)))
+        held = rig.replies_box.waiter.wait_until(rig.replies.pending, 0.3)
+        assert not held, "the lane copied while another executor held the lock"
+        assert not same(host[[3, 4]], dev[[1, 2]])
+    done = rig.done(1)
+    assert done.status == "ok", done
+    assert same(host[[3, 4]], dev[[1, 2]])
+    assert rig.lane.legacy is not None and rig.lane.legacy.waits == 1
+
+
+def test_in_lock_mode_a_lock_held_past_its_deadline_fails_the_op_naming_the_lock(
+    make_lane, tmp_path: Path
+) -> None:
+    rig = make_lane(
+        StoreLane, "transfer.mode=lock", "transfer.lock_timeout_s=0.2", run_dir=tmp_path
+    )
+    fill(rig.host_kv, (1,), seed=6)
+    with holding_legacy_lock(tmp_path):
+        failed = rig.run(store(1, "write", (1,), (key(1),)))
+    assert failed.status == "failed" and "legacy lock" in (failed.error or ""), failed
+    assert stored_files(rig.storage) == []
+    done = rig.run(store(2, "write", (1,), (key(1),)))  # the lock is free: the lane goes on
+    assert done.status == "ok", done
+    assert len(stored_files(rig.storage)) == 1
 
 
 def test_chaos_delays_hold_each_op_and_the_copies_stay_exact(make_lane) -> None:
