@@ -249,10 +249,13 @@ def launched_run(
 
 
 def instance_cpu_s(run_dir: Path) -> float:
-    """CPU seconds of every actor of a finished launch, each from ready to its last stop
-    (the ``cpu_s`` of its ``actor.stop`` lines); RunError if an actor's log has none."""
+    """CPU seconds of every actor of a finished launch, each from ready to its stop (the
+    ``cpu_s`` of its ``actor.stop`` lines, every incarnation's); RunError if an actor's log
+    has none. The supervisor is not counted: it is the launcher, not the instance."""
     total = 0.0
     for path in sorted(run_dir.glob("*-[0-9]*.jsonl")):
+        if path.stem.startswith("supervisor-"):  # not an actor: the launch's own process
+            continue
         stops = [
             line["cpu_s"]
             for line in launcher.read_log(run_dir, path.stem)

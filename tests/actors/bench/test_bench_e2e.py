@@ -61,7 +61,7 @@ def test_the_instances_cpu_is_every_actors_cpu_from_its_stop_lines(tmp_path: Pat
     log("engine-0", {"event": "actor.start"}, {"event": "actor.stop", "cpu_s": 1.5})
     # a restarted Worker: each incarnation's stop counts
     log("worker-0", {"event": "actor.stop", "cpu_s": 2.0}, {"event": "actor.stop", "cpu_s": 0.25})
-    log("supervisor", {"event": "actor.stop", "cpu_s": 100.0})  # not an actor instance
+    log("supervisor-0", {"event": "supervisor.stop"})  # not an actor instance
     assert bench_e2e.instance_cpu_s(tmp_path) == 3.75
     log("swap-0", {"event": "actor.start"})
     with pytest.raises(launcher.RunError, match=r"swap-0\.jsonl: no actor.stop line"):
