@@ -75,7 +75,11 @@ EVENTS: Final[dict[str, Event]] = {
     "actor.start": _e(
         "info", "incarnation placement target inboxes outboxes", "attached; on_start is next"
     ),
-    "actor.stop": _e("info", "reason handled failures deferred error", "the instance closed"),
+    "actor.stop": _e(
+        "info",
+        "reason handled failures deferred error cpu_s",
+        "the instance closed; cpu_s: its process's CPU seconds since it was ready",
+    ),
     "actor.failed": _e("error", "where error", "on_start, on_stop or the loop raised"),
     "msg.recv": _e("trace", "peer seq type", "a message is handed to its handler"),
     "msg.send": _e("trace", "peer seq type", "a message was published to a peer"),
@@ -166,6 +170,12 @@ EVENTS: Final[dict[str, Event]] = {
         "warning",
         "lane op op_epoch resent",
         "an op at or below the lane's watermark came again; resent: its completion went again",
+    ),
+    "legacy.lock": _e(
+        "info",
+        "waits wait_ms",
+        "transfer.mode=lock (a baseline): at stop, how often the executor found the legacy "
+        "lock held and how long it waited for it",
     ),
     "lane.failed": _e(
         "error",

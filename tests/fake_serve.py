@@ -113,6 +113,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def main(argv: list[str]) -> int:
     import os
+    import signal
+
+    # SIGINT is the stop, as for the real command; a shell's background job (a CI script
+    # run with &) would otherwise start with it ignored, and a SIGINT before uvicorn's own
+    # handlers would be lost.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     import uvicorn
 

@@ -75,6 +75,9 @@ def run_rank(
                 executor.step_without_logits(pieces)
         if rank == 0:
             torch.save(saved, out)
+        # Both ranks done before either tears the group down: gloo aborts a process
+        # (std::terminate) whose peer destroyed the group while its own threads still run.
+        torch.distributed.barrier()
     finally:
         group.close()
 
