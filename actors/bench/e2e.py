@@ -5,16 +5,18 @@ t=0: ``engine.arrivals=false``, so throughput is not bound by arrival times; mul
 keeps its own arrivals, see below) under two
 configurations that differ in one thing, and reports side A over side B:
 
-1. ``fence/sync``: ``transfer.mode=fence`` vs ``sync`` on ``pressure``, with a device
-   pool of about half what the requests need at once (so sequences are preempted) and
-   ``sched.preemption=swap`` (so the swap lane carries blocks while steps run).
-   Output-token throughput ratio; target >= 1.
+1. ``fence/sync``: ``transfer.mode=fence`` vs ``sync`` on ``pressure``, swap-heavy: a
+   device pool of about a quarter of what the requests need at once (so sequences are
+   preempted) and ``sched.preemption=swap`` (so the swap lane carries blocks while steps
+   run). Output-token throughput ratio; target >= 1.
    ``fence/lock``: the same against ``transfer.mode=lock``, the legacy design's lock
    around every step and every copy (actors/executors/legacy.py). Target >= 1.2.
-   ``storage fence/sync`` and ``storage fence/lock``: the same on ``pressure`` with
-   ``sched.preemption=save`` and write-through to local storage
+   ``storage fence/sync`` and ``storage fence/lock``: storage-heavy, the same on
+   ``pressure`` with ``sched.preemption=save`` and write-through to local storage
    (``cache.device_eviction=write_through``): every full block is stored, and a preempted
-   sequence comes back from storage. Targets >= 1 and >= 1.2.
+   sequence comes back from storage. ``redis fence/sync`` and ``redis fence/lock``: the
+   same on a redis-server the bench starts (skipped where there is none; each launch
+   starts on an empty database). Targets >= 1 and >= 1.2.
    ``block/poll``: ``runtime.wait=block`` (each idle actor sleeps on its doorbell) vs
    ``poll`` (the legacy design's pollers, a 1 ms sleep between looks) on the swap-heavy
    run. Throughput ratio (target >= 1.05) and the instance's CPU seconds per output
@@ -27,7 +29,11 @@ configurations that differ in one thing, and reports side A over side B:
    for the tiers); no target.
 3. ``tiers unique``: the same on ``unique``, where nothing is reusable: what the tiers
    cost. Throughput ratio; target >= 0.97.
-4. ``actor/local``: the actor pipeline with the tiers off (pair 3's side B, the same
+4. ``tiers chat``: the tiers on vs off on the long multi-round chat
+   (``synthetic:chat``, 2x ``--requests`` turns with its arrivals, a 256-block device
+   pool): throughput, and the TTFT p50 / p99 of the returning turns (turn 2 on), B / A
+   (target >= 5 at p50).
+5. ``actor/local``: the actor pipeline with the tiers off (pair 3's side B, the same
    launch) vs :class:`ringfence.actors.testing.local.LocalRunner` in this process on the same
    workload and config: the control plane's cost. Throughput ratio; target >= 0.9.
 
@@ -56,7 +62,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +86,13 @@ SMALL_POOL_BLOCKS = 64  # cache.device_blocks of the multiturn and unique pairs
 # pool has reused a chat's prefix blocks by its next turn, 2 s later, so the host tier
 # serves some of them (a handful of chats all fit on the device, and the tiers idle).
 MULTITURN_FACTOR = 3
-PRESSURE_BLOCKS_PER_REQUEST = 11  # about half of what a pressure request needs (21 blocks)
+PRESSURE_BLOCKS_PER_REQUEST = 5  # about a quarter of what a pressure request needs (21)
 PRESSURE_MIN_BLOCKS = 48  # the longest pressure request (500 + 64 tokens) fits
+# The long multi-round chat (synthetic:chat): 2x --requests turns (4 a user), on a device
+# pool a few histories outgrow (a fourth turn is up to 2,016 tokens: 126 blocks), so a
+# returning turn finds its prefix on host or in storage with the tiers on.
+CHAT_FACTOR = 2
+CHAT_POOL_BLOCKS = 256
 TARGETS: dict[str, float | None] = {
     "fence/sync": 1.0,
     "fence/lock": 1.2,
@@ -93,6 +104,11 @@ TARGETS: dict[str, float | None] = {
     "tiers multiturn ttft p50": None,
     "tiers multiturn ttft p99": None,
     "tiers unique": 0.97,
+    "tiers chat": None,
+    "tiers chat returning ttft p50": 5.0,
+    "tiers chat returning ttft p99": None,
+    "redis fence/sync": 1.0,
+    "redis fence/lock": 1.2,
     "actor/local": 0.9,
 }
 
@@ -129,6 +145,7 @@ class Side:
     engine: dict[str, Any]  # the engine's counters (empty for the local runner)
     wall_s: float  # the whole run, start-up included
     cpu_s: float | None = None  # every actor's CPU from ready to stop (launches only)
+    ttft_by_id: dict[str, float | None] = field(default_factory=dict)  # per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +173,9 @@ TIERS_ON = ("cache.storage.backend=local", f"cache.host_blocks={HOST_BLOCKS}")
 TIERS_OFF = ("cache.storage.backend=none", "cache.host_blocks=0")
 
 
-def pairs(preset: str, requests: int) -> dict[str, tuple[Run, Run]]:
-    """The launched pairs, by name: (side A, side B)."""
+def pairs(preset: str, requests: int, redis_url: str | None = None) -> dict[str, tuple[Run, Run]]:
+    """The launched pairs, by name: (side A, side B); the redis pairs only with a
+    ``redis_url`` (each launch of them starts on an empty database)."""
     common = common_settings(preset, requests)
     blocks = max(PRESSURE_MIN_BLOCKS, requests * PRESSURE_BLOCKS_PER_REQUEST)
     pressure = [*common, f"cache.device_blocks={blocks}", "sched.preemption=swap"]
@@ -174,6 +192,17 @@ def pairs(preset: str, requests: int) -> dict[str, tuple[Run, Run]]:
     def run(workload: str, settings: Sequence[str]) -> Run:
         return Run(workload, requests, tuple(settings))
 
+    chat_requests = CHAT_FACTOR * requests
+    chat = [*common, f"cache.device_blocks={CHAT_POOL_BLOCKS}", "engine.arrivals=true"]
+    chat += [f"engine.requests={chat_requests}"]
+    redis: dict[str, tuple[Run, Run]] = {}
+    if redis_url is not None:
+        on_redis = [*storage, "cache.storage.backend=redis", f"cache.storage.url={redis_url}"]
+        for mode in ("sync", "lock"):
+            redis[f"redis fence/{mode}"] = (
+                run("pressure", [*on_redis, "transfer.mode=fence"]),
+                run("pressure", [*on_redis, f"transfer.mode={mode}"]),
+            )
     return {
         "fence/sync": (
             run("pressure", [*pressure, "transfer.mode=fence"]),
@@ -204,6 +233,11 @@ def pairs(preset: str, requests: int) -> dict[str, tuple[Run, Run]]:
             Run("multiturn", MULTITURN_FACTOR * requests, (*small, *TIERS_OFF, *arrivals)),
         ),
         "tiers unique": (run("unique", [*small, *TIERS_ON]), run("unique", [*small, *TIERS_OFF])),
+        "tiers chat": (
+            Run("chat", chat_requests, (*chat, *TIERS_ON)),
+            Run("chat", chat_requests, (*chat, *TIERS_OFF)),
+        ),
+        **redis,
     }
 
 
@@ -238,6 +272,7 @@ def launched_run(
                 ttft_p99_s=summary["ttft_s"]["p99"],
                 duration_s=float(summary["duration_s"]),
                 tokens={line["id"]: list(line["token_ids"]) for line in done.outputs},
+                ttft_by_id={line["id"]: line.get("ttft_s") for line in done.outputs},
                 engine=dict(summary["engine"]),
                 wall_s=done.wall_s,
                 cpu_s=cpu_s,
@@ -302,6 +337,7 @@ def run_local(run: Run, *, threads: int) -> Side:
         ttft_p99_s=percentile(ttfts, 99) if ttfts else None,
         duration_s=duration_s,
         tokens={r.id: list(r.token_ids) for r in records},
+        ttft_by_id={r.id: r.ttft_s for r in records},
         engine={},
         wall_s=wall_s,
     )
@@ -319,6 +355,13 @@ def tokens_match(a: Side, b: Side) -> float:
     return sum(a.tokens.get(i) == b.tokens.get(i) for i in ids) / len(ids) if ids else 1.0
 
 
+def percentile_of(values: Sequence[float], pct: float) -> float | None:
+    """The ``pct`` percentile of ``values`` as the run report computes it; None if empty."""
+    from ringfence.actors.engine.report import percentile
+
+    return percentile(values, pct) if values else None
+
+
 def median(values: Sequence[float | None]) -> float | None:
     """The median of the known values; None if there are none."""
     known = [v for v in values if v is not None]
@@ -330,16 +373,49 @@ def ratio_of(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def returning_ttfts(side: Side) -> list[float]:
+    """Time to first token of the returning turns of a chat (``chat-u<user>-t<turn>``,
+    turn 1 on): the requests whose prefix a tier may hold."""
+    return [
+        t
+        for rid, t in side.ttft_by_id.items()
+        if t is not None and rid.rpartition("-t")[2] not in ("", "0")
+    ]
+
+
+def flush_redis(url: str) -> None:
+    """Empty the bench's redis database, so a launch finds none of the last one's blocks."""
+    import redis
+
+    with redis.Redis.from_url(url, socket_timeout=10.0) as client:
+        client.flushdb()
+
+
 def bench(preset: str, requests: int, rounds: int, threads: int, timeout: float) -> dict[str, Any]:
-    """Every pair's sides, ``rounds`` times alternating, and the ratios of their medians."""
-    launched = pairs(preset, requests)
-    sides: dict[str, tuple[list[Side], list[Side]]] = {
-        name: ([], []) for name in [*launched, "actor/local"]
-    }
-    with tempfile.TemporaryDirectory(prefix="rf-bench-e2e-") as tmp:
+    """Every pair's sides, ``rounds`` times alternating, and the ratios of their medians.
+    The redis pairs run on a redis-server started here, where one is on PATH."""
+    from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
+
+    skipped: list[str] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="rf-bench-e2e-") as tmp,
+        contextlib.ExitStack() as servers,
+    ):
         folder = Path(tmp)
+        redis_url = None
+        if REDIS_SERVER is None:
+            skipped.append("redis fence/sync and fence/lock: redis-server is not on PATH")
+        else:
+            (folder / "redis").mkdir()
+            redis_url = servers.enter_context(redis_server(folder / "redis"))
+        launched = pairs(preset, requests, redis_url)
+        sides: dict[str, tuple[list[Side], list[Side]]] = {
+            name: ([], []) for name in [*launched, "actor/local"]
+        }
 
         def launch(run: Run) -> Side:
+            if redis_url is not None and f"cache.storage.url={redis_url}" in run.settings:
+                flush_redis(redis_url)
             return run_launch(run, threads=threads, timeout=timeout, folder=folder)
 
         for round_no in range(rounds):
@@ -379,6 +455,21 @@ def bench(preset: str, requests: int, rounds: int, threads: int, timeout: float)
                     b_runs=[],
                 )
             )
+        if name == "tiers chat":
+            for q, pct in (("p50", 50), ("p99", 99)):
+                a_ttft = median([percentile_of(returning_ttfts(s), pct) for s in a_runs])
+                b_ttft = median([percentile_of(returning_ttfts(s), pct) for s in b_runs])
+                rows.append(
+                    _row(
+                        f"{name} returning ttft {q}",
+                        unit=f"TTFT {q} s",
+                        a=a_ttft,
+                        b=b_ttft,
+                        ratio=ratio_of(b_ttft, a_ttft),
+                        a_runs=[],
+                        b_runs=[],
+                    )
+                )
         if name == "tiers multiturn":
             for q in ("p50", "p99"):
                 a_ttft = median([getattr(s, f"ttft_{q}_s") for s in a_runs])
@@ -395,7 +486,7 @@ def bench(preset: str, requests: int, rounds: int, threads: int, timeout: float)
                     )
                 )
     runs = {name: [list(r.settings) for r in pair] for name, pair in launched.items()}
-    return {"rows": rows, "runs": runs}
+    return {"rows": rows, "runs": runs, "skipped": skipped}
 
 
 def _row(
@@ -463,6 +554,8 @@ def _print(report: dict[str, Any]) -> None:
         "  (A/B: fence/sync, fence/lock, block/poll, tiers on/off, actor pipeline/local runner; "
         "TTFT and CPU ratios are B / A, above 1 = A better; tokens: requests with equal outputs)"
     )
+    for line in report.get("skipped", []):
+        print(f"  skipped: {line}")
     print(f"wall time {report['wall_s']:.1f} s")
 
 

@@ -1,6 +1,6 @@
 """``ringfence bench e2e``: the ratios, the JSON and the PNG; no timing asserted.
 
-Fourteen real launches take about 100 s on a 2-CPU machine (each one's start-up, four
+Twenty real launches take minutes on a 2-CPU machine (each one's start-up, four
 processes importing torch, is most of it), so here each launch is replaced by the
 same run in process (:func:`bench_e2e.run_local`): everything but the subprocess runs.
 ``ringfence launch`` itself is covered by the launch tests.
@@ -15,6 +15,7 @@ import pytest
 
 from ringfence.actors.bench import e2e as bench_e2e
 from ringfence.actors.bench import launcher
+from ringfence.cache.storage.redis_server import REDIS_SERVER
 from ringfence.runtime import cli
 
 
@@ -30,11 +31,17 @@ def test_a_quick_e2e_bench_reports_every_pairs_positive_ratio_and_writes_a_plot(
     monkeypatch.setattr(bench_e2e, "run_launch", in_process)
     path = tmp_path / "e2e.json"
     assert cli.main(["bench", "e2e", "--quick", "--requests", "3", "--json", str(path)]) == 0
-    assert len(launched) == 14
+    assert len(launched) == (20 if REDIS_SERVER else 16)
     report = orjson.loads(path.read_bytes())
     ratios = {row["name"]: row["ratio"] for row in report["rows"]}
     pairs = ["fence/sync", "fence/lock", "storage fence/sync", "storage fence/lock"]
-    pairs += ["block/poll", "tiers multiturn", "tiers unique", "actor/local"]
+    pairs += ["block/poll", "tiers multiturn", "tiers unique", "tiers chat", "actor/local"]
+    if REDIS_SERVER:
+        pairs += ["redis fence/sync", "redis fence/lock"]
+    else:
+        assert report["skipped"]
+    for q in ("p50", "p99"):  # the chat's returning turns
+        assert isinstance(ratios[f"tiers chat returning ttft {q}"], float)
     for name in pairs:
         assert isinstance(ratios[name], float) and ratios[name] > 0
     assert ratios["block/poll cpu per token"] is None  # in process: no actor logs
