@@ -540,13 +540,13 @@ def _print(report: dict[str, Any]) -> None:
         f"preset {report['preset']} ({DTYPE}), {report['counts']['requests']} requests a "
         f"workload, all at t=0; median of {report['counts']['rounds']} round(s)"
     )
-    print(f"  {'pair':<22}{'unit':>11}{'A':>10}{'B':>10}{'ratio':>8}{'target':>8}  result  tokens")
+    print(f"  {'pair':<31}{'unit':>11}{'A':>10}{'B':>10}{'ratio':>8}{'target':>8}  result  tokens")
     for row in report["rows"]:
         target = row["target"]
         verdict = "-" if target is None else "pass" if row["meets_target"] else "FAIL"
         match = f"{row['tokens_match']:.0%}" if "tokens_match" in row else ""
         print(
-            f"  {row['name']:<22}{row['unit']:>11}{fmt(row['a'], '10.3f')}"
+            f"  {row['name']:<31}{row['unit']:>11}{fmt(row['a'], '10.3f')}"
             f"{fmt(row['b'], '10.3f')}{fmt(row['ratio'], '7.3f')}x"
             f"{fmt(target, '7.2f') if target is not None else '':>8}  {verdict:<6}  {match}"
         )
