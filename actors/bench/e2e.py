@@ -61,7 +61,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,31 +195,24 @@ def pairs(preset: str, requests: int, redis_url: str | None = None) -> dict[str,
     chat_requests = CHAT_FACTOR * requests
     chat = [*common, f"cache.device_blocks={CHAT_POOL_BLOCKS}", "engine.arrivals=true"]
     chat += [f"engine.requests={chat_requests}"]
+
+    def against_fence(prefix: str, settings: Sequence[str]) -> dict[str, tuple[Run, Run]]:
+        """``<prefix>fence/sync`` and ``<prefix>fence/lock`` on ``pressure``."""
+        return {
+            f"{prefix}fence/{mode}": (
+                run("pressure", [*settings, "transfer.mode=fence"]),
+                run("pressure", [*settings, f"transfer.mode={mode}"]),
+            )
+            for mode in ("sync", "lock")
+        }
+
     redis: dict[str, tuple[Run, Run]] = {}
     if redis_url is not None:
         on_redis = [*storage, "cache.storage.backend=redis", f"cache.storage.url={redis_url}"]
-        for mode in ("sync", "lock"):
-            redis[f"redis fence/{mode}"] = (
-                run("pressure", [*on_redis, "transfer.mode=fence"]),
-                run("pressure", [*on_redis, f"transfer.mode={mode}"]),
-            )
+        redis = against_fence("redis ", on_redis)
     return {
-        "fence/sync": (
-            run("pressure", [*pressure, "transfer.mode=fence"]),
-            run("pressure", [*pressure, "transfer.mode=sync"]),
-        ),
-        "fence/lock": (
-            run("pressure", [*pressure, "transfer.mode=fence"]),
-            run("pressure", [*pressure, "transfer.mode=lock"]),
-        ),
-        "storage fence/sync": (
-            run("pressure", [*storage, "transfer.mode=fence"]),
-            run("pressure", [*storage, "transfer.mode=sync"]),
-        ),
-        "storage fence/lock": (
-            run("pressure", [*storage, "transfer.mode=fence"]),
-            run("pressure", [*storage, "transfer.mode=lock"]),
-        ),
+        **against_fence("", pressure),
+        **against_fence("storage ", storage),
         "block/poll": (
             run("pressure", [*pressure, "runtime.wait=block"]),
             run("pressure", [*pressure, "runtime.wait=poll"]),
@@ -441,50 +434,37 @@ def bench(preset: str, requests: int, rounds: int, threads: int, timeout: float)
                 b_runs=b_runs,
             )
         )
+        lower_is_better: list[tuple[str, str, Callable[[Side], float | None], float]] = []
         if name == "block/poll":
-            a_cpu = median([cpu_per_token(s) for s in a_runs])
-            b_cpu = median([cpu_per_token(s) for s in b_runs])
+            lower_is_better.append(("cpu per token", "CPU ms/tok", cpu_per_token, 1e3))
+        for q, pct in (("p50", 50), ("p99", 99)):
+            if name == "tiers chat":
+
+                def returning(s: Side, pct: float = pct) -> float | None:
+                    return percentile_of(returning_ttfts(s), pct)
+
+                lower_is_better.append((f"returning ttft {q}", f"TTFT {q} s", returning, 1.0))
+            if name == "tiers multiturn":
+
+                def ttft(s: Side, q: str = q) -> float | None:
+                    value: float | None = getattr(s, f"ttft_{q}_s")
+                    return value
+
+                lower_is_better.append((f"ttft {q}", f"TTFT {q} s", ttft, 1.0))
+        for suffix, unit, figure, scale in lower_is_better:  # the ratio is B / A
+            a_fig = median([figure(s) for s in a_runs])
+            b_fig = median([figure(s) for s in b_runs])
             rows.append(
                 _row(
-                    f"{name} cpu per token",
-                    unit="CPU ms/tok",
-                    a=None if a_cpu is None else a_cpu * 1e3,
-                    b=None if b_cpu is None else b_cpu * 1e3,
-                    ratio=ratio_of(b_cpu, a_cpu),
+                    f"{name} {suffix}",
+                    unit=unit,
+                    a=None if a_fig is None else a_fig * scale,
+                    b=None if b_fig is None else b_fig * scale,
+                    ratio=ratio_of(b_fig, a_fig),
                     a_runs=[],
                     b_runs=[],
                 )
             )
-        if name == "tiers chat":
-            for q, pct in (("p50", 50), ("p99", 99)):
-                a_ttft = median([percentile_of(returning_ttfts(s), pct) for s in a_runs])
-                b_ttft = median([percentile_of(returning_ttfts(s), pct) for s in b_runs])
-                rows.append(
-                    _row(
-                        f"{name} returning ttft {q}",
-                        unit=f"TTFT {q} s",
-                        a=a_ttft,
-                        b=b_ttft,
-                        ratio=ratio_of(b_ttft, a_ttft),
-                        a_runs=[],
-                        b_runs=[],
-                    )
-                )
-        if name == "tiers multiturn":
-            for q in ("p50", "p99"):
-                a_ttft = median([getattr(s, f"ttft_{q}_s") for s in a_runs])
-                b_ttft = median([getattr(s, f"ttft_{q}_s") for s in b_runs])
-                rows.append(
-                    _row(
-                        f"{name} ttft {q}",
-                        unit=f"TTFT {q} s",
-                        a=a_ttft,
-                        b=b_ttft,
-                        ratio=ratio_of(b_ttft, a_ttft),
-                        a_runs=[],
-                        b_runs=[],
-                    )
-                )
     runs = {name: [list(r.settings) for r in pair] for name, pair in launched.items()}
     return {"rows": rows, "runs": runs, "skipped": skipped}
 
