@@ -86,7 +86,8 @@ SMALL_POOL_BLOCKS = 64  # cache.device_blocks of the multiturn and unique pairs
 # pool has reused a chat's prefix blocks by its next turn, 2 s later, so the host tier
 # serves some of them (a handful of chats all fit on the device, and the tiers idle).
 MULTITURN_FACTOR = 3
-PRESSURE_BLOCKS_PER_REQUEST = 5  # about a quarter of what a pressure request needs (21)
+PRESSURE_BLOCKS_PER_REQUEST = 11  # about half of what a pressure request needs (21 blocks)
+SWAP_HEAVY_BLOCKS_PER_REQUEST = 5  # about a quarter: the pairs of this bench
 PRESSURE_MIN_BLOCKS = 48  # the longest pressure request (500 + 64 tokens) fits
 # The long multi-round chat (synthetic:chat): 2x --requests turns (4 a user), on a device
 # pool a few histories outgrow (a fourth turn is up to 2,016 tokens: 126 blocks), so a
@@ -177,7 +178,7 @@ def pairs(preset: str, requests: int, redis_url: str | None = None) -> dict[str,
     """The launched pairs, by name: (side A, side B); the redis pairs only with a
     ``redis_url`` (each launch of them starts on an empty database)."""
     common = common_settings(preset, requests)
-    blocks = max(PRESSURE_MIN_BLOCKS, requests * PRESSURE_BLOCKS_PER_REQUEST)
+    blocks = max(PRESSURE_MIN_BLOCKS, requests * SWAP_HEAVY_BLOCKS_PER_REQUEST)
     pressure = [*common, f"cache.device_blocks={blocks}", "sched.preemption=swap"]
     pressure += ["cache.storage.backend=none", f"cache.host_blocks={HOST_BLOCKS}"]
     # Storage-heavy: every full block written through, preempted sequences saved and
