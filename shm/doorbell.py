@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import posix_ipc
 
-from ringfence.shm.barrier import TSO, full_barrier
+from ringfence.shm.barrier import TSO, barrier_enter, barrier_leave, full_barrier
 from ringfence.shm.errors import NameExists, NameMissing
 from ringfence.shm.segment import Segment
 
@@ -122,7 +122,8 @@ class Doorbell:
 
     def ring(self) -> None:
         """Producer side: call after publishing new state. Posts only if the consumer may sleep."""
-        full_barrier()
+        barrier_enter()  # full_barrier(), inline: this runs once per published frame
+        barrier_leave()
         if self._word[_SLEEPING] or not TSO:
             assert self._sem is not None
             self._sem.release()

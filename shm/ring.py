@@ -54,6 +54,7 @@ Either way the next frame is taken whatever its seq; a commit before it records
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple, NoReturn
 
 from ringfence.shm.barrier import TSO, full_barrier
@@ -79,6 +80,7 @@ _HEADER = FRAME.size
 _pack_frame, _unpack_frame = FRAME.pack_into, FRAME.unpack_from
 _pack_length, _unpack_length = LENGTH.pack_into, LENGTH.unpack_from
 MIN_CAPACITY = 256
+_new_frame = tuple.__new__  # builds a Frame without NamedTuple's Python-level __new__
 
 # Word indexes into the header (u64 words).
 _MAGIC, _VERSION, _CAPACITY, _MAX_PAYLOAD = 0, 1, 2, 3
@@ -93,6 +95,34 @@ class Frame(NamedTuple):
     seq: int
     payload: bytes
     end: int
+
+
+class Batch(NamedTuple):
+    """Frames read together (:meth:`RingReader.take`): frame ``i`` has kind ``kinds[i]``,
+    payload ``payloads[i]``, seq ``first_seq + i`` and ends at ``ends[i]``.
+
+    Columns rather than a :class:`Frame` each: a tuple per frame is most of the cost of
+    reading a small frame. ``end`` and ``seq`` are the last frame's, so that ``commit(batch)``
+    releases the whole batch; a batch is never empty.
+    """
+
+    kinds: list[int]
+    payloads: list[bytes]
+    ends: list[int]
+    first_seq: int
+
+    @property
+    def end(self) -> int:
+        return self.ends[-1]
+
+    @property
+    def seq(self) -> int:
+        return self.first_seq + len(self.ends) - 1
+
+    def frames(self) -> list[Frame]:
+        """The batch as one :class:`Frame` per frame."""
+        seqs = range(self.first_seq, self.first_seq + len(self.ends))
+        return list(map(Frame, self.kinds, seqs, self.payloads, self.ends))
 
 
 class Skipped(NamedTuple):
@@ -213,6 +243,8 @@ class RingWriter:
         self._cap = ring.capacity
         self._max = ring.max_payload
         self._head = int(words[_HEAD])
+        self._limit = int(words[_TAIL]) + self._cap  # see put()
+        self.max_batch = self._cap // 2  # framed bytes of one put_many
         self._next_seq = self._last_published_seq() + 1
         self.full_waits = 0  # how often put() found the ring full and had to wait for room
         _claim(words, _PROD_PID, f"producer end of ring {ring.name}")
@@ -273,29 +305,99 @@ class RingWriter:
         if n > self._max or not 0 <= kind < WRAP:
             self._refuse(n, kind)
         # The hot path is inlined: at 64 B, Python call overhead is most of a put's cost.
+        # ``_limit`` is the committed tail plus the capacity as last read: the shared tail
+        # is read again only when a frame would pass it.
         cap, head = self._cap, self._head
         size = _HEADER + ((n + 7) & ~7)
-        rem = cap - head % cap
-        need = size if size <= rem else rem + size
-        if cap - (head - self._words[_TAIL]) < need and not self._wait_for_room(need, timeout):
-            consumer = _peer(self._words, _CONS_PID)
-            if consumer is not None and not consumer.is_alive():
-                raise ActorDead(f"ring {self.ring.name}: consumer pid {consumer.pid} is gone")
-            raise RingFull(f"ring {self.ring.name}: no room for {need} bytes within {timeout}s")
+        off = head % cap
+        rem = cap - off
+        end = head + size if size <= rem else head + rem + size
+        if end > self._limit:
+            self._room(end, timeout)
         data = self._data
-        off = cap - rem
         if size > rem:
             _pack_length(data, off, WRAP)
-            head += rem
             off = 0
         seq = self._next_seq
         data[off + _HEADER : off + _HEADER + n] = payload
         _pack_frame(data, off, n, kind, seq)
-        self._head = head + size
+        self._head = end
         self._next_seq = seq + 1
-        self._words[_HEAD] = self._head  # publish: the frame's stores precede this one
+        self._words[_HEAD] = end  # publish: the frame's stores precede this one
         self.wake.ring()
         return seq
+
+    def put_many(
+        self, frames: Sequence[tuple[int, bytes | bytearray | memoryview]], timeout: float
+    ) -> int:
+        """Publish ``(kind, payload)`` frames in order, with one head store and one doorbell
+        ring for all of them; returns the seq of the last (that of the next put, less one,
+        when ``frames`` is empty).
+
+        All or nothing: waits up to ``timeout`` seconds for room for the whole batch, and
+        raises :class:`RingFull` (nothing written) or :class:`ActorDead` as :meth:`put`
+        does. A batch of more than ``max_batch`` framed bytes (half the capacity, so that
+        it always fits an empty ring) is a ``ValueError`` up front: split it.
+        """
+        if not frames:
+            return self._next_seq - 1
+        cap, head, limit = self._cap, self._head, self._max
+        total = 0
+        for kind, payload in frames:
+            n = len(payload)
+            if n > limit or not 0 <= kind < WRAP:
+                self._refuse(n, kind)
+            total += _HEADER + ((n + 7) & ~7)
+        if total > self.max_batch:
+            raise ValueError(
+                f"ring {self.ring.name}: a batch of {len(frames)} frames ({total} bytes framed) "
+                f"exceeds its {self.max_batch}-byte batch limit; split it"
+            )
+        # Where the batch ends, counting a wrap marker if a frame would cross the end.
+        end, wraps = head, False
+        for _kind, payload in frames:
+            size = _HEADER + ((len(payload) + 7) & ~7)
+            rem = cap - end % cap
+            if size > rem:
+                end += rem
+                wraps = True
+            end += size
+        if end > self._limit:
+            self._room(end, timeout)
+        data, seq, pos = self._data, self._next_seq, head
+        for kind, payload in frames:
+            n = len(payload)
+            size = _HEADER + ((n + 7) & ~7)
+            off = pos % cap
+            if wraps and size > cap - off:
+                _pack_length(data, off, WRAP)
+                pos += cap - off
+                off = 0
+            data[off + _HEADER : off + _HEADER + n] = payload
+            _pack_frame(data, off, n, kind, seq)
+            pos += size
+            seq += 1
+        self._head = end
+        self._next_seq = seq
+        self._words[_HEAD] = end  # one publish for the batch: every frame's stores precede it
+        self.wake.ring()
+        return seq - 1
+
+    def _room(self, end: int, timeout: float) -> None:
+        """Make sure the ring has room up to position ``end``: read the tail again, then wait
+        for the consumer to commit; RingFull or ActorDead at the deadline."""
+        cap = self._cap
+        self._limit = int(self._words[_TAIL]) + cap
+        if end <= self._limit:
+            return
+        need = end - self._head
+        if self._wait_for_room(need, timeout):
+            self._limit = int(self._words[_TAIL]) + cap
+            return
+        consumer = _peer(self._words, _CONS_PID)
+        if consumer is not None and not consumer.is_alive():
+            raise ActorDead(f"ring {self.ring.name}: consumer pid {consumer.pid} is gone")
+        raise RingFull(f"ring {self.ring.name}: no room for {need} bytes within {timeout}s")
 
 
 class RingReader:
@@ -314,6 +416,7 @@ class RingReader:
         self._data = ring.data
         self._cap = ring.capacity
         self._max = ring.max_payload
+        self._mapping = ring.segment.mapping  # payloads are sliced from it: one copy each
         _claim(self._words, _CONS_PID, f"consumer end of ring {ring.name}")
         self.rewind()
 
@@ -351,27 +454,81 @@ class RingReader:
         """
         head = self._words[_HEAD]
         if head > self._pos:
-            return self._read(head)
+            return self._read_one(head)
         if not self.bell.wait_until(self.pending, timeout):
             producer = _peer(self._words, _PROD_PID)
             if producer is not None and not producer.is_alive():
                 raise ActorDead(f"ring {self.ring.name}: producer pid {producer.pid} is gone")
             raise RingEmpty(f"ring {self.ring.name}: no frame within {timeout}s")
-        return self._read(self._words[_HEAD])
+        return self._read_one(self._words[_HEAD])
 
     def poll(self) -> Frame | None:
         """The next frame after the read cursor if one is published, else None; never waits."""
         head = self._words[_HEAD]
-        return self._read(head) if head > self._pos else None
+        return self._read_one(head) if head > self._pos else None
 
-    def _read(self, head: int) -> Frame:
-        """Parse the frame at the read cursor (``head`` already loaded) and move past it."""
+    def _read_one(self, head: int) -> Frame:
+        """The frame at the read cursor (``head`` loaded, past the cursor); moves past it."""
+        pos, cap = self._pos, self._cap
+        off = pos % cap
+        if cap - off >= _HEADER:  # the common frame inline; anything else the careful way
+            length, kind, seq = _unpack_frame(self._data, off)
+            end = pos + _HEADER + ((length + 7) & ~7)
+            ok = length <= self._max and seq == self._expected
+            if ok and end <= head and end - pos <= cap - off:
+                start = HEADER_BYTES + _HEADER + off
+                self._pos, self._expected, self._resync = end, seq + 1, False
+                return _new_frame(Frame, (kind, seq, self._mapping[start : start + length], end))
+        return self._read_careful(head)
+
+    def take(self, max_frames: int = 1 << 30) -> Batch | None:
+        """The frames published now after the read cursor (up to ``max_frames``), without
+        committing them; None if there are none. Never waits.
+
+        A refused frame (see :meth:`recv`) raises :class:`ProtocolError` only when it is
+        the first: the frames before it are returned, and the next call raises.
+        """
+        head, pos = int(self._words[_HEAD]), self._pos
+        if pos >= head or max_frames <= 0:
+            return None
+        cap, data, limit, mapping = self._cap, self._data, self._max, self._mapping
+        kinds: list[int] = []
+        payloads: list[bytes] = []
+        ends: list[int] = []
+        add_kind, add_payload, add_end = kinds.append, payloads.append, ends.append
+        unpack, base, count = _unpack_frame, HEADER_BYTES + _HEADER, 0
+        first = self._read_one(head)  # settles a resync; raises if the first is refused
+        add_kind(first.kind), add_payload(first.payload), add_end(first.end)
+        pos, expected, count = first.end, first.seq + 1, 1
+        # The rest inline: one header unpack, one slice and three appends a frame.
+        while pos < head and count < max_frames:
+            off = pos % cap
+            if cap - off >= _HEADER:
+                length, kind, seq = unpack(data, off)
+                end = pos + _HEADER + ((length + 7) & ~7)
+                if length <= limit and seq == expected and end <= head and end - pos <= cap - off:
+                    start = base + off
+                    add_kind(kind), add_payload(mapping[start : start + length]), add_end(end)
+                    pos, expected, count = end, seq + 1, count + 1
+                    continue
+            self._pos, self._expected = pos, expected
+            try:  # a wrap marker, or a frame to refuse on the next call
+                frame = self._read_careful(head)
+            except ProtocolError:
+                return Batch(kinds, payloads, ends, first.seq)
+            add_kind(frame.kind), add_payload(frame.payload), add_end(frame.end)
+            pos, expected, count = frame.end, frame.seq + 1, count + 1
+        self._pos, self._expected = pos, expected
+        return Batch(kinds, payloads, ends, first.seq)
+
+    def _read_careful(self, head: int) -> Frame:
+        """The frame at the read cursor, whatever its shape; ProtocolError if refused."""
         off, length, kind, seq, end = self._locate(head)
         if seq != self._expected and not self._resync:
             what = "gap" if seq > self._expected else "duplicate"
             self._corrupt(f"sequence {what}: expected {self._expected}, got {seq}")
-        start = off + _HEADER
-        payload = self._data[start : start + length].tobytes()
+        start = HEADER_BYTES + off + _HEADER
+        payload = self._mapping[start : start + length]
         self._pos = end
         self._expected = seq + 1
         self._resync = False
@@ -427,8 +584,9 @@ class RingReader:
     def _corrupt(self, what: str) -> NoReturn:
         raise ProtocolError(f"ring {self.ring.name}: {what}")
 
-    def commit(self, frame: Frame | None = None) -> None:
-        """Release every frame up to and including ``frame`` (default: all read so far)."""
+    def commit(self, frame: Frame | Batch | None = None) -> None:
+        """Release every frame up to and including ``frame`` (a batch: its last; default:
+        all read so far)."""
         words = self._words
         end, seq = (self._pos, self._expected - 1) if frame is None else (frame.end, frame.seq)
         if frame is None and self._resync:  # past a malformed frame: no seq to go on from
@@ -449,14 +607,16 @@ class RingReader:
         return frame
 
     def drain(self, max_frames: int = 1 << 30) -> list[Frame]:
-        """Every frame available now (up to ``max_frames``), committed together; never waits."""
-        frames: list[Frame] = []
-        head = self._words[_HEAD]
-        while self._pos < head and len(frames) < max_frames:
-            frames.append(self._read(head))
-        if frames:
-            self.commit()
-        return frames
+        """Every frame available now (up to ``max_frames``), committed together; never waits.
+
+        A refused frame raises :class:`ProtocolError` as :meth:`recv` does, once the
+        frames before it have been taken and committed. :meth:`take` is the fast form.
+        """
+        batch = self.take(max_frames)
+        if batch is None:
+            return []
+        self.commit(batch)
+        return batch.frames()
 
     def wait_pending(self, timeout: float) -> bool:
         """Wait until a frame is available, without reading it; False at the deadline."""

@@ -97,6 +97,14 @@ class Segment:
         return mv
 
     @property
+    def mapping(self) -> mmap.mmap:
+        """The whole mapping: slicing it copies bytes out with no view object in between
+        (the ring's read path). Closed with the segment."""
+        if self._mmap is None:
+            raise ValueError(f"segment {self.name} is closed")
+        return self._mmap
+
+    @property
     def closed(self) -> bool:
         return self._mmap is None
 

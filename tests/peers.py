@@ -66,12 +66,33 @@ def payload_plan(seed: int, count: int, max_size: int):
 
 
 def stress_producer(
-    ring_name: str, wake_name: str, space_name: str, seed: int, count: int, max_size: int
+    ring_name: str,
+    wake_name: str,
+    space_name: str,
+    seed: int,
+    count: int,
+    max_size: int,
+    batched: bool = False,
 ):
+    """Publish the plan one frame a put, or (``batched``) in put_many batches of 1..16
+    frames, each cut short where it would pass the ring's batch limit."""
     with ring_ends(ring_name, wake_name, space_name) as (ring, wake, space):
         writer = RingWriter(ring, wake=wake, space=space)
+        if not batched:
+            for kind, payload in payload_plan(seed, count, max_size):
+                writer.put(kind, payload, timeout=30)
+            return
+        sizes = random.Random(seed + 1)
+        batch: list[tuple[int, bytes]] = []
+        want, framed = sizes.randint(1, 16), 0
         for kind, payload in payload_plan(seed, count, max_size):
-            writer.put(kind, payload, timeout=30)
+            size = 16 + (len(payload) + 7) // 8 * 8
+            if batch and (len(batch) == want or framed + size > writer.max_batch):
+                writer.put_many(batch, timeout=30)
+                batch, want, framed = [], sizes.randint(1, 16), 0
+            batch.append((kind, payload))
+            framed += size
+        writer.put_many(batch, timeout=30)
 
 
 def durable_consumer(

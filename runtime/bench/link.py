@@ -1,9 +1,13 @@
 """The two ends of each transport that `ringfence bench ring` compares, and the link to a peer.
 
-Transports: ``ringfence`` (two rings, one doorbell per process), ``queue``
-(multiprocessing.Queue), ``pipe`` (multiprocessing.Pipe) and ``manager`` (a
+Transports: ``ringfence`` (two rings, one doorbell per process), ``ringfence-batch``
+(the same, with the stream sent ``BATCH`` frames a ``put_many``), ``zmq`` (a pyzmq PAIR
+socket pair over ``ipc://``, the transport vLLM and SGLang run between their processes),
+``queue`` (multiprocessing.Queue), ``pipe`` (multiprocessing.Pipe) and ``manager`` (a
 BaseManager-served queue.Queue that the consumer polls with ``get_nowait`` in a tight
-loop, as the legacy cache task queue does).
+loop, as the legacy cache task queue does). Every stream sink reads in batches where
+its transport can: ringfence takes whatever is published, zmq drains with NOBLOCK
+before it polls.
 
 A spawned peer speaks a tiny protocol over the transport under test: ``E`` starts an
 echo phase, ``S`` a sink phase (it answers with the count), ``Q`` quits, an empty
@@ -18,6 +22,8 @@ import functools
 import os
 import queue
 import select
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +41,7 @@ from ringfence.shm.errors import RingfenceError
 from ringfence.shm.ring import Ring, RingReader, RingWriter
 
 RING_BYTES = 1 << 20  # data bytes per ring: room to stream 64 KiB frames
+BATCH = 32  # frames a put_many in the ringfence-batch stream (fewer where they would not fit)
 ECHO, SINK, QUIT, READY, STOP = b"E", b"S", b"Q", b"R", b""
 START_TIMEOUT = 60.0  # for a spawned child to report in (spawning is slow under load)
 REPLY_TIMEOUT = 10.0  # for any one reply, in the parent
@@ -59,23 +66,34 @@ class _End(NamedTuple):
     send: Callable[[bytes], object]
     recv: Callable[[float], bytes]
     sink: Callable[[float], int] | None = None
+    send_many: Callable[[list[bytes]], object] | None = None  # where the transport batches
 
 
 def _ring_end(out: Ring, inbox: Ring, own: Doorbell, peer: Doorbell) -> _End:
-    """Writer and reader share this side's doorbell; the stream sink drains in batches."""
+    """Writer and reader share this side's doorbell; the stream sink takes in batches."""
     writer = RingWriter(out, wake=peer, space=own)
     reader = RingReader(inbox, bell=own, space=peer)
 
     def sink(timeout: float) -> int:
         count = 0
         while reader.wait_pending(timeout):
-            for frame in reader.drain():
-                if not frame.payload:
-                    return count
-                count += 1
+            batch = reader.take()
+            if batch is None:
+                continue
+            reader.commit(batch)
+            payloads = batch.payloads
+            if not payloads[-1]:
+                return count + len(payloads) - 1
+            count += len(payloads)
         raise queue.Empty(f"no frame within {timeout} s")
 
-    return _End(lambda b: writer.put(0, b, SEND_TIMEOUT), lambda t: reader.get(t).payload, sink)
+    def send_many(payloads: list[bytes]) -> None:
+        writer.put_many([(0, b) for b in payloads], SEND_TIMEOUT)
+
+    def send(payload: bytes) -> None:
+        writer.put(0, payload, SEND_TIMEOUT)
+
+    return _End(send, lambda t: reader.get(t).payload, sink, send_many)
 
 
 _Shm = TypeVar("_Shm", Ring, Doorbell)
@@ -119,6 +137,42 @@ def _pipe_end(stack: ExitStack, conn: Connection) -> _End:
     return _End(conn.send_bytes, recv)
 
 
+def _zmq_end(stack: ExitStack, address: str, bind: bool = False) -> _End:
+    """A PAIR socket on ``address``; a poll before each receive gives it a deadline."""
+    try:
+        import zmq  # the bench extra: only a run that measures zmq needs it
+    except ImportError:
+        raise BenchError("pyzmq is not installed (pip install 'ringfence[bench]')") from None
+
+    context = zmq.Context()
+    stack.callback(context.term)
+    sock = context.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)  # by unwind every message was acknowledged
+    stack.callback(sock.close)
+    (sock.bind if bind else sock.connect)(address)
+    recv_now, again = functools.partial(sock.recv, zmq.NOBLOCK), zmq.Again
+
+    def recv(timeout: float) -> bytes:
+        if not sock.poll(int(timeout * 1000)):
+            raise queue.Empty(f"no message within {timeout} s")
+        return sock.recv()
+
+    def sink(timeout: float) -> int:
+        count = 0
+        while True:
+            try:
+                message = recv_now()
+            except again:
+                if not sock.poll(int(timeout * 1000)):
+                    raise queue.Empty(f"no message within {timeout} s") from None
+                continue
+            if not message:
+                return count
+            count += 1
+
+    return _End(sock.send, recv, sink)
+
+
 def _manager_end(stack: ExitStack, inbox: Any, outbox: Any) -> _End:
     """Manager proxies; the consumer polls ``get_nowait`` with no sleep, its best case."""
     get, put = inbox.get_nowait, outbox.put
@@ -137,6 +191,8 @@ def _manager_end(stack: ExitStack, inbox: Any, outbox: Any) -> _End:
 
 PEER_ENDS: dict[str, Callable[..., _End]] = {
     "ringfence": _attach_ring,
+    "ringfence-batch": _attach_ring,
+    "zmq": _zmq_end,
     "queue": _queue_end,
     "pipe": _pipe_end,
     "manager": _manager_end,
@@ -194,12 +250,21 @@ _Opener = Callable[[Session, ExitStack], tuple[_End, tuple[Any, ...]]]
 def _open_ring(env: Session, stack: ExitStack) -> tuple[_End, tuple[Any, ...]]:
     """Create both rings and both doorbells (this process unlinks them)."""
     shm = tuple(
-        names.posix_name(env.run_id, f"{env.tag}.{o}") for o in ("ping", "pong", "pb", "cb")
+        names.posix_name(env.run_id, f"{env.tag.replace('-', '_')}.{o}")
+        for o in ("ping", "pong", "pb", "cb")
     )
     ping, pong = (_held(stack, Ring.create(n, RING_BYTES), owner=True) for n in shm[:2])
     spin = env.spin_us
     bell, wake = (_held(stack, Doorbell.create(n, spin_us=spin), owner=True) for n in shm[2:])
     return _ring_end(ping, pong, bell, wake), (shm, spin)
+
+
+def _open_zmq(env: Session, stack: ExitStack) -> tuple[_End, tuple[Any, ...]]:
+    """Bind a PAIR socket in a private directory (removed on unwind); the peer connects."""
+    folder = tempfile.mkdtemp(prefix="rf-bench-zmq-")
+    stack.callback(shutil.rmtree, folder, ignore_errors=True)
+    address = f"ipc://{folder}/{env.tag}.sock"
+    return _zmq_end(stack, address, bind=True), (address,)
 
 
 def _open_queue(env: Session, stack: ExitStack) -> tuple[_End, tuple[Any, ...]]:
@@ -224,6 +289,8 @@ def _open_manager(env: Session, stack: ExitStack) -> tuple[_End, tuple[Any, ...]
 
 OPENERS: dict[str, _Opener] = {
     "ringfence": _open_ring,
+    "ringfence-batch": _open_ring,
+    "zmq": _open_zmq,
     "queue": _open_queue,
     "pipe": _open_pipe,
     "manager": _open_manager,
@@ -241,6 +308,7 @@ class Link:
         """
         self.name = transport
         self.end, handles = OPENERS[transport](env, stack)
+        self.batch = BATCH if transport == "ringfence-batch" else 1  # frames a stream send
         args = (transport, cpu, handles, env.peer_timeout_s)
         self.proc = env.ctx.Process(target=_peer, args=args, name=f"bench-{env.tag}", daemon=True)
         self.proc.start()
@@ -258,6 +326,17 @@ class Link:
     def send(self, data: bytes) -> None:
         try:
             self.end.send(data)
+        except (OSError, EOFError, queue.Full) as e:
+            raise self.failure(f"send failed: {e!r}") from e
+
+    def send_many(self, data: list[bytes]) -> None:
+        """Send ``data`` in one batch where the transport has one, else one by one."""
+        if self.end.send_many is None:
+            for message in data:
+                self.send(message)
+            return
+        try:
+            self.end.send_many(data)
         except (OSError, EOFError, queue.Full) as e:
             raise self.failure(f"send failed: {e!r}") from e
 

@@ -8,6 +8,8 @@ that every ring, doorbell and process the bench made is gone afterwards.
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from ringfence.runtime import cli
 from ringfence.runtime.bench import link as bench_link
 from ringfence.shm.testing import shm_names
 
-PEERS = ("queue", "pipe", "manager")
+PEERS = ("zmq", "queue", "pipe", "manager")
 FIGURES = ("rtt_p50_us", "rtt_p99_us", "num_round_trips", "msgs_per_s", "mb_per_s", "num_streamed")
 
 
@@ -37,7 +39,7 @@ def names_of(report: dict[str, Any]) -> list[str]:
 def test_a_quick_run_reports_every_placement_transport_and_size_with_a_ratio_per_peer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    status, report = run_bench(tmp_path, "--sizes", "64,65536")
+    status, report = run_bench(tmp_path, "--sizes", "64,4096")
     assert status == 0
     assert list(report["placements"]) == ["cross", "same", "loaded"]
     for result in report["placements"].values():
@@ -45,9 +47,9 @@ def test_a_quick_run_reports_every_placement_transport_and_size_with_a_ratio_per
         if result["skipped"]:  # cross, where this process may use only one CPU
             assert len(os.sched_getaffinity(0)) < 2
             continue
-        assert list(result["figures"]) == ["ringfence", *PEERS]
+        assert list(result["figures"]) == ["ringfence", "ringfence-batch", *PEERS]
         for transport, by_size in result["figures"].items():
-            assert list(by_size) == ["64", "65536"]
+            assert list(by_size) == ["64", "4096"]
             for figures in by_size.values():
                 assert all(figures[key] > 0 for key in FIGURES), figures
                 ratios = figures["vs_ringfence"]
@@ -59,8 +61,16 @@ def test_a_quick_run_reports_every_placement_transport_and_size_with_a_ratio_per
     assert report["options"]["idle_seconds"] == 0.5
     assert names_of(report) == []
     out = capsys.readouterr().out
-    for line in ("== cross:", "== same:", "== loaded:", "idle ringfence consumer:", "stream >= 5x"):
+    for line in (
+        "== cross:",
+        "== same:",
+        "== loaded:",
+        "idle ringfence consumer:",
+        "64 B ringfence stream >= 5x mp.Queue",
+        "4 KiB ringfence-batch stream ahead of pyzmq PAIR",
+    ):
         assert line in out
+    assert not list(Path(tempfile.gettempdir()).glob("rf-bench-zmq-*"))  # its socket folders
 
 
 def test_a_peer_that_dies_fails_only_its_own_measurement_and_leaves_no_name(
@@ -83,6 +93,18 @@ def test_a_peer_that_dies_fails_only_its_own_measurement_and_leaves_no_name(
     assert result["figures"]["pipe"]["64"]["vs_ringfence"] is None
     assert "error" in report["idle_consumer"]
     assert names_of(report) == []
+
+
+def test_a_missing_pyzmq_fails_only_the_zmq_measurement_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq now raises ImportError
+    options = ("--placements", "same", "--transports", "ringfence,zmq", "--sizes", "64")
+    status, report = run_bench(tmp_path, *options)
+    assert status == 1
+    result = report["placements"]["same"]
+    assert list(result["figures"]) == ["ringfence"]
+    assert "pyzmq is not installed (pip install 'ringfence[bench]')" in result["errors"]["zmq"]
 
 
 def test_a_pinned_placement_gives_the_parent_its_cpu_affinity_back(tmp_path: Path) -> None:

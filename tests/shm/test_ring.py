@@ -179,47 +179,150 @@ def test_garbage_in_the_data_area_is_rejected_with_protocol_error_or_read_as_fra
     with ring_pair(capacity=1024) as p:
         p.ring.data[: len(garbage)] = garbage
         p.ring.words[8] = head  # a producer that published garbage
-        for _ in range(64):
+        for i in range(64):
             try:
-                frame = p.reader.get(timeout=0)
-            except ProtocolError:
+                if i % 2:  # the batch reader refuses what the single one does
+                    batch = p.reader.take()
+                    if batch is None:
+                        return
+                    frames = batch.frames()
+                    p.reader.commit(batch)
+                else:
+                    frames = [p.reader.get(timeout=0)]
+            except (ProtocolError, RingEmpty):
                 return
-            except RingEmpty:
-                return
-            assert len(frame.payload) <= p.ring.max_payload
+            assert all(len(f.payload) <= p.ring.max_payload for f in frames)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(
         st.one_of(
-            st.integers(min_value=0, max_value=236), st.sampled_from(["get", "drain", "rewind"])
+            st.integers(min_value=0, max_value=236),
+            st.lists(st.integers(min_value=0, max_value=60), min_size=1, max_size=6),
+            st.sampled_from(["get", "drain", "take", "take2", "rewind"]),
         ),
         max_size=120,
     )
 )
 def test_any_interleaving_of_puts_and_gets_delivers_every_frame_once_in_order(ops):
+    """Single puts and batches (lists of sizes) against single reads, drains and takes."""
     with ring_pair(capacity=512) as p:
         model: deque[bytes] = deque()
         sent = 0
         for op in ops:
-            if isinstance(op, int):
-                payload = struct.pack("<I", sent) + bytes([sent % 251]) * op
-                try:
-                    p.writer.put(sent % 7, payload, timeout=0)
-                except RingFull:
-                    assert p.writer.free_bytes() < needed_bytes(p, len(payload))
+            if isinstance(op, (int, list)):
+                sizes = [op] if isinstance(op, int) else op
+                batch = [
+                    ((sent + i) % 7, struct.pack("<I", sent + i) + bytes([(sent + i) % 251]) * n)
+                    for i, n in enumerate(sizes)
+                ]
+                used = p.ring.used_bytes()
+                if sum(frame_bytes(len(b)) for _, b in batch) > p.writer.max_batch:
+                    with pytest.raises(ValueError, match="split it"):
+                        p.writer.put_many(batch, timeout=0)
+                    assert p.ring.used_bytes() == used
                     continue
-                model.append(payload)
-                sent += 1
+                try:
+                    if isinstance(op, int):
+                        assert p.writer.put(*batch[0], timeout=0) == sent + 1
+                    else:
+                        assert p.writer.put_many(batch, timeout=0) == sent + len(batch)
+                except RingFull:
+                    assert p.ring.used_bytes() == used  # all or nothing
+                    if isinstance(op, int):
+                        assert p.writer.free_bytes() < needed_bytes(p, len(batch[0][1]))
+                    continue
+                model.extend(payload for _, payload in batch)
+                sent += len(batch)
             elif op == "get" and model:
                 assert p.reader.get(timeout=0).payload == model.popleft()
             elif op == "drain":
                 assert [f.payload for f in p.reader.drain()] == list(model)
                 model.clear()
+            elif op in ("take", "take2"):
+                taken = p.reader.take(2 if op == "take2" else 1 << 30)
+                if taken is None:
+                    assert not model
+                    continue
+                expected = [model.popleft() for _ in taken.payloads]
+                assert taken.payloads == expected
+                assert taken.kinds == [struct.unpack_from("<I", x)[0] % 7 for x in expected]
+                assert taken.first_seq == struct.unpack_from("<I", expected[0])[0] + 1
+                p.reader.commit(taken)
             elif op == "rewind":
                 p.reader.rewind()
         assert [f.payload for f in p.reader.drain()] == list(model)
+
+
+def test_a_batch_is_published_with_one_head_store_and_one_doorbell_ring(monkeypatch):
+    with ring_pair(capacity=1024) as p:
+        rings = []
+        monkeypatch.setattr(p.writer.wake, "ring", lambda: rings.append(p.ring.used_bytes()))
+        batch = [(k, bytes([k]) * (40 * k)) for k in range(1, 5)]
+        assert p.writer.put_many(batch, timeout=0) == 4
+        assert rings == [sum(frame_bytes(40 * k) for k in range(1, 5))]
+        taken = p.reader.take()
+        assert taken is not None
+        assert (taken.kinds, taken.payloads, taken.first_seq) == (
+            [1, 2, 3, 4],
+            [b for _, b in batch],
+            1,
+        )
+        assert taken.seq == 4 and taken.end == taken.ends[-1] == p.ring.used_bytes()
+        assert p.writer.put_many([], timeout=0) == 4  # an empty batch: the last seq so far
+
+
+def test_a_batch_that_crosses_the_end_of_the_ring_wraps_the_frame_that_does_not_fit():
+    with ring_pair(capacity=512) as p:
+        for _ in range(2):
+            p.writer.put(0, bytes(200), timeout=0)
+        p.reader.drain()  # the tail is now at 432: 80 bytes to the end
+        batch = [(1, b"a" * 40), (2, b"b" * 40), (3, b"c" * 40)]  # 56 bytes framed each
+        assert p.writer.put_many(batch, timeout=0) == 5
+        taken = p.reader.take()
+        assert taken is not None
+        frames = taken.frames()
+        assert [(f.kind, f.payload) for f in frames] == batch
+        assert [f.end for f in frames] == [488, 512 + 56, 512 + 112]
+
+
+def test_a_batch_that_does_not_fit_raises_ring_full_at_the_deadline_and_writes_nothing():
+    with ring_pair(capacity=512) as p:
+        p.writer.put(1, bytes(200), timeout=0)
+        p.writer.put(1, bytes(80), timeout=0)  # 312 of 512 bytes used
+        used, next_seq = p.ring.used_bytes(), p.writer.next_seq
+        batch = [(k, bytes(40)) for k in range(4)]  # 224 bytes framed
+        with pytest.raises(RingFull, match="no room for 256 bytes"):  # 224 + 32 skipped to wrap
+            p.writer.put_many(batch, timeout=0.02)
+        assert (p.ring.used_bytes(), p.writer.next_seq) == (used, next_seq)
+        p.reader.get(timeout=0)
+        assert p.writer.put_many(batch, timeout=0) == 6
+
+
+def test_a_batch_over_half_the_ring_or_with_a_bad_frame_is_a_value_error_naming_it():
+    with ring_pair(capacity=1024) as p:
+        with pytest.raises(ValueError, match=r"batch of 9 frames \(576 bytes framed\) exceeds"):
+            p.writer.put_many([(1, bytes(48))] * 9, timeout=0)
+        with pytest.raises(ValueError, match="exceeds its 496-byte limit"):
+            p.writer.put_many([(1, b"ok"), (1, bytes(497))], timeout=0)
+        with pytest.raises(ValueError, match="frame kind -1 outside u32"):
+            p.writer.put_many([(1, b"ok"), (-1, b"")], timeout=0)
+        assert p.ring.used_bytes() == 0 and p.writer.next_seq == 1
+
+
+def test_take_returns_the_frames_before_a_refused_one_and_the_next_take_raises():
+    with ring_pair(capacity=1024) as p:
+        p.writer.put_many([(1, b"one"), (2, b"two")], timeout=0)
+        tail = p.ring.used_bytes()
+        p.ring.data[tail : tail + 16] = FRAME.pack(8, 0, 99)  # seq 99 where 3 belongs
+        p.ring.words[8] = tail + 16 + 8
+        taken = p.reader.take()
+        assert taken is not None and taken.payloads == [b"one", b"two"]
+        with pytest.raises(ProtocolError, match="sequence gap: expected 3, got 99"):
+            p.reader.take()
+        assert p.reader.skip().seq == 99
+        assert p.reader.take() is None
 
 
 def test_a_second_live_producer_is_refused(run_id):

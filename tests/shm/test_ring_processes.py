@@ -19,7 +19,9 @@ from ringfence.shm.segment import Segment
 from ringfence.shm.testing import reap, ring_pair
 
 
-def stress(frames: int, capacity: int, max_size: int, seed: int):
+def stress(frames: int, capacity: int, max_size: int, seed: int, batched: bool = False):
+    """Frames of the seed's plan through a ring between processes; ``batched``: published
+    with put_many and read with take (else put, and drain or get)."""
     with ring_pair(capacity=capacity) as p:
         p.writer.close()
         producer = start(
@@ -30,12 +32,20 @@ def stress(frames: int, capacity: int, max_size: int, seed: int):
             seed,
             frames,
             max_size,
+            batched,
         )
         try:
             expected = peers.payload_plan(seed, frames, max_size)
             received = 0
             while received < frames:
-                for frame in p.reader.drain(256) or [p.reader.get(timeout=30)]:
+                if batched:
+                    batch = p.reader.take(256) if p.reader.wait_pending(30) else None
+                    assert batch is not None, "no frame within 30 s"
+                    p.reader.commit(batch)
+                    got = batch.frames()
+                else:
+                    got = p.reader.drain(256) or [p.reader.get(timeout=30)]
+                for frame in got:
                     kind, payload = next(expected)
                     received += 1
                     assert frame.seq == received, "frames out of order"
@@ -53,6 +63,12 @@ def stress(frames: int, capacity: int, max_size: int, seed: int):
 def test_300_000_frames_of_random_sizes_pass_a_small_ring_intact_and_in_order(rng):
     # 16 KiB ring, frames of 4..1028 bytes: about 9,000 wraparounds (the soak: 10 million).
     stress(frames=300_000, capacity=16384, max_size=1024, seed=rng.randrange(1 << 32))
+
+
+def test_100_000_frames_in_batches_pass_a_small_ring_intact_and_in_order(rng):
+    # put_many batches of 1..16 frames (wrap markers inside batches), read with take.
+    seed = rng.randrange(1 << 32)
+    stress(frames=100_000, capacity=16384, max_size=1024, seed=seed, batched=True)
 
 
 @pytest.mark.slow
