@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
@@ -61,6 +61,8 @@ class Services(Protocol):
 
     def send(self, to: str, msg: object, timeout: float | None) -> int: ...
     def send_all(self, role: str, msg: object, timeout: float | None) -> list[int]: ...
+    def send_many(self, to: str, msgs: Sequence[object], timeout: float | None) -> list[int]: ...
+    def send_all_many(self, role: str, msgs: Sequence[object], timeout: float | None) -> None: ...
     def peers(self, role: str) -> list[str]: ...
     def schedule(self, delay_s: float, msg: object) -> None: ...
     def stop(self, reason: str) -> None: ...
@@ -173,6 +175,20 @@ class Actor:
         :meth:`send` would (encoded once where every ring shares a registry); the transport
         seqs."""
         return self.ctx.services.send_all(role, msg, timeout)
+
+    def send_many(
+        self, to: str, msgs: Sequence[object], *, timeout: float | None = None
+    ) -> list[int]:
+        """Send ``msgs`` to ``to`` in order as :meth:`send` would, batched on a ring: a
+        ``put_many`` (one doorbell ring) per batch, as many as the ring's batch limit needs.
+        RingFull at the deadline carries ``sent``: the messages published before it."""
+        return self.ctx.services.send_many(to, msgs, timeout)
+
+    def send_all_many(
+        self, role: str, msgs: Sequence[object], *, timeout: float | None = None
+    ) -> None:
+        """:meth:`send_many` to every instance of actor ``role``, in rank order."""
+        self.ctx.services.send_all_many(role, msgs, timeout)
 
     def schedule(self, delay_s: float, msg: object) -> None:
         """Hand ``msg`` to this actor's own handler after ``delay_s`` (a timer is a message)."""

@@ -30,7 +30,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,6 +164,13 @@ class Driver:
 
     def send_all(self, role: str, msg: object, timeout: float | None) -> list[int]:
         return self.routes.send_all(role, msg, self._send_timeout if timeout is None else timeout)
+
+    def send_many(self, to: str, msgs: Sequence[object], timeout: float | None) -> list[int]:
+        return self.routes.send_many(to, msgs, self._send_timeout if timeout is None else timeout)
+
+    def send_all_many(self, role: str, msgs: Sequence[object], timeout: float | None) -> None:
+        timeout = self._send_timeout if timeout is None else timeout
+        self.routes.send_all_many(role, msgs, timeout)
 
     def schedule(self, delay_s: float, msg: object) -> None:
         if type(msg) not in self._table:

@@ -7,7 +7,7 @@ here (``engine``); a role with several ranks is reached one rank at a time or al
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ringfence.runtime.log import ActorLog
 from ringfence.runtime.mailbox import Outbox, RingOutbox
@@ -72,6 +72,29 @@ class Routes:
             return [self.send(o.peer, msg, timeout) for o in outboxes]
         kind, payload = rings[0].encode(msg)
         return [self._sent(r.peer, msg, r.put(kind, payload, timeout)) for r in rings]
+
+    def send_many(self, to: str, msgs: Sequence[object], timeout: float) -> list[int]:
+        """Send ``msgs`` to ``to`` in order, batched on a ring (see ``RingOutbox.send_many``);
+        the transport seqs."""
+        outbox = self.route(to)
+        seqs = outbox.send_many(msgs, timeout)
+        return [self._sent(outbox.peer, m, seq) for m, seq in zip(msgs, seqs, strict=True)]
+
+    def send_all_many(self, role: str, msgs: Sequence[object], timeout: float) -> None:
+        """Send ``msgs`` to every instance of ``role``, rank by rank, each rank's batched; over
+        rings of one registry each message is encoded once (a schedule's ops to every rank)."""
+        outboxes = [self.outboxes[peer] for peer in self.peers(role)]
+        rings = [o for o in outboxes if isinstance(o, RingOutbox)]
+        same = len(rings) == len(outboxes) > 1
+        if not same or any(o.registry is not rings[0].registry for o in rings):
+            for outbox in outboxes:
+                self.send_many(outbox.peer, msgs, timeout)
+            return
+        frames = [rings[0].encode(msg) for msg in msgs]
+        for ring in rings:
+            seqs = ring.put_many(frames, timeout)
+            for msg, seq in zip(msgs, seqs, strict=True):
+                self._sent(ring.peer, msg, seq)
 
     def _sent(self, peer: str, msg: object, seq: int) -> int:
         if self.log.tracing:

@@ -29,7 +29,15 @@ class ProtocolError(RingfenceError, ValueError):
 
 
 class RingFull(RingfenceError, queue.Full):
-    """A ring had no room for a frame before the deadline."""
+    """A ring had no room for a frame before the deadline.
+
+    ``sent``: of several messages sent together (``send_many``), how many were published
+    before the batch that found no room; the rest were not.
+    """
+
+    def __init__(self, message: str, *, sent: int = 0):
+        super().__init__(message)
+        self.sent = sent
 
 
 class RingEmpty(RingfenceError, queue.Empty):

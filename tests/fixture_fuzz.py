@@ -20,6 +20,7 @@ its pools from the run dir, where :func:`write_pools` put them before the launch
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -80,6 +81,24 @@ class FuzzingPeer(Actor):
             for _ in range(self.every_time()):
                 self._put_one(role)
         return seqs
+
+    def send_many(
+        self, to: str, msgs: Sequence[object], *, timeout: float | None = None
+    ) -> list[int]:
+        seqs = super().send_many(to, msgs, timeout=timeout)
+        name = to.rsplit("-", 1)[0]
+        if self.pool(name):  # as many fuzzed frames as one by one, after the batch
+            for _ in range(self.every_time() * len(msgs)):
+                self._put_one(name)
+        return seqs
+
+    def send_all_many(
+        self, role: str, msgs: Sequence[object], *, timeout: float | None = None
+    ) -> None:
+        super().send_all_many(role, msgs, timeout=timeout)
+        if self.pool(role):
+            for _ in range(self.every_time() * len(msgs)):
+                self._put_one(role)
 
     def pool(self, name: str) -> list[Fuzz]:
         """The frames to put on the ring to actor ``name`` (none: that ring is left alone)."""

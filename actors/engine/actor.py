@@ -91,10 +91,14 @@ class Engine(Actor):
             lambda to, m: self.send(to, m, timeout=0),
             self.log,
             max_live=config.engine.max_requests_per_client,
+            send_many=lambda to, ms: self.send_many(to, ms, timeout=0),
         )
         self.roster = Roster(self.ctx.epoch, self.ranks)
         self.ledger = Ledger(
-            self.ranks, sync=config.transfer.mode == "sync", send_all=self.send_all, log=self.log
+            self.ranks,
+            sync=config.transfer.mode == "sync",
+            send_all=self.send_all_many,
+            log=self.log,
         )
         self.intake = Intake(config)
         self.outputs = Outputs(self.clients, self.log, self.now)

@@ -123,6 +123,8 @@ class ClientHub:
     ``send(peer, msg)`` publishes one message to client instance ``peer`` without
     waiting (the engine passes ``lambda to, m: self.send(to, m, timeout=0)``) and
     raises RingFull when the ring has no room, ActorDead when its reader is gone.
+    ``send_many(peer, msgs)``, where given, publishes several in order the same way, in
+    batches (one doorbell ring each), its RingFull carrying ``sent``: what went before.
     """
 
     def __init__(
@@ -132,8 +134,10 @@ class ClientHub:
         *,
         max_queued: int = MAX_QUEUED,
         max_live: int = MAX_LIVE,
+        send_many: Callable[[str, list[object]], object] | None = None,
     ) -> None:
         self._send = send
+        self._send_many = send_many
         self._log = log
         self._max_queued = max_queued
         self._max_live = max_live
@@ -310,6 +314,8 @@ class ClientHub:
         """
         sent = 0
         for peer, client in self._clients.items():
+            if self._send_many is not None and len(client.queue) + (client.stats is not None) > 1:
+                sent += self._flush_batch(peer, client)
             while (client.queue or client.stats is not None) and not client.lost:
                 out = client.queue[0] if client.queue else None
                 try:
@@ -328,6 +334,31 @@ class ClientHub:
                 if client.open.get(out.request_id) is out:
                     del client.open[out.request_id]
         return sent
+
+    def _flush_batch(self, peer: str, client: _Client) -> int:
+        """Send what is queued for ``client`` (then its Stats) with one ``send_many``; how many
+        went. Those that did not stay queued, for the one-by-one loop."""
+        assert self._send_many is not None
+        outs = list(client.queue)
+        msgs: list[object] = [out.message() for out in outs]
+        if client.stats is not None:
+            msgs.append(client.stats)
+        try:
+            self._send_many(peer, msgs)
+            done = len(msgs)
+        except RingFull as e:
+            done = e.sent
+        except ActorDead:
+            client.lost = "its ring's reader is gone"
+            client.stats = None
+            return 0
+        for out in outs[:done]:
+            client.queue.popleft()
+            if client.open.get(out.request_id) is out:
+                del client.open[out.request_id]
+        if done > len(outs):
+            client.stats = None
+        return done
 
     def pending(self) -> bool:
         """True while some message (a Stats included) is held and not yet sent."""

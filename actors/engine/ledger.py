@@ -34,7 +34,7 @@ LANE_OF = {"swap": Lane.SWAP, "store": Lane.STORE}
 _WORST = ("ok", "cancelled", "failed", "rejected")  # the status of an op whose ranks differ
 
 Report = StepResult | OpDone
-SendAll = Callable[[str, object], object]  # (role, message): to every rank of the role
+SendAll = Callable[[str, list[object]], object]  # (role, messages): to every rank, in order
 
 
 class Outcome(NamedTuple):
@@ -109,6 +109,7 @@ class Ledger:
         """Send, in issue order, every op whose lane has credit at every rank (and, in sync
         mode, whose fence's ops are all complete)."""
         for lane, state in self.lanes.items():
+            batch: list[object] = []  # one put_many a rank: the lane's executor wakes once
             while state.queue and self.in_flight(lane) < CREDITS[lane]:
                 op, epoch = state.queue[0]
                 sent = op
@@ -120,9 +121,11 @@ class Ledger:
                 state.queue.popleft()
                 state.last_sent = op.number
                 state.sent_epoch[op.number] = epoch
-                self.send_all(TARGET[lane], replace(sent, epoch=epoch))
+                batch.append(replace(sent, epoch=epoch))
                 if self.log.tracing:
                     self._trace_issue(op)
+            if batch:
+                self.send_all(TARGET[lane], batch)
 
     def settle(self, lane: Lane, rank: int, report: Report, epoch_now: int) -> Outcome | None:
         """Count one rank's report of an op; the op's outcome once it is complete on every

@@ -27,10 +27,12 @@ from ringfence.runtime.mailbox import (
     Mailbox,
     PollWaiter,
     RingInbox,
+    RingOutbox,
     Waiter,
 )
 from ringfence.runtime.messages import Failed, Stop, Tick
 from ringfence.shm.errors import ActorDead, ProtocolError, RingFull
+from ringfence.shm.ring import Batch
 from ringfence.shm.testing import RingPair, ring_pair
 
 PROTO = Registry("host->x", verify=True)
@@ -676,6 +678,52 @@ def test_send_all_reaches_every_rank_in_rank_order(make_rig):
     received = {name: drain(inbox) for name, inbox in inboxes.items()}
     assert received == {"sink-10": [Item(n=5)], "sink-2": [Item(n=5)], "sink-0": [Item(n=5)],
                         "relay-1": []}  # fmt: skip
+
+
+def test_send_many_and_send_all_many_deliver_in_order_with_consecutive_seqs(make_rig):
+    rig = make_rig(Recorder)
+    inboxes = rig.add_peers("sink-1", "sink-0", "relay-0")
+    items = [Item(n=n) for n in range(5)]
+    assert rig.actor.send_many("relay", items) == [1, 2, 3, 4, 5]
+    rig.actor.send_all_many("sink", items[:2])
+    rig.actor.send_all_many("sink", items[2:])
+    received = {name: drain(inbox) for name, inbox in inboxes.items()}
+    assert received == {"sink-1": items, "sink-0": items, "relay-0": items}
+
+
+def decoded(batch: Batch) -> list[object]:
+    return [PROTO.decode(k, p) for k, p in zip(batch.kinds, batch.payloads, strict=True)]
+
+
+def test_a_ring_outbox_sends_many_in_batches_under_the_ring_limit_one_doorbell_ring_each(
+    ring, monkeypatch
+):
+    outbox = RingOutbox("host", ring.writer, PROTO)
+    rings: list[int] = []
+    monkeypatch.setattr(ring.writer.wake, "ring", lambda: rings.append(ring.ring.used_bytes()))
+    items = [Item(n=n) for n in range(1000, 1100)]  # 100 frames of 32 bytes: 3,200 of 4,096
+    framed = 16 + (len(outbox.encode(items[0])[1]) + 7) // 8 * 8
+    per_batch = ring.writer.max_batch // framed
+    assert outbox.send_many(items, timeout=0) == list(range(1, 101))
+    assert rings == [framed * min(100, k) for k in range(per_batch, 100 + per_batch, per_batch)]
+    batch = ring.reader.take()
+    assert batch is not None and batch.first_seq == 1
+    assert decoded(batch) == items
+    ring.reader.commit(batch)
+
+
+def test_a_ring_outbox_that_fills_part_way_says_how_many_messages_went(ring):
+    outbox = RingOutbox("host", ring.writer, PROTO)
+    items = [Item(n=n) for n in range(1000, 1200)]  # 6,400 bytes framed: over the 4,096
+    with pytest.raises(RingFull) as raised:
+        outbox.send_many(items, timeout=0)
+    sent = raised.value.sent
+    assert 0 < sent < len(items)
+    batch = ring.reader.take()
+    assert batch is not None
+    assert decoded(batch) == items[:sent]
+    ring.reader.commit(batch)
+    assert outbox.send_many(items[sent:], timeout=0)[0] == sent + 1  # the rest, in order
 
 
 @pytest.mark.parametrize("to", ["nobody", "tap-3"])

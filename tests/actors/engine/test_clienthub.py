@@ -33,6 +33,7 @@ class Rings:
         self.sent: dict[str, list[object]] = {}
         self.room: dict[str, int] = {}
         self.dead: set[str] = set()
+        self.batches: list[int] = []  # the length of each send_many
 
     def __call__(self, peer: str, msg: object) -> None:
         if peer in self.dead:
@@ -42,11 +43,32 @@ class Rings:
             raise RingFull(f"{peer} is full")
         taken.append(msg)
 
+    def many(self, peer: str, msgs: list[object]) -> None:
+        """A fake ``send_many``: in order, stopping where the room ends, as a ring does."""
+        self.batches.append(len(msgs))
+        for i, msg in enumerate(msgs):
+            try:
+                self(peer, msg)
+            except RingFull as e:
+                raise RingFull(str(e), sent=i) from None
+
+
+BATCHED = [False]  # whether make_hub gives the hub send_many (both, by the fixture below)
+
+
+@pytest.fixture(autouse=True, params=["one by one", "batched"])
+def flush_mode(request: pytest.FixtureRequest) -> None:
+    """Every test runs with a hub that sends one message at a time and with one that
+    sends each client's queue with one send_many: what the client gets is the same."""
+    BATCHED[0] = request.param == "batched"
+
 
 def make_hub(max_queued: int = 16, max_live: int = 256) -> tuple[ClientHub, Rings]:
     rings = Rings()
     log = ActorLog(None, actor="engine", rank=0, epoch=0)
-    return ClientHub(rings, log, max_queued=max_queued, max_live=max_live), rings
+    many = rings.many if BATCHED[0] else None
+    hub = ClientHub(rings, log, max_queued=max_queued, max_live=max_live, send_many=many)
+    return hub, rings
 
 
 def hello(incarnation: int = 1, stamp: ProcessStamp = ME, stats: bool = False) -> Hello:
@@ -348,3 +370,18 @@ def test_a_stats_round_trips_through_the_codec():
     older = orjson.loads(payload)
     del older["stats"]
     assert CLIENT_TO_ENGINE.decode(kind, orjson.dumps(older)) == hello()
+
+
+def test_a_batched_flush_sends_each_clients_queue_and_stats_with_one_send_many():
+    hub, rings = make_hub()
+    if not BATCHED[0]:
+        pytest.skip("the batched hub only")
+    hub.hello("c-0", hello(stats=True))
+    keys = [hub.submit("c-0", submit(f"r{i}")) for i in range(3)]
+    for key in keys:
+        hub.emit(key, (1,))
+    hub.post_stats(stats(7))
+    assert hub.flush() == 4
+    assert rings.batches == [4]
+    assert [type(m).__name__ for m in rings.sent["c-0"]] == ["Tokens"] * 3 + ["Stats"]
+    assert not hub.pending()

@@ -20,7 +20,9 @@ from ringfence.sched.ops import Op, Piece, StepOp, StoreOp, SwapOp
 def make_ledger(tmp_path: Path, ranks: int = 2, *, sync: bool = False):
     sent: list[tuple[str, object]] = []
     log = ActorLog(tmp_path / "engine-0.jsonl", actor="engine", rank=0, epoch=0)
-    ledger = Ledger(ranks, sync=sync, send_all=lambda role, m: sent.append((role, m)), log=log)
+    ledger = Ledger(
+        ranks, sync=sync, send_all=lambda role, ms: sent.extend((role, m) for m in ms), log=log
+    )
     ledger.begin({Lane.STEP: 1, Lane.SWAP: 1, Lane.STORE: 1})
     return ledger, sent, log
 

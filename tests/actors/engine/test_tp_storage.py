@@ -120,7 +120,7 @@ def prefetched(ledger: Ledger, op: StoreOp, ranks: list[MemoryBackend]) -> Outco
 
 def make_ledger(tmp_path: Path) -> Ledger:
     log = ActorLog(tmp_path / "engine-0.jsonl", actor="engine", rank=0, epoch=0)
-    ledger = Ledger(RANKS, sync=False, send_all=lambda role, message: None, log=log)
+    ledger = Ledger(RANKS, sync=False, send_all=lambda role, messages: None, log=log)
     ledger.begin(dict.fromkeys(Lane, 1))
     return ledger
 
