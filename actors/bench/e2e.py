@@ -32,7 +32,9 @@ configurations that differ in one thing, and reports side A over side B:
 4. ``tiers chat``: the tiers on vs off on the long multi-round chat
    (``synthetic:chat``, 2x ``--requests`` turns with its arrivals, a 256-block device
    pool): throughput, and the TTFT p50 / p99 of the returning turns (turn 2 on), B / A
-   (target >= 5 at p50).
+   (target >= 5 at p50). ``chat fence/sync`` and ``chat fence/lock``: the same chat,
+   tiers on, fence against sync and against the legacy lock: throughput (targets >= 1
+   and >= 1.2) and the returning turns' TTFTs.
 5. ``actor/local``: the actor pipeline with the tiers off (pair 3's side B, the same
    launch) vs :class:`ringfence.actors.testing.local.LocalRunner` in this process on the same
    workload and config: the control plane's cost. Throughput ratio; target >= 0.9.
@@ -69,6 +71,7 @@ from typing import Any
 import orjson
 
 from ringfence.actors.bench import launcher
+from ringfence.actors.bench.e2e_pairs import DTYPE, TARGETS, Run, pairs
 from ringfence.actors.bench.launcher import RunError
 from ringfence.actors.bench.options import (
     add_counts,
@@ -77,41 +80,6 @@ from ringfence.actors.bench.options import (
     resolve_counts,
     resolve_preset,
 )
-
-DTYPE = "float32"
-BLOCK_SIZE = 16
-HOST_BLOCKS = 512  # cache.host_blocks where the host tier is on
-SMALL_POOL_BLOCKS = 64  # cache.device_blocks of the multiturn and unique pairs
-# Multiturn runs 3x --requests (6 chats by default): with a few chats at once the small
-# pool has reused a chat's prefix blocks by its next turn, 2 s later, so the host tier
-# serves some of them (a handful of chats all fit on the device, and the tiers idle).
-MULTITURN_FACTOR = 3
-PRESSURE_BLOCKS_PER_REQUEST = 11  # about half of what a pressure request needs (21 blocks)
-SWAP_HEAVY_BLOCKS_PER_REQUEST = 5  # about a quarter: the pairs of this bench
-PRESSURE_MIN_BLOCKS = 48  # the longest pressure request (500 + 64 tokens) fits
-# The long multi-round chat (synthetic:chat): 2x --requests turns (4 a user), on a device
-# pool a few histories outgrow (a fourth turn is up to 2,016 tokens: 126 blocks), so a
-# returning turn finds its prefix on host or in storage with the tiers on.
-CHAT_FACTOR = 2
-CHAT_POOL_BLOCKS = 256
-TARGETS: dict[str, float | None] = {
-    "fence/sync": 1.0,
-    "fence/lock": 1.2,
-    "storage fence/sync": 1.0,
-    "storage fence/lock": 1.2,
-    "block/poll": 1.05,
-    "block/poll cpu per token": 1.0,
-    "tiers multiturn": None,
-    "tiers multiturn ttft p50": None,
-    "tiers multiturn ttft p99": None,
-    "tiers unique": 0.97,
-    "tiers chat": None,
-    "tiers chat returning ttft p50": 5.0,
-    "tiers chat returning ttft p99": None,
-    "redis fence/sync": 1.0,
-    "redis fence/lock": 1.2,
-    "actor/local": 0.9,
-}
 
 # name: (default, quick default, help)
 COUNTS: dict[str, tuple[int, int, str]] = {
@@ -147,92 +115,6 @@ class Side:
     wall_s: float  # the whole run, start-up included
     cpu_s: float | None = None  # every actor's CPU from ready to stop (launches only)
     ttft_by_id: dict[str, float | None] = field(default_factory=dict)  # per request
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """What to run: a workload, its size and the config overrides."""
-
-    workload: str  # a synthetic workload's name
-    requests: int
-    settings: tuple[str, ...]  # --set KEY=VALUE overrides
-
-
-def common_settings(preset: str, requests: int) -> list[str]:
-    return [
-        f"engine.requests={requests}",
-        "engine.arrivals=false",
-        "engine.progress=false",
-        "transfer.chaos_delay_ms=0",
-        f"model.preset={preset}",
-        f"model.dtype={DTYPE}",
-        f"cache.block_size={BLOCK_SIZE}",
-    ]
-
-
-TIERS_ON = ("cache.storage.backend=local", f"cache.host_blocks={HOST_BLOCKS}")
-TIERS_OFF = ("cache.storage.backend=none", "cache.host_blocks=0")
-
-
-def pairs(preset: str, requests: int, redis_url: str | None = None) -> dict[str, tuple[Run, Run]]:
-    """The launched pairs, by name: (side A, side B); the redis pairs only with a
-    ``redis_url`` (each launch of them starts on an empty database)."""
-    common = common_settings(preset, requests)
-    blocks = max(PRESSURE_MIN_BLOCKS, requests * SWAP_HEAVY_BLOCKS_PER_REQUEST)
-    pressure = [*common, f"cache.device_blocks={blocks}", "sched.preemption=swap"]
-    pressure += ["cache.storage.backend=none", f"cache.host_blocks={HOST_BLOCKS}"]
-    # Storage-heavy: every full block written through, preempted sequences saved and
-    # prefetched back (the host tier is the staging area of the store lane).
-    storage = [*common, f"cache.device_blocks={blocks}", "sched.preemption=save"]
-    storage += ["cache.storage.backend=local", f"cache.host_blocks={HOST_BLOCKS}"]
-    storage += ["cache.device_eviction=write_through"]
-    small = [*common, f"cache.device_blocks={SMALL_POOL_BLOCKS}"]
-    # engine.requests comes last, so it wins over the common one.
-    arrivals = ("engine.arrivals=true", f"engine.requests={MULTITURN_FACTOR * requests}")
-
-    def run(workload: str, settings: Sequence[str]) -> Run:
-        return Run(workload, requests, tuple(settings))
-
-    chat_requests = CHAT_FACTOR * requests
-    chat = [*common, f"cache.device_blocks={CHAT_POOL_BLOCKS}", "engine.arrivals=true"]
-    chat += [f"engine.requests={chat_requests}"]
-
-    def against_fence(prefix: str, settings: Sequence[str]) -> dict[str, tuple[Run, Run]]:
-        """``<prefix>fence/sync`` and ``<prefix>fence/lock`` on ``pressure``."""
-        return {
-            f"{prefix}fence/{mode}": (
-                run("pressure", [*settings, "transfer.mode=fence"]),
-                run("pressure", [*settings, f"transfer.mode={mode}"]),
-            )
-            for mode in ("sync", "lock")
-        }
-
-    redis: dict[str, tuple[Run, Run]] = {}
-    if redis_url is not None:
-        on_redis = [*storage, "cache.storage.backend=redis", f"cache.storage.url={redis_url}"]
-        redis = against_fence("redis ", on_redis)
-    return {
-        **against_fence("", pressure),
-        **against_fence("storage ", storage),
-        "block/poll": (
-            run("pressure", [*pressure, "runtime.wait=block"]),
-            run("pressure", [*pressure, "runtime.wait=poll"]),
-        ),
-        # Multiturn keeps its arrivals: a chat's next turn comes 2 s after the last, by
-        # when the device pool has often reused the blocks of its prefix; that is where a
-        # host or storage copy saves the prefill. Throughput is then arrival-bound (about
-        # 1x); TTFT is the figure that shows the tiers.
-        "tiers multiturn": (
-            Run("multiturn", MULTITURN_FACTOR * requests, (*small, *TIERS_ON, *arrivals)),
-            Run("multiturn", MULTITURN_FACTOR * requests, (*small, *TIERS_OFF, *arrivals)),
-        ),
-        "tiers unique": (run("unique", [*small, *TIERS_ON]), run("unique", [*small, *TIERS_OFF])),
-        "tiers chat": (
-            Run("chat", chat_requests, (*chat, *TIERS_ON)),
-            Run("chat", chat_requests, (*chat, *TIERS_OFF)),
-        ),
-        **redis,
-    }
 
 
 @contextlib.contextmanager
@@ -439,7 +321,7 @@ def bench(preset: str, requests: int, rounds: int, threads: int, timeout: float)
         if name == "block/poll":
             lower_is_better.append(("cpu per token", "CPU ms/tok", cpu_per_token, 1e3))
         for q, pct in (("p50", 50), ("p99", 99)):
-            if name == "tiers chat":
+            if name == "tiers chat" or name.startswith("chat fence/"):
 
                 def returning(s: Side, pct: float = pct) -> float | None:
                     return percentile_of(returning_ttfts(s), pct)
@@ -540,13 +422,30 @@ def _print(report: dict[str, Any]) -> None:
     print(f"wall time {report['wall_s']:.1f} s")
 
 
+FAMILIES = (
+    "ordering: fence / sync, fence / legacy lock (throughput; TTFT: B / A)",
+    "waiting: doorbell / 1 ms poll",
+    "tiers on / off (TTFT: off / on)",
+    "control plane: actor pipeline / plain loop",
+)
+
+
+def family(name: str) -> str:
+    """The plot panel of row ``name``."""
+    if "fence/" in name:
+        return FAMILIES[0]
+    if name.startswith("block/poll"):
+        return FAMILIES[1]
+    return FAMILIES[2] if name.startswith("tiers") else FAMILIES[3]
+
+
 def main(args: argparse.Namespace) -> int:
     counts = resolve_counts(args, COUNTS)
     preset = resolve_preset(args)
     threads = args.threads or max(1, (os.cpu_count() or 1) // 4)
     import torch
 
-    from ringfence.actors.bench.plot import write_ratio_plot
+    from ringfence.actors.bench.plot import write_ratio_panels
 
     start = time.perf_counter()
     try:
@@ -566,12 +465,13 @@ def main(args: argparse.Namespace) -> int:
     }
     _print(report)
     plot = plot_path(args, "bench-e2e.png")
-    write_ratio_plot(
+    panels: dict[str, list[tuple[str, float, float | None]]] = {f: [] for f in FAMILIES}
+    for r in report["rows"]:
+        ratio = r["ratio"] if r["ratio"] is not None else float("nan")
+        panels[family(r["name"])].append((r["name"], ratio, r["target"]))
+    write_ratio_panels(
         plot,
-        [
-            (r["name"], r["ratio"] if r["ratio"] is not None else float("nan"), r["target"])
-            for r in report["rows"]
-        ],
+        list(panels.items()),
         title=f"ringfence bench e2e ({preset}, {counts['requests']} requests)",
     )
     report["plot"] = str(plot)

@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 
 from ringfence.actors.bench import launcher
-from ringfence.actors.bench.e2e import (
+from ringfence.actors.bench.e2e_pairs import (
     DTYPE,
     PRESSURE_BLOCKS_PER_REQUEST,
     PRESSURE_MIN_BLOCKS,

@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 
 from ringfence.actors.bench import e2e, launcher
+from ringfence.actors.bench.e2e_pairs import DTYPE, Run, common_settings
 from ringfence.actors.bench.launcher import RunError
 from ringfence.actors.bench.options import add_counts, environment, resolve_counts, resolve_preset
 
@@ -146,9 +147,9 @@ class TpSide:
     ranks: tuple[StepStats, ...]  # each rank's, by rank
 
 
-def run_side(run: e2e.Run, tp: int, *, threads: int, timeout: float, folder: Path) -> TpSide:
+def run_side(run: Run, tp: int, *, threads: int, timeout: float, folder: Path) -> TpSide:
     """Launch ``run`` at ``parallel.tp_size=tp`` and read its summary and Workers' logs."""
-    sized = e2e.Run(run.workload, run.requests, (*run.settings, f"parallel.tp_size={tp}"))
+    sized = Run(run.workload, run.requests, (*run.settings, f"parallel.tp_size={tp}"))
     with e2e.launched_run(sized, threads=threads, timeout=timeout, folder=folder) as (side, path):
         summary = orjson.loads((path / "summary.json").read_bytes())
         logs = [read_worker_log(path, rank) for rank in range(tp)]
@@ -209,8 +210,8 @@ def bench(
     threads: int,
 ) -> dict[str, Any]:
     """Every size's launches, ``counts["rounds"]`` times alternating, and their rows."""
-    settings = tuple(e2e.common_settings(preset, counts["requests"]))
-    run = e2e.Run(workload, counts["requests"], settings)
+    settings = tuple(common_settings(preset, counts["requests"]))
+    run = Run(workload, counts["requests"], settings)
     sides: dict[int, list[TpSide]] = {tp: [] for tp in sizes}
     with tempfile.TemporaryDirectory(prefix="rf-bench-tp-") as tmp:
         for round_no in range(counts["rounds"]):
@@ -225,7 +226,7 @@ def bench(
 def _print(report: dict[str, Any]) -> None:
     print(
         f"torch {report['torch']}, {report['cpus']} CPU(s), OMP_NUM_THREADS={report['threads']} "
-        f"per process; preset {report['preset']} ({e2e.DTYPE}), {report['counts']['requests']} "
+        f"per process; preset {report['preset']} ({DTYPE}), {report['counts']['requests']} "
         f"{report['workload']} requests all at t=0; median of {report['counts']['rounds']} round(s)"
     )
     print(
@@ -267,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
         **environment(),
         "threads": threads,
         "preset": preset,
-        "dtype": e2e.DTYPE,
+        "dtype": DTYPE,
         "workload": args.workload,
         "tp": list(sizes),
         "counts": counts,

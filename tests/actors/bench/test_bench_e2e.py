@@ -1,6 +1,6 @@
 """``ringfence bench e2e``: the ratios, the JSON and the PNG; no timing asserted.
 
-Twenty real launches take minutes on a 2-CPU machine (each one's start-up, four
+Twenty-four real launches take minutes on a 2-CPU machine (each one's start-up, four
 processes importing torch, is most of it), so here each launch is replaced by the
 same run in process (:func:`bench_e2e.run_local`): everything but the subprocess runs.
 ``ringfence launch`` itself is covered by the launch tests.
@@ -15,6 +15,7 @@ import pytest
 
 from ringfence.actors.bench import e2e as bench_e2e
 from ringfence.actors.bench import launcher
+from ringfence.actors.bench.e2e_pairs import Run
 from ringfence.cache.storage.redis_server import REDIS_SERVER
 from ringfence.runtime import cli
 
@@ -22,31 +23,35 @@ from ringfence.runtime import cli
 def test_a_quick_e2e_bench_reports_every_pairs_positive_ratio_and_writes_a_plot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    launched: list[bench_e2e.Run] = []
+    launched: list[Run] = []
 
-    def in_process(run: bench_e2e.Run, *, threads: int, timeout: float, folder: Path):
+    def in_process(run: Run, *, threads: int, timeout: float, folder: Path):
         launched.append(run)
         return bench_e2e.run_local(run, threads=threads)
 
     monkeypatch.setattr(bench_e2e, "run_launch", in_process)
     path = tmp_path / "e2e.json"
     assert cli.main(["bench", "e2e", "--quick", "--requests", "3", "--json", str(path)]) == 0
-    assert len(launched) == (20 if REDIS_SERVER else 16)
+    assert len(launched) == (24 if REDIS_SERVER else 20)
     report = orjson.loads(path.read_bytes())
     ratios = {row["name"]: row["ratio"] for row in report["rows"]}
     pairs = ["fence/sync", "fence/lock", "storage fence/sync", "storage fence/lock"]
     pairs += ["block/poll", "tiers multiturn", "tiers unique", "tiers chat", "actor/local"]
+    pairs += ["chat fence/sync", "chat fence/lock"]
     if REDIS_SERVER:
         pairs += ["redis fence/sync", "redis fence/lock"]
     else:
         assert report["skipped"]
     for q in ("p50", "p99"):  # the chat's returning turns
-        assert isinstance(ratios[f"tiers chat returning ttft {q}"], float)
+        for name in ("tiers chat", "chat fence/sync", "chat fence/lock"):
+            assert isinstance(ratios[f"{name} returning ttft {q}"], float)
     for name in pairs:
         assert isinstance(ratios[name], float) and ratios[name] > 0
     assert ratios["block/poll cpu per token"] is None  # in process: no actor logs
     sides = {r.settings[-1] for r in launched if r.workload == "pressure"}
     assert {"transfer.mode=lock", "runtime.wait=poll", "runtime.wait=block"} <= sides
+    chats = {r.settings[-1] for r in launched if r.workload == "chat"}
+    assert {"transfer.mode=fence", "transfer.mode=sync", "transfer.mode=lock"} <= chats
     assert report["preset"] == "tiny" and report["counts"]["requests"] == 3
     assert all(0 <= row["tokens_match"] <= 1 for row in report["rows"] if "tokens_match" in row)
     assert (tmp_path / "e2e.png").stat().st_size > 0

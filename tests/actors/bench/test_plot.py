@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ringfence.actors.bench.plot import INSTALL_HINT, write_ratio_plot
+from ringfence.actors.bench.plot import INSTALL_HINT, write_ratio_panels, write_ratio_plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 IHDR = struct.Struct(">4sII")  # chunk type, width, height (after the 4-byte chunk length)
@@ -39,6 +39,25 @@ def test_a_ratio_plot_is_a_png_taller_for_more_bars(tmp_path):
         assert kind == b"IHDR" and width > 0 and height > 0
         heights.append(height)
     assert heights[0] < heights[1]
+
+
+def png_height(path) -> int:
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    return IHDR.unpack_from(data, len(PNG_SIGNATURE) + 4)[2]
+
+
+@needs_matplotlib
+def test_panels_stack_one_per_family_and_empty_ones_are_left_out(tmp_path):
+    one, two = tmp_path / "one.png", tmp_path / "two.png"
+    fences = [("fence/sync", 1.0, 1.0), ("fence/lock", 0.8, 1.2)]
+    write_ratio_panels(one, [("ordering", fences), ("waiting", [])], title="e2e")
+    write_ratio_panels(
+        two, [("ordering", fences), ("waiting", [("block/poll", 1.1, 1.05)])], title=None
+    )
+    assert png_height(one) < png_height(two)
+    with pytest.raises(ValueError, match="no ratios"):
+        write_ratio_panels(tmp_path / "x.png", [("ordering", []), ("waiting", [])], title="t")
 
 
 def test_no_ratios_is_a_value_error(tmp_path):
