@@ -10,10 +10,19 @@ wait is spin-briefly-then-block:
 3. block on the semaphore until the deadline, then disarm and re-check.
 
 A producer publishes its state, issues a full barrier, and posts only if it sees
-``sleeping == 1``. The two barriers make the Dekker pattern safe: either the
+the consumer armed. The two barriers make the Dekker pattern safe: either the
 consumer's re-check sees the new state, or the producer sees the flag and posts.
 A post that arrives after the consumer already saw the state leaves a stale count
 behind; it only costs one extra empty round of the wait loop.
+
+One post per sleep: the flag is not 1 but the arming's *generation* (1, 2, 3, ...,
+a new one every time the consumer arms), and each producer handle remembers the
+generation it last posted for. A producer that publishes many frames to a consumer
+that has not yet run (the two share a CPU, or the consumer is being woken) posts for
+the first and skips the semaphore, a system call, for the rest: that one post wakes
+this arming, and the consumer arms again only with a new generation. Every arming
+takes a new generation, so a producer never skips for an arming it has not posted
+to (a consumer woken for one condition that waits again for another included).
 
 The spin window adapts: a spin that catches the condition keeps the window; a spin
 that fails halves it, down to pure blocking. When the peer shares our CPU (or a
@@ -22,8 +31,10 @@ the CPU the peer needs, so the window collapses to zero. Every 64th blocking wai
 probes with a full window again, so the policy recovers when placement changes.
 
 Byte layout of the doorbell's segment (``/rf-<run>-<name>``; the semaphore has the
-same name in the semaphore namespace): one u64 word ``sleeping`` at offset 0,
-padded to 64 bytes so it shares no cache line.
+same name in the semaphore namespace): u64 ``sleeping`` at offset 0 (0, or the
+generation of the current arming) and u64 ``generation`` at offset 8 (the last one
+taken, so a restarted waiter goes on from it), both written by the waiter only;
+padded to 64 bytes so they share no cache line with anything else.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from ringfence.shm.errors import NameExists, NameMissing
 from ringfence.shm.segment import Segment
 
 SEGMENT_BYTES = 64
-_SLEEPING = 0  # index of the u64 word written by the waiter
+_SLEEPING, _GENERATION = 0, 1  # indexes of the u64 words written by the waiter
 DEFAULT_SPIN_US = 50.0
 _PROBE_EVERY = 64
 _MIN_WINDOW_NS = 2_000
@@ -110,7 +121,8 @@ class Doorbell:
             if create:
                 self.unlink()
             raise
-        self._word = self._seg.u64(0, 1)
+        self._word = self._seg.u64(0, 2)
+        self._posted = 0  # the arming this handle last posted for (producer side)
 
     @classmethod
     def create(cls, name: str, *, spin_us: float = DEFAULT_SPIN_US) -> Doorbell:
@@ -124,7 +136,9 @@ class Doorbell:
         """Producer side: call after publishing new state. Posts only if the consumer may sleep."""
         barrier_enter()  # full_barrier(), inline: this runs once per published frame
         barrier_leave()
-        if self._word[_SLEEPING] or not TSO:
+        armed = self._word[_SLEEPING]
+        if (armed and armed != self._posted) or not TSO:
+            self._posted = armed
             assert self._sem is not None
             self._sem.release()
 
@@ -153,7 +167,9 @@ class Doorbell:
         sem, word = self._sem, self._word
         assert sem is not None
         while True:
-            word[_SLEEPING] = 1
+            generation = word[_GENERATION] + 1
+            word[_GENERATION] = generation
+            word[_SLEEPING] = generation
             full_barrier()
             if ready():
                 word[_SLEEPING] = 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 
 import multiprocess
 import peers
@@ -135,6 +137,72 @@ def test_a_doorbell_wakes_a_blocked_thread_and_a_stale_post_is_harmless(run_id):
         bell._sem.release()  # a stale post, as from a producer that raced a re-check
         assert not bell.wait_until(lambda: False, timeout=0.02)
     finally:
+        bell.close()
+        bell.unlink()
+
+
+def test_a_producer_posts_once_per_arming_however_often_it_rings(run_id):
+    bell = Doorbell.create(names.posix_name(run_id, "bell"), spin_us=0)
+    producer = Doorbell.attach(bell.name)
+    try:
+        sem = bell._sem
+        assert sem is not None
+        bell._word[0] = 7  # a consumer armed with generation 7
+        for _ in range(5):
+            producer.ring()
+        assert sem.value == 1  # one post wakes that arming; the other four skip the syscall
+        bell._word[0] = 8  # it woke and armed again
+        producer.ring()
+        producer.ring()
+        assert sem.value == 2
+        bell._word[0] = 0  # awake: nobody to post to
+        producer.ring()
+        assert sem.value == 2
+    finally:
+        producer.close()
+        bell.close()
+        bell.unlink()
+
+
+def armed_past(bell: Doorbell, generation: int) -> int:
+    """Wait (briefly, with a deadline) until ``bell``'s waiter arms after ``generation``."""
+    deadline = time.monotonic() + 10
+    while not bell._word[0] > generation:
+        assert time.monotonic() < deadline, "the waiter never blocked"
+        os.sched_yield()
+    return int(bell._word[0])
+
+
+def test_a_waiter_woken_for_one_condition_is_woken_again_for_the_next_by_the_same_producer(
+    run_id,
+):
+    """Each arming is a new generation: were it reused, the producer's second ring would
+    be skipped as already posted, and the second wait would sleep to its deadline."""
+    bell = Doorbell.create(names.posix_name(run_id, "bell"), spin_us=0)
+    producer = Doorbell.attach(bell.name)
+    first, second, results = threading.Event(), threading.Event(), []
+
+    def consumer():
+        results.append(bell.wait_until(first.is_set, timeout=10))
+        results.append(bell.wait_until(second.is_set, timeout=10))
+
+    thread = threading.Thread(target=consumer)
+    try:
+        thread.start()
+        generation = armed_past(bell, 0)
+        first.set()
+        producer.ring()
+        armed_past(bell, generation)
+        began = time.monotonic()
+        second.set()
+        producer.ring()
+        thread.join(15)
+        assert results == [True, True] and time.monotonic() - began < 5
+    finally:
+        first.set()
+        second.set()
+        thread.join(15)
+        producer.close()
         bell.close()
         bell.unlink()
 
