@@ -496,11 +496,9 @@ class RingReader:
         payloads: list[bytes] = []
         ends: list[int] = []
         add_kind, add_payload, add_end = kinds.append, payloads.append, ends.append
-        unpack, base, count = _unpack_frame, HEADER_BYTES + _HEADER, 0
-        first = self._read_one(head)  # settles a resync; raises if the first is refused
-        add_kind(first.kind), add_payload(first.payload), add_end(first.end)
-        pos, expected, count = first.end, first.seq + 1, 1
-        # The rest inline: one header unpack, one slice and three appends a frame.
+        unpack, base, count, expected = _unpack_frame, HEADER_BYTES + _HEADER, 0, self._expected
+        # The common frame inline: one header unpack, one slice and three appends. A wrap
+        # marker, a resync or a frame to refuse goes the careful way.
         while pos < head and count < max_frames:
             off = pos % cap
             if cap - off >= _HEADER:
@@ -512,14 +510,19 @@ class RingReader:
                     pos, expected, count = end, seq + 1, count + 1
                     continue
             self._pos, self._expected = pos, expected
-            try:  # a wrap marker, or a frame to refuse on the next call
+            if count:  # only the first frame of a batch may resync
+                self._resync = False
+            try:
                 frame = self._read_careful(head)
             except ProtocolError:
-                return Batch(kinds, payloads, ends, first.seq)
+                if count:  # refused on the next call
+                    break
+                raise
             add_kind(frame.kind), add_payload(frame.payload), add_end(frame.end)
             pos, expected, count = frame.end, frame.seq + 1, count + 1
-        self._pos, self._expected = pos, expected
-        return Batch(kinds, payloads, ends, first.seq)
+        self._pos, self._expected, self._resync = pos, expected, False
+        # After the first frame every one had the next seq: the batch's are consecutive.
+        return Batch(kinds, payloads, ends, expected - count)
 
     def _read_careful(self, head: int) -> Frame:
         """The frame at the read cursor, whatever its shape; ProtocolError if refused."""

@@ -37,7 +37,7 @@ configurations that differ in one thing, and reports side A over side B:
    and >= 1.2) and the returning turns' TTFTs.
 5. ``actor/local``: the actor pipeline with the tiers off (pair 3's side B, the same
    launch) vs :class:`ringfence.actors.testing.local.LocalRunner` in this process on the same
-   workload and config: the control plane's cost. Throughput ratio; target >= 0.9.
+   workload and config: the control plane's cost. Throughput ratio; target >= 0.95.
 
 Throughput is output tokens over the busy period: ``summary.json``'s ``duration_s`` for a
 launch (from the workload's start, after the actors are up), the latest ``finish_s`` for
@@ -403,13 +403,14 @@ def _print(report: dict[str, Any]) -> None:
         f"preset {report['preset']} ({DTYPE}), {report['counts']['requests']} requests a "
         f"workload, all at t=0; median of {report['counts']['rounds']} round(s)"
     )
-    print(f"  {'pair':<31}{'unit':>11}{'A':>10}{'B':>10}{'ratio':>8}{'target':>8}  result  tokens")
+    width = max(len(row["name"]) for row in report["rows"]) + 1
+    print(f"  {'pair':<{width}}{'unit':>11}{'A':>10}{'B':>10}{'ratio':>8}{'target':>8}  result  tokens")
     for row in report["rows"]:
         target = row["target"]
         verdict = "-" if target is None else "pass" if row["meets_target"] else "FAIL"
         match = f"{row['tokens_match']:.0%}" if "tokens_match" in row else ""
         print(
-            f"  {row['name']:<31}{row['unit']:>11}{fmt(row['a'], '10.3f')}"
+            f"  {row['name']:<{width}}{row['unit']:>11}{fmt(row['a'], '10.3f')}"
             f"{fmt(row['b'], '10.3f')}{fmt(row['ratio'], '7.3f')}x"
             f"{fmt(target, '7.2f') if target is not None else '':>8}  {verdict:<6}  {match}"
         )

@@ -49,7 +49,7 @@ TARGETS: dict[str, float | None] = {
     "chat fence/lock": 1.2,
     "chat fence/lock returning ttft p50": None,
     "chat fence/lock returning ttft p99": None,
-    "actor/local": 0.9,
+    "actor/local": 0.95,
 }
 
 
