@@ -404,7 +404,8 @@ def _print(report: dict[str, Any]) -> None:
         f"workload, all at t=0; median of {report['counts']['rounds']} round(s)"
     )
     width = max(len(row["name"]) for row in report["rows"]) + 1
-    print(f"  {'pair':<{width}}{'unit':>11}{'A':>10}{'B':>10}{'ratio':>8}{'target':>8}  result  tokens")
+    columns = f"{'unit':>11}{'A':>10}{'B':>10}{'ratio':>8}{'target':>8}  result  tokens"
+    print(f"  {'pair':<{width}}{columns}")
     for row in report["rows"]:
         target = row["target"]
         verdict = "-" if target is None else "pass" if row["meets_target"] else "FAIL"
@@ -424,9 +425,9 @@ def _print(report: dict[str, Any]) -> None:
 
 
 FAMILIES = (
-    "ordering: fence / sync, fence / legacy lock (throughput; TTFT: B / A)",
+    "ordering: fence / sync, fence / legacy lock",
     "waiting: doorbell / 1 ms poll",
-    "tiers on / off (TTFT: off / on)",
+    "tiers on / off",
     "control plane: actor pipeline / plain loop",
 )
 

@@ -35,8 +35,9 @@ def write_ratio_plot(path: str | os.PathLike[str], ratios: Ratios, *, title: str
 def write_ratio_panels(
     path: str | os.PathLike[str], panels: Sequence[tuple[str, Ratios]], *, title: str | None
 ) -> None:
-    """:func:`write_ratio_plot` with one panel per ``(panel title, ratios)``, stacked, on one
-    ratio axis; panels with no ratios are left out (ValueError if none has any)."""
+    """:func:`write_ratio_plot` with one panel per ``(panel title, ratios)``, stacked, each
+    scaled to its own ratios; panels with no ratios are left out (ValueError if none has
+    any)."""
     panels = [(name, ratios) for name, ratios in panels if ratios]
     if not panels:
         raise ValueError("write_ratio_plot: no ratios to plot")
@@ -46,17 +47,15 @@ def write_ratio_panels(
     except ImportError as e:
         raise RuntimeError(f"plotting needs matplotlib: {INSTALL_HINT}") from e
 
-    every = [r for _, ratios in panels for r in ratios]
-    finite = [v for _, v, _ in every if math.isfinite(v)]
-    targets = [t for _, _, t in every if t is not None and math.isfinite(t)]
-    right = max([1.0, *finite, *targets]) * 1.2
     heights = [0.6 + 0.45 * len(ratios) for _, ratios in panels]
     fig = Figure(figsize=(7.0, 0.6 + sum(heights)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, squeeze=False, gridspec_kw={"height_ratios": heights})
     for ax, (name, ratios) in zip(axes[:, 0], panels, strict=True):
-        _draw(ax, ratios, right)
-        ax.set_title(name)
+        finite = [v for _, v, _ in ratios if math.isfinite(v)]
+        targets = [t for _, _, t in ratios if t is not None and math.isfinite(t)]
+        _draw(ax, ratios, max([1.0, *finite, *targets]) * 1.2)
+        ax.set_title(name, fontsize="medium")
     axes[-1, 0].set_xlabel("ratio")
     if title is not None:
         fig.suptitle(title)
