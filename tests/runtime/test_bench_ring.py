@@ -32,6 +32,15 @@ def run_bench(tmp_path: Path, *options: str) -> tuple[int, dict[str, Any]]:
     return status, orjson.loads(path.read_bytes())
 
 
+def failed_run_in_same(tmp_path: Path, transports: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A quick run of ``transports`` at 64 B in the same placement that must exit 1; its
+    report and that placement's result."""
+    options = ("--placements", "same", "--transports", transports, "--sizes", "64")
+    status, report = run_bench(tmp_path, *options)
+    assert status == 1
+    return report, report["placements"]["same"]
+
+
 def names_of(report: dict[str, Any]) -> list[str]:
     return sorted(n for n in shm_names() if report["run_id"] in n)
 
@@ -83,10 +92,7 @@ def test_a_peer_that_dies_fails_only_its_own_measurement_and_leaves_no_name(
         return end, ((shm[0] + "x", *shm[1:]), spin_us)  # the peer cannot attach: it dies
 
     monkeypatch.setitem(bench_link.OPENERS, "ringfence", open_ring_with_a_wrong_name)
-    options = ("--placements", "same", "--transports", "ringfence,pipe", "--sizes", "64")
-    status, report = run_bench(tmp_path, *options)
-    assert status == 1
-    result = report["placements"]["same"]
+    report, result = failed_run_in_same(tmp_path, "ringfence,pipe")
     assert list(result["errors"]) == ["ringfence"]
     assert "exited with code 1" in result["errors"]["ringfence"]
     assert list(result["figures"]) == ["pipe"]
@@ -99,10 +105,7 @@ def test_a_missing_pyzmq_fails_only_the_zmq_measurement_naming_the_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq now raises ImportError
-    options = ("--placements", "same", "--transports", "ringfence,zmq", "--sizes", "64")
-    status, report = run_bench(tmp_path, *options)
-    assert status == 1
-    result = report["placements"]["same"]
+    _, result = failed_run_in_same(tmp_path, "ringfence,zmq")
     assert list(result["figures"]) == ["ringfence"]
     assert "pyzmq is not installed (pip install 'ringfence[bench]')" in result["errors"]["zmq"]
 
