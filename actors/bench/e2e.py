@@ -114,6 +114,7 @@ class Side:
     engine: dict[str, Any]  # the engine's counters (empty for the local runner)
     wall_s: float  # the whole run, start-up included
     cpu_s: float | None = None  # every actor's CPU from ready to stop (launches only)
+    tpot_p99_s: float | None = None  # time per output token after the first, p99
     ttft_by_id: dict[str, float | None] = field(default_factory=dict)  # per request
 
 
@@ -146,6 +147,7 @@ def launched_run(
                 output_tokens_per_s=float(summary["throughput"]["output_tokens_per_s"]),
                 ttft_p50_s=summary["ttft_s"]["p50"],
                 ttft_p99_s=summary["ttft_s"]["p99"],
+                tpot_p99_s=summary["tpot_s"]["p99"],
                 duration_s=float(summary["duration_s"]),
                 tokens={line["id"]: list(line["token_ids"]) for line in done.outputs},
                 ttft_by_id={line["id"]: line.get("ttft_s") for line in done.outputs},
@@ -207,10 +209,12 @@ def run_local(run: Run, *, threads: int) -> Side:
         raise RunError(f"{run.workload} local run: a request did not finish")
     duration_s = max(r.finish_s or 0.0 for r in records)
     ttfts = [t for r in records if (t := r.ttft_s) is not None]
+    tpots = [t for r in records if (t := r.tpot_s) is not None]
     return Side(
         output_tokens_per_s=sum(len(r.token_ids) for r in records) / duration_s,
         ttft_p50_s=percentile(ttfts, 50) if ttfts else None,
         ttft_p99_s=percentile(ttfts, 99) if ttfts else None,
+        tpot_p99_s=percentile(tpots, 99) if tpots else None,
         duration_s=duration_s,
         tokens={r.id: list(r.token_ids) for r in records},
         ttft_by_id={r.id: r.ttft_s for r in records},
@@ -372,6 +376,11 @@ def _row(
         "target": target,
         "meets_target": None if target is None else ratio is not None and ratio >= target,
     }
+    if "fence/" in name and a_runs:  # the ordering pairs: what they do to latency
+        row["latency"] = {
+            key: [median([getattr(s, key) for s in runs]) for runs in (a_runs, b_runs)]
+            for key in LATENCY
+        }
     if a_runs:
         row["tokens_match"] = tokens_match(a_runs[0], b_runs[0])
         row["sides"] = [
@@ -380,6 +389,7 @@ def _row(
                     "output_tokens_per_s": s.output_tokens_per_s,
                     "ttft_p50_s": s.ttft_p50_s,
                     "ttft_p99_s": s.ttft_p99_s,
+                    "tpot_p99_s": s.tpot_p99_s,
                     "duration_s": s.duration_s,
                     "wall_s": round(s.wall_s, 3),
                     "cpu_s": s.cpu_s,
@@ -390,6 +400,9 @@ def _row(
             for runs in (a_runs, b_runs)
         ]
     return row
+
+
+LATENCY = ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s")  # the ordering pairs' latency figures
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -419,6 +432,16 @@ def _print(report: dict[str, Any]) -> None:
         "  (A/B: fence/sync, fence/lock, block/poll, tiers on/off, actor pipeline/local runner; "
         "TTFT and CPU ratios are B / A, above 1 = A better; tokens: requests with equal outputs)"
     )
+    latency = [row for row in report["rows"] if "latency" in row]
+    if latency:
+        print(f"\n  {'latency of the ordering pairs, A / B':<{width}}", end="")
+        print(f"{'TTFT p50 ms':>18}{'TTFT p99 ms':>18}{'TPOT p99 ms':>18}")
+        for row in latency:
+            cells = [
+                " / ".join(fmt(None if v is None else v * 1e3, ".0f") for v in row["latency"][key])
+                for key in LATENCY
+            ]
+            print(f"  {row['name']:<{width}}" + "".join(f"{c:>18}" for c in cells))
     for line in report.get("skipped", []):
         print(f"  skipped: {line}")
     print(f"wall time {report['wall_s']:.1f} s")

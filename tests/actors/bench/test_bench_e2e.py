@@ -55,7 +55,12 @@ def test_a_quick_e2e_bench_reports_every_pairs_positive_ratio_and_writes_a_plot(
     assert report["preset"] == "tiny" and report["counts"]["requests"] == 3
     assert all(0 <= row["tokens_match"] <= 1 for row in report["rows"] if "tokens_match" in row)
     assert (tmp_path / "e2e.png").stat().st_size > 0
-    assert "actor/local" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "actor/local" in out and "latency of the ordering pairs" in out
+    latency = {row["name"]: row["latency"] for row in report["rows"] if "latency" in row}
+    assert {"fence/sync", "fence/lock", "chat fence/lock"} <= set(latency)
+    for name, figures in latency.items():  # TTFT p50, p99 and TPOT p99 of each side
+        assert all(v is not None and v > 0 for pair in figures.values() for v in pair), name
 
 
 def test_a_failed_launch_is_an_error_with_exit_status_1(
