@@ -13,12 +13,14 @@ way out every driver is stopped and joined, then every name of the run is remove
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ringfence.actors.client.shm import Client
 from ringfence.actors.config import Config
 from ringfence.runtime.actor import Actor
 from ringfence.runtime.driver import Driver
@@ -96,3 +98,14 @@ def inproc_run(
                 drivers[entry.id].start_thread()
                 running.add(entry.id)
         yield InprocRun(run_dir, run, drivers)
+
+
+def wait_until_begun(client: Client, timeout: float) -> None:
+    """Wait for a Stats of the engine whose scheduler has begun (its executors all answered):
+    a Submit before then is refused as "starting". ``client`` was connected with stats."""
+    deadline = time.monotonic() + timeout
+    stats = client.stats(timeout=timeout)
+    while stats is None or not stats.began:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"the engine's scheduler did not begin within {timeout} s"
+        stats = client.stats(timeout=remaining, fresh=True)  # the next tick's

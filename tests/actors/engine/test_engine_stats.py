@@ -9,7 +9,7 @@ import time
 
 import pytest
 from engine_runs import TRACE, replayed
-from inproc import inproc_run
+from inproc import inproc_run, wait_until_begun
 from random_workloads import ENGINE, RUN_TIMEOUT_S, TIERS, write_workload
 
 from ringfence.actors.client.shm import Client, ClientError
@@ -41,6 +41,7 @@ def test_after_a_run_under_pressure_the_stats_hold_the_engines_figures(tmp_path)
     ):
         first = watcher.stats(timeout=RUN_TIMEOUT_S)  # sent right after the Hello
         assert first is not None and first.incarnation == watcher._actor.ctx.incarnation
+        wait_until_begun(watcher, RUN_TIMEOUT_S)  # before, a Submit is refused as "starting"
         for line in load_workload(str(workload)):
             assert line.prompt_token_ids is not None
             watcher.submit(line.prompt_token_ids, request_id=line.id, max_tokens=8)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import orjson
 from engine_runs import TRACE, replayed
-from inproc import inproc_run
+from inproc import inproc_run, wait_until_begun
 from random_workloads import ENGINE, RUN_TIMEOUT_S, TIERS, outputs, reference
 
 from ringfence.actors.client.shm import Client
@@ -58,8 +58,9 @@ def test_a_clients_top_p_reaches_the_worker(tmp_path):
     prompt = [3, 141, 59, 26, 53, 58, 97, 93, 23, 84]
     with (
         inproc_run(tmp_path / "run", (*ENGINE, *TIERS)) as run,
-        Client.connect(run.run_dir) as client,
+        Client.connect(run.run_dir, stats=True) as client,
     ):
+        wait_until_begun(client, RUN_TIMEOUT_S)  # before, a Submit is refused as "starting"
         greedy = client.generate(prompt, max_tokens=8, timeout=RUN_TIMEOUT_S).token_ids
         tiny = [
             client.generate(
