@@ -168,9 +168,11 @@ class Driver:
     def send_many(self, to: str, msgs: Sequence[object], timeout: float | None) -> list[int]:
         return self.routes.send_many(to, msgs, self._send_timeout if timeout is None else timeout)
 
-    def send_all_many(self, role: str, msgs: Sequence[object], timeout: float | None) -> None:
+    def send_all_many(
+        self, role: str, msgs: Sequence[object], timeout: float | None
+    ) -> list[list[int]]:
         timeout = self._send_timeout if timeout is None else timeout
-        self.routes.send_all_many(role, msgs, timeout)
+        return self.routes.send_all_many(role, msgs, timeout)
 
     def schedule(self, delay_s: float, msg: object) -> None:
         if type(msg) not in self._table:

@@ -32,7 +32,9 @@ from ringfence.runtime.topology import import_target
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.liveness import ProcessStamp
-from ringfence.shm.ring import Ring, RingReader, RingWriter
+from ringfence.shm.ring import Ring
+from ringfence.shm.ring_reader import RingReader
+from ringfence.shm.ring_writer import RingWriter
 
 CONFIG_FILE = "config.toml"
 

@@ -31,7 +31,9 @@ from typing import NamedTuple, Protocol
 from ringfence.runtime.codec import Registry
 from ringfence.runtime.messages import RESERVED_TAG, RUNTIME
 from ringfence.shm.errors import ProtocolError, RingFull
-from ringfence.shm.ring import RingReader, RingWriter
+from ringfence.shm.ring import framed_size
+from ringfence.shm.ring_reader import RingReader
+from ringfence.shm.ring_writer import RingWriter
 
 
 class Delivery(NamedTuple):
@@ -141,7 +143,7 @@ class RingOutbox:
         limit, first = self.writer.max_batch, self.writer.next_seq
         start, framed = 0, 0
         for i, (_, payload) in enumerate(frames):
-            size = 16 + ((len(payload) + 7) & ~7)
+            size = framed_size(len(payload))
             if framed + size > limit and i > start:
                 self._put_batch(frames, start, i, timeout)
                 start, framed = i, 0
@@ -157,10 +159,6 @@ class RingOutbox:
             self.writer.put_many(frames[start:stop], timeout)
         except RingFull as e:
             raise RingFull(str(e), sent=start) from None
-        except ValueError:
-            if stop - start > 1:  # one frame over the batch limit on its own: a plain put
-                raise
-            self.writer.put(*frames[start], timeout)
 
     def encode(self, msg: object) -> tuple[int, bytes]:
         """The frame kind and payload of ``msg`` on this ring."""

@@ -64,14 +64,7 @@ class Routes:
         """Send ``msg`` to every instance of ``role``, in rank order; over rings of one
         registry it is encoded once and the same bytes go to each (a step plan to every
         Worker rank)."""
-        outboxes = [self.outboxes[peer] for peer in self.peers(role)]
-        rings = [o for o in outboxes if isinstance(o, RingOutbox)]
-        if len(rings) < 2 or len(rings) != len(outboxes):
-            return [self.send(o.peer, msg, timeout) for o in outboxes]
-        if any(o.registry is not rings[0].registry for o in rings):
-            return [self.send(o.peer, msg, timeout) for o in outboxes]
-        kind, payload = rings[0].encode(msg)
-        return [self._sent(r.peer, msg, r.put(kind, payload, timeout)) for r in rings]
+        return [seqs[0] for seqs in self.send_all_many(role, [msg], timeout)]
 
     def send_many(self, to: str, msgs: Sequence[object], timeout: float) -> list[int]:
         """Send ``msgs`` to ``to`` in order, batched on a ring (see ``RingOutbox.send_many``);
@@ -80,21 +73,23 @@ class Routes:
         seqs = outbox.send_many(msgs, timeout)
         return [self._sent(outbox.peer, m, seq) for m, seq in zip(msgs, seqs, strict=True)]
 
-    def send_all_many(self, role: str, msgs: Sequence[object], timeout: float) -> None:
+    def send_all_many(self, role: str, msgs: Sequence[object], timeout: float) -> list[list[int]]:
         """Send ``msgs`` to every instance of ``role``, rank by rank, each rank's batched; over
-        rings of one registry each message is encoded once (a schedule's ops to every rank)."""
+        rings of one registry each message is encoded once (a schedule's ops to every rank).
+        The transport seqs, by rank."""
         outboxes = [self.outboxes[peer] for peer in self.peers(role)]
         rings = [o for o in outboxes if isinstance(o, RingOutbox)]
         same = len(rings) == len(outboxes) > 1
         if not same or any(o.registry is not rings[0].registry for o in rings):
-            for outbox in outboxes:
-                self.send_many(outbox.peer, msgs, timeout)
-            return
+            return [self.send_many(outbox.peer, msgs, timeout) for outbox in outboxes]
         frames = [rings[0].encode(msg) for msg in msgs]
-        for ring in rings:
-            seqs = ring.put_many(frames, timeout)
-            for msg, seq in zip(msgs, seqs, strict=True):
-                self._sent(ring.peer, msg, seq)
+        return [
+            [
+                self._sent(r.peer, m, seq)
+                for m, seq in zip(msgs, r.put_many(frames, timeout), strict=True)
+            ]
+            for r in rings
+        ]
 
     def _sent(self, peer: str, msg: object, seq: int) -> int:
         if self.log.tracing:

@@ -32,7 +32,8 @@ from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.liveness import ProcessStamp
-from ringfence.shm.ring import Ring, RingWriter
+from ringfence.shm.ring import Ring
+from ringfence.shm.ring_writer import RingWriter
 
 ACTORS_FILE = "actors.json"
 

@@ -16,7 +16,9 @@ from typing import Any, Protocol
 
 from ringfence.shm import names
 from ringfence.shm.doorbell import Doorbell
-from ringfence.shm.ring import Ring, RingReader, RingWriter
+from ringfence.shm.ring import Ring
+from ringfence.shm.ring_reader import RingReader
+from ringfence.shm.ring_writer import RingWriter
 
 
 def shm_names() -> set[str]:

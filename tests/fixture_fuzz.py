@@ -94,11 +94,12 @@ class FuzzingPeer(Actor):
 
     def send_all_many(
         self, role: str, msgs: Sequence[object], *, timeout: float | None = None
-    ) -> None:
-        super().send_all_many(role, msgs, timeout=timeout)
+    ) -> list[list[int]]:
+        seqs = super().send_all_many(role, msgs, timeout=timeout)
         if self.pool(role):
             for _ in range(self.every_time() * len(msgs)):
                 self._put_one(role)
+        return seqs
 
     def pool(self, name: str) -> list[Fuzz]:
         """The frames to put on the ring to actor ``name`` (none: that ring is left alone)."""

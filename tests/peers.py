@@ -14,7 +14,9 @@ import multiprocess
 
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
-from ringfence.shm.ring import Ring, RingReader, RingWriter
+from ringfence.shm.ring import Ring
+from ringfence.shm.ring_reader import RingReader
+from ringfence.shm.ring_writer import RingWriter
 from ringfence.shm.segment import Segment
 from ringfence.shm.testing import reap
 

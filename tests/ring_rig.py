@@ -36,7 +36,9 @@ from ringfence.runtime.messages import RUNTIME
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
-from ringfence.shm.ring import Ring, RingReader, RingWriter
+from ringfence.shm.ring import Ring
+from ringfence.shm.ring_reader import RingReader
+from ringfence.shm.ring_writer import RingWriter
 
 SUPERVISOR = "supervisor-0"
 RING_BYTES = 1 << 20  # a run's default ring size: the same frame size limit as a launch

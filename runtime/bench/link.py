@@ -38,7 +38,9 @@ from typing import Any, NamedTuple, TypeVar
 from ringfence.shm import names
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import RingfenceError
-from ringfence.shm.ring import Ring, RingReader, RingWriter
+from ringfence.shm.ring import Ring
+from ringfence.shm.ring_reader import RingReader
+from ringfence.shm.ring_writer import RingWriter
 
 RING_BYTES = 1 << 20  # data bytes per ring: room to stream 64 KiB frames
 BATCH = 32  # frames a put_many in the ringfence-batch stream (fewer where they would not fit)

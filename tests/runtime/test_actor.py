@@ -32,7 +32,7 @@ from ringfence.runtime.mailbox import (
 )
 from ringfence.runtime.messages import Failed, Stop, Tick
 from ringfence.shm.errors import ActorDead, ProtocolError, RingFull
-from ringfence.shm.ring import Batch
+from ringfence.shm.ring_reader import Batch
 from ringfence.shm.testing import RingPair, ring_pair
 
 PROTO = Registry("host->x", verify=True)
@@ -685,8 +685,8 @@ def test_send_many_and_send_all_many_deliver_in_order_with_consecutive_seqs(make
     inboxes = rig.add_peers("sink-1", "sink-0", "relay-0")
     items = [Item(n=n) for n in range(5)]
     assert rig.actor.send_many("relay", items) == [1, 2, 3, 4, 5]
-    rig.actor.send_all_many("sink", items[:2])
-    rig.actor.send_all_many("sink", items[2:])
+    assert rig.actor.send_all_many("sink", items[:2]) == [[1, 2], [1, 2]]
+    assert rig.actor.send_all_many("sink", items[2:]) == [[3, 4, 5], [3, 4, 5]]
     received = {name: drain(inbox) for name, inbox in inboxes.items()}
     assert received == {"sink-1": items, "sink-0": items, "relay-0": items}
 

@@ -24,7 +24,9 @@ from ringfence.shm.errors import (
     RingFull,
     SegmentLayoutError,
 )
-from ringfence.shm.ring import FRAME, HEADER_BYTES, Ring, RingReader, RingWriter
+from ringfence.shm.ring import FRAME, HEADER_BYTES, Ring
+from ringfence.shm.ring_reader import RingReader
+from ringfence.shm.ring_writer import RingWriter
 from ringfence.shm.segment import Segment
 from ringfence.shm.testing import reap, ring_pair
 
