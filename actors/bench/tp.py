@@ -37,6 +37,7 @@ import orjson
 
 from ringfence.actors.bench import e2e, launcher
 from ringfence.actors.bench.e2e_pairs import DTYPE, Run, common_settings
+from ringfence.actors.bench.e2e_report import fmt
 from ringfence.actors.bench.launcher import RunError
 from ringfence.actors.bench.options import add_counts, environment, resolve_counts, resolve_preset
 
@@ -236,11 +237,11 @@ def _print(report: dict[str, Any]) -> None:
     for row in report["rows"]:
         share = "n/a" if row["reduce_share"] is None else f"{row['reduce_share']:.1%}"
         print(
-            f"  {row['tp']:>3}{e2e.fmt(row['output_tokens_per_s'], '9.2f')}"
-            f"{e2e.fmt(row['ratio'], '7.3f')}x{e2e.fmt(row['ttft_p50_ms'], '10.1f')}"
-            f"{e2e.fmt(row['tpot_p50_ms'], '10.1f')}{e2e.fmt(row['exec_ms_mean'], '9.2f')}"
-            f"{e2e.fmt(row['reduce_ms_mean'], '8.2f')}{e2e.fmt(row['reduce_ms_p50'], '8.2f')}"
-            f"{share:>10}{e2e.fmt(row['reduces_per_step'], '9.1f')}  {row['tokens_match']:.0%}"
+            f"  {row['tp']:>3}{fmt(row['output_tokens_per_s'], '9.2f')}"
+            f"{fmt(row['ratio'], '7.3f')}x{fmt(row['ttft_p50_ms'], '10.1f')}"
+            f"{fmt(row['tpot_p50_ms'], '10.1f')}{fmt(row['exec_ms_mean'], '9.2f')}"
+            f"{fmt(row['reduce_ms_mean'], '8.2f')}{fmt(row['reduce_ms_p50'], '8.2f')}"
+            f"{share:>10}{fmt(row['reduces_per_step'], '9.1f')}  {row['tokens_match']:.0%}"
         )
     print(
         "  (ratio: output tokens/s over the first size's; TTFT, TPOT in ms; step ms: execution "
