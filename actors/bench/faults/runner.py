@@ -17,11 +17,11 @@ Worker has done a given step: a Transfer lane, the Worker, the Engine, or the
 supervisor itself. A kill waits until the previous victim is back (its next
 ``actor.ready``), so each kill lands on a live process.
 
-Waiting here is for another process tree's progress, which it publishes only in its
-log files: the runner re-reads a log every ``POLL_S`` until a deadline (a file written
-by other processes rings no bell we could sleep on). That is the one place ringfence
-waits by re-reading; no actor does. The exits of orphaned actors are waited for on
-pidfds, not re-read.
+Waiting here is for another process tree's progress, which it publishes only in files
+(its logs, ``actors.json``): the runner sleeps on inotify for the run dir and its parent
+and on a pidfd for the launch (:mod:`ringfence.actors.bench.faults.watch`), and after
+each wake-up reads only what the logs gained. The exits of orphaned actors are waited
+for on pidfds too.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from typing import Any
 
 import orjson
 
+from ringfence.actors.bench.faults.watch import FolderWatch
 from ringfence.actors.bench.launcher import Launched
 
-POLL_S = 0.02  # how often a log is re-read while waiting for an event in it
 SUPERVISOR = "supervisor-0"
 
 
@@ -147,32 +147,49 @@ class Launch(Launched):
     """A launched run (:class:`Launched`: its own process group, a deadline) and what the
     faults read of its logs and do to its processes."""
 
-    __slots__ = ("restarting",)
+    __slots__ = ("_read", "restarting", "watch")
 
     def __init__(self, run_dir: Path, sets: Sequence[str], *, timeout: float) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)  # watched before the launch writes in it
         super().__init__(run_dir, sets, timeout=timeout)
         self.restarting: tuple[str, int] | None = None  # the last victim, its actor.ready count
+        self._read: dict[str, tuple[int, list[dict[str, Any]]]] = {}  # log: (bytes, lines)
+        try:
+            self.watch = FolderWatch([run_dir, run_dir.parent], self.proc.pid)
+        except BaseException:
+            super().close()  # nothing of the launch outlives a failed start
+            raise
+
+    def close(self) -> None:
+        super().close()
+        self.watch.close()
 
     def lines(self, log: str) -> list[dict[str, Any]]:
-        """Every whole line of ``<log>.jsonl`` so far."""
+        """Every whole line of ``<log>.jsonl`` so far (a copy); reads only what it gained."""
+        offset, lines = self._read.get(log, (0, []))
         try:
-            data = (self.run_dir / f"{log}.jsonl").read_bytes()
+            with (self.run_dir / f"{log}.jsonl").open("rb") as f:
+                f.seek(offset)
+                data = f.read()
         except FileNotFoundError:
             return []
-        lines = data.split(b"\n")[:-1]  # the last line may still be being written
-        return [orjson.loads(line) for line in lines if line]
+        whole = data.rfind(b"\n") + 1  # the last line may still be being written
+        lines += [orjson.loads(line) for line in data[:whole].split(b"\n") if line]
+        self._read[log] = (offset + whole, lines)
+        return list(lines)
 
     def events(self, log: str, event: str) -> list[dict[str, Any]]:
         return [r for r in self.lines(log) if r.get("event") == event]
 
     def wait_for(self, what: str, ready: Callable[[], bool]) -> None:
-        """Re-check ``ready`` every POLL_S (see the module docstring) until the deadline."""
+        """Check ``ready`` after every change to the run's files, until the deadline; the
+        launch's exit first is a FaultError."""
         while not ready():
             if self.proc.poll() is not None:
                 raise FaultError(f"the run ended (status {self.proc.returncode}) before {what}")
             if self.remaining() <= 0:
                 raise FaultError(f"no {what} before the deadline")
-            time.sleep(POLL_S)
+            self.watch.wait(self.remaining())
 
     def steps_done(self) -> int:
         return len(self.events("worker-0", "step.done"))
