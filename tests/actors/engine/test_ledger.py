@@ -167,3 +167,17 @@ def test_a_restarted_rank_completes_what_its_watermark_covers_for_that_rank_alon
     assert ledger.completed(Lane.STEP) == 0
     ledger.complete_up_to(Lane.STEP, 0, 1)
     assert ledger.completed(Lane.STEP) == 1 and ledger.in_flight(Lane.STEP) == 0
+
+
+def test_a_pump_sends_each_lanes_credited_ops_as_one_batch_in_issue_order(tmp_path):
+    calls: list[tuple[str, list[int]]] = []
+
+    def send_all(role: str, msgs: list[object]) -> None:
+        calls.append((role, [getattr(m, "op") for m in msgs]))  # noqa: B009 - ops of any lane
+
+    log = ActorLog(tmp_path / "engine-0.jsonl", actor="engine", rank=0, epoch=0)
+    ledger = Ledger(2, sync=False, send_all=send_all, log=log)
+    ledger.begin({Lane.STEP: 1, Lane.SWAP: 1, Lane.STORE: 1})
+    ledger.queue([swap(1), prefetch(1), swap(2), swap(3)], epoch=0)
+    ledger.pump()
+    assert sorted(calls) == [("store", [1]), ("swap", [1, 2, 3])]  # one send_all a lane
