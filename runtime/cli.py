@@ -13,10 +13,11 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import orjson
 
+from ringfence.runtime.extras import missing_line
 from ringfence.runtime.topology import import_target
 from ringfence.shm import names
 
@@ -27,7 +28,7 @@ MANIFEST = "names.json"
 STOP_CODES = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM})  # a stop by a signal
 
 # Benchmarks by name -> module implementing ``add_arguments(parser)`` and ``main(args) -> int``.
-# Imported only when chosen, so the command starts fast.
+# Imported only when chosen, so the command starts fast and needs none of their extras.
 BENCHMARKS = {
     "ring": "ringfence.runtime.bench.ring",
     "hop": "ringfence.runtime.bench.hop",
@@ -43,10 +44,12 @@ BENCHMARKS = {
 }
 
 
-# What ``launch`` checks in the config before a run exists (each raises ValueError).
-REPLAY = "ringfence.actors.replay.cli"  # ``ringfence replay``: the same two functions
-SERVE = "ringfence.actors.serve.cli"  # ``ringfence serve``: the same two functions
-ROUTER = "ringfence.actors.router.cli"  # ``ringfence router``: the same two functions
+# The commands that live with the actors they run, by import path (the runtime never
+# imports ``ringfence.actors`` statically): each module has ``add_arguments`` and ``main``.
+REPLAY = "ringfence.actors.replay.cli"
+SERVE = "ringfence.actors.serve.cli"
+ROUTER = "ringfence.actors.router.cli"
+COMMAND_MODULES = {"replay": REPLAY, "serve": SERVE, "router": ROUTER}
 
 DESCRIPTION = (
     "ringfence: a KV-cache runtime for LLM serving, built as actors that talk through "
@@ -77,47 +80,141 @@ BENCH_HELP = {
 }
 
 
-class _Bench(Protocol):
+class _Command(Protocol):
+    """A command module: its arguments, and what it runs (``ringfence bench NAME``,
+    ``serve``, ``router``, ``replay``). ``DESCRIPTION``, if it has one, is its help text."""
+
     def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
     def main(self, args: argparse.Namespace) -> int: ...
 
 
-def _bench_module(name: str) -> _Bench:
-    return cast(_Bench, importlib.import_module(BENCHMARKS[name]))
+def _command_module(path: str) -> _Command:
+    return cast(_Command, importlib.import_module(path))
 
 
-def _replay_module() -> _Bench:
-    """``ringfence replay`` lives with the actors whose logs it reads (imported by name)."""
-    return cast(_Bench, importlib.import_module(REPLAY))
+class _LazyCommands(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Subcommands whose arguments are added only when one is chosen.
+
+    ``ringfence --help`` and ``ringfence clean`` then import no command module (the
+    benchmarks, the HTTP server, the router, replay), and a command that needs an optional
+    extra fails alone, naming it, instead of every command failing to build its parser.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fill: dict[str, Callable[[argparse.ArgumentParser], None]] = {}
+
+    def add_command(
+        self, name: str, fill: Callable[[argparse.ArgumentParser], None], *, help: str
+    ) -> argparse.ArgumentParser:
+        """A subcommand ``name`` listed with ``help``; ``fill(parser)`` adds its arguments
+        (and its description) when it is chosen, or at once by :meth:`fill`."""
+        parser: argparse.ArgumentParser = self.add_parser(
+            name, help=help, description=f"{help[0].upper()}{help[1:]}."
+        )
+        self._fill[name] = fill
+        return parser
+
+    def fill(self, name: str) -> argparse.ArgumentParser:
+        """The parser of ``name`` with its arguments added (once)."""
+        parser: argparse.ArgumentParser = self.choices[name]
+        fill = self._fill.pop(name, None)
+        if fill is not None:
+            try:
+                fill(parser)
+            except ModuleNotFoundError as e:  # a command module that needs an extra
+                line = missing_line(e)
+                if line is None:
+                    raise
+                parser.exit(2, f"{parser.prog}: {line}\n")
+        return parser
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if values and values[0] in self.choices:
+            self.fill(values[0])
+        super().__call__(parser, namespace, values, option_string)
 
 
-def _serve_module() -> _Bench:
-    """``ringfence serve`` lives with its front-end actor (imported by name)."""
-    return cast(_Bench, importlib.import_module(SERVE))
+def _module_fill(path: str) -> Callable[[argparse.ArgumentParser], None]:
+    """Fill a subcommand from the module at ``path``: its arguments and its DESCRIPTION."""
+
+    def fill(parser: argparse.ArgumentParser) -> None:
+        module = _command_module(path)
+        parser.description = getattr(module, "DESCRIPTION", parser.description)
+        module.add_arguments(parser)
+
+    return fill
 
 
-def _router_module() -> _Bench:
-    """``ringfence router`` lives with the instances' front end (imported by name)."""
-    return cast(_Bench, importlib.import_module(ROUTER))
+def _bench_fill(name: str) -> Callable[[argparse.ArgumentParser], None]:
+    def fill(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--json", type=Path, metavar="FILE", help="also write the figures as JSON"
+        )
+        _command_module(BENCHMARKS[name]).add_arguments(parser)
+
+    return fill
+
+
+def _subcommands(parser: argparse.ArgumentParser, dest: str, metavar: str) -> _LazyCommands:
+    parser.register("action", "lazy_parsers", _LazyCommands)
+    return cast(
+        _LazyCommands,
+        parser.add_subparsers(dest=dest, required=True, metavar=metavar, action="lazy_parsers"),
+    )
+
+
+def fill_all(parser: argparse.ArgumentParser) -> None:
+    """Add every subcommand's arguments below ``parser`` now (what ``--help`` of each would
+    show), as the tests that walk every command need."""
+    for action in parser._actions:
+        if isinstance(action, _LazyCommands):
+            for name in list(action.choices):
+                fill_all(action.fill(name))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``ringfence`` parser. It imports no command module: each command's arguments are
+    added when that command is chosen (:class:`_LazyCommands`)."""
     parser = argparse.ArgumentParser(prog="ringfence", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = _subcommands(parser, "command", "COMMAND")
 
     text = "run a benchmark against its baselines, side by side"
     bench = sub.add_parser("bench", help=text, description=f"{text.capitalize()}.")
-    benches = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+    benches = _subcommands(bench, "bench", "NAME")
     for name in BENCHMARKS:
-        line = BENCH_HELP.get(name, f"benchmark: {name}")
-        p = benches.add_parser(name, help=line, description=f"{line[0].upper()}{line[1:]}.")
-        p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
-        _bench_module(name).add_arguments(p)
+        benches.add_command(name, _bench_fill(name), help=BENCH_HELP[name])
 
     text = "start a run: create its names, spawn and watch actors"
-    launch = sub.add_parser("launch", help=text, description=LAUNCH_DESCRIPTION)
-    add_run_arguments(launch)
-    launch.add_argument(
+    launch = sub.add_command("launch", _launch_arguments, help=text)
+    launch.description = LAUNCH_DESCRIPTION
+    text = "serve the OpenAI API over HTTP (completions, chat, models, health, metrics)"
+    sub.add_command("serve", _module_fill(SERVE), help=text)
+    text = "one OpenAI endpoint over prefill and decode instances (disaggregated serving)"
+    sub.add_command("router", _module_fill(ROUTER), help=text)
+    text = "check, explain and visualize a run from its logs (exit 1: a violation)"
+    replay = sub.add_command("replay", _module_fill(REPLAY), help=text)
+    replay.description = (
+        "Check a run from its logs alone: exit 0 when every protocol check holds, 1 with "
+        "the first violation and the events around it, 2 when the run dir cannot be read."
+    )
+    text = "remove the shared-memory names of dead runs"
+    clean = sub.add_command("clean", _clean_arguments, help=text)
+    clean.description = (
+        "Remove the shared-memory names a run left behind (a live run only with --force)."
+    )
+    return parser
+
+
+def _launch_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_arguments(parser)
+    parser.add_argument(
         "--workload",
         metavar="FILE.jsonl|synthetic:NAME",
         help="run these requests to completion, print a summary and exit (sets engine.workload;"
@@ -125,38 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         " serves clients",
     )
 
-    text = "serve the OpenAI API over HTTP (completions, chat, models, health, metrics)"
-    module = _serve_module()
-    serve = sub.add_parser("serve", help=text, description=getattr(module, "DESCRIPTION", text))
-    module.add_arguments(serve)
 
-    text = "one OpenAI endpoint over prefill and decode instances (disaggregated serving)"
-    module = _router_module()
-    router = sub.add_parser("router", help=text, description=getattr(module, "DESCRIPTION", text))
-    module.add_arguments(router)
-
-    text = "check, explain and visualize a run from its logs (exit 1: a violation)"
-    replay = sub.add_parser(
-        "replay",
-        help=text,
-        description="Check a run from its logs alone: exit 0 when every protocol check "
-        "holds, 1 with the first violation and the events around it, 2 when the run dir "
-        "cannot be read.",
-    )
-    _replay_module().add_arguments(replay)
-
-    text = "remove the shared-memory names of dead runs"
-    clean = sub.add_parser(
-        "clean",
-        help=text,
-        description="Remove the shared-memory names a run left behind (a live run only "
-        "with --force).",
-    )
-    target = clean.add_mutually_exclusive_group(required=True)
+def _clean_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("run", nargs="?", help="a run dir (its names manifest) or a run id")
     target.add_argument("--all", action="store_true", help="every run whose creator is dead")
-    clean.add_argument("--force", action="store_true", help="also remove names of live runs")
-    return parser
+    parser.add_argument("--force", action="store_true", help="also remove names of live runs")
 
 
 def run_id_of(target: str) -> str:
@@ -274,18 +345,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":
-            return _bench_module(args.bench).main(args)
+            return _command_module(BENCHMARKS[args.bench]).main(args)
         if args.command == "launch":
             return _launch(args)
-        if args.command == "replay":
-            return _replay_module().main(args)
-        if args.command == "serve":
-            return _serve_module().main(args)
-        if args.command == "router":
-            return _router_module().main(args)
+        if args.command in COMMAND_MODULES:
+            return _command_module(COMMAND_MODULES[args.command]).main(args)
         return _clean(args)
     except ValueError as e:
         print(f"ringfence {args.command}: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        line = missing_line(e)
+        if line is None:
+            raise
+        print(f"ringfence {args.command}: {line}", file=sys.stderr)
         return 2
 
 

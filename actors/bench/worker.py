@@ -37,7 +37,7 @@ round, so drift affects both sides alike; figures are medians over the rounds.
 ``--quick`` (the test) runs short lengths for 2 rounds, on the ``tiny`` preset unless
 ``--model`` names a checkpoint.
 
-Transformers is an optional dependency (the ``test`` extra); without it this benchmark
+Transformers is an optional dependency (the ``bench`` extra); without it this benchmark
 says so and exits with status 2. torch, transformers and the model are imported only
 when the benchmark runs, so the ``ringfence`` command starts fast.
 """
@@ -393,7 +393,7 @@ def main(args: argparse.Namespace) -> int:
         transformers = importlib.import_module("transformers")
     except ImportError as exc:
         print(
-            f"ringfence bench worker: needs transformers (pip install 'ringfence[test]'): {exc}",
+            f"ringfence bench worker: needs transformers (pip install 'ringfence[bench]'): {exc}",
             file=sys.stderr,
         )
         return 2

@@ -15,6 +15,7 @@ from ringfence.cache.prefix_index import StoragePresence
 from ringfence.cache.storage import StorageLog, open_backend, stdlib_log
 from ringfence.cache.storage.guarded import GuardedBackend
 from ringfence.cache.storage.ranks import AllRanks, RankLog
+from ringfence.runtime.extras import require
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.config import SchedulerConfig, TierConfig
 
@@ -36,6 +37,14 @@ def check_limits(config: Config) -> None:
     """The launch's check of ``sched.max_model_len`` against the model the config names,
     before a run exists (ValueError naming the key; the runtime knows it only by name)."""
     max_model_len(config, model_shape(config.model).max_position)
+
+
+def check_storage(config: Config) -> None:
+    """The launch's check that the storage backend's client library is installed (the
+    engine and the store lanes import it in their own processes, where a missing one would
+    be an actor's failure): MissingExtra naming the extra that installs it."""
+    if config.cache.storage.backend == "redis":
+        require("redis", "cache.storage.backend = 'redis'")
 
 
 def check_role(config: Config) -> None:

@@ -17,5 +17,6 @@ TOPOLOGY = FencedTopology(
         "ringfence.actors.engine.intake:check_workload",
         "ringfence.actors.engine.scheduling:check_limits",
         "ringfence.actors.engine.scheduling:check_role",
+        "ringfence.actors.engine.scheduling:check_storage",
     ),
 )

@@ -27,6 +27,7 @@ TOPOLOGY = FencedTopology(
     preflight=(
         "ringfence.actors.engine.scheduling:check_limits",
         "ringfence.actors.engine.scheduling:check_role",
+        "ringfence.actors.engine.scheduling:check_storage",
         f"{__name__}:check_server",
     ),
 )

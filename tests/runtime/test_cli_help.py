@@ -25,7 +25,15 @@ def every_parser(
     return found
 
 
-PARSERS = every_parser(cli.build_parser())
+def filled_parser() -> argparse.ArgumentParser:
+    """The ``ringfence`` parser with every command's arguments added (each is added only
+    when its command is chosen)."""
+    parser = cli.build_parser()
+    cli.fill_all(parser)
+    return parser
+
+
+PARSERS = every_parser(filled_parser())
 
 
 def test_the_walk_reaches_every_command_and_every_benchmark():
@@ -43,6 +51,13 @@ def test_a_commands_help_has_no_markup_and_says_what_it_does(path, parser):
     text = parser.format_help()
     assert not MARKUP.findall(text), f"ringfence {' '.join(path)} --help:\n{text}"
     assert parser.description, f"ringfence {' '.join(path)} --help has no description"
+
+
+def test_building_the_parser_adds_no_commands_arguments_until_one_is_chosen():
+    parser = cli.build_parser()
+    bench_e2e = dict(every_parser(parser))[("bench", "e2e")]
+    assert [a.dest for a in bench_e2e._actions] == ["help"]
+    assert dict(every_parser(filled_parser()))[("bench", "e2e")]._actions[1:]
 
 
 def test_the_markup_check_catches_backquotes_and_roles():
