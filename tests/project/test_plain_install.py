@@ -25,6 +25,7 @@ from plain_install import (
 
 from ringfence.runtime import cli
 from ringfence.runtime.extras import MODULE_EXTRAS
+from ringfence.shm import names
 
 COMMANDS = [
     (),
@@ -83,7 +84,9 @@ def test_every_commands_help_works_on_a_plain_install(plain, tmp_path, words):
 def test_help_and_clean_import_nothing_heavy(tmp_path):
     loaded = tmp_path / "loaded"
     env = plain_env(tmp_path / "site", loaded=loaded)
-    for args in (("--help",), ("clean", "--all")):
+    # clean of a run that does not exist: the command's whole path, removing nothing (--all
+    # would remove other tests' names that have no lease, on the other test worker).
+    for args in (("--help",), ("clean", names.new_run_id())):
         proc = ringfence(*args, env=env, cwd=tmp_path)
         assert proc.returncode == 0, failure(proc, env)
         (record,) = tmp_path.glob("loaded.*")

@@ -14,6 +14,7 @@ from ringfence.runtime import cli
 from ringfence.shm import names
 
 
+@pytest.mark.serial
 def test_a_quick_hop_bench_reports_ring_and_hop_rates_with_their_ratios(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -232,6 +232,7 @@ def test_a_relay_of_two_ranks_has_a_ring_per_pair_of_instances_and_delivers_ever
 # Cleaning and run dirs.
 
 
+@pytest.mark.serial
 def test_clean_all_removes_a_killed_runs_names_and_leaves_a_live_run_alone(tmp_path):
     killed_sets = ("demo.messages=0", "runtime.heartbeat_timeout_s=2.0", *QUICK)
     live_sets = ("runtime.topology=fixture_actors:GATED_SINK", "demo.messages=0", *QUICK)

@@ -51,6 +51,7 @@ def test_list_names_finds_segments_and_semaphores_of_a_run(run_id):
     assert names.list_names(run_id) == []
 
 
+@pytest.mark.serial
 def test_clean_all_removes_a_dead_runs_names_and_keeps_a_live_ones(run_id, capsys):
     dead = dead_run()
     names.write_lease(run_id)  # this test process is alive: its run must survive

@@ -45,12 +45,12 @@ def test_an_optional_actor_is_placed_external_whatever_the_config_says():
 
 def test_optional_slots_are_awaited_without_a_deadline_and_the_run_goes_on(tmp_path):
     # Long enough for the engine to start on a loaded machine, short beside the wait below.
-    sets = (TOPOLOGY, "runtime.ready_timeout_s=1.0", *QUICK)
+    sets = (TOPOLOGY, "runtime.ready_timeout_s=2.0", *QUICK)
     with launched(tmp_path, *sets) as run:
         run.wait_ready("engine-0")
         for slot in SLOTS:
             run.wait_for_event("actor.await", instance=slot, incarnation=1)
-        run.wait_for_heartbeats("engine-0", 30)  # 3 s: three ready timeouts
+        run.wait_for_heartbeats("engine-0", 60)  # 6 s: three ready timeouts
         assert run.events("actor.late") == []
         assert run.proc.poll() is None
         rows = {r["id"]: (r["placement"], r["attach"], r["state"]) for r in run.actors()}
