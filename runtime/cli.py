@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import orjson
 
 from ringfence.runtime.extras import missing_line
-from ringfence.runtime.topology import import_target
+from ringfence.runtime.imports import import_target
 from ringfence.shm import names
 
 if TYPE_CHECKING:
