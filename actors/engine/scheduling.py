@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ringfence.actors.config import Config
 from ringfence.actors.kv.layout import STAGING_BLOCKS, block_fingerprint
 from ringfence.actors.model.identity import model_shape
-from ringfence.actors.protocol.worker import ModelInfo
+from ringfence.actors.model.info import ModelInfo
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.prefix_index import StoragePresence
 from ringfence.cache.storage import StorageLog, open_backend, stdlib_log

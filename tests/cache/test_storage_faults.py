@@ -27,7 +27,7 @@ from mounts import MOUNT_TIMEOUT_S, mounted_tmpfs
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.scheduling import open_storage
-from ringfence.actors.protocol.worker import ModelInfo
+from ringfence.actors.model.info import ModelInfo
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import (
     StorageBackend,

@@ -16,8 +16,8 @@ from ringfence.actors.engine.ledger import Ledger, Outcome
 from ringfence.actors.engine.scheduling import open_storage, sched_config
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
+from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.transfer import OpDone
-from ringfence.actors.protocol.worker import ModelInfo
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash, BlockId
