@@ -54,9 +54,9 @@ from ringfence.actors.engine.outputs import Outputs
 from ringfence.actors.engine.roster import EXECUTORS, Roster
 from ringfence.actors.engine.scheduling import LoggedPresence, open_storage, sched_config
 from ringfence.actors.engine.stats import counters_of, no_stats, stats_of
-from ringfence.actors.executors.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
 from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.client import Abort, Hello, Reserve, Stats, Submit
+from ringfence.actors.protocol.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
 from ringfence.actors.protocol.worker import StepResult, WorkerReady
