@@ -15,8 +15,8 @@ TOPOLOGY = FencedTopology(
     channels=CLIENT_CHANNELS,
     preflight=(
         "ringfence.actors.engine.intake:check_workload",
-        "ringfence.actors.engine.scheduling:check_limits",
-        "ringfence.actors.engine.scheduling:check_role",
-        "ringfence.actors.engine.scheduling:check_storage",
+        "ringfence.actors.engine.checks:check_limits",
+        "ringfence.actors.engine.checks:check_role",
+        "ringfence.actors.engine.checks:check_storage",
     ),
 )

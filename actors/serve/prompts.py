@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.scheduling import max_model_len
 from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
 from ringfence.actors.model.identity import model_shape
 from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ringfence.actors.serve.api import ApiError, ChatMessage
+from ringfence.sched.config import max_model_len
 
 PRESET_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
@@ -40,7 +40,7 @@ class Prompter:
     def __init__(self, config: Config) -> None:
         shape = model_shape(config.model)
         self.vocab_size = shape.vocab_size
-        self.max_model_len = max_model_len(config, shape.max_position)
+        self.max_model_len = max_model_len(config.sched, shape.max_position)
         path = config.model.path
         tokenizer: Tokenizer | None = load_tokenizer(path) if path else None
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()

@@ -25,9 +25,9 @@ TOPOLOGY = FencedTopology(
     before=(FRONTEND_ACTOR, CLIENT_ACTOR),
     channels=(*FRONTEND_CHANNELS, *CLIENT_CHANNELS),
     preflight=(
-        "ringfence.actors.engine.scheduling:check_limits",
-        "ringfence.actors.engine.scheduling:check_role",
-        "ringfence.actors.engine.scheduling:check_storage",
+        "ringfence.actors.engine.checks:check_limits",
+        "ringfence.actors.engine.checks:check_role",
+        "ringfence.actors.engine.checks:check_storage",
         f"{__name__}:check_server",
     ),
 )
