@@ -18,7 +18,7 @@ and its client of the storage tier (:mod:`.storage`), then runs a loop made of m
   get the engine's :class:`Stats` (:mod:`.stats`; zeros with ``began`` False until the
   scheduler began);
 - a prefill or decode instance (``engine.role``) holds finishes until their blocks are
-  stored, or grants reservations (:mod:`.handover`, DESIGN.md "Instances").
+  stored, or grants reservations (:mod:`.disaggregation`, DESIGN.md "Instances").
 
 Faults (DESIGN.md "Sequence numbers" on epochs and restarts):
 
@@ -47,7 +47,7 @@ from typing import Any
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
-from ringfence.actors.engine.handover import Expire, HandOverDesk
+from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
 from ringfence.actors.engine.outputs import Outputs
