@@ -3,7 +3,7 @@ Transfer lanes and the client slots."""
 
 from __future__ import annotations
 
-from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS
+from ringfence.actors.client.client import CLIENT_ACTOR, CLIENT_CHANNELS
 from ringfence.actors.topology import FencedTopology
 
 # Clients stop first (not waited for), then the engine, then the executors.

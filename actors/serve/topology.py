@@ -7,7 +7,7 @@ requests it holds before the engine that runs them goes away.
 
 from __future__ import annotations
 
-from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS
+from ringfence.actors.client.client import CLIENT_ACTOR, CLIENT_CHANNELS
 from ringfence.actors.config import Config
 from ringfence.actors.topology import FencedTopology
 from ringfence.runtime.topology import ActorSpec, ChannelSpec
