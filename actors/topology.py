@@ -6,14 +6,14 @@ over the same channels; each names its own engine class, and the Engine adds its
 slots. ``runtime.topology`` names a :class:`FencedTopology`, which the supervisor calls
 with the run's config. Each channel from the engine becomes one ring to every rank, and
 each channel to it one ring from every rank (``runtime/topology.py``); the ``lanes``
-counter block holds every rank's watermarks and epochs (``executors/lanes.py``).
+counter block holds every rank's watermarks and epochs (``protocol/lanes.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
+from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES
 from ringfence.runtime.config import RunConfig
 from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
 

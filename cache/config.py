@@ -8,13 +8,21 @@ checks them from each field's metadata (:func:`setting`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from ringfence.cache.storage.registry import BACKEND_NAMES
 
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
 
 T = TypeVar("T")
 Eviction = Literal["write_back", "write_through", "none"]
-Backend = Literal["local", "redis", "memory", "none"]
+# The storage registry's names (cache/storage/registry.py): a backend registered there is
+# a choice here. mypy sees a str, since a Literal cannot be built from data; the config
+# loader checks values against the Literal.
+if TYPE_CHECKING:
+    Backend = str
+else:
+    Backend = Literal[BACKEND_NAMES]
 
 
 def setting(default: T, doc: str, **rules: Any) -> T:

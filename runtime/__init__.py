@@ -1,1 +1,2 @@
-"""Actor runtime: wire codec, command line, benchmarks, and (later) the run loop and supervisor."""
+"""Actor runtime: the wire codec, the ``Actor`` base and its run loop (the driver), config
+loading, structured logs, topologies, the supervisor and the ``ringfence`` command line."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import orjson
 
 from ringfence.runtime.extras import missing_line
-from ringfence.runtime.topology import import_target
+from ringfence.runtime.imports import import_target
 from ringfence.shm import names
 
 if TYPE_CHECKING:
@@ -336,9 +336,9 @@ def _summary(run_dir: Path) -> None:
     """The summary table of a workload run (--workload or engine.workload)."""
     summary = run_dir / "summary.json"
     if summary.exists():
-        # The table lives with the engine's report; the runtime imports it only by name.
-        report = import_target("ringfence.actors.engine.report:format_summary")
-        print(report(orjson.loads(summary.read_bytes())))  # type: ignore[operator]
+        # The table lives with the engine's launch summary; the runtime imports it only by name.
+        table = import_target("ringfence.actors.engine.summary:format_summary")
+        print(table(orjson.loads(summary.read_bytes())))  # type: ignore[operator]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,7 +43,7 @@ from ringfence.runtime.config_tables import (
     to_raw,
     where,
 )
-from ringfence.runtime.topology import import_target
+from ringfence.runtime.imports import import_target
 from ringfence.shm.errors import ConfigError
 
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)

@@ -23,7 +23,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from ringfence.runtime.topology import import_target
+from ringfence.runtime.imports import import_target
 from ringfence.shm.errors import ConfigError
 
 if TYPE_CHECKING:

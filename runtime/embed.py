@@ -25,10 +25,10 @@ from ringfence.runtime.codec import Registry
 from ringfence.runtime.config import load_config
 from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.driver import Driver
+from ringfence.runtime.imports import import_target
 from ringfence.runtime.log import ActorLog, log_path
 from ringfence.runtime.mailbox import Mailbox, RingInbox, RingOutbox
 from ringfence.runtime.manifest import read_manifest
-from ringfence.runtime.topology import import_target
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.liveness import ProcessStamp

@@ -257,7 +257,7 @@ EVENTS: Final[dict[str, Event]] = {
         "a request ended (or aborted); stored_blocks: a prefill instance's hand-over (the "
         "leading full blocks storage holds), else -1",
     ),
-    # Prefill/decode disaggregation (actors/engine/handover.py). ``reservation`` is the
+    # Prefill/decode disaggregation (actors/engine/disaggregation.py). ``reservation`` is the
     # engine-wide key "<peer>/<incarnation>/<id>", as ``request`` is.
     "reservation.grant": _e(
         "info",

@@ -18,6 +18,7 @@ import orjson
 from ringfence.runtime.config import RunConfig, check_actor_names, dump_config
 from ringfence.runtime.control import InstanceControl, control_count
 from ringfence.runtime.embed import CONFIG_FILE
+from ringfence.runtime.imports import import_target
 from ringfence.runtime.manifest import (
     MANIFEST_FILE,
     InstanceEntry,
@@ -27,7 +28,7 @@ from ringfence.runtime.manifest import (
     write_atomic,
     write_manifest,
 )
-from ringfence.runtime.topology import Topology, import_target
+from ringfence.runtime.topology import Topology
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell

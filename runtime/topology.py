@@ -32,17 +32,16 @@ run its actors would refuse is refused before any process or shared-memory name 
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ringfence.runtime.codec import Registry
+from ringfence.runtime.imports import TARGET_RE, import_target
 from ringfence.runtime.messages import RESERVED_TAG
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-TARGET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 SUPERVISOR = "supervisor"
 Attach = Literal["required", "optional"]
 ATTACH_MODES: tuple[Attach, ...] = ("required", "optional")
@@ -92,21 +91,6 @@ class Link(NamedTuple):
     src: Instance
     dst: Instance
     protocol: str
-
-
-def import_target(path: str) -> object:
-    """Import ``"package.module:NAME"`` and return the attribute; ValueError naming the path."""
-    if not TARGET_RE.match(path):
-        raise ValueError(f"import path {path!r} must look like 'package.module:NAME'")
-    module_name, attr = path.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import {module_name!r} for {path!r}: {e}") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,7 @@ is built with: that section, the tiers' pools and policies, and the model's limi
 
 ``SchedConfig`` is the TOML table (``runtime.config`` loads and checks it from each
 field's metadata); ``TierConfig`` and ``SchedulerConfig`` are what the engine derives
-from the run's config and the model it serves (``actors/engine/scheduling.py``).
+from the run's config and the model it serves (``actors/engine/sched_settings.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,19 @@ class SchedConfig:
         " max_position_embeddings",
         ge=0,
     )
+
+
+def max_model_len(settings: SchedConfig, max_position: int) -> int:
+    """The longest prompt plus max_tokens a request may ask for: ``sched.max_model_len``, or
+    the model's ``max_position`` where it is 0. ValueError naming the key and both numbers
+    where it asks for more positions than the model has."""
+    wanted = settings.max_model_len
+    if wanted > max_position:
+        raise ValueError(
+            f"sched.max_model_len is {wanted}, more than the model's {max_position} positions "
+            "(max_position_embeddings); set it to at most that, or 0 for the model's own"
+        )
+    return wanted or max_position
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from ringfence.shm.errors import RingfenceError
 
@@ -62,6 +62,32 @@ def check_number(field: str, value: object, *, minimum: float = 0.0) -> float:
     if not math.isfinite(value) or value < minimum:
         raise RequestError(f"{field} must be finite and >= {minimum:g}, got {value!r}", field=field)
     return float(value)
+
+
+def check_messages(messages: object) -> tuple[dict[str, Any], ...]:
+    """A chat's messages as a tuple of fresh dicts; RequestError (field ``messages``) naming
+    the message that is not an object with non-empty string ``role`` and string ``content``."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise RequestError(
+            f"messages must be a non-empty list of message objects, got {messages!r}",
+            field="messages",
+        )
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(
+                f"messages[{index}] must be an object, got {message!r}", field="messages"
+            )
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise RequestError(
+                f"messages[{index}].role must be a non-empty string, got {role!r}",
+                field="messages",
+            )
+        if not isinstance(content, str):
+            raise RequestError(
+                f"messages[{index}].content must be a string, got {content!r}", field="messages"
+            )
+    return tuple(dict(message) for message in messages)
 
 
 def _check_top_p(value: object) -> float:

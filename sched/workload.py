@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from ringfence.sched.request import RequestError, SamplingParams, check_number, check_token_ids
+from ringfence.sched.request import (
+    RequestError,
+    SamplingParams,
+    check_messages,
+    check_number,
+    check_token_ids,
+)
 from ringfence.shm.errors import RingfenceError
 
 KEYS = (
@@ -126,32 +132,6 @@ def _prompt_of(request: WorkloadRequest) -> str | tuple[Any, ...]:
     if request.prompt_token_ids is not None:
         return tuple(request.prompt_token_ids)
     return tuple(request.messages or ())
-
-
-def check_messages(messages: object) -> tuple[dict[str, Any], ...]:
-    """A chat's messages as a tuple of fresh dicts; RequestError (field ``messages``) naming
-    the message that is not an object with non-empty string ``role`` and string ``content``."""
-    if not isinstance(messages, list | tuple) or not messages:
-        raise RequestError(
-            f"messages must be a non-empty list of message objects, got {messages!r}",
-            field="messages",
-        )
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RequestError(
-                f"messages[{index}] must be an object, got {message!r}", field="messages"
-            )
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not role:
-            raise RequestError(
-                f"messages[{index}].role must be a non-empty string, got {role!r}",
-                field="messages",
-            )
-        if not isinstance(content, str):
-            raise RequestError(
-                f"messages[{index}].content must be a string, got {content!r}", field="messages"
-            )
-    return tuple(dict(message) for message in messages)
 
 
 def parse_workload(

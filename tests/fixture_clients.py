@@ -15,7 +15,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS, Client
+from ringfence.actors.client.client import CLIENT_ACTOR, CLIENT_CHANNELS, Client
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
 from ringfence.actors.engine.stats import no_stats
 from ringfence.actors.protocol.client import Abort, Hello, Reservation, Reserve, Stats, Submit

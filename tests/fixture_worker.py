@@ -23,8 +23,8 @@ import orjson
 import torch
 
 from ringfence.actors.config import Config
-from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
 from ringfence.actors.model.decoder import Model
+from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES
 from ringfence.actors.protocol.worker import StepResult, WorkerReady
 from ringfence.cache.fences import Fence
 from ringfence.cache.ids import Seq as SeqNo

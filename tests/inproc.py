@@ -5,7 +5,7 @@ every actor attached as an embedding host attaches one, each driven by its own t
 settings name (``create_run``, the supervisor's own code), then attaches each instance
 (``attach``, what a spawned child does) with the class the topology names or one given
 in ``classes``, and runs its driver in a thread. Client slots are left free for
-:class:`~ringfence.actors.client.shm.Client`. Nothing is spawned, so a test can reach into a
+:class:`~ringfence.actors.client.client.Client`. Nothing is spawned, so a test can reach into a
 live actor (to make it a fuzzing peer) and pays no process start-up. The test process
 plays the supervisor: its doorbell is rung when an instance asks for shutdown. On the
 way out every driver is stopped and joined, then every name of the run is removed.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ringfence.actors.client.shm import Client
+from ringfence.actors.client.client import Client
 from ringfence.actors.config import Config
 from ringfence.runtime.actor import Actor
 from ringfence.runtime.driver import Driver

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ringfence.actors.config import Config
-from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
+from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES
 from ringfence.runtime.actor import Actor
 from ringfence.runtime.codec import Registry
 from ringfence.runtime.control import InstanceControl

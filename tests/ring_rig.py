@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from ringfence.actors.executors.lanes import LANE_SLOTS, LANES
+from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES
 from ringfence.runtime.actor import Actor
 from ringfence.runtime.codec import Registry
 from ringfence.runtime.config import RunConfig

@@ -218,7 +218,7 @@ def _backend(
     name: str, workdir: Path, url: str, payloads: list[bytes], round_no: int
 ) -> tuple[float, float]:
     """MB/s of ``put_many`` then ``get_many`` of fresh keys on backend ``name``."""
-    from ringfence.cache.storage import open_backend
+    from ringfence.cache.storage.registry import open_backend
 
     total = len(payloads) * STORAGE_BLOCK_BYTES
     keys = [
@@ -246,8 +246,8 @@ PRESENCE_KEYS = 32  # keys per presence question, the first half of them stored
 def _presence(name: str, workdir: Path, url: str, questions: int) -> tuple[float, float]:
     """Microseconds per guarded ``longest_prefix``: asked in the caller, and on the asker
     thread with the engine's default deadline."""
-    from ringfence.cache.storage import open_backend
     from ringfence.cache.storage.guarded import GuardedBackend
+    from ringfence.cache.storage.registry import open_backend
 
     keys = [
         BlockHash(blake2b(f"presence-{i}".encode(), digest_size=16).digest())

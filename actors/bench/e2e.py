@@ -193,7 +193,7 @@ def run_local(run: Run, *, threads: int) -> Side:
 
     from ringfence.actors.config import Config
     from ringfence.actors.engine.intake import load_workload
-    from ringfence.actors.engine.report import percentile
+    from ringfence.actors.engine.percentiles import percentile
     from ringfence.actors.testing.local import LocalRunner
 
     config = Config.load(None, run.settings)
@@ -238,7 +238,7 @@ def tokens_match(a: Side, b: Side) -> float:
 
 def percentile_of(values: Sequence[float], pct: float) -> float | None:
     """The ``pct`` percentile of ``values`` as the run report computes it; None if empty."""
-    from ringfence.actors.engine.report import percentile
+    from ringfence.actors.engine.percentiles import percentile
 
     return percentile(values, pct) if values else None
 

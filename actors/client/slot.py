@@ -1,4 +1,4 @@
-"""A client slot: the actor a :class:`~ringfence.actors.client.shm.Client` drives in its
+"""A client slot: the actor a :class:`~ringfence.actors.client.client.Client` drives in its
 caller's thread, and what it files of the engine's output.
 
 The run's optional actor ``client`` (:data:`CLIENT_ACTOR`, ``CLIENT_SLOTS`` ranks) has

@@ -2,8 +2,8 @@
 
 The engine owns every number of the protocol. It waits until the Worker and both Transfer
 lanes of every rank have answered its ``Resync`` (:mod:`.roster`), builds the
-:class:`Scheduler` (which needs the model's identity and limits, :mod:`.scheduling`), then
-runs a loop made of messages only:
+:class:`Scheduler` (which needs the model's identity and limits, :mod:`.sched_settings`)
+and its client of the storage tier (:mod:`.storage`), then runs a loop made of messages only:
 
 - requests arrive from a workload (``engine.workload``: timers at their ``arrival_s``) or
   from clients (:class:`ClientHub`), and become the scheduler's requests (:mod:`.intake`);
@@ -18,7 +18,7 @@ runs a loop made of messages only:
   get the engine's :class:`Stats` (:mod:`.stats`; zeros with ``began`` False until the
   scheduler began);
 - a prefill or decode instance (``engine.role``) holds finishes until their blocks are
-  stored, or grants reservations (:mod:`.handover`, DESIGN.md "Instances").
+  stored, or grants reservations (:mod:`.disaggregation`, DESIGN.md "Instances").
 
 Faults (DESIGN.md "Sequence numbers" on epochs and restarts):
 
@@ -47,18 +47,20 @@ from typing import Any
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
-from ringfence.actors.engine.handover import Expire, HandOverDesk
+from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
 from ringfence.actors.engine.outputs import Outputs
 from ringfence.actors.engine.roster import EXECUTORS, Roster
-from ringfence.actors.engine.scheduling import LoggedPresence, open_storage, sched_config
+from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.engine.stats import counters_of, no_stats, stats_of
-from ringfence.actors.executors.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
+from ringfence.actors.engine.storage import LoggedPresence, open_all_ranks
+from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.client import Abort, Hello, Reserve, Stats, Submit
+from ringfence.actors.protocol.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
-from ringfence.actors.protocol.worker import ModelInfo, StepResult, WorkerReady
+from ringfence.actors.protocol.worker import StepResult, WorkerReady
 from ringfence.cache.fences import Lane
 from ringfence.cache.storage.ranks import AllRanks
 from ringfence.runtime.actor import Actor, handles
@@ -221,7 +223,7 @@ class Engine(Actor):
         assert self.ctx.run_dir is not None
         model, first = self.model, self.roster.first_numbers()
         self.ledger.begin(first)
-        self.storage = open_storage(self.config, model, str(self.ctx.run_dir), log=self.log)
+        self.storage = open_all_ranks(self.config, model, str(self.ctx.run_dir), log=self.log)
         tracing = self.log.tracing
         presence = LoggedPresence(self.storage, self.log) if tracing and self.storage else None
         try:

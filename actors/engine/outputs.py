@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfence.actors.engine.clients import ClientHub, RequestKey
-from ringfence.actors.engine.report import Progress, RequestRecord, summarize, write_run_report
+from ringfence.actors.engine.summary import Progress, RequestRecord, summarize, write_run_report
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.request import Request
 from ringfence.sched.sequence import Emitted

@@ -3,7 +3,7 @@ Transfer lanes and the client slots."""
 
 from __future__ import annotations
 
-from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS
+from ringfence.actors.client.client import CLIENT_ACTOR, CLIENT_CHANNELS
 from ringfence.actors.topology import FencedTopology
 
 # Clients stop first (not waited for), then the engine, then the executors.
@@ -15,8 +15,8 @@ TOPOLOGY = FencedTopology(
     channels=CLIENT_CHANNELS,
     preflight=(
         "ringfence.actors.engine.intake:check_workload",
-        "ringfence.actors.engine.scheduling:check_limits",
-        "ringfence.actors.engine.scheduling:check_role",
-        "ringfence.actors.engine.scheduling:check_storage",
+        "ringfence.actors.engine.checks:check_limits",
+        "ringfence.actors.engine.checks:check_role",
+        "ringfence.actors.engine.checks:check_storage",
     ),
 )

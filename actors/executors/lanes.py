@@ -3,8 +3,8 @@
 Three lanes run per rank (DESIGN.md "Sequence numbers, watermarks, fences"): ``step``
 (the Worker), ``swap`` and ``store`` (the two Transfer lanes). Each is executed in
 issue order by exactly one actor, which publishes how far it got in the ``lanes``
-counter block of the run (``LANE_SLOTS`` counters per rank: step_done, swap_done,
-store_done, and the two epochs below). :class:`LaneExecutor` is the base of the
+counter block of the run (its layout: ``actors/protocol/lanes.py``: step_done,
+swap_done, store_done, and the two epochs below). :class:`LaneExecutor` is the base of the
 three: for an op numbered ``n`` it tells a repeat (``n <= done``: answered with the
 kept completion) and a hole in the lane (``n > done + 1``: refused, the watermark
 stays) from the next op; waits, sleeping on its own doorbell, until every other
@@ -40,36 +40,22 @@ from typing import ClassVar
 
 from ringfence.actors.config import Config
 from ringfence.actors.executors.legacy import LegacyLock, lock_path
+from ringfence.actors.protocol.lanes import (
+    ISSUER_EPOCH,
+    LANES,
+    TIER_EPOCH,
+    epoch_counter,
+    lane_counter,
+)
 from ringfence.cache.fences import Fence, Lane
 from ringfence.runtime.actor import Actor
-from ringfence.shm.counter import CounterBlock, Watermark
+from ringfence.shm.counter import Watermark
 
-LANES = "lanes"  # the topology's counter block of the lane watermarks
-LANE_SLOTS = 6  # per rank: step_done, swap_done, store_done, two epochs, the step gate (ranks.py)
-_LANE_SLOT = {Lane.STEP: 0, Lane.SWAP: 1, Lane.STORE: 2}
-TIER_EPOCH, ISSUER_EPOCH = "tier", "issuer"  # the epoch counters (see the module docstring)
-_EPOCH_SLOT = {TIER_EPOCH: 3, ISSUER_EPOCH: 4}
 # The actor executing each lane, and the actors that wait on its watermark (and so are
 # rung after each advance): a swap-out waits for steps (I2), a step for swap-ins (I1,
 # I3), a write-back for swap-outs and a swap-in for prefetches (I4).
 EXECUTOR = {Lane.STEP: "worker", Lane.SWAP: "swap", Lane.STORE: "store"}
 WAITERS = {Lane.STEP: ("swap",), Lane.SWAP: ("worker", "store"), Lane.STORE: ("swap",)}
-
-
-def lane_counter(block: CounterBlock, rank: int, lane: Lane) -> Watermark:
-    """The watermark of ``lane`` at ``rank`` in the ``lanes`` counter block."""
-    index = rank * LANE_SLOTS + _LANE_SLOT[lane]
-    if index >= block.count:
-        raise ValueError(f"rank {rank} has no {lane} watermark in a block of {block.count}")
-    return block[index]
-
-
-def epoch_counter(block: CounterBlock, rank: int, which: str) -> Watermark:
-    """``tier_epoch`` (the Worker writes it) or ``issuer_epoch`` (the Engine) of ``rank``."""
-    index = rank * LANE_SLOTS + _EPOCH_SLOT[which]
-    if index >= block.count:
-        raise ValueError(f"rank {rank} has no {which} epoch in a block of {block.count}")
-    return block[index]
 
 
 class Cancelled(Exception):

@@ -9,14 +9,15 @@ and one that finds the plan stale or malformed never enters it. A rank blocked i
 collective cannot heartbeat, nor see that a peer will never come.
 
 So before the forward, rank r *commits* to step s by advancing its ``step_gate[r]`` to s
-(a counter of the ``lanes`` block, one writer), then sleeps on its own doorbell, with the
-driver's deadline, until every peer p has either committed (``step_gate[p] >= s``) or
-passed s without running it (``step_done[p] >= s``: it cancelled or refused s, since no
-rank can finish s by running it before all have entered). If every peer committed, all
-run; if one passed, this rank cancels s too. A rank decides to pass only before it
-commits, so every rank sees the same passer and they all agree. The wait defers like a
-fence wait (the plan is handed over again after a heartbeat): nothing blocks a rank in a
-collective for longer than the ranks' compute skew.
+(a counter of the ``lanes`` block, one writer: ``actors/protocol/lanes.py``), then
+sleeps on its own doorbell, with the driver's deadline, until every peer p has either
+committed (``step_gate[p] >= s``) or passed s without running it (``step_done[p] >= s``:
+it cancelled or refused s, since no rank can finish s by running it before all have
+entered). If every peer committed, all run; if one passed, this rank cancels s too. A
+rank decides to pass only before it commits, so every rank sees the same passer and they
+all agree. The wait defers like a fence wait (the plan is handed over again after a
+heartbeat): nothing blocks a rank in a collective for longer than the ranks' compute
+skew.
 
 A gate value left by a dead incarnation is at most its ``step_done + 1``, and that step
 is of the old epoch: every new rank cancels it as stale without committing.
@@ -26,20 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ringfence.actors.executors.lanes import LANE_SLOTS, lane_counter
+from ringfence.actors.protocol.lanes import gate_counter, lane_counter
 from ringfence.cache.fences import Lane
-from ringfence.shm.counter import CounterBlock, Waker, Watermark
+from ringfence.shm.counter import CounterBlock, Waker
 from ringfence.shm.errors import WaitTimeout
-
-GATE_SLOT = 5  # of the LANE_SLOTS counters of a rank (lanes.py): the step gate
-
-
-def gate_counter(block: CounterBlock, rank: int) -> Watermark:
-    """``step_gate`` of ``rank`` in the ``lanes`` counter block."""
-    index = rank * LANE_SLOTS + GATE_SLOT
-    if index >= block.count:
-        raise ValueError(f"rank {rank} has no step gate in a block of {block.count}")
-    return block[index]
 
 
 class StepGate:

@@ -8,7 +8,6 @@ both lanes share.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +19,8 @@ from ringfence.actors.protocol.transfer import LOST, OpDone
 from ringfence.cache.block_hash import DIGEST_SIZE
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage import StorageBackend, open_backend
+from ringfence.cache.storage import StorageBackend
+from ringfence.cache.storage.registry import open_storage
 from ringfence.runtime.actor import handles
 from ringfence.sched.ops import StoreOp, SwapOp
 
@@ -33,17 +33,10 @@ class StoreLane(TransferLane):
 
     def on_start(self) -> None:
         super().on_start()
-        settings = self.config.cache.storage
-        path = settings.path
-        if settings.backend == "local" and not path and self.ctx.run_dir is not None:
-            path = str(Path(self.ctx.run_dir) / "storage")
-        self.backend: StorageBackend | None = open_backend(
-            settings.backend,
+        self.backend: StorageBackend | None = open_storage(
+            self.config.cache.storage,
             fingerprint=block_fingerprint(self.config, rank=self.ctx.rank).digest(),
-            path=path,
-            url=settings.url,
-            max_bytes=settings.max_bytes,
-            timeout_s=settings.timeout_s,
+            run_dir=self.ctx.run_dir,
             log=self.log,
             require_server=False,  # down at launch: its ops fail (misses) until it is up
         )

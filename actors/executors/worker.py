@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ringfence.actors.executors.lanes import LANES, Cancelled, LaneExecutor
+from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.executors.ranks import StepGate
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
@@ -44,6 +44,7 @@ from ringfence.actors.model.decoder import sample
 from ringfence.actors.model.loader import load_model
 from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.model.parallel import Group, Shard, join_group, rank_device, rendezvous_file
+from ringfence.actors.protocol.lanes import LANES
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.worker import (
     SampledToken,

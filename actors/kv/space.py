@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 import posix_ipc
 
+from ringfence.actors.model.dtypes import ITEMSIZE, known_dtype, torch_dtype
 from ringfence.shm.errors import NameMissing, SegmentLayoutError
 from ringfence.shm.names import SHM_DIR
 from ringfence.shm.segment import Segment
@@ -39,23 +40,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float64": 8}  # bytes per element
 LAYOUT_NAME = "block-major-v1"  # the Fingerprint's kv_layout of this layout
-
-
-def _known(name: str) -> str:
-    if name not in ITEMSIZE:
-        raise ValueError(f"unknown dtype {name!r}; known: {sorted(ITEMSIZE)}")
-    return name
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a config dtype name; ValueError naming the known ones."""
-    import torch
-
-    dtype = getattr(torch, _known(name))
-    assert isinstance(dtype, torch.dtype)
-    return dtype
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,7 +58,7 @@ class KVLayout:
         for field in ("num_blocks", "layers", "block_size", "kv_heads", "head_dim"):
             if getattr(self, field) < 1:
                 raise ValueError(f"KV layout: {field} must be >= 1, got {getattr(self, field)}")
-        _known(self.dtype)
+        known_dtype(self.dtype)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:

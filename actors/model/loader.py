@@ -6,14 +6,14 @@ from typing import NamedTuple
 
 import torch
 
-from ringfence.actors.kv.space import torch_dtype
 from ringfence.actors.model.checkpoint import load_checkpoint
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.decoder import Model
+from ringfence.actors.model.dtypes import torch_dtype
 from ringfence.actors.model.identity import model_id
+from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.model.parallel import Group, Shard, rank_device
 from ringfence.actors.model.tokenizer import ByteTokenizer, special_ids
-from ringfence.actors.protocol.worker import ModelInfo
 
 
 class LoadedModel(NamedTuple):

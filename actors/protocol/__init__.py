@@ -5,4 +5,7 @@
   either lane -> engine (``FROM_TRANSFER``);
 - ``client``: client -> engine (``CLIENT_TO_ENGINE``), engine -> client (``ENGINE_TO_CLIENT``);
 - ``resync``: :class:`Resync`, which every executor's inbox takes.
+
+And the shared memory the messages' fences name: ``lanes``, the layout of the ``lanes``
+counter block (every rank's watermarks, epochs and step gate).
 """

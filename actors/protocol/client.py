@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ringfence.runtime.codec import Registry, message
-from ringfence.sched.workload import check_messages
+from ringfence.sched.request import check_messages
 
 CLIENT_TO_ENGINE = Registry("client-to-engine")
 ENGINE_TO_CLIENT = Registry("engine-to-client")

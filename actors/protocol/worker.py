@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ringfence.actors.kv.space import KVHandle
+from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.resync import Resync
 from ringfence.runtime.codec import Registry, message
 from ringfence.sched.ops import StepOp
@@ -23,18 +24,6 @@ TO_WORKER = Registry("engine-to-worker")
 FROM_WORKER = Registry("worker-to-engine")
 
 StepStatus = Literal["ok", "rejected", "cancelled", "failed"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelInfo:
-    """What the engine needs to know about the worker's model."""
-
-    model_id: str  # weights identity (the block keys' fingerprint uses it)
-    vocab_size: int
-    max_position: int
-    dtype: str
-    bos_token_id: int | None
-    eos_token_id: int | None
 
 
 @message(FROM_WORKER, tag=1)

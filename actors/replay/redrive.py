@@ -31,10 +31,11 @@ import orjson
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.ledger import issue_fields
-from ringfence.actors.engine.scheduling import sched_config
+from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.replay.log import Entry, RunLog
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash
+from ringfence.cache.storage.registry import NO_TIER
 from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.scheduler import Scheduler
 
@@ -158,7 +159,7 @@ class _State:
                 int(entry.get("max_position")),
                 int(entry.get("vocab_size") or 1 << 31),
             )
-            backend = self.config.cache.storage.backend != "none"
+            backend = self.config.cache.storage.backend != NO_TIER
             first = {Lane(lane): int(n) for lane, n in (entry.get("first_ops") or {}).items()}
             self.scheduler = Scheduler(
                 settings, self.storage if backend else None, journal=True, first_numbers=first

@@ -1,5 +1,5 @@
 """The router's HTTP API: OpenAI's completions and chat completions, run over the instances
-(:mod:`.handover`), the models of a decode instance, the pool's health, and metrics.
+(:mod:`.flow`), the models of a decode instance, the pool's health, and metrics.
 
 The client's body goes to the instances unchanged: the router reads only that it is a JSON
 object (else its own 400); every other check is the decode instance's (its reserve answers
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ringfence.actors.router.handover import Handover, Relayed
+from ringfence.actors.router.flow import Handover, Relayed
 from ringfence.actors.router.instances import Instance
 from ringfence.actors.router.relay import EventRelay, is_event_stream, read_whole
 from ringfence.actors.router.state import Router

@@ -17,7 +17,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -35,14 +35,13 @@ from ringfence.actors.serve.api import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
-    check_unsupported,
     error_body,
     stop_strings,
 )
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.openapi import install
 from ringfence.actors.serve.outputs import Delta, Generation
-from ringfence.actors.serve.prompts import Prompt, Prompter
+from ringfence.actors.serve.prompts import Prompt, prompt_of
 from ringfence.actors.serve.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -51,9 +50,8 @@ from ringfence.actors.serve.responses import (
     ModelList,
     stream_of,
 )
-
-if TYPE_CHECKING:
-    from ringfence.actors.serve.frontend import FrontEnd
+from ringfence.actors.serve.router_api import install_router_api
+from ringfence.actors.serve.view import FrontEndView
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": why}
@@ -78,7 +76,7 @@ def answers(model: type[ChatCompletionResponse | CompletionResponse], chunk: typ
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
+def build_app(frontend: FrontEndView, config: Config) -> FastAPI:
     """The API of ``frontend`` (its gateway, prompter, liveness and the engine's stats)."""
     app = FastAPI(title="ringfence", version="0.1.0", openapi_url="/openapi.json")
     install(app)
@@ -148,10 +146,7 @@ def build_app(frontend: FrontEnd, config: Config) -> FastAPI:
             return answer.sse(answer.chat_chunks)
         return JSONResponse(await answer.whole(request, answer.chat_body))
 
-    # Imported here: the routes between instances and the router (DESIGN.md "Instances").
-    from ringfence.actors.serve.handover import install_handover
-
-    install_handover(app, frontend, config)
+    install_router_api(app, frontend, config)  # DESIGN.md "Instances"
     return app
 
 
@@ -167,19 +162,6 @@ CLAIM_HEADER: dict[str, Any] = {
         }
     ]
 }
-
-
-def prompt_of(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> Prompt:
-    """The request's checked prompt (ApiError naming the field the server cannot honour)."""
-    check_request(body, prompter)
-    if isinstance(body, CompletionRequest):
-        return prompter.completion(body.prompt, body.max_tokens)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError("response_format: only text", param="response_format")
-    limit, field = body.max_completion_tokens, "max_completion_tokens"
-    if limit is None:
-        limit, field = body.max_tokens, "max_tokens"
-    return prompter.chat(body.messages, limit, field)
 
 
 def claimed(request: Request, role: str) -> str:
@@ -226,20 +208,7 @@ def handle_errors(app: FastAPI, metrics: Metrics) -> None:
         return JSONResponse(validation_body(exc), status_code=400)
 
 
-def check_request(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> None:
-    """ApiError naming the first field the server cannot honour as asked (the prompt aside)."""
-    check_unsupported(body)
-    name = prompter.model_name
-    if body.model is not None and body.model != name:
-        raise ApiError(
-            f"model: {body.model!r} is not served here; this server serves {name!r}",
-            param="model",
-            code="model_not_found",
-        )
-    prompter.check_ids("stop_token_ids", body.stop_token_ids or ())
-
-
-def model_card(frontend: FrontEnd, name: str) -> dict[str, Any]:
+def model_card(frontend: FrontEndView, name: str) -> dict[str, Any]:
     """The served model as /v1/models lists it (its id hashes a checkpoint's headers)."""
     config = frontend.config
     ident = model_id(config.model)
@@ -316,7 +285,7 @@ class Answer:
 
     def __init__(
         self,
-        frontend: FrontEnd,
+        frontend: FrontEndView,
         body: CompletionRequest | ChatCompletionRequest,
         prompt: Prompt,
         *,

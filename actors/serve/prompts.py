@@ -14,11 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.scheduling import max_model_len
 from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
 from ringfence.actors.model.identity import model_shape
 from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from ringfence.actors.serve.api import ApiError, ChatMessage
+from ringfence.actors.serve.api import (
+    ApiError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    check_unsupported,
+)
+from ringfence.sched.config import max_model_len
 
 PRESET_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
@@ -40,7 +46,7 @@ class Prompter:
     def __init__(self, config: Config) -> None:
         shape = model_shape(config.model)
         self.vocab_size = shape.vocab_size
-        self.max_model_len = max_model_len(config, shape.max_position)
+        self.max_model_len = max_model_len(config.sched, shape.max_position)
         path = config.model.path
         tokenizer: Tokenizer | None = load_tokenizer(path) if path else None
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
@@ -141,6 +147,32 @@ class Prompter:
                 param=max_field,
             )
         return Prompt(ids, max_tokens)
+
+
+def prompt_of(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> Prompt:
+    """The request's checked prompt (ApiError naming the field the server cannot honour)."""
+    check_request(body, prompter)
+    if isinstance(body, CompletionRequest):
+        return prompter.completion(body.prompt, body.max_tokens)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError("response_format: only text", param="response_format")
+    limit, field = body.max_completion_tokens, "max_completion_tokens"
+    if limit is None:
+        limit, field = body.max_tokens, "max_tokens"
+    return prompter.chat(body.messages, limit, field)
+
+
+def check_request(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> None:
+    """ApiError naming the first field the server cannot honour as asked (the prompt aside)."""
+    check_unsupported(body)
+    name = prompter.model_name
+    if body.model is not None and body.model != name:
+        raise ApiError(
+            f"model: {body.model!r} is not served here; this server serves {name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    prompter.check_ids("stop_token_ids", body.stop_token_ids or ())
 
 
 def _not_unicode(error: UnicodeEncodeError) -> str:

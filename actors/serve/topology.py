@@ -7,7 +7,7 @@ requests it holds before the engine that runs them goes away.
 
 from __future__ import annotations
 
-from ringfence.actors.client.shm import CLIENT_ACTOR, CLIENT_CHANNELS
+from ringfence.actors.client.client import CLIENT_ACTOR, CLIENT_CHANNELS
 from ringfence.actors.config import Config
 from ringfence.actors.topology import FencedTopology
 from ringfence.runtime.topology import ActorSpec, ChannelSpec
@@ -25,9 +25,9 @@ TOPOLOGY = FencedTopology(
     before=(FRONTEND_ACTOR, CLIENT_ACTOR),
     channels=(*FRONTEND_CHANNELS, *CLIENT_CHANNELS),
     preflight=(
-        "ringfence.actors.engine.scheduling:check_limits",
-        "ringfence.actors.engine.scheduling:check_role",
-        "ringfence.actors.engine.scheduling:check_storage",
+        "ringfence.actors.engine.checks:check_limits",
+        "ringfence.actors.engine.checks:check_role",
+        "ringfence.actors.engine.checks:check_storage",
         f"{__name__}:check_server",
     ),
 )

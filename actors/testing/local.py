@@ -22,9 +22,9 @@ import torch
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.intake import make_request
-from ringfence.actors.engine.report import RequestRecord
-from ringfence.actors.engine.scheduling import sched_config
-from ringfence.actors.kv.space import torch_dtype
+from ringfence.actors.engine.sched_settings import sched_config
+from ringfence.actors.engine.summary import RequestRecord
+from ringfence.actors.model.dtypes import torch_dtype
 from ringfence.actors.model.loader import LoadedModel, load_model
 from ringfence.actors.model.paged import make_kv_cache
 from ringfence.actors.protocol.worker import SampledToken

@@ -25,7 +25,8 @@ removing what it left half-written, so the caller reports the write-back failed.
 questions never raise: an unreachable tier answers "nothing stored" until a retry
 after a back-off finds it again.
 
-Backends, picked by name with :func:`open_backend` (``cache.storage.backend``):
+Backends, registered by name in :mod:`.registry` (``cache.storage.backend``), where
+:func:`~.registry.open_storage` opens the one a run's settings name:
 
 - ``local`` (:mod:`.local`): one file per block in a directory, bounded by
   ``max_bytes`` with LRU eviction; several processes may share the directory.
@@ -57,11 +58,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Protocol
 
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage.blob import Buffer, CorruptBlock, check_key, decode, decode_into
-from ringfence.shm.errors import ConfigError, RingfenceError
+from ringfence.cache.storage.blob import Buffer, CorruptBlock, decode, decode_into
+from ringfence.shm.errors import RingfenceError
 
 __all__ = [
-    "BACKENDS",
     "Buffer",
     "CorruptBlock",
     "StorageBackend",
@@ -69,7 +69,6 @@ __all__ = [
     "StorageStats",
     "StorageUnavailable",
     "StorageWriteFailed",
-    "open_backend",
 ]
 
 
@@ -279,109 +278,3 @@ class Counters:
             failed_puts=self.failed_puts,
             read_errors=self.read_errors,
         )
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class _Place:
-    """Where and how a backend stores: the ``cache.storage`` settings :func:`open_backend` got."""
-
-    path: str  # local: the directory
-    url: str  # redis: the server
-    max_bytes: int  # local, memory: the bound (0: none)
-    timeout_s: float  # redis: the connect and reply timeout
-    require_server: bool  # redis: an unreachable server at open raises (else: a warning)
-
-
-# (fingerprint, place, log) -> backend; each imports its module on use.
-Factory = Callable[[bytes, _Place, StorageLog | None], StorageBackend]
-
-
-def _open_local(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBackend:
-    from ringfence.cache.storage.local import LocalBackend
-
-    if not place.path:
-        raise ConfigError(
-            "cache.storage.path: the local backend needs a directory", key="cache.storage.path"
-        )
-    return LocalBackend(place.path, fingerprint=fp, max_bytes=place.max_bytes, log=log)
-
-
-def _open_redis(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBackend:
-    from ringfence.cache.storage.redis_backend import RedisBackend
-
-    if not place.url:
-        raise ConfigError(
-            "cache.storage.url: the redis backend needs a URL", key="cache.storage.url"
-        )
-    return RedisBackend(
-        place.url,
-        fingerprint=fp,
-        log=log,
-        socket_timeout_s=place.timeout_s,
-        require_server=place.require_server,
-    )
-
-
-def _open_memory(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBackend:
-    from ringfence.cache.storage.memory import MemoryBackend
-
-    return MemoryBackend(fingerprint=fp, max_bytes=place.max_bytes, log=log)
-
-
-def _open_none(fp: bytes, place: _Place, log: StorageLog | None) -> StorageBackend:
-    from ringfence.cache.storage.memory import NullBackend
-
-    return NullBackend()
-
-
-BACKENDS: Final[dict[str, Factory]] = {
-    "local": _open_local,
-    "redis": _open_redis,
-    "memory": _open_memory,
-    "none": _open_none,
-}
-
-
-def open_backend(
-    name: str,
-    *,
-    fingerprint: bytes,
-    path: str = "",
-    url: str = "",
-    max_bytes: int = 1 << 30,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    log: StorageLog | None = None,
-    require_server: bool = True,
-) -> StorageBackend:
-    """Open the backend registered as ``name`` with the ``cache.storage`` settings.
-
-    ``fingerprint`` is the 16-byte namespace of the blocks (``Fingerprint.digest()``):
-    blobs written under another one read as misses. ``max_bytes`` bounds ``local``
-    and ``memory`` (0: no bound); on ``redis`` the server's ``maxmemory`` does.
-    ``timeout_s`` bounds each connect and each reply of ``redis``, so a server that
-    stopped answering costs that long, not a hang.
-    Raises :class:`ConfigError` naming the key for an unknown backend or a missing
-    ``path``/``url``, and :class:`StorageUnavailable` if a server cannot be reached;
-    with ``require_server=False`` an unreachable server is a ``storage.unreachable``
-    warning instead, and each call raises ``StorageUnavailable`` until it is reachable
-    (the actors open it so: a tier that is down at launch costs misses, not the run).
-    """
-    if name not in BACKENDS:
-        known = ", ".join(repr(n) for n in BACKENDS)
-        raise ConfigError(
-            f"cache.storage.backend: must be one of {known}, got {name!r}",
-            key="cache.storage.backend",
-        )
-    if max_bytes < 0:
-        raise ConfigError(
-            f"cache.storage.max_bytes: must be >= 0, got {max_bytes}", key="cache.storage.max_bytes"
-        )
-    if not timeout_s > 0:
-        raise ConfigError(
-            f"cache.storage.timeout_s: must be > 0, got {timeout_s}", key="cache.storage.timeout_s"
-        )
-    check_key(fingerprint, "fingerprint")
-    place = _Place(
-        path=path, url=url, max_bytes=max_bytes, timeout_s=timeout_s, require_server=require_server
-    )
-    return BACKENDS[name](fingerprint, place, log)

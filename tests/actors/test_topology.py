@@ -6,11 +6,11 @@ import pytest
 
 from ringfence.actors.config import Config, ParallelConfig
 from ringfence.actors.engine import TOPOLOGY
-from ringfence.actors.executors.lanes import LANE_SLOTS, LANES, epoch_counter, lane_counter
 from ringfence.actors.kv.layout import block_fingerprint, kv_layout
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.shape import PRESETS
 from ringfence.actors.preflight import check_model
+from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES, epoch_counter, lane_counter
 from ringfence.actors.topology import FencedTopology
 from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.run import load_topology

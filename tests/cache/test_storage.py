@@ -16,15 +16,13 @@ from pathlib import Path
 import pytest
 
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage import (
-    StorageUnavailable,
-    open_backend,
-)
+from ringfence.cache.storage import StorageUnavailable
 from ringfence.cache.storage.blob import TRAILER, CorruptBlock, decode, encode
 from ringfence.cache.storage.local import TMP_PREFIX, LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
 from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port, redis_server
+from ringfence.cache.storage.registry import open_backend
 from ringfence.cache.storage.testing import RecordingLog, read_blob, write_blob
 from ringfence.shm.errors import ConfigError
 from ringfence.shm.testing import reap_subprocess

@@ -26,14 +26,14 @@ import pytest
 from mounts import MOUNT_TIMEOUT_S, mounted_tmpfs
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.scheduling import open_storage
-from ringfence.actors.protocol.worker import ModelInfo
+from ringfence.actors.engine.storage import open_all_ranks
+from ringfence.actors.model.info import ModelInfo
+from ringfence.cache.config import StorageConfig
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import (
     StorageBackend,
     StorageUnavailable,
     StorageWriteFailed,
-    open_backend,
 )
 from ringfence.cache.storage.blob import TRAILER, decode
 from ringfence.cache.storage.guarded import GuardedBackend
@@ -41,6 +41,7 @@ from ringfence.cache.storage.local import TMP_PREFIX, LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
 from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port, redis_server, url_port
+from ringfence.cache.storage.registry import BACKENDS, Backend, Place, open_backend, open_storage
 from ringfence.cache.storage.testing import RecordingLog
 from ringfence.shm.errors import ConfigError
 
@@ -204,7 +205,7 @@ def test_the_guard_passes_every_other_call_to_its_backend_unchanged():
         backend.put_many(items(3))
 
 
-def test_open_storage_gives_the_engine_a_guarded_client_and_none_without_a_tier(tmp_path):
+def test_the_engine_gets_a_guarded_client_of_all_ranks_and_none_without_a_tier(tmp_path):
     model = ModelInfo(
         model_id="preset-tiny-seed0",
         vocab_size=259,
@@ -214,7 +215,7 @@ def test_open_storage_gives_the_engine_a_guarded_client_and_none_without_a_tier(
         eos_token_id=None,
     )
     config = Config.load(None, ["cache.storage.backend=local"])
-    storage = open_storage(config, model, str(tmp_path))
+    storage = open_all_ranks(config, model, str(tmp_path))
     assert storage is not None
     (client,) = storage.ranks  # tp_size 1: one rank's client
     assert isinstance(client, GuardedBackend) and isinstance(client.backend, LocalBackend)
@@ -222,7 +223,7 @@ def test_open_storage_gives_the_engine_a_guarded_client_and_none_without_a_tier(
     assert client.backend.root == str(tmp_path / "storage")
     storage.close()
     none = Config.load(None, ["cache.storage.backend=none"])
-    assert open_storage(none, model, str(tmp_path)) is None
+    assert open_all_ranks(none, model, str(tmp_path)) is None
 
 
 # --- redis: stopped, hung, restarted --------------------------------------------------------
@@ -281,7 +282,7 @@ def test_the_engine_and_the_store_lane_open_a_redis_that_is_down_and_count_misse
     )  # fmt: skip
     config = Config.load(None, ["cache.storage.backend=redis", f"cache.storage.url={url}"])
     log = RecordingLog()
-    storage = open_storage(config, model, str(tmp_path), log=log)
+    storage = open_all_ranks(config, model, str(tmp_path), log=log)
     assert storage is not None
     (client,) = storage.ranks
     assert isinstance(client, GuardedBackend)
@@ -495,15 +496,34 @@ def keywords_of_calls(module: ModuleType, function: str) -> list[set[str]]:
 def test_the_engine_gives_its_log_to_its_storage_client():
     from ringfence.actors.engine import actor as engine
 
-    calls = keywords_of_calls(engine, "open_storage")
+    calls = keywords_of_calls(engine, "open_all_ranks")
     assert calls and all("log" in keywords for keywords in calls)
 
 
-def test_the_store_lane_gives_the_timeout_setting_to_its_storage_client():
+def test_the_store_lane_gives_the_timeout_setting_to_its_storage_client(monkeypatch):
     from ringfence.actors.executors import store
 
-    calls = keywords_of_calls(store, "open_backend")
-    assert calls and all("timeout_s" in keywords for keywords in calls)
+    # The lane opens its tier from the whole [cache.storage] section, through the one way...
+    calls = keywords_of_calls(store, "open_storage")
+    assert calls and all({"fingerprint", "run_dir", "log"} <= keywords for keywords in calls)
+    tree = ast.parse(Path(inspect.getfile(store)).read_text())
+    sections = [
+        ast.unparse(node.args[0])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "open_storage"
+    ]
+    assert sections == ["self.config.cache.storage"]
+    # ... which hands the backend every setting, the timeout included.
+    places: list[Place] = []
+
+    def opener(fingerprint: bytes, place: Place, log: object) -> StorageBackend:
+        places.append(place)
+        return MemoryBackend(fingerprint=fingerprint)
+
+    monkeypatch.setitem(BACKENDS, "probe", Backend(open=opener, shared=False))
+    settings = StorageConfig(backend="probe", timeout_s=0.3)
+    open_storage(settings, fingerprint=FP, run_dir=None).close()
+    assert [p.timeout_s for p in places] == [0.3]
 
 
 class Hung:

@@ -10,6 +10,7 @@ are not imports.
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 from typing import NamedTuple
 
@@ -158,3 +159,301 @@ def test_a_tool_may_import_the_product_and_other_tools(tmp_path):
     write(tmp_path, "actors/bench/e2e", "from ringfence.actors.testing.local import LocalRunner\n")
     write(tmp_path, "actors/replay/redrive", "from ringfence.sched.scheduler import Scheduler\n")
     assert violations(tmp_path) == []
+
+
+# --- Inside ``ringfence.actors``: imports only run down ----------------------------------------
+
+
+# The layers of ``ringfence.actors``, written once, lowest first. A layer holds subpackages
+# and modules (named under ``ringfence.actors``; the longest name that covers a module
+# places it, so a role's config section, a leaf the run's schema composes, sits apart from
+# its subpackage) and stands on the layers it names as ``over``. A module may import its own
+# layer and every layer below it, directly or not; nothing else: not a layer above, and not
+# one beside it (the engine and the executors only exchange messages of the protocol).
+class Layer(NamedTuple):
+    name: str
+    holds: tuple[str, ...]  # subpackages and modules under ringfence.actors
+    over: tuple[str, ...] = ()  # the layers right below it
+
+
+ACTOR_LAYERS: tuple[Layer, ...] = (
+    Layer("sections", ("model.config", "executors.config", "engine.config", "serve.config")),
+    Layer("schema", ("config",), over=("sections",)),  # the sections composed
+    Layer("model", ("model",), over=("schema",)),  # shape, dtypes, weights, what it announces
+    Layer("kv", ("kv",), over=("model",)),  # each tier's KV tensor, its layout, block copies
+    Layer("protocol", ("protocol",), over=("kv",)),  # every channel's messages, the lanes' counters
+    Layer("executors", ("executors",), over=("protocol",)),  # the Worker, the Transfer lanes
+    Layer("client", ("client",), over=("protocol",)),  # the users' client and its slots
+    Layer("launch", ("preflight", "topology"), over=("protocol",)),  # checks, fenced topology
+    Layer("engine", ("engine",), over=("client", "launch")),
+    Layer("serve", ("serve",), over=("engine",)),
+    Layer("router", ("router",), over=("serve",)),
+    Layer("replay", ("replay",), over=("engine",)),
+    Layer("tools", ("bench", "testing", "tools"), over=("executors", "router", "replay")),
+)  # fmt: skip
+ACTORS = "ringfence.actors"
+
+
+def below(layers: tuple[Layer, ...] = ACTOR_LAYERS) -> dict[str, set[str]]:
+    """Each layer's name -> the names of every layer under it, directly or not. A layer may
+    stand only on layers written before it, so the order has no circle (ValueError)."""
+    under: dict[str, set[str]] = {}
+    for layer in layers:
+        if unknown := [name for name in layer.over if name not in under]:
+            raise ValueError(f"layer {layer.name} stands on {unknown}, not written before it")
+        under[layer.name] = set(layer.over).union(*(under[name] for name in layer.over))
+    return under
+
+
+def layer_of(module: str, layers: tuple[Layer, ...] = ACTOR_LAYERS) -> str | None:
+    """The name of the layer of ``module`` (dotted, under ``ringfence.actors``; the package
+    itself is in the lowest), or None where no layer holds it."""
+    rest = module.removeprefix(ACTORS).removeprefix(".")
+    if not rest:
+        return layers[0].name
+    covering = [
+        (len(name), layer.name)
+        for layer in layers
+        for name in layer.holds
+        if rest == name or rest.startswith(name + ".")
+    ]
+    return max(covering)[1] if covering else None
+
+
+def upward_imports(root: Path) -> list[str]:
+    """Each import inside ``ringfence.actors`` that goes to a layer not below its own, and
+    each module of ``actors/`` that no layer holds, one line each."""
+    under = below()
+    found = [
+        f"{path.relative_to(root)}: {module} has no layer in ACTOR_LAYERS"
+        for path in sorted((root / "actors").rglob("*.py"))
+        if layer_of(module := module_of(path, root)) is None
+    ]
+    for imp in imports(root):
+        if not (_under(imp.importer, (ACTORS,)) and _under(imp.imported, (ACTORS,))):
+            continue
+        own, other = layer_of(imp.importer), layer_of(imp.imported)
+        if own is None or other is None or other == own or other in under[own]:
+            continue
+        where = "above" if own in under[other] else "beside"
+        found.append(
+            f"{imp.where}: {imp.importer} ({own}) imports {imp.imported} ({other}), "
+            f"a layer {where} its own"
+        )
+    return found
+
+
+def import_cycles(root: Path) -> list[str]:
+    """Each knot of modules that import each other in a circle (lazily, under
+    ``TYPE_CHECKING`` or at the top: every import counts), named by one of its circles
+    with the file and line of each arrow."""
+    edges: dict[str, dict[str, str]] = {}
+    for imp in imports(root):
+        if imp.importer != imp.imported:
+            edges.setdefault(imp.importer, {}).setdefault(imp.imported, imp.where)
+    found = []
+    for knot in _knots(edges):
+        start = min(knot)
+        path = _shortest_way_back(edges, start, knot)
+        arrows = ", ".join(edges[a][b] for a, b in itertools.pairwise(path))
+        more = len(knot) - (len(path) - 1)
+        extra = f" (and {more} more modules in the knot)" if more else ""
+        found.append(f"cycle {' -> '.join(path)} ({arrows}){extra}")
+    return sorted(found)
+
+
+def _knots(edges: dict[str, dict[str, str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    knots = []
+    for root_node in sorted(edges):
+        if root_node in index:
+            continue
+        work = [(root_node, iter(sorted(edges.get(root_node, {}))))]
+        index[root_node] = low[root_node] = len(index)
+        stack.append(root_node)
+        on_stack.add(root_node)
+        while work:
+            node, successors = work[-1]
+            child = next(successors, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                knot = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    knot.add(member)
+                    if member == node:
+                        break
+                if len(knot) > 1:
+                    knots.append(knot)
+    return knots
+
+
+def _shortest_way_back(edges: dict[str, dict[str, str]], start: str, knot: set[str]) -> list[str]:
+    """The shortest circle from ``start`` back to it through ``knot`` (breadth first)."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(edges.get(node, {})):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if nxt in knot and nxt not in came_from:
+                    came_from[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{start} is in a knot but has no way back")
+
+
+def test_inside_actors_every_import_runs_down_the_layers():
+    assert upward_imports(ROOT) == []
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert import_cycles(ROOT) == []
+
+
+def test_every_name_of_the_layer_order_is_a_subpackage_or_module_of_actors():
+    below()  # each layer stands on layers written before it
+    names = [name for layer in ACTOR_LAYERS for name in layer.holds]
+    assert len(names) == len(set(names))
+    for name in names:
+        if name != "tools":  # the tools' room, ready for them
+            assert is_module(ROOT, f"{ACTORS}.{name}"), name
+
+
+def test_a_layer_may_stand_only_on_layers_written_before_it():
+    with pytest.raises(ValueError, match=r"layer kv stands on \['protocol'\]"):
+        below((Layer("kv", ("kv",), over=("protocol",)), Layer("protocol", ("protocol",))))
+
+
+def tree(tmp_path: Path, modules: dict[str, str]) -> Path:
+    """A source tree at ``tmp_path`` with the five packages and ``modules`` (path -> text)."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    for module, text in modules.items():
+        write(tmp_path, module, text)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("modules", "problem"),
+    [
+        (
+            {"actors/model/loader": "def f():\n    from ringfence.actors.kv.space import x\n",
+             "actors/kv/space": ""},
+            "actors/model/loader.py:2: ringfence.actors.model.loader (model) imports "
+            "ringfence.actors.kv.space (kv), a layer above its own",
+        ),
+        (
+            {"actors/protocol/client": "import ringfence.actors.engine.summary\n",
+             "actors/engine/summary": ""},
+            "actors/protocol/client.py:1: ringfence.actors.protocol.client (protocol) imports "
+            "ringfence.actors.engine.summary (engine), a layer above its own",
+        ),
+        (
+            {"actors/engine/actor": "from ringfence.actors.executors import lanes\n",
+             "actors/executors/lanes": ""},
+            "actors/engine/actor.py:1: ringfence.actors.engine.actor (engine) imports "
+            "ringfence.actors.executors.lanes (executors), a layer beside its own",
+        ),
+        (
+            {"actors/config": "from ringfence.actors.engine.actor import Engine\n",
+             "actors/engine/actor": ""},
+            "actors/config.py:1: ringfence.actors.config (schema) imports "
+            "ringfence.actors.engine.actor (engine), a layer above its own",
+        ),
+        (
+            {"actors/serve/app": "from ringfence.actors.bench.e2e import run\n",
+             "actors/bench/e2e": ""},
+            "actors/serve/app.py:1: ringfence.actors.serve.app (serve) imports "
+            "ringfence.actors.bench.e2e (tools), a layer above its own",
+        ),
+        (
+            {"actors/gadgets/thing": ""},
+            "actors/gadgets/thing.py: ringfence.actors.gadgets.thing has no layer in ACTOR_LAYERS",
+        ),
+    ],
+    ids=["model-imports-kv-lazily", "protocol-imports-engine", "engine-imports-executors",
+         "schema-imports-an-actor", "product-imports-bench", "unplaced-subpackage"],
+)  # fmt: skip
+def test_an_import_that_runs_up_a_layer_is_named_with_its_file_and_line(tmp_path, modules, problem):
+    assert upward_imports(tree(tmp_path, modules)) == [problem]
+
+
+def test_imports_down_or_within_a_layer_and_a_section_under_the_schema_pass(tmp_path):
+    root = tree(
+        tmp_path,
+        {
+            "actors/kv/layout": "from ringfence.actors.model.shape import ModelShape\n",
+            "actors/model/shape": "from ringfence.actors.config import Config\n",
+            "actors/config": "from ringfence.actors.engine.config import EngineConfig\n",
+            "actors/engine/config": "",
+            "actors/engine/topology": "from ringfence.actors.client.slot import CLIENT\n",
+            "actors/client/slot": "from ringfence.actors.protocol.client import Submit\n",
+            "actors/protocol/client": "",
+            "actors/router/app": "from ringfence.actors.serve.api import ApiError\n",
+            "actors/serve/api": "from ringfence.sched.request import SamplingParams\n",
+            "actors/tools/bench/e2e": "from ringfence.actors.replay.log import read\n",
+            "actors/replay/log": "",
+        },
+    )
+    assert upward_imports(root) == []
+
+
+def test_a_circle_of_imports_is_named_lazy_or_not_with_each_arrow(tmp_path):
+    root = tree(
+        tmp_path,
+        {
+            "runtime/actor": "from ringfence.runtime.config import RunConfig\n",
+            "runtime/config": "from ringfence.runtime.topology import import_target\n",
+            "runtime/topology": "def check():\n    from ringfence.runtime.actor import Actor\n",
+            "actors/serve/app": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from ringfence.actors.serve.frontend import FrontEnd\n",
+            "actors/serve/frontend": "def start():\n    from ringfence.actors.serve.app import a\n",
+            "cache/pool": "from ringfence.cache.ids import BlockId\n",
+            "cache/ids": "",
+        },
+    )
+    assert import_cycles(root) == [
+        "cycle ringfence.actors.serve.app -> ringfence.actors.serve.frontend -> "
+        "ringfence.actors.serve.app (actors/serve/app.py:3, actors/serve/frontend.py:2)",
+        "cycle ringfence.runtime.actor -> ringfence.runtime.config -> ringfence.runtime.topology"
+        " -> ringfence.runtime.actor (runtime/actor.py:1, runtime/config.py:1, "
+        "runtime/topology.py:2)",
+    ]
+
+
+def test_a_knot_larger_than_its_named_circle_says_how_many_more(tmp_path):
+    root = tree(
+        tmp_path,
+        {
+            "shm/a": "import ringfence.shm.b\nimport ringfence.shm.c\n",
+            "shm/b": "import ringfence.shm.a\n",
+            "shm/c": "import ringfence.shm.a\n",
+        },
+    )
+    assert import_cycles(root) == [
+        "cycle ringfence.shm.a -> ringfence.shm.b -> ringfence.shm.a (shm/a.py:1, shm/b.py:1) "
+        "(and 1 more modules in the knot)"
+    ]

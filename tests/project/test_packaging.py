@@ -135,9 +135,10 @@ def test_the_supervisor_and_the_engine_import_no_torch(tmp_path) -> None:
     code = (
         "import sys\n"
         "import ringfence.runtime.cli, ringfence.runtime.supervisor\n"
-        "import ringfence.actors.engine.actor, ringfence.actors.engine.scheduling\n"
-        "import ringfence.actors.engine.report\n"
-        "from ringfence.runtime.topology import import_target\n"
+        "import ringfence.actors.engine.actor, ringfence.actors.engine.checks\n"
+        "import ringfence.actors.engine.sched_settings, ringfence.actors.engine.storage\n"
+        "import ringfence.actors.engine.summary\n"
+        "from ringfence.runtime.imports import import_target\n"
         "import_target('ringfence.actors.engine:TOPOLOGY')\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )

@@ -28,7 +28,7 @@ from ringfence.runtime.config import (
     setting,
 )
 from ringfence.runtime.config_tables import ACTOR_NAME
-from ringfence.runtime.topology import import_target
+from ringfence.runtime.imports import import_target
 from ringfence.shm.errors import ConfigError
 
 # Hypothesis prints a reproduction blob with any failure, which stands in for the seed.

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ringfence.actors.config import Config
 from ringfence.runtime.config import dump_config, load_config
-from ringfence.runtime.topology import import_target
+from ringfence.runtime.imports import import_target
 from ringfence.sched.workload import KEYS, WorkloadError, parse_workload
 from ringfence.shm.errors import ConfigError
 

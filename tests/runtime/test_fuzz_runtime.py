@@ -19,7 +19,7 @@ from fuzzing import Form, Fuzz, decode, frames, run_examples
 from hypothesis import strategies as st
 from ring_rig import SUPERVISOR, RingRig, ring_rig
 
-from ringfence.actors.client.shm import ClientActor, _Request
+from ringfence.actors.client.client import ClientActor, _Request
 from ringfence.actors.engine.stats import no_stats
 from ringfence.actors.protocol.client import (
     CLIENT_TO_ENGINE,

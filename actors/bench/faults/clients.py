@@ -18,7 +18,7 @@ def flood(launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
     bounded number of live requests (``engine.max_requests_per_client``), each flood
     request must be served (the reference's first tokens) or refused at once, and a
     full ring must make the flooder's submit fail at its deadline, never block it."""
-    from ringfence.actors.client.shm import Client, ClientError
+    from ringfence.actors.client.client import Client, ClientError
     from ringfence.shm.errors import RingFull
 
     lines = workload_of(scenario)
@@ -61,7 +61,7 @@ def killed_client(launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
     the request (``client.lost``) and serve another client the workload exactly."""
     import multiprocess
 
-    from ringfence.actors.client.shm import Client
+    from ringfence.actors.client.client import Client
 
     lines = workload_of(scenario)
     marker = launch.run_dir.parent / "streaming.txt"
@@ -87,7 +87,7 @@ def killed_client(launch: Launch, scenario: Scenario, outcome: Outcome) -> None:
 
 def _stream(run_dir: str, prompt: list[int], marker: str) -> None:
     """In a spawned process: stream a long request, "<slot>" to ``marker`` at its first token."""
-    from ringfence.actors.client.shm import Client
+    from ringfence.actors.client.client import Client
 
     with Client.connect(run_dir) as client:
         request_id = client.submit(prompt, request_id="doomed", max_tokens=300)

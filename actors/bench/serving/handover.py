@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 
 from ringfence.actors.bench import launcher
-from ringfence.actors.engine.report import stats
+from ringfence.actors.engine.percentiles import stats
 
 NS_PER_US = 1_000
 

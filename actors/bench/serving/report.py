@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfence.actors.bench.serving.stats import rate_label
-from ringfence.actors.engine.report import stats
+from ringfence.actors.engine.percentiles import stats
 
 NO_STATS: dict[str, float | None] = {"p50": None, "p99": None, "mean": None}
 

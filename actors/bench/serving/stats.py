@@ -10,7 +10,7 @@ Pure and clock-free (times are given, in seconds on one clock), in the style of 
   of at least two output tokens;
 * throughput: over the busy period, from the first arrival to the end of the last request.
 
-Percentiles are :func:`ringfence.actors.engine.report.percentile`'s (numpy's linear
+Percentiles are :func:`ringfence.actors.engine.percentiles.percentile`'s (numpy's linear
 interpolation), so these figures and a launch's ``summary.json`` share one definition.
 Standard library only.
 """
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ringfence.actors.engine.report import stats
+from ringfence.actors.engine.percentiles import stats
 
 
 def parse_rate(text: str) -> float:

@@ -17,7 +17,7 @@ from ringfence.actors.bench.serving.stats import (
     rate_label,
     summarize,
 )
-from ringfence.actors.engine.report import stats
+from ringfence.actors.engine.percentiles import stats
 
 
 def timeline(

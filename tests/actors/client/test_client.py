@@ -16,7 +16,7 @@ import pytest
 from fixture_clients import EXPLODE, NO_RESERVATIONS, REFUSED, echo_tokens
 from launching import QUICK, Launch, launched, wait_until
 
-from ringfence.actors.client.shm import CLIENT_SLOTS, Client, ClientError, Completion
+from ringfence.actors.client.client import CLIENT_SLOTS, Client, ClientError, Completion
 from ringfence.shm import names
 from ringfence.shm.liveness import ProcessStamp
 

@@ -11,7 +11,7 @@ import pytest
 from fixture_clients import CLIENTS
 from launching import QUICK, launched
 
-from ringfence.actors.client.shm import CLIENT_SLOTS, Client, ClientError
+from ringfence.actors.client.client import CLIENT_SLOTS, Client, ClientError
 from ringfence.runtime.manifest import build_manifest
 from ringfence.runtime.topology import ActorSpec, Topology
 from ringfence.shm import names

@@ -16,7 +16,7 @@ import pytest
 from engine_runs import ENGINE, MODEL, TIERS, TRACE, reference, replayed
 from launching import QUICK, launched, wait_until
 
-from ringfence.actors.client.shm import Client, ClientError
+from ringfence.actors.client.client import Client, ClientError
 from ringfence.actors.engine.intake import load_workload
 from ringfence.shm import names
 

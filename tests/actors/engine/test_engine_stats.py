@@ -12,7 +12,7 @@ from engine_runs import TRACE, replayed
 from inproc import inproc_run, wait_until_begun
 from random_workloads import ENGINE, RUN_TIMEOUT_S, TIERS, write_workload
 
-from ringfence.actors.client.shm import Client, ClientError
+from ringfence.actors.client.client import Client, ClientError
 from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.engine.stats import no_stats
 from ringfence.actors.executors.worker import Worker

@@ -15,7 +15,7 @@ from engine_runs import TRACE, replayed
 from inproc import inproc_run, wait_until_begun
 from random_workloads import ENGINE, RUN_TIMEOUT_S, TIERS, outputs, reference
 
-from ringfence.actors.client.shm import Client
+from ringfence.actors.client.client import Client
 from ringfence.actors.replay.log import read_run
 
 HOT = 1.5  # a temperature at which two seeds rarely draw the same 8 tokens

@@ -13,11 +13,12 @@ from pathlib import Path
 
 from ringfence.actors.config import Config, ParallelConfig
 from ringfence.actors.engine.ledger import Ledger, Outcome
-from ringfence.actors.engine.scheduling import open_storage, sched_config
+from ringfence.actors.engine.sched_settings import sched_config
+from ringfence.actors.engine.storage import open_all_ranks
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
+from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.transfer import OpDone
-from ringfence.actors.protocol.worker import ModelInfo
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash, BlockId
@@ -86,7 +87,7 @@ def test_the_engine_finds_a_prefix_only_up_to_the_block_rank_1_lacks(tmp_path):
         store = rank_store(config, rank, path)
         store.put_many([(k, payload(rank)) for k in keys])
         store.close()
-    storage = open_storage(config, model_of(config), str(tmp_path))
+    storage = open_all_ranks(config, model_of(config), str(tmp_path))
     assert storage is not None and len(storage.ranks) == RANKS
     try:
         assert storage.longest_prefix(keys) == FULL

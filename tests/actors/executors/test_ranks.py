@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ringfence.actors.executors.lanes import LANE_SLOTS, lane_counter
-from ringfence.actors.executors.ranks import GateOverdue, StepGate, gate_counter
+from ringfence.actors.executors.ranks import GateOverdue, StepGate
+from ringfence.actors.protocol.lanes import LANE_SLOTS, gate_counter, lane_counter
 from ringfence.cache.fences import Lane
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock

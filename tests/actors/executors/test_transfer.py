@@ -27,13 +27,13 @@ from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.config import Config
 from ringfence.actors.executors import swap as swap_module
-from ringfence.actors.executors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.executors.legacy import lock_path
 from ringfence.actors.executors.store import StoreLane
 from ringfence.actors.executors.swap import SwapLane
 from ringfence.actors.executors.transfer import TransferLane
 from ringfence.actors.kv.layout import block_fingerprint, kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv, open_kv
+from ringfence.actors.protocol.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.protocol.transfer import (
     FROM_TRANSFER,
     LOST,

@@ -22,10 +22,10 @@ import torch
 from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.config import Config
-from ringfence.actors.executors.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.executors.worker import Worker
 from ringfence.actors.kv.space import open_kv
 from ringfence.actors.model.decoder import Model
+from ringfence.actors.protocol.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.protocol.worker import FROM_WORKER, TO_WORKER, StepResult, WorkerReady
 from ringfence.cache.fences import Fence, Lane
 from ringfence.cache.ids import Seq as SeqNo

@@ -21,8 +21,8 @@ from ringfence.actors.kv.space import (
     cuda_args,
     cuda_record,
     open_kv,
-    torch_dtype,
 )
+from ringfence.actors.model.dtypes import torch_dtype
 from ringfence.shm import names
 from ringfence.shm.errors import NameMissing, SegmentLayoutError
 from ringfence.shm.segment import Segment

@@ -32,7 +32,7 @@ from inproc import InprocRun, inproc_run
 from launching import launched
 from random_workloads import ENGINE, RUN_TIMEOUT_S, TIERS, outputs, reference, write_workload
 
-from ringfence.actors.client.shm import ClientActor
+from ringfence.actors.client.client import ClientActor
 from ringfence.actors.engine.actor import Engine
 from ringfence.actors.executors.worker import Worker
 from ringfence.actors.protocol.client import CLIENT_TO_ENGINE, Submit

@@ -1,4 +1,5 @@
-"""The report of a workload run: per-request records, their summary, the files and the table.
+"""The launch summary of a workload run: per-request records, their summary, the files,
+the table ``ringfence launch`` prints and its progress line.
 
 Pure and clock-free: times are given by the caller (seconds from the workload's start),
 so the engine, the launcher and the benchmarks share one definition of TTFT, TPOT,
@@ -16,7 +17,6 @@ Files written into a run dir (see DESIGN.md, "Interfaces users and scripts rely 
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import orjson
 
+from ringfence.actors.engine.percentiles import percentile, stats
 from ringfence.sched.request import TIERS, FinishReason
 
 OUTPUTS_FILE = "outputs.jsonl"
@@ -92,31 +93,6 @@ class RequestRecord:
         line["preemptions"] = self.preemptions
         line["returning"] = self.returning
         return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
-
-
-def percentile(values: Iterable[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation between the closest ranks
-    (numpy's default); ValueError on no values or ``q`` outside [0, 100]."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must be within [0, 100], got {q}")
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("percentile of no values")
-    position = (len(ordered) - 1) * q / 100
-    lower = math.floor(position)
-    upper = min(lower + 1, len(ordered) - 1)
-    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
-
-
-def stats(values: Sequence[float]) -> dict[str, float | None]:
-    """p50, p99 and mean of ``values`` (all None when there are none)."""
-    if not values:
-        return {"p50": None, "p99": None, "mean": None}
-    return {
-        "p50": percentile(values, 50),
-        "p99": percentile(values, 99),
-        "mean": math.fsum(values) / len(values),
-    }
 
 
 def _turn_stats(values: Sequence[float]) -> dict[str, float | int | None]:

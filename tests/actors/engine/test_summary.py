@@ -1,4 +1,5 @@
-"""The report of a workload run: records, percentiles, summary, files, table and progress."""
+"""The launch summary of a workload run: records, percentiles, summary, files, table and
+progress."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import io
 import orjson
 import pytest
 
-from ringfence.actors.engine.report import (
+from ringfence.actors.engine.percentiles import percentile
+from ringfence.actors.engine.summary import (
     OUTPUTS_FILE,
     SUMMARY_FILE,
     Progress,
     RequestRecord,
     format_summary,
-    percentile,
     summarize,
     write_run_report,
 )

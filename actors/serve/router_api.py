@@ -1,4 +1,4 @@
-"""The routes between an instance and ``ringfence router`` (DESIGN.md "Instances").
+"""The API an instance offers ``ringfence router``: its routes (DESIGN.md "Instances").
 
 - ``GET /ringfence/instance``: what the router pairs instances by (role, model, the
   storage fingerprints of every rank) and picks them by (load);
@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -32,9 +32,8 @@ from ringfence.actors.model.identity import model_id
 from ringfence.actors.protocol.client import Rejected, Reservation, Reserve, Submit, Tokens
 from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, CompletionRequest
 from ringfence.actors.serve.gateway import Lost, RequestStream
-
-if TYPE_CHECKING:
-    from ringfence.actors.serve.frontend import FrontEnd
+from ringfence.actors.serve.prompts import prompt_of
+from ringfence.actors.serve.view import FrontEndView
 
 ANSWER_TIMEOUT_S = 30.0  # how long a reserve waits for the engine's answer
 
@@ -55,7 +54,7 @@ class PrefillRequest(BaseModel):
     request_id: str = ""  # the router's id of the request, for the logs
 
 
-def install_handover(app: FastAPI, frontend: FrontEnd, config: Config) -> None:
+def install_router_api(app: FastAPI, frontend: FrontEndView, config: Config) -> None:
     """Add the routes of the module docstring to ``app``."""
     role = config.engine.role
     ident = model_id(config.model)
@@ -93,9 +92,6 @@ def install_handover(app: FastAPI, frontend: FrontEnd, config: Config) -> None:
     async def reserve(body: ReserveRequest) -> dict[str, Any]:
         if role != "decode":
             raise _wrong_role(role, "decode", "reservations")
-        # Imported here: app imports this module.
-        from ringfence.actors.serve.app import prompt_of
-
         prompt = prompt_of(_client_body(body), prompter)
         name = f"rsv-{uuid.uuid4().hex}"
         msg = Reserve(

@@ -1,0 +1,61 @@
+"""The engine's launch checks: what the runtime runs before a run exists (the topology's
+``preflight``, by import path), each a ValueError naming the keys at fault.
+
+The storage backend's checks read its registry entry
+(:data:`ringfence.cache.storage.registry.BACKENDS`), never its name.
+"""
+
+from __future__ import annotations
+
+from ringfence.actors.config import Config
+from ringfence.actors.model.identity import model_shape
+from ringfence.cache.storage.registry import BACKENDS, backend
+from ringfence.runtime.extras import require
+from ringfence.sched.config import max_model_len
+
+
+def check_limits(config: Config) -> None:
+    """The launch's check of ``sched.max_model_len`` against the model the config names,
+    before a run exists (ValueError naming the key; the runtime knows it only by name)."""
+    max_model_len(config.sched, model_shape(config.model).max_position)
+
+
+def check_storage(config: Config) -> None:
+    """The launch's check that the storage backend's client library is installed (the
+    engine and the store lanes import it in their own processes, where a missing one would
+    be an actor's failure): MissingExtra naming the extra that installs it."""
+    name = config.cache.storage.backend
+    if library := backend(name).requires:
+        require(library, f"cache.storage.backend = {name!r}")
+
+
+def check_role(config: Config) -> None:
+    """The launch's check of ``engine.role`` against the rest of the config (ValueError
+    naming the keys): a prefill or decode instance shares KV through a storage tier that
+    another instance can reach, and a decode instance preempts by ``save``."""
+    role, storage = config.engine.role, config.cache.storage
+    if role == "both":
+        return
+    entry = backend(storage.backend)
+    if not entry.shared:
+        shared = ", or ".join(f"{n!r} with {b.how_shared}" for n, b in BACKENDS.items() if b.shared)
+        raise ValueError(
+            f"engine.role = {role!r} hands KV over through a shared storage tier, but "
+            f"cache.storage.backend is {storage.backend!r}: use {shared}"
+        )
+    if entry.path_in_run_dir and not storage.path:
+        raise ValueError(
+            f"engine.role = {role!r} hands KV over through a shared storage tier, but "
+            "cache.storage.path is empty (the run's own directory, which no other instance "
+            f"reads): set it to {entry.how_shared}"
+        )
+    if role == "decode" and config.sched.preemption != "save":
+        raise ValueError(
+            "engine.role = 'decode' preempts by writing to the shared tier: set "
+            f"sched.preemption = 'save' (it is {config.sched.preemption!r})"
+        )
+    if role == "decode" and config.engine.workload:
+        raise ValueError(
+            "engine.role = 'decode' takes requests only by reservation (through "
+            "'ringfence router'); engine.workload would run none of them"
+        )

@@ -1,0 +1,37 @@
+"""The scheduler's settings, built from the run's config and the model its Worker announced
+(the in-process runner and replay's redrive build the same)."""
+
+from __future__ import annotations
+
+from ringfence.actors.config import Config
+from ringfence.actors.kv.layout import STAGING_BLOCKS, block_fingerprint
+from ringfence.cache.storage.registry import NO_TIER
+from ringfence.sched.config import SchedulerConfig, TierConfig, max_model_len
+
+
+def sched_config(
+    config: Config, model_id: str, max_position: int, vocab_size: int = 1 << 31
+) -> SchedulerConfig:
+    """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limits
+    (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``). ValueError
+    where ``sched.max_model_len`` is past the model's ``max_position``."""
+    cache = config.cache
+    storage = cache.storage.backend != NO_TIER
+    tiers = TierConfig(
+        block_size=cache.block_size,
+        device_blocks=cache.device_blocks,
+        host_blocks=cache.host_blocks or STAGING_BLOCKS,
+        host_cache=cache.host_blocks > 0,
+        storage=storage,
+        device_eviction=cache.device_eviction,
+        host_eviction=cache.host_eviction,
+        poison_freed=cache.poison_freed,
+    )
+    return SchedulerConfig(
+        sched=config.sched,
+        tiers=tiers,
+        namespace=block_fingerprint(config, model_id).digest(),
+        max_model_len=max_model_len(config.sched, max_position),
+        vocab_size=vocab_size,
+        handover=config.engine.role == "prefill",
+    )
