@@ -27,10 +27,10 @@ ALLOWED = {
 }
 # The tools: benchmarks, replay, the test oracle and harness. The product never imports them.
 TOOLS = (
-    "ringfence.runtime.bench",
-    "ringfence.actors.bench",
+    "ringfence.actors.tools.bench.transport",
+    "ringfence.actors.tools.bench",
     "ringfence.actors.replay",
-    "ringfence.actors.testing",
+    "ringfence.actors.tools.testing",
 )
 
 
@@ -100,7 +100,7 @@ def test_the_scan_sees_the_imports_it_must_judge():
     found = {(i.importer, i.imported) for i in imports(ROOT)}
     assert ("ringfence.cache.block_pool", "ringfence.shm.errors") in found
     assert ("ringfence.actors.engine.actor", "ringfence.actors.engine.ledger") in found
-    assert ("ringfence.actors.bench.e2e", "ringfence.actors.testing.local") in found
+    assert ("ringfence.actors.tools.bench.e2e", "ringfence.actors.tools.testing.local") in found
 
 
 def write(root: Path, module: str, text: str) -> None:
@@ -114,9 +114,9 @@ def write(root: Path, module: str, text: str) -> None:
     [
         (
             "actors/engine/actor",
-            "def f():\n    from ringfence.actors.bench import plot\n",
+            "def f():\n    from ringfence.actors.tools.bench import plot\n",
             "actors/engine/actor.py:2: product module ringfence.actors.engine.actor imports tool "
-            "ringfence.actors.bench",
+            "ringfence.actors.tools.bench",
         ),
         (
             "actors/executors/worker",
@@ -155,6 +155,10 @@ def test_an_import_against_the_table_is_named_with_its_file_and_line(
 def test_a_tool_may_import_the_product_and_other_tools(tmp_path):
     for package in PACKAGES:
         (tmp_path / package).mkdir()
-    write(tmp_path, "actors/bench/e2e", "from ringfence.actors.testing.local import LocalRunner\n")
+    write(
+        tmp_path,
+        "actors/tools/bench/e2e",
+        "from ringfence.actors.tools.testing.local import LocalRunner\n",
+    )
     write(tmp_path, "actors/replay/redrive", "from ringfence.sched.scheduler import Scheduler\n")
     assert violations(tmp_path) == []
