@@ -25,12 +25,11 @@ ALLOWED = {
     "sched": ("ringfence.sched", "ringfence.cache", "ringfence.shm.errors"),
     "actors": ("ringfence.",),
 }
-# The tools: benchmarks, replay, the test oracle and harness. The product never imports them.
+# The tools (benchmarks, the test oracle, harness and helpers: all of actors/tools/) and
+# replay. The product never imports them; no package below ``actors`` holds one.
 TOOLS = (
-    "ringfence.actors.tools.bench.transport",
-    "ringfence.actors.tools.bench",
+    "ringfence.actors.tools",
     "ringfence.actors.replay",
-    "ringfence.actors.tools.testing",
 )
 
 
@@ -96,6 +95,11 @@ def test_the_tree_keeps_the_dependency_table():
     assert violations(ROOT) == []
 
 
+def test_every_tool_is_a_package_of_actors_in_the_tree():
+    assert all(tool.startswith("ringfence.actors.") for tool in TOOLS)
+    assert [tool for tool in TOOLS if not is_module(ROOT, tool)] == []
+
+
 def test_the_scan_sees_the_imports_it_must_judge():
     found = {(i.importer, i.imported) for i in imports(ROOT)}
     assert ("ringfence.cache.block_pool", "ringfence.shm.errors") in found
@@ -119,6 +123,12 @@ def write(root: Path, module: str, text: str) -> None:
             "ringfence.actors.tools.bench",
         ),
         (
+            "actors/kv/space",
+            "from ringfence.actors.tools.testing.shm import reap\n",
+            "actors/kv/space.py:1: product module ringfence.actors.kv.space imports tool "
+            "ringfence.actors.tools.testing.shm",
+        ),
+        (
             "actors/executors/worker",
             "import ringfence.actors.replay.log\n",
             "actors/executors/worker.py:1: product module ringfence.actors.executors.worker "
@@ -140,8 +150,8 @@ def write(root: Path, module: str, text: str) -> None:
             "sched/scheduler.py:1: sched may not import ringfence.runtime.log",
         ),
     ],
-    ids=["product-imports-bench", "product-imports-replay", "runtime-imports-actors",
-         "cache-imports-shm-ring", "sched-imports-runtime"],
+    ids=["product-imports-bench", "product-imports-test-helper", "product-imports-replay",
+         "runtime-imports-actors", "cache-imports-shm-ring", "sched-imports-runtime"],
 )  # fmt: skip
 def test_an_import_against_the_table_is_named_with_its_file_and_line(
     tmp_path, module, text, problem
