@@ -1,7 +1,7 @@
 """The demo pipeline: source -> relay -> sink, numbered items, exactly-once effect across restarts.
 
-The runtime's own workload, used by ``ringfence launch`` until the engine exists,
-by the hop benchmark and by the runtime's tests. It knows nothing of KV caches.
+The runtime's own workload, used by the runtime's tests, by the hop benchmark and by
+scripts/embed_example. It knows nothing of KV caches.
 
 Every item carries its number ``n`` (1, 2, ...) and a checksum of its data. Each
 actor keeps its progress in the ``demo`` counter block (one writer per counter),

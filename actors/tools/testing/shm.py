@@ -1,4 +1,4 @@
-"""Test helpers shipped with the package: builders for rings and doorbells, and leak checks.
+"""Test helpers for ``ringfence.shm``: builders for rings and doorbells, and leak checks.
 
 Used by ringfence's own tests and by anyone embedding ringfence who wants the same
 guarantees in theirs (no shared-memory name left behind).

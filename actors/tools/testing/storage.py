@@ -1,4 +1,4 @@
-"""Test helpers shipped with the package: a recording log and raw access to stored blobs.
+"""Test helpers for ``ringfence.cache.storage``: a recording log and raw access to stored blobs.
 
 The raw access bypasses the blob checks, so a test can corrupt, truncate or swap a
 stored blob in any backend and see that the backend turns it into a miss.

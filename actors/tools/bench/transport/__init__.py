@@ -1,2 +1,3 @@
-"""The runtime's own benchmarks (``ringfence bench ring`` and ``hop``, the link figures) and
-the demo topology they and the runtime's tests run. Never imported by the runtime."""
+"""The transport benchmarks: the runtime's rings and links (``ringfence bench ring`` and
+``hop``, the link figures). ``hop`` launches the demo pipeline of
+:mod:`ringfence.actors.tools.testing.demo`. Never imported by the runtime."""
