@@ -41,8 +41,8 @@ class Config(RunConfig):
 
     TOOLS = types.MappingProxyType(
         {
-            "demo": "ringfence.runtime.bench.demo:DemoConfig",
-            "harness": "ringfence.actors.testing.config:HarnessConfig",
+            "demo": "ringfence.actors.tools.testing.demo:DemoConfig",
+            "harness": "ringfence.actors.tools.testing.config:HarnessConfig",
         }
     )
 

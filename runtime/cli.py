@@ -30,17 +30,17 @@ STOP_CODES = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM})  # a stop by
 # Benchmarks by name -> module implementing ``add_arguments(parser)`` and ``main(args) -> int``.
 # Imported only when chosen, so the command starts fast and needs none of their extras.
 BENCHMARKS = {
-    "ring": "ringfence.runtime.bench.ring",
-    "hop": "ringfence.runtime.bench.hop",
-    "cache": "ringfence.actors.bench.cache",
-    "worker": "ringfence.actors.bench.worker",
-    "transfer": "ringfence.actors.bench.transfer",
-    "e2e": "ringfence.actors.bench.e2e",
-    "tp": "ringfence.actors.bench.tp",
-    "replay": "ringfence.actors.bench.replay",
-    "faults": "ringfence.actors.bench.faults.cli",
-    "serve": "ringfence.actors.bench.serving.cli",
-    "pd": "ringfence.actors.bench.serving.pd",
+    "ring": "ringfence.actors.tools.bench.transport.ring",
+    "hop": "ringfence.actors.tools.bench.transport.hop",
+    "cache": "ringfence.actors.tools.bench.cache",
+    "worker": "ringfence.actors.tools.bench.worker",
+    "transfer": "ringfence.actors.tools.bench.transfer",
+    "e2e": "ringfence.actors.tools.bench.e2e",
+    "tp": "ringfence.actors.tools.bench.tp",
+    "replay": "ringfence.actors.tools.bench.replay",
+    "faults": "ringfence.actors.tools.bench.faults.cli",
+    "serve": "ringfence.actors.tools.bench.serving.cli",
+    "pd": "ringfence.actors.tools.bench.serving.pd",
 }
 
 

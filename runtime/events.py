@@ -199,7 +199,7 @@ EVENTS: Final[dict[str, Event]] = {
         "the lane's watermark reached op: a swap-in (in), swap-out (out), write-back (write) "
         "or prefetch (read), ok, rejected or cancelled; missing: positions storage lacked",
     ),
-    # The protocol harness (ringfence.actors.testing.harness), as actor "engine".
+    # The protocol harness (ringfence.actors.tools.testing.harness), as actor "engine".
     # The engine (actors/engine/actor.py). ``request`` is the request id (a client's is
     # "<client instance>/<incarnation>/<id>"); ``op`` a lane number; ``fence`` the waits.
     "engine.ready": _e(
@@ -392,7 +392,7 @@ EVENTS: Final[dict[str, Event]] = {
         "request decode error",
         "the decode instance failed during the claim: a 502, or a stream's last error event",
     ),
-    # The demo pipeline (ringfence.runtime.bench.demo).
+    # The demo pipeline (ringfence.actors.tools.testing.demo).
     "demo.sent": _e("info", "messages", "the source sent its last item"),
     "demo.done": _e(
         "info",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ringfence.actors.tools.testing.shm import leaked_names, shm_names
 from ringfence.shm import names
-from ringfence.shm.testing import leaked_names, shm_names
 
 
 @pytest.fixture(autouse=True)

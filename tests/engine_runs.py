@@ -19,7 +19,7 @@ from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.replay.checks import check_run
 from ringfence.actors.replay.log import read_run
 from ringfence.actors.replay.redrive import redrive
-from ringfence.actors.testing.local import LocalRunner
+from ringfence.actors.tools.testing.local import LocalRunner
 
 ENGINE = "runtime.topology=ringfence.actors.engine:TOPOLOGY"
 MODEL = (ENGINE, "model.dtype=float64", "cache.block_size=16", "engine.progress=false")

@@ -11,8 +11,16 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+from ringfence.actors.tools.testing.demo import (
+    TOPOLOGY,
+    DemoConfig,
+    Item,
+    LostItem,
+    Relay,
+    Sink,
+    Source,
+)
 from ringfence.runtime.actor import Actor, handles
-from ringfence.runtime.bench.demo import TOPOLOGY, DemoConfig, Item, LostItem, Relay, Sink, Source
 from ringfence.runtime.messages import Tick
 from ringfence.runtime.topology import ActorSpec, CounterSpec, Topology
 

@@ -41,7 +41,7 @@ from ringfence.actors.protocol.transfer import (
     OpDone,
 )
 from ringfence.actors.protocol.worker import FROM_WORKER, TO_WORKER, StepResult, WorkerReady
-from ringfence.actors.testing.harness import Harness
+from ringfence.actors.tools.testing.harness import Harness
 from ringfence.actors.topology import FencedTopology
 from ringfence.cache.fences import Lane
 from ringfence.runtime.actor import Actor

@@ -32,14 +32,14 @@ from typing import Any
 
 import orjson
 
-from ringfence.runtime.bench.demo import APPLIED
+from ringfence.actors.tools.testing.demo import APPLIED
 from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.manifest import Manifest, read_manifest
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.liveness import ProcessStamp
 
-DEMO_TOPOLOGY = "ringfence.runtime.bench.demo:TOPOLOGY"
+DEMO_TOPOLOGY = "ringfence.actors.tools.testing.demo:TOPOLOGY"
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
 RINGFENCE = Path(sys.executable).with_name("ringfence")  # the venv's console script

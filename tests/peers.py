@@ -12,13 +12,13 @@ from typing import Any
 
 import multiprocess
 
+from ringfence.actors.tools.testing.shm import reap
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.ring import Ring
 from ringfence.shm.ring_reader import RingReader
 from ringfence.shm.ring_writer import RingWriter
 from ringfence.shm.segment import Segment
-from ringfence.shm.testing import reap
 
 STOP = 0xFFFF
 POOL_BYTES = 1 << 16

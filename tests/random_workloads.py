@@ -12,7 +12,7 @@ import orjson
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.intake import load_workload
-from ringfence.actors.testing.local import LocalRunner
+from ringfence.actors.tools.testing.local import LocalRunner
 
 RUN_TIMEOUT_S = 20.0
 ENGINE = (

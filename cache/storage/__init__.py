@@ -14,8 +14,8 @@ and bounds, evicts and counts only those. So the ranks of one instance, which st
 their shards of a block under its key and each its own fingerprint, never collide;
 the engine asks all of them through :class:`~.ranks.AllRanks`.
 
-Package helpers for tests (a recording log, raw access to stored blobs) are in
-:mod:`.testing`.
+Helpers for tests (a recording log, raw access to stored blobs) are a tool, in
+:mod:`ringfence.actors.tools.testing.storage`.
 
 Faults: a backend never turns a fault into data. A read that fails (an I/O error, a
 server gone) is a miss or raises; a write that fails raises

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from ringfence.actors.tools.testing.redis_server import REDIS_SERVER, free_port, redis_server
+from ringfence.actors.tools.testing.shm import reap_subprocess
+from ringfence.actors.tools.testing.storage import RecordingLog, read_blob, write_blob
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import StorageUnavailable
 from ringfence.cache.storage.blob import TRAILER, CorruptBlock, decode, encode
 from ringfence.cache.storage.local import TMP_PREFIX, LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
-from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port, redis_server
 from ringfence.cache.storage.registry import open_backend
-from ringfence.cache.storage.testing import RecordingLog, read_blob, write_blob
 from ringfence.shm.errors import ConfigError
-from ringfence.shm.testing import reap_subprocess
 
 FP = hashlib.blake2b(b"model-a", digest_size=16).digest()
 OTHER_FP = hashlib.blake2b(b"model-b", digest_size=16).digest()
@@ -319,7 +319,8 @@ def test_decode_names_the_key_and_the_reason():
 
 
 def test_importing_the_package_and_its_redis_module_does_not_import_redis(tmp_path):
-    code = "import sys, ringfence.cache.storage.redis_backend, ringfence.cache.storage.testing\n"
+    code = "import sys, ringfence.cache.storage.redis_backend\n"
+    code += "import ringfence.actors.tools.testing.storage\n"
     code += "print('redis' in sys.modules)"
     cmd = [sys.executable, "-c", code]
     out = subprocess.run(cmd, check=False, cwd=tmp_path, capture_output=True, text=True)

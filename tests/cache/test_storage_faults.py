@@ -28,6 +28,13 @@ from mounts import MOUNT_TIMEOUT_S, mounted_tmpfs
 from ringfence.actors.config import Config
 from ringfence.actors.engine.storage import open_all_ranks
 from ringfence.actors.model.info import ModelInfo
+from ringfence.actors.tools.testing.redis_server import (
+    REDIS_SERVER,
+    free_port,
+    redis_server,
+    url_port,
+)
+from ringfence.actors.tools.testing.storage import RecordingLog
 from ringfence.cache.config import StorageConfig
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import (
@@ -40,9 +47,7 @@ from ringfence.cache.storage.guarded import GuardedBackend
 from ringfence.cache.storage.local import TMP_PREFIX, LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
-from ringfence.cache.storage.redis_server import REDIS_SERVER, free_port, redis_server, url_port
 from ringfence.cache.storage.registry import BACKENDS, Backend, Place, open_backend, open_storage
-from ringfence.cache.storage.testing import RecordingLog
 from ringfence.shm.errors import ConfigError
 
 FP = hashlib.blake2b(b"model-a", digest_size=16).digest()

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 import pytest
 
+from ringfence.actors.tools.testing.storage import RecordingLog, read_blob, write_blob
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import StorageUnavailable
 from ringfence.cache.storage.guarded import GuardedBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.ranks import AllRanks, RankLog
-from ringfence.cache.storage.testing import RecordingLog, read_blob, write_blob
 
 FPS = [hashlib.blake2b(f"model-a rank {r}".encode(), digest_size=16).digest() for r in (0, 1)]
 BLOCK = 1024

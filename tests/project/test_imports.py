@@ -26,12 +26,11 @@ ALLOWED = {
     "sched": ("ringfence.sched", "ringfence.cache", "ringfence.shm.errors"),
     "actors": ("ringfence.",),
 }
-# The tools: benchmarks, replay, the test oracle and harness. The product never imports them.
+# The tools (benchmarks, the test oracle, harness and helpers: all of actors/tools/) and
+# replay. The product never imports them; no package below ``actors`` holds one.
 TOOLS = (
-    "ringfence.runtime.bench",
-    "ringfence.actors.bench",
+    "ringfence.actors.tools",
     "ringfence.actors.replay",
-    "ringfence.actors.testing",
 )
 
 
@@ -97,11 +96,16 @@ def test_the_tree_keeps_the_dependency_table():
     assert violations(ROOT) == []
 
 
+def test_every_tool_is_a_package_of_actors_in_the_tree():
+    assert all(tool.startswith("ringfence.actors.") for tool in TOOLS)
+    assert [tool for tool in TOOLS if not is_module(ROOT, tool)] == []
+
+
 def test_the_scan_sees_the_imports_it_must_judge():
     found = {(i.importer, i.imported) for i in imports(ROOT)}
     assert ("ringfence.cache.block_pool", "ringfence.shm.errors") in found
     assert ("ringfence.actors.engine.actor", "ringfence.actors.engine.ledger") in found
-    assert ("ringfence.actors.bench.e2e", "ringfence.actors.testing.local") in found
+    assert ("ringfence.actors.tools.bench.e2e", "ringfence.actors.tools.testing.local") in found
 
 
 def write(root: Path, module: str, text: str) -> None:
@@ -115,9 +119,15 @@ def write(root: Path, module: str, text: str) -> None:
     [
         (
             "actors/engine/actor",
-            "def f():\n    from ringfence.actors.bench import plot\n",
+            "def f():\n    from ringfence.actors.tools.bench import plot\n",
             "actors/engine/actor.py:2: product module ringfence.actors.engine.actor imports tool "
-            "ringfence.actors.bench",
+            "ringfence.actors.tools.bench",
+        ),
+        (
+            "actors/kv/space",
+            "from ringfence.actors.tools.testing.shm import reap\n",
+            "actors/kv/space.py:1: product module ringfence.actors.kv.space imports tool "
+            "ringfence.actors.tools.testing.shm",
         ),
         (
             "actors/executors/worker",
@@ -141,8 +151,8 @@ def write(root: Path, module: str, text: str) -> None:
             "sched/scheduler.py:1: sched may not import ringfence.runtime.log",
         ),
     ],
-    ids=["product-imports-bench", "product-imports-replay", "runtime-imports-actors",
-         "cache-imports-shm-ring", "sched-imports-runtime"],
+    ids=["product-imports-bench", "product-imports-test-helper", "product-imports-replay",
+         "runtime-imports-actors", "cache-imports-shm-ring", "sched-imports-runtime"],
 )  # fmt: skip
 def test_an_import_against_the_table_is_named_with_its_file_and_line(
     tmp_path, module, text, problem
@@ -156,7 +166,11 @@ def test_an_import_against_the_table_is_named_with_its_file_and_line(
 def test_a_tool_may_import_the_product_and_other_tools(tmp_path):
     for package in PACKAGES:
         (tmp_path / package).mkdir()
-    write(tmp_path, "actors/bench/e2e", "from ringfence.actors.testing.local import LocalRunner\n")
+    write(
+        tmp_path,
+        "actors/tools/bench/e2e",
+        "from ringfence.actors.tools.testing.local import LocalRunner\n",
+    )
     write(tmp_path, "actors/replay/redrive", "from ringfence.sched.scheduler import Scheduler\n")
     assert violations(tmp_path) == []
 
@@ -189,7 +203,7 @@ ACTOR_LAYERS: tuple[Layer, ...] = (
     Layer("serve", ("serve",), over=("engine",)),
     Layer("router", ("router",), over=("serve",)),
     Layer("replay", ("replay",), over=("engine",)),
-    Layer("tools", ("bench", "testing", "tools"), over=("executors", "router", "replay")),
+    Layer("tools", ("tools",), over=("executors", "router", "replay")),
 )  # fmt: skip
 ACTORS = "ringfence.actors"
 
@@ -338,8 +352,7 @@ def test_every_name_of_the_layer_order_is_a_subpackage_or_module_of_actors():
     names = [name for layer in ACTOR_LAYERS for name in layer.holds]
     assert len(names) == len(set(names))
     for name in names:
-        if name != "tools":  # the tools' room, ready for them
-            assert is_module(ROOT, f"{ACTORS}.{name}"), name
+        assert is_module(ROOT, f"{ACTORS}.{name}"), name
 
 
 def test_a_layer_may_stand_only_on_layers_written_before_it():
@@ -384,10 +397,10 @@ def tree(tmp_path: Path, modules: dict[str, str]) -> Path:
             "ringfence.actors.engine.actor (engine), a layer above its own",
         ),
         (
-            {"actors/serve/app": "from ringfence.actors.bench.e2e import run\n",
-             "actors/bench/e2e": ""},
+            {"actors/serve/app": "from ringfence.actors.tools.bench.e2e import run\n",
+             "actors/tools/bench/e2e": ""},
             "actors/serve/app.py:1: ringfence.actors.serve.app (serve) imports "
-            "ringfence.actors.bench.e2e (tools), a layer above its own",
+            "ringfence.actors.tools.bench.e2e (tools), a layer above its own",
         ),
         (
             {"actors/gadgets/thing": ""},

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import orjson
 import pytest
 
+from ringfence.actors.tools.testing.shm import RingPair, ring_pair
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.codec import Registry, make_kind, message
 from ringfence.runtime.config import RuntimeConfig
@@ -33,7 +34,6 @@ from ringfence.runtime.mailbox import (
 from ringfence.runtime.messages import Failed, Stop, Tick
 from ringfence.shm.errors import ActorDead, ProtocolError, RingFull
 from ringfence.shm.ring_reader import Batch
-from ringfence.shm.testing import RingPair, ring_pair
 
 PROTO = Registry("host->x", verify=True)
 

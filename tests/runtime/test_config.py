@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from ringfence.actors.config import Config
 from ringfence.actors.model.config import ModelConfig
+from ringfence.actors.tools.testing.demo import DemoConfig
 from ringfence.cache.config import CacheConfig, StorageConfig
-from ringfence.runtime.bench.demo import DemoConfig
 from ringfence.runtime.config import (
     ActorPolicy,
     RunConfig,

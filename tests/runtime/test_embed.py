@@ -18,12 +18,12 @@ from contextlib import contextmanager
 import pytest
 from launching import EMBED_EXAMPLE, QUICK, Launch, launch_env, launched
 
-from ringfence.runtime.bench.demo import APPLIED
+from ringfence.actors.tools.testing.demo import APPLIED
+from ringfence.actors.tools.testing.shm import reap_subprocess
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.embed import attach
 from ringfence.shm import names
 from ringfence.shm.errors import EndpointTaken
-from ringfence.shm.testing import reap_subprocess
 
 EXTERNAL_SINK = "actors.sink.placement=external"
 POLL_TIMEOUT_S = 0.05

@@ -16,7 +16,13 @@ import fixture_actors
 import pytest
 from launching import DEMO_TOPOLOGY, QUICK, Launch, launched, ringfence, wait_gone
 
-from ringfence.runtime.bench.demo import APPLIED, FORWARDED, RELAY_REPEATS, SENT, SINK_REPEATS
+from ringfence.actors.tools.testing.demo import (
+    APPLIED,
+    FORWARDED,
+    RELAY_REPEATS,
+    SENT,
+    SINK_REPEATS,
+)
 from ringfence.runtime.config import load_config
 from ringfence.shm import names
 

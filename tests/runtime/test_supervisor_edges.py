@@ -19,7 +19,7 @@ import fixture_actors
 import pytest
 from launching import QUICK, Launch, launched, matches, ringfence, wait_gone
 
-from ringfence.runtime.bench.demo import SENT
+from ringfence.actors.tools.testing.demo import SENT
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 

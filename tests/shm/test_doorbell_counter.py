@@ -11,12 +11,12 @@ import multiprocess
 import peers
 import pytest
 
+from ringfence.actors.tools.testing.shm import reap
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell, SpinPolicy
 from ringfence.shm.errors import ActorDead, SegmentLayoutError, WaitTimeout
 from ringfence.shm.segment import Segment
-from ringfence.shm.testing import reap
 
 SPAWN = multiprocess.get_context("spawn")
 

@@ -7,11 +7,11 @@ import orjson
 import peers
 import pytest
 
+from ringfence.actors.tools.testing.shm import shm_names
 from ringfence.runtime.cli import main
 from ringfence.shm import names
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.segment import Segment
-from ringfence.shm.testing import shm_names
 
 SPAWN = multiprocess.get_context("spawn")
 

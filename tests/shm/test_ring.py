@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ringfence.actors.tools.testing.shm import reap, ring_pair
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
@@ -28,7 +29,6 @@ from ringfence.shm.ring import FRAME, HEADER_BYTES, Ring
 from ringfence.shm.ring_reader import RingReader
 from ringfence.shm.ring_writer import RingWriter
 from ringfence.shm.segment import Segment
-from ringfence.shm.testing import reap, ring_pair
 
 SPAWN = multiprocess.get_context("spawn")
 

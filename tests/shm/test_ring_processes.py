@@ -11,12 +11,12 @@ import peers
 import pytest
 from peers import finish, start
 
+from ringfence.actors.tools.testing.shm import reap, ring_pair
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import ActorDead, RingFull
 from ringfence.shm.segment import Segment
-from ringfence.shm.testing import reap, ring_pair
 
 
 def stress(frames: int, capacity: int, max_size: int, seed: int, batched: bool = False):

@@ -25,8 +25,8 @@ from launching import QUICK, launched
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.intake import load_workload
-from ringfence.actors.testing.local import LocalRunner
-from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
+from ringfence.actors.tools.testing.local import LocalRunner
+from ringfence.actors.tools.testing.redis_server import REDIS_SERVER, redis_server
 
 
 @pytest.mark.parametrize(

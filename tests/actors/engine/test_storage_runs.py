@@ -24,16 +24,16 @@ from engine_runs import MODEL, TRACE, reference, replayed, results
 from launching import QUICK, Launch, launched, wait_until
 from mounts import mounted_tmpfs
 
-from ringfence.actors.bench.faults.storage import damage_prefix
 from ringfence.actors.config import Config
 from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.kv.layout import block_fingerprint
-from ringfence.actors.testing.local import LocalRunner
+from ringfence.actors.tools.bench.faults.storage import damage_prefix
+from ringfence.actors.tools.testing.local import LocalRunner
+from ringfence.actors.tools.testing.redis_server import REDIS_SERVER, redis_server, url_port
+from ringfence.actors.tools.testing.storage import read_blob
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage.blob import decode
 from ringfence.cache.storage.local import LocalBackend
-from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server, url_port
-from ringfence.cache.storage.testing import read_blob
 
 REQUESTS = 4  # the first chat's four turns
 BLOCK_SIZE = 16

@@ -14,10 +14,10 @@ from launching import launched
 from ringfence.actors.config import Config
 from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.kv.layout import block_fingerprint
-from ringfence.actors.testing.local import LocalRunner
+from ringfence.actors.tools.testing.local import LocalRunner
+from ringfence.actors.tools.testing.storage import read_blob, write_blob
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.storage.local import LocalBackend
-from ringfence.cache.storage.testing import read_blob, write_blob
 
 
 def events(run_dir: Path, log: str, name: str) -> list[dict[str, Any]]:

@@ -19,13 +19,13 @@ from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.transfer import OpDone
+from ringfence.actors.tools.testing.storage import read_blob, write_blob
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash, BlockId
 from ringfence.cache.storage.local import LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.ranks import AllRanks
-from ringfence.cache.storage.testing import read_blob, write_blob
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
 from ringfence.sched.request import Request, SamplingParams

@@ -43,9 +43,9 @@ from ringfence.actors.protocol.transfer import (
     LaneReady,
     OpDone,
 )
+from ringfence.actors.tools.testing.redis_server import free_port
 from ringfence.cache.fences import NO_WAIT, Fence, Lane, Tier
 from ringfence.cache.ids import BlockHash, Seq
-from ringfence.cache.storage.redis_server import free_port
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.mailbox import ConditionWaiter, LocalInbox, Mailbox
 from ringfence.sched.ops import StoreOp, SwapOp

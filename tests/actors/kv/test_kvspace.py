@@ -23,10 +23,10 @@ from ringfence.actors.kv.space import (
     open_kv,
 )
 from ringfence.actors.model.dtypes import torch_dtype
+from ringfence.actors.tools.testing.shm import reap
 from ringfence.shm import names
 from ringfence.shm.errors import NameMissing, SegmentLayoutError
 from ringfence.shm.segment import Segment
-from ringfence.shm.testing import reap
 
 # Children are spawned (peers.start), never forked: a child must not inherit the
 # parent's CUDA context. The child functions below are module-level, so multiprocess

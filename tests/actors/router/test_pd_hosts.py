@@ -21,7 +21,7 @@ from launching import RINGFENCE, launch_env, wait_until
 from netns import Hosts
 from serving import served, started
 
-from ringfence.cache.storage.redis_server import REDIS_SERVER, redis_server
+from ringfence.actors.tools.testing.redis_server import REDIS_SERVER, redis_server
 
 PORT = 8000  # every server's: ports are per namespace
 REDIS_PORT = 6379

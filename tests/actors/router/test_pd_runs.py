@@ -27,8 +27,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from pd import Pd, cached, completion, full_blocks, pd_instances, tokens
 from routing import Rig, routed_urls
 
-from ringfence.actors.bench.serving.handover import read_handover
 from ringfence.actors.engine.intake import load_workload
+from ringfence.actors.tools.bench.serving.handover import read_handover
 
 TTL_S = 3.0  # the decode instance's reservation_ttl_s
 DEVICE_BLOCKS = 64  # the decode instance's pool: a flood of long prompts outgrows it

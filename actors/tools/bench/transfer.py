@@ -1,0 +1,444 @@
+"""``ringfence bench transfer``: block copies between tiers, and the harness in fence vs sync mode.
+
+Two measurements in one run:
+
+1. Swap bandwidth. Batches of ``--batches`` (1, 4, 16, 64, 256, 1024) KV blocks of the
+   ``small`` preset's layout (float32, block size 16: 256 KiB a block) are copied
+   host -> device and device -> host between two CPU block-major tensors of
+   ``max(batches)`` blocks each: the host one a named shared-memory segment of a fresh
+   run id (``create_kv(layout, "cpu", shm_name=...)``, the segment the Transfer lanes
+   map), the device one a plain tensor. Both are written once before anything is timed,
+   so no first-touch page fault of the pools is measured. Methods, each over the same
+   block ids:
+
+   * ``plain``: one contiguous ``dst[b:b+n].copy_(src[a:a+n])`` of the same bytes (the
+     ceiling), at a random offset per call like the others, so no method is timed on a
+     cache-hot range;
+   * ``copy_blocks``: :func:`ringfence.actors.kv.copies.copy_blocks` over random,
+     scattered block ids on both sides (the runtime's swap path, the headline figure);
+   * ``copy_blocks_consecutive``: the same over one consecutive run of ids (one ``copy_``);
+   * ``index_select_copy``: ``torch.index_select(src, 0, idx)`` into a fresh tensor, then
+     ``dst.index_copy_(0, idx, tmp)``;
+   * ``index_select_out``: ``torch.index_select(src, 0, idx, out=staging)`` into a
+     preallocated (and pre-touched) staging tensor, then ``index_copy_`` from it.
+
+   Index tensors are built inside the timed call (``copy_blocks`` takes the lists).
+   Small batches repeat the call on fresh ids until ``REP_BLOCKS`` blocks were copied.
+   GB/s is 1e9 bytes a second of block data moved. The ratio copy_blocks / plain is
+   reported for scattered and consecutive ids; the target is at least 0.7x for batches
+   of 64 blocks and more (scattered ids).
+
+2. Harness throughput. The protocol harness (``ringfence.actors.tools.testing.harness:TOPOLOGY``)
+   is launched twice as a real run (``ringfence launch`` in a temporary folder:
+   supervisor, Worker, swap and store lanes, each its own process), once with
+   ``transfer.mode=fence`` and once with ``sync``, on the same programs
+   (``--programs`` of ``--ops`` ops, no oracle check, no chaos delay, the local storage
+   backend), and ``harness.json``'s ops per second (over the time programs ran, not
+   the start-up) are reported with the ratio fence / sync. Fence mode lets swaps and
+   store ops run while steps do; sync mode holds each op until what its fence names
+   has completed, so it should be clearly slower where they overlap. The ``small``
+   preset in float32 (device and host pools of 64 blocks) makes steps and swaps both
+   take real time.
+
+   Every launched process gets ``OMP_NUM_THREADS=--threads`` (default: the CPUs / 4,
+   at least 1, since four actor processes share the machine): with torch's default
+   (every process as many threads as CPUs) the Worker's steps went from ~30 ms to
+   ~1 s on a 2-CPU machine, which measures oversubscription, not the protocol.
+   Each launch runs under ``--timeout`` seconds; past it its process group is killed
+   and its shared-memory names removed. A nonzero exit, a missing report or a program
+   with failed ops is an error (exit status 1).
+
+Bandwidth rounds (``--rounds``, 5) come after one untimed warm-up round; in each round
+every batch size and direction runs every method in a rotated order, so drift affects
+all alike; figures are medians over the rounds. ``--quick`` (the test) shrinks
+everything: the ``tiny`` preset (8 KiB blocks), batches up to 64, 2 rounds, and a
+harness of 3 programs of 20 ops on the ``tiny`` preset. torch is imported only when
+the benchmark runs, so the ``ringfence`` command starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from ringfence.actors.tools.bench import launcher
+from ringfence.actors.tools.bench.launcher import RunError
+from ringfence.actors.tools.bench.options import add_counts, resolve_counts, resolve_preset
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+TARGET_RATIO = 0.7
+TARGET_MIN_BLOCKS = 64  # the target applies to batches of this many blocks and more
+BLOCK_SIZE = 16
+DTYPE = "float32"
+BATCHES = (1, 4, 16, 64, 256, 1024)
+QUICK_BATCHES = (1, 4, 16, 64)
+REP_BLOCKS = 256  # a timed sample copies at least this many blocks (small batches repeat)
+QUICK_REP_BLOCKS = 64
+METHODS = (
+    "plain",
+    "copy_blocks",
+    "copy_blocks_consecutive",
+    "index_select_copy",
+    "index_select_out",
+)
+DIRECTIONS = ("h2d", "d2h")
+MODES = ("fence", "sync")
+HARNESS_POOL_BLOCKS = 64  # cache.device_blocks and cache.host_blocks of the harness run
+SEED = 0
+
+# name: (default, quick default, help)
+COUNTS: dict[str, tuple[int, int, str]] = {
+    "rounds": (5, 2, "timed bandwidth rounds (after one warm-up round)"),
+    "programs": (20, 3, "harness programs per mode"),
+    "ops": (40, 20, "ops per harness program"),
+    "timeout": (600, 120, "seconds each launched harness run may take"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register this benchmark's options (``--json`` is added by the CLI)."""
+    parser.add_argument("--quick", action="store_true", help="tiny blocks, small runs (tests)")
+    parser.add_argument("--preset", help="model preset of the blocks and the harness (small)")
+    add_counts(parser, COUNTS)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="OMP_NUM_THREADS of every launched harness process (CPUs / 4, at least 1)",
+    )
+    parser.add_argument(
+        "--skip-harness", action="store_true", help="only the bandwidth part (no launched runs)"
+    )
+
+
+# Bandwidth.
+
+
+class _Pools:
+    """The host (shared-memory) and device tensors, a staging tensor, and the timed methods."""
+
+    def __init__(self, host: Tensor, device: Tensor, staging: Tensor) -> None:
+        self.host, self.device, self.staging = host, device, staging
+        self.blocks = host.shape[0]
+
+    def ends(self, direction: str) -> tuple[Tensor, Tensor]:
+        return (self.host, self.device) if direction == "h2d" else (self.device, self.host)
+
+    def run(
+        self, method: str, direction: str, batches: Sequence[tuple[list[int], list[int]]]
+    ) -> None:
+        """Copy every ``(src_ids, dst_ids)`` batch with ``method``."""
+        import torch
+
+        from ringfence.actors.kv.copies import copy_blocks
+
+        src, dst = self.ends(direction)
+        for src_ids, dst_ids in batches:
+            n = len(src_ids)
+            if method == "plain":
+                a, b = src_ids[0], dst_ids[0]  # the consecutive ids' starts
+                dst[b : b + n].copy_(src[a : a + n])
+            elif method == "copy_blocks":
+                copy_blocks(src, src_ids, dst, dst_ids)
+            elif method == "copy_blocks_consecutive":
+                a, b = src_ids[0], dst_ids[0]
+                copy_blocks(src, range(a, a + n), dst, range(b, b + n))
+            elif method == "index_select_copy":
+                s, d = torch.tensor(src_ids), torch.tensor(dst_ids)
+                dst.index_copy_(0, d, torch.index_select(src, 0, s))
+            elif method == "index_select_out":
+                s, d = torch.tensor(src_ids), torch.tensor(dst_ids)
+                out = self.staging[:n]
+                torch.index_select(src, 0, s, out=out)
+                dst.index_copy_(0, d, out)
+            else:
+                raise ValueError(f"unknown method {method!r}")
+
+
+def _draw(
+    rng: random.Random, blocks: int, n: int, reps: int
+) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """Block ids of ``reps`` calls of ``n`` blocks: scattered ids, and consecutive runs
+    (given by their first ids, which is all ``plain`` and the consecutive variant read)."""
+    scattered = [(rng.sample(range(blocks), n), rng.sample(range(blocks), n)) for _ in range(reps)]
+    starts = [
+        ([rng.randrange(blocks - n + 1)], [rng.randrange(blocks - n + 1)]) for _ in range(reps)
+    ]
+    consecutive = [(list(range(a[0], a[0] + n)), list(range(b[0], b[0] + n))) for a, b in starts]
+    return {
+        "plain": consecutive,
+        "copy_blocks": scattered,
+        "copy_blocks_consecutive": consecutive,
+        "index_select_copy": scattered,
+        "index_select_out": scattered,
+    }
+
+
+def bench_bandwidth(
+    preset: str, batches: Sequence[int], rounds: int, rep_blocks: int
+) -> dict[str, Any]:
+    """Median GB/s of every method, direction and batch size, and the copy_blocks ratios."""
+    import torch
+
+    from ringfence.actors.kv.space import KVLayout, create_kv
+    from ringfence.actors.model.decoder import PRESETS
+    from ringfence.shm import names
+
+    shape = PRESETS[preset]
+    pool = max(batches)
+    layout = KVLayout(
+        num_blocks=pool,
+        layers=shape.layers,
+        block_size=BLOCK_SIZE,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        dtype=DTYPE,
+    )
+    run_id = names.new_run_id()
+    seconds: dict[str, dict[int, dict[str, list[float]]]] = {
+        d: {n: {m: [] for m in METHODS} for n in batches} for d in DIRECTIONS
+    }
+    try:
+        host_kv = create_kv(layout, "cpu", shm_name=names.posix_name(run_id, "kv.host.0"))
+        try:
+            host = host_kv.kv
+            device = torch.empty(layout.shape, dtype=layout.torch_dtype)
+            staging = torch.empty(layout.shape, dtype=layout.torch_dtype)
+            for t in (host, device, staging):  # first touch, outside any timing
+                t.fill_(1.0)
+            pools = _Pools(host, device, staging)
+            rng = random.Random(SEED)
+            for round_no in range(rounds + 1):  # round 0 warms up, untimed
+                for n in batches:
+                    reps = max(1, rep_blocks // n)
+                    for direction in DIRECTIONS:
+                        ids = _draw(rng, pool, n, reps)
+                        shift = (round_no + n) % len(METHODS)
+                        for method in METHODS[shift:] + METHODS[:shift]:
+                            start = time.perf_counter()
+                            pools.run(method, direction, ids[method])
+                            elapsed = time.perf_counter() - start
+                            if round_no:
+                                seconds[direction][n][method].append(elapsed / reps)
+        finally:
+            host_kv.close()
+    finally:
+        names.clean_run(run_id)
+    rows = []
+    for direction in DIRECTIONS:
+        for n in batches:
+            nbytes = n * layout.block_bytes
+            gb_s = {
+                m: nbytes / statistics.median(s) / 1e9 for m, s in seconds[direction][n].items()
+            }
+            scattered = gb_s["copy_blocks"] / gb_s["plain"]
+            rows.append(
+                {
+                    "direction": direction,
+                    "blocks": n,
+                    "bytes": nbytes,
+                    "gb_s": gb_s,
+                    "ratio": scattered,
+                    "ratio_consecutive": gb_s["copy_blocks_consecutive"] / gb_s["plain"],
+                    "meets_target": scattered >= TARGET_RATIO if n >= TARGET_MIN_BLOCKS else None,
+                }
+            )
+    return {
+        "preset": preset,
+        "dtype": DTYPE,
+        "block_size": BLOCK_SIZE,
+        "block_bytes": layout.block_bytes,
+        "pool_blocks": pool,
+        "batches": list(batches),
+        "rounds": rounds,
+        "rep_blocks": rep_blocks,
+        "methods": list(METHODS),
+        "rows": rows,
+        "target_ratio": TARGET_RATIO,
+        "target_min_blocks": TARGET_MIN_BLOCKS,
+    }
+
+
+# Harness.
+
+
+def _settings(mode: str, preset: str, programs: int, ops: int, storage: Path) -> list[str]:
+    return [
+        "runtime.topology=ringfence.actors.tools.testing.harness:TOPOLOGY",
+        f"transfer.mode={mode}",
+        "transfer.chaos_delay_ms=0",
+        "harness.check=false",
+        f"harness.programs={programs}",
+        f"harness.ops={ops}",
+        f"model.preset={preset}",
+        f"model.dtype={DTYPE}",
+        f"cache.block_size={BLOCK_SIZE}",
+        f"cache.device_blocks={HARNESS_POOL_BLOCKS}",
+        f"cache.host_blocks={HARNESS_POOL_BLOCKS}",
+        "cache.storage.backend=local",
+        f"cache.storage.path={storage}",
+    ]
+
+
+def run_harness(
+    mode: str, *, preset: str, programs: int, ops: int, threads: int, timeout: float, folder: Path
+) -> dict[str, Any]:
+    """Launch the harness once in ``mode``; its ``harness.json`` and the launch's wall time.
+
+    :class:`RunError` if the launch fails (see :func:`launcher.run`), writes no report or
+    has programs with failed ops."""
+    run_dir, storage = folder / f"run-{mode}", folder / f"storage-{mode}"
+    done = launcher.run(
+        run_dir,
+        _settings(mode, preset, programs, ops, storage),
+        what=f"{mode} run",
+        timeout=timeout,
+        env={"OMP_NUM_THREADS": str(threads)},
+    )
+    report_path = run_dir / "harness.json"
+    if not report_path.is_file():
+        raise RunError(f"{mode} run wrote no {report_path.name}:\n{done.tail}")
+    report: dict[str, Any] = orjson.loads(report_path.read_bytes())
+    if report.get("mismatched_programs") or not report.get("ops_per_s"):
+        problems = report.get("mismatches", [])[:1]
+        raise RunError(f"{mode} run: programs with failed ops or no throughput: {problems}")
+    report["launch_wall_s"] = round(done.wall_s, 3)
+    return report
+
+
+def bench_harness(
+    preset: str, programs: int, ops: int, threads: int, timeout: float
+) -> dict[str, Any]:
+    """Both modes' harness reports, their ops/s and the ratio fence / sync."""
+    reports = {}
+    with tempfile.TemporaryDirectory(prefix="rf-bench-transfer-") as folder:
+        for mode in MODES:
+            reports[mode] = run_harness(
+                mode,
+                preset=preset,
+                programs=programs,
+                ops=ops,
+                threads=threads,
+                timeout=timeout,
+                folder=Path(folder),
+            )
+    ops_per_s = {mode: float(r["ops_per_s"]) for mode, r in reports.items()}
+    return {
+        "preset": preset,
+        "dtype": DTYPE,
+        "block_size": BLOCK_SIZE,
+        "device_blocks": HARNESS_POOL_BLOCKS,
+        "host_blocks": HARNESS_POOL_BLOCKS,
+        "programs": programs,
+        "ops_per_program": ops,
+        "threads": threads,
+        "ops_per_s": ops_per_s,
+        "ratio": ops_per_s["fence"] / ops_per_s["sync"],
+        "reports": {
+            mode: {
+                k: r[k]
+                for k in ("ops", "counts", "busy_s", "ops_per_s", "lane_restarts", "launch_wall_s")
+            }
+            for mode, r in reports.items()
+        },
+    }
+
+
+# Report.
+
+
+def _print(report: dict[str, Any]) -> None:
+    bw = report["bandwidth"]
+    print(
+        f"torch {report['torch']}, {report['threads']} thread(s), {report['cpus']} CPU(s); "
+        f"blocks of preset {bw['preset']} ({bw['block_bytes'] // 1024} KiB, {bw['dtype']}, "
+        f"block size {bw['block_size']}), pools of {bw['pool_blocks']} blocks"
+    )
+    print(f"swap bandwidth, GB/s, median of {bw['rounds']} round(s):")
+    short = {
+        "plain": "plain",
+        "copy_blocks": "blocks",
+        "copy_blocks_consecutive": "blk-consec",
+        "index_select_copy": "isel+icopy",
+        "index_select_out": "isel(out)",
+    }
+    head = "".join(f"{short[m]:>11}" for m in bw["methods"])
+    print(f"  {'dir':<4}{'blocks':>7}{head}{'ratio':>8}{'consec':>8}")
+    for row in bw["rows"]:
+        cells = "".join(f"{row['gb_s'][m]:11.2f}" for m in bw["methods"])
+        print(
+            f"  {row['direction']:<4}{row['blocks']:>7}{cells}"
+            f"{row['ratio']:7.2f}x{row['ratio_consecutive']:7.2f}x"
+        )
+    print("  (ratio: copy_blocks scattered / plain; consec: copy_blocks consecutive / plain)")
+    judged = [r for r in bw["rows"] if r["meets_target"] is not None]
+    if judged:
+        worst = min(judged, key=lambda r: r["ratio"])
+        passed = all(r["meets_target"] for r in judged)
+        print(
+            f"{'PASS' if passed else 'FAIL'} copy_blocks >= {TARGET_RATIO}x plain for batches of "
+            f">= {TARGET_MIN_BLOCKS} blocks: lowest {worst['ratio']:.2f}x "
+            f"({worst['direction']}, {worst['blocks']} blocks)"
+        )
+    h = report.get("harness")
+    if h is not None:
+        print(
+            f"harness ({h['preset']}, {h['dtype']}, {h['programs']} programs x "
+            f"{h['ops_per_program']} ops, pools of {h['device_blocks']} blocks, "
+            f"OMP_NUM_THREADS={h['threads']}):"
+        )
+        for mode in MODES:
+            r = h["reports"][mode]
+            print(
+                f"  {mode:<6}{h['ops_per_s'][mode]:9.1f} ops/s  ({r['ops']} ops in "
+                f"{r['busy_s']:.2f} s; launch {r['launch_wall_s']:.1f} s)"
+            )
+        print(f"  fence / sync: {h['ratio']:.2f}x")
+    print("(targets are informational)")
+
+
+def main(args: argparse.Namespace) -> int:
+    counts = resolve_counts(args, COUNTS)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // 4)
+    preset = resolve_preset(args)
+    import torch
+
+    batches = QUICK_BATCHES if args.quick else BATCHES
+    start = time.perf_counter()
+    bandwidth = bench_bandwidth(
+        preset, batches, counts["rounds"], QUICK_REP_BLOCKS if args.quick else REP_BLOCKS
+    )
+    report: dict[str, Any] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "counts": counts,
+        "bandwidth": bandwidth,
+        "wall_s": {"bandwidth": round(time.perf_counter() - start, 3)},
+    }
+    if not args.skip_harness:
+        start = time.perf_counter()
+        try:
+            report["harness"] = bench_harness(
+                preset, counts["programs"], counts["ops"], threads, counts["timeout"]
+            )
+            report["wall_s"]["harness"] = round(time.perf_counter() - start, 3)
+        except RunError as e:
+            _print(report)
+            print(f"ringfence bench transfer: harness: {e}", file=sys.stderr)
+            return 1
+    _print(report)
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    return 0

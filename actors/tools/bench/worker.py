@@ -1,0 +1,422 @@
+"""``ringfence bench worker``: the paged model path against a contiguous transformers forward.
+
+Prefill and decode tokens per second of a model on the paged path
+(``PagedExecutor.step`` over a block-major KV tensor, block size 16, every sequence's
+block table a shuffled run of block ids), next to transformers holding the very same
+weights, run in the same process on the same threads. The model is a preset
+(``--preset``, ``small``), which transformers runs as a ``LlamaForCausalLM`` built
+from our weights, or a checkpoint directory of any supported family (``--model DIR``),
+which we load with ``load_checkpoint`` and transformers with
+``AutoModelForCausalLM.from_pretrained``, both in the benchmark's dtype. The ratio
+paged / transformers is reported for each; the target is at least 0.8x
+(informational, like every benchmark's targets).
+
+Before anything is timed, both sides compute the logits of one short sequence and the
+largest absolute difference is reported; in float32 it must be below 1e-3, or no
+ratio is reported (exit status 1). In bfloat16 that gate runs on the float32 copies of
+the weights (bfloat16 rounding of two different operation orders is no test of the
+mapping) and the bfloat16 difference is only reported.
+
+What each side does, so that both do the work a server does:
+
+* Prefill: ``--prefill-seqs`` (1) prompts of ``--prefill-tokens`` (512) tokens, from
+  Python lists of token ids. Paged: one step with one prefill piece per sequence,
+  which writes every layer's K/V into the blocks and computes the last token's logits.
+  Transformers: one batched forward with ``use_cache=True`` into a fresh
+  ``DynamicCache`` of the model's config, as ``generate`` makes (its analogue of our KV
+  write; a sliding window's layers keep only their window) and ``logits_to_keep=1``
+  (only the last position's logits, as ``generate`` asks for), SDPA attention.
+* Decode: ``--decode-seqs`` (8) sequences with ``--decode-context`` (256) tokens of
+  context each, then ``--decode-steps`` (32) greedy tokens. Paged: one step of one
+  decode piece per sequence per token. Transformers: one batched forward of the next
+  token of every sequence with its cache (same lengths, so no padding).
+  Only the decode steps are timed, not the prefill of the context.
+
+Rounds (``--rounds``, 5) alternate which side runs first, after one untimed warm-up
+round, so drift affects both sides alike; figures are medians over the rounds.
+``--quick`` (the test) runs short lengths for 2 rounds, on the ``tiny`` preset unless
+``--model`` names a checkpoint.
+
+Transformers is an optional dependency (the ``bench`` extra); without it this benchmark
+says so and exits with status 2. torch, transformers and the model are imported only
+when the benchmark runs, so the ``ringfence`` command starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from ringfence.actors.tools.bench.options import add_counts, resolve_counts, resolve_preset
+from ringfence.actors.tools.bench.subject import Subject
+from ringfence.sched.ops import Piece
+
+if TYPE_CHECKING:
+    from ringfence.actors.model.decoder import Model
+    from ringfence.actors.model.paged import PagedExecutor
+
+TARGET_RATIO = 0.8
+BLOCK_SIZE = 16  # the runtime's default block_size
+DTYPES = ("float32", "bfloat16")
+CHECK_TOKENS = 40  # length of the logits check's sequence (crosses block boundaries)
+CHECK_TOLERANCE = 1e-3  # max abs logits difference allowed in float32
+SEED = 0
+
+# name: (default, quick default, help)
+COUNTS: dict[str, tuple[int, int, str]] = {
+    "prefill_tokens": (512, 64, "tokens per prefill prompt"),
+    "prefill_seqs": (1, 1, "prompts per prefill step / batch"),
+    "decode_seqs": (8, 4, "sequences decoded together"),
+    "decode_context": (256, 32, "context tokens of each decoding sequence"),
+    "decode_steps": (32, 4, "greedy tokens generated per sequence (timed)"),
+    "rounds": (5, 2, "timed rounds (after one warm-up round)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register this benchmark's options (``--json`` is added by the CLI)."""
+    parser.add_argument("--quick", action="store_true", help="tiny preset, short lengths (tests)")
+    parser.add_argument("--preset", help="model preset (small; quick: tiny)")
+    parser.add_argument(
+        "--model", metavar="DIR", help="a checkpoint directory of any supported family (no preset)"
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="%(default)s")
+    add_counts(parser, COUNTS)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (torch's default)")
+
+
+def _last_logits_only(hf: Any) -> dict[str, int]:
+    """The forward keyword that limits the LM head to the last position (named
+    ``num_logits_to_keep`` before transformers 4.50), or none when there is none."""
+    parameters = inspect.signature(hf.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in parameters:
+            return {name: 1}
+    return {}
+
+
+def _executor(model: Model, tables: int, positions: int) -> tuple[PagedExecutor, list[list[int]]]:
+    """An executor over a KV tensor for ``tables`` sequences of ``positions`` positions each,
+    and their block tables: disjoint, shuffled runs of block ids."""
+    from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
+
+    per_table = -(-positions // BLOCK_SIZE)
+    ids = list(range(tables * per_table))
+    random.Random(SEED).shuffle(ids)
+    kv = make_kv_cache(model.config, len(ids), BLOCK_SIZE, model.dtype)
+    return PagedExecutor(model, kv), [
+        ids[i * per_table : (i + 1) * per_table] for i in range(tables)
+    ]
+
+
+def _logits_diff(model: Model, hf: Any, token_ids: list[int]) -> tuple[float, bool]:
+    """Max abs difference of the paged step's and transformers' logits of one sequence,
+    and whether their argmax agree at every position."""
+    import torch
+
+    executor, tables = _executor(model, 1, len(token_ids))
+    executor.kv.fill_(float("nan"))  # unwritten slots must never be read
+    with torch.inference_mode():
+        ours = executor.step([_piece(token_ids, 0, tables[0])], all_logits=True).all_logits
+        theirs = hf(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0]
+    assert ours is not None
+    diff = (ours.float() - theirs.float()).abs().max().item()
+    return diff, bool(torch.equal(ours.argmax(-1), theirs.argmax(-1)))
+
+
+def _piece(token_ids: Sequence[int], start: int, table: Sequence[int]) -> Piece:
+    """A step's piece that samples nothing: the benchmark reads the logits itself."""
+    return Piece(
+        seq_id=0, token_ids=tuple(token_ids), start=start, block_table=tuple(table), sample=False
+    )
+
+
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+class _Sides:
+    """Prefill and decode of both sides over the same prompts; each call returns seconds."""
+
+    def __init__(self, model: Model, hf: Any, counts: dict[str, int]) -> None:
+        import torch
+
+        self.torch = torch
+        self.model, self.hf, self.n = model, hf, counts
+        gen = random.Random(SEED + 1)
+        vocab = model.config.vocab_size
+        self.prompts = [
+            [gen.randrange(vocab) for _ in range(counts["prefill_tokens"])]
+            for _ in range(counts["prefill_seqs"])
+        ]
+        self.contexts = [
+            [gen.randrange(vocab) for _ in range(counts["decode_context"])]
+            for _ in range(counts["decode_seqs"])
+        ]
+        self.prefill_executor, self.prefill_tables = _executor(
+            model, counts["prefill_seqs"], counts["prefill_tokens"]
+        )
+        self.decode_executor, self.decode_tables = _executor(
+            model, counts["decode_seqs"], counts["decode_context"] + counts["decode_steps"]
+        )
+        self.keep_last = _last_logits_only(hf)
+        # The cache's keyword: ``cache`` since transformers 5.x, ``past_key_values`` before.
+        parameters = inspect.signature(hf.forward).parameters
+        self.cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        self.paged_tokens: list[list[int]] = []  # the greedy tokens of the last decode
+        self.hf_tokens: list[list[int]] = []
+
+    def _cache(self) -> Any:
+        cache = importlib.import_module("transformers").DynamicCache
+        if "config" in inspect.signature(cache).parameters:  # transformers >= 4.56
+            return cache(config=self.hf.config)
+        return cache()
+
+    def paged_prefill(self) -> float:
+        def run() -> None:
+            pieces = [
+                _piece(p, 0, t) for p, t in zip(self.prompts, self.prefill_tables, strict=True)
+            ]
+            self.prefill_executor.step(pieces)
+
+        return _timed(run)
+
+    def hf_prefill(self) -> float:
+        def run() -> None:
+            ids = self.torch.tensor(self.prompts)
+            cache = {self.cache_keyword: self._cache()}
+            self.hf(input_ids=ids, use_cache=True, **cache, **self.keep_last)
+
+        return _timed(run)
+
+    def paged_decode(self) -> float:
+        executor, tables, context = self.decode_executor, self.decode_tables, self.contexts
+        pieces = [_piece(c, 0, t) for c, t in zip(context, tables, strict=True)]
+        tokens = _greedy(executor, pieces)
+        start = len(context[0])
+        generated = [tokens]
+
+        def run() -> None:
+            nonlocal tokens
+            for pos in range(start, start + self.n["decode_steps"]):
+                pieces = [_piece([tok], pos, t) for tok, t in zip(tokens, tables, strict=True)]
+                tokens = _greedy(executor, pieces)
+                generated.append(tokens)
+
+        seconds = _timed(run)
+        self.paged_tokens = generated
+        return seconds
+
+    def hf_decode(self) -> float:
+        torch = self.torch
+        cache = self._cache()
+        out = self.hf(
+            input_ids=torch.tensor(self.contexts),
+            **{self.cache_keyword: cache},
+            use_cache=True,
+            **self.keep_last,
+        )
+        tokens: list[int] = out.logits[:, -1].argmax(-1).tolist()
+        generated = [tokens]
+
+        def run() -> None:
+            nonlocal tokens
+            for _ in range(self.n["decode_steps"]):
+                ids = torch.tensor(tokens).unsqueeze(1)
+                out = self.hf(input_ids=ids, use_cache=True, **{self.cache_keyword: cache})
+                tokens = out.logits[:, -1].argmax(-1).tolist()
+                generated.append(tokens)
+
+        seconds = _timed(run)
+        self.hf_tokens = generated
+        return seconds
+
+
+def bench_worker(
+    subject: Subject, dtype_name: str, counts: dict[str, int], transformers: Any
+) -> dict[str, Any]:
+    """The report: logits check, then (when it passes) median tok/s of both sides and ratios."""
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    reference, hf_reference = subject.load(torch.float32, transformers)
+    c = reference.config
+    for key in ("prefill_tokens", "decode_context"):
+        longest = counts[key] + (counts["decode_steps"] if key == "decode_context" else 0)
+        if longest > c.max_position:
+            raise ValueError(f"--{key.replace('_', '-')}: {longest} positions > {c.max_position}")
+    check_ids = [random.Random(SEED + 2).randrange(c.vocab_size) for _ in range(CHECK_TOKENS)]
+    report: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "preset": subject.preset,
+        "checkpoint": subject.checkpoint,
+        "family": c.family,
+        "dtype": dtype_name,
+        "parameters": sum(p.numel() for p in reference.parameters()),
+        "block_size": BLOCK_SIZE,
+        "counts": counts,
+    }
+    report["attn_implementation"] = hf_reference.config._attn_implementation
+    diff, argmax_equal = _logits_diff(reference, hf_reference, check_ids)
+    check: dict[str, Any] = {
+        "tokens": CHECK_TOKENS,
+        "float32_max_abs_diff": diff,
+        "float32_argmax_equal": argmax_equal,
+        "tolerance": CHECK_TOLERANCE,
+        "passed": diff < CHECK_TOLERANCE,
+    }
+    report["logits_check"] = check
+    if not check["passed"]:
+        return report
+    if dtype == torch.float32:
+        model, hf = reference, hf_reference
+    else:
+        del reference, hf_reference
+        model, hf = subject.load(dtype, transformers)
+        diff, argmax_equal = _logits_diff(model, hf, check_ids)
+        check[f"{dtype_name}_max_abs_diff"] = diff
+        check[f"{dtype_name}_argmax_equal"] = argmax_equal
+    with torch.inference_mode():
+        sides = _Sides(model, hf, counts)
+        report["transformers_prefill_kwargs"] = {"use_cache": True, **sides.keep_last}
+        runs = {
+            "prefill": (sides.paged_prefill, sides.hf_prefill),
+            "decode": (sides.paged_decode, sides.hf_decode),
+        }
+        seconds: dict[str, dict[str, list[float]]] = {
+            phase: {"paged": [], "transformers": []} for phase in runs
+        }
+        for round_no in range(counts["rounds"] + 1):  # round 0 warms up, untimed
+            for phase, (paged, theirs) in runs.items():
+                order = [("paged", paged), ("transformers", theirs)]
+                for side, run in order if round_no % 2 else order[::-1]:
+                    elapsed = run()
+                    if round_no:
+                        seconds[phase][side].append(elapsed)
+    prefill_tokens = counts["prefill_seqs"] * counts["prefill_tokens"]
+    decode_tokens = counts["decode_seqs"] * counts["decode_steps"]
+    tok_s = {
+        phase: {
+            side: (prefill_tokens if phase == "prefill" else decode_tokens) / statistics.median(s)
+            for side, s in sides_seconds.items()
+        }
+        for phase, sides_seconds in seconds.items()
+    }
+    ratios = {phase: t["paged"] / t["transformers"] for phase, t in tok_s.items()}
+    same = sum(
+        a == b
+        for ours, theirs in zip(sides.paged_tokens, sides.hf_tokens, strict=True)
+        for a, b in zip(ours, theirs, strict=True)
+    )
+    report.update(
+        {
+            "tok_s": tok_s,
+            "seconds": seconds,
+            "ratios": ratios,
+            "target_ratio": TARGET_RATIO,
+            "meets_target": {phase: r >= TARGET_RATIO for phase, r in ratios.items()},
+            "decode_greedy_tokens_equal": same / (decode_tokens + counts["decode_seqs"]),
+        }
+    )
+    return report
+
+
+def _named(report: dict[str, Any]) -> str:
+    if report["checkpoint"] is None:
+        return f"preset {report['preset']}"
+    return f"{report['family']} checkpoint {report['checkpoint']}"
+
+
+def _print(report: dict[str, Any]) -> None:
+    n = report["counts"]
+    print(
+        f"torch {report['torch']}, transformers {report['transformers']}, "
+        f"{report['threads']} thread(s); {_named(report)} "
+        f"({report['parameters']:,} parameters), {report['dtype']}, block size {BLOCK_SIZE}"
+    )
+    check = report["logits_check"]
+    line = (
+        f"logits check ({check['tokens']} tokens, paged step vs transformers): max abs diff "
+        f"{check['float32_max_abs_diff']:.2e} in float32 (tolerance {check['tolerance']:g})"
+    )
+    if f"{report['dtype']}_max_abs_diff" in check and report["dtype"] != "float32":
+        line += f", {check[report['dtype'] + '_max_abs_diff']:.2e} in {report['dtype']}"
+    print(line)
+    if "tok_s" not in report:
+        return
+    print(f"median of {n['rounds']} round(s), tokens per second:")
+    shapes = {
+        "prefill": f"{n['prefill_seqs']} x {n['prefill_tokens']} tokens",
+        "decode": (
+            f"{n['decode_seqs']} seqs x {n['decode_steps']} steps "
+            f"after {n['decode_context']} tokens"
+        ),
+    }
+    print(f"  {'':<8} {'paged':>10} {'transformers':>13} {'ratio':>7}   shape")
+    for phase, t in report["tok_s"].items():
+        print(
+            f"  {phase:<8} {t['paged']:10.1f} {t['transformers']:13.1f} "
+            f"{report['ratios'][phase]:6.2f}x   {shapes[phase]}"
+        )
+    print(f"  greedy decode tokens equal on both sides: {report['decode_greedy_tokens_equal']:.0%}")
+    for phase, ratio in report["ratios"].items():
+        passed = report["meets_target"][phase]
+        print(
+            f"{'PASS' if passed else 'FAIL'} {phase} paged >= {TARGET_RATIO}x transformers: "
+            f"{ratio:.2f}x"
+        )
+    print("(targets are informational)")
+
+
+def main(args: argparse.Namespace) -> int:
+    counts = resolve_counts(args, COUNTS)
+    if args.model is not None:
+        if args.preset is not None:
+            raise ValueError("--model and --preset: give one of them")
+        subject = Subject(checkpoint=args.model)
+    else:
+        subject = Subject(preset=resolve_preset(args))
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError as exc:
+        print(
+            f"ringfence bench worker: needs transformers (pip install 'ringfence[bench]'): {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    report = bench_worker(subject, args.dtype, counts, transformers)
+    _print(report)
+    if not report["logits_check"]["passed"]:
+        print(
+            "ringfence bench worker: the paged path and transformers disagree on the logits "
+            f"(max abs diff {report['logits_check']['float32_max_abs_diff']:.3g} >= "
+            f"{CHECK_TOLERANCE:g}); not reporting ratios",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+def _greedy(executor: Any, pieces: list[Any]) -> list[int]:
+    """The greedy next token of every piece of one step."""
+    tokens: list[int] = executor.step(pieces).last_logits.argmax(-1).tolist()
+    return tokens

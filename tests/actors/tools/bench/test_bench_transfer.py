@@ -1,0 +1,72 @@
+"""``ringfence bench transfer``: every bandwidth figure and the fence/sync throughput; no timing
+asserted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from ringfence.actors.tools.bench import launcher
+from ringfence.actors.tools.bench import transfer as bench_transfer
+from ringfence.runtime import cli
+
+
+def check_bandwidth(report: dict[str, Any]) -> None:
+    bandwidth = report["bandwidth"]
+    assert bandwidth["preset"] == "tiny" and bandwidth["block_bytes"] > 0
+    assert bandwidth["methods"] == list(bench_transfer.METHODS)
+    rows = bandwidth["rows"]
+    expected = {(d, n) for d in ("h2d", "d2h") for n in bench_transfer.QUICK_BATCHES}
+    assert {(r["direction"], r["blocks"]) for r in rows} == expected
+    for row in rows:
+        assert set(row["gb_s"]) == set(bench_transfer.METHODS)
+        assert all(gb_s > 0 for gb_s in row["gb_s"].values())
+        assert row["ratio"] > 0 and row["ratio_consecutive"] > 0
+        judged = row["blocks"] >= bench_transfer.TARGET_MIN_BLOCKS
+        assert isinstance(row["meets_target"], bool) if judged else row["meets_target"] is None
+    assert bandwidth["target_ratio"] == 0.7
+
+
+def test_a_quick_bandwidth_only_transfer_bench_reports_every_method(tmp_path: Path) -> None:
+    path = tmp_path / "transfer.json"
+    assert cli.main(["bench", "transfer", "--quick", "--skip-harness", "--json", str(path)]) == 0
+    check_bandwidth(orjson.loads(path.read_bytes()))
+
+
+@pytest.mark.slow  # two launched harness runs: ~30 s; the harness itself is tested in CI
+def test_a_quick_transfer_bench_reports_every_method_and_both_harness_modes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "transfer.json"
+    assert cli.main(["bench", "transfer", "--quick", "--json", str(path)]) == 0
+    report = orjson.loads(path.read_bytes())
+    check_bandwidth(report)
+    harness = report["harness"]
+    assert set(harness["ops_per_s"]) == {"fence", "sync"}
+    assert all(ops_per_s > 0 for ops_per_s in harness["ops_per_s"].values())
+    assert harness["ratio"] > 0
+    for mode in ("fence", "sync"):
+        assert harness["reports"][mode]["ops"] > 0
+    out = capsys.readouterr().out
+    assert "GB/s" in out and "fence / sync" in out
+
+
+@pytest.mark.parametrize(
+    "option", [["--rounds", "0"], ["--programs", "0"], ["--threads", "0"], ["--preset", "huge"]]
+)
+def test_a_bad_transfer_bench_option_is_refused_with_exit_status_2(
+    option: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", "transfer", "--quick", *option]) == 2
+    assert option[0] in capsys.readouterr().err
+
+
+def test_a_failed_harness_run_is_an_error_with_exit_status_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(launcher, "ringfence_command", lambda: ["false"])
+    assert cli.main(["bench", "transfer", "--quick", "--rounds", "1"]) == 1
+    assert "exited with status 1" in capsys.readouterr().err
