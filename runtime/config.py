@@ -8,7 +8,8 @@ packages' sections as typed fields; the runtime finds it by import path (:data:`
 the actors' ``Config``), as it finds the topology, so it never imports a package above it.
 Sections of tools (the demo pipeline, the protocol harness) are named by import path in
 the schema's ``TOOLS`` and loaded the same way, so that no product module imports a tool;
-:meth:`RunConfig.section` gives them by name.
+:meth:`RunConfig.section` gives them by name. An actor may declare the sections it receives
+(:meth:`RunConfig.sections`, ``Actor.config_section``).
 
 Precedence, later wins: the built-in defaults, then the file given to :meth:`RunConfig.load`,
 then each ``--set section.key=value`` override in order. Types come from the annotations
@@ -213,6 +214,33 @@ class RunConfig:
                 )
             node = getattr(node, part)
         return node
+
+    def sections(self, cls: type[T]) -> T:
+        """``cls`` filled with this config's sections: a dataclass whose fields are sections,
+        each named as its top-level table (an actor's settings, ``Actor.config_section``).
+
+        ConfigError naming ``cls.field`` where this config has no such section, TypeError
+        where the section is not of the field's type.
+        """
+        tables = [*tables_of(type(self)), *self.tools]
+        hints = typing.get_type_hints(cls)
+        found: dict[str, object] = {}
+        for f in dataclasses.fields(typing.cast(Any, cls)):
+            if f.name not in tables:
+                hint = suggest(f.name, tables, "")
+                raise ConfigError(
+                    f"{cls.__qualname__}.{f.name}: the run's config has no section "
+                    f"{f.name!r}{hint}",
+                    key=f.name,
+                )
+            section = self.section(f.name)
+            if isinstance(hints[f.name], type) and not isinstance(section, hints[f.name]):
+                raise TypeError(
+                    f"{cls.__qualname__}.{f.name}: the run's [{f.name}] is a "
+                    f"{type(section).__qualname__}, not a {hints[f.name].__qualname__}"
+                )
+            found[f.name] = section
+        return cls(**found)
 
 
 def schema() -> type[RunConfig]:
