@@ -15,24 +15,11 @@ import types
 
 from ringfence.actors.engine.config import EngineConfig
 from ringfence.actors.executors.config import TransferConfig
-from ringfence.actors.model.config import ModelConfig
+from ringfence.actors.model.config import ModelConfig, ParallelConfig
 from ringfence.actors.serve.config import ServerConfig
 from ringfence.cache.config import CacheConfig
-from ringfence.runtime.config import RunConfig, setting
+from ringfence.runtime.config import RunConfig
 from ringfence.sched.config import SchedConfig
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ParallelConfig:
-    """[parallel]: how many ranks the Worker, the swap lane and the store lane run in."""
-
-    tp_size: int = setting(
-        1,
-        "Worker ranks of one instance (tensor parallelism): each holds its share of the heads "
-        "and of the MLP, with its own swap and store lanes; must divide the KV heads",
-        ge=1,
-        le=64,
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
