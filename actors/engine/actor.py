@@ -484,7 +484,7 @@ class Engine(Actor):
 
     def counters(self) -> dict[str, Any]:
         assert self.scheduler is not None
-        return counters_of(self.scheduler, self.config, self.bytes)
+        return counters_of(self.scheduler, self.config.transfer.mode, self.bytes)
 
     def _drain_store(self) -> None:
         """Wait (with a deadline) until every rank's store lane did every op sent to it."""
