@@ -4,8 +4,13 @@
 and loads the TOML file and ``--set`` overrides into it. Each section is declared next to
 the code that reads it; this module only puts them together, and names the tools'
 sections (the demo pipeline's, the protocol harness's) by import path, so that loading a
-config imports no tool. Every actor that reads several sections takes the whole
-``Config`` (``config_section = ""``).
+config imports no tool.
+
+The whole ``Config`` is the composition root's: the topology and the launch checks (which
+see the whole run before it exists) and the tools that build configs. An actor declares
+the sections it reads (``Actor.config_section``: ``EngineSettings``, ``LaneSettings``,
+``FrontEndSettings``) and receives only those; a helper takes the sections it reads, or
+any object that has them.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ named as its TOML table and typed as its section class::
 The runtime fills it from the run's config by field name when the instance starts
 (:func:`config_of`); a section the run's config lacks fails the start with a ConfigError
 naming the actor and the field, and reading a section the actor did not declare is an
-AttributeError.
+AttributeError. The whole config reaches no actor: it is the composition root's (the
+topology and the launch checks).
 
 The table from message type to method name is built when the class is created,
 so a method that takes the wrong arguments, a non-message type, or two methods for
@@ -151,8 +152,13 @@ def _check_config_section(cls: type[Actor]) -> None:
     frozen, slotted dataclass each of whose fields is typed as a section (a dataclass)."""
     declared = cls.config_section
     where = f"{cls.__qualname__}.config_section"
-    if declared is None or isinstance(declared, str):
+    if declared is None or (isinstance(declared, str) and declared):
         return
+    if declared == "":
+        raise TypeError(
+            f"{where} = '': the whole config reaches no actor; name its section, or a "
+            "dataclass of the sections it reads"
+        )
     if not (isinstance(declared, type) and dataclasses.is_dataclass(declared)):
         raise TypeError(f"{where}: a section's name or a dataclass of sections, got {declared!r}")
     name = declared.__qualname__
@@ -189,8 +195,7 @@ class Actor:
     """
 
     # What ctx.config holds: None, the TOML section of this name ("demo", "cache.storage"),
-    # or this settings class filled with the sections its fields name (module docstring);
-    # "" hands over the whole Config.
+    # or this settings class filled with the sections its fields name (module docstring).
     config_section: ClassVar[str | type | None] = None
     tick_s: ClassVar[float | None] = None  # period of Tick messages; None: no ticks
     handlers: ClassVar[Mapping[type, str]]  # message type -> method name, built per class

@@ -193,12 +193,10 @@ class RunConfig:
 
     def section(self, name: str) -> object:
         """The section dataclass of TOML table ``name`` (``"cache"``, ``"cache.storage"``).
-
-        ``""`` names the whole config (for actors that read several sections).
-        """
-        node: Any = self
+        ConfigError for a name no table has, and for ``""``: the whole config is no section."""
         if not name:
-            return node
+            raise ConfigError("a section needs a name: the whole config is no section", key="")
+        node: Any = self
         parts = name.split(".")
         for depth, part in enumerate(parts):
             tables = tables_of(type(node))

@@ -2,8 +2,9 @@
 
 ``config_of`` is what ``attach`` hands an instance as ``ctx.config`` (a launched run's
 children, an embedded actor, the test rigs): None, one section by name, or the actor's
-settings (a frozen, slotted dataclass of sections) filled by field name. A launched
-actor that declares a section the run lacks fails its start: ``test_startup.py``.
+settings (a frozen, slotted dataclass of sections) filled by field name. The whole
+config reaches no actor. A launched actor that declares a section the run lacks fails
+its start: ``test_startup.py``.
 """
 
 from __future__ import annotations
@@ -107,6 +108,16 @@ def test_a_misspelt_section_name_is_a_config_error_naming_the_actor():
     with pytest.raises(ConfigError, match=re.escape(f"actor {__name__}:")) as caught:
         config_of(Lost, CONFIG)
     assert "cache.storag: unknown section (did you mean cache.storage?)" in str(caught.value)
+
+
+def test_the_whole_config_reaches_no_actor():
+    with pytest.raises(TypeError, match=r"Whole.config_section = '': the whole config reaches"):
+
+        class Whole(Actor):
+            config_section = ""
+
+    with pytest.raises(ConfigError, match="the whole config is no section"):
+        CONFIG.section("")
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
