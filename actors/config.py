@@ -10,7 +10,8 @@ The whole ``Config`` is the composition root's: the topology and the launch chec
 see the whole run before it exists) and the tools that build configs. An actor declares
 the sections it reads (``Actor.config_section``: ``EngineSettings``, ``LaneSettings``,
 ``FrontEndSettings``) and receives only those; a helper takes the sections it reads, or
-any object that has them.
+any object that has them. ``tests/project/test_imports.py`` names the modules that may
+import this one.
 """
 
 from __future__ import annotations

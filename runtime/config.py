@@ -8,8 +8,9 @@ packages' sections as typed fields; the runtime finds it by import path (:data:`
 the actors' ``Config``), as it finds the topology, so it never imports a package above it.
 Sections of tools (the demo pipeline, the protocol harness) are named by import path in
 the schema's ``TOOLS`` and loaded the same way, so that no product module imports a tool;
-:meth:`RunConfig.section` gives them by name. An actor may declare the sections it receives
-(:meth:`RunConfig.sections`, ``Actor.config_section``).
+:meth:`RunConfig.section` gives them by name. An actor receives only its own sections
+(:meth:`RunConfig.sections`, ``Actor.config_section``); the whole config stays with the
+composition root: the topology and the launch checks.
 
 Precedence, later wins: the built-in defaults, then the file given to :meth:`RunConfig.load`,
 then each ``--set section.key=value`` override in order. Types come from the annotations
