@@ -4,8 +4,14 @@
 and loads the TOML file and ``--set`` overrides into it. Each section is declared next to
 the code that reads it; this module only puts them together, and names the tools'
 sections (the demo pipeline's, the protocol harness's) by import path, so that loading a
-config imports no tool. Every actor that reads several sections takes the whole
-``Config`` (``config_section = ""``).
+config imports no tool.
+
+The whole ``Config`` is the composition root's: the topology and the launch checks (which
+see the whole run before it exists) and the tools that build configs. An actor declares
+the sections it reads (``Actor.config_section``: ``EngineSettings``, ``LaneSettings``,
+``FrontEndSettings``) and receives only those; a helper takes the sections it reads, or
+any object that has them. ``tests/project/test_imports.py`` names the modules that may
+import this one.
 """
 
 from __future__ import annotations
@@ -15,24 +21,11 @@ import types
 
 from ringfence.actors.engine.config import EngineConfig
 from ringfence.actors.executors.config import TransferConfig
-from ringfence.actors.model.config import ModelConfig
+from ringfence.actors.model.config import ModelConfig, ParallelConfig
 from ringfence.actors.serve.config import ServerConfig
 from ringfence.cache.config import CacheConfig
-from ringfence.runtime.config import RunConfig, setting
+from ringfence.runtime.config import RunConfig
 from ringfence.sched.config import SchedConfig
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ParallelConfig:
-    """[parallel]: how many ranks the Worker, the swap lane and the store lane run in."""
-
-    tp_size: int = setting(
-        1,
-        "Worker ranks of one instance (tensor parallelism): each holds its share of the heads "
-        "and of the MLP, with its own swap and store lanes; must divide the KV heads",
-        ge=1,
-        le=64,
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

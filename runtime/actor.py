@@ -10,6 +10,24 @@ An actor is a class with one method per message type it accepts::
         def on_item(self, msg: Item) -> None:
             self.send("sink", msg)
 
+Each actor receives only its own config: ``config_section`` names one section, or is the
+actor's settings, a frozen slotted dataclass whose fields are the sections it reads, each
+named as its TOML table and typed as its section class::
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class LaneSettings:
+        model: ModelConfig
+        cache: CacheConfig
+
+    class Lane(Actor):
+        config_section = LaneSettings    # ctx.config is a LaneSettings: .model, .cache
+
+The runtime fills it from the run's config by field name when the instance starts
+(:func:`config_of`); a section the run's config lacks fails the start with a ConfigError
+naming the actor and the field, and reading a section the actor did not declare is an
+AttributeError. The whole config reaches no actor: it is the composition root's (the
+topology and the launch checks).
+
 The table from message type to method name is built when the class is created,
 so a method that takes the wrong arguments, a non-message type, or two methods for
 one type in the same class are a ``TypeError`` at import, not at the first message.
@@ -26,16 +44,18 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from ringfence.runtime.messages import Failed, Stop, Tick
+from ringfence.shm.errors import ConfigError
 
 if TYPE_CHECKING:
     from ringfence.runtime.codec import Registry
-    from ringfence.runtime.config import RuntimeConfig
+    from ringfence.runtime.config import RunConfig, RuntimeConfig
     from ringfence.runtime.log import ActorLog
     from ringfence.runtime.mailbox import Delivery, LocalInbox
     from ringfence.shm.counter import CounterBlock, Waker
@@ -88,7 +108,7 @@ class ActorContext:
     placement: str  # "spawn", "external" (attached by a host process) or "local"
     incarnation: int  # 1 for the first start of this instance, +1 per restart or re-attach
     epoch: int  # the run epoch when this incarnation started (bumped on every restart)
-    config: object | None  # the actor's own config section (Actor.config_section), or None
+    config: object | None  # the actor's own config (Actor.config_section: see config_of), or None
     runtime: RuntimeConfig
     log: ActorLog
     counters: Mapping[str, CounterBlock]  # the topology's counter blocks, by name
@@ -127,19 +147,62 @@ def _build_table(cls: type) -> dict[type, str]:
     return table
 
 
+def _check_config_section(cls: type[Actor]) -> None:
+    """TypeError unless ``cls.config_section`` is None, a section's name, or settings: a
+    frozen, slotted dataclass each of whose fields is typed as a section (a dataclass)."""
+    declared = cls.config_section
+    where = f"{cls.__qualname__}.config_section"
+    if declared is None or (isinstance(declared, str) and declared):
+        return
+    if declared == "":
+        raise TypeError(
+            f"{where} = '': the whole config reaches no actor; name its section, or a "
+            "dataclass of the sections it reads"
+        )
+    if not (isinstance(declared, type) and dataclasses.is_dataclass(declared)):
+        raise TypeError(f"{where}: a section's name or a dataclass of sections, got {declared!r}")
+    name = declared.__qualname__
+    own = vars(declared)
+    if not own["__dataclass_params__"].frozen or "__slots__" not in own:
+        raise TypeError(f"{where}: {name} must be a frozen, slotted dataclass")
+    hints = typing.get_type_hints(declared)
+    for f in dataclasses.fields(declared):
+        if not dataclasses.is_dataclass(hints[f.name]):
+            raise TypeError(f"{where}: {name}.{f.name} is not a section (a dataclass)")
+
+
+def config_of(actor_cls: type[Actor], config: RunConfig) -> object | None:
+    """What ``actor_cls`` receives as ``ctx.config`` from the run's ``config``: None, the
+    section it names, or its settings filled with the sections its fields name
+    (:meth:`RunConfig.sections`). ConfigError naming the actor, and the field, where the run's
+    config has no such section."""
+    declared = actor_cls.config_section
+    if declared is None:
+        return None
+    try:
+        if isinstance(declared, str):
+            return config.section(declared)
+        return config.sections(declared)
+    except ConfigError as e:
+        who = f"{actor_cls.__module__}:{actor_cls.__qualname__}"
+        raise ConfigError(f"actor {who}: {e}", key=e.key) from None
+
+
 class Actor:
     """Base of every actor. Subclasses add ``@handles`` methods and may override the hooks.
 
     All methods run in the driver's thread, one at a time; an actor needs no locks.
     """
 
-    # TOML section handed over as ctx.config; "" hands over the whole Config.
-    config_section: ClassVar[str | None] = None
+    # What ctx.config holds: None, the TOML section of this name ("demo", "cache.storage"),
+    # or this settings class filled with the sections its fields name (module docstring).
+    config_section: ClassVar[str | type | None] = None
     tick_s: ClassVar[float | None] = None  # period of Tick messages; None: no ticks
     handlers: ClassVar[Mapping[type, str]]  # message type -> method name, built per class
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _check_config_section(cls)
         if cls.tick_s is not None and not cls.tick_s > 0:
             raise TypeError(f"{cls.__qualname__}.tick_s must be > 0 or None")
         cls.handlers = _build_table(cls)

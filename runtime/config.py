@@ -8,7 +8,9 @@ packages' sections as typed fields; the runtime finds it by import path (:data:`
 the actors' ``Config``), as it finds the topology, so it never imports a package above it.
 Sections of tools (the demo pipeline, the protocol harness) are named by import path in
 the schema's ``TOOLS`` and loaded the same way, so that no product module imports a tool;
-:meth:`RunConfig.section` gives them by name.
+:meth:`RunConfig.section` gives them by name. An actor receives only its own sections
+(:meth:`RunConfig.sections`, ``Actor.config_section``); the whole config stays with the
+composition root: the topology and the launch checks.
 
 Precedence, later wins: the built-in defaults, then the file given to :meth:`RunConfig.load`,
 then each ``--set section.key=value`` override in order. Types come from the annotations
@@ -192,12 +194,10 @@ class RunConfig:
 
     def section(self, name: str) -> object:
         """The section dataclass of TOML table ``name`` (``"cache"``, ``"cache.storage"``).
-
-        ``""`` names the whole config (for actors that read several sections).
-        """
-        node: Any = self
+        ConfigError for a name no table has, and for ``""``: the whole config is no section."""
         if not name:
-            return node
+            raise ConfigError("a section needs a name: the whole config is no section", key="")
+        node: Any = self
         parts = name.split(".")
         for depth, part in enumerate(parts):
             tables = tables_of(type(node))
@@ -213,6 +213,33 @@ class RunConfig:
                 )
             node = getattr(node, part)
         return node
+
+    def sections(self, cls: type[T]) -> T:
+        """``cls`` filled with this config's sections: a dataclass whose fields are sections,
+        each named as its top-level table (an actor's settings, ``Actor.config_section``).
+
+        ConfigError naming ``cls.field`` where this config has no such section, TypeError
+        where the section is not of the field's type.
+        """
+        tables = [*tables_of(type(self)), *self.tools]
+        hints = typing.get_type_hints(cls)
+        found: dict[str, object] = {}
+        for f in dataclasses.fields(typing.cast(Any, cls)):
+            if f.name not in tables:
+                hint = suggest(f.name, tables, "")
+                raise ConfigError(
+                    f"{cls.__qualname__}.{f.name}: the run's config has no section "
+                    f"{f.name!r}{hint}",
+                    key=f.name,
+                )
+            section = self.section(f.name)
+            if isinstance(hints[f.name], type) and not isinstance(section, hints[f.name]):
+                raise TypeError(
+                    f"{cls.__qualname__}.{f.name}: the run's [{f.name}] is a "
+                    f"{type(section).__qualname__}, not a {hints[f.name].__qualname__}"
+                )
+            found[f.name] = section
+        return cls(**found)
 
 
 def schema() -> type[RunConfig]:

@@ -20,7 +20,7 @@ import os
 from contextlib import ExitStack
 from pathlib import Path
 
-from ringfence.runtime.actor import Actor
+from ringfence.runtime.actor import Actor, config_of
 from ringfence.runtime.codec import Registry
 from ringfence.runtime.config import load_config
 from ringfence.runtime.control import InstanceControl
@@ -59,7 +59,9 @@ def attach(
 
     ``actor_cls`` defaults to the class the topology names. ``incarnation`` defaults to
     one past the last one that reported ready. Raises ValueError for a run dir or
-    instance that does not exist, EndpointTaken if a live process holds the instance.
+    instance that does not exist, ConfigError (a ValueError) naming the actor for a section
+    it declares that the run's config lacks, EndpointTaken if a live process holds the
+    instance.
     """
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
@@ -70,7 +72,7 @@ def attach(
         if not (isinstance(target, type) and issubclass(target, Actor)):
             raise ValueError(f"{entry.target} is not an Actor subclass")
         actor_cls = target
-    section = None if actor_cls.config_section is None else config.section(actor_cls.config_section)
+    section = config_of(actor_cls, config)  # only the sections it declares
     spin_us = config.runtime.spin_us
     with ExitStack() as stack:
         bell = Doorbell.attach(entry.bell, spin_us=spin_us)

@@ -9,7 +9,7 @@ the channels, protocol and counter block stay the demo's.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ringfence.actors.tools.testing.demo import (
     TOPOLOGY,
@@ -62,6 +62,19 @@ class RestartRefusedRelay(Relay):
         super().on_start()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MisspeltSettings:
+    """Settings that declare a section the run's schema lacks (``dmeo``, not ``demo``)."""
+
+    dmeo: DemoConfig
+
+
+class MisspeltRelay(Relay):
+    """A relay whose settings name a section the run lacks: its start fails in attach."""
+
+    config_section = MisspeltSettings
+
+
 def refuse_run(config: object) -> None:
     """A preflight check that refuses every run, naming a file and a field."""
     raise ValueError("/fixture/settings.json: answer: must be 42, got 41")
@@ -78,6 +91,7 @@ def _swap(name: str, target: str) -> Topology:
 HUNG_SINK = _swap("sink", f"{__name__}:HangingSink")
 FAILING_START = _swap("relay", f"{__name__}:FailingStartRelay")
 FAILING_RESTART = _swap("relay", f"{__name__}:RestartRefusedRelay")
+UNKNOWN_SECTION = _swap("relay", f"{__name__}:MisspeltRelay")
 # The demo pipeline with a preflight that refuses it: no actor may ever start.
 REFUSED = replace(TOPOLOGY, preflight=(f"{__name__}:refuse_run",))
 

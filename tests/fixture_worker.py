@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import orjson
 import torch
 
-from ringfence.actors.config import Config
+from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES
 from ringfence.actors.protocol.worker import StepResult, WorkerReady
+from ringfence.cache.config import CacheConfig
 from ringfence.cache.fences import Fence
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.actor import Actor, handles
@@ -51,12 +52,20 @@ class Sequence:
         self.done, self.generated, self.logprobs = 0, [], []
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScriptedSettings:
+    """The sections the scripted engine reads (its config_section)."""
+
+    model: ModelConfig
+    cache: CacheConfig
+
+
 class ScriptedEngine(Actor):
-    config_section = ""
+    config_section = ScriptedSettings
 
     def on_start(self) -> None:
         config = self.ctx.config
-        assert isinstance(config, Config)
+        assert isinstance(config, ScriptedSettings)
         self.config = config
         self.rng = random.Random(config.model.seed)
         block = config.cache.block_size

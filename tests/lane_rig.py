@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ringfence.actors.config import Config
 from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES
-from ringfence.runtime.actor import Actor
+from ringfence.runtime.actor import Actor, config_of
 from ringfence.runtime.codec import Registry
 from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.driver import Driver
@@ -83,7 +83,7 @@ def start_executor(
         mailbox=mailbox,
         runtime=config.runtime,
         log=ActorLog(log_path, actor=name, rank=rank, epoch=0),
-        config=config,
+        config=config_of(actor_cls, config),  # its own sections, as a launch gives
         run_id=run_id,
         run_dir=run_dir,
         counters={LANES: lanes},

@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES
-from ringfence.runtime.actor import Actor
+from ringfence.runtime.actor import Actor, config_of
 from ringfence.runtime.codec import Registry
 from ringfence.runtime.config import RunConfig
 from ringfence.runtime.control import InstanceControl, control_count
@@ -154,7 +154,7 @@ def ring_rig(
             mailbox=mailbox,
             runtime=config.runtime,
             log=ActorLog(log_path, actor=name, rank=0, epoch=epoch),
-            config=config,
+            config=config_of(actor_cls, config),  # its own sections, as a launch gives
             run_id=run_id,
             counters={LANES: lanes},
             control=InstanceControl.of(counters, 0),

@@ -45,8 +45,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ringfence.actors.config import Config
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
+from ringfence.actors.engine.config import EngineSettings
 from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
@@ -79,12 +79,12 @@ class Arrive:
 class Engine(Actor):
     """See the module docstring. Its handlers only route: each concern has its module."""
 
-    config_section = ""
+    config_section = EngineSettings  # only the sections it reads
     tick_s = 0.5
 
     def on_start(self) -> None:
         config = self.ctx.config
-        assert isinstance(config, Config)
+        assert isinstance(config, EngineSettings)
         self.config = config
         self.ranks = config.parallel.tp_size
         self.epoch = self.ctx.epoch  # stamped on every op; a Worker restart raises it
@@ -484,7 +484,7 @@ class Engine(Actor):
 
     def counters(self) -> dict[str, Any]:
         assert self.scheduler is not None
-        return counters_of(self.scheduler, self.config, self.bytes)
+        return counters_of(self.scheduler, self.config.transfer.mode, self.bytes)
 
     def _drain_store(self) -> None:
         """Wait (with a deadline) until every rank's store lane did every op sent to it."""

@@ -1,11 +1,16 @@
-"""The ``[engine]`` section: the workload the engine runs, its clients' limit, its shutdown."""
+"""The ``[engine]`` section: the workload the engine runs, its clients' limit, its shutdown;
+and :class:`EngineSettings`, every section the Engine actor reads."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
+from ringfence.actors.executors.config import TransferConfig
+from ringfence.actors.model.config import ModelConfig, ParallelConfig
+from ringfence.cache.config import CacheConfig
 from ringfence.runtime.config import setting
+from ringfence.sched.config import SchedConfig
 
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
 
@@ -38,3 +43,16 @@ class EngineConfig:
     max_requests_per_client: int = setting(
         256, "requests one client may have live; more are refused (backpressure)", ge=1
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSettings:
+    """What the Engine actor receives of the run's config (its ``config_section``): each
+    field the section of the same name, filled by the runtime when the engine starts."""
+
+    model: ModelConfig  # its tokenizer and chat template; the block fingerprint
+    cache: CacheConfig  # the pools the scheduler keeps; the storage tier it asks
+    sched: SchedConfig  # the scheduler's limits and preemption policy
+    transfer: TransferConfig  # mode sync holds an op until its fence is met
+    engine: EngineConfig  # the workload, the clients' limit, the role, the drain
+    parallel: ParallelConfig  # how many ranks each op goes to

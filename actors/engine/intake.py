@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ringfence.actors.config import Config
+from ringfence.actors.engine.config import EngineConfig
+from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ringfence.actors.protocol.client import Submit
 from ringfence.sched.request import Request, RequestError, SamplingParams
@@ -26,6 +27,16 @@ if TYPE_CHECKING:
     from ringfence.actors.model.chat import ChatTemplate
 
 Encode = Callable[[str], Sequence[int]]
+
+
+class IntakeSections(Protocol):
+    """The sections requests come in by: ``[engine]`` (the workload) and ``[model]`` (its
+    tokenizer and chat template); the Engine's settings, or the run's whole config."""
+
+    @property
+    def engine(self) -> EngineConfig: ...
+    @property
+    def model(self) -> ModelConfig: ...
 
 
 def load_workload(
@@ -40,7 +51,7 @@ def load_workload(
     return sorted(parsed[:requests] if requests else parsed, key=lambda r: r.arrival_s)
 
 
-def check_workload(config: Config) -> None:
+def check_workload(config: IntakeSections) -> None:
     """ValueError naming the file and line (or request) when ``engine.workload`` cannot be
     read, or a chat of it cannot be rendered."""
     if not config.engine.workload:
@@ -81,7 +92,7 @@ def make_request(
 class Intake:
     """The engine's source of requests. Not thread-safe; owned by the Engine actor."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: IntakeSections) -> None:
         self.config = config
         self.workload: list[WorkloadRequest] = []  # sorted by arrival
         self.next = 0  # the workload's next line to arrive

@@ -1,16 +1,28 @@
-"""The scheduler's settings, built from the run's config and the model its Worker announced
-(the in-process runner and replay's redrive build the same)."""
+"""The scheduler's settings, built from the engine's sections (:class:`SchedSections`) and
+the model its Worker announced (the in-process runner and replay's redrive build the same)."""
 
 from __future__ import annotations
 
-from ringfence.actors.config import Config
-from ringfence.actors.kv.layout import STAGING_BLOCKS, block_fingerprint
+from typing import Protocol
+
+from ringfence.actors.engine.config import EngineConfig
+from ringfence.actors.kv.layout import STAGING_BLOCKS, KVSections, block_fingerprint
 from ringfence.cache.storage.registry import NO_TIER
-from ringfence.sched.config import SchedulerConfig, TierConfig, max_model_len
+from ringfence.sched.config import SchedConfig, SchedulerConfig, TierConfig, max_model_len
+
+
+class SchedSections(KVSections, Protocol):
+    """The sections the scheduler's settings come from: the block fingerprint's, ``[sched]``,
+    and ``[engine]`` (its role); the Engine's settings, or the run's whole config."""
+
+    @property
+    def sched(self) -> SchedConfig: ...
+    @property
+    def engine(self) -> EngineConfig: ...
 
 
 def sched_config(
-    config: Config, model_id: str, max_position: int, vocab_size: int = 1 << 31
+    config: SchedSections, model_id: str, max_position: int, vocab_size: int = 1 << 31
 ) -> SchedulerConfig:
     """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limits
     (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``). ValueError

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ringfence.actors.config import Config
 from ringfence.actors.engine.ledger import Ledger
 from ringfence.actors.protocol.client import Stats
 from ringfence.cache.fences import Lane
@@ -69,13 +68,14 @@ def stats_of(scheduler: Scheduler, ledger: Ledger, moved: Mapping[str, int]) -> 
     )
 
 
-def counters_of(scheduler: Scheduler, config: Config, moved: Mapping[str, int]) -> dict[str, Any]:
-    """The engine's figures of a workload run, for ``summary.json``."""
+def counters_of(scheduler: Scheduler, mode: str, moved: Mapping[str, int]) -> dict[str, Any]:
+    """The engine's figures of a workload run, for ``summary.json`` (``mode``: the run's
+    ``transfer.mode``; the preemption policy is the scheduler's ``sched.preemption``)."""
     c = scheduler.counters
     blocks = scheduler.blocks.moved
     return {
-        "mode": config.transfer.mode,
-        "preemption_policy": config.sched.preemption,
+        "mode": mode,
+        "preemption_policy": scheduler.config.sched.preemption,
         "preemptions": dict(c.preemptions),
         "hit_tokens": dict(c.hit_tokens),
         "steps": c.steps,

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ringfence.actors.config import Config
-from ringfence.actors.kv.layout import block_fingerprint
+from ringfence.actors.kv.layout import KVSections, block_fingerprint
 from ringfence.actors.model.info import ModelInfo
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.prefix_index import StoragePresence
@@ -20,9 +19,10 @@ from ringfence.runtime.log import ActorLog
 
 
 def open_all_ranks(
-    config: Config, model: ModelInfo, run_dir: str, *, log: StorageLog | None = None
+    config: KVSections, model: ModelInfo, run_dir: str, *, log: StorageLog | None = None
 ) -> AllRanks | None:
-    """The storage tier's client (the engine asks it what is stored), or None.
+    """The storage tier's client (the engine asks it what is stored), or None: from
+    ``cache.storage``, one fingerprint per rank of ``parallel.tp_size``.
 
     One client per rank, each under that rank's fingerprint (the key space its store
     lane writes), behind :class:`AllRanks`: a block is present only where every rank's

@@ -1,11 +1,14 @@
 """The ``[transfer]`` section: how block copies are ordered against model steps, and the
-debug knobs every lane executor reads."""
+debug knobs every lane executor reads; and :class:`LaneSettings`, every section a lane
+executor (the Worker, the swap and store lanes) reads."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
+from ringfence.actors.model.config import ModelConfig, ParallelConfig
+from ringfence.cache.config import CacheConfig
 from ringfence.runtime.config import setting
 
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
@@ -30,3 +33,14 @@ class TransferConfig:
     skip_fences: bool = setting(
         False, "debug only: executors do not wait for fences (tests show they catch it)"
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LaneSettings:
+    """What each lane executor receives of the run's config (its ``config_section``): each
+    field the section of the same name, filled by the runtime when the lane starts."""
+
+    model: ModelConfig  # the Worker's weights and device; every lane's KV layout
+    cache: CacheConfig  # the pools, their poisoning, the storage the store lane writes
+    transfer: TransferConfig  # the mode (lock: the legacy lock), chaos, skip_fences
+    parallel: ParallelConfig  # the ranks: each lane's share of the KV heads

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 from typing import ClassVar
 
-from ringfence.actors.config import Config
+from ringfence.actors.executors.config import LaneSettings
 from ringfence.actors.executors.legacy import LegacyLock, lock_path
 from ringfence.actors.protocol.lanes import (
     ISSUER_EPOCH,
@@ -70,12 +70,12 @@ class Cancelled(Exception):
 class LaneExecutor(Actor):
     """Base of the Worker and the Transfer lanes: one lane, executed in order."""
 
-    config_section = ""  # the whole config: each lane reads several sections
+    config_section = LaneSettings  # only the sections the lanes read
     lane: ClassVar[Lane]
 
     def on_start(self) -> None:
         config = self.ctx.config
-        assert isinstance(config, Config)
+        assert isinstance(config, LaneSettings)
         self.config = config
         self.skip_fences = config.transfer.skip_fences
         block = self.ctx.counters.get(LANES)

@@ -1,7 +1,9 @@
-"""The ``[model]`` section: which weights to run, in which dtype, on which device.
+"""The ``[model]`` section: which weights to run, in which dtype, on which device; and
+``[parallel]``: in how many ranks (tensor parallelism).
 
 Read by the Worker (and every tool that loads the model) through ``actors/model/loader.py``,
-and by every actor that derives the model's shape or identity without loading it.
+and by every actor that derives the model's shape or identity, or the KV layout of its
+rank, without loading it.
 """
 
 from __future__ import annotations
@@ -27,3 +29,16 @@ class ModelConfig:
     dtype: Dtype = setting("float32", "dtype of the weights and the KV cache")
     device: str = setting("cpu", "torch device: 'cpu', 'cuda' or 'cuda:N'", pattern=_DEVICE)
     seed: int = setting(0, "random seed of the model (preset weights, sampling)", ge=0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    """[parallel]: how many ranks the Worker, the swap lane and the store lane run in."""
+
+    tp_size: int = setting(
+        1,
+        "Worker ranks of one instance (tensor parallelism): each holds its share of the heads "
+        "and of the MLP, with its own swap and store lanes; must divide the KV heads",
+        ge=1,
+        le=64,
+    )

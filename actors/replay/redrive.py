@@ -29,13 +29,14 @@ from typing import Any
 
 import orjson
 
-from ringfence.actors.config import Config
+from ringfence.actors.engine.config import EngineSettings
 from ringfence.actors.engine.ledger import issue_fields
 from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.replay.log import Entry, RunLog
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage.registry import NO_TIER
+from ringfence.runtime.config import loads_config
 from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.scheduler import Scheduler
 
@@ -107,7 +108,8 @@ def redrive(log: RunLog) -> Redrive:
     config_file = log.run_dir / "config.toml"
     if not config_file.is_file():
         raise ValueError(f"{config_file} is missing: the scheduler's settings are in it")
-    config = Config.loads(config_file.read_text(), str(config_file))
+    # The Engine's sections of the run's config: the scheduler's settings are built of them.
+    config = loads_config(config_file.read_text(), str(config_file)).sections(EngineSettings)
     state = _State(log, config)
     engine = log.sources.get("engine-0", [])
     pids = list(dict.fromkeys(e.pid for e in engine))
@@ -129,7 +131,7 @@ def redrive(log: RunLog) -> Redrive:
 
 
 class _State:
-    def __init__(self, log: RunLog, config: Any) -> None:
+    def __init__(self, log: RunLog, config: EngineSettings) -> None:
         self.log = log
         self.config = config
         self.scheduler: Scheduler | None = None

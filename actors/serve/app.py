@@ -26,7 +26,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ringfence.actors.config import Config
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.protocol.client import Submit
@@ -38,6 +37,7 @@ from ringfence.actors.serve.api import (
     error_body,
     stop_strings,
 )
+from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.openapi import install
 from ringfence.actors.serve.outputs import Delta, Generation
@@ -76,7 +76,7 @@ def answers(model: type[ChatCompletionResponse | CompletionResponse], chunk: typ
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def build_app(frontend: FrontEndView, config: Config) -> FastAPI:
+def build_app(frontend: FrontEndView, config: FrontEndSettings) -> FastAPI:
     """The API of ``frontend`` (its gateway, prompter, liveness and the engine's stats)."""
     app = FastAPI(title="ringfence", version="0.1.0", openapi_url="/openapi.json")
     install(app)

@@ -1,10 +1,15 @@
-"""The ``[server]`` section: where ``ringfence serve`` listens and how much it queues."""
+"""The ``[server]`` section: where ``ringfence serve`` listens and how much it queues; and
+:class:`FrontEndSettings`, every section its front end reads."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from ringfence.actors.engine.config import EngineConfig
+from ringfence.actors.model.config import ModelConfig, ParallelConfig
+from ringfence.cache.config import CacheConfig
 from ringfence.runtime.config import setting
+from ringfence.sched.config import SchedConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,3 +30,16 @@ class ServerConfig:
     request_timeout_s: float = setting(
         600.0, "a request with no output for this long ends with an error", gt=0
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FrontEndSettings:
+    """What the front end receives of the run's config (its ``config_section``): each field
+    the section of the same name, filled by the runtime when it starts."""
+
+    model: ModelConfig  # the tokenizer, the chat template, the name and identity it reports
+    cache: CacheConfig  # the block size the router's instance card reports
+    sched: SchedConfig  # max_model_len: the longest request it lets through
+    engine: EngineConfig  # the role (which routes of the router's API answer)
+    parallel: ParallelConfig  # the ranks: one fingerprint each
+    server: ServerConfig  # where it listens, how much it queues, its timeouts

@@ -22,7 +22,6 @@ import socket
 import time
 from dataclasses import dataclass
 
-from ringfence.actors.config import Config
 from ringfence.actors.protocol.client import (
     CLIENT_TO_ENGINE,
     Abort,
@@ -34,6 +33,7 @@ from ringfence.actors.protocol.client import (
     Submit,
     Tokens,
 )
+from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Gateway, Handoff, Lost
 from ringfence.actors.serve.health import Liveness
 from ringfence.actors.serve.prompts import Prompter
@@ -64,12 +64,12 @@ class _Sent:
 class FrontEnd(Actor):
     """See the module docstring. Handlers run in the actor's thread."""
 
-    config_section = ""
+    config_section = FrontEndSettings  # only the sections it reads
     tick_s = 0.2  # how soon a dead engine's requests are reported lost
 
     def on_start(self) -> None:
         config = self.ctx.config
-        assert isinstance(config, Config) and self.ctx.run_dir is not None
+        assert isinstance(config, FrontEndSettings) and self.ctx.run_dir is not None
         self.config = config
         manifest = read_manifest(self.ctx.run_dir)
         self.block = CounterBlock.attach(manifest.control)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from ringfence.actors.config import Config
 from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
+from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.identity import model_shape
 from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ringfence.actors.serve.api import (
@@ -24,7 +24,8 @@ from ringfence.actors.serve.api import (
     CompletionRequest,
     check_unsupported,
 )
-from ringfence.sched.config import max_model_len
+from ringfence.actors.serve.config import ServerConfig
+from ringfence.sched.config import SchedConfig, max_model_len
 
 PRESET_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
@@ -40,10 +41,23 @@ class Prompt:
     max_tokens: int
 
 
+class PromptSections(Protocol):
+    """The sections prompts are checked by: ``[model]`` (tokenizer, template, shape),
+    ``[sched]`` (``max_model_len``) and ``[server]`` (the model's name); the front end's
+    settings, or the run's whole config (the launch check of ``ringfence serve``)."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def sched(self) -> SchedConfig: ...
+    @property
+    def server(self) -> ServerConfig: ...
+
+
 class Prompter:
     """The model's tokenizer, chat template and limits. Immutable; threads may share it."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: PromptSections) -> None:
         shape = model_shape(config.model)
         self.vocab_size = shape.vocab_size
         self.max_model_len = max_model_len(config.sched, shape.max_position)

@@ -26,11 +26,11 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ringfence.actors.config import Config
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.protocol.client import Rejected, Reservation, Reserve, Submit, Tokens
 from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, CompletionRequest
+from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Lost, RequestStream
 from ringfence.actors.serve.prompts import prompt_of
 from ringfence.actors.serve.view import FrontEndView
@@ -54,7 +54,7 @@ class PrefillRequest(BaseModel):
     request_id: str = ""  # the router's id of the request, for the logs
 
 
-def install_router_api(app: FastAPI, frontend: FrontEndView, config: Config) -> None:
+def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSettings) -> None:
     """Add the routes of the module docstring to ``app``."""
     role = config.engine.role
     ident = model_id(config.model)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ringfence.actors.config import Config
 from ringfence.actors.protocol.client import Stats
+from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Gateway
 from ringfence.actors.serve.health import Liveness
 from ringfence.actors.serve.prompts import Prompter
@@ -21,7 +21,7 @@ class FrontEndView(Protocol):
     the event loop reads them (a stale ``stats`` is fine: it is a snapshot anyway)."""
 
     @property
-    def config(self) -> Config: ...
+    def config(self) -> FrontEndSettings: ...
     @property
     def gateway(self) -> Gateway: ...
     @property

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ringfence.actors.config import Config, ParallelConfig
+from ringfence.actors.config import Config
 from ringfence.actors.engine import TOPOLOGY
 from ringfence.actors.kv.layout import block_fingerprint, kv_layout
-from ringfence.actors.model.config import ModelConfig
+from ringfence.actors.model.config import ModelConfig, ParallelConfig
 from ringfence.actors.model.shape import PRESETS
 from ringfence.actors.preflight import check_model
 from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES, epoch_counter, lane_counter

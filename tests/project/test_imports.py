@@ -470,3 +470,62 @@ def test_a_knot_larger_than_its_named_circle_says_how_many_more(tmp_path):
         "cycle ringfence.shm.a -> ringfence.shm.b -> ringfence.shm.a (shm/a.py:1, shm/b.py:1) "
         "(and 1 more modules in the knot)"
     ]
+
+
+# --- The whole config: only the composition root imports it ------------------------------------
+
+
+# The run's schema, every section composed (``runtime.config`` finds it by the import path
+# it holds as a string, which is not an import). An actor declares the sections it reads
+# (``Actor.config_section``) and receives only those; every other module takes the sections it
+# reads, or any object that has them, so a leaf cannot grow a dependency on an unrelated key.
+# Only the composition root imports the whole: the launch checks, which judge the whole run
+# before it exists (the topologies name them), and the tools, which build configs.
+CONFIG = "ringfence.actors.config"
+CONFIG_ROOT = (
+    "ringfence.actors.preflight",  # check_model
+    "ringfence.actors.engine.checks",  # check_limits, check_role, check_storage
+    "ringfence.actors.serve.topology",  # check_server, beside the topology that names it
+)
+
+
+def whole_config_imports(root: Path) -> list[str]:
+    """Each import of the run's whole schema by a module outside the composition root (and
+    not a tool), one line each."""
+    return [
+        f"{imp.where}: {imp.importer} imports the whole config ({CONFIG}); "
+        "take the sections it reads"
+        for imp in imports(root)
+        if _under(imp.imported, (CONFIG,))
+        and imp.importer not in CONFIG_ROOT
+        and not _under(imp.importer, TOOLS)
+    ]
+
+
+def test_only_the_composition_root_and_the_tools_import_the_whole_config():
+    assert whole_config_imports(ROOT) == []
+
+
+def test_each_module_of_the_composition_root_still_needs_the_whole_config():
+    importers = {imp.importer for imp in imports(ROOT) if imp.imported == CONFIG}
+    assert sorted(set(CONFIG_ROOT) - importers) == []
+
+
+def test_a_leaf_that_imports_the_whole_config_is_named_with_its_file_and_line(tmp_path):
+    root = tree(
+        tmp_path,
+        {
+            "actors/config": "from ringfence.actors.engine.config import EngineConfig\n",
+            "actors/kv/layout": "from ringfence.actors.config import Config\n",
+            "actors/engine/intake": "def f():\n    from ringfence.actors import config\n",
+            "actors/engine/checks": "from ringfence.actors.config import Config\n",
+            "actors/testing/local": "from ringfence.actors.config import Config\n",
+            "actors/engine/config": "",
+        },
+    )
+    assert whole_config_imports(root) == [
+        "actors/engine/intake.py:2: ringfence.actors.engine.intake imports the whole config "
+        "(ringfence.actors.config); take the sections it reads",
+        "actors/kv/layout.py:1: ringfence.actors.kv.layout imports the whole config "
+        "(ringfence.actors.config); take the sections it reads",
+    ]

@@ -82,3 +82,18 @@ def test_an_actor_that_was_ready_once_is_restarted_even_past_a_restart_that_fail
         assert [(e["where"], e["clean"]) for e in failed] == [("on_start", False)]
         assert run.events("actor.gave_up") == []
         assert run.stderr() == ""  # the run was not failed: nothing to explain
+
+
+def test_an_actor_that_declares_a_section_the_run_lacks_fails_its_start_naming_it(tmp_path):
+    sets = ("runtime.topology=fixture_actors:UNKNOWN_SECTION", "demo.messages=10", *QUICK)
+    with launched(tmp_path, *sets) as run:
+        assert run.wait() == 1, run.tail()
+
+        assert run.events("actor.restart") == []
+        (exited,) = run.events("actor.exit", instance="relay-0")
+        assert exited["where"] == "attach"
+        assert exited["error"] == (
+            "ConfigError: actor fixture_actors:MisspeltRelay: MisspeltSettings.dmeo: the run's "
+            "config has no section 'dmeo' (did you mean demo?)"
+        )
+        assert run.stdout().endswith("ended (relay-0 failed), exit status 1\n")

@@ -36,8 +36,9 @@ from typing import Any
 import orjson
 import torch
 
-from ringfence.actors.config import Config
+from ringfence.actors.executors.config import TransferConfig
 from ringfence.actors.kv.space import SharedKV, open_kv
+from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.loader import load_model
 from ringfence.actors.protocol.transfer import LOST, DeviceTier, LaneReady, OpDone
 from ringfence.actors.protocol.worker import SampledToken, StepResult, WorkerReady
@@ -49,6 +50,7 @@ from ringfence.actors.tools.testing.programs import (
     interpret,
 )
 from ringfence.actors.topology import FencedTopology
+from ringfence.cache.config import CacheConfig
 from ringfence.cache.fences import NO_WAIT, Lane
 from ringfence.runtime.actor import Actor, handles
 from ringfence.sched.ops import Op, StepOp
@@ -58,17 +60,25 @@ CREDITS = 8  # ops in flight per lane
 TARGET = {Lane.STEP: "worker", Lane.SWAP: "swap", Lane.STORE: "store"}
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HarnessSettings:
+    """The sections the harness reads (its ``config_section``), each filled by name."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    transfer: TransferConfig
+    harness: HarnessConfig
+
+
 class Harness(Actor):
     """The scripted engine. See the module docstring."""
 
-    config_section = ""
+    config_section = HarnessSettings
 
     def on_start(self) -> None:
         config = self.ctx.config
-        assert isinstance(config, Config)
-        settings = config.section("harness")
-        assert isinstance(settings, HarnessConfig)
-        self.config, self.settings = config, settings
+        assert isinstance(config, HarnessSettings)
+        self.config, self.settings = config, config.harness
         self.sync = config.transfer.mode == "sync"
         self.model = load_model(dataclasses.replace(config.model, device="cpu")).model
         self.device: SharedKV | None = None

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ringfence.actors.config import Config, ParallelConfig
+from ringfence.actors.config import Config
 from ringfence.actors.engine.ledger import Ledger, Outcome
 from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.engine.storage import open_all_ranks
 from ringfence.actors.kv.layout import block_fingerprint
+from ringfence.actors.model.config import ParallelConfig
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.transfer import OpDone
