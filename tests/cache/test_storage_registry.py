@@ -144,7 +144,7 @@ def test_no_product_module_outside_the_registry_compares_a_backend_name():
     for package in ("actors", "runtime", "sched", "cache"):
         for path in sorted((root / package).rglob("*.py")):
             relative = path.relative_to(root).as_posix()
-            if relative.startswith(("cache/storage/", "actors/bench/", "actors/testing/")):
+            if relative.startswith(("cache/storage/", "actors/tools/")):
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Compare) and _names_a_backend(node):

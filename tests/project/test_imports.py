@@ -519,7 +519,7 @@ def test_a_leaf_that_imports_the_whole_config_is_named_with_its_file_and_line(tm
             "actors/kv/layout": "from ringfence.actors.config import Config\n",
             "actors/engine/intake": "def f():\n    from ringfence.actors import config\n",
             "actors/engine/checks": "from ringfence.actors.config import Config\n",
-            "actors/testing/local": "from ringfence.actors.config import Config\n",
+            "actors/tools/testing/local": "from ringfence.actors.config import Config\n",
             "actors/engine/config": "",
         },
     )
