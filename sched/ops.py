@@ -4,8 +4,8 @@ One type per op, from the scheduler to the wire to the executor: the scheduler m
 these (its epoch left 0), the engine stamps its epoch on each (``dataclasses.replace``)
 and sends it, the protocol modules register these classes with their channels
 (``ringfence.actors.protocol``), and the Worker and the Transfer lanes read them. So
-every field is a value the wire codec carries: ints, tuples of ints, a ``Fence``, and
-content keys as ``bytes`` (written as hex on the wire).
+every field is a value the wire codec carries: ints, tuples of ints, a ``Fence``, a
+sequence's ``SamplingParams``, and content keys as ``bytes`` (written as hex on the wire).
 
 The order of a scheduler's op list is the issue order: the fences were computed in it,
 and the sequential execution of the list in that order is what every correct
@@ -19,10 +19,24 @@ from typing import Literal
 
 from ringfence.cache.fences import Fence, Lane
 from ringfence.cache.ids import BlockHash
+from ringfence.sched.sampling import SamplingParams
 
 # Why a transfer op was issued, for metrics and for reading a log.
 # "handover": a prefill instance's finished request, for a decode instance to prefetch.
 Reason = Literal["evict", "through", "preempt", "admit", "resume", "handover"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Opening:
+    """What the Worker keeps of a sequence, sent with its first piece after each admission
+    (and after a preemption or a reset, which send it back to waiting) instead of with
+    every piece: how to sample it, and the tokens a penalty counts that the Worker will
+    not see in a piece (those before the piece's start: a prefix cache hit, or KV swapped
+    back in). The Worker forgets it when the sequence is in a step's ``closed``."""
+
+    params: SamplingParams
+    num_prompt_tokens: int  # positions from here on are output (the penalties' tokens)
+    history: tuple[int, ...] = ()  # positions 0 .. start - 1 when params.needs_counts
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,9 +49,7 @@ class Piece:
     start: int  # positions 0 .. start - 1 already have KV in the sequence's blocks
     block_table: tuple[int, ...]  # device blocks covering positions 0 .. start + len - 1
     sample: bool  # the piece ends the known tokens: sample the next one
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0  # in (0, 1]: sample from the nucleus of this much probability
-    seed: int = 0  # with the position, seeds the sampler (a replayed step picks the same)
+    opening: Opening | None = None  # the sequence's first piece since it was admitted
 
     @property
     def end(self) -> int:
@@ -55,6 +67,7 @@ class StepOp:
     fence: Fence  # the swap_done/store_done values to wait for (its step field is 0)
     pieces: tuple[Piece, ...]
     poison: tuple[int, ...] = ()  # freed device blocks to fill with NaN (cache.poison_freed)
+    closed: tuple[int, ...] = ()  # sequences ended since the last step: the Worker forgets them
 
     lane = Lane.STEP
 

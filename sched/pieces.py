@@ -16,7 +16,7 @@ from __future__ import annotations
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.ids import BlockHash, BlockId
 from ringfence.sched.blocks import BlockManager
-from ringfence.sched.ops import Piece
+from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sequence import Sequence
 
 
@@ -44,10 +44,16 @@ class PieceMaker:
             start=start,
             block_table=tuple(seq.blocks[: -(-end // self._bs)]),
             sample=end == len(tokens),
-            temperature=r.params.temperature,
-            top_p=r.params.top_p,
-            seed=r.params.seed,
+            opening=None if seq.opened else self._opening(seq, tokens, start),
         )
+
+    @staticmethod
+    def _opening(seq: Sequence, tokens: tuple[int, ...], start: int) -> Opening:
+        """What the Worker keeps of the sequence (:class:`Opening`); it is open from now."""
+        seq.opened = True
+        r = seq.request
+        history = tokens[:start] if r.params.needs_counts else ()
+        return Opening(params=r.params, num_prompt_tokens=r.num_prompt_tokens, history=history)
 
     def keys(self, seq: Sequence, tokens: tuple[int, ...], count: int) -> list[BlockHash]:
         """The keys of the first ``count`` full blocks of the sequence (computed once, kept

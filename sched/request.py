@@ -6,62 +6,26 @@ Pure bookkeeping: no clock (arrival times are given by the caller), no I/O, no t
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeGuard
+from typing import Any
 
-from ringfence.shm.errors import RingfenceError
+from ringfence.sched.checks import RequestError, check_number, check_token_ids, is_int
+from ringfence.sched.sampling import SamplingParams
+
+# Re-exported: a request's error and parameters are part of its vocabulary.
+__all__ = [
+    "TIERS",
+    "TRANSITIONS",
+    "FinishReason",
+    "Request",
+    "RequestError",
+    "RequestState",
+    "SamplingParams",
+    "check_messages",
+]  # fmt: skip
 
 TIERS = ("device", "host", "storage")  # where a cached prompt token can come from
-
-
-class RequestError(RingfenceError, ValueError):
-    """A request, its sampling parameters or a state change is invalid.
-
-    ``field`` names the offending field when one is to blame, so a caller that
-    parsed the value from a file can point at the key.
-    """
-
-    def __init__(self, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    # bool is an int subclass, but True is never a meaningful token id or count.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_token_ids(field: str, value: object, *, allow_empty: bool = True) -> tuple[int, ...]:
-    """A tuple copy of ``value``, a list or tuple of non-negative ints; RequestError otherwise.
-
-    The copy keeps the caller's list out of the request: token lists are copied,
-    never shared and mutated (DESIGN.md, "Blocks and tiers").
-    """
-    if not isinstance(value, list | tuple):
-        raise RequestError(
-            f"{field} must be a list of token ids, got {type(value).__name__}", field=field
-        )
-    for position, token in enumerate(value):
-        if not _is_int(token) or token < 0:
-            raise RequestError(
-                f"{field}[{position}] must be a non-negative int token id, got {token!r}",
-                field=field,
-            )
-    if not value and not allow_empty:
-        raise RequestError(f"{field} must not be empty", field=field)
-    return tuple(value)
-
-
-def check_number(field: str, value: object, *, minimum: float = 0.0) -> float:
-    """``value`` as a float if a finite int or float >= ``minimum``; RequestError otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(f"{field} must be a number, got {value!r}", field=field)
-    if not math.isfinite(value) or value < minimum:
-        raise RequestError(f"{field} must be finite and >= {minimum:g}, got {value!r}", field=field)
-    return float(value)
 
 
 def check_messages(messages: object) -> tuple[dict[str, Any], ...]:
@@ -88,43 +52,6 @@ def check_messages(messages: object) -> tuple[dict[str, Any], ...]:
                 f"messages[{index}].content must be a string, got {content!r}", field="messages"
             )
     return tuple(dict(message) for message in messages)
-
-
-def _check_top_p(value: object) -> float:
-    """``value`` as a float if a number in (0, 1]; RequestError naming ``top_p`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(f"top_p must be a number, got {value!r}", field="top_p")
-    if not 0.0 < value <= 1.0:  # NaN fails the comparison too
-        raise RequestError(f"top_p must be in (0, 1], got {value!r}", field="top_p")
-    return float(value)
-
-
-def _check_int(field: str, value: object, *, minimum: int) -> None:
-    if not _is_int(value):
-        raise RequestError(f"{field} must be an int, got {value!r}", field=field)
-    if value < minimum:
-        raise RequestError(f"{field} must be >= {minimum}, got {value}", field=field)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingParams:
-    """How to sample one request's output. Immutable, so requests may share one instance."""
-
-    max_tokens: int = 16  # output tokens at most; reaching it finishes with "length"
-    temperature: float = 0.0  # 0: greedy; > 0: seeded random sampling
-    top_p: float = 1.0  # in (0, 1]: sample from the nucleus of this much probability
-    seed: int = 0  # sampling is seeded per request and position, so replays agree
-    stop_token_ids: tuple[int, ...] = ()  # sampling one of these finishes with "stop"
-
-    def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        object.__setattr__(self, "temperature", check_number("temperature", self.temperature))
-        object.__setattr__(self, "top_p", _check_top_p(self.top_p))
-        _check_int("seed", self.seed, minimum=0)
-        # frozen, so normalise through object.__setattr__: an int temperature to a
-        # float, a caller's list of stop tokens to the tuple the field promises.
-        stops = check_token_ids("stop_token_ids", self.stop_token_ids)
-        object.__setattr__(self, "stop_token_ids", stops)
 
 
 class RequestState(enum.StrEnum):
@@ -246,7 +173,7 @@ class Request:
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
         # A count past the known tokens or below zero is a scheduler bug: raise, never clamp.
-        if not _is_int(value) or not 0 <= value <= self.num_tokens:
+        if not is_int(value) or not 0 <= value <= self.num_tokens:
             raise RequestError(
                 f"request {self.request_id!r}: num_computed_tokens must lie in "
                 f"0..{self.num_tokens}, got {value!r}",
@@ -292,16 +219,19 @@ class Request:
                 f"request {self.request_id!r}: cannot append output in state {self.state.value}",
                 field="state",
             )
-        if not _is_int(token_id) or token_id < 0:
+        if not is_int(token_id) or token_id < 0:
             raise RequestError(
                 f"request {self.request_id!r}: token id must be a non-negative int, "
                 f"got {token_id!r}",
                 field="token_id",
             )
         self.output_token_ids.append(token_id)
-        if token_id in self.params.stop_token_ids:
+        # Before min_tokens outputs the Worker masks the stop tokens; a stop token that
+        # comes anyway (none can) would not end the request early.
+        params = self.params
+        if token_id in params.stop_token_ids and len(self.output_token_ids) > params.min_tokens:
             reason = FinishReason.STOP
-        elif len(self.output_token_ids) >= self.params.max_tokens:
+        elif len(self.output_token_ids) >= params.max_tokens:
             reason = FinishReason.LENGTH
         else:
             return None

@@ -404,6 +404,8 @@ class Scheduler:
         self._admission.drop_prefetch(seq)
         self._seqs.pop(seq.seq_id, None)
         self._by_id.pop(seq.request.request_id, None)
+        if seq.admissions:  # the Worker may keep its Opening, even from before a preemption
+            self.blocks.close_sequence(seq.seq_id)
 
     def on_transfer(self, lane: Lane, op: int, status: str, missing: Iterable[int] = ()) -> None:
         """Apply a transfer completion. A prefetch's request waits again (its blocks now on
@@ -461,6 +463,7 @@ class Scheduler:
         it back in the waiting queue in arrival order."""
         self.blocks.free_device(seq.blocks)
         seq.blocks, seq.num_keyed = [], 0
+        seq.opened = False  # its next piece opens it again, from wherever it resumes
         seq.request.num_computed_tokens = 0
         seq.request.transition(RequestState.PREEMPTED)
         self._running.remove(seq)

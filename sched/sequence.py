@@ -42,6 +42,7 @@ class Sequence:
     admissions: int = 0
     from_storage: set[BlockHash] = field(default_factory=set)  # prefetched keys, for counting
     failed_steps: int = 0  # its steps that failed since its last token (Scheduler.on_step)
+    opened: bool = False  # a piece since its admission carried its Opening to the Worker
 
     def take_holds(self) -> list[BlockId]:
         """The host blocks it holds a reference on (its held copies, then its tail's block),

@@ -3,8 +3,9 @@
 A workload line is one JSON object with ``id``, exactly one of ``prompt`` (text),
 ``prompt_token_ids`` and ``messages`` (a chat: a list of objects with string ``role``
 and ``content``, rendered through the model's chat template by the engine), and optional
-``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop_token_ids``, ``arrival_s`` and
-``session`` (DESIGN.md, "Interfaces users and scripts rely on"). Parsing takes the lines
+``arrival_s``, ``session`` and any field of ``SamplingParams`` (``max_tokens``,
+``temperature``, ``top_p``, ``seed``, ``stop_token_ids``, ``logprobs``...) (DESIGN.md,
+"Interfaces users and scripts rely on"). Parsing takes the lines
 the caller read: this package does no I/O. Synthetic workloads are pure functions of their
 name, seed and size, with token ids in 0..255, the byte tokenizer's range, so any model of
 this project can run them.
@@ -20,30 +21,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from ringfence.sched.request import (
-    RequestError,
-    SamplingParams,
-    check_messages,
-    check_number,
-    check_token_ids,
-)
+from ringfence.sched.checks import RequestError, check_number, check_token_ids
+from ringfence.sched.request import check_messages
+from ringfence.sched.sampling import SAMPLING_KEYS, SamplingParams
 from ringfence.shm.errors import RingfenceError
 
-KEYS = (
-    "id",
-    "prompt",
-    "prompt_token_ids",
-    "messages",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "stop_token_ids",
-    "arrival_s",
-    "session",
-)
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")  # a line gives exactly one
-_PARAM_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop_token_ids")
+KEYS = ("id", *_PROMPT_KEYS, *SAMPLING_KEYS, "arrival_s", "session")
 VOCAB = 256  # synthetic token ids lie in 0..VOCAB-1
 
 
@@ -207,7 +191,7 @@ def _parse_line(text: str, where: str, number: int) -> WorkloadRequest:
             key="prompt",
         )
     try:
-        params = SamplingParams(**{k: obj[k] for k in _PARAM_KEYS if k in obj})
+        params = SamplingParams(**{k: obj[k] for k in SAMPLING_KEYS if k in obj})
         return WorkloadRequest(
             id=obj["id"],
             prompt=obj.get("prompt"),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from ringfence.sched.ops import Piece
+from ringfence.sched.ops import Opening, Piece
+from ringfence.sched.sampling import SamplingParams
 
 
 def piece(
@@ -18,3 +20,8 @@ def piece(
         block_table=tuple(block_table),
         sample=False,
     )
+
+
+def opened(num_prompt_tokens: int = 1, **params: Any) -> Opening:
+    """A sequence's opening (its first piece's), sampled by ``params`` (greedy by default)."""
+    return Opening(params=SamplingParams(**params), num_prompt_tokens=num_prompt_tokens)

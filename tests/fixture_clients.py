@@ -88,7 +88,7 @@ class EchoEngine(Actor):
             self.hub.reject(peer, msg.request_id, str(e))
             self.hub.flush()
             return
-        self.running[key] = (msg, echo_tokens(prompt, msg.max_tokens))
+        self.running[key] = (msg, echo_tokens(prompt, msg.params.max_tokens))
 
     @handles(Abort)
     def on_abort(self, msg: Abort) -> None:
@@ -106,10 +106,10 @@ class EchoEngine(Actor):
         if self.hub.watching():
             self.hub.post_stats(self.stats())
         for key, (submit, output) in list(self.running.items()):
-            done = submit.max_tokens - len(output)
+            done = submit.params.max_tokens - len(output)
             token = output.pop(0)
             first = done == 0
-            finish = "stop" if token in submit.stop_token_ids else "" if output else "length"
+            finish = "stop" if token in submit.params.stop_token_ids else "" if output else "length"
             self.hub.emit(
                 key,
                 (token,),

@@ -31,12 +31,14 @@ from ringfence.cache.fences import Fence
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topology
-from ringfence.sched.ops import Piece, StepOp
+from ringfence.sched.ops import Opening, Piece, StepOp
+from ringfence.sched.sampling import SamplingParams
 
 SEQUENCES = 5
 DECODE = 6
 PAUSE_AT = 4  # RestartEngine: the step after which it posts the plan that never runs
 VERDICT = "verdict.json"
+GREEDY = SamplingParams()
 
 
 @dataclass
@@ -153,6 +155,9 @@ class ScriptedEngine(Actor):
             start=seq.done,
             block_table=tuple(seq.blocks),
             sample=last,
+            opening=Opening(params=GREEDY, num_prompt_tokens=len(seq.prompt))
+            if not seq.done
+            else None,
         )
 
     def finish(self, failure: str) -> None:

@@ -26,11 +26,13 @@ Hello; the engine sends them each tick, and :meth:`Client.stats` returns the new
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from ringfence.actors.client.slot import (
     CLIENT,
@@ -55,6 +57,7 @@ from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.embed import attach
 from ringfence.runtime.manifest import read_manifest
+from ringfence.sched.sampling import SAMPLING_KEYS, SamplingParams
 from ringfence.shm.counter import CounterBlock, Watermark
 from ringfence.shm.errors import ActorDead, EndpointTaken
 from ringfence.shm.liveness import ProcessStamp
@@ -129,30 +132,24 @@ class Client:
         prompt: str | Sequence[int],
         *,
         request_id: str | None = None,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] = (),
+        params: SamplingParams | None = None,
         reservation_id: str = "",
+        **sampling: Any,
     ) -> str:
         """Send a request (text, or prompt token ids); return its id. Does not wait for output.
 
-        ``reservation_id``: on a decode instance, the :meth:`reserve` answer it claims.
+        ``params``, and any :class:`SamplingParams` field as a keyword (``max_tokens=8``,
+        over ``params``'), say how to sample. ``reservation_id``: on a decode instance, the
+        :meth:`reserve` answer it claims.
         ValueError for bad parameters or an id still in use; RingFull if the engine does
         not take the request within the send timeout; ClientError if the client is closed
         or the engine is gone.
         """
         text, token_ids = (prompt, ()) if isinstance(prompt, str) else ("", tuple(prompt))
         return self._send(
-            _submit(
-                request_id,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                stop_token_ids=stop_token_ids,
-            )(prompt=text, prompt_token_ids=token_ids, reservation_id=reservation_id)
+            _submit(request_id, params, sampling)(
+                prompt=text, prompt_token_ids=token_ids, reservation_id=reservation_id
+            )
         )
 
     def reserve(
@@ -182,26 +179,16 @@ class Client:
         messages: Sequence[Mapping[str, str]],
         *,
         request_id: str | None = None,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] = (),
+        params: SamplingParams | None = None,
         timeout: float = 60.0,
+        **sampling: Any,
     ) -> Completion:
         """The model's answer to a chat (``{"role": ..., "content": ...}`` objects), which
         the engine renders through the model's chat template; raises as :meth:`generate`
         does, and ClientError when the model has no chat template or it refuses the chat.
         """
         request_id = self._send(
-            _submit(
-                request_id,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                stop_token_ids=stop_token_ids,
-            )(messages=tuple(dict(m) for m in messages))
+            _submit(request_id, params, sampling)(messages=tuple(dict(m) for m in messages))
         )
         return self.result(request_id, timeout=timeout)
 
@@ -299,23 +286,12 @@ class Client:
         prompt: str | Sequence[int],
         *,
         request_id: str | None = None,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] = (),
+        params: SamplingParams | None = None,
         timeout: float = 60.0,
+        **sampling: Any,
     ) -> Completion:
         """:meth:`submit` then :meth:`result`."""
-        request_id = self.submit(
-            prompt,
-            request_id=request_id,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop_token_ids=stop_token_ids,
-        )
+        request_id = self.submit(prompt, request_id=request_id, params=params, **sampling)
         return self.result(request_id, timeout=timeout)
 
     # Lifecycle.
@@ -382,21 +358,16 @@ class Client:
 
 
 def _submit(
-    request_id: str | None,
-    *,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    stop_token_ids: Sequence[int],
+    request_id: str | None, params: SamplingParams | None, sampling: Mapping[str, Any]
 ) -> functools.partial[Submit]:
-    """A Submit with these sampling fields, waiting for its prompt (text, ids or a chat)."""
+    """A Submit sampled by ``params`` with ``sampling``'s fields over them, waiting for its
+    prompt (text, ids or a chat). RequestError (a ValueError) naming a bad field."""
+    unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+    base = params if params is not None else SamplingParams()
     return functools.partial(
         Submit,
         request_id=uuid.uuid4().hex if request_id is None else request_id,
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        seed=seed,
-        stop_token_ids=tuple(stop_token_ids),
+        params=dataclasses.replace(base, **sampling) if sampling else base,
     )

@@ -63,8 +63,9 @@ def check_workload(config: IntakeSections) -> None:
 
 
 def with_stops(params: SamplingParams, stop_ids: Sequence[int]) -> SamplingParams:
-    """``params`` that also stop at ``stop_ids`` (after the request's own, no repeats)."""
-    if not stop_ids:
+    """``params`` that also stop at ``stop_ids``, the model's end-of-sequence tokens (after
+    the request's own, no repeats), unless they ask to ignore them."""
+    if not stop_ids or params.ignore_eos:
         return params
     stops = tuple(dict.fromkeys([*params.stop_token_ids, *stop_ids]))
     return params if stops == params.stop_token_ids else replace(params, stop_token_ids=stops)
@@ -127,14 +128,9 @@ class Intake:
 
     def submitted(self, msg: Submit, request_id: str, arrival: float) -> Request:
         """The request of a client's Submit, keyed ``request_id`` (RequestError if bad)."""
-        params = SamplingParams(
-            max_tokens=msg.max_tokens,
-            temperature=msg.temperature,
-            top_p=msg.top_p,
-            seed=msg.seed,
-            stop_token_ids=msg.stop_token_ids,
-        )
-        params = with_stops(params, self.tokenizer().stop_ids)
+        tokenizer = self.tokenizer()
+        msg.params.check_vocab(tokenizer.vocab_size)
+        params = with_stops(msg.params, tokenizer.stop_ids)
         if msg.messages:
             try:
                 tokens = tuple(self.encode_chat(msg.messages))

@@ -32,15 +32,14 @@ repeat, answered with the kept result when it is the last step, else dropped.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import torch
 
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.executors.ranks import StepGate
+from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
-from ringfence.actors.model.decoder import sample
 from ringfence.actors.model.loader import load_model
 from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.model.parallel import Group, Shard, join_group, rank_device, rendezvous_file
@@ -54,7 +53,7 @@ from ringfence.actors.protocol.worker import (
 )
 from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
-from ringfence.sched.ops import Piece, StepOp
+from ringfence.sched.ops import StepOp
 from ringfence.shm.names import posix_name
 
 
@@ -82,6 +81,7 @@ class Worker(LaneExecutor):
         if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN
             self.space.poison(range(layout.num_blocks))
         self.executor: PagedExecutor | None = PagedExecutor(self.model, self.space.kv)
+        self.sampler = Sampler(self.model.config.vocab_size)  # a restart forgets every sequence
         self.cuda = self.space.kv.device.type == "cuda"
         self.steps = 0
         self.log.info(
@@ -248,11 +248,8 @@ class Worker(LaneExecutor):
         bad = [b for b in plan.poison if not 0 <= b < num_blocks]
         if bad:
             return f"poison block id {bad[0]} is outside the pool's {num_blocks} blocks"
-        for i, p in enumerate(plan.pieces):
-            if p.temperature < 0:
-                return f"piece {i} has a negative temperature {p.temperature}"
-            if not 0.0 < p.top_p <= 1.0:
-                return f"piece {i} has a top_p {p.top_p} outside (0, 1]"
+        if problem := self.sampler.problem(plan.pieces):
+            return problem
         if plan.pieces:
             try:
                 self.executor.check(plan.pieces)
@@ -263,6 +260,7 @@ class Worker(LaneExecutor):
     def _execute(self, plan: StepOp) -> tuple[SampledToken, ...]:
         assert self.space is not None and self.executor is not None
         self.space.poison(plan.poison)
+        self.sampler.advance(plan.pieces)
         if not plan.pieces:
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
@@ -273,7 +271,9 @@ class Worker(LaneExecutor):
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return ()
         # One copy for all pieces; on CUDA it waits for the step, KV writes included.
-        return sample_pieces(plan.pieces, self.executor.step(plan.pieces).last_logits.to("cpu"))
+        return self.sampler.sample(
+            plan.pieces, self.executor.step(plan.pieces).last_logits.to("cpu")
+        )
 
     def _finish(
         self,
@@ -289,6 +289,7 @@ class Worker(LaneExecutor):
     ) -> None:
         """Advance step_done past the plan, then report it."""
         self.steps += 1
+        self.sampler.close(plan.closed)  # whatever the status: forgetting is always safe
         reduce_ns, reduces = self.group.take_reduce_ns()
         self.log.info(
             "step.done",
@@ -319,41 +320,6 @@ class Worker(LaneExecutor):
             exec_ns=exec_ns,
         )
         self.complete(plan.step, result)
-
-
-class NonFiniteLogits(ArithmeticError):
-    """A step produced NaN or infinite logits: it read blocks it should not have, or blocks
-    a failed op spoiled (``actors/executors/transfer.py``). The step fails; no token comes of it."""
-
-
-def sample_pieces(pieces: Sequence[Piece], last_logits: torch.Tensor) -> tuple[SampledToken, ...]:
-    """The next token of every piece that asks for one, from its row of ``last_logits``."""
-    outputs = []
-    for row, p in enumerate(pieces):
-        if p.sample:
-            if not bool(torch.isfinite(last_logits[row]).all()):
-                raise NonFiniteLogits(
-                    f"the logits of sequence {p.seq_id} are not finite: the step read KV "
-                    "that was never written, was freed and poisoned (a missing fence?), or "
-                    "was spoiled by an op that failed"
-                )
-            position = p.start + len(p.token_ids)
-            token = sample(
-                last_logits[row],
-                temperature=p.temperature,
-                seed=p.seed,
-                position=position,
-                top_p=p.top_p,
-            )
-            outputs.append(
-                SampledToken(
-                    seq_id=p.seq_id,
-                    position=position,
-                    token_id=token.token_id,
-                    logprob=token.logprob,
-                )
-            )
-    return tuple(outputs)
 
 
 def written_blocks(plan: StepOp, block_size: int) -> list[int]:

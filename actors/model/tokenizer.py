@@ -30,6 +30,8 @@ VOCAB_SIZE = 259  # bytes + specials; the "tiny" preset's vocab_size
 class Tokenizer(Protocol):
     """What the engine and the tools need of a tokenizer."""
 
+    vocab_size: int  # token ids lie in 0 .. vocab_size - 1
+
     @property
     def bos(self) -> int | None: ...
     @property

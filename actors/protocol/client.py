@@ -17,6 +17,7 @@ from typing import ClassVar
 
 from ringfence.runtime.codec import Registry, message
 from ringfence.sched.request import check_messages
+from ringfence.sched.sampling import SamplingParams, TokenLogprobs
 
 CLIENT_TO_ENGINE = Registry("client-to-engine")
 ENGINE_TO_CLIENT = Registry("engine-to-client")
@@ -49,11 +50,7 @@ class Submit:
     request_id: str  # unique among this client's unfinished requests
     prompt_token_ids: tuple[int, ...] = ()
     prompt: str = ""  # text, tokenized by the engine
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0  # in (0, 1]: sample from the nucleus of this much probability
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    params: SamplingParams = field(default_factory=SamplingParams)  # checked when built
     # A chat (role, content and any other string keys per message), rendered by the
     # engine through the model's chat template with the assistant's turn opened.
     messages: tuple[dict[str, str], ...] = ()
@@ -66,7 +63,9 @@ def check_submit(msg: Submit) -> None:
     """ValueError naming the field if ``msg`` cannot be a request (checked by both ends).
 
     Not a ``__post_init__``: a bad Submit that reached the engine is answered with
-    Rejected naming its request, which a frame the codec refused could not be.
+    Rejected naming its request, which a frame the codec refused could not be. Its
+    ``params`` check themselves when built (:class:`SamplingParams`), at the sender; a
+    frame carrying bad ones anyway is refused by the codec and answered ``Failed``.
     """
     if not msg.request_id:
         raise ValueError("request_id must not be empty")
@@ -74,15 +73,8 @@ def check_submit(msg: Submit) -> None:
         raise ValueError("exactly one of prompt_token_ids, prompt and messages must be non-empty")
     if msg.messages:
         check_messages(msg.messages)
-    if msg.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {msg.max_tokens}")
-    if not msg.temperature >= 0.0:
-        raise ValueError(f"temperature must be >= 0, got {msg.temperature}")
-    if not 0.0 < msg.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {msg.top_p}")
-    for name in ("prompt_token_ids", "stop_token_ids"):
-        if any(t < 0 for t in getattr(msg, name)):
-            raise ValueError(f"{name} must hold non-negative token ids")
+    if any(t < 0 for t in msg.prompt_token_ids):
+        raise ValueError("prompt_token_ids must hold non-negative token ids")
 
 
 @message(CLIENT_TO_ENGINE, tag=3)
@@ -126,6 +118,11 @@ class Tokens:
     # A prefill instance's last Tokens: the leading full blocks of the request that storage
     # holds now (written and complete on every rank, or there already); -1 elsewhere.
     stored_blocks: int = -1
+    # The request asked for logprobs: one per token of token_ids, in order.
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    # It asked for prompt_logprobs: one per prompt token from the second (the first has
+    # none), all on the first Tokens of the request.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @message(ENGINE_TO_CLIENT, tag=2)

@@ -52,6 +52,7 @@ from ringfence.actors.serve.responses import (
 )
 from ringfence.actors.serve.router_api import install_router_api
 from ringfence.actors.serve.view import FrontEndView
+from ringfence.sched.sampling import SamplingParams
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": why}
@@ -303,11 +304,13 @@ class Answer:
         submit = Submit(
             request_id=self.id,
             prompt_token_ids=prompt.token_ids,
-            max_tokens=prompt.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
+            params=SamplingParams(
+                max_tokens=prompt.max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                seed=seed,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+            ),
             reservation_id=reservation,
         )
         stream = frontend.gateway.open(submit)  # 429 / 503 raised here, before any output

@@ -34,6 +34,7 @@ from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Lost, RequestStream
 from ringfence.actors.serve.prompts import prompt_of
 from ringfence.actors.serve.view import FrontEndView
+from ringfence.sched.sampling import SamplingParams
 
 ANSWER_TIMEOUT_S = 30.0  # how long a reserve waits for the engine's answer
 
@@ -119,7 +120,7 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
         submit = Submit(
             request_id=f"prefill-{body.request_id or uuid.uuid4().hex}",
             prompt_token_ids=tuple(body.prompt_token_ids),
-            max_tokens=1,
+            params=SamplingParams(max_tokens=1),
         )
         stream = frontend.gateway.open(submit)  # 429 / 503 here
         return await _prefilled(stream, config.server.request_timeout_s)

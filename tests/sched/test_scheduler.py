@@ -24,7 +24,7 @@ from ringfence.cache.config import Eviction
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash, BlockId
 from ringfence.sched.config import Preemption, SchedConfig, SchedulerConfig, TierConfig
-from ringfence.sched.ops import Op, StepOp, StoreOp, SwapOp
+from ringfence.sched.ops import Op, Opening, StepOp, StoreOp, SwapOp
 from ringfence.sched.request import Request, RequestError, RequestState, SamplingParams
 from ringfence.sched.scheduler import STEP_RETRIES, Scheduler
 
@@ -657,14 +657,41 @@ def test_a_step_respects_the_budget_the_batch_size_and_puts_decodes_first():
     assert mixed, "the workload never mixes decodes and prefills"
 
 
-def test_every_piece_carries_its_requests_sampling_settings():
+def test_the_first_piece_opens_the_sequence_with_its_params_and_its_end_closes_it():
     sim = Sim(make_scheduler(device_blocks=16, max_batched_tokens=4))
     params = SamplingParams(max_tokens=3, temperature=0.7, top_p=0.3, seed=5)
     sim.add(Request(request_id="a", prompt_token_ids=(1, 2, 3, 4, 5, 6), params=params))
+    sim.add(Request(request_id="b", prompt_token_ids=(9,), params=SamplingParams(max_tokens=5)))
     sim.run()
-    pieces = [p for step, _ in sim.steps for p in step.pieces]
+    pieces = [p for step, _ in sim.steps for p in step.pieces if p.seq_id == 0]
     assert len(pieces) == 4  # two prefill chunks, then two decodes
-    assert {(p.temperature, p.top_p, p.seed) for p in pieces} == {(0.7, 0.3, 5)}
+    assert [p.opening for p in pieces] == [Opening(params=params, num_prompt_tokens=6)] + [None] * 3
+    closed = [step.closed for step, _ in sim.steps if step.closed]
+    assert closed == [(0,)], "the step after a's end tells the Worker to forget it, once"
+
+
+def test_a_penalised_sequence_opens_with_the_tokens_before_its_first_piece():
+    sim = Sim(make_scheduler(device_blocks=16, max_batched_tokens=64))
+    prompt = tuple(range(1, 10))  # two full blocks of 4 and one token
+    sim.add(Request(request_id="a", prompt_token_ids=prompt, params=SamplingParams(max_tokens=1)))
+    sim.run()
+    params = SamplingParams(max_tokens=2, presence_penalty=0.5)
+    sim.add(Request(request_id="b", prompt_token_ids=prompt, params=params))
+    sim.run()
+    [first, *rest] = [p for step, _ in sim.steps for p in step.pieces if p.seq_id == 1]
+    assert first.start == 8, "the cached blocks are not computed again"
+    assert first.opening == Opening(params=params, num_prompt_tokens=9, history=prompt[:8])
+    assert all(p.opening is None for p in rest)
+
+
+def test_a_preempted_sequence_is_opened_again_when_it_resumes():
+    sim = Sim(make_scheduler(device_blocks=4, max_batched_tokens=64))
+    sim.add(make_request("a", range(1, 9), max_tokens=6))
+    sim.add(make_request("b", range(20, 28), max_tokens=6))
+    sim.run()
+    assert sim.sched.counters.preemptions, "the pool must be too small for both"
+    openings = [p.seq_id for step, _ in sim.steps for p in step.pieces if p.opening]
+    assert sorted(openings) != sorted(set(openings)), "a resumed sequence opens again"
 
 
 def test_a_request_that_does_not_fit_is_not_overtaken():

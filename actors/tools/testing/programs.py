@@ -19,14 +19,15 @@ from typing import NamedTuple
 
 import torch
 
-from ringfence.actors.executors.worker import sample_pieces
+from ringfence.actors.executors.sampling import Sampler
 from ringfence.actors.kv.copies import copy_blocks
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.protocol.worker import SampledToken
 from ringfence.cache.fences import Fence, FenceTracker, Lane
 from ringfence.cache.ids import BlockHash, BlockId, Seq
-from ringfence.sched.ops import Op, Piece, StepOp, StoreOp, SwapOp
+from ringfence.sched.ops import Op, Opening, Piece, StepOp, StoreOp, SwapOp
+from ringfence.sched.sampling import SamplingParams
 
 MAX_PIECES = 4  # sequences per step
 MAX_CHUNK = 8  # tokens per prefill chunk
@@ -118,6 +119,12 @@ class _Generator:
                     continue
                 seq.device += more
             table = seq.device[: -(-end // bs)]
+            temperature = rng.choice((0.0, 0.0, 0.9))  # drawn per piece: the seed's programs
+            # stay what they were; the sequence's first piece opens it with its draw.
+            params = SamplingParams(
+                temperature=temperature, top_p=(1.0, 0.8)[seq.seq_id % 2], seed=seq.seq_id
+            )
+            opening = Opening(params=params, num_prompt_tokens=seq.prompt)
             pieces.append(
                 Piece(
                     seq_id=seq.seq_id,
@@ -125,10 +132,7 @@ class _Generator:
                     start=seq.done,
                     block_table=tuple(table),
                     sample=end >= seq.prompt,
-                    temperature=rng.choice((0.0, 0.0, 0.9)),
-                    # Not drawn from rng, so the programs of a seed stay what they were.
-                    top_p=(1.0, 0.8)[seq.seq_id % 2],
-                    seed=seq.seq_id,
+                    opening=opening if seq.done == 0 else None,
                 )
             )
             reads += table
@@ -239,6 +243,7 @@ class Sequential:
 
     def __init__(self, model: Model, device: torch.Tensor, host: torch.Tensor) -> None:
         self.executor = PagedExecutor(model, device)
+        self.sampler = Sampler(model.config.vocab_size)
         self.device, self.host = device, host
         self.storage: dict[BlockHash, torch.Tensor] = {}
 
@@ -248,8 +253,11 @@ class Sequential:
         if isinstance(op, StepOp):
             if op.poison:
                 device[list(op.poison)] = float("nan")
+            self.sampler.advance(op.pieces)
             last = self.executor.step(op.pieces).last_logits if op.pieces else None
-            return sample_pieces(op.pieces, last) if last is not None else ()
+            sampled = self.sampler.sample(op.pieces, last) if last is not None else ()
+            self.sampler.close(op.closed)
+            return sampled
         if isinstance(op, SwapOp):
             if op.direction == "in":
                 copy_blocks(host, op.host_blocks, device, op.device_blocks)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from builders import opened
 from fuzzing import Form, Fuzz, decode, frames, run_examples
 from hypothesis import strategies as st
 from ring_rig import RingRig, ring_rig
@@ -214,7 +215,9 @@ def plant_in_plan(plan: StepOp) -> StepOp:
 def probe_plan(probes: int) -> Any:
     """The probe step: the prompt prefilled into two blocks that rotate over the pool."""
     blocks = (probes % (BLOCKS // 2) * 2, probes % (BLOCKS // 2) * 2 + 1)
-    piece = Piece(seq_id=1, token_ids=PROMPT, start=0, block_table=blocks, sample=True)
+    piece = Piece(
+        seq_id=1, token_ids=PROMPT, start=0, block_table=blocks, sample=True, opening=opened()
+    )
     return blocks, lambda step: StepOp(step=step, epoch=0, fence=NO_WAIT, pieces=(piece,))
 
 

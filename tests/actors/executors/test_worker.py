@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import pytest
 import torch
+from builders import opened
 from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.config import Config
@@ -163,6 +164,7 @@ def next_piece(seq: Seq, rng: random.Random) -> Piece:
         start=seq.done,
         block_table=tuple(seq.blocks),
         sample=last,
+        opening=opened(len(seq.prompt)) if seq.done == 0 else None,
     )
 
 
@@ -307,7 +309,8 @@ def test_a_plan_whose_fence_is_not_reached_is_cancelled_once_its_engine_has_rest
     make_rig, rng: random.Random
 ) -> None:
     rig = make_rig()
-    piece = Piece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
+    piece = Piece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True,
+                  opening=opened())  # fmt: skip
     epoch = epoch_counter(rig.lanes, 0, ISSUER_EPOCH)
     epoch.claim()
     bump = threading.Timer(0.1, epoch.advance, args=(1,))  # an engine of epoch 1 started
@@ -327,7 +330,8 @@ def test_a_plan_whose_fence_is_not_reached_is_cancelled_once_its_engine_has_rest
 def test_a_plan_from_before_the_worker_started_is_cancelled_without_waiting(make_rig) -> None:
     rig = make_rig(epoch=2)  # this worker started in epoch 2
     assert epoch_counter(rig.lanes, 0, TIER_EPOCH).value() == 2  # published for the lanes
-    piece = Piece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True)
+    piece = Piece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True,
+                  opening=opened())  # fmt: skip
     rig.post(StepOp(step=1, epoch=1, fence=Fence(swap=SeqNo(99)), pieces=(piece,)))
     result = rig.result(1)
     assert result.status == "cancelled" and "epoch 1" in result.error
@@ -377,7 +381,10 @@ def test_a_step_that_raises_fills_the_blocks_it_wrote_with_nan_and_no_other(
     monkeypatch.setattr(executor, "step", broken)
     before = bits(rig.kv)
     tokens = tuple(range(20, 20 + BLOCK + 2))  # positions BLOCK .. 2 * BLOCK + 1: blocks 5, 6
-    piece = Piece(seq_id=1, token_ids=tokens, start=BLOCK, block_table=(0, 5, 6), sample=True)
+    piece = Piece(
+        seq_id=1, token_ids=tokens, start=BLOCK, block_table=(0, 5, 6), sample=True,
+        opening=opened(),
+    )  # fmt: skip
     rig.post(StepOp(step=2, epoch=0, fence=Fence(), pieces=(piece,)))
     result = rig.result(2)
     assert result.status == "failed" and "broke after writing" in result.error, result
@@ -390,41 +397,52 @@ def test_a_step_that_raises_fills_the_blocks_it_wrote_with_nan_and_no_other(
     assert rig.mark(Lane.STEP).value() == 2
 
 
-PIECE = Piece(seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True)
+def sampled(**fields: Any) -> Piece:
+    """A piece of sequence 1 that samples, opening it greedily."""
+    return Piece(seq_id=1, sample=True, opening=opened(), **fields)
+
+
+PIECE = Piece(
+    seq_id=1, token_ids=(1, 2, 3), start=0, block_table=(0,), sample=True, opening=opened()
+)
 
 
 @pytest.mark.parametrize(
     ("plan", "message"),
     [
         (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
-            Piece(seq_id=1, token_ids=(1, 2), start=0, block_table=(POOL,), sample=True),
+            sampled(token_ids=(1, 2), start=0, block_table=(POOL,)),
         )), f"block id {POOL}"),
         (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
-            Piece(seq_id=1, token_ids=(1,), start=0, block_table=tuple(range(POOL + 1)),
-                      sample=True),
+            sampled(token_ids=(1,), start=0, block_table=tuple(range(POOL + 1))),
         )), f"more than the pool's {POOL}"),
         (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
-            Piece(seq_id=1, token_ids=(1,), start=4096, block_table=(0,), sample=True),
+            sampled(token_ids=(1,), start=4096, block_table=(0,)),
         )), "past max_position"),
         (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
-            Piece(seq_id=1, token_ids=(1, 2, 3, 4, 5), start=0, block_table=(0,), sample=True),
+            sampled(token_ids=(1, 2, 3, 4, 5), start=0, block_table=(0,)),
         )), "need 2"),
         (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
-            Piece(seq_id=1, token_ids=(1, 999), start=0, block_table=(0,), sample=True),
+            sampled(token_ids=(1, 999), start=0, block_table=(0,)),
         )), "token id 999"),
         (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
-            Piece(seq_id=1, token_ids=(1,), start=0, block_table=(3, 3), sample=True),
+            sampled(token_ids=(1,), start=0, block_table=(3, 3)),
         )), "names a block twice"),
         (StepOp(step=1, epoch=0, fence=Fence(step=SeqNo(1)), pieces=(PIECE,)), "own lane"),
         (StepOp(step=1, epoch=0, fence=Fence(), pieces=(PIECE,), poison=(-1,)), "poison block"),
         (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
-            Piece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True,
-                      temperature=-1.0),
-        )), "negative temperature"),
-        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(replace(PIECE, top_p=0.0),)), "top_p 0.0"),
+            Piece(seq_id=1, token_ids=(1,), start=0, block_table=(0,), sample=True),
+        )), "sequence 1 was never opened"),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            replace(PIECE, opening=opened(logit_bias={999: 1.0})),
+        )), "logit_bias key 999 is outside the vocabulary"),
+        (StepOp(step=1, epoch=0, fence=Fence(), pieces=(
+            replace(PIECE, start=1, token_ids=(2, 3), opening=opened(presence_penalty=1.0)),
+        )), "with 0 history tokens, but starts at 1"),
     ],
     ids=["unknown-block", "table-past-pool", "past-max-position", "short-table", "bad-token",
-         "repeated-block", "own-lane-fence", "bad-poison", "negative-temperature", "zero-top-p"],
+         "repeated-block", "own-lane-fence", "bad-poison", "never-opened", "bias-past-vocab",
+         "short-history"],
 )  # fmt: skip
 def test_a_malformed_plan_is_rejected_naming_the_problem_and_touches_no_block(
     make_rig, plan: StepOp, message: str
@@ -470,7 +488,7 @@ def test_sampled_tokens_are_reproducible_per_seed_and_position(make_rig) -> None
         pieces = tuple(
             Piece(
                 seq_id=seed, token_ids=(5, 6, 7), start=0, block_table=(6 * step + seed,),
-                sample=True, temperature=1.5, seed=seed,
+                sample=True, opening=opened(temperature=1.5, seed=seed),
             )
             for seed in range(6)
         )  # fmt: skip

@@ -404,7 +404,7 @@ def test_a_clients_chat_becomes_the_ids_transformers_gives_with_the_stop_ids(
     root = write_checkpoint(tmp_path / "ckpt", LLAMA3, generation_config={"eos_token_id": [1]})
     made = Intake(Config(model=ModelConfig(path=str(root))))
     messages = CONVERSATIONS["user and assistant"]
-    submit = Submit(request_id="c", messages=tuple(messages), max_tokens=3)
+    submit = Submit(request_id="c", messages=tuple(messages), params=SamplingParams(max_tokens=3))
     request = made.submitted(submit, "client-0/c", 0.0)
     expected = reference(root).apply_chat_template(
         messages, add_generation_prompt=True, return_dict=False

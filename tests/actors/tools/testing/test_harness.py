@@ -146,12 +146,12 @@ def test_a_program_is_a_pure_function_of_its_seed_numbered_from_the_starts() -> 
 
 def test_programs_sample_greedily_and_hot_with_and_without_a_nucleus() -> None:
     settings = {
-        (p.temperature > 0, p.top_p)
+        (p.opening.params.temperature > 0, p.opening.params.top_p)
         for seed in range(10)
         for op in generate(seed, 50, SHAPE, STARTS)
         if isinstance(op, StepOp)
         for p in op.pieces
-        if p.sample
+        if p.opening is not None
     }
     assert {(True, 1.0), (True, 0.8)} <= settings and False in {hot for hot, _ in settings}
 

@@ -1,0 +1,133 @@
+"""What the Worker keeps per sequence to sample it, and the sampling of a step's pieces.
+
+The scheduler sends a sequence's :class:`~ringfence.sched.ops.Opening` (its
+``SamplingParams``, and the tokens before the piece when a penalty must count them) with
+its first piece after each admission, and lists it in a step's ``closed`` when it ends;
+in between, the Worker keeps it here with the counts the penalties read, updated from
+every piece's tokens, so neither is sent again each step. Every rank keeps the same
+state (a plan is refused or run alike on every rank); rank 0 samples.
+
+Owned by the Worker actor's thread; not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ringfence.actors.model.decoder import sample
+from ringfence.actors.protocol.worker import SampledToken
+from ringfence.sched.ops import Opening, Piece
+from ringfence.sched.sampling import SamplingParams
+
+
+class NonFiniteLogits(ArithmeticError):
+    """A step produced NaN or infinite logits: it read blocks it should not have, or blocks
+    a failed op spoiled (``actors/executors/transfer.py``). The step fails; no token comes of it."""
+
+
+@dataclass(slots=True)
+class SeqSampling:
+    """One open sequence: how to sample it, and (when a penalty asks) its token counts."""
+
+    params: SamplingParams
+    num_prompt_tokens: int
+    num_tokens: int = 0  # positions seen so far (history, then every piece's tokens)
+    output_counts: Counter[int] = field(default_factory=Counter)  # output token -> times
+    seen: set[int] = field(default_factory=set)  # tokens in the prompt or the output
+
+    def observe(self, tokens: Iterable[int]) -> None:
+        """Count the tokens at positions num_tokens, num_tokens + 1, ... (only when a
+        penalty reads the counts; otherwise only the position moves)."""
+        tokens = tuple(tokens)
+        if self.params.needs_counts:
+            first_output = max(0, self.num_prompt_tokens - self.num_tokens)
+            self.seen.update(tokens)
+            self.output_counts.update(tokens[first_output:])
+        self.num_tokens += len(tokens)
+
+
+class Sampler:
+    """The open sequences of one Worker, by the scheduler's seq id."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.seqs: dict[int, SeqSampling] = {}
+
+    def problem(self, pieces: Sequence[Piece]) -> str:
+        """Why these pieces cannot be sampled, or "": a piece to sample of a sequence that is
+        neither open nor opened here, an opening whose history does not end at its piece, a token id
+        its parameters name outside the vocabulary. Changes nothing."""
+        opened: set[int] = set()
+        for i, p in enumerate(pieces):
+            o = p.opening
+            if o is not None:
+                if o.params.needs_counts and len(o.history) != p.start:
+                    return (
+                        f"piece {i} opens sequence {p.seq_id} with {len(o.history)} history "
+                        f"tokens, but starts at {p.start}"
+                    )
+                try:
+                    o.params.check_vocab(self.vocab_size)
+                except ValueError as e:
+                    return f"piece {i} (sequence {p.seq_id}): {e}"
+                opened.add(p.seq_id)
+            elif p.sample and p.seq_id not in self.seqs and p.seq_id not in opened:
+                return f"piece {i}: sequence {p.seq_id} was never opened (no sampling params)"
+        return ""
+
+    def close(self, seq_ids: Iterable[int]) -> None:
+        """Forget ended sequences (unknown ids are ignored: a reset forgot them already)."""
+        for seq_id in seq_ids:
+            self.seqs.pop(seq_id, None)
+
+    def advance(self, pieces: Sequence[Piece]) -> None:
+        """Open the sequences the pieces open (replacing what was kept: they start over) and
+        count every piece's tokens; call once per plan, before sampling it."""
+        for p in pieces:
+            if p.opening is not None:
+                self.seqs[p.seq_id] = state = _opened(p.opening)
+                state.observe(p.opening.history)
+                state.num_tokens = p.start
+            if (state := self.seqs.get(p.seq_id)) is not None:  # (an opening may come later)
+                state.observe(p.token_ids)
+
+    def sample(
+        self, pieces: Sequence[Piece], last_logits: torch.Tensor
+    ) -> tuple[SampledToken, ...]:
+        """The next token of every piece that asks for one, from its row of ``last_logits``."""
+        outputs = []
+        for row, p in enumerate(pieces):
+            if not p.sample:
+                continue
+            if not bool(torch.isfinite(last_logits[row]).all()):
+                raise NonFiniteLogits(
+                    f"the logits of sequence {p.seq_id} are not finite: the step read KV "
+                    "that was never written, was freed and poisoned (a missing fence?), or "
+                    "was spoiled by an op that failed"
+                )
+            params = self.seqs[p.seq_id].params
+            position = p.start + len(p.token_ids)
+            token = sample(
+                last_logits[row],
+                temperature=params.temperature,
+                seed=params.seed,
+                position=position,
+                top_p=params.top_p,
+            )
+            outputs.append(
+                SampledToken(
+                    seq_id=p.seq_id,
+                    position=position,
+                    token_id=token.token_id,
+                    logprob=token.logprob,
+                )
+            )
+        return tuple(outputs)
+
+
+def _opened(opening: Opening) -> SeqSampling:
+    return SeqSampling(params=opening.params, num_prompt_tokens=opening.num_prompt_tokens)
