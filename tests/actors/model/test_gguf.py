@@ -2,9 +2,9 @@
 ringfence as transformers serves it (``from_pretrained(dir, gguf_file=...)``).
 
 In process: the dequantized weights equal transformers' exactly, the float32 logits on
-several prompts agree within ``TOLERANCE``, the paged loop's greedy tokens equal
-``generate(do_sample=False)``, and the tokenizer and chat template give transformers'
-ids and text. Launched: ``ringfence launch`` on a chat workload gives those greedy
+three prompts agree within ``TOLERANCE``, the paged loop's greedy tokens equal
+``generate(do_sample=False)`` (``-m slow``), and the tokenizer and chat template give
+transformers' ids and text. Launched: ``ringfence launch`` on a chat workload gives those greedy
 tokens on one rank with the host and storage tiers and swap preemption on, and (with
 ``-m slow``) on three ranks: the model's 3 KV heads allow 1 or 3, and the preflight
 refuses 2 naming them. Two ranks of a GGUF file are compared in process on a tiny file
@@ -137,7 +137,7 @@ def test_the_dequantized_weights_equal_transformers_ones(loaded: LoadedModel, hf
 def test_the_float32_logits_equal_transformers_on_several_prompts(
     loaded: LoadedModel, hf: Any, hf_tokenizer: Any
 ) -> None:
-    prompts = [chat_ids(hf_tokenizer, chat) for chat in CHATS]
+    prompts = [chat_ids(hf_tokenizer, chat) for chat in (CHATS[0], CHATS[3])]
     prompts.append(hf_tokenizer(TEXTS[2], add_special_tokens=False).input_ids)
     worst, same_argmax = 0.0, True
     with torch.no_grad():
@@ -151,6 +151,10 @@ def test_the_float32_logits_equal_transformers_on_several_prompts(
     assert same_argmax
 
 
+# In process, what the launched one-rank run below also checks (on the paged cache, with
+# tiers); kept for -m slow as the first place to look when that run differs. On two
+# loaded cores each of these 48-token runs costs about 50 s.
+@pytest.mark.slow
 def test_the_paged_loops_greedy_tokens_equal_generate(
     loaded: LoadedModel, hf_tokenizer: Any, expected: dict[str, tuple[int, ...]]
 ) -> None:
