@@ -4,8 +4,9 @@ The supervisor runs a topology's preflight checks by import path before it creat
 process or shared-memory name (``runtime/topology.py``), so that a run the Worker would
 refuse in ``on_start`` is refused at once, as the command's one-line error (exit 2)
 naming the file and the field or tensor at fault. :func:`check_model` reads only
-headers and JSON (the checkpoint's config.json and its safetensors headers, never a
-tensor's bytes) and imports torch only when ``model.device`` is a CUDA device.
+headers and JSON (the checkpoint's config.json and its safetensors headers, or a GGUF
+file's metadata and tensor headers; never a tensor's bytes) and imports torch only when
+``model.device`` is a CUDA device.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from ringfence.actors.config import Config
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.model.checkpoint import check_checkpoint
+from ringfence.actors.model.gguf_checkpoint import is_gguf
 from ringfence.actors.model.parallel import check_divisible
 from ringfence.actors.model.shape import PRESETS, ModelShape
 from ringfence.cache.fences import Tier
@@ -40,8 +42,13 @@ def check_model(config: Config) -> None:
 
 
 def checkpoint_shape(path: str) -> ModelShape:
-    """The shape of the checkpoint at ``model.path``, once every file of it checked out."""
+    """The shape of the checkpoint at ``model.path`` (a directory, or a GGUF file), once
+    every file of it checked out."""
     root = Path(path)
+    if is_gguf(root):
+        if not root.is_file():
+            raise ValueError(f"model.path: {path}: no such GGUF file")
+        return check_checkpoint(root)
     if not root.exists():
         raise ValueError(f"model.path: {path}: no such directory")
     if not root.is_dir():

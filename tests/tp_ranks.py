@@ -32,9 +32,9 @@ def run_rank(
     poison: bool,
     device: str = "cpu",
 ) -> None:
-    """Rank ``rank`` of ``size``: the model of ``source`` (a preset name or a checkpoint
-    directory) in float64, every step run over a paged KV tensor; rank 0 saves each
-    step's last logits to ``out`` (torch.save)."""
+    """Rank ``rank`` of ``size``: the model of ``source`` (a preset name, a checkpoint
+    directory or a GGUF file) in float64, every step run over a paged KV tensor; rank 0
+    saves each step's last logits to ``out`` (torch.save)."""
     import torch
 
     from ringfence.actors.model.checkpoint import load_checkpoint
@@ -48,7 +48,7 @@ def run_rank(
     device = rank_device(device, rank)
     group = join_group(shard, device, store, timeout_s=60)
     try:
-        if Path(source).is_dir():
+        if Path(source).is_dir() or source.endswith(".gguf"):
             model = load_checkpoint(source, dtype=torch.float64, shard=shard, group=group)
         else:
             model = Model.from_preset(source, torch.float64, 0, shard=shard, group=group)

@@ -2,7 +2,8 @@
 
 The template is ``chat_template.jinja`` beside the tokenizer (transformers 5 writes it) or,
 without that file, ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of
-``{name, template}`` of which "default" is used). It renders exactly as transformers'
+``{name, template}`` of which "default" is used); a GGUF file's is its
+``tokenizer.chat_template`` metadata. It renders exactly as transformers'
 ``apply_chat_template`` renders it (``transformers/utils/chat_template_utils.py``): a
 sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the loop-control
 extension, a ``{% generation %}`` tag that renders its body, the globals
@@ -31,11 +32,14 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ringfence.actors.model.gguf_checkpoint import is_gguf, metadata
+from ringfence.actors.model.gguf_tokenizer import gguf_special_tokens
 from ringfence.actors.model.special_tokens import TOKENIZER_CONFIG, read_json, token_entries
 from ringfence.actors.model.tokenizer import Tokenizer
 from ringfence.shm.errors import RingfenceError
 
 TEMPLATE_FILE = "chat_template.jinja"
+GGUF_TEMPLATE_KEY = "tokenizer.chat_template"  # a GGUF file's template, in its metadata
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # first: what templates read
 
 Message = Mapping[str, Any]
@@ -188,11 +192,7 @@ class ChatTemplate:
                 f"checkpoint {root} has no chat template (no {TEMPLATE_FILE}, and "
                 f"{TOKENIZER_CONFIG} has no chat_template): give prompt or prompt_token_ids"
             )
-        strings = {
-            key: value if isinstance(value, str) else value["content"]
-            for key, value in token_entries(root).items()
-        }
-        return cls(source, origin=origin, variables=strings)
+        return cls(source, origin=origin, variables=_token_strings(root))
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` (objects with at least ``role``), opening the
@@ -223,8 +223,23 @@ class ChatTemplate:
         return tokenizer.encode(self.render(messages, add_generation_prompt=add_generation_prompt))
 
 
+def _token_strings(root: Path) -> dict[str, str]:
+    """The named special-token strings (bos_token...) the template sees."""
+    if is_gguf(root):
+        return dict(gguf_special_tokens(root).strings)
+    return {
+        key: value if isinstance(value, str) else value["content"]
+        for key, value in token_entries(root).items()
+    }
+
+
 def find_template(root: Path) -> tuple[str | None, str]:
     """The template source (None if none) and the file it is in."""
+    if is_gguf(root):
+        source = metadata(root, GGUF_TEMPLATE_KEY)
+        if source is not None and not isinstance(source, str):
+            raise ChatTemplateError(f"{root}: {GGUF_TEMPLATE_KEY}: must be a string")
+        return source, f"{root} ({GGUF_TEMPLATE_KEY})"
     file = root / TEMPLATE_FILE
     if file.exists():
         return file.read_text(encoding="utf-8"), str(file)

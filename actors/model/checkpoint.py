@@ -1,4 +1,5 @@
-"""Checking and loading a Hugging Face checkpoint directory of a supported family.
+"""Checking and loading a Hugging Face checkpoint directory of a supported family (or, through
+``gguf_checkpoint.py``, a GGUF file: each public function here takes either).
 
 A checkpoint is ``config.json`` plus ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json``, and optionally ``tokenizer.json``. The safetensors
@@ -25,6 +26,12 @@ from typing import TYPE_CHECKING
 import orjson
 
 from ringfence.actors.model.families import FAMILIES, read_config
+from ringfence.actors.model.gguf_checkpoint import (
+    check_gguf,
+    gguf_fingerprint_id,
+    is_gguf,
+    load_gguf,
+)
 from ringfence.actors.model.shape import ModelShape, expected_tensors
 
 if TYPE_CHECKING:  # torch is imported by what reads tensors, not by what reads configs
@@ -249,6 +256,8 @@ def check_checkpoint(path: str | Path) -> ModelShape:
     stored tied ``lm_head.weight`` equals the embedding needs the data: ``load_checkpoint``
     checks that. ValueError naming the file and the tensor or field otherwise.
     """
+    if is_gguf(path):
+        return check_gguf(path)
     shape = read_config(path)
     _checked_entries(path, shape)
     return shape
@@ -274,6 +283,8 @@ def load_checkpoint(
     from ringfence.actors.model.decoder import Model
     from ringfence.actors.model.parallel import Shard, shard_range
 
+    if is_gguf(path):
+        return load_gguf(path, dtype=dtype, device=device, shard=shard, group=group)
     shard = shard or Shard()
     config = read_config(path)
     entries = _checked_entries(path, config)
@@ -305,6 +316,8 @@ def checkpoint_fingerprint_id(path: str | Path) -> str:
     architecture the same id, and their KV caches must never be shared. The id begins
     with the family's slug ("llama-", "qwen2-", ...).
     """
+    if is_gguf(path):
+        return gguf_fingerprint_id(path)
     root = Path(path)
     slug = FAMILIES[read_config(root).family].slug
     digest = hashlib.blake2b(digest_size=16)

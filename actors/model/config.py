@@ -25,7 +25,11 @@ class ModelConfig:
     """[model]: which weights to run, in which dtype, on which device."""
 
     preset: Preset = setting("tiny", "built-in model preset, used when model.path is empty")
-    path: str = setting("", "checkpoint directory; when set it takes precedence over the preset")
+    path: str = setting(
+        "",
+        "checkpoint directory, or a .gguf file (dequantized to model.dtype at load); when set "
+        "it takes precedence over the preset",
+    )
     dtype: Dtype = setting("float32", "dtype of the weights and the KV cache")
     device: str = setting("cpu", "torch device: 'cpu', 'cuda' or 'cuda:N'", pattern=_DEVICE)
     seed: int = setting(0, "random seed of the model (preset weights, sampling)", ge=0)

@@ -138,6 +138,7 @@ class Model(nn.Module):
     (its heads, KV heads and MLP width), and each layer's row-parallel outputs are summed
     over the ranks by ``group``. Every rank's random weights are slices of the same whole
     tensors, drawn as a single rank draws them, so any ``tp_size`` computes the same model.
+    ``seed`` None leaves the parameters unset, for a loader that overwrites every one.
     """
 
     rope_cos: Tensor  # [max_position, head_dim] rotary table; a buffer, not in the state dict
@@ -147,7 +148,7 @@ class Model(nn.Module):
         self,
         config: ModelShape,
         dtype: torch.dtype,
-        seed: int,
+        seed: int | None,
         *,
         shard: Shard = WHOLE,
         group: Group | None = None,
@@ -167,7 +168,8 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         self.to_empty(device="cpu")
-        self._init_weights(seed)
+        if seed is not None:
+            self._init_weights(seed)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(dtype)

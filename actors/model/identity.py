@@ -10,6 +10,7 @@ from __future__ import annotations
 from ringfence.actors.model.checkpoint import checkpoint_fingerprint_id
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.families import read_config
+from ringfence.actors.model.gguf_checkpoint import gguf_shape, is_gguf
 from ringfence.actors.model.shape import PRESETS, ModelShape
 
 
@@ -23,7 +24,7 @@ def model_id(settings: ModelConfig) -> str:
 def model_shape(settings: ModelConfig) -> ModelShape:
     """The architecture the settings name, without loading weights."""
     if settings.path:
-        return read_config(settings.path)
+        return gguf_shape(settings.path) if is_gguf(settings.path) else read_config(settings.path)
     if settings.preset not in PRESETS:
         raise ValueError(f"unknown model preset {settings.preset!r}; known: {sorted(PRESETS)}")
     return PRESETS[settings.preset]

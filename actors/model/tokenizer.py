@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from ringfence.actors.model.gguf_checkpoint import is_gguf
+from ringfence.actors.model.gguf_tokenizer import build_tokenizer, gguf_special_tokens
 from ringfence.actors.model.special_tokens import (
     SpecialTokens,
     read_special_tokens,
@@ -113,7 +115,11 @@ def _special_id(raw: dict[str, Any], key: str) -> int | None:
 
 
 def special_ids(path: str | Path) -> tuple[int | None, int | None]:
-    """The ``bos_token_id`` and ``eos_token_id`` that config.json names (None if it does not)."""
+    """The ``bos_token_id`` and ``eos_token_id`` that config.json (or a GGUF file's
+    metadata) names (None if it does not)."""
+    if is_gguf(path):
+        specials = gguf_special_tokens(path)
+        return specials.bos, specials.eos
     config = Path(path) / "config.json"
     raw = orjson.loads(config.read_bytes()) if config.exists() else {}
     return _special_id(raw, "bos_token_id"), _special_id(raw, "eos_token_id")
@@ -142,11 +148,14 @@ def _add_named_tokens(tokenizer: Any, entries: dict[str, Any]) -> None:
 
 
 def load_tokenizer(path: str | Path) -> CheckpointTokenizer | None:
-    """The checkpoint's tokenizer, or None when it has no ``tokenizer.json``.
+    """The checkpoint's tokenizer, or None when it has no ``tokenizer.json``; a GGUF file's
+    is built from its metadata (``gguf_tokenizer.py``).
 
     ValueError naming the file when tokenizer.json, or a config it reads its special
     tokens from, does not parse.
     """
+    if is_gguf(path):
+        return CheckpointTokenizer(build_tokenizer(path), gguf_special_tokens(path), file=str(path))
     root = Path(path)
     file = root / "tokenizer.json"
     if not file.exists():
