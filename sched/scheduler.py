@@ -386,7 +386,7 @@ class Scheduler:
             reason = seq.request.append_output(token)
             if reason is not None:
                 self._finish(seq)
-            emitted.append(Emitted(seq.request, (token,), reason is not None))
+            emitted.append(Emitted(seq.request, (token,), reason is not None, seq.seq_id))
         return emitted, []
 
     def _finish(self, seq: Sequence) -> None:

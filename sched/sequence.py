@@ -94,6 +94,7 @@ class Emitted:
     request: Request
     token_ids: tuple[int, ...]  # new output tokens
     finished: bool
+    seq_id: int  # the sequence, whose sampled tokens carry its logprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -279,6 +279,7 @@ class Client:
             cached_tokens=request.cached_tokens,
             ttft_s=request.ttft_s,
             stored_blocks=request.stored_blocks,
+            logprobs=tuple(request.logprobs),
         )
 
     def generate(

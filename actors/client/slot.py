@@ -23,6 +23,7 @@ from ringfence.actors.protocol.client import (
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Failed
 from ringfence.runtime.topology import ActorSpec, ChannelSpec
+from ringfence.sched.sampling import TokenLogprobs
 from ringfence.shm.errors import RingfenceError
 from ringfence.shm.liveness import ProcessStamp
 
@@ -50,6 +51,7 @@ class Completion(NamedTuple):
     cached_tokens: dict[str, int]  # prompt tokens served from "device", "host", "storage"
     ttft_s: float  # seconds from submit to first token, as the engine measured it
     stored_blocks: int = -1  # a prefill instance's: leading full blocks storage holds now
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class _Request:
     cached_tokens: dict[str, int] = field(default_factory=dict)
     ttft_s: float = -1.0
     stored_blocks: int = -1
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -112,6 +115,7 @@ class ClientActor(Actor):
         if request is None:
             return
         request.token_ids.extend(msg.token_ids)
+        request.logprobs.extend(msg.logprobs)
         request.unread.extend(msg.token_ids)
         if sum(msg.cached_tokens.values()) or not request.cached_tokens:
             request.cached_tokens = dict(msg.cached_tokens)

@@ -66,6 +66,7 @@ from ringfence.cache.storage.ranks import AllRanks
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.sched.request import Request, RequestError
+from ringfence.sched.sampling import TokenLogprobs
 from ringfence.sched.scheduler import Scheduler
 from ringfence.sched.workload import returning_turns
 from ringfence.shm.errors import ProtocolError
@@ -399,8 +400,14 @@ class Engine(Actor):
                 outputs=outputs,
             )  # fmt: skip
         emitted, failed = self.scheduler.on_step(done.number, done.status, outputs)
+        sampled = {t.seq_id: t for t in done.outputs}
         for e in emitted:
-            self.outputs.emitted(e, hold=self.scheduler.config.handover)
+            logprobs: tuple[TokenLogprobs, ...] = ()
+            if e.request.params.logprobs is not None:
+                t = sampled[e.seq_id]
+                logprobs = (TokenLogprobs(token_id=t.token_id, logprob=t.logprob, rank=t.rank,
+                                          top=t.top),)  # fmt: skip
+            self.outputs.emitted(e, hold=self.scheduler.config.handover, logprobs=logprobs)
         if self.scheduler.config.handover:  # finishes wait for writes (DESIGN.md "Instances")
             self.desk.hold(self.scheduler.take_handovers())
             self.desk.settle(self.ledger.completed(Lane.STORE), self.scheduler)

@@ -22,7 +22,7 @@ output has gone (it is a snapshot: a stale one is worth nothing).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, NewType
 
@@ -38,6 +38,7 @@ from ringfence.actors.protocol.client import (
     no_cached_tokens,
 )
 from ringfence.runtime.log import ActorLog
+from ringfence.sched.sampling import TokenLogprobs
 from ringfence.shm.errors import ActorDead, RingfenceError, RingFull
 from ringfence.shm.liveness import ProcessStamp
 
@@ -76,6 +77,7 @@ class _Out:
     cached_tokens: dict[str, int] = field(default_factory=no_cached_tokens)
     ttft_s: float = -1.0
     stored_blocks: int = -1
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, if asked
     rejected: bool = False  # a Rejected (error) rather than a Tokens
     code: str = ""  # a Rejected's code
     reservation: Reservation | None = None  # a Reservation rather than either
@@ -94,6 +96,7 @@ class _Out:
             request_id=self.request_id,
             incarnation=self.incarnation,
             token_ids=tuple(self.token_ids),
+            logprobs=tuple(self.logprobs),
             finish_reason=self.finish_reason,
             error=self.error,
             cached_tokens=self.cached_tokens,
@@ -257,8 +260,10 @@ class ClientHub:
         cached_tokens: Mapping[str, int] | None = None,
         ttft_s: float = -1.0,
         stored_blocks: int = -1,
+        logprobs: Sequence[TokenLogprobs] = (),
     ) -> None:
         """Queue output of request ``key`` for its client; a finish forgets the key.
+        ``logprobs``: one per token of ``token_ids`` when the request asked for them.
 
         A key that is not live (finished, aborted by hello/stuck_or_dead, never
         submitted) is ignored: output may race with a client going away. Tokens merge
@@ -282,6 +287,7 @@ class ClientHub:
             self._queue(client, out)
             client.open[owner.request_id] = out
         out.token_ids.extend(token_ids)
+        out.logprobs.extend(logprobs)
         if cached_tokens is not None:
             out.cached_tokens = dict(cached_tokens)
         if ttft_s >= 0 and out.ttft_s < 0:

@@ -11,7 +11,7 @@ Owned by the Engine actor; writes only the run report, when asked.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from ringfence.actors.engine.clients import ClientHub, RequestKey
 from ringfence.actors.engine.summary import Progress, RequestRecord, summarize, write_run_report
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.request import Request
+from ringfence.sched.sampling import TokenLogprobs
 from ringfence.sched.sequence import Emitted
 
 
@@ -46,7 +47,9 @@ class Outputs:
     def arrived(self, request: Request, key: RequestKey | None, arrival: float) -> None:
         self.times[request.request_id] = _Times(request, key, arrival)
 
-    def emitted(self, e: Emitted, *, hold: bool = False) -> None:
+    def emitted(
+        self, e: Emitted, *, hold: bool = False, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> None:
         """New tokens of a request (and its end, when it finished, unless ``hold``: the
         caller ends it later, with :meth:`finished`)."""
         rid, now = e.request.request_id, self.now()
@@ -59,6 +62,7 @@ class Outputs:
             self.clients.emit(
                 times.key,
                 e.token_ids,
+                logprobs=logprobs,
                 cached_tokens=dict(e.request.cached_tokens) if first else None,
                 ttft_s=now - times.arrival if first else -1.0,
             )

@@ -21,7 +21,7 @@ import torch
 from ringfence.actors.model.decoder import sample
 from ringfence.actors.protocol.worker import SampledToken
 from ringfence.sched.ops import Opening, Piece
-from ringfence.sched.sampling import SamplingParams
+from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams
 
 
 class NonFiniteLogits(ArithmeticError):
@@ -53,8 +53,11 @@ class SeqSampling:
 class Sampler:
     """The open sequences of one Worker, by the scheduler's seq id."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, logprobs_mode: str = "raw_logprobs") -> None:
         self.vocab_size = vocab_size
+        # "raw_logprobs" (vLLM's default): of the model's logits; "processed_logprobs": of
+        # the logits after bias, penalties and temperature, which the token was drawn from.
+        self.logprobs_mode = logprobs_mode
         self.seqs: dict[int, SeqSampling] = {}
 
     def problem(self, pieces: Sequence[Piece]) -> str:
@@ -89,9 +92,9 @@ class Sampler:
         count every piece's tokens; call once per plan, before sampling it."""
         for p in pieces:
             if p.opening is not None:
-                self.seqs[p.seq_id] = state = _opened(p.opening)
-                state.observe(p.opening.history)
-                state.num_tokens = p.start
+                opened = self.seqs[p.seq_id] = _opened(p.opening)
+                opened.observe(p.opening.history)
+                opened.num_tokens = p.start
             if (state := self.seqs.get(p.seq_id)) is not None:  # (an opening may come later)
                 state.observe(p.token_ids)
 
@@ -109,21 +112,33 @@ class Sampler:
                     "that was never written, was freed and poisoned (a missing fence?), or "
                     "was spoiled by an op that failed"
                 )
-            params = self.seqs[p.seq_id].params
+            state = self.seqs[p.seq_id]
+            params = state.params
             position = p.start + len(p.token_ids)
+            raw = last_logits[row].to(dtype=torch.float64)
+            logits = processed(raw, state, position) if params.processes_logits else raw
             token = sample(
-                last_logits[row],
+                logits,
                 temperature=params.temperature,
                 seed=params.seed,
                 position=position,
                 top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p,
             )
+            logprob, rank = token.logprob, 1
+            top: tuple[tuple[int, float], ...] = ()
+            if params.logprobs is not None or logits is not raw:
+                chosen = raw if self.logprobs_mode == "raw_logprobs" else logits
+                logprob, top, rank = token_logprobs(chosen, token.token_id, params.logprobs or 0)
             outputs.append(
                 SampledToken(
                     seq_id=p.seq_id,
                     position=position,
                     token_id=token.token_id,
-                    logprob=token.logprob,
+                    logprob=logprob,
+                    rank=rank,
+                    top=top,
                 )
             )
         return tuple(outputs)
@@ -131,3 +146,48 @@ class Sampler:
 
 def _opened(opening: Opening) -> SeqSampling:
     return SeqSampling(params=opening.params, num_prompt_tokens=opening.num_prompt_tokens)
+
+
+def processed(raw: torch.Tensor, state: SeqSampling, position: int) -> torch.Tensor:
+    """The logits [vocab] (float64) the token at ``position`` is drawn from, in vLLM's
+    order: logit_bias and the min_tokens mask, then the repetition penalty (over the
+    prompt's and the output's tokens) and the frequency and presence penalties (over the
+    output's). A new tensor; ``raw`` is not changed."""
+    p = state.params
+    x = raw.clone()
+    if p.logit_bias:
+        x[[token for token, _ in p.logit_bias]] += torch.tensor(
+            [bias for _, bias in p.logit_bias], dtype=x.dtype
+        )
+    if p.min_tokens and position - state.num_prompt_tokens < p.min_tokens and p.stop_token_ids:
+        x[list(p.stop_token_ids)] = -torch.inf  # the output is too short to stop yet
+    if p.repetition_penalty != 1.0 and state.seen:
+        seen = torch.tensor(sorted(state.seen))
+        values = x[seen]
+        x[seen] = torch.where(
+            values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+        )
+    if (p.frequency_penalty or p.presence_penalty) and state.output_counts:
+        ids = torch.tensor(list(state.output_counts))
+        counts = torch.tensor(list(state.output_counts.values()), dtype=x.dtype)
+        x[ids] -= p.frequency_penalty * counts + p.presence_penalty
+    return x
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_id: int, k: int
+) -> tuple[float, tuple[tuple[int, float], ...], int]:
+    """log_softmax(logits) at ``token_id``, the ``k`` most probable (id, logprob) in
+    descending order (ties by the lower id), and the token's rank (1: the most probable).
+    A -inf is LOGPROB_FLOOR: JSON has no infinity."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = float(logprobs[token_id])
+    rank = 1 + int((logprobs > chosen).sum())
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        values, order = torch.sort(logprobs, descending=True, stable=True)
+        top = tuple(
+            (int(i), max(float(v), LOGPROB_FLOOR))
+            for i, v in zip(order[:k].tolist(), values[:k].tolist(), strict=True)
+        )
+    return max(chosen, LOGPROB_FLOOR), top, rank

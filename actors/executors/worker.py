@@ -81,7 +81,8 @@ class Worker(LaneExecutor):
         if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN
             self.space.poison(range(layout.num_blocks))
         self.executor: PagedExecutor | None = PagedExecutor(self.model, self.space.kv)
-        self.sampler = Sampler(self.model.config.vocab_size)  # a restart forgets every sequence
+        # A restart forgets every sequence: the engine opens them again (reset_device).
+        self.sampler = Sampler(self.model.config.vocab_size, config.model.logprobs_mode)
         self.cuda = self.space.kv.device.type == "cuda"
         self.steps = 0
         self.log.info(

@@ -17,6 +17,7 @@ from ringfence.runtime.config import setting
 
 Preset = Literal["tiny", "tiny-4kv", "small"]
 Dtype = Literal["float32", "bfloat16", "float64"]
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 _DEVICE = (r"cpu|cuda(:[0-9]+)?", "'cpu', 'cuda' or 'cuda:N'")
 
 
@@ -33,6 +34,12 @@ class ModelConfig:
     dtype: Dtype = setting("float32", "dtype of the weights and the KV cache")
     device: str = setting("cpu", "torch device: 'cpu', 'cuda' or 'cuda:N'", pattern=_DEVICE)
     seed: int = setting(0, "random seed of the model (preset weights, sampling)", ge=0)
+    logprobs_mode: LogprobsMode = setting(
+        "raw_logprobs",
+        "what log probabilities are of (vLLM's names and default): 'raw_logprobs', the "
+        "model's logits; 'processed_logprobs', the logits after logit_bias, penalties and "
+        "temperature that the token was drawn from",
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

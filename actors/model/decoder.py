@@ -294,7 +294,14 @@ class Sampled(NamedTuple):
 
 
 def sample(
-    logits: Tensor, *, temperature: float, seed: int, position: int, top_p: float = 1.0
+    logits: Tensor,
+    *,
+    temperature: float,
+    seed: int,
+    position: int,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> Sampled:
     """Pick a token from logits [vocab].
 
@@ -302,7 +309,10 @@ def sample(
     softmax(logits / temperature) by a generator seeded from (seed, position) only, so
     a replayed step picks the same token. Below 1, ``top_p`` keeps the nucleus: the
     smallest set of most probable tokens whose probabilities sum to ``top_p`` or more
-    (always the most probable one), renormalised before the draw. The reported logprob is
+    (always the most probable one), renormalised before the draw; before it, as vLLM orders
+    them, ``min_p`` drops the tokens less probable than min_p times the most probable one
+    and ``top_k`` (> 0) keeps the k most probable (ties by the lower id). At their defaults
+    (0) the distribution is left as it is. The reported logprob is
     always under the raw logits (temperature 1), so it does not depend on the sampling
     settings. ValueError naming the setting for a temperature below 0 or a top_p outside
     (0, 1].
@@ -319,6 +329,14 @@ def sample(
         digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
         probs = torch.softmax(wide / temperature, dim=-1)
+        if min_p > 0.0:
+            probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+            probs = probs / probs.sum()
+        if 0 < top_k < len(probs):
+            _, order = torch.sort(probs, descending=True, stable=True)
+            kept = torch.zeros_like(probs)
+            kept[order[:top_k]] = probs[order[:top_k]]
+            probs = kept / kept.sum()
         if top_p < 1.0:  # at 1 the distribution is left as it is: the same draws as before
             probs = nucleus(probs, top_p)
         token = int(torch.multinomial(probs, 1, generator=gen))

@@ -45,7 +45,9 @@ class SampledToken:
     seq_id: int
     position: int  # position of the sampled token in its sequence
     token_id: int
-    logprob: float  # under the raw logits (temperature 1)
+    logprob: float  # under the raw logits (temperature 1), or model.logprobs_mode's
+    rank: int = 1  # 1 + how many tokens were more probable (set when logprobs were asked)
+    top: tuple[tuple[int, float], ...] = ()  # the logprobs asked for: (id, logprob), best first
 
 
 @message(FROM_WORKER, tag=2)

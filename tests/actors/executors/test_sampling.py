@@ -1,0 +1,126 @@
+"""The Worker's per-sequence sampling state and the knobs it applies, against references
+computed here from the definitions (vLLM's semantics)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from builders import opened
+
+from ringfence.actors.executors.sampling import Sampler, SeqSampling, processed, token_logprobs
+from ringfence.actors.model.decoder import sample
+from ringfence.sched.ops import Opening, Piece
+from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams
+
+VOCAB = 12
+
+
+def logits_of(seed: int = 0) -> torch.Tensor:
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def state_of(params: SamplingParams, prompt: list[int], output: list[int]) -> SeqSampling:
+    state = SeqSampling(params=params, num_prompt_tokens=len(prompt))
+    state.observe(prompt + output)
+    return state
+
+
+def test_penalties_follow_their_definitions_over_the_prompt_and_the_output() -> None:
+    prompt, output = [1, 2, 2], [2, 3, 3, 3]
+    params = SamplingParams(
+        repetition_penalty=1.5, frequency_penalty=0.25, presence_penalty=0.5, max_tokens=9
+    )
+    raw = logits_of()
+    got = processed(raw, state_of(params, prompt, output), position=len(prompt) + len(output))
+    want = raw.clone()
+    for token in (1, 2, 3):  # in the prompt or the output: the repetition penalty
+        want[token] = want[token] / 1.5 if want[token] > 0 else want[token] * 1.5
+    for token, count in {2: 1, 3: 3}.items():  # in the output only: frequency and presence
+        want[token] -= 0.25 * count + 0.5
+    assert torch.equal(got, want)
+    assert torch.equal(raw, logits_of()), "the raw logits are not changed"
+
+
+def test_logit_bias_is_added_and_the_stop_tokens_are_masked_until_min_tokens() -> None:
+    params = SamplingParams(logit_bias={4: 100.0, 5: -3.0}, min_tokens=2, stop_token_ids=(7, 8))
+    raw = logits_of(1)
+    state = state_of(params, [1, 2], [])
+    early = processed(raw, state, position=3)  # one output token so far: too short to stop
+    assert early[4] == raw[4] + 100.0 and early[5] == raw[5] - 3.0
+    assert early[7] == -math.inf and early[8] == -math.inf
+    late = processed(raw, state, position=4)  # two output tokens: it may stop now
+    assert late[7] == raw[7] and late[8] == raw[8]
+
+
+def test_top_k_one_and_min_p_one_are_greedy_at_any_temperature() -> None:
+    for seed in range(20):
+        raw = logits_of(seed)
+        best = int(torch.argmax(raw))
+        for knobs in ({"top_k": 1}, {"min_p": 1.0}):
+            pick = sample(raw, temperature=1.5, seed=seed, position=3, **knobs)  # type: ignore[arg-type]
+            assert pick.token_id == best, (seed, knobs)
+
+
+def test_top_k_draws_only_among_the_k_most_probable() -> None:
+    raw = logits_of(2)
+    allowed = set(torch.topk(raw, 3).indices.tolist())
+    drawn = {sample(raw, temperature=2.0, seed=s, position=0, top_k=3).token_id for s in range(200)}
+    assert drawn == allowed
+
+
+def test_logprobs_list_the_best_alternatives_in_order_with_the_tokens_rank() -> None:
+    raw = logits_of(3)
+    reference = torch.log_softmax(raw, dim=-1)
+    order = torch.argsort(reference, descending=True).tolist()
+    logprob, top, rank = token_logprobs(raw, order[2], 4)
+    assert logprob == float(reference[order[2]]) and rank == 3
+    assert [t for t, _ in top] == order[:4]
+    assert [v for _, v in top] == [float(reference[t]) for t in order[:4]]
+    masked = raw.clone()
+    masked[5] = -math.inf
+    assert token_logprobs(masked, 5, 0)[0] == LOGPROB_FLOOR, "no infinity on the wire"
+
+
+def piece(seq_id: int, tokens: list[int], start: int, opening: Opening | None = None) -> Piece:
+    return Piece(
+        seq_id=seq_id, token_ids=tuple(tokens), start=start, block_table=(0, 1, 2, 3),
+        sample=True, opening=opening,
+    )  # fmt: skip
+
+
+def test_an_opened_sequence_counts_its_history_and_every_piece_then_is_forgotten() -> None:
+    sampler = Sampler(VOCAB)
+    params = SamplingParams(presence_penalty=1.0, max_tokens=8)
+    first = piece(1, [3, 4], 2, Opening(params=params, num_prompt_tokens=3, history=(1, 2)))
+    assert sampler.problem([first]) == ""
+    sampler.advance([first])  # prompt 1 2 3, output 4
+    state = sampler.seqs[1]
+    assert state.seen == {1, 2, 3, 4} and state.output_counts == {4: 1}
+    sampler.advance([piece(1, [4], 4)])
+    assert state.output_counts == {4: 2} and state.num_tokens == 5
+    sampler.close([1, 99])
+    assert sampler.seqs == {}
+    assert "never opened" in sampler.problem([piece(1, [5], 5)])
+
+
+def test_a_plain_sequence_keeps_no_counts() -> None:
+    sampler = Sampler(VOCAB)
+    sampler.advance([piece(1, [1, 2, 3], 0, opened(3))])
+    assert sampler.seqs[1].output_counts == {} and sampler.seqs[1].num_tokens == 3
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_the_sampled_tokens_logprob_is_of_the_logits_the_mode_names(mode: str) -> None:
+    sampler = Sampler(VOCAB, mode)
+    params = SamplingParams(logit_bias={6: 100.0}, logprobs=2)
+    sampler.advance([piece(1, [1, 2], 0, Opening(params=params, num_prompt_tokens=2))])
+    raw = logits_of(4)
+    [out] = sampler.sample([piece(1, [1, 2], 0)], raw.unsqueeze(0))
+    assert out.token_id == 6, "a +100 bias wins at temperature 0"
+    biased = raw.clone()
+    biased[6] += 100.0
+    source = raw if mode == "raw_logprobs" else biased
+    assert out.logprob == float(torch.log_softmax(source, dim=-1)[6])
+    assert len(out.top) == 2
