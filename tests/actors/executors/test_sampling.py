@@ -44,7 +44,7 @@ def test_penalties_follow_their_definitions_over_the_prompt_and_the_output() -> 
 
 
 def test_logit_bias_is_added_and_the_stop_tokens_are_masked_until_min_tokens() -> None:
-    params = SamplingParams(logit_bias={4: 100.0, 5: -3.0}, min_tokens=2, stop_token_ids=(7, 8))
+    params = SamplingParams(logit_bias=((4, 100.0), (5, -3.0)), min_tokens=2, stop_token_ids=(7, 8))
     raw = logits_of(1)
     state = state_of(params, [1, 2], [])
     early = processed(raw, state, position=3)  # one output token so far: too short to stop
@@ -114,7 +114,7 @@ def test_a_plain_sequence_keeps_no_counts() -> None:
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_the_sampled_tokens_logprob_is_of_the_logits_the_mode_names(mode: str) -> None:
     sampler = Sampler(VOCAB, mode)
-    params = SamplingParams(logit_bias={6: 100.0}, logprobs=2)
+    params = SamplingParams(logit_bias=((6, 100.0),), logprobs=2)
     sampler.advance([piece(1, [1, 2], 0, Opening(params=params, num_prompt_tokens=2))])
     raw = logits_of(4)
     [out] = sampler.sample([piece(1, [1, 2], 0)], raw.unsqueeze(0))
