@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from ringfence.actors.serve.api import STRICT, ApiError, ChatMessage, TokenIds
+from ringfence.actors.serve.api import STRICT, ApiError, ChatMessage, ErrorResponse, TokenIds
 from ringfence.actors.serve.prompts import Prompter
 
 
@@ -95,6 +95,11 @@ def tokenizer_info(prompter: Prompter) -> dict[str, Any]:
     }
 
 
+REFUSED: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "the request is malformed"}
+}
+
+
 def install_token_api(app: FastAPI, prompter: Prompter) -> None:
     """Add the tokenizer routes to ``app``."""
     info = tokenizer_info(prompter)  # fixed: once
@@ -107,12 +112,12 @@ def install_token_api(app: FastAPI, prompter: Prompter) -> None:
                 code="model_not_found",
             )
 
-    @app.post("/tokenize", response_model=TokenizeResponse)
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=REFUSED)
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         return tokenize(body, prompter)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=REFUSED)
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         prompter.check_ids("tokens", body.tokens)
