@@ -193,9 +193,11 @@ def stop_strings(stop: Stop) -> tuple[str, ...]:
 
 
 def ignored_fields(request: _Sampling) -> list[str]:
-    """The fields of ``request`` the server does not know (and so ignores), dotted."""
+    """The fields of ``request`` the server does not know (and so ignores), dotted, each
+    in printable ASCII (Python's escapes; the empty name as ``""``) so that a header and
+    a log line can carry it."""
     names = list(request.model_extra or ())
     options = request.stream_options
     if options is not None:
         names += [f"stream_options.{name}" for name in options.model_extra or ()]
-    return names
+    return [ascii(name)[1:-1] or '""' for name in names]

@@ -171,7 +171,7 @@ async def ignoring(
     ignored = ignored_fields(body)
     if not ignored:
         return await run()
-    names = ", ".join(ignored)
+    names = ", ".join(ignored).strip()  # a header value neither starts nor ends in a space
     frontend.log.warning("request.ignored_fields", path=request.url.path, fields=ignored)
     try:
         response = await run()
