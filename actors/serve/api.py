@@ -2,7 +2,7 @@
 
 Every field the server reads is declared. A field it does not know is accepted and
 ignored, as vLLM does (clients send other servers' knobs), but never silently: the front
-end logs one ``request.ignored_fields`` line and answers with the
+end logs one ``server.fields_ignored`` line and answers with the
 ``X-Ringfence-Ignored-Fields`` header naming them (:func:`ignored_fields`). Fields of the
 OpenAI API this server does not implement are declared too, with the one value it honours
 (``n`` = 1, ``echo`` = false...), so that a request asking for more is refused by name

@@ -172,7 +172,7 @@ async def ignoring(
     if not ignored:
         return await run()
     names = ", ".join(ignored).strip()  # a header value neither starts nor ends in a space
-    frontend.log.warning("request.ignored_fields", path=request.url.path, fields=ignored)
+    frontend.log.warning("server.fields_ignored", path=request.url.path, fields=ignored)
     try:
         response = await run()
     except ApiError as e:

@@ -95,7 +95,7 @@ def test_unknown_fields_are_ignored_named_in_a_header_and_logged_once(server):
         refused = http.post("/v1/completions", json={**body, "min_tokens": 3})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
         assert refused.headers["X-Ringfence-Ignored-Fields"] == "frobnicate, guided_json"
-    lines = server.frontend_events("request.ignored_fields", path="/v1/completions")
+    lines = server.frontend_events("server.fields_ignored", path="/v1/completions")
     assert [line["fields"] for line in lines][-3:] == [
         ["frobnicate", "guided_json"],
         ["frobnicate", "guided_json", "stream_options.zz"],
