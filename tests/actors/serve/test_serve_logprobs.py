@@ -195,3 +195,16 @@ def test_n_seeded_choices_differ_and_repeat_and_usage_sums_them(server):
         n=2,  # type: ignore[arg-type]
     )
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+
+
+def test_each_streamed_choice_echoes_the_prompt_with_its_logprobs_once(server):
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "n": 2, "echo": True,
+            "logprobs": 0}  # fmt: skip
+    whole = server.post("/v1/completions", body).json()["choices"]
+    chunks = [c["choices"][0] for c in sse(server, "/v1/completions", body)]
+    for index in range(2):
+        mine = [c for c in chunks if c["index"] == index]
+        assert mine[0]["text"].startswith(ByteTokenizer().decode(PROMPT))
+        values = [v for c in mine for v in c["logprobs"]["token_logprobs"]]
+        assert values == whole[index]["logprobs"]["token_logprobs"]
+        assert len(values) == len(PROMPT) + 3 and values[0] is None and None not in values[1:]
