@@ -82,6 +82,10 @@ class Answer:
         self.echo = isinstance(body, CompletionRequest) and body.echo
         self.prompt_text = prompter.decode(prompt.token_ids) if self.echo else ""
         self.offsets = [0] * body.n  # each choice's text offset so far (completions)
+        if reservation and body.n > 1:
+            # A reservation holds blocks for one request; it is claimed once.
+            raise ApiError("n: a request through a prefill/decode pair takes n = 1 only, got "
+                           f"{body.n}", param="n")  # fmt: skip
         self.generations: list[Generation] = []
         try:
             for index in range(body.n):
