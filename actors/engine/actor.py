@@ -50,6 +50,7 @@ from ringfence.actors.engine.config import EngineSettings
 from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
+from ringfence.actors.engine.logprobs import emitted_logprobs, file_prompt_logprobs
 from ringfence.actors.engine.outputs import Outputs
 from ringfence.actors.engine.roster import EXECUTORS, Roster
 from ringfence.actors.engine.sched_settings import sched_config
@@ -66,7 +67,6 @@ from ringfence.cache.storage.ranks import AllRanks
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.sched.request import Request, RequestError
-from ringfence.sched.sampling import TokenLogprobs
 from ringfence.sched.scheduler import Scheduler
 from ringfence.sched.workload import returning_turns
 from ringfence.shm.errors import ProtocolError
@@ -400,24 +400,10 @@ class Engine(Actor):
                 outputs=outputs,
             )  # fmt: skip
         emitted, failed = self.scheduler.on_step(done.number, done.status, outputs)
-        # A request that finished on its first token has left the scheduler already.
-        ended = {e.seq_id: e.request for e in emitted}
-        for found in done.prompt_logprobs:  # before the tokens: the first Tokens carries them
-            request = ended.get(found.seq_id) or self.scheduler.request_of(found.seq_id)
-            if request is not None and request.prompt_logprobs is not None:
-                for offset, entry in enumerate(found.entries):
-                    request.prompt_logprobs.setdefault(found.start + offset, entry)
+        file_prompt_logprobs(done.prompt_logprobs, emitted, self.scheduler.request_of)
         sampled = {t.seq_id: t for t in done.outputs}
         for e in emitted:
-            logprobs: tuple[TokenLogprobs, ...] = ()
-            if e.request.params.logprobs is not None:
-                t = sampled[e.seq_id]
-                logprobs = (TokenLogprobs(token_id=t.token_id, logprob=t.logprob, rank=t.rank,
-                                          top=t.top),)  # fmt: skip
-            prompt: tuple[TokenLogprobs, ...] = ()
-            if e.request.prompt_logprobs is not None:  # its first token: the prompt is done
-                prompt = tuple(v for _, v in sorted(e.request.prompt_logprobs.items()))
-                e.request.prompt_logprobs = None
+            logprobs, prompt = emitted_logprobs(e, sampled)
             self.outputs.emitted(
                 e, hold=self.scheduler.config.handover, logprobs=logprobs, prompt_logprobs=prompt
             )

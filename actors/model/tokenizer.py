@@ -41,7 +41,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, bos: bool = False) -> list[int]: ...
     @property
     def stop_ids(self) -> tuple[int, ...]: ...
-    def decode(self, ids: Iterable[int]) -> str: ...
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -59,8 +59,9 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [BOS, *ids] if bos else ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of the byte ids; special ids (and any id past them) are skipped.
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        """Text of the byte ids; special ids (and any id past them) are skipped, whatever
+        ``skip_special``: they have no text.
 
         Bytes that are not valid UTF-8 (e.g. a sequence cut mid-character) decode as U+FFFD.
         """
@@ -101,9 +102,10 @@ class CheckpointTokenizer:
             raise ValueError("the checkpoint's configs name no bos token")
         return [self.bos, *ids]
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of the ids, special tokens skipped."""
-        text: str = self._tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        """Text of the ids, special tokens skipped unless ``skip_special`` is False (then
+        written as their text: ``/detokenize`` must give back what ``/tokenize`` read)."""
+        text: str = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special)
         return text
 
 

@@ -81,8 +81,8 @@ class Prompter:
             Path(path).name if path else f"ringfence-{config.model.preset}"
         )
 
-    def decode(self, token_ids: Iterable[int]) -> str:
-        return self.tokenizer.decode(token_ids)
+    def decode(self, token_ids: Iterable[int], *, skip_special: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special=skip_special)
 
     def completion(self, prompt: object, max_tokens: int | None) -> Prompt:
         """The ids of a completions ``prompt``: a string, ids, or a list of one of them."""

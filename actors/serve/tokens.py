@@ -121,7 +121,7 @@ def install_token_api(app: FastAPI, prompter: Prompter) -> None:
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         prompter.check_ids("tokens", body.tokens)
-        return {"prompt": prompter.decode(body.tokens)}
+        return {"prompt": prompter.decode(body.tokens, skip_special=False)}
 
     @app.get("/tokenizer_info", response_model=TokenizerInfo)
     async def tokenizer_info_route() -> dict[str, Any]:

@@ -260,7 +260,7 @@ def test_served_through_the_openai_client_it_answers_as_transformers_with_its_lo
     with served(tmp_path, *sets) as server:
         client = server.client(timeout=240)
         answers = [
-            client.chat.completions.create(
+            client.chat.completions.create(  # type: ignore[call-overload]
                 model=None,  # type: ignore[arg-type]  # the served one
                 messages=CHATS[index],  # type: ignore[arg-type]
                 max_tokens=MAX_TOKENS,
