@@ -347,6 +347,12 @@ EVENTS: Final[dict[str, Event]] = {
     "server.unsendable": _e(
         "warning", "request error", "the codec refused a request's Submit: it ends with a 400"
     ),
+    "server.fields_ignored": _e(
+        "warning",
+        "path fields",
+        "a request held fields the API does not know (escaped to printable ASCII): ignored, "
+        "as vLLM does, and named in its answer's X-Ringfence-Ignored-Fields header",
+    ),
     "server.requests_lost": _e(
         "warning",
         "requests error",

@@ -86,6 +86,10 @@ class Admission:
         r = seq.request
         tokens = r.all_token_ids
         limit = (len(tokens) - 1) // self._bs  # leave at least one token to compute
+        if r.params.prompt_logprobs is not None:
+            # Its prompt's log probabilities come from computing every prompt token (as
+            # vLLM does, such a request takes no cache hit); it is never swapped or saved.
+            limit = 0
         keys = self._pieces.keys(seq, tokens, limit)
         match = self.blocks.match(keys, seq.storage_until)
         stored = [i for i, w in enumerate(match.where) if w == "storage"]

@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ringfence.sched.checks import RequestError, check_number, check_token_ids, is_int
-from ringfence.sched.sampling import SamplingParams
+from ringfence.sched.sampling import SamplingParams, TokenLogprobs
 
 # Re-exported: a request's error and parameters are part of its vocabulary.
 __all__ = [
@@ -110,6 +110,7 @@ class Request:
         "finish_reason",
         "output_token_ids",
         "params",
+        "prompt_logprobs",
         "prompt_token_ids",
         "request_id",
         "state",
@@ -140,6 +141,11 @@ class Request:
         # Prompt tokens whose KV came from each tier instead of being computed.
         self.cached_tokens: dict[str, int] = dict.fromkeys(TIERS, 0)
         self.finish_reason: FinishReason | None = None
+        # prompt_logprobs asked: position -> its TokenLogprobs, as the Worker reports them
+        # (a recomputed prompt reports them again: the first stays); None once sent.
+        self.prompt_logprobs: dict[int, TokenLogprobs] | None = (
+            {} if self.params.prompt_logprobs is not None else None
+        )
 
     def __repr__(self) -> str:
         return (

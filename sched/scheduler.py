@@ -185,6 +185,11 @@ class Scheduler:
             self._waiting.remove(seq)
         return seq.request
 
+    def request_of(self, seq_id: int) -> Request | None:
+        """The live request of sequence ``seq_id`` (None once it ended)."""
+        seq = self._seqs.get(seq_id)
+        return seq.request if seq is not None else None
+
     def request(self, request_id: str) -> Request | None:
         seq = self._by_id.get(request_id)
         return seq.request if seq is not None else None
@@ -328,6 +333,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         r = seq.request
         policy = self.config.sched.preemption
+        if r.params.prompt_logprobs is not None:
+            policy = "recompute"  # it resumes from its first token: see admission._start
         computed = r.num_computed_tokens
         used = -(-computed // self._bs)
         full = computed // self._bs

@@ -280,6 +280,7 @@ class Client:
             ttft_s=request.ttft_s,
             stored_blocks=request.stored_blocks,
             logprobs=tuple(request.logprobs),
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def generate(

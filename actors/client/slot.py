@@ -52,6 +52,7 @@ class Completion(NamedTuple):
     ttft_s: float  # seconds from submit to first token, as the engine measured it
     stored_blocks: int = -1  # a prefill instance's: leading full blocks storage holds now
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens 2.., when it asked
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class _Request:
     ttft_s: float = -1.0
     stored_blocks: int = -1
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def done(self) -> bool:
@@ -116,6 +118,8 @@ class ClientActor(Actor):
             return
         request.token_ids.extend(msg.token_ids)
         request.logprobs.extend(msg.logprobs)
+        if msg.prompt_logprobs:
+            request.prompt_logprobs = msg.prompt_logprobs
         request.unread.extend(msg.token_ids)
         if sum(msg.cached_tokens.values()) or not request.cached_tokens:
             request.cached_tokens = dict(msg.cached_tokens)

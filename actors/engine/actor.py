@@ -400,6 +400,11 @@ class Engine(Actor):
                 outputs=outputs,
             )  # fmt: skip
         emitted, failed = self.scheduler.on_step(done.number, done.status, outputs)
+        for found in done.prompt_logprobs:  # before the tokens: the first Tokens carries them
+            request = self.scheduler.request_of(found.seq_id)
+            if request is not None and request.prompt_logprobs is not None:
+                for offset, entry in enumerate(found.entries):
+                    request.prompt_logprobs.setdefault(found.start + offset, entry)
         sampled = {t.seq_id: t for t in done.outputs}
         for e in emitted:
             logprobs: tuple[TokenLogprobs, ...] = ()
@@ -407,7 +412,13 @@ class Engine(Actor):
                 t = sampled[e.seq_id]
                 logprobs = (TokenLogprobs(token_id=t.token_id, logprob=t.logprob, rank=t.rank,
                                           top=t.top),)  # fmt: skip
-            self.outputs.emitted(e, hold=self.scheduler.config.handover, logprobs=logprobs)
+            prompt: tuple[TokenLogprobs, ...] = ()
+            if e.request.prompt_logprobs is not None:  # its first token: the prompt is done
+                prompt = tuple(v for _, v in sorted(e.request.prompt_logprobs.items()))
+                e.request.prompt_logprobs = None
+            self.outputs.emitted(
+                e, hold=self.scheduler.config.handover, logprobs=logprobs, prompt_logprobs=prompt
+            )
         if self.scheduler.config.handover:  # finishes wait for writes (DESIGN.md "Instances")
             self.desk.hold(self.scheduler.take_handovers())
             self.desk.settle(self.ledger.completed(Lane.STORE), self.scheduler)

@@ -78,6 +78,7 @@ class _Out:
     ttft_s: float = -1.0
     stored_blocks: int = -1
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, if asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # the request's first Tokens, if asked
     rejected: bool = False  # a Rejected (error) rather than a Tokens
     code: str = ""  # a Rejected's code
     reservation: Reservation | None = None  # a Reservation rather than either
@@ -97,6 +98,7 @@ class _Out:
             incarnation=self.incarnation,
             token_ids=tuple(self.token_ids),
             logprobs=tuple(self.logprobs),
+            prompt_logprobs=self.prompt_logprobs,
             finish_reason=self.finish_reason,
             error=self.error,
             cached_tokens=self.cached_tokens,
@@ -261,6 +263,7 @@ class ClientHub:
         ttft_s: float = -1.0,
         stored_blocks: int = -1,
         logprobs: Sequence[TokenLogprobs] = (),
+        prompt_logprobs: Sequence[TokenLogprobs] = (),
     ) -> None:
         """Queue output of request ``key`` for its client; a finish forgets the key.
         ``logprobs``: one per token of ``token_ids`` when the request asked for them.
@@ -288,6 +291,8 @@ class ClientHub:
             client.open[owner.request_id] = out
         out.token_ids.extend(token_ids)
         out.logprobs.extend(logprobs)
+        if prompt_logprobs:
+            out.prompt_logprobs = tuple(prompt_logprobs)
         if cached_tokens is not None:
             out.cached_tokens = dict(cached_tokens)
         if ttft_s >= 0 and out.ttft_s < 0:

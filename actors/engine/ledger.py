@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from ringfence.actors.protocol.transfer import OpDone
-from ringfence.actors.protocol.worker import SampledToken, StepResult
+from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken, StepResult
 from ringfence.cache.fences import NO_WAIT, Lane
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.ops import Op, StepOp, SwapOp
@@ -47,6 +47,7 @@ class Outcome(NamedTuple):
     missing: tuple[int, ...]  # a prefetch: positions any rank lacks
     outputs: tuple[SampledToken, ...]  # a step: rank 0's sampled tokens
     bytes: int  # summed over ranks
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # a step: rank 0's, when asked
 
 
 @dataclass(slots=True)
@@ -236,4 +237,7 @@ def _combine(lane: Lane, number: int, reports: Mapping[int, Report]) -> Outcome:
         missing=tuple(sorted(missing)),
         outputs=first.outputs if isinstance(first, StepResult) and 0 in reports else (),
         bytes=moved,
+        prompt_logprobs=(
+            first.prompt_logprobs if isinstance(first, StepResult) and 0 in reports else ()
+        ),
     )

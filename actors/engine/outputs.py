@@ -48,7 +48,12 @@ class Outputs:
         self.times[request.request_id] = _Times(request, key, arrival)
 
     def emitted(
-        self, e: Emitted, *, hold: bool = False, logprobs: Sequence[TokenLogprobs] = ()
+        self,
+        e: Emitted,
+        *,
+        hold: bool = False,
+        logprobs: Sequence[TokenLogprobs] = (),
+        prompt_logprobs: Sequence[TokenLogprobs] = (),
     ) -> None:
         """New tokens of a request (and its end, when it finished, unless ``hold``: the
         caller ends it later, with :meth:`finished`)."""
@@ -63,6 +68,7 @@ class Outputs:
                 times.key,
                 e.token_ids,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 cached_tokens=dict(e.request.cached_tokens) if first else None,
                 ttft_s=now - times.arrival if first else -1.0,
             )

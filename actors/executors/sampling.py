@@ -13,15 +13,15 @@ Owned by the Worker actor's thread; not thread-safe.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ringfence.actors.model.decoder import sample
-from ringfence.actors.protocol.worker import SampledToken
+from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken
 from ringfence.sched.ops import Opening, Piece
-from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams
+from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
 
 
 class NonFiniteLogits(ArithmeticError):
@@ -38,6 +38,9 @@ class SeqSampling:
     num_tokens: int = 0  # positions seen so far (history, then every piece's tokens)
     output_counts: Counter[int] = field(default_factory=Counter)  # output token -> times
     seen: set[int] = field(default_factory=set)  # tokens in the prompt or the output
+    # prompt_logprobs: the logits of the last token of its previous piece, which give the
+    # log probability of this piece's first token (None before the first piece).
+    pending: torch.Tensor | None = None
 
     def observe(self, tokens: Iterable[int]) -> None:
         """Count the tokens at positions num_tokens, num_tokens + 1, ... (only when a
@@ -81,6 +84,47 @@ class Sampler:
             elif p.sample and p.seq_id not in self.seqs and p.seq_id not in opened:
                 return f"piece {i}: sequence {p.seq_id} was never opened (no sampling params)"
         return ""
+
+    def whole(self, pieces: Sequence[Piece]) -> list[int]:
+        """The indices of the pieces whose every token's logits are needed: those holding
+        prompt tokens of a sequence that asked for prompt_logprobs (call after advance)."""
+        return [
+            i
+            for i, p in enumerate(pieces)
+            if (state := self.seqs.get(p.seq_id)) is not None
+            and state.params.prompt_logprobs is not None
+            and p.start < state.num_prompt_tokens
+        ]
+
+    def prompt_logprobs(
+        self, pieces: Sequence[Piece], piece_logits: Mapping[int, torch.Tensor]
+    ) -> tuple[PromptLogprobs, ...]:
+        """The log probabilities of the prompt tokens in the pieces :meth:`whole` named,
+        under the raw logits (vLLM's prompt logprobs are never processed): the token at
+        position q under the logits at q - 1, which for a piece's first token are the
+        previous piece's last ones (kept as ``pending``)."""
+        found = []
+        for i, rows in piece_logits.items():
+            p, state = pieces[i], self.seqs[pieces[i].seq_id]
+            k = state.params.prompt_logprobs or 0
+            logits = rows.to(device="cpu", dtype=torch.float64)
+            end = min(p.end, state.num_prompt_tokens)
+            first = max(p.start, 1)
+            entries = []
+            for q in range(first, end):
+                before = logits[q - 1 - p.start] if q > p.start else state.pending
+                if before is None:
+                    raise RuntimeError(
+                        f"sequence {p.seq_id}: no logits before position {q}: its prompt "
+                        "was not computed from the start"
+                    )
+                token = p.token_ids[q - p.start]
+                logprob, top, rank = token_logprobs(before, token, k)
+                entries.append(TokenLogprobs(token_id=token, logprob=logprob, rank=rank, top=top))
+            state.pending = logits[-1] if p.end < state.num_prompt_tokens else None
+            if entries:
+                found.append(PromptLogprobs(seq_id=p.seq_id, start=first, entries=tuple(entries)))
+        return tuple(found)
 
     def close(self, seq_ids: Iterable[int]) -> None:
         """Forget ended sequences (unknown ids are ignored: a reset forgot them already)."""

@@ -46,6 +46,7 @@ from ringfence.actors.model.parallel import Group, Shard, join_group, rank_devic
 from ringfence.actors.protocol.lanes import LANES
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.worker import (
+    PromptLogprobs,
     SampledToken,
     StepResult,
     StepStatus,
@@ -213,7 +214,7 @@ class Worker(LaneExecutor):
         waited = time.perf_counter_ns()
         try:
             with self.exclusive():
-                outputs = self._execute(plan)
+                outputs, prompt_logprobs = self._execute(plan)
         except Exception as e:  # it ran part way: the lane moves on, the engine is told
             # What it wrote is spoiled before step_done moves: a swap-out or write-back
             # fenced on this step must not copy half-computed KV as if it were valid.
@@ -234,6 +235,7 @@ class Worker(LaneExecutor):
             plan,
             "ok",
             outputs=outputs,
+            prompt_logprobs=prompt_logprobs,
             wait_ns=waited - started,
             exec_ns=time.perf_counter_ns() - waited,
             seen_swap=seen.get(Lane.SWAP),
@@ -258,23 +260,24 @@ class Worker(LaneExecutor):
                 return str(e)
         return ""
 
-    def _execute(self, plan: StepOp) -> tuple[SampledToken, ...]:
+    def _execute(self, plan: StepOp) -> tuple[tuple[SampledToken, ...], tuple[PromptLogprobs, ...]]:
+        """Run the plan: the sampled tokens (rank 0) and the prompt log probabilities asked."""
         assert self.space is not None and self.executor is not None
         self.space.poison(plan.poison)
         self.sampler.advance(plan.pieces)
         if not plan.pieces:
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
-            return ()
+            return (), ()
         if self.shard.rank > 0:  # rank 0 samples; the others write KV and join the all-reduces
             self.executor.step_without_logits(plan.pieces)
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
-            return ()
+            return (), ()
+        out = self.executor.step(plan.pieces, whole=self.sampler.whole(plan.pieces))
+        prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
         # One copy for all pieces; on CUDA it waits for the step, KV writes included.
-        return self.sampler.sample(
-            plan.pieces, self.executor.step(plan.pieces).last_logits.to("cpu")
-        )
+        return self.sampler.sample(plan.pieces, out.last_logits.to("cpu")), prompt
 
     def _finish(
         self,
@@ -282,6 +285,7 @@ class Worker(LaneExecutor):
         status: StepStatus,
         *,
         outputs: tuple[SampledToken, ...] = (),
+        prompt_logprobs: tuple[PromptLogprobs, ...] = (),
         error: str = "",
         wait_ns: int = 0,
         exec_ns: int = 0,
@@ -316,6 +320,7 @@ class Worker(LaneExecutor):
             rank=self.ctx.rank,
             status=status,
             outputs=outputs,
+            prompt_logprobs=prompt_logprobs,
             error=error,
             wait_ns=wait_ns,
             exec_ns=exec_ns,

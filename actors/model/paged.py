@@ -14,7 +14,7 @@ blocks wholly older than the window are masked, not freed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 import torch
@@ -61,6 +61,8 @@ class _StepIndex(NamedTuple):
 class StepOutput(NamedTuple):
     last_logits: Tensor  # [num_pieces, vocab]: logits of the last token of each piece
     all_logits: Tensor | None  # [total tokens, vocab] in piece order, when asked for
+    # piece index -> logits [its tokens, vocab] of every token of it, for the pieces asked
+    piece_logits: dict[int, Tensor] | None = None
 
 
 def make_kv_cache(
@@ -192,13 +194,24 @@ class PagedExecutor:
         )
 
     @torch.inference_mode()
-    def step(self, pieces: Sequence[Piece], *, all_logits: bool = False) -> StepOutput:
-        """Run one step (see :meth:`hidden`) and return its logits."""
+    def step(
+        self, pieces: Sequence[Piece], *, all_logits: bool = False, whole: Collection[int] = ()
+    ) -> StepOutput:
+        """Run one step (see :meth:`hidden`) and return its logits: of each piece's last
+        token, and of every token of the pieces whose indices are in ``whole`` (their
+        prompt log probabilities; the LM head runs on those rows only)."""
         x, last = self.hidden(pieces)
         if all_logits:
             every = self.model.logits(x)
             return StepOutput(every[last], every)
-        return StepOutput(self.model.logits(x[last]), None)
+        rows = None
+        if whole:
+            ends = last.tolist()
+            rows = {}
+            for i in whole:
+                first = ends[i] - len(pieces[i].token_ids) + 1
+                rows[i] = self.model.logits(x[first : ends[i] + 1])
+        return StepOutput(self.model.logits(x[last]), None, rows)
 
     @torch.inference_mode()
     def step_without_logits(self, pieces: Sequence[Piece]) -> None:

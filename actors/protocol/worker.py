@@ -19,6 +19,7 @@ from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.resync import Resync
 from ringfence.runtime.codec import Registry, message
 from ringfence.sched.ops import StepOp
+from ringfence.sched.sampling import TokenLogprobs
 
 TO_WORKER = Registry("engine-to-worker")
 FROM_WORKER = Registry("worker-to-engine")
@@ -50,6 +51,16 @@ class SampledToken:
     top: tuple[tuple[int, float], ...] = ()  # the logprobs asked for: (id, logprob), best first
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptLogprobs:
+    """Log probabilities of a sequence's prompt tokens at positions start, start + 1, ...
+    (each under the logits of the position before it), for a request that asked."""
+
+    seq_id: int
+    start: int  # the position of entries[0] (>= 1: the first prompt token has none)
+    entries: tuple[TokenLogprobs, ...]
+
+
 @message(FROM_WORKER, tag=2)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepResult:
@@ -65,6 +76,7 @@ class StepResult:
     rank: int  # the Worker rank that ran it (rank 0's result carries the sampled tokens)
     status: StepStatus
     outputs: tuple[SampledToken, ...] = ()  # one per piece with sample=True, in piece order
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # of the pieces whose request asked
     error: str = ""
     wait_ns: int = 0  # time spent waiting for the fence
     exec_ns: int = 0  # time spent running the model

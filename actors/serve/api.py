@@ -1,10 +1,13 @@
 """The OpenAI request bodies the front end accepts, as pydantic models (its OpenAPI schema).
 
-Every field a client may send is declared; any other field is an error naming it
-(``extra="forbid"``), because a knob silently ignored is a wrong answer served with
-HTTP 200. Fields of the OpenAI API this server does not implement are declared too, with
-the one value it honours (``n`` = 1, ``echo`` = false...), so that a request asking for
-more is refused by name (:func:`check_unsupported`) rather than as an unknown field.
+Every field the server reads is declared. A field it does not know is accepted and
+ignored, as vLLM does (clients send other servers' knobs), but never silently: the front
+end logs one ``server.fields_ignored`` line and answers with the
+``X-Ringfence-Ignored-Fields`` header naming them (:func:`ignored_fields`). Fields of the
+OpenAI API this server does not implement are declared too, with the one value it honours
+(``n`` = 1, ``echo`` = false...), so that a request asking for more is refused by name
+(:func:`check_unsupported`) rather than ignored. The sampling fields are checked once more,
+and turned into the request's ``SamplingParams``, in :mod:`.sampling`.
 Types are strict, as the schema states them: ``false`` is no token id, ``0`` no boolean
 and ``"1"`` no number (a float field takes an integer, as JSON has one number type).
 vLLM's extensions that its users rely on are here as well: ``return_token_ids``,
@@ -72,23 +75,36 @@ class ErrorResponse(BaseModel):
 
 
 STRICT = ConfigDict(extra="forbid", strict=True)
+LENIENT = ConfigDict(extra="allow", strict=True)  # unknown fields kept in model_extra
+IGNORED_HEADER = "X-Ringfence-Ignored-Fields"
 
 
 class StreamOptions(BaseModel):
-    model_config = STRICT
+    model_config = LENIENT
 
     include_usage: bool = False  # a last chunk with the usage (and no choices)
+    # vLLM: with include_usage, every chunk carries the usage so far as well.
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
     """The fields completions and chat completions share."""
 
-    model_config = STRICT
+    model_config = LENIENT
 
     model: str | None = None  # the served model's name (GET /v1/models); omitted: that one
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Seed | None = None  # None: a fresh seed per request
+    # vLLM's sampling knobs (sched/sampling.py says what each does).
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # -1 or 0: off (vLLM's -1)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # <= the max tokens
+    ignore_eos: bool = False  # generate past the model's end-of-sequence tokens
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
     stop: Stop = None  # up to 16 strings; the output ends before the first one produced
     stop_token_ids: TokenIds | None = None  # vLLM: ids that end the output (kept in it)
     stream: bool = False
@@ -97,11 +113,7 @@ class _Sampling(BaseModel):
     user: str | None = None  # accepted, not used
     # Not implemented beyond the default; any other value is refused by name.
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     logprobs: Any = None
-    ignore_eos: bool = False  # vLLM: generate past the stop ids (not supported)
 
 
 class CompletionRequest(_Sampling):
@@ -149,10 +161,7 @@ class ChatCompletionRequest(_Sampling):
 # field -> (the value honoured, how to say it)
 _UNSUPPORTED: dict[str, tuple[object, str]] = {
     "n": (1, "only n = 1 is supported"),
-    "presence_penalty": (0.0, "penalties are not supported: only 0"),
-    "frequency_penalty": (0.0, "penalties are not supported: only 0"),
     "logprobs": (None, "log probabilities are not supported"),
-    "ignore_eos": (False, "ignore_eos is not supported"),
     "echo": (False, "echo is not supported"),
     "best_of": (None, "best_of is not supported"),
     "suffix": (None, "suffix is not supported"),
@@ -172,8 +181,6 @@ def check_unsupported(request: _Sampling) -> None:
             continue
         if value != honoured and not (name == "tools" and value == []):
             raise ApiError(f"{name}: {why}, got {value!r}", param=name)
-    if request.logit_bias:
-        raise ApiError("logit_bias: not supported", param="logit_bias")
     stops = stop_strings(request.stop)
     if len(stops) > 16:
         raise ApiError(f"stop: at most 16 strings, got {len(stops)}", param="stop")
@@ -183,3 +190,14 @@ def stop_strings(stop: Stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def ignored_fields(request: _Sampling) -> list[str]:
+    """The fields of ``request`` the server does not know (and so ignores), dotted, each
+    in printable ASCII (Python's escapes; the empty name as ``""``) so that a header and
+    a log line can carry it."""
+    names = list(request.model_extra or ())
+    options = request.stream_options
+    if options is not None:
+        names += [f"stream_options.{name}" for name in options.model_extra or ()]
+    return [ascii(name)[1:-1] or '""' for name in names]

@@ -13,10 +13,9 @@ response's body is cancelled; plain answers: a watcher of the connection).
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -30,11 +29,13 @@ from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.protocol.client import Submit
 from ringfence.actors.serve.api import (
+    IGNORED_HEADER,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
     error_body,
+    ignored_fields,
     stop_strings,
 )
 from ringfence.actors.serve.config import FrontEndSettings
@@ -51,8 +52,9 @@ from ringfence.actors.serve.responses import (
     stream_of,
 )
 from ringfence.actors.serve.router_api import install_router_api
+from ringfence.actors.serve.sampling import sampling_params
+from ringfence.actors.serve.tokens import install_token_api
 from ringfence.actors.serve.view import FrontEndView
-from ringfence.sched.sampling import SamplingParams
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": why}
@@ -125,13 +127,16 @@ def build_app(frontend: FrontEndView, config: FrontEndSettings) -> FastAPI:
         openapi_extra=CLAIM_HEADER,
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt = prompt_of(body, prompter)
-        reservation = claimed(request, role)
-        answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics, timeout_s=timeout_s,
-                        reservation=reservation)  # fmt: skip
-        if body.stream:
-            return answer.sse(answer.completion_chunks)
-        return JSONResponse(await answer.whole(request, answer.completion_body))
+        async def run() -> Response:
+            prompt = prompt_of(body, prompter)
+            reservation = claimed(request, role)
+            answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics,
+                            timeout_s=timeout_s, reservation=reservation)  # fmt: skip
+            if body.stream:
+                return answer.sse(answer.completion_chunks)
+            return JSONResponse(await answer.whole(request, answer.completion_body))
+
+        return await ignoring(frontend, body, request, run)
 
     @app.post(
         "/v1/chat/completions",
@@ -139,16 +144,42 @@ def build_app(frontend: FrontEndView, config: FrontEndSettings) -> FastAPI:
         openapi_extra=CLAIM_HEADER,
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prompt = prompt_of(body, prompter)
-        reservation = claimed(request, role)
-        answer = Answer(frontend, body, prompt, kind="chatcmpl", metrics=metrics,
-                        timeout_s=timeout_s, reservation=reservation)  # fmt: skip
-        if body.stream:
-            return answer.sse(answer.chat_chunks)
-        return JSONResponse(await answer.whole(request, answer.chat_body))
+        async def run() -> Response:
+            prompt = prompt_of(body, prompter)
+            reservation = claimed(request, role)
+            answer = Answer(frontend, body, prompt, kind="chatcmpl", metrics=metrics,
+                            timeout_s=timeout_s, reservation=reservation)  # fmt: skip
+            if body.stream:
+                return answer.sse(answer.chat_chunks)
+            return JSONResponse(await answer.whole(request, answer.chat_body))
 
+        return await ignoring(frontend, body, request, run)
+
+    install_token_api(app, prompter)
     install_router_api(app, frontend, config)  # DESIGN.md "Instances"
     return app
+
+
+async def ignoring(
+    frontend: FrontEndView,
+    body: CompletionRequest | ChatCompletionRequest,
+    request: Request,
+    run: Callable[[], Awaitable[Response]],
+) -> Response:
+    """``run``'s answer to ``body``; the fields it ignores (unknown to the server) logged in
+    one line and named in the answer's IGNORED_HEADER, an error's included."""
+    ignored = ignored_fields(body)
+    if not ignored:
+        return await run()
+    names = ", ".join(ignored).strip()  # a header value neither starts nor ends in a space
+    frontend.log.warning("server.fields_ignored", path=request.url.path, fields=ignored)
+    try:
+        response = await run()
+    except ApiError as e:
+        e.headers[IGNORED_HEADER] = names
+        raise
+    response.headers[IGNORED_HEADER] = names
+    return response
 
 
 RESERVATION_HEADER = "X-Ringfence-Reservation"
@@ -300,17 +331,10 @@ class Answer:
         self.id = f"{kind}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = frontend.prompter.model_name
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
         submit = Submit(
             request_id=self.id,
             prompt_token_ids=prompt.token_ids,
-            params=SamplingParams(
-                max_tokens=prompt.max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                seed=seed,
-                stop_token_ids=tuple(body.stop_token_ids or ()),
-            ),
+            params=sampling_params(body, prompt, frontend.prompter.vocab_size),
             reservation_id=reservation,
         )
         stream = frontend.gateway.open(submit)  # 429 / 503 raised here, before any output
@@ -327,6 +351,13 @@ class Answer:
     def include_usage(self) -> bool:
         options = self.body.stream_options
         return bool(options and options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: the usage so far on every chunk (it takes
+        ``include_usage`` as well, as in vLLM)."""
+        options = self.body.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
     # Whole answers.
 
@@ -389,6 +420,8 @@ class Answer:
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for chunk in chunks():
+                    if self.continuous_usage:
+                        chunk["usage"] = self.generation.usage.body()
                     yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 if self.include_usage:
                     yield b"data: " + orjson.dumps(self._usage_chunk()) + b"\n\n"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
+from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError, find_template
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.identity import model_shape
 from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -64,11 +64,14 @@ class Prompter:
         path = config.model.path
         tokenizer: Tokenizer | None = load_tokenizer(path) if path else None
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        # The template's source too, for GET /tokenizer_info.
+        self.template_source: str | None = PRESET_TEMPLATE
         if path:
             try:
                 self.template: ChatTemplate | None = ChatTemplate.from_checkpoint(path)
+                self.template_source = find_template(Path(path))[0]
             except ChatTemplateError:
-                self.template = None  # chats are refused, naming the checkpoint
+                self.template, self.template_source = None, None  # chats are refused
         else:
             self.template = ChatTemplate(
                 PRESET_TEMPLATE, origin="the presets' built-in chat template", variables={}
@@ -100,6 +103,13 @@ class Prompter:
     def chat(self, messages: Sequence[ChatMessage], max_tokens: int | None, field: str) -> Prompt:
         """The ids of a chat, rendered through the chat template with the assistant's turn
         opened. ``field`` names the max-tokens field the client used."""
+        ids = self.chat_ids(messages, add_generation_prompt=True)
+        return self._checked("messages", tuple(ids), max_tokens, field)
+
+    def chat_ids(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool
+    ) -> list[int]:
+        """The ids of a chat rendered through the chat template (unchecked against limits)."""
         if self.template is None:
             raise ApiError(
                 f"messages: the model at {self.model_path} has no chat template "
@@ -116,12 +126,13 @@ class Prompter:
                 plain["content"] = ""
             chat.append(plain)
         try:
-            ids = self.template.encode(self.tokenizer, chat, add_generation_prompt=True)
+            return self.template.encode(
+                self.tokenizer, chat, add_generation_prompt=add_generation_prompt
+            )
         except ChatTemplateError as e:
             raise ApiError(f"messages: {e}", param="messages") from None
         except UnicodeEncodeError as e:
             raise ApiError(f"messages: {_not_unicode(e)}", param="messages") from None
-        return self._checked("messages", tuple(ids), max_tokens, field)
 
     def check_ids(self, field: str, ids: Iterable[int]) -> None:
         """ApiError naming ``field`` if one of ``ids`` is not a token of the model."""
@@ -131,6 +142,10 @@ class Prompter:
                 f"{field}: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
                 param=field,
             )
+
+    def encode(self, field: str, text: str) -> list[int]:
+        """The ids of ``text``; ApiError naming ``field`` if it is not Unicode."""
+        return self._encode(field, text)
 
     def _encode(self, field: str, text: str) -> list[int]:
         try:

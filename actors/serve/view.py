@@ -14,6 +14,7 @@ from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Gateway
 from ringfence.actors.serve.health import Liveness
 from ringfence.actors.serve.prompts import Prompter
+from ringfence.runtime.log import ActorLog
 
 
 class FrontEndView(Protocol):
@@ -32,6 +33,10 @@ class FrontEndView(Protocol):
     def started_at(self) -> float: ...
     @property
     def stats(self) -> Stats | None: ...
+    @property
+    def log(self) -> ActorLog:
+        """The front-end actor's log (a request's ignored fields are logged there)."""
+        ...
 
     def health(self) -> list[str]:
         """The instances that are down now ([] when all serve), for ``/health``."""

@@ -20,6 +20,7 @@ from ringfence.actors.protocol.client import (
     Tokens,
 )
 from ringfence.runtime.log import ActorLog
+from ringfence.sched.request import RequestError, SamplingParams
 from ringfence.shm.errors import ActorDead, RingFull
 from ringfence.shm.liveness import ProcessStamp
 
@@ -113,11 +114,11 @@ def test_submits_before_hello_with_a_live_duplicate_id_or_bad_fields_are_refused
     key = hub.submit("client-0", submit("a"))
     with pytest.raises(RequestRefused, match="request 'a' is already running"):
         hub.submit("client-0", submit("a"))
-    with pytest.raises(RequestRefused, match="request 'b': max_tokens must be >= 1"):
-        hub.submit("client-0", submit("b", max_tokens=0))
-    for top_p in (0.0, -1.0, 1.5, float("nan")):
-        with pytest.raises(RequestRefused, match=r"request 'b': top_p must be in \(0, 1\]"):
-            hub.submit("client-0", submit("b", top_p=top_p))
+    with pytest.raises(RequestRefused, match="request 'b': exactly one of prompt_token_ids"):
+        hub.submit("client-0", submit("b", prompt="and text"))
+    for top_p in (0.0, -1.0, 1.5, float("nan")):  # bad sampling params cannot even be built
+        with pytest.raises(RequestError, match=r"top_p must be in \(0, 1\]"):
+            SamplingParams(top_p=top_p)
     hub.emit(key, (5,), finish_reason="length")
     assert hub.submit("client-0", submit("a")) == key  # finished ids may be used again
 

@@ -101,3 +101,33 @@ def test_a_clients_logprobs_are_the_models_log_softmax(tmp_path):
         assert [t for t, _ in lp.top] == best
         for t, value in lp.top:
             assert math.isclose(value, float(row[t]), abs_tol=1e-9)
+
+
+def test_prompt_logprobs_cover_every_prompt_token_even_in_chunks_and_when_cached(tmp_path):
+    prompt = list(PROMPTS[0])  # 13 tokens: prefilled in chunks of at most 5
+    sets = (*ENGINE, *TIERS, "sched.max_batched_tokens=5")
+    with (
+        inproc_run(tmp_path / "run", sets) as run,
+        Client.connect(run.run_dir, stats=True) as client,
+    ):
+        wait_until_begun(client, RUN_TIMEOUT_S)
+        client.generate(prompt, max_tokens=2, timeout=RUN_TIMEOUT_S)  # its blocks are cached now
+        done = [
+            client.generate(prompt, max_tokens=2, prompt_logprobs=2, timeout=RUN_TIMEOUT_S)
+            for _ in range(2)
+        ]
+        assert run.failures() == {}
+    model, _ = load_model(Config.load(None, list(ENGINE)).model)
+    with torch.inference_mode():
+        logits = model.forward_contiguous(torch.tensor(prompt)).to(torch.float64)
+    reference = torch.log_softmax(logits, dim=-1)
+    for answer in done:
+        assert [lp.token_id for lp in answer.prompt_logprobs] == prompt[1:]
+        for q, lp in enumerate(answer.prompt_logprobs, start=1):
+            row = reference[q - 1]
+            assert math.isclose(lp.logprob, float(row[prompt[q]]), abs_tol=1e-9), q
+            assert lp.rank == 1 + int((row > row[prompt[q]]).sum())
+            assert [t for t, _ in lp.top] == torch.argsort(row, descending=True, stable=True)[
+                :2
+            ].tolist()
+        assert answer.logprobs == (), "prompt_logprobs alone asks nothing of the output"

@@ -25,7 +25,6 @@ GOOD = [[11 + i, 22, 33 + 2 * i, 44, 55 + i] for i in range(4)]
 
 # Fields both endpoints share: (what the request adds, param, what the message says).
 SHARED: list[tuple[str, dict[str, Any], str, str]] = [
-    ("unknown field", {"frobnicate": 1}, "frobnicate", "unknown field"),
     ("max_tokens a string", {"max_tokens": "x"}, "max_tokens", "valid integer"),
     ("max_tokens a float", {"max_tokens": 4.5}, "max_tokens", "valid integer"),
     ("temperature a word", {"temperature": "hot"}, "temperature", "valid number"),
@@ -38,7 +37,6 @@ SHARED: list[tuple[str, dict[str, Any], str, str]] = [
      f"maximum context length of {MAX_MODEL_LEN}"),
     ("n 2", {"n": 2}, "n", "only n = 1 is supported"),
     ("logprobs 3", {"logprobs": 3}, "logprobs", "log probabilities are not supported"),
-    ("presence_penalty", {"presence_penalty": 0.5}, "presence_penalty", "penalties"),
     ("top_p 0", {"top_p": 0}, "top_p", "greater than 0"),
     ("top_p 1.5", {"top_p": 1.5}, "top_p", "less than or equal to 1"),
     ("temperature -1", {"temperature": -1}, "temperature", "greater than or equal to 0"),
@@ -50,8 +48,20 @@ SHARED: list[tuple[str, dict[str, Any], str, str]] = [
      "outside the vocabulary"),
     ("negative stop id", {"stop_token_ids": [-1]}, "stop_token_ids.0",
      "greater than or equal to 0"),
-    ("stream_options unknown", {"stream_options": {"usage": True}}, "stream_options.usage",
-     "unknown field"),
+    ("presence_penalty 3", {"presence_penalty": 3}, "presence_penalty",
+     "less than or equal to 2"),
+    ("frequency_penalty -2.5", {"frequency_penalty": -2.5}, "frequency_penalty",
+     "greater than or equal to -2"),
+    ("repetition_penalty 0", {"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ("top_k -2", {"top_k": -2}, "top_k", "greater than or equal to -1"),
+    ("min_p 2", {"min_p": 2}, "min_p", "less than or equal to 1"),
+    ("min_tokens past max_tokens", {"min_tokens": 5}, "min_tokens",
+     "must be <= max_tokens (4), got 5"),
+    ("logit_bias key past the vocabulary", {"logit_bias": {str(VOCAB): 1}}, "logit_bias",
+     f"key {VOCAB} is outside the vocabulary (size {VOCAB})"),
+    ("logit_bias key not an id", {"logit_bias": {"a": 1}}, "logit_bias",
+     "key 'a' is not a non-negative token id"),
+    ("logit_bias value a string", {"logit_bias": {"5": "x"}}, "logit_bias.5", "valid number"),
 ]  # fmt: skip
 
 # Requests of one endpoint: (path, body: JSON or raw bytes, param, what the message says).

@@ -46,6 +46,9 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("GET", "/health"),
     ("GET", "/metrics"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/tokenizer_info"),
 ]
 
 
