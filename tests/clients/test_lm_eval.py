@@ -109,9 +109,9 @@ def evaluate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
         tasks = TaskManager(include_path=str(write_tasks(tmp)), include_defaults=False)
 
-        def run(model: str, **model_args: Any) -> dict[str, Any]:
+        def run(lm: str, /, **model_args: Any) -> dict[str, Any]:
             results = simple_evaluate(
-                model=model,
+                model=lm,
                 model_args=model_args,
                 tasks=[MC_TASK, GEN_TASK],
                 task_manager=tasks,
@@ -167,14 +167,18 @@ def loglikelihood_body(server: Server, tokenizer_dir: Path) -> dict[str, Any]:
     }
 
 
+def require_loglikelihoods(server: Server, tokenizer_dir: Path) -> Any:
+    """The server's answer to :func:`loglikelihood_body`; a failure naming what it lacks."""
+    return require_answer(
+        server, "POST", "/v1/completions", loglikelihood_body(server, tokenizer_dir),
+        "lm-eval's loglikelihood request needs echo and logprobs in /v1/completions",
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def served_results(evaluate: Any, smollm2_server: Server, tokenizer_dir: Path) -> dict[str, Any]:
     """local-completions with the checkpoint's tokenizer (``tokenizer_backend=huggingface``)."""
-    require_answer(
-        smollm2_server, "POST", "/v1/completions",
-        loglikelihood_body(smollm2_server, tokenizer_dir),
-        "lm-eval's loglikelihood request needs echo and logprobs in /v1/completions",
-    )  # fmt: skip
+    require_loglikelihoods(smollm2_server, tokenizer_dir)
     return evaluate(  # type: ignore[no-any-return]
         "local-completions",
         **completions_args(
@@ -184,8 +188,9 @@ def served_results(evaluate: Any, smollm2_server: Server, tokenizer_dir: Path) -
 
 
 @pytest.fixture(scope="module")
-def remote_results(evaluate: Any, smollm2_server: Server) -> dict[str, Any]:
+def remote_results(evaluate: Any, smollm2_server: Server, tokenizer_dir: Path) -> dict[str, Any]:
     """local-completions with ``tokenizer_backend=remote``: no local tokenizer at all."""
+    require_loglikelihoods(smollm2_server, tokenizer_dir)
     require_answer(
         smollm2_server, "GET", "/tokenizer_info", None,
         "lm-eval's remote tokenizer reads GET /tokenizer_info",
@@ -241,10 +246,7 @@ def test_lm_evals_loglikelihood_request_is_answered_as_it_reads_it(
     first null) and one for the generated token, each with its top alternatives, as
     ``LocalCompletionsAPI.parse_logprobs`` slices them."""
     body = loglikelihood_body(smollm2_server, tokenizer_dir)
-    answer = require_answer(
-        smollm2_server, "POST", "/v1/completions", body,
-        "lm-eval's loglikelihood request needs echo and logprobs in /v1/completions",
-    )  # fmt: skip
+    answer = require_loglikelihoods(smollm2_server, tokenizer_dir)
     (choice,) = answer["choices"]
     logprobs = choice["logprobs"]
     count = len(body["prompt"][0]) + 1
