@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ringfence.actors.tools.bench.options import add_counts, resolve_counts, resolve_preset
+from ringfence.actors.tools.bench.sampling import sampling_costs
 from ringfence.actors.tools.bench.subject import Subject
 from ringfence.sched.ops import Piece
 
@@ -329,6 +330,7 @@ def bench_worker(
             "target_ratio": TARGET_RATIO,
             "meets_target": {phase: r >= TARGET_RATIO for phase, r in ratios.items()},
             "decode_greedy_tokens_equal": same / (decode_tokens + counts["decode_seqs"]),
+            "sampling": sampling_costs(c.vocab_size, counts["decode_seqs"], counts["rounds"]),
         }
     )
     return report
@@ -378,6 +380,14 @@ def _print(report: dict[str, Any]) -> None:
             f"{'PASS' if passed else 'FAIL'} {phase} paged >= {TARGET_RATIO}x transformers: "
             f"{ratio:.2f}x"
         )
+    sampling = report["sampling"]
+    print(
+        f"sampling one decode step of {n['decode_seqs']} seqs, ms (ratio to plain): "
+        + ", ".join(
+            f"{name} {ms:.3f} ({sampling['ratio_to_plain'][name]:.2f}x)"
+            for name, ms in sampling["ms_per_step"].items()
+        )
+    )
     print("(targets are informational)")
 
 
