@@ -307,7 +307,10 @@ def test_lm_evals_remote_tokenizer_reads_the_checkpoints_tokenizer(
     text = "Question: What is the capital of France?\nAnswer: Paris <|im_end|>"
     ids = local(text, add_special_tokens=False).input_ids
     assert remote.encode(text) == ids
-    assert remote.decode(ids) == local.decode(ids)
+    assert remote.decode(ids) == local.decode(ids), (
+        "/detokenize must keep special tokens: lm-eval decodes token ids to send text and "
+        "assumes the round trip is lossless (transformers' decode keeps them by default)"
+    )
     assert (remote.eos_token, remote.eos_token_id) == (local.eos_token, local.eos_token_id)
     assert (remote.bos_token, remote.bos_token_id) == (local.bos_token, local.bos_token_id)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
