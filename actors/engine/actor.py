@@ -400,8 +400,10 @@ class Engine(Actor):
                 outputs=outputs,
             )  # fmt: skip
         emitted, failed = self.scheduler.on_step(done.number, done.status, outputs)
+        # A request that finished on its first token has left the scheduler already.
+        ended = {e.seq_id: e.request for e in emitted}
         for found in done.prompt_logprobs:  # before the tokens: the first Tokens carries them
-            request = self.scheduler.request_of(found.seq_id)
+            request = ended.get(found.seq_id) or self.scheduler.request_of(found.seq_id)
             if request is not None and request.prompt_logprobs is not None:
                 for offset, entry in enumerate(found.entries):
                     request.prompt_logprobs.setdefault(found.start + offset, entry)

@@ -5,7 +5,7 @@ ignored, as vLLM does (clients send other servers' knobs), but never silently: t
 end logs one ``server.fields_ignored`` line and answers with the
 ``X-Ringfence-Ignored-Fields`` header naming them (:func:`ignored_fields`). Fields of the
 OpenAI API this server does not implement are declared too, with the one value it honours
-(``n`` = 1, ``echo`` = false...), so that a request asking for more is refused by name
+(``suffix``, ``tools``...), so that a request asking for more is refused by name
 (:func:`check_unsupported`) rather than ignored. The sampling fields are checked once more,
 and turned into the request's ``SamplingParams``, in :mod:`.sampling`.
 Types are strict, as the schema states them: ``false`` is no token id, ``0`` no boolean
@@ -26,6 +26,8 @@ from ringfence.shm.errors import RingfenceError
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 Seed = Annotated[int, Field(ge=0, lt=1 << 63)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # sched.sampling.MAX_LOGPROBS
+MAX_N = 128  # choices per request at most: OpenAI's bound (each is one engine request)
 Stop = str | list[str] | None
 
 
@@ -111,18 +113,22 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM: choices carry token_ids, and prompt_token_ids
     user: str | None = None  # accepted, not used
-    # Not implemented beyond the default; any other value is refused by name.
-    n: int = 1
-    logprobs: Any = None
+    # Choices, each its own engine request (a seed of its own, derived from ``seed``); the
+    # prompt's KV blocks are shared through the prefix cache. Each counts in max_pending.
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    # vLLM: the prompt's log probabilities, with this many alternatives per token.
+    prompt_logprobs: TopLogprobs | None = None
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
     prompt: str | TokenIds | list[str] | list[TokenIds]  # one prompt (a list holds one)
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # None: up to the model's length
-    echo: bool = False
-    best_of: int | None = None
+    # None: up to the model's length; 0 only with echo (the prompt and its logprobs alone)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    logprobs: TopLogprobs | None = None  # each output token's, and this many alternatives
+    echo: bool = False  # the prompt before the output (with logprobs: its log probabilities)
+    best_of: int | None = None  # None or n: no candidates are drawn beyond the choices
     suffix: str | None = None
 
 
@@ -155,19 +161,15 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None  # each output token's log probability
+    top_logprobs: TopLogprobs | None = None  # and this many alternatives (needs logprobs)
 
 
 # field -> (the value honoured, how to say it)
 _UNSUPPORTED: dict[str, tuple[object, str]] = {
-    "n": (1, "only n = 1 is supported"),
-    "logprobs": (None, "log probabilities are not supported"),
-    "echo": (False, "echo is not supported"),
-    "best_of": (None, "best_of is not supported"),
     "suffix": (None, "suffix is not supported"),
     "tools": (None, "tools are not supported"),
     "tool_choice": (None, "tool_choice is not supported"),
-    "top_logprobs": (None, "log probabilities are not supported"),
 }
 
 
@@ -175,12 +177,17 @@ def check_unsupported(request: _Sampling) -> None:
     """ApiError naming the first field set to something this server does not do."""
     for name, (honoured, why) in _UNSUPPORTED.items():
         value = getattr(request, name, honoured)
-        if name == "best_of" and value == 1:
-            continue
-        if name == "logprobs" and value in (False, 0):
-            continue
         if value != honoured and not (name == "tools" and value == []):
             raise ApiError(f"{name}: {why}, got {value!r}", param=name)
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of != request.n:
+        raise ApiError(f"best_of: only best_of = n ({request.n}) is supported, got {best_of}",
+                       param="best_of")  # fmt: skip
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
+    elif isinstance(request, CompletionRequest) and request.max_tokens == 0 and not request.echo:
+        raise ApiError("max_tokens: 0 is only allowed with echo", param="max_tokens")
     stops = stop_strings(request.stop)
     if len(stops) > 16:
         raise ApiError(f"stop: at most 16 strings, got {len(stops)}", param="stop")

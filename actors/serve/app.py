@@ -1,9 +1,9 @@
 """The HTTP API: OpenAI's completions, chat completions and models, health and metrics.
 
 Routes run on the front end's event loop and never block it: a request is checked and
-tokenized (:mod:`.prompts`), opened in the :class:`~.gateway.Gateway` (429 past
-``server.max_pending``), and its output read from its stream (:mod:`.outputs`), as one
-JSON answer or as server-sent events (``data: {json}`` lines, then ``data: [DONE]``).
+tokenized (:mod:`.prompts`), its choices opened in the :class:`~.gateway.Gateway` (429 past
+``server.max_pending``), and their output read (:mod:`.answer`), as one JSON answer or
+as server-sent events (``data: {json}`` lines, then ``data: [DONE]``).
 Any error a request causes is answered with OpenAI's error body and touches no other
 request; an error after a stream began is sent as a last ``data: {"error": ...}`` event.
 A client that disconnects has its request aborted in the engine at once (streams: the
@@ -12,22 +12,18 @@ response's body is cancelled; plain answers: a watcher of the connection).
 
 from __future__ import annotations
 
-import asyncio
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
-from ringfence.actors.protocol.client import Submit
+from ringfence.actors.serve.answer import Answer
 from ringfence.actors.serve.api import (
     IGNORED_HEADER,
     ApiError,
@@ -36,13 +32,11 @@ from ringfence.actors.serve.api import (
     ErrorResponse,
     error_body,
     ignored_fields,
-    stop_strings,
 )
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.openapi import install
-from ringfence.actors.serve.outputs import Delta, Generation
-from ringfence.actors.serve.prompts import Prompt, prompt_of
+from ringfence.actors.serve.prompts import prompt_of
 from ringfence.actors.serve.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -52,7 +46,6 @@ from ringfence.actors.serve.responses import (
     stream_of,
 )
 from ringfence.actors.serve.router_api import install_router_api
-from ringfence.actors.serve.sampling import sampling_params
 from ringfence.actors.serve.tokens import install_token_api
 from ringfence.actors.serve.view import FrontEndView
 
@@ -74,9 +67,6 @@ def answers(model: type[ChatCompletionResponse | CompletionResponse], chunk: typ
     streamed = {"text/event-stream": stream_of(chunk)}
     ok = {"model": model, "description": "the output (an event stream with stream)"}
     return {200: {**ok, "content": streamed}, **ERRORS}
-
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(frontend: FrontEndView, config: FrontEndSettings) -> FastAPI:
@@ -310,172 +300,3 @@ def _json_kind(value: Any) -> str:
     names = {list: "an array", str: "a string", bool: "a boolean", int: "a number"}
     names[float] = "a number"
     return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-class Answer:
-    """One API request: its Submit, its generation, and its answer's formats."""
-
-    def __init__(
-        self,
-        frontend: FrontEndView,
-        body: CompletionRequest | ChatCompletionRequest,
-        prompt: Prompt,
-        *,
-        kind: str,
-        metrics: Metrics,
-        timeout_s: float,
-        reservation: str = "",
-    ) -> None:
-        self.body = body
-        self.prompt = prompt
-        self.id = f"{kind}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = frontend.prompter.model_name
-        submit = Submit(
-            request_id=self.id,
-            prompt_token_ids=prompt.token_ids,
-            params=sampling_params(body, prompt, frontend.prompter.vocab_size),
-            reservation_id=reservation,
-        )
-        stream = frontend.gateway.open(submit)  # 429 / 503 raised here, before any output
-        self.generation = Generation(
-            stream,
-            prompt_tokens=len(prompt.token_ids),
-            decode=frontend.prompter.decode,
-            stop=stop_strings(body.stop),
-            metrics=metrics,
-            timeout_s=timeout_s,
-        )
-
-    @property
-    def include_usage(self) -> bool:
-        options = self.body.stream_options
-        return bool(options and options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        """vLLM's ``continuous_usage_stats``: the usage so far on every chunk (it takes
-        ``include_usage`` as well, as in vLLM)."""
-        options = self.body.stream_options
-        return bool(options and options.include_usage and options.continuous_usage_stats)
-
-    # Whole answers.
-
-    async def whole(self, request: Request, render: Callable[[str, list[int], str], Any]) -> Any:
-        """Wait for the output (aborting it if the client disconnects); ``render`` it."""
-
-        async def collect() -> tuple[str, list[int], str]:
-            text: list[str] = []
-            ids: list[int] = []
-            finish = "length"
-            async for delta in self.generation.deltas():
-                text.append(delta.text)
-                ids.extend(delta.token_ids)
-                finish = delta.finish_reason or finish
-            return "".join(text), ids, finish
-
-        work = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                work.cancel()
-                raise ApiError("the client disconnected", status=499, kind="client_closed")
-            return render(*work.result())
-        finally:
-            gone.cancel()
-            self.generation.close()
-
-    def completion_body(self, text: str, ids: list[int], finish: str) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-        }  # fmt: skip
-        if self.body.return_token_ids:
-            choice["token_ids"] = ids
-            choice["prompt_token_ids"] = list(self.prompt.token_ids)
-        return {
-            "id": self.id, "object": "text_completion", "created": self.created,
-            "model": self.model, "choices": [choice], "usage": self.generation.usage.body(),
-        }  # fmt: skip
-
-    def chat_body(self, text: str, ids: list[int], finish: str) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        out: dict[str, Any] = {
-            "id": self.id, "object": "chat.completion", "created": self.created,
-            "model": self.model, "choices": [choice], "usage": self.generation.usage.body(),
-        }  # fmt: skip
-        if self.body.return_token_ids:
-            choice["token_ids"] = ids
-            out["prompt_token_ids"] = list(self.prompt.token_ids)
-        return out
-
-    # Streams.
-
-    def sse(self, chunks: Callable[[], AsyncIterator[dict[str, Any]]]) -> StreamingResponse:
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in chunks():
-                    if self.continuous_usage:
-                        chunk["usage"] = self.generation.usage.body()
-                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-                if self.include_usage:
-                    yield b"data: " + orjson.dumps(self._usage_chunk()) + b"\n\n"
-            except ApiError as e:
-                yield b"data: " + orjson.dumps(e.body()) + b"\n\n"
-            finally:
-                self.generation.close()  # also on cancellation: the client went away
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-    def _chunk(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.id, "object": obj, "created": self.created, "model": self.model,
-            "choices": [choice],
-        }  # fmt: skip
-
-    def _usage_chunk(self) -> dict[str, Any]:
-        obj = "text_completion" if self.id.startswith("cmpl") else "chat.completion.chunk"
-        chunk = self._chunk(obj, {})
-        chunk["choices"] = []
-        chunk["usage"] = self.generation.usage.body()
-        return chunk
-
-    async def completion_chunks(self) -> AsyncIterator[dict[str, Any]]:
-        first = True
-        async for delta in self.generation.deltas():
-            choice = self._choice(delta, {"text": delta.text})
-            if first and self.body.return_token_ids:
-                choice["prompt_token_ids"] = list(self.prompt.token_ids)
-            first = False
-            yield self._chunk("text_completion", choice)
-
-    async def chat_chunks(self) -> AsyncIterator[dict[str, Any]]:
-        opening = {"role": "assistant", "content": ""}
-        head = self._chunk("chat.completion.chunk", self._choice(None, {"delta": opening}))
-        if self.body.return_token_ids:
-            head["prompt_token_ids"] = list(self.prompt.token_ids)
-        yield head
-        async for delta in self.generation.deltas():
-            content = {"content": delta.text} if delta.text else {}
-            yield self._chunk("chat.completion.chunk", self._choice(delta, {"delta": content}))
-
-    def _choice(self, delta: Delta | None, fields: dict[str, Any]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, **fields, "logprobs": None}
-        choice["finish_reason"] = delta.finish_reason if delta is not None else None
-        if self.body.return_token_ids:
-            choice["token_ids"] = list(delta.token_ids) if delta is not None else []
-        return choice
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closed the connection (the body was read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -20,6 +20,7 @@ from ringfence.actors.serve.gateway import Lost, RequestStream
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.text import TextStream
 from ringfence.sched.request import TIERS
+from ringfence.sched.sampling import TokenLogprobs
 
 # Rejected.code -> the API's error code (answered 409): the router reserves again on
 # "reservation_expired".
@@ -33,6 +34,7 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None  # set on the last delta: "stop" or "length"
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked
 
 
 @dataclass(slots=True)
@@ -64,8 +66,13 @@ class Generation:
         stop: Sequence[str],
         metrics: Metrics,
         timeout_s: float,
+        drop_output: bool = False,
     ) -> None:
         self.stream = stream
+        # max_tokens 0 (echo): the engine runs one token, which the answer leaves out.
+        self._drop_output = drop_output
+        # The prompt's log probabilities (from its second token), once the first Tokens came.
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         self.usage = Usage(prompt_tokens)
         self.text = TextStream(decode, stop)
         self._metrics = metrics
@@ -111,7 +118,11 @@ class Generation:
                            kind="server_error")  # fmt: skip
         if sum(event.cached_tokens.values()):
             self.usage.cached = {tier: event.cached_tokens.get(tier, 0) for tier in TIERS}
-        ids = event.token_ids
+        if event.prompt_logprobs:
+            self.prompt_logprobs = event.prompt_logprobs
+        ids, logprobs = event.token_ids, event.logprobs
+        if self._drop_output:
+            ids, logprobs = (), ()
         self._observe(len(ids))
         text = self.text.add(ids)
         finish = event.finish_reason or None
@@ -128,7 +139,7 @@ class Generation:
             self._end(finish)
         if not text and not ids and finish is None:
             return None
-        return Delta(text, tuple(ids), finish)
+        return Delta(text, tuple(ids), finish, tuple(logprobs))
 
     def _observe(self, count: int) -> None:
         if not count:

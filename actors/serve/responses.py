@@ -32,11 +32,34 @@ class Usage(BaseModel):
     ringfence: TierUsage
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy ``logprobs`` of a completion choice: per token (prompt tokens first with
+    echo), its text (``bytes:\\xNN`` for part of a character), its log probability (None
+    for the prompt's first token), the sampled token's and the best ``logprobs``
+    alternatives' keyed by text, and its offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int  # 1 + how many tokens were more probable
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then token id -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: None
+    index: int  # 0 .. n - 1
+    text: str  # after the prompt's text with echo
+    logprobs: CompletionLogprobs | None  # only with logprobs
     finish_reason: Finish
+    prompt_logprobs: PromptLogprobs | None = None  # only with prompt_logprobs
     token_ids: TokenIds = []  # only with return_token_ids
     prompt_token_ids: TokenIds = []  # only with return_token_ids (a stream's first chunk)
 
@@ -48,7 +71,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
-    choices: list[CompletionChoice]  # one; none in a stream's usage chunk
+    choices: list[CompletionChoice]  # n; a stream's chunk one; its usage chunk none
     usage: Usage | None = None  # absent from stream chunks but the usage chunk
 
 
@@ -57,10 +80,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's UTF-8 bytes (a part of a character: those bytes)
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the top_logprobs most probable tokens
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None  # only with logprobs: true
     finish_reason: Finish
     token_ids: TokenIds = []  # only with return_token_ids
 
@@ -74,6 +111,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # only with prompt_logprobs
     prompt_token_ids: TokenIds = []  # only with return_token_ids
 
 
@@ -85,7 +123,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None  # only with logprobs: true
     finish_reason: Finish
     token_ids: TokenIds = []  # only with return_token_ids
 
@@ -97,8 +135,9 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"]
     created: int
     model: str
-    choices: list[ChatChunkChoice]  # one; none in the usage chunk
+    choices: list[ChatChunkChoice]  # one (its index says which); none in the usage chunk
     usage: Usage | None = None  # only in the usage chunk
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs: the first content
     prompt_token_ids: TokenIds = []  # only with return_token_ids, in the first chunk
 
 

@@ -103,7 +103,7 @@ def test_a_clients_logprobs_are_the_models_log_softmax(tmp_path):
             assert math.isclose(value, float(row[t]), abs_tol=1e-9)
 
 
-def test_prompt_logprobs_cover_every_prompt_token_even_in_chunks_and_when_cached(tmp_path):
+def test_prompt_logprobs_cover_every_prompt_token_in_chunks_cached_and_for_one_token(tmp_path):
     prompt = list(PROMPTS[0])  # 13 tokens: prefilled in chunks of at most 5
     sets = (*ENGINE, *TIERS, "sched.max_batched_tokens=5")
     with (
@@ -112,9 +112,11 @@ def test_prompt_logprobs_cover_every_prompt_token_even_in_chunks_and_when_cached
     ):
         wait_until_begun(client, RUN_TIMEOUT_S)
         client.generate(prompt, max_tokens=2, timeout=RUN_TIMEOUT_S)  # its blocks are cached now
+        # The last ends on its first token: it leaves the scheduler in the step that
+        # brings its prompt's last log probabilities.
         done = [
-            client.generate(prompt, max_tokens=2, prompt_logprobs=2, timeout=RUN_TIMEOUT_S)
-            for _ in range(2)
+            client.generate(prompt, max_tokens=n, prompt_logprobs=2, timeout=RUN_TIMEOUT_S)
+            for n in (2, 2, 1)
         ]
         assert run.failures() == {}
     model, _ = load_model(Config.load(None, list(ENGINE)).model)

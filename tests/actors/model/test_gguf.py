@@ -249,3 +249,44 @@ def test_a_launched_chat_workload_gives_transformers_greedy_tokens(
         engine = summary["engine"]
         assert sum(engine["preemptions"].values()) > 0, engine
         assert engine["blocks"].get("swap_out", 0) > 0, engine
+
+
+def test_served_through_the_openai_client_it_answers_as_transformers_with_its_logprobs(
+    tmp_path: Path, expected: dict[str, tuple[int, ...]], hf: Any, hf_tokenizer: Any
+) -> None:
+    from serving import served
+
+    sets = (f"model.path={FILE}", "model.dtype=float32", "cache.block_size=16")
+    with served(tmp_path, *sets) as server:
+        client = server.client(timeout=240)
+        answers = [
+            client.chat.completions.create(
+                model=None,  # type: ignore[arg-type]  # the served one
+                messages=CHATS[index],  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=3,
+                extra_body={"return_token_ids": True},
+            )
+            for index in range(len(QUESTIONS))
+        ]
+    for index, answer in enumerate(answers):
+        choice = answer.choices[0]
+        tokens = tuple((choice.model_extra or {})["token_ids"])
+        print(f"served q{index}: {choice.message.content!r}")
+        assert tokens == expected[f"q{index}"], index
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        ids = torch.tensor([chat_ids(hf_tokenizer, CHATS[index]) + list(tokens)])
+        with torch.inference_mode():
+            reference = torch.log_softmax(hf(ids).logits[0].double(), dim=-1)
+        start = ids.shape[1] - len(tokens) - 1  # the row that predicts the first output token
+        worst = 0.0
+        for i, (token, entry) in enumerate(zip(tokens, choice.logprobs.content, strict=True)):
+            row = reference[start + i]
+            worst = max(worst, abs(entry.logprob - float(row[token])))
+            best = [float(v) for v in torch.sort(row, descending=True).values[:3]]
+            got = [alt.logprob for alt in entry.top_logprobs]
+            assert max(abs(a - b) for a, b in zip(got, best, strict=True)) < TOLERANCE, i
+        print(f"q{index}: max abs logprob diff against transformers {worst:.2e}")
+        assert worst < TOLERANCE

@@ -113,6 +113,14 @@ def test_a_client_that_disconnects_is_aborted_in_the_engine_within_a_step_and_a_
     assert "ringfence_requests_pending 0.0" in server.get("/metrics").text
     assert len(greedy(server, PROMPTS[1], 8)) == 8  # served again once the flood passed
 
+    # n choices count n times: past max_pending the request is refused whole, and the
+    # choices it had opened are freed.
+    many = server.post("/v1/completions", {"prompt": PROMPTS[2], "n": MAX_PENDING + 1})
+    assert many.status_code == 429, many.text
+    assert "ringfence_requests_pending 0.0" in server.get("/metrics").text
+    fits = server.post("/v1/completions", {"prompt": PROMPTS[2], "n": MAX_PENDING, "seed": 1})
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == MAX_PENDING
+
 
 def test_a_worker_then_the_engine_killed_under_load_cost_errors_or_nothing_never_wrong_tokens(
     server: Server,
