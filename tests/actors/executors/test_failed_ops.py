@@ -69,8 +69,8 @@ class BrokenSteps(Worker):
         assert self.executor is not None
         executor, real, calls = self.executor, self.executor.step, itertools.count(1)
 
-        def step(pieces: list[Piece]) -> Any:
-            out = real(pieces)
+        def step(pieces: list[Piece], **options: Any) -> Any:
+            out = real(pieces, **options)
             if next(calls) in (4, 12):
                 bs = executor.block_size
                 for p in pieces:

@@ -374,8 +374,8 @@ def test_a_step_that_raises_fills_the_blocks_it_wrote_with_nan_and_no_other(
     assert executor is not None
     real = executor.step
 
-    def broken(pieces):  # it ran, wrote its KV, then raised (out of memory, a driver error)
-        real(pieces)
+    def broken(pieces, **options):  # it ran, wrote its KV, then raised (out of memory...)
+        real(pieces, **options)
         raise RuntimeError("the step broke after writing")
 
     monkeypatch.setattr(executor, "step", broken)

@@ -206,5 +206,11 @@ def test_each_streamed_choice_echoes_the_prompt_with_its_logprobs_once(server):
         mine = [c for c in chunks if c["index"] == index]
         assert mine[0]["text"].startswith(ByteTokenizer().decode(PROMPT))
         values = [v for c in mine for v in c["logprobs"]["token_logprobs"]]
-        assert values == whole[index]["logprobs"]["token_logprobs"]
         assert len(values) == len(PROMPT) + 3 and values[0] is None and None not in values[1:]
+        # The two prefills may batch differently (chunks, the other choice's cache hit):
+        # float64 sums in another order, so equal to 1e-9, not bit for bit.
+        theirs = whole[index]["logprobs"]["token_logprobs"]
+        assert theirs[0] is None
+        assert all(
+            math.isclose(a, b, abs_tol=1e-9) for a, b in zip(values[1:], theirs[1:], strict=True)
+        )
