@@ -33,14 +33,12 @@ pytest.importorskip("accelerate", reason="transformers loads GGUF files with acc
 # within 3e-4 (test_gguf.py, measured 7.3e-5); a token's log-probability differs by at most
 # twice its logit's difference, summed over the continuation's tokens. Measured: 3.0e-5.
 TOLERANCE = 5e-4
-REMOTE_DOCS = 3  # the remote-tokenizer run scores the first three documents of each task
+REMOTE_DOCS = 2  # the remote-tokenizer run scores the first two documents of each task
 MC_TASK, GEN_TASK = "rf_capitals_mc", "rf_capitals_gen"
 CAPITALS = (
     ("France", "Paris", ("Paris", "Lyon", "Marseille", "Nice")),
     ("Japan", "Tokyo", ("Osaka", "Tokyo", "Kyoto", "Nagoya")),
     ("Italy", "Rome", ("Milan", "Naples", "Rome", "Turin")),
-    ("Germany", "Berlin", ("Munich", "Hamburg", "Frankfurt", "Berlin")),
-    ("Spain", "Madrid", ("Madrid", "Barcelona", "Seville", "Valencia")),
     ("Canada", "Ottawa", ("Toronto", "Ottawa", "Vancouver", "Montreal")),
 )
 SHOTS = "The capital of Peru is Lima.\\nThe capital of Kenya is Nairobi.\\n"  # YAML-escaped
