@@ -47,6 +47,7 @@ from ringfence.actors.tools.bench.options import add_overrides, environment, plo
 from ringfence.actors.tools.bench.serving import report
 from ringfence.actors.tools.bench.serving.client import LoadRequest
 from ringfence.actors.tools.bench.serving.stats import parse_rate, poisson_arrivals, rate_label
+from ringfence.sched.sampling import MAX_LOGPROBS
 
 WORKLOADS = ("chat", "unique")
 DEFAULT_SETTINGS = ("model.preset=small",)  # the main job's; --set comes after and wins
@@ -93,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"max_tokens of each burst stream ({BURST_TOKENS})",
     )
     parser.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        help="every request asks for the top K log probabilities of each output token, "
+        "on both sides (none by default): the cost of computing them",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds each server or launch may run (300)"
     )
     parser.add_argument(
@@ -120,19 +128,23 @@ def _check(args: argparse.Namespace) -> tuple[list[float], list[str]]:
         ("--burst", args.burst, 0),
         ("--burst-tokens", args.burst_tokens, 1),
         ("--seed", args.seed, 0),
+        ("--logprobs", 0 if args.logprobs is None else args.logprobs, 0),
     ):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if args.logprobs is not None and args.logprobs > MAX_LOGPROBS:
+        raise ValueError(f"--logprobs must be <= {MAX_LOGPROBS}, got {args.logprobs}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     return rates, workloads
 
 
 def load_requests(
-    workload: str, requests: int, rate: float | None, *, seed: int
+    workload: str, requests: int, rate: float | None, *, seed: int, logprobs: int | None = None
 ) -> list[LoadRequest]:
     """The synthetic workload's first ``requests`` requests, in their order, with Poisson
-    arrival times of ``rate`` in place of their own (None: their own)."""
+    arrival times of ``rate`` in place of their own (None: their own), each asking for
+    ``logprobs`` top log probabilities per output token (None: none)."""
     from ringfence.sched.workload import synthetic
 
     lines = synthetic(workload, requests=requests)
@@ -149,6 +161,7 @@ def load_requests(
             temperature=line.params.temperature,
             seed=line.params.seed,
             session=line.session,
+            logprobs=logprobs,
         )
         for line, arrival in zip(lines, arrivals, strict=True)
     ]
@@ -168,6 +181,8 @@ def workload_file(requests: Sequence[LoadRequest]) -> bytes:
         }
         if r.session:
             line["session"] = r.session
+        if r.logprobs is not None:
+            line["logprobs"] = r.logprobs
         lines.append(orjson.dumps(line))
     return b"\n".join(lines) + b"\n"
 
@@ -260,6 +275,7 @@ def bench(
     burst_streams: int,
     burst_tokens: int,
     timeout: float,
+    logprobs: int | None = None,
 ) -> dict[str, Any]:
     """Every (workload, rate) pair, serve then launch, each on a fresh instance; then the
     burst. The report's ``rows`` and ``burst`` (None without one)."""
@@ -269,7 +285,7 @@ def bench(
             for rate in rates:
                 folder = Path(tmp) / f"{workload}-{rate_label(rate)}"
                 folder.mkdir()
-                load = load_requests(workload, requests, rate, seed=seed)
+                load = load_requests(workload, requests, rate, seed=seed, logprobs=logprobs)
                 served = serve_side(load, settings, folder / "serve", timeout)
                 launched = launch_side(load, settings, folder, timeout)
                 rows.append(report.row(workload, rate, served, launched))
@@ -296,6 +312,7 @@ def main(args: argparse.Namespace) -> int:
             burst_streams=args.burst,
             burst_tokens=args.burst_tokens,
             timeout=args.timeout,
+            logprobs=args.logprobs,
         )
     except RunError as e:
         print(f"ringfence bench serve: {e}", file=sys.stderr)
@@ -306,6 +323,7 @@ def main(args: argparse.Namespace) -> int:
         "requests": args.requests,
         "rates": [rate_label(r) for r in rates],
         "seed": args.seed,
+        "logprobs": args.logprobs,
         **figures,
         "wall_s": round(time.perf_counter() - start, 3),
     }

@@ -42,6 +42,7 @@ class LoadRequest:
     temperature: float = 0.0
     seed: int = 0
     session: str = ""  # the conversation it belongs to (for the launch's workload file)
+    logprobs: int | None = None  # the top log probabilities each output token asks for
 
     def body(self, model: str | None) -> dict[str, Any]:
         """The JSON body of its streamed ``/v1/completions`` request."""
@@ -54,6 +55,8 @@ class LoadRequest:
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
         }
+        if self.logprobs is not None:
+            body["logprobs"] = self.logprobs
         if model is not None:
             body["model"] = model
         return body
