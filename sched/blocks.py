@@ -105,7 +105,6 @@ class BlockManager:
         self._out: list[Op] = []
         self.inflight: dict[tuple[Lane, int], SwapOp | StoreOp] = {}  # issued, not completed
         self._poison: list[BlockId] = []  # freed unkeyed device blocks, for the next step
-        self._closed: list[int] = []  # sequences ended since the last step (StepOp.closed)
         self._next = {lane: 1 for lane in Lane} | dict(first_numbers or {})
 
     # The ops.
@@ -129,12 +128,9 @@ class BlockManager:
         self._next[lane] = seq + 1
         return Seq(seq)
 
-    def close_sequence(self, seq_id: int) -> None:
-        """The sequence ended: the next step tells the Worker to forget it."""
-        self._closed.append(seq_id)
-
-    def issue_step(self, pieces: Sequence[Piece]) -> StepOp:
-        """The step running ``pieces`` (and the poison of blocks freed since the last one)."""
+    def issue_step(self, pieces: Sequence[Piece], closed: tuple[int, ...] = ()) -> StepOp:
+        """The step running ``pieces`` (and the poison of blocks freed since the last one),
+        telling the Worker to forget the ``closed`` sequences."""
         poison: tuple[int, ...] = ()
         if self.config.poison_freed and self._poison:
             # A block freed and handed out again since is written by its new owner: skip it.
@@ -151,7 +147,6 @@ class BlockManager:
             writes.update(BlockId(b) for b in table[p.start // bs : -(-end // bs)])
         step = self._number(Lane.STEP)
         fence = self.tracker.issue(Lane.STEP, step, read_device=reads, write_device=writes)
-        closed, self._closed = tuple(self._closed), []
         op = StepOp(step=step, fence=fence, pieces=tuple(pieces), poison=poison, closed=closed)
         self._out.append(op)
         return op

@@ -27,6 +27,7 @@ class PieceMaker:
         self._bs = block_size
         self._namespace = namespace
         self._filled: list[tuple[list[BlockId], list[BlockHash]]] = []  # to key after the step
+        self._closed: list[int] = []  # sequences ended since the last step (StepOp.closed)
 
     def make(self, seq: Sequence, count: int) -> Piece:
         """The piece computing the sequence's next ``count`` tokens, which count as computed
@@ -54,6 +55,17 @@ class PieceMaker:
         r = seq.request
         history = tokens[:start] if r.params.needs_counts else ()
         return Opening(params=r.params, num_prompt_tokens=r.num_prompt_tokens, history=history)
+
+    def close(self, seq: Sequence) -> None:
+        """The sequence ended: the next step tells the Worker to forget what an Opening gave
+        it (only for a sequence ever admitted: one never opened left nothing there)."""
+        if seq.admissions:
+            self._closed.append(seq.seq_id)
+
+    def take_closed(self) -> tuple[int, ...]:
+        """The sequences closed since the last call, for the next step's ``closed``."""
+        closed, self._closed = tuple(self._closed), []
+        return closed
 
     def keys(self, seq: Sequence, tokens: tuple[int, ...], count: int) -> list[BlockHash]:
         """The keys of the first ``count`` full blocks of the sequence (computed once, kept

@@ -294,7 +294,7 @@ class Scheduler:
                 budget -= len(piece.token_ids)
         budget = self._admission.admit(self._waiting, self._running, budget, pieces, scheduled)
         if pieces:
-            self._step_in_flight = self.blocks.issue_step(pieces)
+            self._step_in_flight = self.blocks.issue_step(pieces, self._pieces.take_closed())
             self.counters.steps += 1
             self.counters.batched_tokens += self.config.sched.max_batched_tokens - budget
         self._pieces.key_filled(self.blocks)  # after the step: see ringfence.sched.pieces
@@ -411,8 +411,7 @@ class Scheduler:
         self._admission.drop_prefetch(seq)
         self._seqs.pop(seq.seq_id, None)
         self._by_id.pop(seq.request.request_id, None)
-        if seq.admissions:  # the Worker may keep its Opening, even from before a preemption
-            self.blocks.close_sequence(seq.seq_id)
+        self._pieces.close(seq)  # the Worker may keep its Opening, even from before a preemption
 
     def on_transfer(self, lane: Lane, op: int, status: str, missing: Iterable[int] = ()) -> None:
         """Apply a transfer completion. A prefetch's request waits again (its blocks now on

@@ -42,10 +42,9 @@ class SeqSampling:
     # log probability of this piece's first token (None before the first piece).
     pending: torch.Tensor | None = None
 
-    def observe(self, tokens: Iterable[int]) -> None:
+    def observe(self, tokens: Sequence[int]) -> None:
         """Count the tokens at positions num_tokens, num_tokens + 1, ... (only when a
         penalty reads the counts; otherwise only the position moves)."""
-        tokens = tuple(tokens)
         if self.params.needs_counts:
             first_output = max(0, self.num_prompt_tokens - self.num_tokens)
             self.seen.update(tokens)
