@@ -144,7 +144,9 @@ class Sampler:
     def sample(
         self, pieces: Sequence[Piece], last_logits: torch.Tensor
     ) -> tuple[SampledToken, ...]:
-        """The next token of every piece that asks for one, from its row of ``last_logits``."""
+        """The next token of every piece that asks for one, from its row of ``last_logits``
+        (on any device: sampled on the CPU in float64, so every device draws the same)."""
+        last_logits = last_logits.to(device="cpu", dtype=torch.float64)
         outputs = []
         for row, p in enumerate(pieces):
             if not p.sample:
@@ -158,7 +160,7 @@ class Sampler:
             state = self.seqs[p.seq_id]
             params = state.params
             position = p.start + len(p.token_ids)
-            raw = last_logits[row].to(dtype=torch.float64)
+            raw = last_logits[row]
             logits = processed(raw, state, position) if params.processes_logits else raw
             token = sample(
                 logits,

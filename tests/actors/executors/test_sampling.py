@@ -124,3 +124,38 @@ def test_the_sampled_tokens_logprob_is_of_the_logits_the_mode_names(mode: str) -
     source = raw if mode == "raw_logprobs" else biased
     assert out.logprob == float(torch.log_softmax(source, dim=-1)[6])
     assert len(out.top) == 2
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the Worker's sampling of CUDA logits"
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_on_cuda_every_knob_samples_the_tokens_and_logprobs_of_the_cpu_run(mode: str) -> None:
+    knobs = SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=6, min_p=0.05, seed=7, logprobs=3, min_tokens=3,
+        repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+        logit_bias=((2, 1.5), (9, -2.0)), stop_token_ids=(11,),
+    )  # fmt: skip
+    results = {}
+    for device in ("cpu", "cuda"):
+        sampler = Sampler(VOCAB, mode)
+        opening = Opening(params=knobs, num_prompt_tokens=3, history=(1, 2, 2))
+        tokens: list[int] = [3]
+        first = piece(1, tokens, 3, opening)
+        sampler.advance([first])
+        got = []
+        for step in range(12):
+            p = first if step == 0 else piece(1, tokens[-1:], 3 + step)
+            if step:
+                sampler.advance([p])
+            [out] = sampler.sample([p], logits_of(step).to(device).unsqueeze(0))
+            got.append((out.token_id, out.logprob, out.rank, out.top))
+            tokens.append(out.token_id)
+        results[device] = got
+    assert [g[0] for g in results["cuda"]] == [g[0] for g in results["cpu"]]
+    for c, g in zip(results["cpu"], results["cuda"], strict=True):
+        assert abs(c[1] - g[1]) < 1e-12 and c[2] == g[2]
+        assert [t for t, _ in c[3]] == [t for t, _ in g[3]]

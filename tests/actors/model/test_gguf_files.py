@@ -100,6 +100,17 @@ def test_two_ranks_of_a_gguf_file_compute_the_whole_models_logits(tmp_path: Path
         torch.testing.assert_close(got[-1], want, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a GGUF file on cuda")
+def test_on_cuda_a_gguf_file_loads_there_and_computes_the_cpu_runs_logits(tiny: Path) -> None:
+    cpu = load_checkpoint(tiny, dtype=torch.float64)
+    cuda = load_checkpoint(tiny, dtype=torch.float64, device="cuda")
+    assert all(p.is_cuda for p in cuda.parameters())
+    ids = PROMPT + greedy(cpu, PROMPT, 4)
+    want = cpu.forward_contiguous(torch.tensor(ids))
+    got = cuda.forward_contiguous(torch.tensor(ids, device="cuda")).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
 # The preflight: each broken file, its exact line in process and from `ringfence launch`.
 
 
