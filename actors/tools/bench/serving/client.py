@@ -139,9 +139,11 @@ async def stream_completion(
 
 
 async def _at(start: float, request: LoadRequest) -> None:
-    """Wait until ``request``'s arrival time (a timer, one per request)."""
-    delay = start + request.arrival_s - time.perf_counter()
-    if delay > 0:
+    """Wait until ``request``'s arrival time (a timer, one per request). A loop's timer may
+    fire up to its clock's resolution early (uvloop's is a millisecond, read once per
+    iteration), so the wait is taken again for what is left: never early."""
+    target = start + request.arrival_s
+    while (delay := target - time.perf_counter()) > 0:
         await asyncio.sleep(delay)
 
 
