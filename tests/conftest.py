@@ -13,6 +13,21 @@ from ringfence.actors.tools.testing.shm import leaked_names, shm_names
 from ringfence.shm import names
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Collect the files of ``tests/suite_order.py`` first, in its order (a stable sort: the
+    tests inside a file, and every other file, keep their order)."""
+    from suite_order import LONGEST_FIRST
+
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+
+    def key(item: pytest.Item) -> int:
+        path = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_shm_names():
     """Fail any test that leaves a ringfence name in /dev/shm (and remove what it left)."""
@@ -41,11 +56,14 @@ def run_id() -> str:
 def pressure_swap_run(tmp_path_factory) -> Path:
     """test_engine's CI run of ``pressure`` with swap preemption under chaos and poison
     (traced, finished, replayed and re-driven); test_replay_runs.py corrupts copies of its
-    logs. One launch for both. Its run dir."""
+    logs. One launch for both, whichever worker runs them (``tests/session_shared.py``).
+    Its run dir."""
     from engine_runs import TIERS, finished, workload_sets
     from launching import launched
+    from session_shared import built_once
 
-    tmp = tmp_path_factory.mktemp("pressure-swap")
-    with launched(tmp, *workload_sets("pressure", *TIERS, "sched.preemption=swap")) as run:
-        finished(run)
-    return run.run_dir
+    def launch(out: Path) -> None:
+        with launched(out, *workload_sets("pressure", *TIERS, "sched.preemption=swap")) as run:
+            finished(run)
+
+    return built_once(tmp_path_factory, "pressure-swap", launch) / "run"

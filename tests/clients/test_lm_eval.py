@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from client_runs import model_file, require_answer, served_model
+from client_runs import require_answer, served_model
+from hf_reference import reference_dir
 from serving import Server
 
 pytest.importorskip("lm_eval", reason="the client under test (the test extra installs lm-eval)")
@@ -128,12 +129,12 @@ def evaluate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def hf_results(evaluate: Any) -> dict[str, Any]:
-    """lm-eval's ``hf`` model: transformers' float32 load of the GGUF file, batch 1."""
-    file = model_file()
+def hf_results(evaluate: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """lm-eval's ``hf`` model: transformers' float32 load of the GGUF file (saved once per
+    session, ``tests/hf_reference.py``), batch 1."""
     return evaluate(  # type: ignore[no-any-return]
-        "hf", pretrained=str(file.parent), gguf_file=file.name, dtype="float32",
-        device="cpu", batch_size=1,
+        "hf", pretrained=str(reference_dir(tmp_path_factory)), dtype="float32", device="cpu",
+        batch_size=1,
     )  # fmt: skip
 
 

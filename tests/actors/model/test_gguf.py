@@ -8,10 +8,11 @@ transformers' ids and text. Launched: ``ringfence launch`` on a chat workload gi
 tokens on one rank with the host and storage tiers and swap preemption on, and (with
 ``-m slow``) on three ranks: the model's 3 KV heads allow 1 or 3, and the preflight
 refuses 2 naming them. Two ranks of a GGUF file are compared in process on a tiny file
-(``test_gguf_files.py``).
+(``test_gguf_files.py``). Served, through the openai SDK: tests/clients/test_openai_sdk.py.
 
-The model, transformers' copy and the greedy references load once per module (about
-25 s on two cores); each launch loads the file again in its Worker (about 4 s).
+The model and the greedy references load once per module, transformers' copy once per
+session (``tests/hf_reference.py``); each launch loads the file again in its Worker (about
+4 s).
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ import pytest
 import torch
 from engine_runs import ENGINE, finished
 from gguf_files import smollm2
+from hf_reference import (
+    EOS,
+    MAX_TOKENS,
+    QUESTIONS,
+    chat_ids,
+    greedy_answers,
+    question_chat,
+    reference_dir,
+)
 from launching import QUICK, launched
 
 from ringfence.actors.config import Config
@@ -46,15 +56,8 @@ pytest.importorskip("transformers", reason="the reference is transformers")
 # float32 logits (magnitudes up to ~25) after 30 layers: transformers and ringfence order
 # their float32 sums differently (rotary tables, attention), measured apart by < 1e-4.
 TOLERANCE = 3e-4
-EOS = 2  # <|im_end|>: the file's eos, where both stop
-MAX_TOKENS = 16
-QUESTIONS = (
-    "What is the capital of France?",
-    "Name the three primary colors.",
-    "How many legs does a spider have?",
-)
 CHATS: list[list[dict[str, str]]] = [
-    *([{"role": "user", "content": q}] for q in QUESTIONS),
+    *(question_chat(index) for index in range(len(QUESTIONS))),
     [
         {"role": "system", "content": "You answer in one word."},
         {"role": "user", "content": "Is the sky blue?"},
@@ -78,22 +81,23 @@ def loaded() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def hf() -> Any:
+def hf(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """transformers' float32 load of the file (``from_pretrained(dir, gguf_file=...)``, made
+    once per session: ``tests/hf_reference.py``)."""
     from transformers import AutoModelForCausalLM
 
-    assert FILE is not None
     model = AutoModelForCausalLM.from_pretrained(
-        str(FILE.parent), gguf_file=FILE.name, torch_dtype=torch.float32
+        str(reference_dir(tmp_path_factory)), torch_dtype=torch.float32
     )
     return model.eval()
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
+def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """transformers' tokenizer of the file (with its chat template), likewise."""
     from transformers import AutoTokenizer
 
-    assert FILE is not None
-    return AutoTokenizer.from_pretrained(str(FILE.parent), gguf_file=FILE.name)
+    return AutoTokenizer.from_pretrained(str(reference_dir(tmp_path_factory)))
 
 
 @pytest.fixture(scope="module")
@@ -103,28 +107,11 @@ def tokenizer() -> CheckpointTokenizer:
     return loaded
 
 
-def chat_ids(hf_tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
-
-
 @pytest.fixture(scope="module")
-def expected(hf: Any, hf_tokenizer: Any) -> dict[str, tuple[int, ...]]:
-    """transformers' greedy tokens of each question, one generate() per prompt."""
-    out = {}
-    with torch.inference_mode():
-        for index, messages in enumerate(CHATS[: len(QUESTIONS)]):
-            ids = torch.tensor([chat_ids(hf_tokenizer, messages)])
-            tokens = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                eos_token_id=EOS,
-                pad_token_id=EOS,
-            )[0, ids.shape[1] :]
-            out[f"q{index}"] = tuple(tokens.tolist())
-    return out
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, ...]]:
+    """transformers' greedy tokens of each question, one generate() per prompt (once per
+    session: ``tests/hf_reference.py``)."""
+    return greedy_answers(tmp_path_factory)
 
 
 def test_the_dequantized_weights_equal_transformers_ones(loaded: LoadedModel, hf: Any) -> None:
@@ -249,44 +236,3 @@ def test_a_launched_chat_workload_gives_transformers_greedy_tokens(
         engine = summary["engine"]
         assert sum(engine["preemptions"].values()) > 0, engine
         assert engine["blocks"].get("swap_out", 0) > 0, engine
-
-
-def test_served_through_the_openai_client_it_answers_as_transformers_with_its_logprobs(
-    tmp_path: Path, expected: dict[str, tuple[int, ...]], hf: Any, hf_tokenizer: Any
-) -> None:
-    from serving import served
-
-    sets = (f"model.path={FILE}", "model.dtype=float32", "cache.block_size=16")
-    with served(tmp_path, *sets) as server:
-        client = server.client(timeout=240)
-        answers = [
-            client.chat.completions.create(  # type: ignore[call-overload]
-                model=None,  # type: ignore[arg-type]  # the served one
-                messages=CHATS[index],  # type: ignore[arg-type]
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                logprobs=True,
-                top_logprobs=3,
-                extra_body={"return_token_ids": True},
-            )
-            for index in range(len(QUESTIONS))
-        ]
-    for index, answer in enumerate(answers):
-        choice = answer.choices[0]
-        tokens = tuple((choice.model_extra or {})["token_ids"])
-        print(f"served q{index}: {choice.message.content!r}")
-        assert tokens == expected[f"q{index}"], index
-        assert choice.logprobs is not None and choice.logprobs.content is not None
-        ids = torch.tensor([chat_ids(hf_tokenizer, CHATS[index]) + list(tokens)])
-        with torch.inference_mode():
-            reference = torch.log_softmax(hf(ids).logits[0].double(), dim=-1)
-        start = ids.shape[1] - len(tokens) - 1  # the row that predicts the first output token
-        worst = 0.0
-        for i, (token, entry) in enumerate(zip(tokens, choice.logprobs.content, strict=True)):
-            row = reference[start + i]
-            worst = max(worst, abs(entry.logprob - float(row[token])))
-            best = [float(v) for v in torch.sort(row, descending=True).values[:3]]
-            got = [alt.logprob for alt in entry.top_logprobs]
-            assert max(abs(a - b) for a, b in zip(got, best, strict=True)) < TOLERANCE, i
-        print(f"q{index}: max abs logprob diff against transformers {worst:.2e}")
-        assert worst < TOLERANCE
