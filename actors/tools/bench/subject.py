@@ -10,6 +10,7 @@ are imported only when a subject is loaded, so the ``ringfence`` command starts 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,10 +68,11 @@ def preset_in_transformers(transformers: Any, model: Model) -> Any:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Subject:
-    """What is benchmarked: a checkpoint directory when ``checkpoint`` is set, else a preset."""
+    """What is benchmarked: a checkpoint (a directory or a GGUF file) when ``checkpoint`` is
+    set, else a preset."""
 
     preset: str | None = None  # a key of PRESETS
-    checkpoint: str | None = None  # a Hugging Face checkpoint directory
+    checkpoint: str | None = None  # a Hugging Face checkpoint directory or a GGUF file
 
     def load(self, dtype: torch.dtype, transformers: Any) -> tuple[Model, Any]:
         """Our model and transformers' of the same weights, both in ``dtype``, in eval mode."""
@@ -82,7 +84,13 @@ class Subject:
             model = Model.from_preset(self.preset, dtype, SEED)
             return model, preset_in_transformers(transformers, model)
         model = load_checkpoint(self.checkpoint, dtype=dtype).eval()
+        path = Path(self.checkpoint)
+        # A GGUF file: transformers reads it from its folder by name (and dequantizes it too).
+        source = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            self.checkpoint, dtype=dtype, attn_implementation="sdpa"
+            str(path.parent) if source else self.checkpoint,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            **source,
         )
         return model, hf.eval().requires_grad_(False)

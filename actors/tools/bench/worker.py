@@ -5,7 +5,8 @@ Prefill and decode tokens per second of a model on the paged path
 block table a shuffled run of block ids), next to transformers holding the very same
 weights, run in the same process on the same threads. The model is a preset
 (``--preset``, ``small``), which transformers runs as a ``LlamaForCausalLM`` built
-from our weights, or a checkpoint directory of any supported family (``--model DIR``),
+from our weights, or a checkpoint of any supported family (``--model PATH``: a directory, or
+a GGUF file, which transformers reads with ``gguf_file=``),
 which we load with ``load_checkpoint`` and transformers with
 ``AutoModelForCausalLM.from_pretrained``, both in the benchmark's dtype. The ratio
 paged / transformers is reported for each; the target is at least 0.8x
@@ -88,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny preset, short lengths (tests)")
     parser.add_argument("--preset", help="model preset (small; quick: tiny)")
     parser.add_argument(
-        "--model", metavar="DIR", help="a checkpoint directory of any supported family (no preset)"
+        "--model",
+        metavar="PATH",
+        help="a checkpoint directory of any supported family, or a GGUF file (no preset)",
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="%(default)s")
     add_counts(parser, COUNTS)

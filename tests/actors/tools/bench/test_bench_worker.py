@@ -57,6 +57,26 @@ def test_a_quick_worker_bench_of_a_checkpoint_runs_each_side_from_its_files(
     assert f"{family} checkpoint" in capsys.readouterr().out
 
 
+def test_a_quick_worker_bench_of_a_gguf_file_runs_transformers_from_the_same_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers", reason="the baseline is transformers")
+    pytest.importorskip("accelerate", reason="transformers loads GGUF files with accelerate")
+    pytest.importorskip("gguf", reason="writes a GGUF file")
+    from gguf_files import tiny_weights, write_tiny
+
+    file = write_tiny(tmp_path / "tiny.gguf", tiny_weights(3))
+    path = tmp_path / "worker.json"
+    assert cli.main(["bench", "worker", "--quick", "--model", str(file), "--json", str(path)]) == 0
+    report = orjson.loads(path.read_bytes())
+    assert report["checkpoint"] == str(file) and report["family"] == "LlamaForCausalLM"
+    check = report["logits_check"]
+    assert check["passed"] and check["float32_argmax_equal"], check
+    assert report["decode_greedy_tokens_equal"] == 1.0
+    assert all(report["ratios"][phase] > 0 for phase in ("prefill", "decode"))
+    assert "checkpoint" in capsys.readouterr().out
+
+
 def test_a_worker_bench_of_both_a_checkpoint_and_a_preset_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
