@@ -83,6 +83,23 @@ def test_logprobs_list_the_best_alternatives_in_order_with_the_tokens_rank() -> 
     assert token_logprobs(masked, 5, 0)[0] == LOGPROB_FLOOR, "no infinity on the wire"
 
 
+@pytest.mark.parametrize("row", ["distinct", "ties", "masked", "flat"])
+def test_the_top_logprobs_are_the_first_k_of_a_stable_sort_of_the_whole_row(row: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(40):
+        x = torch.randn(300, generator=gen, dtype=torch.float64)
+        if row == "ties":
+            x = torch.round(x * 2) / 2  # many equal values, at every boundary
+        elif row == "masked":
+            x[torch.randperm(300, generator=gen)[:290]] = -math.inf
+        elif row == "flat":
+            x = torch.zeros(300, dtype=torch.float64)
+        k = 1 + trial % 20
+        values, order = torch.sort(torch.log_softmax(x, dim=-1), descending=True, stable=True)
+        want = [(int(i), max(float(v), LOGPROB_FLOOR)) for i, v in zip(order[:k], values[:k])]
+        assert list(token_logprobs(x, 0, k)[1]) == want, (row, trial, k)
+
+
 def piece(seq_id: int, tokens: list[int], start: int, opening: Opening | None = None) -> Piece:
     return Piece(
         seq_id=seq_id, token_ids=tuple(tokens), start=start, block_table=(0, 1, 2, 3),
