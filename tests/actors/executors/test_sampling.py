@@ -96,7 +96,8 @@ def test_the_top_logprobs_are_the_first_k_of_a_stable_sort_of_the_whole_row(row:
             x = torch.zeros(300, dtype=torch.float64)
         k = 1 + trial % 20
         values, order = torch.sort(torch.log_softmax(x, dim=-1), descending=True, stable=True)
-        want = [(int(i), max(float(v), LOGPROB_FLOOR)) for i, v in zip(order[:k], values[:k])]
+        first = zip(order[:k].tolist(), values[:k].tolist(), strict=True)
+        want = [(i, max(v, LOGPROB_FLOOR)) for i, v in first]
         assert list(token_logprobs(x, 0, k)[1]) == want, (row, trial, k)
 
 
