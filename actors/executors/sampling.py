@@ -236,10 +236,8 @@ def token_logprobs(
         kth = torch.topk(logprobs, min(k, logprobs.numel())).values[-1]
         candidates = torch.nonzero(logprobs >= kth).flatten()
         if len(candidates) > 4 * k + 64:  # a wide tie (a mostly masked row): sort them all
-            values, order = torch.sort(logprobs, descending=True, stable=True)
-            candidates = order[:k]
-        ids = candidates.tolist()
-        values = logprobs[candidates].tolist()
-        best = sorted(zip(ids, values, strict=True), key=lambda pair: (-pair[1], pair[0]))[:k]
+            candidates = torch.sort(logprobs, descending=True, stable=True).indices[:k]
+        pairs = zip(candidates.tolist(), logprobs[candidates].tolist(), strict=True)
+        best = sorted(pairs, key=lambda pair: (-pair[1], pair[0]))[:k]
         top = tuple((int(i), max(float(v), LOGPROB_FLOOR)) for i, v in best)
     return max(chosen, LOGPROB_FLOOR), top, rank
