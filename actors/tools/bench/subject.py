@@ -74,15 +74,17 @@ class Subject:
     preset: str | None = None  # a key of PRESETS
     checkpoint: str | None = None  # a Hugging Face checkpoint directory or a GGUF file
 
-    def load(self, dtype: torch.dtype, transformers: Any) -> tuple[Model, Any]:
-        """Our model and transformers' of the same weights, both in ``dtype``, in eval mode."""
+    def load(self, dtype: torch.dtype, transformers: Any, device: str = "cpu") -> tuple[Model, Any]:
+        """Our model and transformers' of the same weights, both in ``dtype`` on ``device``, in
+        eval mode (each loaded on the CPU, then moved)."""
         from ringfence.actors.model.checkpoint import load_checkpoint
         from ringfence.actors.model.decoder import Model
 
         if self.checkpoint is None:
             assert self.preset is not None
             model = Model.from_preset(self.preset, dtype, SEED)
-            return model, preset_in_transformers(transformers, model)
+            hf = preset_in_transformers(transformers, model)
+            return model.to(device), hf.to(device)
         model = load_checkpoint(self.checkpoint, dtype=dtype).eval()
         path = Path(self.checkpoint)
         # A GGUF file: transformers reads it from its folder by name (and dequantizes it too).
@@ -93,4 +95,4 @@ class Subject:
             attn_implementation="sdpa",
             **source,
         )
-        return model, hf.eval().requires_grad_(False)
+        return model.to(device), hf.eval().requires_grad_(False).to(device)

@@ -93,6 +93,9 @@ METHODS = (
     "index_select_copy",
     "index_select_out",
 )
+# On a CUDA device, the runtime's own path and its ceiling: the index_select methods stage
+# through a tensor on one side, which is a CPU design question.
+CUDA_METHODS = METHODS[:3]
 DIRECTIONS = ("h2d", "d2h")
 MODES = ("fence", "sync")
 HARNESS_POOL_BLOCKS = 64  # cache.device_blocks and cache.host_blocks of the harness run
@@ -120,6 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-harness", action="store_true", help="only the bandwidth part (no launched runs)"
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="the device tier: cpu (a second CPU tensor) or cuda (the host tier pinned, "
+        "copies queued as the swap lane queues them) (%(default)s)",
+    )
 
 
 # Bandwidth.
@@ -131,6 +140,19 @@ class _Pools:
     def __init__(self, host: Tensor, device: Tensor, staging: Tensor) -> None:
         self.host, self.device, self.staging = host, device, staging
         self.blocks = host.shape[0]
+        self.cuda = device.is_cuda  # copies queued (non_blocking), waited for by timed()
+
+    def timed(
+        self, method: str, direction: str, batches: Sequence[tuple[list[int], list[int]]]
+    ) -> float:
+        """Seconds :meth:`run` takes, to the end of the copies it queued on a CUDA device."""
+        import torch
+
+        start = time.perf_counter()
+        self.run(method, direction, batches)
+        if self.cuda:
+            torch.cuda.synchronize(self.device.device)
+        return time.perf_counter() - start
 
     def ends(self, direction: str) -> tuple[Tensor, Tensor]:
         return (self.host, self.device) if direction == "h2d" else (self.device, self.host)
@@ -148,12 +170,12 @@ class _Pools:
             n = len(src_ids)
             if method == "plain":
                 a, b = src_ids[0], dst_ids[0]  # the consecutive ids' starts
-                dst[b : b + n].copy_(src[a : a + n])
+                dst[b : b + n].copy_(src[a : a + n], non_blocking=self.cuda)
             elif method == "copy_blocks":
-                copy_blocks(src, src_ids, dst, dst_ids)
+                copy_blocks(src, src_ids, dst, dst_ids, non_blocking=self.cuda)
             elif method == "copy_blocks_consecutive":
                 a, b = src_ids[0], dst_ids[0]
-                copy_blocks(src, range(a, a + n), dst, range(b, b + n))
+                copy_blocks(src, range(a, a + n), dst, range(b, b + n), non_blocking=self.cuda)
             elif method == "index_select_copy":
                 s, d = torch.tensor(src_ids), torch.tensor(dst_ids)
                 dst.index_copy_(0, d, torch.index_select(src, 0, s))
@@ -186,9 +208,10 @@ def _draw(
 
 
 def bench_bandwidth(
-    preset: str, batches: Sequence[int], rounds: int, rep_blocks: int
+    preset: str, batches: Sequence[int], rounds: int, rep_blocks: int, device: str = "cpu"
 ) -> dict[str, Any]:
-    """Median GB/s of every method, direction and batch size, and the copy_blocks ratios."""
+    """Median GB/s of every method, direction and batch size, and the copy_blocks ratios;
+    the device tier on ``device`` (on CUDA the host tier is pinned as the swap lane pins it)."""
     import torch
 
     from ringfence.actors.kv.space import KVLayout, create_kv
@@ -206,32 +229,40 @@ def bench_bandwidth(
         dtype=DTYPE,
     )
     run_id = names.new_run_id()
+    methods = METHODS if device == "cpu" else CUDA_METHODS
     seconds: dict[str, dict[int, dict[str, list[float]]]] = {
-        d: {n: {m: [] for m in METHODS} for n in batches} for d in DIRECTIONS
+        d: {n: {m: [] for m in methods} for n in batches} for d in DIRECTIONS
     }
     try:
         host_kv = create_kv(layout, "cpu", shm_name=names.posix_name(run_id, "kv.host.0"))
+        pinned = False
         try:
             host = host_kv.kv
-            device = torch.empty(layout.shape, dtype=layout.torch_dtype)
+            if device != "cpu":
+                nbytes = host.numel() * host.element_size()
+                code = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)  # type: ignore[no-untyped-call]
+                if int(code) != 0:
+                    raise RuntimeError(f"cudaHostRegister of the host tensor failed: {code}")
+                pinned = True
+            dev = torch.empty(layout.shape, dtype=layout.torch_dtype, device=device)
             staging = torch.empty(layout.shape, dtype=layout.torch_dtype)
-            for t in (host, device, staging):  # first touch, outside any timing
+            for t in (host, dev, staging):  # first touch, outside any timing
                 t.fill_(1.0)
-            pools = _Pools(host, device, staging)
+            pools = _Pools(host, dev, staging)
             rng = random.Random(SEED)
             for round_no in range(rounds + 1):  # round 0 warms up, untimed
                 for n in batches:
                     reps = max(1, rep_blocks // n)
                     for direction in DIRECTIONS:
                         ids = _draw(rng, pool, n, reps)
-                        shift = (round_no + n) % len(METHODS)
-                        for method in METHODS[shift:] + METHODS[:shift]:
-                            start = time.perf_counter()
-                            pools.run(method, direction, ids[method])
-                            elapsed = time.perf_counter() - start
+                        shift = (round_no + n) % len(methods)
+                        for method in methods[shift:] + methods[:shift]:
+                            elapsed = pools.timed(method, direction, ids[method])
                             if round_no:
                                 seconds[direction][n][method].append(elapsed / reps)
         finally:
+            if pinned:
+                torch.cuda.cudart().cudaHostUnregister(host_kv.kv.data_ptr())  # type: ignore[no-untyped-call]
             host_kv.close()
     finally:
         names.clean_run(run_id)
@@ -263,7 +294,8 @@ def bench_bandwidth(
         "batches": list(batches),
         "rounds": rounds,
         "rep_blocks": rep_blocks,
-        "methods": list(METHODS),
+        "device": device if device == "cpu" else torch.cuda.get_device_name(device),
+        "methods": list(methods),
         "rows": rows,
         "target_ratio": TARGET_RATIO,
         "target_min_blocks": TARGET_MIN_BLOCKS,
@@ -273,8 +305,11 @@ def bench_bandwidth(
 # Harness.
 
 
-def _settings(mode: str, preset: str, programs: int, ops: int, storage: Path) -> list[str]:
+def _settings(
+    mode: str, preset: str, programs: int, ops: int, storage: Path, *, device: str = "cpu"
+) -> list[str]:
     return [
+        f"model.device={device}",
         "runtime.topology=ringfence.actors.tools.testing.harness:TOPOLOGY",
         f"transfer.mode={mode}",
         "transfer.chaos_delay_ms=0",
@@ -292,7 +327,15 @@ def _settings(mode: str, preset: str, programs: int, ops: int, storage: Path) ->
 
 
 def run_harness(
-    mode: str, *, preset: str, programs: int, ops: int, threads: int, timeout: float, folder: Path
+    mode: str,
+    *,
+    preset: str,
+    programs: int,
+    ops: int,
+    threads: int,
+    timeout: float,
+    folder: Path,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Launch the harness once in ``mode``; its ``harness.json`` and the launch's wall time.
 
@@ -301,7 +344,7 @@ def run_harness(
     run_dir, storage = folder / f"run-{mode}", folder / f"storage-{mode}"
     done = launcher.run(
         run_dir,
-        _settings(mode, preset, programs, ops, storage),
+        _settings(mode, preset, programs, ops, storage, device=device),
         what=f"{mode} run",
         timeout=timeout,
         env={"OMP_NUM_THREADS": str(threads)},
@@ -318,9 +361,10 @@ def run_harness(
 
 
 def bench_harness(
-    preset: str, programs: int, ops: int, threads: int, timeout: float
+    preset: str, programs: int, ops: int, threads: int, timeout: float, *, device: str = "cpu"
 ) -> dict[str, Any]:
-    """Both modes' harness reports, their ops/s and the ratio fence / sync."""
+    """Both modes' harness reports, their ops/s and the ratio fence / sync (the Worker's
+    model and device tier on ``device``)."""
     reports = {}
     with tempfile.TemporaryDirectory(prefix="rf-bench-transfer-") as folder:
         for mode in MODES:
@@ -332,12 +376,14 @@ def bench_harness(
                 threads=threads,
                 timeout=timeout,
                 folder=Path(folder),
+                device=device,
             )
     ops_per_s = {mode: float(r["ops_per_s"]) for mode, r in reports.items()}
     return {
         "preset": preset,
         "dtype": DTYPE,
         "block_size": BLOCK_SIZE,
+        "device": device,
         "device_blocks": HARNESS_POOL_BLOCKS,
         "host_blocks": HARNESS_POOL_BLOCKS,
         "programs": programs,
@@ -363,7 +409,8 @@ def _print(report: dict[str, Any]) -> None:
     print(
         f"torch {report['torch']}, {report['threads']} thread(s), {report['cpus']} CPU(s); "
         f"blocks of preset {bw['preset']} ({bw['block_bytes'] // 1024} KiB, {bw['dtype']}, "
-        f"block size {bw['block_size']}), pools of {bw['pool_blocks']} blocks"
+        f"block size {bw['block_size']}), pools of {bw['pool_blocks']} blocks; device tier "
+        f"on {bw['device']}"
     )
     print(f"swap bandwidth, GB/s, median of {bw['rounds']} round(s):")
     short = {
@@ -414,10 +461,18 @@ def main(args: argparse.Namespace) -> int:
     preset = resolve_preset(args)
     import torch
 
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ValueError(f"--device: {args.device!r} is neither cpu nor cuda")
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: torch sees no CUDA device")
     batches = QUICK_BATCHES if args.quick else BATCHES
     start = time.perf_counter()
     bandwidth = bench_bandwidth(
-        preset, batches, counts["rounds"], QUICK_REP_BLOCKS if args.quick else REP_BLOCKS
+        preset,
+        batches,
+        counts["rounds"],
+        QUICK_REP_BLOCKS if args.quick else REP_BLOCKS,
+        args.device,
     )
     report: dict[str, Any] = {
         "torch": torch.__version__,
@@ -431,7 +486,12 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         try:
             report["harness"] = bench_harness(
-                preset, counts["programs"], counts["ops"], threads, counts["timeout"]
+                preset,
+                counts["programs"],
+                counts["ops"],
+                threads,
+                counts["timeout"],
+                device=args.device,
             )
             report["wall_s"]["harness"] = round(time.perf_counter() - start, 3)
         except RunError as e:

@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="%(default)s")
     add_counts(parser, COUNTS)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (torch's default)")
+    parser.add_argument(
+        "--device", default="cpu", help="where both sides run: cpu or cuda (%(default)s)"
+    )
 
 
 def _last_logits_only(hf: Any) -> dict[str, int]:
@@ -116,7 +119,7 @@ def _executor(model: Model, tables: int, positions: int) -> tuple[PagedExecutor,
     per_table = -(-positions // BLOCK_SIZE)
     ids = list(range(tables * per_table))
     random.Random(SEED).shuffle(ids)
-    kv = make_kv_cache(model.config, len(ids), BLOCK_SIZE, model.dtype)
+    kv = make_kv_cache(model.config, len(ids), BLOCK_SIZE, model.dtype, _device_of(model))
     return PagedExecutor(model, kv), [
         ids[i * per_table : (i + 1) * per_table] for i in range(tables)
     ]
@@ -131,7 +134,8 @@ def _logits_diff(model: Model, hf: Any, token_ids: list[int]) -> tuple[float, bo
     executor.kv.fill_(float("nan"))  # unwritten slots must never be read
     with torch.inference_mode():
         ours = executor.step([_piece(token_ids, 0, tables[0])], all_logits=True).all_logits
-        theirs = hf(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0]
+        ids = torch.tensor([token_ids], device=_device_of(model))
+        theirs = hf(input_ids=ids, use_cache=False).logits[0]
     assert ours is not None
     diff = (ours.float() - theirs.float()).abs().max().item()
     return diff, bool(torch.equal(ours.argmax(-1), theirs.argmax(-1)))
@@ -144,9 +148,18 @@ def _piece(token_ids: Sequence[int], start: int, table: Sequence[int]) -> Piece:
     )
 
 
-def _timed(run: Callable[[], object]) -> float:
+def _device_of(model: Model) -> Any:
+    return next(model.parameters()).device
+
+
+def _timed(run: Callable[[], object], device: Any) -> float:
+    """Seconds ``run`` takes, to the end of the work it queued on a CUDA device."""
+    import torch
+
     start = time.perf_counter()
     run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
@@ -158,6 +171,7 @@ class _Sides:
 
         self.torch = torch
         self.model, self.hf, self.n = model, hf, counts
+        self.device = _device_of(model)
         gen = random.Random(SEED + 1)
         vocab = model.config.vocab_size
         self.prompts = [
@@ -194,15 +208,15 @@ class _Sides:
             ]
             self.prefill_executor.step(pieces)
 
-        return _timed(run)
+        return _timed(run, self.device)
 
     def hf_prefill(self) -> float:
         def run() -> None:
-            ids = self.torch.tensor(self.prompts)
+            ids = self.torch.tensor(self.prompts, device=self.device)
             cache = {self.cache_keyword: self._cache()}
             self.hf(input_ids=ids, use_cache=True, **cache, **self.keep_last)
 
-        return _timed(run)
+        return _timed(run, self.device)
 
     def paged_decode(self) -> float:
         executor, tables, context = self.decode_executor, self.decode_tables, self.contexts
@@ -218,7 +232,7 @@ class _Sides:
                 tokens = _greedy(executor, pieces)
                 generated.append(tokens)
 
-        seconds = _timed(run)
+        seconds = _timed(run, self.device)
         self.paged_tokens = generated
         return seconds
 
@@ -226,7 +240,7 @@ class _Sides:
         torch = self.torch
         cache = self._cache()
         out = self.hf(
-            input_ids=torch.tensor(self.contexts),
+            input_ids=torch.tensor(self.contexts, device=self.device),
             **{self.cache_keyword: cache},
             use_cache=True,
             **self.keep_last,
@@ -237,24 +251,29 @@ class _Sides:
         def run() -> None:
             nonlocal tokens
             for _ in range(self.n["decode_steps"]):
-                ids = torch.tensor(tokens).unsqueeze(1)
+                ids = torch.tensor(tokens, device=self.device).unsqueeze(1)
                 out = self.hf(input_ids=ids, use_cache=True, **{self.cache_keyword: cache})
                 tokens = out.logits[:, -1].argmax(-1).tolist()
                 generated.append(tokens)
 
-        seconds = _timed(run)
+        seconds = _timed(run, self.device)
         self.hf_tokens = generated
         return seconds
 
 
 def bench_worker(
-    subject: Subject, dtype_name: str, counts: dict[str, int], transformers: Any
+    subject: Subject,
+    dtype_name: str,
+    counts: dict[str, int],
+    transformers: Any,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """The report: logits check, then (when it passes) median tok/s of both sides and ratios."""
+    """The report: logits check, then (when it passes) median tok/s of both sides and ratios,
+    both sides on ``device``."""
     import torch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    reference, hf_reference = subject.load(torch.float32, transformers)
+    reference, hf_reference = subject.load(torch.float32, transformers, device)
     c = reference.config
     for key in ("prefill_tokens", "decode_context"):
         longest = counts[key] + (counts["decode_steps"] if key == "decode_context" else 0)
@@ -265,6 +284,7 @@ def bench_worker(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
+        "device": device if device == "cpu" else torch.cuda.get_device_name(device),
         "preset": subject.preset,
         "checkpoint": subject.checkpoint,
         "family": c.family,
@@ -289,7 +309,7 @@ def bench_worker(
         model, hf = reference, hf_reference
     else:
         del reference, hf_reference
-        model, hf = subject.load(dtype, transformers)
+        model, hf = subject.load(dtype, transformers, device)
         diff, argmax_equal = _logits_diff(model, hf, check_ids)
         check[f"{dtype_name}_max_abs_diff"] = diff
         check[f"{dtype_name}_argmax_equal"] = argmax_equal
@@ -349,7 +369,7 @@ def _print(report: dict[str, Any]) -> None:
     n = report["counts"]
     print(
         f"torch {report['torch']}, transformers {report['transformers']}, "
-        f"{report['threads']} thread(s); {_named(report)} "
+        f"{report['threads']} thread(s), on {report['device']}; {_named(report)} "
         f"({report['parameters']:,} parameters), {report['dtype']}, block size {BLOCK_SIZE}"
     )
     check = report["logits_check"]
@@ -410,11 +430,15 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.threads is not None:
-        import torch
+    import torch
 
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
-    report = bench_worker(subject, args.dtype, counts, transformers)
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ValueError(f"--device: {args.device!r} is neither cpu nor cuda")
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: torch sees no CUDA device")
+    report = bench_worker(subject, args.dtype, counts, transformers, args.device)
     _print(report)
     if not report["logits_check"]["passed"]:
         print(

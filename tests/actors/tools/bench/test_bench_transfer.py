@@ -8,21 +8,22 @@ from typing import Any
 
 import orjson
 import pytest
+import torch
 
 from ringfence.actors.tools.bench import launcher
 from ringfence.actors.tools.bench import transfer as bench_transfer
 from ringfence.runtime import cli
 
 
-def check_bandwidth(report: dict[str, Any]) -> None:
+def check_bandwidth(report: dict[str, Any], methods: tuple[str, ...] = bench_transfer.METHODS):
     bandwidth = report["bandwidth"]
     assert bandwidth["preset"] == "tiny" and bandwidth["block_bytes"] > 0
-    assert bandwidth["methods"] == list(bench_transfer.METHODS)
+    assert bandwidth["methods"] == list(methods)
     rows = bandwidth["rows"]
     expected = {(d, n) for d in ("h2d", "d2h") for n in bench_transfer.QUICK_BATCHES}
     assert {(r["direction"], r["blocks"]) for r in rows} == expected
     for row in rows:
-        assert set(row["gb_s"]) == set(bench_transfer.METHODS)
+        assert set(row["gb_s"]) == set(methods)
         assert all(gb_s > 0 for gb_s in row["gb_s"].values())
         assert row["ratio"] > 0 and row["ratio_consecutive"] > 0
         judged = row["blocks"] >= bench_transfer.TARGET_MIN_BLOCKS
@@ -33,7 +34,38 @@ def check_bandwidth(report: dict[str, Any]) -> None:
 def test_a_quick_bandwidth_only_transfer_bench_reports_every_method(tmp_path: Path) -> None:
     path = tmp_path / "transfer.json"
     assert cli.main(["bench", "transfer", "--quick", "--skip-harness", "--json", str(path)]) == 0
-    check_bandwidth(orjson.loads(path.read_bytes()))
+    report = orjson.loads(path.read_bytes())
+    check_bandwidth(report)
+    assert report["bandwidth"]["device"] == "cpu"
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the device tier on cuda"
+)
+
+
+@needs_cuda
+def test_on_cuda_a_quick_transfer_bench_copies_to_and_from_the_device_and_runs_the_harness(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "transfer.json"
+    argv = ["bench", "transfer", "--quick", "--device", "cuda", "--json", str(path)]
+    assert cli.main(argv) == 0
+    report = orjson.loads(path.read_bytes())
+    check_bandwidth(report, bench_transfer.CUDA_METHODS)
+    assert report["bandwidth"]["device"] == torch.cuda.get_device_name()
+    harness = report["harness"]
+    assert harness["device"] == "cuda" and harness["ratio"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_transfer_bench_on_a_device_torch_cannot_see_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["bench", "transfer", "--quick", "--device", "cuda"]) == 2
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
+    assert cli.main(["bench", "transfer", "--quick", "--device", "tpu"]) == 2
+    assert "--device: 'tpu' is neither cpu nor cuda" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # two launched harness runs: ~30 s; the harness itself is tested in CI

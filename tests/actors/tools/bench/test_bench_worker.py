@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
+import torch
 from hf_checkpoints import FAMILIES, save_family
 
 from ringfence.runtime import cli
@@ -105,6 +106,30 @@ def test_an_unknown_worker_bench_preset_is_refused_with_a_message(
 ) -> None:
     assert cli.main(["bench", "worker", "--preset", "huge"]) == 2
     assert "--preset" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_worker_bench_on_a_device_torch_cannot_see_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("transformers", reason="the baseline is transformers")
+    assert cli.main(["bench", "worker", "--quick", "--device", "cuda"]) == 2
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
+    assert cli.main(["bench", "worker", "--quick", "--device", "tpu"]) == 2
+    assert "--device: 'tpu' is neither cpu nor cuda" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: both sides on cuda")
+def test_on_cuda_a_quick_worker_bench_runs_both_sides_there_with_equal_greedy_tokens(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers", reason="the baseline is a transformers forward")
+    path = tmp_path / "worker.json"
+    assert cli.main(["bench", "worker", "--quick", "--device", "cuda", "--json", str(path)]) == 0
+    report = orjson.loads(path.read_bytes())
+    assert report["device"] == torch.cuda.get_device_name()
+    assert report["logits_check"]["passed"] and report["decode_greedy_tokens_equal"] == 1.0
+    assert all(report["tok_s"][phase]["paged"] > 0 for phase in ("prefill", "decode"))
 
 
 def test_without_transformers_the_worker_bench_says_so_and_exits_2(
