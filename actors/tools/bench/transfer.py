@@ -495,10 +495,11 @@ def main(args: argparse.Namespace) -> int:
             )
             report["wall_s"]["harness"] = round(time.perf_counter() - start, 3)
         except RunError as e:
-            _print(report)
-            print(f"ringfence bench transfer: harness: {e}", file=sys.stderr)
-            return 1
+            report["harness_error"] = str(e)  # what was measured is still written
     _print(report)
     if args.json is not None:
         args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if "harness_error" in report:
+        print(f"ringfence bench transfer: harness: {report['harness_error']}", file=sys.stderr)
+        return 1
     return 0
