@@ -1,6 +1,6 @@
 """``ringfence bench tp``: one workload at each tensor-parallel size, side by side.
 
-Each side is a real ``ringfence launch`` (see :func:`e2e.launched_run`) of the same
+Each side is a real ``ringfence launch`` (see :func:`e2e_runs.launched_run`) of the same
 synthetic workload (its first ``--requests`` requests, all at t=0) on the same preset
 (``float32``), differing only in ``parallel.tp_size``: one of the ``--tp`` sizes (default
 1 and 2). The sides alternate, ``--rounds`` times (reversed every other round); figures
@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from ringfence.actors.tools.bench import e2e, launcher
+from ringfence.actors.tools.bench import e2e_runs, launcher
 from ringfence.actors.tools.bench.e2e_pairs import DTYPE, Run, common_settings
 from ringfence.actors.tools.bench.e2e_report import fmt
 from ringfence.actors.tools.bench.launcher import RunError
@@ -147,7 +147,7 @@ class TpSide:
     """One launch at one tensor-parallel size."""
 
     tp: int  # parallel.tp_size
-    side: e2e.Side  # throughput, TTFT, tokens from the summary and outputs
+    side: e2e_runs.Side  # throughput, TTFT, tokens from the summary and outputs
     tpot_p50_s: float | None  # median time per output token after the first
     steps: StepStats  # every rank's steps together
     ranks: tuple[StepStats, ...]  # each rank's, by rank
@@ -156,7 +156,10 @@ class TpSide:
 def run_side(run: Run, tp: int, *, threads: int, timeout: float, folder: Path) -> TpSide:
     """Launch ``run`` at ``parallel.tp_size=tp`` and read its summary and Workers' logs."""
     sized = Run(run.workload, run.requests, (*run.settings, f"parallel.tp_size={tp}"))
-    with e2e.launched_run(sized, threads=threads, timeout=timeout, folder=folder) as (side, path):
+    with e2e_runs.launched_run(sized, threads=threads, timeout=timeout, folder=folder) as (
+        side,
+        path,
+    ):
         summary = orjson.loads((path / "summary.json").read_bytes())
         logs = [read_worker_log(path, rank) for rank in range(tp)]
     return TpSide(
@@ -176,23 +179,23 @@ def rows(sides: dict[int, list[TpSide]]) -> list[dict[str, Any]]:
     """One row per size (in ``sides``' order, the baseline first): medians over the rounds,
     the throughput ratio to the baseline and the tokens matched with it (round 1)."""
     base = next(iter(sides.values()))
-    base_tps = e2e.median([s.side.output_tokens_per_s for s in base])
+    base_tps = e2e_runs.median([s.side.output_tokens_per_s for s in base])
     found = []
     for tp, runs in sides.items():
 
         def med(figure: str, runs: Sequence[TpSide] = runs) -> float | None:
-            return e2e.median([s.steps.figures()[figure] for s in runs])
+            return e2e_runs.median([s.steps.figures()[figure] for s in runs])
 
-        tps = e2e.median([s.side.output_tokens_per_s for s in runs])
+        tps = e2e_runs.median([s.side.output_tokens_per_s for s in runs])
         found.append(
             {
                 "tp": tp,
                 "output_tokens_per_s": tps,
-                "ratio": e2e.ratio_of(tps, base_tps),
-                "ttft_p50_ms": _ms(e2e.median([s.side.ttft_p50_s for s in runs])),
-                "tpot_p50_ms": _ms(e2e.median([s.tpot_p50_s for s in runs])),
+                "ratio": e2e_runs.ratio_of(tps, base_tps),
+                "ttft_p50_ms": _ms(e2e_runs.median([s.side.ttft_p50_s for s in runs])),
+                "tpot_p50_ms": _ms(e2e_runs.median([s.tpot_p50_s for s in runs])),
                 **{k: med(k) for k in runs[0].steps.figures() if k != "steps"},
-                "tokens_match": e2e.tokens_match(runs[0].side, base[0].side),
+                "tokens_match": e2e_runs.tokens_match(runs[0].side, base[0].side),
                 "rounds": [
                     {
                         "output_tokens_per_s": s.side.output_tokens_per_s,

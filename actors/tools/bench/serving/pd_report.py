@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ringfence.actors.tools.bench.e2e import median, ratio_of
+from ringfence.actors.tools.bench.e2e_runs import median, ratio_of
 from ringfence.actors.tools.bench.serving.client import LoadRequest
 from ringfence.actors.tools.bench.serving.stats import Timeline, busy_period, summarize
 

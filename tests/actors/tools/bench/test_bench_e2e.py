@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from ringfence.actors.tools.bench import e2e as bench_e2e
-from ringfence.actors.tools.bench import launcher
+from ringfence.actors.tools.bench import e2e_runs, launcher
 from ringfence.actors.tools.bench.e2e_pairs import Run
 from ringfence.actors.tools.testing.redis_server import REDIS_SERVER
 from ringfence.runtime import cli
@@ -79,7 +79,7 @@ def test_the_instances_cpu_is_every_actors_cpu_from_its_stop_lines(tmp_path: Pat
     # a restarted Worker: each incarnation's stop counts
     log("worker-0", {"event": "actor.stop", "cpu_s": 2.0}, {"event": "actor.stop", "cpu_s": 0.25})
     log("supervisor-0", {"event": "supervisor.stop"})  # not an actor instance
-    assert bench_e2e.instance_cpu_s(tmp_path) == 3.75
+    assert e2e_runs.instance_cpu_s(tmp_path) == 3.75
     log("swap-0", {"event": "actor.start"})
     with pytest.raises(launcher.RunError, match=r"swap-0\.jsonl: no actor.stop line"):
-        bench_e2e.instance_cpu_s(tmp_path)
+        e2e_runs.instance_cpu_s(tmp_path)

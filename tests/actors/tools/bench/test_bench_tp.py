@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from ringfence.actors.tools.bench import e2e, launcher
+from ringfence.actors.tools.bench import e2e_runs, launcher
 from ringfence.actors.tools.bench import tp as bench_tp
 from ringfence.actors.tools.bench.launcher import RunError
 from ringfence.runtime import cli
@@ -87,7 +87,7 @@ def side(tp: int, tokens_per_s: float, tokens: dict[str, list[int]], reduce_ms: 
     )
     return bench_tp.TpSide(
         tp=tp,
-        side=e2e.Side(
+        side=e2e_runs.Side(
             output_tokens_per_s=tokens_per_s,
             ttft_p50_s=0.5,
             ttft_p99_s=0.9,
