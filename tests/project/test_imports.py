@@ -105,7 +105,10 @@ def test_the_scan_sees_the_imports_it_must_judge():
     found = {(i.importer, i.imported) for i in imports(ROOT)}
     assert ("ringfence.cache.block_pool", "ringfence.shm.errors") in found
     assert ("ringfence.actors.engine.actor", "ringfence.actors.engine.ledger") in found
-    assert ("ringfence.actors.tools.bench.e2e_runs", "ringfence.actors.tools.testing.local") in found
+    assert (
+        "ringfence.actors.tools.bench.e2e_runs",
+        "ringfence.actors.tools.testing.local",
+    ) in found
 
 
 def write(root: Path, module: str, text: str) -> None:

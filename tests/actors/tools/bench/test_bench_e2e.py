@@ -2,7 +2,7 @@
 
 Twenty-four real launches take minutes on a 2-CPU machine (each one's start-up, four
 processes importing torch, is most of it), so here each launch is replaced by the
-same run in process (:func:`bench_e2e.run_local`): everything but the subprocess runs.
+same run in process (:func:`e2e_runs.run_local`): everything but the subprocess runs.
 ``ringfence launch`` itself is covered by the launch tests.
 """
 
@@ -27,7 +27,7 @@ def test_a_quick_e2e_bench_reports_every_pairs_positive_ratio_and_writes_a_plot(
 
     def in_process(run: Run, *, threads: int, timeout: float, folder: Path):
         launched.append(run)
-        return bench_e2e.run_local(run, threads=threads)
+        return e2e_runs.run_local(run, threads=threads)
 
     monkeypatch.setattr(bench_e2e, "run_launch", in_process)
     path = tmp_path / "e2e.json"
