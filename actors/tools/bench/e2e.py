@@ -68,6 +68,7 @@ from typing import Any
 import orjson
 
 from ringfence.actors.tools.bench.e2e_pairs import DTYPE, TARGETS, Run, pairs
+from ringfence.actors.tools.bench.e2e_remote import bench_remote, parse_delays, print_remote
 from ringfence.actors.tools.bench.e2e_report import LATENCY, print_report, write_plot
 from ringfence.actors.tools.bench.e2e_runs import (
     Side,
@@ -108,6 +109,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--plot", type=Path, metavar="FILE", help="the PNG (next to --json, else bench-e2e.png)"
+    )
+    parser.add_argument(
+        "--remote",
+        metavar="MS,...",
+        help="also fence, lock and sync with storage on a redis this many ms away, one way "
+        "(a delay proxy the bench starts; 0: on loopback), e.g. 0,0.5,2,5",
+    )
+    parser.add_argument(
+        "--remote-mbps", type=float, metavar="MBPS", help="the remote link's bandwidth (none)"
+    )
+    parser.add_argument(
+        "--remote-only", action="store_true", help="only the --remote family, not the pairs"
     )
 
 
@@ -246,11 +259,25 @@ def main(args: argparse.Namespace) -> int:
     counts = resolve_counts(args, COUNTS)
     preset = resolve_preset(args)
     threads = args.threads or max(1, (os.cpu_count() or 1) // 4)
+    delays = None if args.remote is None else parse_delays(args.remote)
+    if args.remote_only and delays is None:
+        raise ValueError("--remote-only: give the delays with --remote")
+    if args.remote_mbps is not None and args.remote_mbps <= 0:
+        raise ValueError(f"--remote-mbps: {args.remote_mbps} must be > 0")
     import torch
 
     start = time.perf_counter()
+    figures: dict[str, Any] = {"rows": [], "runs": {}, "skipped": []}
     try:
-        figures = bench(preset, counts["requests"], counts["rounds"], threads, counts["timeout"])
+        if not args.remote_only:
+            figures = bench(
+                preset, counts["requests"], counts["rounds"], threads, counts["timeout"]
+            )
+        if delays is not None:
+            figures["remote"] = bench_remote(
+                preset, counts["requests"], counts["rounds"], threads=threads,
+                timeout=counts["timeout"], delays_ms=delays, mbps=args.remote_mbps,
+            )  # fmt: skip
     except RunError as e:
         print(f"ringfence bench e2e: {e}", file=sys.stderr)
         return 1
@@ -264,10 +291,13 @@ def main(args: argparse.Namespace) -> int:
         **figures,
         "wall_s": round(time.perf_counter() - start, 3),
     }
-    print_report(report)
-    plot = plot_path(args, "bench-e2e.png")
-    write_plot(report, plot)
-    report["plot"] = str(plot)
+    if report["rows"]:
+        print_report(report)
+        plot = plot_path(args, "bench-e2e.png")
+        write_plot(report, plot)
+        report["plot"] = str(plot)
+    if "remote" in report:
+        print_remote(report["remote"])
     if args.json is not None:
         Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     return 0

@@ -78,6 +78,26 @@ TIERS_ON = ("cache.storage.backend=local", f"cache.host_blocks={HOST_BLOCKS}")
 TIERS_OFF = ("cache.storage.backend=none", "cache.host_blocks=0")
 
 
+def storage_heavy(preset: str, requests: int) -> list[str]:
+    """``pressure``'s storage-heavy settings: every full block written through, preempted
+    sequences saved and prefetched back (the host tier is the store lane's staging area),
+    on the local tier (a later ``cache.storage.*`` setting replaces it)."""
+    blocks = max(PRESSURE_MIN_BLOCKS, requests * SWAP_HEAVY_BLOCKS_PER_REQUEST)
+    storage = [*common_settings(preset, requests), f"cache.device_blocks={blocks}"]
+    storage += ["sched.preemption=save", "cache.storage.backend=local"]
+    storage += [f"cache.host_blocks={HOST_BLOCKS}", "cache.device_eviction=write_through"]
+    return storage
+
+
+def long_chat(preset: str, requests: int) -> Run:
+    """The long multi-round chat with its arrivals and the tiers on (a later
+    ``cache.storage.*`` setting replaces the local tier)."""
+    turns = CHAT_FACTOR * requests
+    chat = [*common_settings(preset, requests), f"cache.device_blocks={CHAT_POOL_BLOCKS}"]
+    chat += ["engine.arrivals=true", f"engine.requests={turns}", *TIERS_ON]
+    return Run("chat", turns, tuple(chat))
+
+
 def pairs(preset: str, requests: int, redis_url: str | None = None) -> dict[str, tuple[Run, Run]]:
     """The launched pairs, by name: (side A, side B); the redis pairs only with a
     ``redis_url`` (each launch of them starts on an empty database)."""
@@ -85,11 +105,7 @@ def pairs(preset: str, requests: int, redis_url: str | None = None) -> dict[str,
     blocks = max(PRESSURE_MIN_BLOCKS, requests * SWAP_HEAVY_BLOCKS_PER_REQUEST)
     pressure = [*common, f"cache.device_blocks={blocks}", "sched.preemption=swap"]
     pressure += ["cache.storage.backend=none", f"cache.host_blocks={HOST_BLOCKS}"]
-    # Storage-heavy: every full block written through, preempted sequences saved and
-    # prefetched back (the host tier is the staging area of the store lane).
-    storage = [*common, f"cache.device_blocks={blocks}", "sched.preemption=save"]
-    storage += ["cache.storage.backend=local", f"cache.host_blocks={HOST_BLOCKS}"]
-    storage += ["cache.device_eviction=write_through"]
+    storage = storage_heavy(preset, requests)
     small = [*common, f"cache.device_blocks={SMALL_POOL_BLOCKS}"]
     # engine.requests comes last, so it wins over the common one.
     arrivals = ("engine.arrivals=true", f"engine.requests={MULTITURN_FACTOR * requests}")
@@ -97,9 +113,7 @@ def pairs(preset: str, requests: int, redis_url: str | None = None) -> dict[str,
     def run(workload: str, settings: Sequence[str]) -> Run:
         return Run(workload, requests, tuple(settings))
 
-    chat_requests = CHAT_FACTOR * requests
-    chat = [*common, f"cache.device_blocks={CHAT_POOL_BLOCKS}", "engine.arrivals=true"]
-    chat += [f"engine.requests={chat_requests}"]
+    chat = long_chat(preset, requests)
 
     def against_fence(prefix: str, settings: Sequence[str]) -> dict[str, tuple[Run, Run]]:
         """``<prefix>fence/sync`` and ``<prefix>fence/lock`` on ``pressure``."""
@@ -113,7 +127,7 @@ def pairs(preset: str, requests: int, redis_url: str | None = None) -> dict[str,
 
     def against_fence_on_chat() -> dict[str, tuple[Run, Run]]:
         """``chat fence/sync`` and ``chat fence/lock``: the long chat, tiers on."""
-        sides = {m: Run("chat", chat_requests, (*chat, *TIERS_ON, f"transfer.mode={m}"))
+        sides = {m: Run("chat", chat.requests, (*chat.settings, f"transfer.mode={m}"))
                  for m in ("fence", "sync", "lock")}  # fmt: skip
         return {f"chat fence/{m}": (sides["fence"], sides[m]) for m in ("sync", "lock")}
 
@@ -137,10 +151,7 @@ def pairs(preset: str, requests: int, redis_url: str | None = None) -> dict[str,
             Run("multiturn", MULTITURN_FACTOR * requests, (*small, *TIERS_OFF, *arrivals)),
         ),
         "tiers unique": (run("unique", [*small, *TIERS_ON]), run("unique", [*small, *TIERS_OFF])),
-        "tiers chat": (
-            Run("chat", chat_requests, (*chat, *TIERS_ON)),
-            Run("chat", chat_requests, (*chat, *TIERS_OFF)),
-        ),
+        "tiers chat": (chat, Run("chat", chat.requests, (*chat.settings, *TIERS_OFF))),
         **against_fence_on_chat(),
         **redis,
     }

@@ -83,3 +83,50 @@ def test_the_instances_cpu_is_every_actors_cpu_from_its_stop_lines(tmp_path: Pat
     log("swap-0", {"event": "actor.start"})
     with pytest.raises(launcher.RunError, match=r"swap-0\.jsonl: no actor.stop line"):
         e2e_runs.instance_cpu_s(tmp_path)
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH (scripts/test)")
+def test_the_remote_family_runs_each_mode_on_each_delay_with_storage_through_the_proxy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ringfence.actors.tools.bench import e2e_remote
+
+    urls: list[str] = []
+
+    def in_process(run: Run, *, threads: int, timeout: float, folder: Path):
+        urls.append(next(s for s in run.settings if s.startswith("cache.storage.url=")))
+        return e2e_runs.run_local(run, threads=threads)  # it reads and writes redis there
+
+    monkeypatch.setattr(e2e_remote, "run_launch", in_process)
+    path = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--quick", "--requests", "1", "--remote", "0,1", "--remote-only"]
+    assert cli.main([*argv, "--json", str(path)]) == 0
+    report = orjson.loads(path.read_bytes())
+    assert report["rows"] == [] and not (tmp_path / "e2e.png").exists()
+    rows = report["remote"]["rows"]
+    assert [(r["delay_ms"], r["workload"]) for r in rows] == [
+        (0, "storage"), (0, "chat"), (1, "storage"), (1, "chat"),
+    ]  # fmt: skip
+    for row in rows:
+        assert all(t > 0 for t in row["output_tokens_per_s"].values()), row
+        assert row["fence_over_lock"] > 0 and row["fence_over_sync"] > 0
+    assert set(rows[1]["returning_ttft_p50_s"]) == {"fence", "lock", "sync"}
+    assert len(urls) == 12 and len(set(urls[:6])) == 1 and len(set(urls[6:])) == 1
+    assert urls[0] != urls[6], "the 1 ms runs reach redis through the proxy's port"
+    assert "fence/lock" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--remote", "2,x"], "--remote: '2,x' is not a list of milliseconds"),
+        (["--remote", "-1"], "each delay must be >= 0 ms"),
+        (["--remote-only"], "--remote-only: give the delays with --remote"),
+        (["--remote", "1", "--remote-mbps", "0"], "--remote-mbps: 0.0 must be > 0"),
+    ],
+)
+def test_a_bad_remote_option_is_refused_naming_it(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", "e2e", "--quick", *argv]) == 2
+    assert message in capsys.readouterr().err
