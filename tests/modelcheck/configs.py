@@ -58,6 +58,9 @@ CONFIGS = (
            what="the engine restarts: new issuer epoch, Resync, a fresh tracker"),
     Config(name="ranks", model=PROTOCOL, defines={"NR": 2, "NOPS": 2, "ND": 1, "NH": 1},
            ci=True, what="tensor parallelism: 2 ranks on 1 device and 1 host block"),
+    Config(name="i3", model=PROTOCOL, defines={"NOPS": 4, "NH": 1}, ci=True,
+           what="4 ops on 2 device blocks and 1 host block: room for I3's case (a step "
+           "reads a block, it is freed, a swap-in of a swapped-out copy overwrites it)"),
     Config(name="handover", model=PD, ci=True,
            what="reserve, prefill, claim: prefill death, lateness, store crash, redis restart"),
     # Larger: every interleaving of 4 ops, all faults at once on 3.
@@ -109,6 +112,9 @@ MUTANTS = (
            what="no fence between the step and store lanes",
            equivalent="steps touch only device blocks and store ops only host blocks: the "
            "rule never fences one on the other (they are ordered through the swap lane)"),
+    Mutant(flag="MUT_NO_I3", config="i3", caught_by=("I3",),
+           what="a swap-in waits on the step lane's last writer of its block, not on a step "
+           "that still reads it (I3's fence removed; no configuration of 3 ops shows it)"),
     Mutant(flag="MUT_WM_EARLY", config="lanes", caught_by=("I1", "I2", "I3", "I4"),
            what="a lane advances its watermark before its copy"),
     Mutant(flag="MUT_NO_EPOCH_CHECK", config="worker", caught_by=("R",),
