@@ -14,14 +14,16 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from ringfence.cache.fences import Fence, FenceTracker, Lane
+from ringfence.cache.fences import Fence, FenceTracker, Lane, Tier
 from ringfence.cache.ids import BlockHash, BlockId, Seq
 from ringfence.sched.config import SchedConfig, SchedulerConfig, TierConfig
 from ringfence.sched.ops import Op, StepOp, StoreOp
 from ringfence.sched.request import Request, SamplingParams
 from ringfence.sched.scheduler import Scheduler
 
+Preemption = Literal["recompute", "swap", "save"]
 LANE_NUMBER = {Lane.STEP: 0, Lane.SWAP: 1, Lane.STORE: 2}  # protocol.pml's STEP, SWAP, STORE
 MAX_BLOCKS = 30  # a tier's blocks are bits of a Promela int mask
 
@@ -40,13 +42,18 @@ class Row:
 
 
 class RecordingTracker(FenceTracker):
-    """A FenceTracker that keeps a Row of every op it issues."""
+    """A FenceTracker that keeps a Row of every op it issues, and where a tier was reset."""
 
-    __slots__ = ("rows",)
+    __slots__ = ("resets", "rows")
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int) -> None:
         super().__init__(num_device_blocks, num_host_blocks)
         self.rows: list[Row] = []
+        self.resets: list[tuple[int, Tier]] = []  # (rows issued before it, the tier)
+
+    def reset_tier(self, tier: Tier) -> None:
+        super().reset_tier(tier)
+        self.resets.append((len(self.rows), tier))
 
     def issue(
         self,
@@ -85,7 +92,11 @@ class Presence:
 
 
 def _scheduler(
-    rng: random.Random, device_blocks: int, host_blocks: int, presence: Presence
+    rng: random.Random,
+    device_blocks: int,
+    host_blocks: int,
+    presence: Presence,
+    preemption: Preemption | None = None,
 ) -> Scheduler:
     tiers = TierConfig(
         block_size=4,
@@ -97,10 +108,9 @@ def _scheduler(
         host_eviction=rng.choice(["write_back", "write_through"]),
         poison_freed=rng.random() < 0.5,
     )
+    drawn: Preemption = rng.choice(["swap", "save"])  # drawn always: the same draws after
     config = SchedulerConfig(
-        sched=SchedConfig(
-            max_num_seqs=4, max_batched_tokens=24, preemption=rng.choice(["swap", "save"])
-        ),
+        sched=SchedConfig(max_num_seqs=4, max_batched_tokens=24, preemption=preemption or drawn),
         tiers=tiers,
         namespace=b"\0" * 16,
     )
@@ -108,13 +118,36 @@ def _scheduler(
 
 
 def record(
-    seed: int, *, requests: int = 6, device_blocks: int = 10, host_blocks: int = 10
+    seed: int,
+    *,
+    requests: int = 6,
+    device_blocks: int = 10,
+    host_blocks: int = 10,
+    preemption: Preemption | None = None,
+    tracker_class: type[RecordingTracker] = RecordingTracker,
 ) -> list[Row]:
     """Every op a scheduler issued for ``requests`` random requests (seeded), in issue order."""
+    return recording(
+        seed, requests=requests, device_blocks=device_blocks, host_blocks=host_blocks,
+        preemption=preemption, tracker_class=tracker_class,
+    ).rows  # fmt: skip
+
+
+def recording(
+    seed: int,
+    *,
+    requests: int = 6,
+    device_blocks: int = 10,
+    host_blocks: int = 10,
+    preemption: Preemption | None = None,
+    tracker_class: type[RecordingTracker] = RecordingTracker,
+) -> RecordingTracker:
+    """The tracker of :func:`record`'s run, its rows and resets (``preemption``: the policy,
+    else drawn; ``tracker_class``: the fence rule, a mutant's in safety.py)."""
     rng = random.Random(f"ringfence.modelcheck:{seed}")
     presence = Presence()
-    sched = _scheduler(rng, device_blocks, host_blocks, presence)
-    tracker = RecordingTracker(device_blocks, host_blocks)
+    sched = _scheduler(rng, device_blocks, host_blocks, presence, preemption)
+    tracker = tracker_class(device_blocks, host_blocks)
     sched.blocks.tracker = tracker
     shared = [rng.randrange(1, 50) for _ in range(8)]
     for index in range(requests):
@@ -129,7 +162,7 @@ def record(
         if not ops and sched.idle:
             break
         _complete(sched, ops, rng, presence)
-    return tracker.rows
+    return tracker
 
 
 def _complete(sched: Scheduler, ops: Iterable[Op], rng: random.Random, presence: Presence) -> None:
