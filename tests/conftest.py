@@ -3,14 +3,36 @@ launched engine run that several modules read."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ringfence.actors.tools.testing.shm import leaked_names, shm_names
 from ringfence.shm import names
+
+if importlib.util.find_spec("xdist") is not None:  # the test extra has it
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        """``--dist loadfile`` with the files of ``tests/suite_order.py``'s ONE_UNIT folders
+        each run as one unit on one worker: their package fixture (a served real model)
+        then starts once, not once per file and worker."""
+        if config.getoption("dist") != "loadfile":
+            return None
+        from suite_order import ONE_UNIT
+        from xdist.scheduler import LoadFileScheduling  # type: ignore[import-untyped]
+
+        class Scheduling(LoadFileScheduling):  # type: ignore[misc]
+            def _split_scope(self, nodeid: str) -> str:
+                for folder in ONE_UNIT:
+                    if nodeid.startswith(folder):
+                        return folder
+                return str(super()._split_scope(nodeid))
+
+        return Scheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
