@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ringfence.cache.fences import Fence, FenceTracker, Lane, Tier
 from ringfence.cache.ids import BlockHash, BlockId, Seq
@@ -117,20 +117,10 @@ def _scheduler(
     return Scheduler(config, presence)
 
 
-def record(
-    seed: int,
-    *,
-    requests: int = 6,
-    device_blocks: int = 10,
-    host_blocks: int = 10,
-    preemption: Preemption | None = None,
-    tracker_class: type[RecordingTracker] = RecordingTracker,
-) -> list[Row]:
-    """Every op a scheduler issued for ``requests`` random requests (seeded), in issue order."""
-    return recording(
-        seed, requests=requests, device_blocks=device_blocks, host_blocks=host_blocks,
-        preemption=preemption, tracker_class=tracker_class,
-    ).rows  # fmt: skip
+def record(seed: int, **options: Any) -> list[Row]:
+    """Every op a scheduler issued for random requests (seeded), in issue order: the rows
+    of :func:`recording`'s tracker (``options`` as it takes them)."""
+    return recording(seed, **options).rows
 
 
 def recording(

@@ -127,7 +127,7 @@ def _row(
         "fence_over_lock": ratio_of(tps["fence"], tps["lock"]),
         "fence_over_sync": ratio_of(tps["fence"], tps["sync"]),
         "runs": {m: [s.output_tokens_per_s for s in runs] for m, runs in sides.items()},
-        "stored_blocks": {
+        "blocks_moved": {
             m: [s.engine.get("blocks", {}) for s in runs] for m, runs in sides.items()
         },
     }
