@@ -50,8 +50,10 @@ from __future__ import annotations
 
 import enum
 from array import array
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ringfence.cache.ids import BlockId, Seq
 
@@ -110,6 +112,21 @@ class Fence:
 NO_WAIT = Fence()  # the fence of an op that waits for nothing
 
 
+class Access(NamedTuple):
+    """The blocks an op declared to the tracker, sorted: what its fence was computed from.
+
+    The executors touch blocks by the op's own fields (a step's block tables, a swap's
+    block lists), not by these sets; ``ringfence replay`` compares the two (an op that
+    touches a block it did not declare got a fence that ignores that block).
+    """
+
+    seq: int
+    read_device: tuple[int, ...]
+    write_device: tuple[int, ...]
+    read_host: tuple[int, ...]
+    write_host: tuple[int, ...]
+
+
 class FenceTracker:
     """The Engine's per-block record of the last write and last access in every lane.
 
@@ -124,11 +141,23 @@ class FenceTracker:
     lane's previous fence. That costs no extra wait (the FIFO predecessor already waited
     for it and watermarks never go back) and makes a fence the whole precondition of its
     op, so an executor resuming at any op, or a reader of a trace, needs no earlier op.
+
+    With ``keep_access`` (the engine's trace level) it also keeps each op's declared
+    :class:`Access` until :meth:`take_access` takes it.
     """
 
-    __slots__ = ("_last_issued", "_num_blocks", "_previous", "_previous_fence", "_records")
+    __slots__ = (
+        "_access",
+        "_last_issued",
+        "_num_blocks",
+        "_previous",
+        "_previous_fence",
+        "_records",
+    )
 
-    def __init__(self, num_device_blocks: int, num_host_blocks: int) -> None:
+    def __init__(
+        self, num_device_blocks: int, num_host_blocks: int, *, keep_access: bool = False
+    ) -> None:
         if num_device_blocks < 0 or num_host_blocks < 0:
             raise ValueError(
                 f"block counts must be >= 0: got {num_device_blocks} device, {num_host_blocks} host"
@@ -144,6 +173,10 @@ class FenceTracker:
         # [lane]: the same as a Fence; with monotone fences, consecutive ones are often equal,
         # and reusing the object saves most of the fixed cost of an op.
         self._previous_fence = [NO_WAIT for _ in _LANES]
+        # [lane]: the declared sets of the ops issued and not yet taken, in issue order.
+        self._access: tuple[deque[Access], ...] | None = (
+            tuple(deque() for _ in _LANES) if keep_access else None
+        )
 
     def issue(
         self,
@@ -182,7 +215,21 @@ class FenceTracker:
                 for block in writes:
                     last_access[block] = seq
                     last_write[block] = seq
+        if self._access is not None:
+            sets = (read_device, write_device, read_host, write_host)
+            self._access[i].append(Access(seq, *(tuple(sorted(b)) for b in sets)))
         return self._previous_fence[i]
+
+    def take_access(self, lane: Lane, seq: int) -> Access | None:
+        """The sets op ``seq`` of ``lane`` declared, once (None without ``keep_access``, or
+        when it was taken). Ops of a lane are taken in issue order; taking one forgets the
+        earlier ones never taken (ops dropped unsent, as at a Worker restart)."""
+        if self._access is None:
+            return None
+        kept = self._access[_LANE_INDEX[lane]]
+        while kept and kept[0].seq < seq:
+            kept.popleft()
+        return kept.popleft() if kept and kept[0].seq == seq else None
 
     def fence_for(
         self,

@@ -161,6 +161,12 @@ EVENTS: Final[dict[str, Event]] = {
         "a plan at or below step_done came again (redelivery); resent: its result went again",
     ),
     # The Transfer lanes (ringfence.actors.executors.transfer): "swap" and "store" actors.
+    "op.touched": _e(
+        "trace",
+        "lane op op_epoch reads writes",
+        "the blocks an op that ran (ok or failed) read and wrote, as its executor indexed them, "
+        "{tier: blocks}; replay checks them against op.issue's declared",
+    ),
     "lane.ready": _e(
         "info",
         "lane done host_shm host_blocks block_bytes",
@@ -285,9 +291,10 @@ EVENTS: Final[dict[str, Event]] = {
     ),
     "op.issue": _e(
         "trace",
-        "lane op fence sync pieces poison direction reason device_blocks host_blocks",
+        "lane op fence sync pieces poison direction reason device_blocks host_blocks declared",
         "an op was sent to its lane; fence: the scheduler's (sync: the engine waited for it and "
-        "sent none); steps: pieces [seq_id, start, tokens, sample, block_table] and poison",
+        "sent none); steps: pieces [seq_id, start, tokens, sample, block_table] and poison; "
+        "declared: the blocks it gave the fence tracker, {reads, writes: {tier: blocks}}",
     ),
     # The engine's calls into its scheduler, in order (trace): enough for `ringfence replay
     # --redrive` to repeat them on a fresh scheduler and compare every decision.

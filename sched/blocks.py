@@ -90,7 +90,11 @@ class BlockManager:
         config: TierConfig,
         storage: StoragePresence | None = None,
         first_numbers: Mapping[Lane, int] | None = None,
+        *,
+        keep_access: bool = False,
     ) -> None:
+        """``keep_access``: the tracker keeps each op's declared sets (see
+        :meth:`FenceTracker.take_access`), for the engine's trace."""
         self.config = config
         self.device = BlockPool(config.device_blocks, name="device")
         self.host = BlockPool(config.host_blocks, name="host")
@@ -100,7 +104,9 @@ class BlockManager:
             self.host if config.host_cache else None,
             self.stored if config.storage else None,
         )
-        self.tracker = FenceTracker(config.device_blocks, config.host_blocks)
+        self.tracker = FenceTracker(
+            config.device_blocks, config.host_blocks, keep_access=keep_access
+        )
         self.moved = Moved()
         self._out: list[Op] = []
         self.inflight: dict[tuple[Lane, int], SwapOp | StoreOp] = {}  # issued, not completed

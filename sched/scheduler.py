@@ -60,7 +60,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-from ringfence.cache.fences import Lane
+from ringfence.cache.fences import Access, Lane
 from ringfence.cache.ids import BlockId
 from ringfence.cache.prefix_index import StoragePresence
 from ringfence.sched.admission import Admission
@@ -97,7 +97,7 @@ class Scheduler:
         """``first_numbers``: the number of each lane's first op (1 unless an engine
         before this one left its lanes further on)."""
         self.config = config
-        self.blocks = BlockManager(config.tiers, storage, first_numbers)
+        self.blocks = BlockManager(config.tiers, storage, first_numbers, keep_access=journal)
         self.counters = Counters()
         # The decisions of the current round, for the engine's log (see take_decisions).
         self._journal = Journal(journal)
@@ -304,6 +304,11 @@ class Scheduler:
         """The admissions, prefetches and preemptions since the last call, in order
         (always empty unless the scheduler was built with ``journal=True``)."""
         return self._journal.take()
+
+    def take_access(self, op: Op) -> Access | None:
+        """The block sets ``op`` declared to the fence tracker, once (None unless the
+        scheduler was built with ``journal=True``): the trace's ``declared``."""
+        return self.blocks.tracker.take_access(op.lane, op.number)
 
     def _wanted(self, seq: Sequence) -> int:
         """Tokens the sequence could compute now: all known tokens without KV."""

@@ -242,6 +242,8 @@ class Engine(Actor):
             journal=tracing,
             first_numbers=first,
         )
+        if tracing:
+            self.ledger.access_of = self.scheduler.take_access
         for rank, tier in sorted(self.tiers.items()):
             self.send(f"swap-{rank}", tier)
         engine = self.config.engine

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from ringfence.actors.protocol.transfer import OpDone
 from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken, StepResult
-from ringfence.cache.fences import NO_WAIT, Lane
+from ringfence.cache.fences import NO_WAIT, Access, Lane
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.ops import Op, StepOp, SwapOp
 
@@ -72,6 +72,8 @@ class Ledger:
         self.ranks, self.sync, self.send_all, self.log = ranks, sync, send_all, log
         self.lanes = {lane: _Lane(completed=dict.fromkeys(range(ranks), 0)) for lane in Lane}
         self.first = dict.fromkeys(Lane, 1)  # each lane's first op number (see begin)
+        # The scheduler's declared sets of an op, for op.issue (the engine sets it when tracing).
+        self.access_of: Callable[[Op], Access | None] | None = None
 
     def begin(self, first: Mapping[Lane, int]) -> None:
         """Number each lane's ops from ``first`` on: every op before it is complete."""
@@ -178,8 +180,10 @@ class Ledger:
 
     def _trace_issue(self, op: Op) -> None:
         """``op.issue`` with the scheduler's fence (in sync mode the message's is empty: the
-        engine waited for those ops itself) and every block the op touches."""
+        engine waited for those ops itself), every block the op touches, and the sets it
+        declared to the fence tracker (``declared``, when the engine gave ``access_of``)."""
         f = issue_fields(op)  # a step's fields or a transfer's; the others are None
+        access = None if self.access_of is None else self.access_of(op)
         self.log.trace(
             "op.issue",
             lane=str(op.lane),
@@ -192,7 +196,19 @@ class Ledger:
             reason=f.get("reason"),
             device_blocks=f.get("device_blocks"),
             host_blocks=f.get("host_blocks"),
+            declared=None if access is None else access_fields(access),
         )
+
+
+def access_fields(access: Access) -> dict[str, dict[str, list[int]]]:
+    """Declared sets as ``op.issue`` logs them and ``op.touched`` mirrors them:
+    {"reads": {tier: blocks}, "writes": {tier: blocks}}, tiers without blocks left out."""
+    reads = {"device": access.read_device, "host": access.read_host}
+    writes = {"device": access.write_device, "host": access.write_host}
+    return {
+        "reads": {tier: list(b) for tier, b in reads.items() if b},
+        "writes": {tier: list(b) for tier, b in writes.items() if b},
+    }
 
 
 def issue_fields(op: Op) -> dict[str, Any]:

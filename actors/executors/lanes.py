@@ -40,6 +40,7 @@ from typing import ClassVar
 
 from ringfence.actors.executors.config import LaneSettings
 from ringfence.actors.executors.legacy import LegacyLock, lock_path
+from ringfence.actors.executors.touches import Touches
 from ringfence.actors.protocol.lanes import (
     ISSUER_EPOCH,
     LANES,
@@ -89,6 +90,7 @@ class LaneExecutor(Actor):
         self.epochs = [epoch_counter(block, rank, which) for which in (TIER_EPOCH, ISSUER_EPOCH)]
         self.last: object | None = None  # the last completion sent, to answer a repeat
         self.last_op = 0
+        self.touches: Touches | None = None  # the running op's, at trace level (touches.py)
         self.legacy: LegacyLock | None = None
         if config.transfer.mode == "lock":
             if self.ctx.run_dir is None:
@@ -170,6 +172,24 @@ class LaneExecutor(Actor):
         if stale := self.stale(epoch):
             raise Cancelled(stale)
         return seen
+
+    def begin_touches(self) -> Touches | None:
+        """A fresh record of the blocks the op about to run touches (None unless tracing)."""
+        self.touches = Touches() if self.log.tracing else None
+        return self.touches
+
+    def log_touches(self, op: int, epoch: int) -> None:
+        """``op.touched`` with what the op that just ran touched (when tracing), once."""
+        if self.touches is not None:
+            touched, self.touches = self.touches.fields(), None
+            self.log.trace(
+                "op.touched",
+                lane=str(self.lane),
+                op=op,
+                op_epoch=epoch,
+                reads=touched["reads"],
+                writes=touched["writes"],
+            )
 
     def complete(self, op: int, report: object) -> None:
         """Publish op ``op`` done, then send ``report`` to the engine (kept for repeats)."""

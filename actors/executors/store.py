@@ -77,6 +77,8 @@ class StoreLane(TransferLane):
             return 0
         assert self.host is not None
         self.host.poison(msg.host_blocks)
+        if self.touches is not None:
+            self.touches.write("host", msg.host_blocks)
         return len(msg.host_blocks)
 
     def _store(self, msg: StoreOp, keys: list[BlockHash]) -> dict[str, Any]:
@@ -85,9 +87,13 @@ class StoreLane(TransferLane):
         items = [(key, block_buffer(host, b)) for key, b in zip(keys, msg.host_blocks, strict=True)]
         missing: tuple[int, ...] = ()
         if msg.direction == "write":
+            if self.touches is not None:
+                self.touches.read("host", msg.host_blocks)
             refuse_spoiled(host, msg.host_blocks)
             self.backend.put_many(items)
         else:
+            if self.touches is not None:
+                self.touches.write("host", msg.host_blocks)
             hits = self.backend.get_into(items)
             missing = tuple(i for i, hit in enumerate(hits) if not hit)
             if missing and self.config.cache.poison_freed:  # what failed holds nothing usable

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import torch
 
+from ringfence.actors.executors.touches import Tier
 from ringfence.actors.executors.transfer import TransferLane
 from ringfence.actors.kv.copies import copy_blocks
 from ringfence.actors.kv.space import SharedKV, open_kv
@@ -134,6 +135,8 @@ class SwapLane(TransferLane):
             self.device.poison(msg.device_blocks)
         else:
             self.host.poison(msg.host_blocks)
+        if self.touches is not None:
+            self.touches.write(*self._ends(msg)[1])
         return len(msg.host_blocks)
 
     def _problem(self, msg: SwapOp) -> str:
@@ -155,13 +158,21 @@ class SwapLane(TransferLane):
             return "a destination block is written twice"
         return ""
 
+    @staticmethod
+    def _ends(msg: SwapOp) -> tuple[tuple[Tier, tuple[int, ...]], tuple[Tier, tuple[int, ...]]]:
+        """(tier, blocks) of the op's source and of its destination."""
+        device: tuple[Tier, tuple[int, ...]] = ("device", msg.device_blocks)
+        host: tuple[Tier, tuple[int, ...]] = ("host", msg.host_blocks)
+        return (host, device) if msg.direction == "in" else (device, host)
+
     def _copy(self, msg: SwapOp) -> int:
         assert self.device is not None
-        device, host = self.device.kv, self.host_kv
-        if msg.direction == "in":
-            src, src_ids, dst, dst_ids = host, msg.host_blocks, device, msg.device_blocks
-        else:
-            src, src_ids, dst, dst_ids = device, msg.device_blocks, host, msg.host_blocks
+        tensors = {"device": self.device.kv, "host": self.host_kv}
+        (src_tier, src_ids), (dst_tier, dst_ids) = self._ends(msg)
+        src, dst = tensors[src_tier], tensors[dst_tier]
+        if self.touches is not None:
+            self.touches.read(src_tier, src_ids)
+            self.touches.write(dst_tier, dst_ids)
         if self.stream is None:
             return copy_blocks(src, src_ids, dst, dst_ids)
         with torch.cuda.stream(self.stream):

@@ -173,6 +173,7 @@ class TransferLane(LaneExecutor):
             return
         self.chaos()
         waited = time.perf_counter_ns()
+        self.begin_touches()
         try:
             with self.exclusive():
                 fields = work()
@@ -202,6 +203,7 @@ class TransferLane(LaneExecutor):
     ) -> None:
         """Advance the watermark past ``msg`` and report it (every status moves the lane on)."""
         self.ops += 1
+        self.log_touches(msg.op, msg.epoch)
         seen = seen or {}
         fence = msg.fence
         self.log.info(

@@ -82,6 +82,7 @@ class Worker(LaneExecutor):
         if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN
             self.space.poison(range(layout.num_blocks))
         self.executor: PagedExecutor | None = PagedExecutor(self.model, self.space.kv)
+        self.executor.record_touches = self.log.tracing  # for op.touched (touches.py)
         # A restart forgets every sequence: the engine opens them again (reset_device).
         self.sampler = Sampler(self.model.config.vocab_size, config.model.logprobs_mode)
         self.cuda = self.space.kv.device.type == "cuda"
@@ -212,6 +213,7 @@ class Worker(LaneExecutor):
                 self._finish(plan, "cancelled", error=passed)
                 return
         waited = time.perf_counter_ns()
+        self.begin_touches()
         try:
             with self.exclusive():
                 outputs, prompt_logprobs = self._execute(plan)
@@ -222,6 +224,9 @@ class Worker(LaneExecutor):
             assert self.space is not None and self.executor is not None
             spoiled = written_blocks(plan, self.executor.block_size)
             self.space.poison(spoiled)
+            self._touched()  # what the model's step indexed, if it got that far
+            if self.touches is not None:
+                self.touches.write("device", spoiled)
             self.log.error(
                 "step.failed", step=plan.step, error=repr(e), spoiled=len(spoiled), exc_info=e
             )
@@ -264,6 +269,8 @@ class Worker(LaneExecutor):
         """Run the plan: the sampled tokens (rank 0) and the prompt log probabilities asked."""
         assert self.space is not None and self.executor is not None
         self.space.poison(plan.poison)
+        if self.touches is not None:
+            self.touches.write("device", plan.poison)
         self.sampler.advance(plan.pieces)
         if not plan.pieces:
             if self.cuda:  # step_done covers the writes: done, not merely queued
@@ -271,13 +278,23 @@ class Worker(LaneExecutor):
             return (), ()
         if self.shard.rank > 0:  # rank 0 samples; the others write KV and join the all-reduces
             self.executor.step_without_logits(plan.pieces)
+            self._touched()
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return (), ()
         out = self.executor.step(plan.pieces, whole=self.sampler.whole(plan.pieces))
+        self._touched()
         prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
         # One copy for all pieces; on CUDA it waits for the step, KV writes included.
         return self.sampler.sample(plan.pieces, out.last_logits.to("cpu")), prompt
+
+    def _touched(self) -> None:
+        """Add the blocks the model's step indexed to the op's touches (when tracing)."""
+        assert self.executor is not None
+        touched, self.executor.touched = self.executor.touched, None
+        if self.touches is not None and touched is not None:
+            self.touches.read("device", touched.reads)
+            self.touches.write("device", touched.writes)
 
     def _finish(
         self,
@@ -295,6 +312,7 @@ class Worker(LaneExecutor):
         """Advance step_done past the plan, then report it."""
         self.steps += 1
         self.sampler.close(plan.closed)  # whatever the status: forgetting is always safe
+        self.log_touches(plan.step, plan.epoch)
         reduce_ns, reduces = self.group.take_reduce_ns()
         self.log.info(
             "step.done",

@@ -58,6 +58,13 @@ class _StepIndex(NamedTuple):
     chunks: list[_Chunk]
 
 
+class Touched(NamedTuple):
+    """The device blocks one step indexed: gathered for attention, and scattered K/V into."""
+
+    reads: list[int]
+    writes: list[int]
+
+
 class StepOutput(NamedTuple):
     last_logits: Tensor  # [num_pieces, vocab]: logits of the last token of each piece
     all_logits: Tensor | None  # [total tokens, vocab] in piece order, when asked for
@@ -106,6 +113,10 @@ class PagedExecutor:
         self.kv = kv
         self.num_blocks = kv.shape[0]
         self.block_size = kv.shape[3]
+        # Set by the Worker when tracing: each step then keeps ``touched``, the blocks its
+        # index tensors read and wrote (a copy to the host, so only at trace level).
+        self.record_touches = False
+        self.touched: Touched | None = None
 
     def check(self, pieces: Sequence[Piece]) -> None:
         """Refuse a step that would touch anything outside its pieces' own slots (ValueError)."""
@@ -235,6 +246,8 @@ class PagedExecutor:
         model, c = self.model, self.model.local
         ix = self._index(pieces)
         kv, dec = self.kv, ix.decodes
+        if self.record_touches:
+            self.touched = _touched(ix)
         if dec is not None:  # gather buffers, reused by every layer
             shape = (len(dec.table), self.block_size, c.kv_heads, c.head_dim)
             k_dec = torch.empty(shape, dtype=kv.dtype, device=kv.device)
@@ -282,6 +295,16 @@ class PagedExecutor:
                 out[rows] = attended[0].transpose(0, 1).reshape(chunk.length, -1)
             x = model.finish_layer(layer, x, out)
         return x, ix.last
+
+
+def _touched(ix: _StepIndex) -> Touched:
+    """The blocks the index tensors of a step make it read (every table it gathers) and
+    write (every block a K/V slot is scattered to)."""
+    tables = [chunk.table for chunk in ix.chunks]
+    if ix.decodes is not None:
+        tables.append(ix.decodes.table)
+    reads = sorted(set(torch.cat(tables).tolist())) if tables else []
+    return Touched(reads, sorted(set(ix.slot_blocks.tolist())))
 
 
 def _decodes(

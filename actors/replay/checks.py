@@ -21,6 +21,9 @@ vouches for another, and each finding names the executor (``worker-1``, ``swap-0
   reads after a write: I1 for a step (after a swap-in), I2 for a swap-out (after a
   step); a device block overwritten while an earlier op of another lane still uses it:
   I3; any host block conflict: I4.
+- **declared** (trace: ``op.issue``'s ``declared`` and the executors' ``op.touched``):
+  every block an executor touched was among the blocks its op declared to the fence
+  tracker, at every rank (see ``declared.py``).
 - **wait**: every op that ran saw, at each rank, each lane's watermark at or past its
   fence.
 - **lanes**: each lane at each rank completed ops 1, 2, 3, ... with no gap and none
@@ -52,6 +55,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Final
 
+from ringfence.actors.replay.declared import check_declared
 from ringfence.actors.replay.findings import TOUCHED, CheckResult, Violation, entries_of, op_name
 from ringfence.actors.replay.invariants import check_invariants
 from ringfence.actors.replay.log import (
@@ -68,6 +72,7 @@ CHECKS: Final = {
     "I2": "no swap-out read a device block before the step that wrote it was done",
     "I3": "no device block was overwritten while an op of another lane still used it",
     "I4": "no host block was read before it was filled, nor overwritten while still read",
+    "declared": "every block an executor touched was declared to the fence tracker",
     "wait": "every op saw the watermarks its fence names before it ran",
     "lanes": "each lane completed its ops in order, none skipped, none twice",
     "ops": "every issued op completed and was applied, or is still in flight",
@@ -82,9 +87,10 @@ def check_run(log: RunLog) -> CheckResult:
     result = CheckResult()
     if log.traced:
         check_invariants(log, result)
+        check_declared(log, result)
     else:
         result.skipped.append(
-            "I1-I4, rings and the ops' application (the engine logged at info; set "
+            "I1-I4, declared, rings and the ops' application (the engine logged at info; set "
             "runtime.log_level=trace)"
         )
     _waits(log, result)

@@ -113,6 +113,7 @@ class Op:
     applied: list[Entry] = field(default_factory=list)  # the engine's sched.step/sched.transfer
     stale: list[Entry] = field(default_factory=list)  # engine.stale: dropped, an older epoch
     extra_issues: list[Entry] = field(default_factory=list)  # op.issue again: a violation
+    touched: list[Entry] = field(default_factory=list)  # every rank's op.touched (trace level)
     _first: tuple[int, dict[int, Entry]] | None = field(default=None, repr=False)  # first_done
 
     @property
@@ -377,6 +378,8 @@ def _gather(entry: Entry, op: Callable[[str, int], Op], order: list[tuple[str, i
         op(str(entry.get("lane")), int(entry.get("op"))).applied.append(entry)
     elif name == "engine.stale":
         op(str(entry.get("lane")), int(entry.get("op"))).stale.append(entry)
+    elif name == "op.touched":
+        op(str(entry.get("lane")), int(entry.get("op"))).touched.append(entry)
     elif name == "sched.schedule":
         order.extend((str(lane), int(number)) for lane, number in entry.get("ops") or ())
 

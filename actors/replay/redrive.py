@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from ringfence.actors.engine.config import EngineSettings
-from ringfence.actors.engine.ledger import issue_fields
+from ringfence.actors.engine.ledger import access_fields, issue_fields
 from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.replay.log import Entry, RunLog
 from ringfence.cache.fences import Lane
@@ -222,10 +222,13 @@ class _State:
         self.decisions += len(decisions)
         for op in ops:
             record = self.log.ops.get((str(op.lane), op.number))
+            access = scheduler.take_access(op)
             if record is None or record.issue is None:
                 continue  # never sent before the log ended
             self.ops += 1
             expected = issue_fields(op)
+            if access is not None and record.issue.get("declared") is not None:
+                expected["declared"] = access_fields(access)  # logs before it have none
             for key, value in expected.items():
                 if record.issue.get(key) != value:
                     raise _Diverged(

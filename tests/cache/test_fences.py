@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringfence.cache.fences import NO_WAIT, Fence, FenceTracker, Lane, Tier
+from ringfence.cache.fences import NO_WAIT, Access, Fence, FenceTracker, Lane, Tier
 from ringfence.cache.ids import BlockId, Seq
 
 STEP, SWAP, STORE = Lane.STEP, Lane.SWAP, Lane.STORE
@@ -156,6 +156,21 @@ def test_reset_tier_forgets_only_that_tiers_blocks():
     tracker.reset_tier(Tier.DEVICE)
     assert tracker.issue(SWAP, Seq(2), read_host=blocks(1), write_device=blocks(7)) == NO_WAIT
     assert tracker.issue(STORE, Seq(1), read_host=blocks(2)) == Fence(swap=Seq(1))
+
+
+def test_with_keep_access_each_op_declared_sets_are_taken_once_in_issue_order():
+    tracker = FenceTracker(8, 8, keep_access=True)
+    tracker.issue(STEP, Seq(1), read_device=blocks(5, 1), write_device=blocks(5))
+    tracker.issue(SWAP, Seq(1), read_device=blocks(3), write_host=blocks(2, 0))
+    tracker.issue(STEP, Seq(2), read_device=blocks(4))
+    tracker.issue(STEP, Seq(3), write_device=blocks(6))
+    assert tracker.take_access(SWAP, 1) == Access(1, (3,), (), (), (0, 2))
+    assert tracker.take_access(SWAP, 1) is None  # taken
+    # Step 1 never taken (an op dropped unsent): taking step 2 forgets it.
+    assert tracker.take_access(STEP, 2) == Access(2, (4,), (), (), ())
+    assert tracker.take_access(STEP, 1) is None
+    assert tracker.take_access(STEP, 3) == Access(3, (), (6,), (), ())
+    assert make_tracker().take_access(STEP, 1) is None  # kept only when asked
 
 
 def test_a_fence_lists_its_waits_and_holds_once_every_watermark_reaches_them():
