@@ -37,6 +37,7 @@ class Mutant:
     what: str
     caught_by: tuple[str, ...] = ()  # the properties whose violation may show it
     equivalent: str = ""  # why it cannot fail (then it must pass)
+    liveness: bool = False  # caught by the liveness search (a cycle), not by the safety one
 
 
 CONFIGS = (
@@ -61,6 +62,10 @@ CONFIGS = (
     Config(name="i3", model=PROTOCOL, defines={"NOPS": 4, "NH": 1}, ci=True,
            what="4 ops on 2 device blocks and 1 host block: room for I3's case (a step "
            "reads a block, it is freed, a swap-in of a swapped-out copy overwrites it)"),
+    Config(name="wake", model=PROTOCOL, defines={"NOPS": 2, "WAKEUPS": True}, ci=True,
+           liveness=True,
+           what="the wait as the code runs it (doorbell, deadline, checked again): a cycle; "
+           "every op completes under weak fairness, and only under it"),
     Config(name="handover", model=PD, ci=True,
            what="reserve, prefill, claim: prefill death, lateness, store crash, redis restart"),
     # Larger: every interleaving of 4 ops, all faults at once on 3.
@@ -132,6 +137,20 @@ MUTANTS = (
            what="every rank waits on rank 0's watermarks"),
     Mutant(flag="MUT_FIRST_REPORT", config="ranks", caught_by=("E1", "R"),
            what="the engine counts an op complete at its first rank's report"),
+    Mutant(flag="MUT_LOST_WAKEUP", config="wake",
+           what="a waiter clears its doorbell after checking the watermarks (a ring in between "
+           "is lost)",
+           equivalent="the deadline checks the watermarks again: a lost ring costs a deadline, "
+           "never a stall"),
+    Mutant(flag="MUT_NO_DEADLINE", config="wake", what="a waiter sleeps with no deadline",
+           equivalent="the doorbell keeps a ring until it is taken: without lost wake-ups (and "
+           "with no dead peer in this configuration) the deadline is never what wakes it"),
+    Mutant(flag="MUT_LOST_WAKEUP_NO_DEADLINE", config="wake", caught_by=("invalid end state",),
+           what="both at once: a lost ring and no deadline, the waiter sleeps forever"),
+    Mutant(flag="MUT_DEADLINE_NO_RECHECK", config="wake", caught_by=("acceptance cycle",),
+           liveness=True,
+           what="at the deadline a waiter sleeps again without checking the watermarks: a "
+           "cycle of deadlines that only the liveness search sees (no state is stuck)"),
     Mutant(flag="MUT_EARLY_ANSWER", config="handover", caught_by=("D2",),
            what="a prefill answers before its store watermark covers its writes"),
     Mutant(flag="MUT_TORN_WRITE", config="handover", caught_by=("D1",),

@@ -60,6 +60,53 @@ inline read_check(r, k, v) {
 #define STALE_WAIT(r, k) STALE(r, k)
 #endif
 
+/* Wake-ups (-DWAKEUPS): the wait as the code runs it, not one blocking guard. An
+   executor checks the watermarks; if they fall short it sleeps on its own doorbell, which
+   a lane rings for the other lanes of its rank after each advance (a flag: rings collapse
+   into one, and the sleeper checks everything again), until it is rung or the deadline
+   passes. At the deadline a stale op is cancelled and any other handed back and checked
+   again (LaneExecutor.wait_fence over Actor.wait_until and the driver's msg.deferred).
+   That is a cycle: while the fence is short the executor may time out forever, so `done`
+   holds only if the lanes it waits on are scheduled (weak fairness). Mutants: a doorbell
+   cleared after the check (a lost wake-up), no deadline, a deadline that sleeps again
+   without checking. Configurations with WAKEUPS have no Worker restarts. */
+#ifdef WAKEUPS
+#ifdef MUT_LOST_WAKEUP_NO_DEADLINE
+#define MUT_LOST_WAKEUP
+#define MUT_NO_DEADLINE
+#endif
+byte bell[NR * NL];
+#define RING(c) bell[((c) / NL) * NL + ((c) % NL + 1) % NL] = 1; \
+                bell[((c) / NL) * NL + ((c) % NL + 2) % NL] = 1
+inline fence_wait(r, k, me) {
+  w = 1;
+  do
+  :: w == 1 && FENCE_OK(r, k) -> break  /* run now */
+  :: w == 1 && !FENCE_OK(r, k) ->
+     w = 2;  /* to sleep */
+#ifdef MUT_LOST_WAKEUP
+     bell[me] = 0  /* cleared after the check: a ring in between is lost */
+#else
+     skip
+#endif
+  :: w == 2 && bell[me] -> bell[me] = 0; w = 1  /* rung: check again */
+#ifndef MUT_NO_DEADLINE
+  :: w == 2 ->  /* the deadline passed */
+     if
+     :: STALE_WAIT(r, k) -> break
+#ifdef MUT_DEADLINE_NO_RECHECK
+     :: else -> skip  /* sleeps again, the watermarks unread */
+#else
+     :: else -> w = 1  /* handed back: checked again */
+#endif
+     fi
+#endif
+  od
+}
+#else
+#define RING(c) skip
+#endif
+
 #ifdef MUT_NO_SPOIL
 #define SPOIL GARBAGE
 #else
@@ -67,7 +114,7 @@ inline read_check(r, k, v) {
 #endif
 
 proctype worker(byte r) {
-  byte k, g, st, v, i, j, c;
+  byte k, g, st, v, i, j, c, w;
   c = r * NL + STEP;
 top:
   do
@@ -76,6 +123,9 @@ top:
      :: k == RESYNC -> ring[c]?k; acks!c, g  /* its WorkerReady: where it stands, its tier */
      :: k < NOPS && oseq[k] <= wm[c] -> ring[c]?k  /* done before a restart */
      :: else ->
+#ifdef WAKEUPS
+        fence_wait(r, k, c);
+#else
         if
         :: FENCE_OK(r, k) && !KILLED(r) -> skip
         :: STALE_WAIT(r, k) && !KILLED(r) -> skip  /* past the deadline: the op is stale */
@@ -83,6 +133,7 @@ top:
         :: wkill < WORKER_RESTARTS && !eng_done ->  /* this Worker dies: its group with it */
            atomic { wkill++; epoch_ctr++; wepoch = epoch_ctr }; goto restart
         fi;
+#endif
 #ifndef MUT_NO_EPOCH_CHECK
         if
         :: STALE(r, k) -> st = CANCELLED; goto finish
@@ -123,7 +174,7 @@ top:
         :: else -> dev[DI(r, g, odev[k])] = SPOIL  /* a failed step spoils what it wrote */
         fi;
 finish:
-        fin[r * NOPS + k] = 1; wm[c] = oseq[k];
+        fin[r * NOPS + k] = 1; wm[c] = oseq[k]; RING(c);
         rep!k, r, st, oep[k]; ring[c]?k
      fi
   :: KILLED(r) -> goto restart
@@ -154,7 +205,7 @@ out:
 }
 
 proctype xfer(byte r; byte L) {
-  byte k, st, v, i, j, c, dst;
+  byte k, st, v, i, j, c, dst, w;
   c = r * NL + L;
 top:
   do
@@ -172,10 +223,14 @@ top:
 #endif
         rep!k, r, st, oep[k]; ring[c]?k
      :: else ->
+#ifdef WAKEUPS
+        fence_wait(r, k, c);
+#else
         if
         :: FENCE_OK(r, k) -> skip
         :: STALE_WAIT(r, k) -> skip  /* past the deadline: the op is stale */
         fi;
+#endif
 #ifndef MUT_NO_EPOCH_CHECK
         if
         :: STALE(r, k) -> st = CANCELLED; goto finish
@@ -238,7 +293,7 @@ top:
            fi
         fi;
 finish:
-        fin[r * NOPS + k] = 1; wm[c] = oseq[k];
+        fin[r * NOPS + k] = 1; wm[c] = oseq[k]; RING(c);
         if
         :: crashes < LANE_CRASHES -> crashes++; goto top  /* dies before its report */
         :: skip

@@ -91,11 +91,13 @@ def verify(
     *,
     bitstate: bool = False,
     liveness: bool = False,
+    fair: bool = True,
     optimize: bool = False,
     timeout: float = 3600.0,
 ) -> Result:
     """Verify ``model`` with ``defines``: safety (assertions, invalid end states), or with
-    ``liveness`` the model's LTL claim under weak fairness (acceptance cycles). Exhaustive,
+    ``liveness`` the model's LTL claim under weak fairness (acceptance cycles; without it
+    when ``fair`` is False: then a process may be starved forever). Exhaustive,
     with states stored collapsed, or ``bitstate`` (a supertrace: a partial search).
     ``optimize``: compile pan with -O2 (seconds more to build, twice as fast a search: for
     the large configurations), else -O0."""
@@ -110,7 +112,7 @@ def verify(
     _run(cc, folder, timeout)
     pan = ["./pan", f"-m{DEPTH}", f"-w{BITSTATE_BITS if bitstate else HASH_BITS}"]
     if liveness:
-        pan += ["-a", "-f"]
+        pan += ["-a", "-f"] if fair else ["-a"]
     start = time.perf_counter()
     out = _run(pan, folder, timeout, check=False)
     seconds = time.perf_counter() - start

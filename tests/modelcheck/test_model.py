@@ -1,7 +1,8 @@
 """The protocol model-checked (tests/modelcheck/protocol.pml, pd.pml): the small
 configurations pass every interleaving, each mutant fails with a counterexample naming
-the property it breaks, and the model's fence rule equals cache/fences.py's on ops the
-real scheduler issued. ``scripts/modelcheck`` runs the larger configurations too."""
+the property it breaks, and every fence cache/fences.py gave ops the real scheduler issued
+covers what the model's rule says the op needs (F: a weaker one fails, a stronger one
+passes). ``scripts/modelcheck`` runs the larger configurations too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 from modelcheck import run, spin
 from modelcheck.configs import CONFIGS, MUTANTS, PROTOCOL, config
-from modelcheck.tables import record, table_pml
+from modelcheck.safety import CODE_MUTANTS, CodeMutant, _needed, unsafe_pairs
+from modelcheck.tables import LANE_NUMBER, recording, table_pml
 
 pytestmark = pytest.mark.skipif(
     shutil.which("spin") is None or shutil.which("gcc") is None,
@@ -41,42 +43,90 @@ def test_every_op_completes_or_is_cancelled_under_weak_fairness(c, tmp_path: Pat
 @pytest.mark.parametrize("m", CAUGHT, ids=[m.flag for m in CAUGHT])
 def test_a_mutant_fails_with_a_counterexample_naming_what_it_breaks(m, tmp_path: Path) -> None:
     c = config(m.config)
-    result = spin.verify(tmp_path, c.model, {**c.defines, m.flag: True})
+    result = spin.verify(tmp_path, c.model, {**c.defines, m.flag: True}, liveness=m.liveness)
     assert result.errors >= 1, f"{m.flag} survived {c.name}: {m.what}"
     assert any(name in result.violation for name in m.caught_by), result.violation
     assert result.trail_steps is not None and result.trail_steps > 0
 
 
-def test_the_equivalent_mutant_passes_because_steps_and_store_ops_share_no_tier(
+EQUIVALENT = [m for m in MUTANTS if config(m.config).ci and m.equivalent]
+
+
+@pytest.mark.parametrize("m", EQUIVALENT, ids=[m.flag for m in EQUIVALENT])
+def test_an_equivalent_mutant_passes_for_the_reason_it_gives(m, tmp_path: Path) -> None:
+    c = config(m.config)
+    defines = {**c.defines, m.flag: True}
+    assert spin.verify(tmp_path / "safety", c.model, defines).errors == 0, m.equivalent
+    if c.liveness:
+        result = spin.verify(tmp_path / "liveness", c.model, defines, liveness=True)
+        assert result.errors == 0, m.equivalent
+
+
+def test_the_wait_as_the_code_runs_it_is_a_cycle_that_only_fairness_gets_out_of(
     tmp_path: Path,
 ) -> None:
-    (m,) = [m for m in MUTANTS if m.equivalent]
-    c = config(m.config)
-    assert spin.verify(tmp_path, c.model, {**c.defines, m.flag: True}).errors == 0
+    """With the doorbell and the deadline (``wake``), a search without fairness finds the
+    waiter timing out forever while the lane it waits on is never scheduled; the model
+    with one blocking guard (``lanes-live``) has no cycle to find."""
+    wake, guard = config("wake"), config("lanes-live")
+    starved = spin.verify(tmp_path / "wake", wake.model, wake.defines, liveness=True, fair=False)
+    assert starved.errors >= 1 and "acceptance cycle" in starved.violation, starved.output[-2000:]
+    acyclic = spin.verify(tmp_path / "guard", guard.model, guard.defines, liveness=True, fair=False)
+    assert acyclic.errors == 0, acyclic.output[-2000:]
 
 
-def test_the_models_fences_equal_cache_fences_on_ops_the_real_scheduler_issued(
+def test_every_fence_the_real_scheduler_issued_covers_what_the_model_says_it_needs(
     tmp_path: Path,
 ) -> None:
     found = run.fence_traces(5, tmp_path)
     assert found["failed"] == [] and found["ops"] > 100, found
 
 
-def test_a_fence_that_differs_from_the_codes_is_reported_with_the_op(
+def test_a_fence_below_what_its_blocks_need_is_reported_with_the_op(
     tmp_path: Path, rng: random.Random
 ) -> None:
-    rows = record(rng.randrange(1000))
-    k = rng.randrange(len(rows))
-    text = table_pml(rows).replace(f"t_f[{3 * k}] = ", f"t_f[{3 * k}] = 1 + ", 1)
+    tracker = recording(rng.randrange(1000))
+    rows, resets = tracker.rows, tracker.resets
+    needs = {k: _needed(rows, k, resets) for k in range(len(rows))}
+    k, lane = rng.choice([(k, lane) for k, need in needs.items() for lane, n in need.items() if n])
+    at = f"t_f[{3 * k + LANE_NUMBER[lane]}] = "
+    text = table_pml(rows, resets).replace(at, f"{at}0 * ", 1)  # that lane's wait dropped
     spin.prepare(tmp_path, PROTOCOL, {"table.pml": text})
     out = spin.simulate(tmp_path, PROTOCOL, {"TABLE": True, "NOPS": 1, "ND": 16, "NH": 16}, 60)
     assert f"F violated: table op {k} " in out, out[-2000:]
 
 
+@pytest.mark.parametrize("mutant", CODE_MUTANTS, ids=lambda m: m.name)
+def test_f_fails_each_unsafe_rule_of_the_code_and_passes_each_safe_one(
+    mutant: CodeMutant, tmp_path: Path
+) -> None:
+    """safety.py's mutants of the code through the model: each unsafe one on the first
+    recording where the Python check catches it; each safe one on a recording with every
+    rare op (a stronger rule's extra waits counted as over-fencing)."""
+    if mutant.safe:
+        tracker = recording(3, preemption="save", tracker_class=mutant.tracker, **POOLS)
+        out = run.table_check(tracker, tmp_path)
+        assert "F holds" in out, out[-2000:]
+        over = int(out.split("; ")[1].split()[0])
+        assert over > 0 if mutant.name == "WAIT_FOR_EVERYTHING" else over == 0, out[-500:]
+        return
+    for seed in range(60):
+        for policy in ("swap", "save"):
+            tracker = recording(seed, preemption=policy, tracker_class=mutant.tracker, **POOLS)
+            if unsafe_pairs(tracker.rows, tracker.resets):
+                out = run.table_check(tracker, tmp_path)
+                assert "F violated" in out and "below what its blocks need" in out, out[-2000:]
+                return
+    pytest.fail(f"{mutant.name}: no recording where safety.py catches it")
+
+
+POOLS = {"device_blocks": 8, "host_blocks": 8, "requests": 8}  # test_safety.py's
+
+
 def test_the_runner_exits_1_when_a_mutant_survives(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (m,) = [m for m in MUTANTS if m.equivalent]
+    (m,) = [m for m in MUTANTS if m.flag == "MUT_NO_STEP_STORE"]
     survivor = type(m)(flag=m.flag, config=m.config, what=m.what)  # claimed to fail
     monkeypatch.setattr(run, "MUTANTS", (survivor,))
     assert run.main(["--only", m.flag, "--traces", "0", "--jobs", "1"]) == 1
