@@ -142,7 +142,7 @@ MUTANTS = (
            "is lost)",
            equivalent="the deadline checks the watermarks again: a lost ring costs a deadline, "
            "never a stall"),
-    Mutant(flag="MUT_NO_DEADLINE", config="wake", what="a waiter sleeps with no deadline",
+    Mutant(flag="MUT_NO_WAIT_DEADLINE", config="wake", what="a waiter sleeps with no deadline",
            equivalent="the doorbell keeps a ring until it is taken: without lost wake-ups (and "
            "with no dead peer in this configuration) the deadline is never what wakes it"),
     Mutant(flag="MUT_LOST_WAKEUP_NO_DEADLINE", config="wake", caught_by=("invalid end state",),

@@ -73,7 +73,7 @@ inline read_check(r, k, v) {
 #ifdef WAKEUPS
 #ifdef MUT_LOST_WAKEUP_NO_DEADLINE
 #define MUT_LOST_WAKEUP
-#define MUT_NO_DEADLINE
+#define MUT_NO_WAIT_DEADLINE
 #endif
 byte bell[NR * NL];
 #define RING(c) bell[((c) / NL) * NL + ((c) % NL + 1) % NL] = 1; \
@@ -90,7 +90,7 @@ inline fence_wait(r, k, me) {
      skip
 #endif
   :: w == 2 && bell[me] -> bell[me] = 0; w = 1  /* rung: check again */
-#ifndef MUT_NO_DEADLINE
+#ifndef MUT_NO_WAIT_DEADLINE
   :: w == 2 ->  /* the deadline passed */
      if
      :: STALE_WAIT(r, k) -> break

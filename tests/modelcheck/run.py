@@ -115,13 +115,13 @@ def _fmt(n: float) -> str:
 
 def table(rows: Sequence[Row], fences: dict[str, Any] | None) -> str:
     lines = [
-        f"{'check':<26}{'config':<15}{'search':<11}{'states':>13}{'MB':>8}{'s':>7}"
+        f"{'check':<30}{'config':<15}{'search':<11}{'states':>13}{'MB':>8}{'s':>7}"
         f"{'trail':>7}  result"
     ]
     for r in rows:
         res = r.result
         if res is None:
-            lines.append(f"{r.name:<26}{r.config:<15}{r.search:<11}{'':>35}  ERROR {r.error}")
+            lines.append(f"{r.name:<30}{r.config:<15}{r.search:<11}{'':>35}  ERROR {r.error}")
             continue
         if r.expected == "fail":
             verdict = (
@@ -133,7 +133,7 @@ def table(rows: Sequence[Row], fences: dict[str, Any] | None) -> str:
                 verdict = "passes: an equivalent mutant"
         trail = "-" if res.trail_steps is None else str(res.trail_steps)
         lines.append(
-            f"{r.name:<26}{r.config:<15}{r.search:<11}{_fmt(res.states):>13}"
+            f"{r.name:<30}{r.config:<15}{r.search:<11}{_fmt(res.states):>13}"
             f"{res.memory_mb:>8.0f}{res.seconds:>7.1f}{trail:>7}  {verdict}"
         )
     if fences is not None:
