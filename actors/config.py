@@ -20,6 +20,7 @@ import dataclasses
 import types
 
 from ringfence.actors.engine.config import EngineConfig
+from ringfence.actors.events.config import EventsConfig
 from ringfence.actors.executors.config import TransferConfig
 from ringfence.actors.model.config import ModelConfig, ParallelConfig
 from ringfence.actors.serve.config import ServerConfig
@@ -46,3 +47,4 @@ class Config(RunConfig):
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    events: EventsConfig = dataclasses.field(default_factory=EventsConfig)

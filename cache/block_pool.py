@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple, cast
 
 from ringfence.cache.ids import BlockHash, BlockId
@@ -45,11 +45,30 @@ class BlockPool:
     Not thread-safe: one owner (the engine) calls it. Only ``allocate``,
     ``try_allocate``, ``free``, ``take``, ``set_key`` and ``drop_key`` mutate; each
     either completes or raises without changing anything.
+
+    ``on_key(key, cached)``, when given, hears of every key the pool gains (True) or loses
+    (False), in order: what KV events report (``cache/kv_events.py``).
     """
 
-    __slots__ = ("_index", "_keys", "_next", "_num_free", "_prev", "_ref", "_sentinel", "name")
+    __slots__ = (
+        "_index",
+        "_keys",
+        "_next",
+        "_num_free",
+        "_prev",
+        "_ref",
+        "_sentinel",
+        "name",
+        "on_key",
+    )
 
-    def __init__(self, num_blocks: int, *, name: str) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        name: str,
+        on_key: Callable[[BlockHash, bool], None] | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.name = name  # the tier, e.g. "device" or "host"; named in errors
@@ -64,6 +83,7 @@ class BlockPool:
         self._keys: list[BlockHash | None] = [None] * num_blocks  # the key each block holds
         self._index: dict[BlockHash, BlockId] = {}  # key -> the block holding it (inverse)
         self._num_free = num_blocks  # blocks with ref count 0
+        self.on_key = on_key
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +142,9 @@ class BlockPool:
         nxt[self._sentinel] = block
         self._prev[block] = self._sentinel
         self._num_free -= num_blocks
+        if evicted and self.on_key is not None:
+            for _, key in evicted:
+                self.on_key(key, False)
         return Allocation(
             cast("tuple[BlockId, ...]", tuple(block_ids)),
             cast("tuple[tuple[BlockId, BlockHash], ...]", tuple(evicted)) if evicted else (),
@@ -208,6 +231,8 @@ class BlockPool:
             return holder
         self._keys[block] = key
         self._index[key] = BlockId(block)
+        if self.on_key is not None:
+            self.on_key(key, True)
         return BlockId(block)
 
     def drop_key(self, block_id: BlockId) -> BlockHash | None:
@@ -220,6 +245,8 @@ class BlockPool:
         if key is not None:
             self._keys[block] = None
             del self._index[key]
+            if self.on_key is not None:
+                self.on_key(key, False)
         return key
 
     def free_order(self) -> list[BlockId]:

@@ -289,6 +289,19 @@ EVENTS: Final[dict[str, Event]] = {
         "request blocks stored_blocks wait_ms",
         "the writes are complete: the request finishes, stored_blocks of its blocks durable",
     ),
+    "events.ready": _e(
+        "info",
+        "endpoint replay_endpoint layout",
+        "the engine publishes KV events (events.enabled): subscribe at endpoint, ask for a "
+        "replay at replay_endpoint",
+    ),
+    "events.stop": _e(
+        "info",
+        "batches events published dropped replays bad_replays degraded",
+        "the KV event publisher stopped: batches and events made, published, dropped (the "
+        "pipe to its thread was full), replays answered and refused, keys stored with no "
+        "tokens (their lineage was gone)",
+    ),
     "op.issue": _e(
         "trace",
         "lane op fence sync pieces poison direction reason device_blocks host_blocks declared",

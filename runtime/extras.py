@@ -23,7 +23,6 @@ from ringfence.shm.errors import RingfenceError
 MODULE_EXTRAS: Final[dict[str, str]] = {
     "redis": "redis",
     "matplotlib": "bench",
-    "zmq": "bench",
     "transformers": "bench",
 }
 

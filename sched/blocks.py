@@ -27,13 +27,15 @@ the caller passes in (the engine's storage client, or a fake in tests).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from ringfence.cache.block_pool import BlockPool
 from ringfence.cache.demotion import on_evicted, on_filled
 from ringfence.cache.fences import FenceTracker, Lane
 from ringfence.cache.ids import BlockHash, BlockId, Seq
+from ringfence.cache.kv_events import KVEventJournal, Tier
 from ringfence.cache.prefix_index import PrefixIndex, PrefixMatch, StoragePresence
 from ringfence.sched.config import TierConfig
 from ringfence.sched.ops import Op, Piece, Reason, StepOp, StoreOp, SwapOp
@@ -45,6 +47,21 @@ class Moved:
 
     ops: Counter[str] = field(default_factory=Counter)  # "swap_out", "prefetch", ...
     blocks: Counter[str] = field(default_factory=Counter)
+
+
+def _told(events: KVEventJournal | None, tier: Tier) -> Callable[[BlockHash, bool], None] | None:
+    """A pool's ``on_key`` that tells ``events`` of the keys ``tier`` gains and loses."""
+    if events is None:
+        return None
+    journal = events
+
+    def on_key(key: BlockHash, cached: bool) -> None:
+        if cached:
+            journal.stored(tier, key)
+        else:
+            journal.removed(tier, key)
+
+    return on_key
 
 
 _NAMES = {("in", Lane.SWAP): "swap_in", ("out", Lane.SWAP): "swap_out"}
@@ -92,12 +109,15 @@ class BlockManager:
         first_numbers: Mapping[Lane, int] | None = None,
         *,
         keep_access: bool = False,
+        events: KVEventJournal | None = None,
     ) -> None:
         """``keep_access``: the tracker keeps each op's declared sets (see
-        :meth:`FenceTracker.take_access`), for the engine's trace."""
+        :meth:`FenceTracker.take_access`), for the engine's trace. ``events``: told every
+        key a tier gains or loses (KV events; storage once a write-back completed ok)."""
         self.config = config
-        self.device = BlockPool(config.device_blocks, name="device")
-        self.host = BlockPool(config.host_blocks, name="host")
+        self.events = events
+        self.device = BlockPool(config.device_blocks, name="device", on_key=_told(events, "device"))
+        self.host = BlockPool(config.host_blocks, name="host", on_key=_told(events, "host"))
         self.stored = _StoredSet(storage if config.storage else None)
         self.index = PrefixIndex(
             self.device,
@@ -440,7 +460,12 @@ class BlockManager:
         no longer taken as stored (a prefetch's are the scheduler's to handle).
         """
         op = self.inflight.pop((lane, number), None)
-        if op is None or status == "ok":
+        if op is None:
+            return op
+        if status == "ok":
+            if self.events is not None and isinstance(op, StoreOp) and op.direction == "write":
+                for key in op.keys:  # whole and visible in storage from now on
+                    self.events.stored("storage", key)
             return op
         if isinstance(op, SwapOp):
             if op.direction == "out":
@@ -456,8 +481,9 @@ class BlockManager:
         used = self.device.num_used
         if used:
             raise RuntimeError(f"device tier reset with {used} blocks still in use")
-        for b in range(self.device.num_blocks):
-            self.device.drop_key(BlockId(b))
+        with self.events.clearing("device") if self.events is not None else nullcontext():
+            for b in range(self.device.num_blocks):
+                self.device.drop_key(BlockId(b))
         self._poison.clear()  # a new Worker starts with every block poisoned when asked
 
     def forget(self, device: Sequence[BlockId] = (), host: Sequence[BlockId] = ()) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.ids import BlockHash, BlockId
+from ringfence.cache.kv_events import KVEventJournal
 from ringfence.sched.blocks import BlockManager
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sequence import Sequence
@@ -23,9 +24,13 @@ from ringfence.sched.sequence import Sequence
 class PieceMaker:
     """See the module docstring."""
 
-    def __init__(self, block_size: int, namespace: bytes) -> None:
+    def __init__(
+        self, block_size: int, namespace: bytes, events: KVEventJournal | None = None
+    ) -> None:
+        """``events``: told each key's parent and tokens as it is computed (KV events)."""
         self._bs = block_size
         self._namespace = namespace
+        self._events = events
         self._filled: list[tuple[list[BlockId], list[BlockHash]]] = []  # to key after the step
         self._closed: list[int] = []  # sequences ended since the last step (StepOp.closed)
 
@@ -73,14 +78,18 @@ class PieceMaker:
         have = len(seq.keys)
         if count > have:
             parent = seq.keys[-1] if seq.keys else None
-            seq.keys.extend(
-                block_keys(
-                    tokens[have * self._bs : count * self._bs],
-                    self._bs,
-                    namespace=self._namespace,
-                    parent=parent,
-                )
+            new = block_keys(
+                tokens[have * self._bs : count * self._bs],
+                self._bs,
+                namespace=self._namespace,
+                parent=parent,
             )
+            if self._events is not None:
+                bs = self._bs
+                for i, key in enumerate(new, have):
+                    self._events.note(key, parent, tuple(tokens[i * bs : (i + 1) * bs]))
+                    parent = key
+            seq.keys.extend(new)
         return seq.keys[:count]
 
     def queue_keys(self, seq: Sequence, tokens: tuple[int, ...], full: int) -> None:

@@ -62,6 +62,7 @@ from collections.abc import Iterable, Mapping
 
 from ringfence.cache.fences import Access, Lane
 from ringfence.cache.ids import BlockId
+from ringfence.cache.kv_events import KVEventJournal
 from ringfence.cache.prefix_index import StoragePresence
 from ringfence.sched.admission import Admission
 from ringfence.sched.blocks import BlockManager
@@ -93,16 +94,19 @@ class Scheduler:
         *,
         journal: bool = False,
         first_numbers: Mapping[Lane, int] | None = None,
+        kv_events: KVEventJournal | None = None,
     ) -> None:
         """``first_numbers``: the number of each lane's first op (1 unless an engine
-        before this one left its lanes further on)."""
+        before this one left its lanes further on). ``kv_events``: KV events' journal."""
         self.config = config
-        self.blocks = BlockManager(config.tiers, storage, first_numbers, keep_access=journal)
+        self.blocks = BlockManager(
+            config.tiers, storage, first_numbers, keep_access=journal, events=kv_events
+        )
         self.counters = Counters()
         # The decisions of the current round, for the engine's log (see take_decisions).
         self._journal = Journal(journal)
         self._bs = config.tiers.block_size
-        self._pieces = PieceMaker(self._bs, config.namespace)
+        self._pieces = PieceMaker(self._bs, config.namespace, kv_events)
         self._admission = Admission(config, self.blocks, self._pieces, self.counters, self._journal)
         self._seqs: dict[int, Sequence] = {}
         self._by_id: dict[str, Sequence] = {}

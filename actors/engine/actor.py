@@ -49,6 +49,7 @@ from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefuse
 from ringfence.actors.engine.config import EngineSettings
 from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
 from ringfence.actors.engine.intake import Intake
+from ringfence.actors.engine.kv_events import KVEventsOut
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
 from ringfence.actors.engine.logprobs import emitted_logprobs, file_prompt_logprobs
 from ringfence.actors.engine.outputs import Outputs
@@ -109,6 +110,7 @@ class Engine(Actor):
             config.engine, self.clients, self.outputs, self.log, self.schedule, now=self.now
         )
         self.scheduler: Scheduler | None = None
+        self.kv_out: KVEventsOut | None = None  # KV events, once the scheduler began
         self.storage: AllRanks | None = None  # every rank's presence, from the first begin
         self.model: ModelInfo | None = None
         self.tiers: dict[int, DeviceTier] = {}  # rank -> the device tier its swap lane copies
@@ -128,6 +130,8 @@ class Engine(Actor):
 
     def on_stop(self) -> None:
         self._drain_store()
+        if self.kv_out is not None:
+            self.kv_out.close()
         self.outputs.close()
         if self.storage is not None:
             self.storage.close()
@@ -236,11 +240,14 @@ class Engine(Actor):
             self.done = True
             self.request_shutdown(str(e))
             return
+        if self.config.events.enabled:
+            self.kv_out = KVEventsOut(self.config.events, settings.tiers, self.log)
         self.scheduler = Scheduler(
             settings,
             presence or self.storage,
             journal=tracing,
             first_numbers=first,
+            kv_events=None if self.kv_out is None else self.kv_out.journal,
         )
         if tracing:
             self.ledger.access_of = self.scheduler.take_access
@@ -466,6 +473,8 @@ class Engine(Actor):
         self._kick()  # flushes the Stats too
 
     def _flush(self) -> None:
+        if self.kv_out is not None:
+            self.kv_out.flush()
         if self.clients.pending():
             self.clients.flush()
 
@@ -488,7 +497,8 @@ class Engine(Actor):
         """The engine's state now, for the clients that asked (the hub sets incarnation)."""
         if self.scheduler is None:
             return no_stats()
-        return stats_of(self.scheduler, self.ledger, self.bytes)
+        events = None if self.kv_out is None else self.kv_out.endpoints
+        return stats_of(self.scheduler, self.ledger, self.bytes, events)
 
     def counters(self) -> dict[str, Any]:
         assert self.scheduler is not None

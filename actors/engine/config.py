@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from ringfence.actors.events.config import EventsConfig
 from ringfence.actors.executors.config import TransferConfig
 from ringfence.actors.model.config import ModelConfig, ParallelConfig
 from ringfence.cache.config import CacheConfig
@@ -56,3 +57,4 @@ class EngineSettings:
     transfer: TransferConfig  # mode sync holds an op until its fence is met
     engine: EngineConfig  # the workload, the clients' limit, the role, the drain
     parallel: ParallelConfig  # how many ranks each op goes to
+    events: EventsConfig  # whether and where it publishes KV events

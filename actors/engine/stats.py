@@ -42,8 +42,14 @@ def no_stats() -> Stats:
     )
 
 
-def stats_of(scheduler: Scheduler, ledger: Ledger, moved: Mapping[str, int]) -> Stats:
-    """The figures now; ``moved``: bytes copied per "<lane>_<direction>" (Engine.bytes).
+def stats_of(
+    scheduler: Scheduler,
+    ledger: Ledger,
+    moved: Mapping[str, int],
+    events: Mapping[str, str] | None = None,
+) -> Stats:
+    """The figures now; ``moved``: bytes copied per "<lane>_<direction>" (Engine.bytes);
+    ``events``: the KV event endpoints bound (KVEventsOut.endpoints).
 
     ``incarnation`` is 0: the hub stamps each client's copy with its own.
     """
@@ -65,6 +71,8 @@ def stats_of(scheduler: Scheduler, ledger: Ledger, moved: Mapping[str, int]) -> 
         free_blocks=scheduler.blocks.device.num_free,
         reservations=len(scheduler.reservations.live),
         reserved_blocks=scheduler.reservations.num_blocks,
+        events_endpoint=(events or {}).get("endpoint", ""),
+        events_replay_endpoint=(events or {}).get("replay_endpoint", ""),
     )
 
 

@@ -180,6 +180,9 @@ class Stats:
     free_blocks: int = 0
     reservations: int = 0
     reserved_blocks: int = 0
+    # Where the engine publishes its KV events (events.enabled), as bound: "" for none.
+    events_endpoint: str = ""
+    events_replay_endpoint: str = ""
 
 
 @message(ENGINE_TO_CLIENT, tag=4)

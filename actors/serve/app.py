@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
+from ringfence.actors.protocol.client import Stats
 from ringfence.actors.serve.answer import Answer
 from ringfence.actors.serve.api import (
     IGNORED_HEADER,
@@ -103,11 +104,14 @@ def build_app(frontend: FrontEndView, config: FrontEndSettings) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    models_body = {"object": "list", "data": [model_card(frontend, name)]}  # fixed: once
+    card = model_card(frontend, name)  # fixed: once; the events' endpoints once known
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        return models_body
+        events = events_card(frontend.stats, config.server.host)
+        if events is None:
+            return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card | {"ringfence": card["ringfence"] | events}]}
 
     role = config.engine.role
 
@@ -246,6 +250,26 @@ def model_card(frontend: FrontEndView, name: str) -> dict[str, Any]:
             "block_size": config.cache.block_size,
             "tp_size": config.parallel.tp_size,
         },
+    }
+
+
+def events_card(stats: Stats | None, host: str) -> dict[str, Any] | None:
+    """The ``events`` of the model card: where the engine publishes its KV events (None
+    while it does not, or has not said). A wildcard host (``0.0.0.0``) is given as the
+    host the front end listens on, or 127.0.0.1 when that is a wildcard too."""
+    if stats is None or not stats.events_endpoint:
+        return None
+    here = "127.0.0.1" if host in ("", "0.0.0.0", "::", "*") else host
+    here = f"[{here}]" if ":" in here else here
+
+    def reachable(endpoint: str) -> str:
+        return endpoint.replace("tcp://0.0.0.0:", f"tcp://{here}:", 1)
+
+    return {
+        "events": {
+            "endpoint": reachable(stats.events_endpoint),
+            "replay_endpoint": reachable(stats.events_replay_endpoint),
+        }
     }
 
 

@@ -141,11 +141,21 @@ class ChatCompletionChunk(BaseModel):
     prompt_token_ids: TokenIds = []  # only with return_token_ids, in the first chunk
 
 
+class EventEndpoints(BaseModel):
+    """Where the instance publishes its KV events (``[events]``): vLLM's wire format."""
+
+    endpoint: str = Field(description="the ZMQ PUB socket: subscribe here")
+    replay_endpoint: str = Field(description="the ZMQ ROUTER socket that replays ('' for none)")
+
+
 class RingfenceModel(BaseModel):
     model_id: str
     fingerprint: str  # of the KV block layout: equal fingerprints can share cached blocks
     block_size: int
     tp_size: int
+    events: EventEndpoints | None = Field(
+        default=None, description="present once the engine publishes KV events"
+    )
 
 
 class ModelCard(BaseModel):

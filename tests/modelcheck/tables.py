@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from ringfence.cache.fences import Fence, FenceTracker, Lane, Tier
 from ringfence.cache.ids import BlockHash, BlockId, Seq
+from ringfence.cache.kv_events import KVEventJournal
 from ringfence.sched.config import SchedConfig, SchedulerConfig, TierConfig
 from ringfence.sched.ops import Op, StepOp, StoreOp
 from ringfence.sched.request import Request, SamplingParams
@@ -99,6 +100,7 @@ def _scheduler(
     host_blocks: int,
     presence: Presence,
     preemption: Preemption | None = None,
+    kv_events: KVEventJournal | None = None,
 ) -> Scheduler:
     tiers = TierConfig(
         block_size=4,
@@ -116,7 +118,7 @@ def _scheduler(
         tiers=tiers,
         namespace=b"\0" * 16,
     )
-    return Scheduler(config, presence)
+    return Scheduler(config, presence, kv_events=kv_events)
 
 
 def record(seed: int, **options: Any) -> list[Row]:
@@ -136,9 +138,27 @@ def recording(
 ) -> RecordingTracker:
     """The tracker of :func:`record`'s run, its rows and resets (``preemption``: the policy,
     else drawn; ``tracker_class``: the fence rule, a mutant's in safety.py)."""
+    return driven(
+        seed, requests=requests, device_blocks=device_blocks, host_blocks=host_blocks,
+        preemption=preemption, tracker_class=tracker_class,
+    )[1]  # fmt: skip
+
+
+def driven(
+    seed: int,
+    *,
+    requests: int = 6,
+    device_blocks: int = 10,
+    host_blocks: int = 10,
+    preemption: Preemption | None = None,
+    tracker_class: type[RecordingTracker] = RecordingTracker,
+    kv_events: KVEventJournal | None = None,
+) -> tuple[Scheduler, RecordingTracker]:
+    """:func:`recording`'s run: the scheduler at its end and its tracker (``kv_events``:
+    the scheduler's KV events journal)."""
     rng = random.Random(f"ringfence.modelcheck:{seed}")
     presence = Presence()
-    sched = _scheduler(rng, device_blocks, host_blocks, presence, preemption)
+    sched = _scheduler(rng, device_blocks, host_blocks, presence, preemption, kv_events)
     tracker = tracker_class(device_blocks, host_blocks)
     sched.blocks.tracker = tracker
     shared = [rng.randrange(1, 50) for _ in range(8)]
@@ -154,7 +174,7 @@ def recording(
         if not ops and sched.idle:
             break
         _complete(sched, ops, rng, presence)
-    return tracker
+    return sched, tracker
 
 
 def _complete(sched: Scheduler, ops: Iterable[Op], rng: random.Random, presence: Presence) -> None:

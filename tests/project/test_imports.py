@@ -194,7 +194,8 @@ class Layer(NamedTuple):
 
 
 ACTOR_LAYERS: tuple[Layer, ...] = (
-    Layer("sections", ("model.config", "executors.config", "engine.config", "serve.config")),
+    Layer("sections", ("model.config", "executors.config", "engine.config", "serve.config",
+                       "events.config")),
     Layer("schema", ("config",), over=("sections",)),  # the sections composed
     Layer("model", ("model",), over=("schema",)),  # shape, dtypes, weights, what it announces
     Layer("kv", ("kv",), over=("model",)),  # each tier's KV tensor, its layout, block copies
@@ -202,7 +203,8 @@ ACTOR_LAYERS: tuple[Layer, ...] = (
     Layer("executors", ("executors",), over=("protocol",)),  # the Worker, the Transfer lanes
     Layer("client", ("client",), over=("protocol",)),  # the users' client and its slots
     Layer("launch", ("preflight", "topology"), over=("protocol",)),  # checks, fenced topology
-    Layer("engine", ("engine",), over=("client", "launch")),
+    Layer("events", ("events",), over=("schema",)),  # KV events on the wire, their publisher
+    Layer("engine", ("engine",), over=("client", "launch", "events")),
     Layer("serve", ("serve",), over=("engine",)),
     Layer("router", ("router",), over=("serve",)),
     Layer("replay", ("replay",), over=("engine",)),

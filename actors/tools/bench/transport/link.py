@@ -141,10 +141,7 @@ def _pipe_end(stack: ExitStack, conn: Connection) -> _End:
 
 def _zmq_end(stack: ExitStack, address: str, bind: bool = False) -> _End:
     """A PAIR socket on ``address``; a poll before each receive gives it a deadline."""
-    try:
-        import zmq  # the bench extra: only a run that measures zmq needs it
-    except ImportError:
-        raise BenchError("pyzmq is not installed (pip install 'ringfence[bench]')") from None
+    import zmq
 
     context = zmq.Context()
     stack.callback(context.term)
