@@ -80,6 +80,7 @@ def build_app(frontend: FrontEndView, config: FrontEndSettings) -> FastAPI:
         stats=lambda: frontend.stats,
         restarts=frontend.liveness.restarts,
         down=frontend.health,
+        model_name=prompter.model_name,
     )
     app.state.metrics = metrics
     timeout_s = config.server.request_timeout_s

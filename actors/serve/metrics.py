@@ -1,4 +1,5 @@
-"""The front end's Prometheus metrics (``GET /metrics``), all prefixed ``ringfence_``.
+"""The front end's Prometheus metrics (``GET /metrics``), prefixed ``ringfence_``, and the
+few that schedulers built for vLLM scrape, under vLLM's names.
 
 Three sources: what the front end measures itself per request (latencies and token
 counts, from the engine's output as it arrives); the engine's own state, from the latest
@@ -6,6 +7,17 @@ counts, from the engine's output as it arrives); the engine's own state, from th
 the run's control block (which actors are up, how often each restarted). The engine's
 counters are its own since it started: a restarted engine starts them again at 0, which
 Prometheus' ``rate`` reads as a counter reset.
+
+The Gateway API Inference Extension's model-server protocol (what llm-d's and the
+inference gateway's endpoint pickers scrape) asks for three gauges: requests queued,
+requests running, and the KV cache's utilization in [0, 1]. They are given under vLLM's
+names, with vLLM's ``model_name`` label, from the same Stats as ringfence's own:
+``vllm:num_requests_waiting`` (= ``ringfence_requests_waiting``: waiting for admission,
+preempted ones included), ``vllm:num_requests_running`` (= ``ringfence_requests_running``),
+and ``vllm:kv_cache_usage_perc`` (= ``ringfence_kv_cache_usage``: device blocks in use over
+all device blocks; free blocks that still hold cached KV count as free, as in vLLM), also
+as ``vllm:gpu_cache_usage_perc``, vLLM's older name. So a ringfence instance can be
+scheduled by them like a vLLM pod.
 
 Every metric lives in the registry of one :class:`Metrics` (not the process-wide
 default), so several servers in one test process do not collide.
@@ -41,6 +53,7 @@ class Metrics:
         stats: Callable[[], Any],
         restarts: Callable[[], Mapping[str, int]],
         down: Callable[[], list[str]],
+        model_name: str = "",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -93,7 +106,7 @@ class Metrics:
             ["status"],
             registry=r,
         )
-        r.register(_InstanceCollector(stats, restarts, down))
+        r.register(_InstanceCollector(stats, restarts, down, model_name))
 
 
 class _InstanceCollector(Collector):
@@ -104,10 +117,12 @@ class _InstanceCollector(Collector):
         stats: Callable[[], Any],
         restarts: Callable[[], Mapping[str, int]],
         down: Callable[[], list[str]],
+        model_name: str,
     ) -> None:
         self._stats = stats
         self._restarts = restarts
         self._down = down
+        self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         restarts = self._restarts()
@@ -158,6 +173,22 @@ class _InstanceCollector(Collector):
             "Prompt tokens the engine served from each tier since it started", "tier",
             stats.hit_tokens,
         )  # fmt: skip
+        total = stats.blocks_total.get("device", 0)
+        usage = stats.blocks_used.get("device", 0) / total if total else 0.0
+        yield _gauge("kv_cache_usage", "Device KV blocks in use over all of them, in [0, 1]", usage)
+        yield from self._vllm_names(stats.waiting, stats.running, usage)
+
+    def _vllm_names(self, waiting: int, running: int, usage: float) -> Iterator[Metric]:
+        """The model-server protocol's gauges under vLLM's names (see the module docstring)."""
+        for name, doc, value in (
+            ("num_requests_waiting", "Requests waiting to be processed", waiting),
+            ("num_requests_running", "Requests running on the model", running),
+            ("kv_cache_usage_perc", "KV cache usage, 1 = full", usage),
+            ("gpu_cache_usage_perc", "KV cache usage, 1 = full (vLLM's older name)", usage),
+        ):
+            family = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> Metric:
