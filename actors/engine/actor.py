@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ringfence.actors.engine.begin import begin_scheduler
 from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
 from ringfence.actors.engine.config import EngineSettings
 from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
@@ -54,9 +55,7 @@ from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
 from ringfence.actors.engine.logprobs import emitted_logprobs, file_prompt_logprobs
 from ringfence.actors.engine.outputs import Outputs
 from ringfence.actors.engine.roster import EXECUTORS, Roster
-from ringfence.actors.engine.sched_settings import sched_config
-from ringfence.actors.engine.stats import counters_of, no_stats, stats_of
-from ringfence.actors.engine.storage import LoggedPresence, open_all_ranks
+from ringfence.actors.engine.stats import count_bytes, counters_of, no_stats, stats_of
 from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.client import Abort, Hello, Reserve, Stats, Submit
 from ringfence.actors.protocol.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
@@ -228,28 +227,15 @@ class Engine(Actor):
         assert self.ctx.run_dir is not None
         model, first = self.model, self.roster.first_numbers()
         self.ledger.begin(first)
-        self.storage = open_all_ranks(self.config, model, str(self.ctx.run_dir), log=self.log)
-        tracing = self.log.tracing
-        presence = LoggedPresence(self.storage, self.log) if tracing and self.storage else None
         try:
-            settings = sched_config(
-                self.config, model.model_id, model.max_position, model.vocab_size
-            )
+            begun = begin_scheduler(self.config, model, first, str(self.ctx.run_dir), self.log)
         except ValueError as e:  # the launch checked it against the model the config names
             self.log.error("engine.config_failed", error=str(e))
             self.done = True
             self.request_shutdown(str(e))
             return
-        if self.config.events.enabled:
-            self.kv_out = KVEventsOut(self.config.events, settings.tiers, self.log)
-        self.scheduler = Scheduler(
-            settings,
-            presence or self.storage,
-            journal=tracing,
-            first_numbers=first,
-            kv_events=None if self.kv_out is None else self.kv_out.journal,
-        )
-        if tracing:
+        self.scheduler, self.storage, self.kv_out = begun.scheduler, begun.storage, begun.kv_out
+        if self.log.tracing:
             self.ledger.access_of = self.scheduler.take_access
         for rank, tier in sorted(self.tiers.items()):
             self.send(f"swap-{rank}", tier)
@@ -433,7 +419,7 @@ class Engine(Actor):
                 self.log.warning(
                     "engine.op_failed", lane=msg.lane, op=done.number, status=done.status
                 )
-            self._count_bytes(done)
+            count_bytes(self.bytes, self.scheduler, done.lane, done.number, done.bytes)
             if self.log.tracing:
                 self.log.trace(
                     "sched.transfer", lane=msg.lane, op=done.number, msg_epoch=msg.epoch,
@@ -453,13 +439,6 @@ class Engine(Actor):
         number = report.step if isinstance(report, StepResult) else report.op
         self.log.warning("engine.stale", lane=str(lane), op=number, msg_epoch=report.epoch, why=why)
         return None
-
-    def _count_bytes(self, done: Outcome) -> None:
-        assert self.scheduler is not None
-        op = self.scheduler.blocks.inflight.get((done.lane, done.number))
-        if op is not None:
-            name = f"{done.lane}_{op.direction}"
-            self.bytes[name] = self.bytes.get(name, 0) + done.bytes
 
     # Ticks, the end of a workload, shutdown.
 

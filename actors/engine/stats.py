@@ -76,6 +76,17 @@ def stats_of(
     )
 
 
+def count_bytes(
+    moved: dict[str, int], scheduler: Scheduler, lane: Lane, number: int, nbytes: int
+) -> None:
+    """Add a transfer op's bytes (every rank's) to ``moved`` under "<lane>_<direction>";
+    before the scheduler applies the op (it is still in flight there)."""
+    op = scheduler.blocks.inflight.get((lane, number))
+    if op is not None:
+        name = f"{lane}_{op.direction}"
+        moved[name] = moved.get(name, 0) + nbytes
+
+
 def counters_of(scheduler: Scheduler, mode: str, moved: Mapping[str, int]) -> dict[str, Any]:
     """The engine's figures of a workload run, for ``summary.json`` (``mode``: the run's
     ``transfer.mode``; the preemption policy is the scheduler's ``sched.preemption``)."""

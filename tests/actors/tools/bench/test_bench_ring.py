@@ -8,7 +8,6 @@ that every ring, doorbell and process the bench made is gone afterwards.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -99,15 +98,6 @@ def test_a_peer_that_dies_fails_only_its_own_measurement_and_leaves_no_name(
     assert result["figures"]["pipe"]["64"]["vs_ringfence"] is None
     assert "error" in report["idle_consumer"]
     assert names_of(report) == []
-
-
-def test_a_missing_pyzmq_fails_only_the_zmq_measurement_naming_the_extra(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq now raises ImportError
-    _, result = failed_run_in_same(tmp_path, "ringfence,zmq")
-    assert list(result["figures"]) == ["ringfence"]
-    assert "pyzmq is not installed (pip install 'ringfence[bench]')" in result["errors"]["zmq"]
 
 
 def test_a_pinned_placement_gives_the_parent_its_cpu_affinity_back(tmp_path: Path) -> None:
