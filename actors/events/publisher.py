@@ -155,16 +155,21 @@ class EventPublisher:
         try:
             while True:
                 ready = dict(poller.poll(_WAIT_MS))
-                if replay is not None and ready.get(replay):
-                    self._answer(replay)
-                if ready.get(pipe):
-                    payload = pipe.recv()
+                # Every batch handed over so far goes out before a replay is answered, so
+                # that the replay holds them too.
+                while ready.get(pipe):
+                    try:
+                        payload = pipe.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
                     if payload == _STOP:
                         return
                     seq = next(seqs)
                     pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                     self._buffer.append((seq, payload))
                     self.counts.published += 1
+                if replay is not None and ready.get(replay):
+                    self._answer(replay)
         finally:
             for sock in (pipe, pub, replay):
                 if sock is not None:
