@@ -383,6 +383,25 @@ EVENTS: Final[dict[str, Event]] = {
     "router.started": _e(
         "info", "host port instances", "every instance answered and the pool was checked"
     ),
+    "router.instance_down": _e(
+        "warning",
+        "request instance error",
+        "an aggregated instance could not be reached: the request goes to the next choice, "
+        "and the policy routes around the instance and forgets what its index held",
+    ),
+    "router.no_events": _e(
+        "warning",
+        "instance",
+        "an aggregated instance publishes no KV events (events.enabled false): the cache "
+        "policy scores it as holding nothing",
+    ),
+    "router.routed": _e(
+        "info",
+        "request kind outcome status total_s instance policy prompt_blocks cached_blocks "
+        "first_byte_s",
+        "a request sent to an aggregated instance ended: the instance the policy chose, the "
+        "prompt's full blocks and the weighted blocks of it the instance held",
+    ),
     "router.answered": _e(
         "info",
         "request kind outcome status total_s decode prefill retries claims fallback prefill_s "

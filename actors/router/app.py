@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from ringfence.actors.router.flow import Handover, Relayed
+from ringfence.actors.router.forward import INSTANCE_HEADER, Forward
 from ringfence.actors.router.instances import Instance
 from ringfence.actors.router.relay import EventRelay, is_event_stream, read_whole
 from ringfence.actors.router.state import Router
@@ -30,6 +31,7 @@ from ringfence.actors.serve.api import ApiError, error_body
 
 PROBE_S = 2.0  # one instance's /health or /v1/models, asked by the router's own routes
 OUTCOME_OF_STATUS = {502: "decode_failed", 503: "no_room"}  # the router's own errors
+SERVING = ("decode", "both")  # the roles whose health makes the router's
 
 
 def build_app(router: Router) -> FastAPI:
@@ -44,7 +46,7 @@ def build_app(router: Router) -> FastAPI:
         whys = await asyncio.gather(*(probe(router, i) for i in pool.instances))
         said = list(zip(pool.instances, whys, strict=True))
         down = [f"{i.role} {i.url}: {why}" for i, why in said if why]
-        up = [i for i, why in said if why is None and i.role == "decode"]
+        up = [i for i, why in said if why is None and i.role in SERVING]
         if not up:
             return JSONResponse({"status": "unavailable", "down": down}, status_code=503)
         return JSONResponse({"status": "ok" if not down else "degraded", "down": down})
@@ -57,7 +59,7 @@ def build_app(router: Router) -> FastAPI:
     async def models() -> Response:
         """A decode instance's /v1/models, as it answered."""
         last = "no decode instance"
-        for instance in pool.of_role("decode"):
+        for instance in pool.of_role("both" if router.aggregated else "decode"):
             try:
                 answer = await router.client.get(f"{instance.url}/v1/models", timeout=PROBE_S)
             except httpx.TransportError as e:
@@ -111,7 +113,8 @@ async def route(router: Router, kind: str, request: Request) -> Response:
     except ApiError:
         router.metrics.requests.labels(outcome="bad_request").inc()
         raise
-    handover = Handover(router, kind, raw, f"rtr-{uuid.uuid4().hex}")
+    run: type[Handover | Forward] = Forward if router.aggregated else Handover
+    handover = run(router, kind, raw, f"rtr-{uuid.uuid4().hex}")
     work = asyncio.ensure_future(answer_of(handover))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -136,10 +139,12 @@ async def route(router: Router, kind: str, request: Request) -> Response:
         work.cancel()  # a no-op once done; else the server stopping cancelled this route
     if not isinstance(response, EventRelay):  # an event stream finishes when it ends
         await handover.finish("ok", response.status_code)
+    if isinstance(handover, Forward) and handover.choice is not None:
+        response.headers[INSTANCE_HEADER] = handover.choice.instance.url
     return response
 
 
-async def answer_of(handover: Handover) -> Response:
+async def answer_of(handover: Handover | Forward) -> Response:
     """The client's answer: the claim's event stream (not begun), or its whole JSON."""
     upstream = await handover.run()
     if is_event_stream(upstream):

@@ -1,4 +1,6 @@
-"""``ringfence router``: one OpenAI-compatible endpoint over prefill and decode instances.
+"""``ringfence router``: one OpenAI-compatible endpoint over aggregated instances (picked by
+a policy, ``cache`` by default: where the prompt's prefix is cached, from their KV events),
+or over prefill and decode instances.
 
 It waits until every instance answers ``GET /ringfence/instance``, refuses instances that
 cannot work together (exit 2), prints the address it listens on, then ``ringfence router:
@@ -12,11 +14,16 @@ import asyncio
 import signal
 import sys
 
+POLICY_CHOICES = ("round_robin", "least_loaded", "approximate", "cache")  # router/policy.py
+
 DESCRIPTION = (
     "Serve the OpenAI API (POST /v1/completions and /v1/chat/completions, GET /v1/models, "
-    "/health and /metrics) over prefill and decode instances (ringfence serve with "
-    "engine.role=prefill or decode sharing one storage tier): each request is reserved on a "
-    "decode instance, prefilled into the tier by a prefill instance, then decoded. Exit "
+    "/health and /metrics) over instances of ringfence serve: aggregated ones (--instance, "
+    "each request sent to one of them by --policy; cache: where most of its prompt is "
+    "cached, as their KV events say, weighed against their load), or prefill and decode "
+    "ones (engine.role=prefill or decode sharing one storage tier): each request is "
+    "reserved on a decode instance, prefilled into the tier by a prefill instance, then "
+    "decoded. Exit "
     "status: 0 when stopped by Ctrl-C or SIGTERM, 2 for a bad command line or instances "
     "that cannot work together (a wrong role, differing fingerprints), 1 when an instance "
     "did not answer in time."
@@ -25,11 +32,23 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--prefill", action="append", required=True, metavar="URL",
+        "--instance", action="append", default=[], metavar="URL",
+        help="an aggregated instance (engine.role both), e.g. http://10.0.0.2:8000 (repeatable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policy", default="cache", choices=POLICY_CHOICES,
+        help="how --instance instances are picked (default cache; see actors/router/policy.py)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--overlap-weight", type=float, default=1.0, metavar="W",
+        help="the cost function's weight of the prefill an instance would still need",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill", action="append", default=[], metavar="URL",
         help="a prefill instance, e.g. http://10.0.0.2:8000 (repeatable)",
     )  # fmt: skip
     parser.add_argument(
-        "--decode", action="append", required=True, metavar="URL",
+        "--decode", action="append", default=[], metavar="URL",
         help="a decode instance (repeatable)",
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
@@ -59,10 +78,13 @@ def main(args: argparse.Namespace) -> int:
     options = RouterOptions(
         prefill=tuple(args.prefill),
         decode=tuple(args.decode),
+        instances=tuple(args.instance),
+        policy=args.policy,
+        overlap_weight=args.overlap_weight,
         reserve_timeout_s=args.reserve_timeout_s,
         prefill_timeout_s=args.prefill_timeout_s,
         start_timeout_s=args.start_timeout_s,
-    )
+    )  # ValueError: the command line's fault, named (exit 2)
     sock = listen(args.host, args.port)
     # While it starts, SIGTERM stops it as Ctrl-C does (serving, uvicorn handles both).
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)

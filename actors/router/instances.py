@@ -21,7 +21,7 @@ import httpx
 
 from ringfence.shm.errors import RingfenceError
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "both")  # both: an aggregated instance (--instance)
 IDENTIFY_CALL_S = 5.0  # one GET /ringfence/instance
 FIRST_WAIT_S = 0.05  # the first wait between two tries at start; it doubles up to MAX_WAIT_S
 MAX_WAIT_S = 1.0
@@ -42,6 +42,9 @@ class Identity:
     role: str  # "both", "prefill" or "decode"
     model: str  # the served model's name
     fingerprints: tuple[str, ...]  # the storage namespaces, one per tp rank
+    namespace: str = ""  # the block keys' namespace (hex): how to hash a prompt as it does
+    block_size: int = 0
+    events: tuple[str, str] | None = None  # where it publishes KV events, and replays them
 
     @classmethod
     def of(cls, url: str, body: Any) -> Identity:
@@ -50,10 +53,16 @@ class Identity:
             prints = body["fingerprints"]
             if not (isinstance(prints, list) and all(isinstance(p, str) for p in prints)):
                 raise TypeError(f"fingerprints is {prints!r}, not a list of strings")
+            events = body.get("events")
             return cls(
                 role=str(body["role"]),
                 model=str(body["model"]),
                 fingerprints=tuple(prints),
+                namespace=str(body.get("namespace") or ""),
+                block_size=int(body.get("block_size") or 0),
+                events=(str(events["endpoint"]), str(events["replay_endpoint"]))
+                if isinstance(events, dict)
+                else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PoolRefused(f"{url}/ringfence/instance: not an instance's answer ({e!r})") from e
@@ -141,8 +150,9 @@ def check_pool(instances: list[Instance]) -> None:
     fingerprints differ (both named, with their roles and fingerprints)."""
     for instance in instances:
         if instance.identity.role != instance.role:
+            flag = "--instance" if instance.role == "both" else f"--{instance.role}"
             raise PoolRefused(
-                f"--{instance.role} {instance.url}: the instance's role is "
+                f"{flag} {instance.url}: the instance's role is "
                 f"{instance.identity.role!r}, not {instance.role!r} (engine.role={instance.role})"
             )
     first = instances[0]
@@ -179,12 +189,18 @@ async def identify(client: httpx.AsyncClient, url: str, deadline: float) -> Iden
 
 
 async def open_pool(
-    client: httpx.AsyncClient, prefill: tuple[str, ...], decode: tuple[str, ...], timeout_s: float
+    client: httpx.AsyncClient,
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    timeout_s: float,
+    both: tuple[str, ...] = (),
 ) -> Pool:
-    """The checked pool of these instances, once every one answered (all asked at once)."""
+    """The checked pool of these instances, once every one answered (all asked at once):
+    prefill and decode instances, or aggregated ones (``both``: ``--instance``)."""
     deadline = time.monotonic() + timeout_s
     named = [(url.rstrip("/"), "prefill") for url in prefill]
     named += [(url.rstrip("/"), "decode") for url in decode]
+    named += [(url.rstrip("/"), "both") for url in both]
     tasks = [asyncio.ensure_future(identify(client, url, deadline)) for url, _ in named]
     try:
         identities = await asyncio.gather(*tasks)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ringfence.actors.router.policy import POLICIES
+
 PREFILL_MARGIN_S = 2.0  # the default prefill deadline: the reservation's ttl_s less this
 RETRY_CAP_S = 2.0  # the longest wait between two reserve rounds (Retry-After is capped here)
 FIRST_BACKOFF_S = 0.05  # the first wait between two reserve rounds; it doubles each round
@@ -14,8 +16,11 @@ MAX_CLAIMS = 3  # claims of one request (each expired reservation costs one more
 class RouterOptions:
     """The command line of ``ringfence router``, checked (ValueError naming the option)."""
 
-    prefill: tuple[str, ...]  # base URLs of the prefill instances ("http://host:port")
-    decode: tuple[str, ...]  # base URLs of the decode instances (at least one)
+    prefill: tuple[str, ...] = ()  # base URLs of the prefill instances ("http://host:port")
+    decode: tuple[str, ...] = ()  # base URLs of the decode instances (at least one with prefill)
+    instances: tuple[str, ...] = ()  # aggregated instances (engine.role both): --instance
+    policy: str = "cache"  # how an aggregated instance is picked (router/policy.py)
+    overlap_weight: float = 1.0  # the cost function's weight of the prefill still needed
     reserve_timeout_s: float = 30.0  # how long one request may wait for room on a decode
     prefill_timeout_s: float | None = None  # None: the reservation's ttl_s less a margin
     start_timeout_s: float = 120.0  # how long every instance has to answer at start
@@ -23,9 +28,17 @@ class RouterOptions:
     max_claims: int = MAX_CLAIMS
 
     def __post_init__(self) -> None:
-        if not self.decode:
-            raise ValueError("--decode: at least one decode instance is needed")
-        urls = [*self.prefill, *self.decode]
+        if self.instances and (self.prefill or self.decode):
+            raise ValueError("--instance: either aggregated instances or --prefill/--decode")
+        if not self.instances and not self.decode:
+            raise ValueError("--decode: at least one decode instance is needed (or --instance)")
+        if not self.instances and not self.prefill:
+            raise ValueError("--prefill: at least one prefill instance is needed (or --instance)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}: got {self.policy!r}")
+        if not self.overlap_weight >= 0:
+            raise ValueError("--overlap-weight: must be >= 0")
+        urls = [*self.prefill, *self.decode, *self.instances]
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r}: an instance URL starts with http:// or https://")

@@ -10,15 +10,28 @@ or closed) ends with a last ``data: {"error": ...}`` event, then ``data: [DONE]`
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import httpx
 import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ringfence.actors.router.flow import Handover
+from ringfence.actors.serve.api import ApiError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Handover(Protocol):
+    """What the relay reads of a request's run (flow.Handover, forward.Forward)."""
+
+    def first_byte(self) -> None: ...
+
+    def decode_failed(self, error: str) -> ApiError: ...
+
+    async def finish(self, outcome: str, status: int) -> None: ...
+
+
 DONE = b"data: [DONE]\n\n"
 
 

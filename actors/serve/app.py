@@ -23,7 +23,6 @@ from starlette.exceptions import HTTPException
 
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
-from ringfence.actors.protocol.client import Stats
 from ringfence.actors.serve.answer import Answer
 from ringfence.actors.serve.api import (
     IGNORED_HEADER,
@@ -44,6 +43,7 @@ from ringfence.actors.serve.responses import (
     CompletionResponse,
     Health,
     ModelList,
+    events_card,
     stream_of,
 )
 from ringfence.actors.serve.router_api import install_router_api
@@ -251,26 +251,6 @@ def model_card(frontend: FrontEndView, name: str) -> dict[str, Any]:
             "block_size": config.cache.block_size,
             "tp_size": config.parallel.tp_size,
         },
-    }
-
-
-def events_card(stats: Stats | None, host: str) -> dict[str, Any] | None:
-    """The ``events`` of the model card: where the engine publishes its KV events (None
-    while it does not, or has not said). A wildcard host (``0.0.0.0``) is given as the
-    host the front end listens on, or 127.0.0.1 when that is a wildcard too."""
-    if stats is None or not stats.events_endpoint:
-        return None
-    here = "127.0.0.1" if host in ("", "0.0.0.0", "::", "*") else host
-    here = f"[{here}]" if ":" in here else here
-
-    def reachable(endpoint: str) -> str:
-        return endpoint.replace("tcp://0.0.0.0:", f"tcp://{here}:", 1)
-
-    return {
-        "events": {
-            "endpoint": reachable(stats.events_endpoint),
-            "replay_endpoint": reachable(stats.events_replay_endpoint),
-        }
     }
 
 

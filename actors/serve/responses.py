@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from ringfence.actors.protocol.client import Stats
+
 Finish = Literal["stop", "length"] | None  # None until the last chunk of a stream
 TokenIds = list[int]
 
@@ -197,5 +199,25 @@ def stream_of(chunk: type[BaseModel]) -> dict[str, Any]:
             "type": "object",
             "required": ["data"],
             "properties": {"event": {"const": "message"}, "data": data},
+        }
+    }
+
+
+def events_card(stats: Stats | None, host: str) -> dict[str, Any] | None:
+    """The ``events`` of the model card: where the engine publishes its KV events (None
+    while it does not, or has not said). A wildcard host (``0.0.0.0``) is given as the
+    host the front end listens on, or 127.0.0.1 when that is a wildcard too."""
+    if stats is None or not stats.events_endpoint:
+        return None
+    here = "127.0.0.1" if host in ("", "0.0.0.0", "::", "*") else host
+    here = f"[{here}]" if ":" in here else here
+
+    def reachable(endpoint: str) -> str:
+        return endpoint.replace("tcp://0.0.0.0:", f"tcp://{here}:", 1)
+
+    return {
+        "events": {
+            "endpoint": reachable(stats.events_endpoint),
+            "replay_endpoint": reachable(stats.events_replay_endpoint),
         }
     }

@@ -1,7 +1,8 @@
 """The API an instance offers ``ringfence router``: its routes (DESIGN.md "Instances").
 
 - ``GET /ringfence/instance``: what the router pairs instances by (role, model, the
-  storage fingerprints of every rank) and picks them by (load);
+  storage fingerprints of every rank), picks them by (load), and hashes prompts and
+  follows KV events with (the block keys' namespace and size, the events' endpoints);
 - ``POST /ringfence/reserve`` (a decode instance): the client's OpenAI body, checked and
   tokenized exactly as its claim will be, becomes a :class:`Reserve`; 200 with the
   reservation, 503 with Retry-After when there is no room now (code ``no_room``), 400
@@ -33,6 +34,7 @@ from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, Completi
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Lost, RequestStream
 from ringfence.actors.serve.prompts import prompt_of
+from ringfence.actors.serve.responses import events_card
 from ringfence.actors.serve.view import FrontEndView
 from ringfence.sched.sampling import SamplingParams
 
@@ -63,6 +65,7 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
         block_fingerprint(config, ident, rank).digest().hex()
         for rank in range(config.parallel.tp_size)
     ]
+    namespace = block_fingerprint(config, ident).digest().hex()
     prompter = frontend.prompter
 
     @app.get("/ringfence/instance")
@@ -77,11 +80,14 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
                 "free_blocks": stats.free_blocks,
                 "total_blocks": stats.blocks_total.get("device", 0),
             }
+        events = events_card(stats, config.server.host)
         return {
             "role": role,
             "model": prompter.model_name,
             "model_id": ident,
             "fingerprints": fingerprints,
+            "namespace": namespace,  # of the block keys (the KV events' hashes)
+            "events": None if events is None else events["events"],
             "block_size": config.cache.block_size,
             "tp_size": config.parallel.tp_size,
             "max_model_len": prompter.max_model_len,

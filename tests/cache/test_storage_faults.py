@@ -499,9 +499,9 @@ def keywords_of_calls(module: ModuleType, function: str) -> list[set[str]]:
 
 
 def test_the_engine_gives_its_log_to_its_storage_client():
-    from ringfence.actors.engine import actor as engine
+    from ringfence.actors.engine import begin
 
-    calls = keywords_of_calls(engine, "open_all_ranks")
+    calls = keywords_of_calls(begin, "open_all_ranks")
     assert calls and all("log" in keywords for keywords in calls)
 
 

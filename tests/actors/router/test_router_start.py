@@ -112,12 +112,12 @@ def test_ringfence_router_exits_2_naming_both_instances_when_fingerprints_differ
     assert f"and {decode.url} (decode, fingerprints [bb]) cannot share KV" in done.stderr
 
 
-def test_ringfence_router_without_decode_exits_2_with_argparses_message():
+def test_ringfence_router_without_decode_exits_2_naming_what_is_missing():
     command = [sys.executable, "-m", "ringfence.runtime.cli", "router", "--prefill", "http://x:1"]
     done = subprocess.run(
         command, capture_output=True, text=True, env=launch_env(), timeout=START_S, check=False
     )
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1] == (
-        "ringfence router: error: the following arguments are required: --decode"
+        "ringfence router: --decode: at least one decode instance is needed (or --instance)"
     )

@@ -1,0 +1,169 @@
+"""One request sent to an aggregated instance (``ringfence router --instance``).
+
+1. Keys, when the policy reads them (``approximate``, ``cache``): the prompt's token ids
+   (token ids as given; text and chats through an instance's ``/tokenize``, which renders
+   a chat with the instance's own template), hashed into block keys as the engine hashes
+   them (``cache/block_hash.py``, the instances' namespace). A prompt that cannot be
+   tokenized is routed without keys (by load).
+2. The instance the policy chooses (``router/policy.py``); the client's body goes there
+   byte for byte, and its answer comes back as the instance gives it (a stream relayed
+   event by event, an error as is). An instance that cannot be reached is marked down (the
+   policy routes around it and forgets what it held) and the next choice is tried.
+
+The answer carries ``X-Ringfence-Instance``: the instance that served it. The request
+counts as in flight on its instance until its answer's relay ends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import orjson
+
+from ringfence.actors.router.flow import CLAIM_TIMEOUT, JSON, PATHS, Relayed
+from ringfence.actors.router.instances import Instance
+from ringfence.actors.router.policy import Choice
+from ringfence.actors.router.state import Router
+from ringfence.actors.serve.api import ApiError
+from ringfence.cache.block_hash import block_keys
+from ringfence.cache.ids import BlockHash
+
+INSTANCE_HEADER = "X-Ringfence-Instance"
+TOKENIZE_S = 5.0
+
+
+class Forward:
+    """One request's run (as :class:`~.flow.Handover`: :meth:`run` once, the relay, then
+    :meth:`finish` once)."""
+
+    def __init__(self, router: Router, kind: str, body: bytes, request_id: str) -> None:
+        assert router.picker is not None
+        self.router, self.picker = router, router.picker
+        self.kind = kind
+        self.body = body
+        self.id = request_id
+        self.started = time.monotonic()
+        self.upstream: httpx.Response | None = None
+        self.choice: Choice | None = None
+        self.first_byte_s: float | None = None
+        self._sent_at = 0.0
+        self._finished = False
+
+    async def run(self) -> httpx.Response:
+        """The chosen instance's answer (status 200, body unread); Relayed for its error
+        answer, ApiError 503 when no instance can be reached."""
+        keys = await self.keys() if self.picker.needs_keys else []
+        tried: list[Instance] = []
+        while True:
+            choice = self.picker.choose(keys)
+            if choice is None:
+                raise ApiError(
+                    f"no instance could be reached (tried {', '.join(i.url for i in tried)})",
+                    status=503, kind="server_error", code="no_instance",
+                )  # fmt: skip
+            instance = choice.instance
+            self.router.pool.acquire(instance)
+            self.choice = choice
+            self._sent_at = time.monotonic()
+            try:
+                request = self.router.client.build_request(
+                    "POST", f"{instance.url}{PATHS[self.kind]}", content=self.body,
+                    headers=JSON, timeout=CLAIM_TIMEOUT,
+                )  # fmt: skip
+                answer = await self.router.client.send(request, stream=True)
+            except httpx.TransportError as e:
+                self.router.pool.release(instance)
+                self.choice = None
+                self.picker.mark_down(instance)
+                self.router.log.warning(
+                    "router.instance_down", request=self.id, instance=instance.url, error=repr(e)
+                )
+                tried.append(instance)
+                continue
+            self.picker.routed(choice, keys)
+            if answer.status_code != 200:
+                content = await answer.aread()
+                await answer.aclose()
+                raise Relayed(answer, content)
+            self.upstream = answer
+            return answer
+
+    async def keys(self) -> list[BlockHash]:
+        """The prompt's block keys (none when it cannot be tokenized)."""
+        ident = self.picker.instances[0].identity
+        if not ident.namespace or ident.block_size <= 0:
+            return []
+        tokens = await self.tokens()
+        if not tokens:
+            return []
+        return block_keys(tokens, ident.block_size, namespace=bytes.fromhex(ident.namespace))
+
+    async def tokens(self) -> list[int]:
+        try:
+            body = orjson.loads(self.body)
+        except orjson.JSONDecodeError:
+            return []
+        ask: dict[str, Any]
+        if self.kind == "chat":
+            if not isinstance(body.get("messages"), list):
+                return []
+            ask = {"messages": body["messages"]}
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+                prompt = prompt[0]  # several prompts: the first one's prefix decides
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+            if not isinstance(prompt, str):
+                return []
+            ask = {"prompt": prompt}
+        up = [i for i in self.picker.instances if i.url not in self.picker.down]
+        if not up:
+            return []
+        instance = min(up, key=lambda i: i.in_flight)
+        try:
+            answer = await self.router.client.post(
+                f"{instance.url}/tokenize", json=ask, timeout=TOKENIZE_S
+            )
+        except httpx.TransportError:
+            return []
+        if answer.status_code != 200:
+            return []  # the instance the request goes to will name what is wrong
+        tokens = answer.json().get("tokens")
+        return tokens if isinstance(tokens, list) else []
+
+    # The answer (the relay calls these).
+
+    def first_byte(self) -> None:
+        self.first_byte_s = round(time.monotonic() - self._sent_at, 6)
+
+    def decode_failed(self, error: str) -> ApiError:
+        where = self.choice.instance.url if self.choice else None
+        self.router.log.error("router.decode_lost", request=self.id, decode=where, error=error)
+        return ApiError(
+            f"the instance {where} failed: {error}",
+            status=502, kind="server_error", code="decode_failed",
+        )  # fmt: skip
+
+    async def finish(self, outcome: str, status: int) -> None:
+        """Close the upstream answer, stop counting it in flight, count and log it once."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.upstream is not None:
+            await self.upstream.aclose()
+        choice = self.choice
+        if choice is not None:
+            self.router.pool.release(choice.instance)
+        self.router.metrics.requests.labels(outcome=outcome).inc()
+        self.router.log.info(
+            "router.routed", request=self.id, kind=self.kind, outcome=outcome, status=status,
+            total_s=round(time.monotonic() - self.started, 6),
+            instance=None if choice is None else choice.instance.url,
+            policy=self.picker.policy,
+            prompt_blocks=None if choice is None else choice.prompt_blocks,
+            cached_blocks=None if choice is None else choice.cached,
+            first_byte_s=self.first_byte_s,
+        )  # fmt: skip

@@ -1,0 +1,155 @@
+"""Which aggregated instance gets a request: ``--policy round_robin | least_loaded |
+approximate | cache``.
+
+- ``round_robin``: each instance in turn.
+- ``least_loaded``: the fewest requests this router has in flight there (ties in turn).
+- ``approximate``: no events; the router remembers where it sent each prompt's blocks
+  (the SGLang router's and the inference gateway's method) and scores instances as
+  ``cache`` does, as if every block it sent there were still on the device. The baseline
+  ``cache`` must beat.
+- ``cache``: the index of every instance's KV events (``cache/kv_index.py``): what each
+  one really holds, and on which medium.
+
+The cost function (the lowest cost wins; ties go to the fewest in flight, then in turn),
+after Dynamo's KV router (``overlap_weight * prefill_blocks + decode_blocks``)::
+
+    cost(i) = overlap_weight * (P - cached(i)) + in_flight(i) * mean_blocks
+
+with ``P`` the prompt's full blocks; ``cached(i)`` the blocks of the instance's longest
+cached prefix of them, each weighted by where it is best found: ``device_weight`` (1.0: no
+work), ``host_weight`` (0.8: a swap-in) and ``storage_weight`` (0.5: a prefetch, then a
+swap-in), so ``P - cached(i)`` is the prefill work it still needs, in blocks; and the load
+term, the requests the router has in flight there times the mean prompt of the requests
+it routed (in blocks, at least 1): the work queued there, in the same unit. A hot prefix
+held by one instance draws requests there only until its queue costs more than
+recomputing the prefix elsewhere.
+
+The keys are the engine's (``cache/block_hash.py``, namespaced by the instances' shared
+fingerprint). Owned by the router's event loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from ringfence.actors.router.instances import Instance
+from ringfence.cache.ids import BlockHash
+from ringfence.cache.kv_events import BlockRemoved, BlockStored
+from ringfence.cache.kv_index import KVIndex, Overlap
+
+POLICIES: Final = ("round_robin", "least_loaded", "approximate", "cache")
+APPROXIMATE_BLOCKS: Final = 1 << 20  # blocks the approximate policy remembers, LRU
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Weights:
+    """The cost function's weights (see the module docstring)."""
+
+    overlap: float = 1.0
+    device: float = 1.0
+    host: float = 0.8
+    storage: float = 0.5
+
+    def cached(self, overlap: Overlap) -> float:
+        on = overlap.on
+        return (
+            self.device * on.get("GPU", 0)
+            + self.host * on.get("CPU", 0)
+            + self.storage * on.get("STORAGE", 0)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The instance chosen, and the weighted blocks of the prompt it holds."""
+
+    instance: Instance
+    cached: float = 0.0
+    prompt_blocks: int = 0
+
+
+class Picker:
+    """One router's policy over its instances (see the module docstring)."""
+
+    def __init__(
+        self,
+        policy: str,
+        instances: Sequence[Instance],
+        index: KVIndex | None,
+        weights: Weights = Weights(),
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}: got {policy!r}")
+        self.policy = policy
+        self.instances = list(instances)
+        self.weights = weights
+        self.index = index if policy == "cache" else KVIndex() if policy == "approximate" else None
+        self._cursor = 0
+        self._sent: OrderedDict[BlockHash, str] = OrderedDict()  # approximate: LRU of keys
+        self._blocks_routed = 0
+        self._routed = 0
+        self.down: set[str] = set()  # instances routed around (found dead)
+
+    @property
+    def needs_keys(self) -> bool:
+        return self.index is not None
+
+    def mean_blocks(self) -> float:
+        return max(self._blocks_routed / self._routed, 1.0) if self._routed else 1.0
+
+    def choose(self, keys: Sequence[BlockHash] = ()) -> Choice | None:
+        """The instance for a prompt of ``keys`` (None when every instance is down)."""
+        ring = [self.instances[(self._cursor + k) % len(self.instances)]
+                for k in range(len(self.instances))]  # fmt: skip
+        ring = [i for i in ring if i.url not in self.down]
+        if not ring:
+            return None
+        if self.policy == "round_robin":
+            choice = Choice(ring[0])
+        elif self.policy == "least_loaded" or self.index is None or not keys:
+            choice = Choice(min(ring, key=lambda i: i.in_flight), prompt_blocks=len(keys))
+        else:
+            found = self.index.overlap(keys)
+            mean, w = self.mean_blocks(), self.weights
+            costs = []
+            for instance in ring:
+                cached = w.cached(found.get(instance.url, Overlap(0)))
+                cost = w.overlap * (len(keys) - cached) + instance.in_flight * mean
+                costs.append((cost, instance.in_flight, cached, instance))
+            cost, _, cached, best = min(costs, key=lambda c: (c[0], c[1]))
+            choice = Choice(best, cached, len(keys))
+        self._cursor = (self.instances.index(choice.instance) + 1) % len(self.instances)
+        return choice
+
+    def routed(self, choice: Choice, keys: Sequence[BlockHash]) -> None:
+        """A request of ``keys`` was sent to ``choice.instance`` (``approximate`` remembers)."""
+        self._routed += 1
+        self._blocks_routed += len(keys)
+        if self.policy != "approximate" or not keys or self.index is None:
+            return
+        name = choice.instance.url
+        for key in keys:
+            before = self._sent.pop(key, None)
+            if before is not None and before != name:
+                self.index.apply(before, BlockRemoved(keys=(key,), medium="GPU"))
+            self._sent[key] = name
+        self.index.apply(name, _stored(keys))
+        while len(self._sent) > APPROXIMATE_BLOCKS:
+            key, owner = self._sent.popitem(last=False)
+            self.index.apply(owner, BlockRemoved(keys=(key,), medium="GPU"))
+
+    def mark_down(self, instance: Instance) -> None:
+        """Route around ``instance`` and forget what the index says it holds."""
+        self.down.add(instance.url)
+        if self.index is not None:
+            self.index.clear(instance.url)
+
+    def mark_up(self, instance: Instance) -> None:
+        self.down.discard(instance.url)
+
+
+def _stored(keys: Sequence[BlockHash]) -> BlockStored:
+    return BlockStored(keys=tuple(keys), parent=None, token_ids=(), block_size=1, medium="GPU")
