@@ -21,7 +21,7 @@ from ringfence.runtime.run import load_topology
 
 LANE_SECTIONS = ("model", "cache", "transfer", "parallel")
 SECTIONS = {
-    "engine": ("model", "cache", "sched", "transfer", "engine", "parallel"),
+    "engine": ("model", "cache", "sched", "transfer", "engine", "parallel", "events"),
     "worker": LANE_SECTIONS,
     "swap": LANE_SECTIONS,
     "store": LANE_SECTIONS,

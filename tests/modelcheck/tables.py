@@ -127,21 +127,11 @@ def record(seed: int, **options: Any) -> list[Row]:
     return recording(seed, **options).rows
 
 
-def recording(
-    seed: int,
-    *,
-    requests: int = 6,
-    device_blocks: int = 10,
-    host_blocks: int = 10,
-    preemption: Preemption | None = None,
-    tracker_class: type[RecordingTracker] = RecordingTracker,
-) -> RecordingTracker:
-    """The tracker of :func:`record`'s run, its rows and resets (``preemption``: the policy,
-    else drawn; ``tracker_class``: the fence rule, a mutant's in safety.py)."""
-    return driven(
-        seed, requests=requests, device_blocks=device_blocks, host_blocks=host_blocks,
-        preemption=preemption, tracker_class=tracker_class,
-    )[1]  # fmt: skip
+def recording(seed: int, **options: Any) -> RecordingTracker:
+    """The tracker of :func:`record`'s run, its rows and resets (``options`` as
+    :func:`driven` takes them: ``preemption``, the policy, else drawn; ``tracker_class``,
+    the fence rule, a mutant's in safety.py)."""
+    return driven(seed, **options)[1]
 
 
 def driven(
