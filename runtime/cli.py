@@ -41,6 +41,7 @@ BENCHMARKS = {
     "faults": "ringfence.actors.tools.bench.faults.cli",
     "serve": "ringfence.actors.tools.bench.serving.cli",
     "pd": "ringfence.actors.tools.bench.serving.pd",
+    "route": "ringfence.actors.tools.bench.serving.route",
 }
 
 
@@ -77,6 +78,7 @@ BENCH_HELP = {
     "faults": "the fault matrix: one real run per injected fault, and what survived it",
     "serve": "load over HTTP against ringfence serve, beside the same requests through launch",
     "pd": "prefill and decode instances behind the router against one instance doing both",
+    "route": "the router's policies side by side on a shared-prefix workload (cache-aware)",
 }
 
 

@@ -1,0 +1,89 @@
+"""``ringfence bench route`` (actors/tools/bench/serving/route.py): the shared-prefix
+workload, the report's figures and ratios, the option checks; and (slow) its quick form
+on real instances, every policy giving every request the same tokens."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from ringfence.actors.tools.bench.serving import route
+from ringfence.actors.tools.bench.serving.stats import Timeline
+from ringfence.runtime import cli
+
+
+def test_every_turn_extends_its_users_conversation_behind_the_groups_system_prompt():
+    requests = route.shared_prefix_requests(
+        groups=2, users=2, turns=3, system_blocks=4, max_tokens=8, rate=5.0
+    )
+    assert len(requests) == 12
+    by_id = {r.id: r for r in requests}
+    system = by_id["g0-u0-t0"].prompt_token_ids[: 4 * route.BLOCK]
+    assert by_id["g0-u1-t0"].prompt_token_ids[: 4 * route.BLOCK] == system
+    assert by_id["g1-u0-t0"].prompt_token_ids[: 4 * route.BLOCK] != system
+    for turn in (1, 2):
+        before, now = by_id[f"g0-u0-t{turn - 1}"], by_id[f"g0-u0-t{turn}"]
+        assert now.prompt_token_ids[: len(before.prompt_token_ids)] == before.prompt_token_ids
+        assert len(now.prompt_token_ids) == len(before.prompt_token_ids) + 2 * route.BLOCK
+    turns = [int(r.id.rsplit("t", 1)[1]) for r in requests]
+    assert turns == sorted(turns)  # every turn of one index before the next index's
+    arrivals = [r.arrival_s for r in requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+
+
+def timeline(rid: str, sent: float, first: float, usage: dict[str, Any]) -> Timeline:
+    return Timeline(id=rid, sent_s=sent, chunk_s=(first, first + 0.01), chunk_tokens=(1, 1),
+                    end_s=first + 0.01, token_ids=(5, 6), usage=usage)  # fmt: skip
+
+
+def test_the_report_gives_each_policys_figures_and_cache_against_the_others():
+    usage = {"prompt_tokens": 100, "ringfence": {"cached_tokens": {"device": 60, "host": 0}}}
+    fast = [timeline(f"r{n}", n, n + 0.1, usage) for n in range(10)]
+    slow = [timeline(f"r{n}", n, n + 0.3, {"prompt_tokens": 100}) for n in range(10)]
+    found = {"per_instance": {"i0": 6, "i1": 4}, "leaked_names": []}
+    rounds = [{
+        "cache": {"figures": route.figures(fast, found), "same_tokens": True},
+        "round_robin": {"figures": route.figures(slow, found), "same_tokens": True},
+    }]  # fmt: skip
+    result = route.report(["round_robin", "cache"], rounds)
+    cache = result["policies"]["cache"]
+    assert cache["ttft_p90_s"] == pytest.approx(0.1)
+    assert cache["cached_share"] == {"device": 0.6, "host": 0.0}
+    assert result["ratios"]["ttft_p90 round_robin/cache"] == pytest.approx(3.0)
+    assert result["ratios"]["throughput cache/round_robin"] == pytest.approx(9.31 / 9.11)  # spans
+    text = route.table(result | {"policies": result["policies"]})
+    assert "ttft_p90 round_robin/cache: 3.00x" in text and "device 60%" in text
+
+
+def test_a_bad_option_is_named():
+    parser = argparse.ArgumentParser()
+    route.add_arguments(parser)
+    args = parser.parse_args(["--policies", "cache,fastest"])
+    with pytest.raises(ValueError, match="unknown \\['fastest'\\]"):
+        route.main(args)
+    args = parser.parse_args(["--turns", "0"])
+    with pytest.raises(ValueError, match="--turns must be >= 1"):
+        route.main(args)
+
+
+@pytest.mark.slow  # four tiny instances and two routers: about 25 s on 2 CPUs
+def test_the_quick_form_routes_on_real_instances_with_the_same_tokens_everywhere(tmp_path: Path):
+    out = tmp_path / "route.json"
+    status = cli.main([
+        "bench", "route", "--instances", "2", "--policies", "round_robin,cache", "--groups", "2",
+        "--users", "2", "--turns", "2", "--system-blocks", "4", "--max-tokens", "4",
+        "--rate", "20", "--set", "model.preset=tiny", "--json", str(out),
+        "--plot", str(tmp_path / "route.png"),
+    ])  # fmt: skip
+    result = orjson.loads(out.read_bytes())
+    assert status == 0, result
+    for policy in ("round_robin", "cache"):
+        figures = result["policies"][policy]
+        assert figures["failed"] == 0 and figures["same_tokens"] and not figures["leaked_names"]
+        assert sum(figures["per_instance"].values()) == 8
+    assert result["policies"]["round_robin"]["per_instance"] == {"i0": 4, "i1": 4}
+    assert (tmp_path / "route.png").exists()
