@@ -39,6 +39,7 @@ from ringfence.cache.kv_events import KVEventJournal, Tier
 from ringfence.cache.prefix_index import PrefixIndex, PrefixMatch, StoragePresence
 from ringfence.sched.config import TierConfig
 from ringfence.sched.ops import Op, Piece, Reason, StepOp, StoreOp, SwapOp
+from ringfence.sched.stored import StoredSet
 
 
 @dataclass(slots=True)
@@ -68,31 +69,6 @@ _NAMES = {("in", Lane.SWAP): "swap_in", ("out", Lane.SWAP): "swap_out"}
 _NAMES |= {("write", Lane.STORE): "write_back", ("read", Lane.STORE): "prefetch"}
 
 
-class _StoredSet:
-    """Storage presence as the index sees it: this instance's writes, then the backend."""
-
-    def __init__(self, backend: StoragePresence | None) -> None:
-        self.backend = backend
-        self.keys: set[BlockHash] = set()
-
-    def longest_prefix(self, keys: Sequence[BlockHash]) -> int:
-        start = 0
-        while start < len(keys) and keys[start] in self.keys:
-            start += 1
-        if start == len(keys) or self.backend is None:
-            return start
-        # Stored by another instance (or an earlier run): ask the backend for the rest.
-        rest = self.backend.longest_prefix(keys[start:])
-        found = start + rest
-        # Only what follows in our own set can extend the backend's answer further.
-        while found < len(keys) and keys[found] in self.keys:
-            found += 1
-        return found
-
-    def has(self, key: BlockHash) -> bool:
-        return key in self.keys or self.longest_prefix([key]) == 1
-
-
 class BlockManager:
     """See the module docstring.
 
@@ -118,7 +94,7 @@ class BlockManager:
         self.events = events
         self.device = BlockPool(config.device_blocks, name="device", on_key=_told(events, "device"))
         self.host = BlockPool(config.host_blocks, name="host", on_key=_told(events, "host"))
-        self.stored = _StoredSet(storage if config.storage else None)
+        self.stored = StoredSet(storage if config.storage else None)
         self.index = PrefixIndex(
             self.device,
             self.host if config.host_cache else None,

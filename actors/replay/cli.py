@@ -25,7 +25,8 @@ from typing import TextIO
 
 from ringfence.actors.replay.checks import CHECKS, check_run
 from ringfence.actors.replay.findings import CheckResult, Violation
-from ringfence.actors.replay.log import Entry, ReplayError, RunLog, read_run
+from ringfence.actors.replay.log import ReplayError, read_run
+from ringfence.actors.replay.records import Entry, RunLog
 
 CONTEXT_BEFORE = 8  # history entries shown before a violation
 CONTEXT_AFTER = 4

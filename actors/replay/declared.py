@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ringfence.actors.replay.findings import CheckResult, Violation, entries_of, op_name
-from ringfence.actors.replay.log import Entry, Op, RunLog
+from ringfence.actors.replay.records import Entry, Op, RunLog
 
 TIERS = ("device", "host")
 SHOWN = 8  # block ids named in a finding

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Final
 
-from ringfence.actors.replay.log import Entry, Op
+from ringfence.actors.replay.records import Entry, Op
 
 TOUCHED: Final = frozenset({"ok", "failed"})  # statuses of an op that may have touched blocks
 OP_NAMES: Final = {

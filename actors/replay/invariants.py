@@ -20,7 +20,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 from ringfence.actors.replay.findings import TOUCHED, CheckResult, Violation, entries_of, op_name
-from ringfence.actors.replay.log import Entry, Op, RunLog
+from ringfence.actors.replay.records import Entry, Op, RunLog
 
 
 class Conflict(NamedTuple):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ringfence.actors.replay.log import Entry, Op, RunLog
+from ringfence.actors.replay.records import Entry, Op, RunLog
 
 TOKENS_SHOWN: Final = 8  # tokens listed per run of decodes
 IDS_SHOWN: Final = 5  # known request ids named when an id never arrived

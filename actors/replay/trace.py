@@ -34,7 +34,7 @@ from typing import Any, Final
 import orjson
 
 from ringfence.actors.replay.findings import op_name
-from ringfence.actors.replay.log import LANE_ACTORS, LANE_NAMES, Entry, Op, RunLog
+from ringfence.actors.replay.records import LANE_ACTORS, LANE_NAMES, Entry, Op, RunLog
 
 SUPERVISOR_EVENTS: Final = frozenset(
     {"run.start", "actor.spawn", "actor.exit", "actor.restart", "actor.group_restart", "run.end"}

@@ -119,7 +119,7 @@ class Picker:
                 cached = w.cached(found.get(instance.url, Overlap(0)))
                 cost = w.overlap * (len(keys) - cached) + instance.in_flight * mean
                 costs.append((cost, instance.in_flight, cached, instance))
-            cost, _, cached, best = min(costs, key=lambda c: (c[0], c[1]))
+            _, _, cached, best = min(costs, key=lambda c: (c[0], c[1]))
             choice = Choice(best, cached, len(keys))
         self._cursor = (self.instances.index(choice.instance) + 1) % len(self.instances)
         return choice

@@ -14,7 +14,8 @@ from replay_logs import ENGINE, Logs
 
 from ringfence.actors.replay.checks import check_run
 from ringfence.actors.replay.findings import CheckResult
-from ringfence.actors.replay.log import RunLog, read_run
+from ringfence.actors.replay.log import read_run
+from ringfence.actors.replay.records import RunLog
 from ringfence.actors.replay.trace import write_trace
 
 OpSpec = tuple[str, int, dict[str, Any]]
