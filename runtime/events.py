@@ -389,6 +389,24 @@ EVENTS: Final[dict[str, Event]] = {
         "an aggregated instance could not be reached: the request goes to the next choice, "
         "and the policy routes around the instance and forgets what its index held",
     ),
+    "router.instance_up": _e(
+        "info",
+        "instance",
+        "an aggregated instance found dead answers again as the same model, serving: it is "
+        "followed afresh and routed to again",
+    ),
+    "router.instance_refused": _e(
+        "warning",
+        "instance why",
+        "an aggregated instance found dead answered again, but not as the pool's instance "
+        "(another role or model) or not serving yet: it stays routed around, asked again",
+    ),
+    "router.no_load": _e(
+        "warning",
+        "instance",
+        "an aggregated instance has no GET /ringfence/load: the policy weighs it by the "
+        "router's own count of requests in flight there alone",
+    ),
     "router.no_events": _e(
         "warning",
         "instance",

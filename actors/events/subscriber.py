@@ -46,6 +46,7 @@ class FollowCounts:
     restarts: int = 0  # times the numbers went back (the engine restarted)
     undecodable: int = 0  # payloads skipped
     lost: int = 0  # numbers neither the PUB socket nor the replay gave
+    unanswered: int = 0  # replays not asked: no live connection to the replay socket
 
 
 class EventFollower:
@@ -90,6 +91,9 @@ class EventFollower:
         replay = None
         if self.replay_endpoint:
             replay = self._ctx.socket(zmq.DEALER)
+            # Requests queue only on a live connection: while the instance is gone they are
+            # dropped (_replay), never piled up to be answered all at once when it is back.
+            replay.setsockopt(zmq.IMMEDIATE, 1)
             replay.connect(self.replay_endpoint)
         try:
             if replay is not None:
@@ -136,7 +140,11 @@ class EventFollower:
         self._hand_on(seq, payload)
 
     def _replay(self, replay: zmq.Socket[bytes], start: int) -> None:
-        """Every kept batch from ``start`` on, handed on in order (those not handed yet)."""
+        """Every kept batch from ``start`` on, handed on in order (those not handed yet);
+        nothing while the replay socket has no live connection (the instance is gone)."""
+        if not replay.poll(REPLAY_WAIT_MS, zmq.POLLOUT):
+            self.counts.unanswered += 1  # asked again when the stream is next quiet
+            return
         replay.send_multipart([b"", start.to_bytes(8, "big")])
         while replay.poll(REPLAY_WAIT_MS):
             frames = replay.recv_multipart()

@@ -76,10 +76,7 @@ class Forward:
             except httpx.TransportError as e:
                 self.router.pool.release(instance)
                 self.choice = None
-                self.picker.mark_down(instance)
-                self.router.log.warning(
-                    "router.instance_down", request=self.id, instance=instance.url, error=repr(e)
-                )
+                self.router.lost(instance, self.id, repr(e))
                 tried.append(instance)
                 continue
             self.picker.routed(choice, keys)

@@ -3,9 +3,11 @@
 At start the router reads ``GET /ringfence/instance`` of every instance it was given,
 waiting until each one answers (an instance starts in minutes), and refuses a pool it
 cannot run: an instance of the wrong role, or two instances whose fingerprints differ
-(they could not share KV through the tier). After that it asks them nothing about their
-load: the load it picks by is its own count of requests in flight on each instance
-(:attr:`Instance.in_flight`), exact for the requests it routes and free to read.
+(they could not share KV through the tier). The load it picks prefill and decode
+instances by is its own count of requests in flight on each (:attr:`Instance.in_flight`),
+exact for the requests it routes and free to read; for aggregated instances it also
+follows each one's own word (``GET /ringfence/load``, :attr:`Instance.load`), which counts
+every client's requests and the KV blocks free (``state.py``, ``policy.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from ringfence.actors.serve.load import Load
 from ringfence.shm.errors import RingfenceError
 
 ROLES = ("prefill", "decode", "both")  # both: an aggregated instance (--instance)
@@ -45,6 +48,7 @@ class Identity:
     namespace: str = ""  # the block keys' namespace (hex): how to hash a prompt as it does
     block_size: int = 0
     events: tuple[str, str] | None = None  # where it publishes KV events, and replays them
+    serving: bool = True  # False while its engine is down (restarting, or not begun)
 
     @classmethod
     def of(cls, url: str, body: Any) -> Identity:
@@ -63,6 +67,7 @@ class Identity:
                 events=(str(events["endpoint"]), str(events["replay_endpoint"]))
                 if isinstance(events, dict)
                 else None,
+                serving=bool(body.get("serving", True)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PoolRefused(f"{url}/ringfence/instance: not an instance's answer ({e!r})") from e
@@ -76,6 +81,7 @@ class Instance:
         self.role = role  # the role the router was told (--prefill or --decode)
         self.identity = identity
         self.in_flight = 0  # requests of this router on it: reserved/prefilling to answered
+        self.load: Load | None = None  # its own word (GET /ringfence/load), when followed
 
     def __repr__(self) -> str:
         return f"Instance({self.role} {self.url}, in_flight={self.in_flight})"

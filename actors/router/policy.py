@@ -2,7 +2,7 @@
 approximate | cache``.
 
 - ``round_robin``: each instance in turn.
-- ``least_loaded``: the fewest requests this router has in flight there (ties in turn).
+- ``least_loaded``: the least load (below; ties in turn).
 - ``approximate``: no events; the router remembers where it sent each prompt's blocks
   (the SGLang router's and the inference gateway's method) and scores instances as
   ``cache`` does, as if every block it sent there were still on the device. The baseline
@@ -10,19 +10,33 @@ approximate | cache``.
 - ``cache``: the index of every instance's KV events (``cache/kv_index.py``): what each
   one really holds, and on which medium.
 
-The cost function (the lowest cost wins; ties go to the fewest in flight, then in turn),
-after Dynamo's KV router (``overlap_weight * prefill_blocks + decode_blocks``)::
+The cost function (the lowest cost wins; ties go to the least load, then in turn), after
+Dynamo's KV router (``overlap_weight * prefill_blocks + decode_blocks``)::
 
-    cost(i) = overlap_weight * (P - cached(i)) + in_flight(i) * mean_blocks
+    cost(i) = overlap_weight * need(i) + load(i) + short(i)
+    need(i) = P - cached(i)
+    load(i) = mean_blocks * max(in_flight(i), running(i) + waiting(i))
+    short(i) = max(need(i) - free(i), 0)
 
 with ``P`` the prompt's full blocks; ``cached(i)`` the blocks of the instance's longest
 cached prefix of them, each weighted by where it is best found: ``device_weight`` (1.0: no
 work), ``host_weight`` (0.8: a swap-in) and ``storage_weight`` (0.5: a prefetch, then a
-swap-in), so ``P - cached(i)`` is the prefill work it still needs, in blocks; and the load
-term, the requests the router has in flight there times the mean prompt of the requests
-it routed (in blocks, at least 1): the work queued there, in the same unit. A hot prefix
-held by one instance draws requests there only until its queue costs more than
-recomputing the prefix elsewhere.
+swap-in), so ``need(i)`` is the prefill work it still needs, in blocks. ``load(i)`` is the
+work queued there in the same unit: the mean prompt of the requests the router routed (in
+blocks, at least 1) times the larger of two counts of requests:
+
+- the router's own, its requests in flight there: exact and immediate for its own;
+- the instance's own word (``GET /ringfence/load``, followed as a long poll, as fresh as
+  the engine's last tick), its requests running and waiting: every client's, not only
+  this router's.
+
+``short(i)``: the blocks the prompt needs beyond the device blocks free there (cached ones
+count as free: they can be taken), which it must wait for or preempt; 0 without the
+instance's word. Blocks in use are not load by themselves: a hot prefix shared by every
+request there is held once, and costs the next request nothing.
+
+A hot prefix held by one instance draws requests there only until its queue costs more
+than recomputing the prefix elsewhere.
 
 The keys are the engine's (``cache/block_hash.py``, namespaced by the instances' shared
 fingerprint). Owned by the router's event loop.
@@ -100,6 +114,20 @@ class Picker:
     def mean_blocks(self) -> float:
         return max(self._blocks_routed / self._routed, 1.0) if self._routed else 1.0
 
+    def load(self, instance: Instance) -> float:
+        """The work queued on ``instance``, in blocks (see the module docstring)."""
+        word = instance.load
+        count = instance.in_flight if word is None else max(
+            instance.in_flight, word.running + word.waiting
+        )  # fmt: skip
+        return count * self.mean_blocks()
+
+    @staticmethod
+    def short(instance: Instance, need: float) -> float:
+        """The blocks ``need`` asks beyond those free on ``instance`` (0 without its word)."""
+        word = instance.load
+        return 0.0 if word is None else max(need - word.free_blocks, 0.0)
+
     def choose(self, keys: Sequence[BlockHash] = ()) -> Choice | None:
         """The instance for a prompt of ``keys`` (None when every instance is down)."""
         ring = [self.instances[(self._cursor + k) % len(self.instances)]
@@ -110,15 +138,16 @@ class Picker:
         if self.policy == "round_robin":
             choice = Choice(ring[0])
         elif self.policy == "least_loaded" or self.index is None or not keys:
-            choice = Choice(min(ring, key=lambda i: i.in_flight), prompt_blocks=len(keys))
+            choice = Choice(min(ring, key=self.load), prompt_blocks=len(keys))
         else:
             found = self.index.overlap(keys)
-            mean, w = self.mean_blocks(), self.weights
+            w = self.weights
             costs = []
             for instance in ring:
                 cached = w.cached(found.get(instance.url, Overlap(0)))
-                cost = w.overlap * (len(keys) - cached) + instance.in_flight * mean
-                costs.append((cost, instance.in_flight, cached, instance))
+                need, load = len(keys) - cached, self.load(instance)
+                cost = w.overlap * need + load + self.short(instance, need)
+                costs.append((cost, load, cached, instance))
             _, _, cached, best = min(costs, key=lambda c: (c[0], c[1]))
             choice = Choice(best, cached, len(keys))
         self._cursor = (self.instances.index(choice.instance) + 1) % len(self.instances)

@@ -36,6 +36,7 @@ from ringfence.actors.protocol.client import (
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Gateway, Handoff, Lost
 from ringfence.actors.serve.health import Liveness
+from ringfence.actors.serve.load import Load, LoadWatch
 from ringfence.actors.serve.prompts import Prompter
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.control import InstanceControl
@@ -100,6 +101,8 @@ class FrontEnd(Actor):
             engine_up=self.engine_down_reason,
         )
         self.handoff = Handoff(self.loop, self.gateway.deliver)
+        self.load = LoadWatch()  # GET /ringfence/load: the Stats each tick, as the router weighs
+        self.load_handoff = Handoff(self.loop, self._note_load)
         # Imported here: the HTTP stack is for this actor only.
         from ringfence.actors.serve.app import build_app
         from ringfence.actors.serve.server import HttpThread
@@ -216,6 +219,11 @@ class FrontEnd(Actor):
     def on_stats(self, msg: Stats) -> None:
         if msg.incarnation in (0, self.ctx.incarnation):
             self.stats = msg  # read by /metrics and the engine's readiness, any thread
+            self.load_handoff.put(msg)
+
+    def _note_load(self, stats: object) -> None:  # event-loop thread
+        assert isinstance(stats, Stats)
+        self.load.note(Load.of(stats, self.gateway.pending))
 
     def handle_failed(self, msg: Failed) -> None:
         super().handle_failed(msg)  # logged

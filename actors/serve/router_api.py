@@ -3,6 +3,8 @@
 - ``GET /ringfence/instance``: what the router pairs instances by (role, model, the
   storage fingerprints of every rank), picks them by (load), and hashes prompts and
   follows KV events with (the block keys' namespace and size, the events' endpoints);
+- ``GET /ringfence/load?after=N&wait_s=S``: the load (``load.py``), numbered by change,
+  answered once it is past ``N`` or at ``S`` seconds (a long poll the router follows);
 - ``POST /ringfence/reserve`` (a decode instance): the client's OpenAI body, checked and
   tokenized exactly as its claim will be, becomes a :class:`Reserve`; 200 with the
   reservation, 503 with Retry-After when there is no room now (code ``no_room``), 400
@@ -33,6 +35,7 @@ from ringfence.actors.protocol.client import Rejected, Reservation, Reserve, Sub
 from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, CompletionRequest
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Lost, RequestStream
+from ringfence.actors.serve.load import Load
 from ringfence.actors.serve.prompts import prompt_of
 from ringfence.actors.serve.responses import events_card
 from ringfence.actors.serve.view import FrontEndView
@@ -71,15 +74,7 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
     @app.get("/ringfence/instance")
     async def instance() -> dict[str, Any]:
         stats = frontend.stats
-        load: dict[str, int] = {"pending": frontend.gateway.pending}
-        if stats is not None:
-            load |= {
-                "running": stats.running,
-                "waiting": stats.waiting,
-                "reservations": stats.reservations,
-                "free_blocks": stats.free_blocks,
-                "total_blocks": stats.blocks_total.get("device", 0),
-            }
+        load = Load.of(stats, frontend.gateway.pending).as_dict()
         events = events_card(stats, config.server.host)
         return {
             "role": role,
@@ -94,6 +89,11 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
             "serving": not frontend.engine_down_reason(),
             "load": load,
         }
+
+    @app.get("/ringfence/load")
+    async def load(after: int = 0, wait_s: float = 0.0) -> dict[str, Any]:
+        seq, now = await frontend.load.after(after, wait_s)
+        return frontend.load.answer(seq, now)
 
     @app.post("/ringfence/reserve")
     async def reserve(body: ReserveRequest) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from ringfence.actors.protocol.client import Stats
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Gateway
 from ringfence.actors.serve.health import Liveness
+from ringfence.actors.serve.load import LoadWatch
 from ringfence.actors.serve.prompts import Prompter
 from ringfence.runtime.log import ActorLog
 
@@ -33,6 +34,11 @@ class FrontEndView(Protocol):
     def started_at(self) -> float: ...
     @property
     def stats(self) -> Stats | None: ...
+    @property
+    def load(self) -> LoadWatch:
+        """The engine's load as ``GET /ringfence/load`` follows it (event-loop thread)."""
+        ...
+
     @property
     def log(self) -> ActorLog:
         """The front-end actor's log (a request's ignored fields are logged there)."""

@@ -1,0 +1,157 @@
+"""The router's policies and their cost function (``actors/router/policy.py``) on instances
+and an index made by hand: where a prompt goes, and how far a hot prefix draws a flood."""
+
+from __future__ import annotations
+
+from hashlib import blake2b
+
+import pytest
+
+from ringfence.actors.router.instances import Identity, Instance
+from ringfence.actors.router.policy import Picker, Weights
+from ringfence.actors.serve.load import Load
+from ringfence.cache.ids import BlockHash
+from ringfence.cache.kv_events import AllBlocksCleared, BlockStored
+from ringfence.cache.kv_index import KVIndex
+
+IDENT = Identity(role="both", model="m", fingerprints=("ab",), namespace="00", block_size=16)
+
+
+def instances(n: int = 3) -> list[Instance]:
+    return [Instance(f"http://i{k}", "both", IDENT) for k in range(n)]
+
+
+def keys(seed: int, n: int) -> list[BlockHash]:
+    return [BlockHash(blake2b(f"{seed}:{k}".encode(), digest_size=16).digest()) for k in range(n)]
+
+
+def store(index: KVIndex, url: str, ks: list[BlockHash], medium: str = "GPU") -> None:
+    index.apply(
+        url, BlockStored(keys=tuple(ks), parent=None, token_ids=(), block_size=16, medium=medium)
+    )
+
+
+def send(picker: Picker, ks: list[BlockHash]) -> Instance:
+    """Choose for ``ks`` and count it in flight there (as the router does until it ends)."""
+    choice = picker.choose(ks)
+    assert choice is not None
+    picker.routed(choice, ks)
+    choice.instance.in_flight += 1
+    return choice.instance
+
+
+def test_a_prefix_held_by_one_instance_only_draws_its_prompts_there():
+    a, b, c = instances()
+    index = KVIndex()
+    picker = Picker("cache", [a, b, c], index)
+    store(index, b.url, keys(1, 8))
+    store(index, c.url, keys(2, 8))
+    for _ in range(3):
+        choice = picker.choose(keys(1, 10))
+        assert choice is not None and choice.instance is b and choice.cached == 8.0
+        assert picker.choose(keys(2, 8)).instance is c  # type: ignore[union-attr]
+
+
+def test_the_medium_weighs_a_cached_prefix():
+    a, b = instances(2)
+    index = KVIndex()
+    picker = Picker("cache", [a, b], index, Weights(host=0.8, storage=0.5))
+    store(index, a.url, keys(1, 10), medium="STORAGE")
+    store(index, b.url, keys(1, 6), medium="GPU")  # shorter, but on the device: 6 > 5
+    choice = picker.choose(keys(1, 10))
+    assert choice is not None and (choice.instance, choice.cached) == (b, 6.0)
+    store(index, a.url, keys(1, 10), medium="CPU")  # now 8 on the host beats 6
+    choice = picker.choose(keys(1, 10))
+    assert choice is not None and (choice.instance, choice.cached) == (a, 8.0)
+
+
+@pytest.mark.parametrize("overlap", [1.0, 2.0])
+def test_a_flood_on_a_hot_prefix_piles_on_its_holder_only_as_far_as_the_load_term_allows(
+    overlap: float,
+):
+    a, b, c = instances()
+    index = KVIndex()
+    picker = Picker("cache", [a, b, c], index, Weights(overlap=overlap))
+    hot = keys(7, 8)
+    store(index, a.url, hot)
+    served = [send(picker, hot) for _ in range(30)]  # none finishes: the worst flood
+    # Each goes where overlap * need + in_flight * mean is least: the holder while its
+    # queue costs less than recomputing the prefix (8 blocks) elsewhere, so its queue runs
+    # ahead of the others' by at most overlap * 8 / mean requests.
+    mean = picker.mean_blocks()
+    assert mean == 8.0
+    others = max(served.count(b), served.count(c))
+    assert others <= served.count(a) <= others + overlap * 8 / mean, served
+    assert min(served.count(b), served.count(c)) >= 9  # the rest spread evenly
+
+
+def test_the_instances_own_word_counts_requests_this_router_did_not_send():
+    a, b = instances(2)
+    picker = Picker("least_loaded", [a, b], None)
+    a.load = Load(running=3, waiting=2, free_blocks=100, total_blocks=100)
+    b.in_flight = 2
+    assert picker.choose(keys(1, 4)).instance is b  # type: ignore[union-attr]
+    b.load = Load(running=9, free_blocks=100, total_blocks=100)
+    assert picker.choose(keys(1, 4)).instance is a  # type: ignore[union-attr]
+
+
+def test_too_few_free_blocks_cost_what_the_prompt_must_wait_for():
+    a, b = instances(2)
+    index = KVIndex()
+    picker = Picker("cache", [a, b], index)
+    store(index, a.url, keys(1, 4))
+    a.load = Load(free_blocks=2, total_blocks=64)  # needs 6 more, has 2: short 4
+    b.load = Load(free_blocks=64, total_blocks=64)
+    # a: need 6 + short 4 = 10 > b: need 10 + short 0 = 10: tie, by load then in turn.
+    # One more cached block on a tips it.
+    store(index, a.url, keys(1, 5))
+    assert picker.choose(keys(1, 10)).instance is a  # type: ignore[union-attr]
+    a.load = Load(free_blocks=0, total_blocks=64)
+    assert picker.choose(keys(1, 10)).instance is b  # type: ignore[union-attr]
+
+
+def test_a_cleared_or_dead_instance_is_scored_as_holding_nothing():
+    a, b = instances(2)
+    index = KVIndex()
+    picker = Picker("cache", [a, b], index)
+    store(index, a.url, keys(1, 8))
+    store(index, b.url, keys(1, 4))
+    assert picker.choose(keys(1, 8)).instance is a  # type: ignore[union-attr]
+    index.apply(a.url, AllBlocksCleared(medium="GPU"))  # its Worker restarted
+    assert picker.choose(keys(1, 8)).instance is b  # type: ignore[union-attr]
+    store(index, a.url, keys(1, 8))
+    picker.mark_down(a)
+    assert picker.choose(keys(1, 8)).instance is b  # type: ignore[union-attr]
+    assert index.overlap(keys(1, 8))[a.url].blocks == 0
+    picker.mark_up(a)
+    picker.mark_down(b)
+    choice = picker.choose(keys(1, 8))
+    assert choice is not None and choice.instance is a and choice.cached == 0.0
+    picker.mark_down(a)
+    assert picker.choose(keys(1, 8)) is None
+
+
+def test_approximate_remembers_where_it_sent_each_prefix():
+    a, b, c = instances()
+    picker = Picker("approximate", [a, b, c], None)
+    first = send(picker, keys(1, 8))
+    first.in_flight = 0
+    for _ in range(3):
+        chosen = send(picker, keys(1, 8))
+        assert chosen is first
+        chosen.in_flight = 0
+    other = send(picker, keys(2, 8))
+    assert other is not first
+
+
+def test_round_robin_takes_turns_and_skips_an_instance_down():
+    a, b, c = instances()
+    picker = Picker("round_robin", [a, b, c], None)
+    assert [send(picker, []) for _ in range(4)] == [a, b, c, a]
+    picker.mark_down(b)
+    assert [send(picker, []) for _ in range(3)] == [c, a, c]
+
+
+def test_an_unknown_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match="--policy must be one of"):
+        Picker("random", instances(), None)
