@@ -14,9 +14,9 @@ and its client of the storage tier (:mod:`.storage`), then runs a loop made of m
 - a :class:`StepResult` or :class:`OpDone` is counted per rank; an op complete on every
   rank is applied to the scheduler, and tokens go to their clients or to the run's
   records (:mod:`.outputs`); then the loop schedules again;
-- on each Tick, and once right after a Hello that asks for them, the clients that asked
-  get the engine's :class:`Stats` (:mod:`.stats`; zeros with ``began`` False until the
-  scheduler began);
+- on each Tick, once right after a Hello that asks for them, and between ticks when the
+  requests running or waiting changed, the clients that asked get the engine's
+  :class:`Stats` (:mod:`.stats`; zeros with ``began`` False until the scheduler began);
 - a prefill or decode instance (``engine.role``) holds finishes until their blocks are
   stored, or grants reservations (:mod:`.disaggregation`, DESIGN.md "Instances").
 
@@ -454,6 +454,8 @@ class Engine(Actor):
     def _flush(self) -> None:
         if self.kv_out is not None:
             self.kv_out.flush()
+        if (s := self.scheduler) is not None:
+            self.clients.post_stats_if_moved(s.num_running, s.num_waiting, self.stats)
         if self.clients.pending():
             self.clients.flush()
 

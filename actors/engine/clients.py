@@ -21,6 +21,7 @@ output has gone (it is a snapshot: a stale one is worth nothing).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,7 @@ from ringfence.shm.errors import ActorDead, RingfenceError, RingFull
 from ringfence.shm.liveness import ProcessStamp
 
 RequestKey = NewType("RequestKey", str)  # "<peer>/<incarnation>/<request id>", engine-wide
+STATS_MIN_S = 0.02  # between two Stats sent for a change of load (besides each tick's)
 MAX_QUEUED = 4096  # messages queued for one client before it is given up on
 MAX_MERGED_TOKENS = 4096  # a queued Tokens takes no more tokens than this (ring frame size)
 MAX_LIVE = (
@@ -148,6 +150,7 @@ class ClientHub:
         self._max_live = max_live
         self._clients: dict[str, _Client] = {}
         self._owners: dict[RequestKey, _Owner] = {}  # every live request
+        self._posted: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, when: last Stats
 
     # Requests in.
 
@@ -316,6 +319,18 @@ class ClientHub:
         for name, client in self._clients.items():
             if (peer is None or name == peer) and client.wants_stats and not client.lost:
                 client.stats = replace(stats, incarnation=client.incarnation)
+        if peer is None:
+            self._posted = (stats.running, stats.waiting, time.monotonic())
+
+    def post_stats_if_moved(self, running: int, waiting: int, make: Callable[[], Stats]) -> None:
+        """Between ticks: post ``make()`` when the requests running or waiting changed since
+        the last Stats posted to all, at most once per ``STATS_MIN_S`` (a router weighs
+        instances by them: a tick's age would count requests that have ended)."""
+        was_running, was_waiting, at = self._posted
+        if (running, waiting) == (was_running, was_waiting):
+            return
+        if time.monotonic() - at >= STATS_MIN_S and self.watching():
+            self.post_stats(make())
 
     def flush(self) -> int:
         """Send queued messages, oldest first per client, then the Stats held for it, until

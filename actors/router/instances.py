@@ -82,6 +82,7 @@ class Instance:
         self.identity = identity
         self.in_flight = 0  # requests of this router on it: reserved/prefilling to answered
         self.load: Load | None = None  # its own word (GET /ringfence/load), when followed
+        self.in_flight_at_load = 0  # in_flight when that word came
 
     def __repr__(self) -> str:
         return f"Instance({self.role} {self.url}, in_flight={self.in_flight})"

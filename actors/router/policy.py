@@ -10,12 +10,14 @@ approximate | cache``.
 - ``cache``: the index of every instance's KV events (``cache/kv_index.py``): what each
   one really holds, and on which medium.
 
-The cost function (the lowest cost wins; ties go to the least load, then in turn), after
+The cost function (the lowest cost wins; ties go to the most cached, then the least load,
+then in turn), after
 Dynamo's KV router (``overlap_weight * prefill_blocks + decode_blocks``)::
 
     cost(i) = overlap_weight * need(i) + load(i) + short(i)
     need(i) = P - cached(i)
-    load(i) = mean_blocks * max(in_flight(i), running(i) + waiting(i))
+    load(i) = mean_blocks * (in_flight(i) + others(i))
+    others(i) = max(running(i) + waiting(i) - in_flight_then(i), 0)
     short(i) = max(need(i) - free(i), 0)
 
 with ``P`` the prompt's full blocks; ``cached(i)`` the blocks of the instance's longest
@@ -23,12 +25,14 @@ cached prefix of them, each weighted by where it is best found: ``device_weight`
 work), ``host_weight`` (0.8: a swap-in) and ``storage_weight`` (0.5: a prefetch, then a
 swap-in), so ``need(i)`` is the prefill work it still needs, in blocks. ``load(i)`` is the
 work queued there in the same unit: the mean prompt of the requests the router routed (in
-blocks, at least 1) times the larger of two counts of requests:
+blocks, at least 1) times the requests there, counted from two sources:
 
-- the router's own, its requests in flight there: exact and immediate for its own;
-- the instance's own word (``GET /ringfence/load``, followed as a long poll, as fresh as
-  the engine's last tick), its requests running and waiting: every client's, not only
-  this router's.
+- ``in_flight(i)``, the router's own requests in flight there: exact and immediate;
+- ``others(i)``, the requests of other clients there, from the instance's own word
+  (``GET /ringfence/load``, followed as a long poll, as fresh as the engine's last tick):
+  its requests running and waiting less the router's own in flight when that word came
+  (``in_flight_then``). A word a tick old still counts requests of this router that have
+  ended since; subtracting the count of that moment keeps them from counting twice.
 
 ``short(i)``: the blocks the prompt needs beyond the device blocks free there (cached ones
 count as free: they can be taken), which it must wait for or preempt; 0 without the
@@ -116,11 +120,9 @@ class Picker:
 
     def load(self, instance: Instance) -> float:
         """The work queued on ``instance``, in blocks (see the module docstring)."""
-        word = instance.load
-        count = instance.in_flight if word is None else max(
-            instance.in_flight, word.running + word.waiting
-        )  # fmt: skip
-        return count * self.mean_blocks()
+        word, own = instance.load, instance.in_flight
+        others = 0 if word is None else word.running + word.waiting - instance.in_flight_at_load
+        return (own + max(others, 0)) * self.mean_blocks()
 
     @staticmethod
     def short(instance: Instance, need: float) -> float:
@@ -148,7 +150,7 @@ class Picker:
                 need, load = len(keys) - cached, self.load(instance)
                 cost = w.overlap * need + load + self.short(instance, need)
                 costs.append((cost, load, cached, instance))
-            _, _, cached, best = min(costs, key=lambda c: (c[0], c[1]))
+            _, _, cached, best = min(costs, key=lambda c: (c[0], -c[2], c[1]))
             choice = Choice(best, cached, len(keys))
         self._cursor = (self.instances.index(choice.instance) + 1) % len(self.instances)
         return choice

@@ -124,6 +124,7 @@ class Router:
                     body = answer.json()
                     seq = int(body["seq"])
                     instance.load = Load(**{k: int(body.get(k, 0)) for k in LOAD_FIELDS})
+                    instance.in_flight_at_load = instance.in_flight
                     wait = FIRST_WAIT_S
                     continue
                 instance.load = None  # not serving now (an error answer)
@@ -136,8 +137,7 @@ class Router:
         for task in [*self.revivals.values(), *self.loads]:
             task.cancel()
         await asyncio.gather(*self.revivals.values(), *self.loads, return_exceptions=True)
-        for follower in self.followers.values():
-            await asyncio.to_thread(follower.close)
+        await asyncio.gather(*(asyncio.to_thread(f.close) for f in self.followers.values()))
         await self.client.aclose()
 
 

@@ -76,12 +76,12 @@ def test_a_flood_on_a_hot_prefix_piles_on_its_holder_only_as_far_as_the_load_ter
     store(index, a.url, hot)
     served = [send(picker, hot) for _ in range(30)]  # none finishes: the worst flood
     # Each goes where overlap * need + in_flight * mean is least: the holder while its
-    # queue costs less than recomputing the prefix (8 blocks) elsewhere, so its queue runs
-    # ahead of the others' by at most overlap * 8 / mean requests.
+    # queue costs no more than recomputing the prefix (8 blocks) elsewhere (ties go to the
+    # most cached), so its queue runs ahead of the others' by overlap * 8 / mean + 1 at most.
     mean = picker.mean_blocks()
     assert mean == 8.0
     others = max(served.count(b), served.count(c))
-    assert others <= served.count(a) <= others + overlap * 8 / mean, served
+    assert others <= served.count(a) <= others + overlap * 8 / mean + 1, served
     assert min(served.count(b), served.count(c)) >= 9  # the rest spread evenly
 
 
@@ -90,9 +90,15 @@ def test_the_instances_own_word_counts_requests_this_router_did_not_send():
     picker = Picker("least_loaded", [a, b], None)
     a.load = Load(running=3, waiting=2, free_blocks=100, total_blocks=100)
     b.in_flight = 2
-    assert picker.choose(keys(1, 4)).instance is b  # type: ignore[union-attr]
+    assert picker.choose(keys(1, 4)).instance is b  # type: ignore[union-attr]  # 5 > 2
     b.load = Load(running=9, free_blocks=100, total_blocks=100)
-    assert picker.choose(keys(1, 4)).instance is a  # type: ignore[union-attr]
+    assert picker.choose(keys(1, 4)).instance is a  # type: ignore[union-attr]  # 5 < 2 + 9
+    # Words a tick old: of b's 9, the 2 of this router in flight then are not counted twice,
+    # nor, once they ended, at all.
+    b.in_flight_at_load = 2
+    b.in_flight = 0
+    a.load = Load(running=8, free_blocks=100, total_blocks=100)
+    assert picker.choose(keys(1, 4)).instance is b  # type: ignore[union-attr]  # 7 < 8
 
 
 def test_too_few_free_blocks_cost_what_the_prompt_must_wait_for():
@@ -102,11 +108,9 @@ def test_too_few_free_blocks_cost_what_the_prompt_must_wait_for():
     store(index, a.url, keys(1, 4))
     a.load = Load(free_blocks=2, total_blocks=64)  # needs 6 more, has 2: short 4
     b.load = Load(free_blocks=64, total_blocks=64)
-    # a: need 6 + short 4 = 10 > b: need 10 + short 0 = 10: tie, by load then in turn.
-    # One more cached block on a tips it.
-    store(index, a.url, keys(1, 5))
+    # a: need 6 + short 4 = 10 against b: need 10 + short 0 = 10: a tie, to the most cached.
     assert picker.choose(keys(1, 10)).instance is a  # type: ignore[union-attr]
-    a.load = Load(free_blocks=0, total_blocks=64)
+    a.load = Load(free_blocks=1, total_blocks=64)  # short 5: 11 > 10
     assert picker.choose(keys(1, 10)).instance is b  # type: ignore[union-attr]
 
 
