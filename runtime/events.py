@@ -423,10 +423,13 @@ EVENTS: Final[dict[str, Event]] = {
     "router.answered": _e(
         "info",
         "request kind outcome status total_s decode prefill retries claims fallback prefill_s "
-        "stored_blocks first_byte_s",
+        "stored_blocks first_byte_s prompt_blocks decode_cached prefill_cached prefill_skipped",
         "a request ended (outcome as the requests metric counts it: ok, relayed_error, "
         "no_room, decode_failed, client_closed, error); retries: reserve calls after the "
-        "first; claims: 1 unless a reservation expired; fallback: why the prefill failed",
+        "first; claims: 1 unless a reservation expired; fallback: why the prefill failed; "
+        "under the cache policy, the prompt's full blocks and the weighted blocks of them the "
+        "chosen decode and prefill instances held (prefill_skipped: the decode instance held "
+        "them all)",
     ),
     "router.reserve_failed": _e(
         "warning",

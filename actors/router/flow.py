@@ -5,7 +5,12 @@ instance, claim on the decode instance (the contract: DESIGN.md "Instances").
    the other decode instances, then a wait (Retry-After, at least the backoff that doubles
    each round, at most ``retry_cap_s``) and another round, until ``reserve_timeout_s``:
    then 503 with Retry-After. A 400 (the client's body is bad) reaches the client as is.
-2. Prefill: the prefill instance picked by load, with the reservation's token ids, within
+   Under the cache policy, where instances publish KV events, the decode instance tried
+   first is the one the cost function picks for the prompt (``policy.py``: what it holds
+   of it, against its load).
+2. Prefill: the prefill instance picked by load (under the cache policy, by the cost
+   function over the reservation's token ids; none at all when the decode instance holds
+   every full block of the prompt), with the reservation's token ids, within
    the prefill deadline. Any failure is logged and counted, and the request goes on: the
    decode instance computes what the shared tier lacks.
 3. Claim: the client's body, byte for byte, with the reservation header. An expired
@@ -27,6 +32,7 @@ import httpx
 import orjson
 
 from ringfence.actors.router.instances import Instance
+from ringfence.actors.router.keys import keys_of, prompt_keys
 from ringfence.actors.router.options import FIRST_BACKOFF_S
 from ringfence.actors.router.state import Router
 from ringfence.actors.serve.api import ApiError
@@ -112,7 +118,7 @@ class Handover:
         Raises ApiError (503: no room in time; 502: the decode instance failed before its
         answer began) or Relayed (an instance's own error answer, for the client as is).
         """
-        reservation = await self.reserve(prefer=None)
+        reservation = await self.reserve(prefer=await self.cached_decode())
         await self.prefill(reservation)
         for _ in range(self.router.options.max_claims):
             answer = await self.claim(reservation)
@@ -125,6 +131,20 @@ class Handover:
             status=503, kind="server_error", code="reservation_expired",
             headers={"Retry-After": "1"},
         )  # fmt: skip
+
+    async def cached_decode(self) -> Instance | None:
+        """Under the cache policy, where decode instances publish events: the decode
+        instance the cost function picks for the prompt (what it holds of it against its
+        load), tried first; else None (the least in flight)."""
+        pick = self.router.pd.get("decode")
+        if pick is None or not any(i.identity.events for i in pick.instances):
+            return None
+        keys = await prompt_keys(self.router.client, self.kind, self.body, pick.instances)
+        choice = pick.choose(keys)
+        if choice is None:
+            return None
+        self.trace["prompt_blocks"], self.trace["decode_cached"] = len(keys), choice.cached
+        return choice.instance
 
     async def reserve(self, prefer: Instance | None) -> Reservation:
         """A reservation on a decode instance (``prefer`` first), waiting for room."""
@@ -216,7 +236,10 @@ class Handover:
     async def prefill(self, reservation: Reservation) -> None:
         """Prefill the reservation's prompt into the shared tier, or log why not."""
         router = self.router
-        instance = router.pool.pick("prefill")
+        if self._held_by_decode(reservation):
+            self.trace["prefill_skipped"] = True
+            return
+        instance = self._prefill_instance(reservation)
         if instance is None:
             self._fell_back("no_instance", None, "no prefill instance", reservation)
             return
@@ -250,6 +273,29 @@ class Handover:
         router.metrics.prefills.inc()
         router.metrics.stage_seconds.labels(stage="prefill").observe(elapsed)
         self.trace["prefill_s"] = round(elapsed, 6)
+
+    def _held_by_decode(self, reservation: Reservation) -> bool:
+        """Under the cache policy: the decode instance holds every full block of the prompt
+        already (on some tier), so no prefill is needed."""
+        index = self.router.index
+        if "prefill" not in self.router.pd or index is None:
+            return False
+        keys = keys_of(reservation.instance.identity, reservation.prompt_token_ids)
+        held = index.overlap(keys).get(reservation.instance.url) if keys else None
+        return held is not None and held.blocks == len(keys)
+
+    def _prefill_instance(self, reservation: Reservation) -> Instance | None:
+        """The prefill instance: under the cache policy the one the cost function picks for
+        the reservation's tokens, else the least in flight; None when there is none."""
+        pick = self.router.pd.get("prefill")
+        if pick is None:
+            return self.router.pool.pick("prefill")
+        keys = keys_of(reservation.instance.identity, reservation.prompt_token_ids)
+        choice = pick.choose(keys)
+        if choice is None:
+            return None
+        self.trace["prefill_cached"] = choice.cached
+        return choice.instance
 
     def _fell_back(
         self, why: str, instance: Instance | None, error: str, reservation: Reservation
@@ -326,7 +372,9 @@ class Handover:
             total_s=total, decode=trace["decode"], prefill=trace["prefill"],
             retries=trace["retries"], claims=trace["claims"], fallback=trace.get("fallback"),
             prefill_s=trace.get("prefill_s"), stored_blocks=trace.get("stored_blocks"),
-            first_byte_s=trace.get("first_byte_s"),
+            first_byte_s=trace.get("first_byte_s"), prompt_blocks=trace.get("prompt_blocks"),
+            decode_cached=trace.get("decode_cached"), prefill_cached=trace.get("prefill_cached"),
+            prefill_skipped=trace.get("prefill_skipped", False),
         )  # fmt: skip
 
     def _release(self, instance: Instance) -> None:

@@ -1,10 +1,8 @@
 """One request sent to an aggregated instance (``ringfence router --instance``).
 
-1. Keys, when the policy reads them (``approximate``, ``cache``): the prompt's token ids
-   (token ids as given; text and chats through an instance's ``/tokenize``, which renders
-   a chat with the instance's own template), hashed into block keys as the engine hashes
-   them (``cache/block_hash.py``, the instances' namespace). A prompt that cannot be
-   tokenized is routed without keys (by load).
+1. Keys, when the policy reads them (``approximate``, ``cache``): the prompt's block keys
+   as the instances hash them (``keys.py``). A prompt that cannot be tokenized is routed
+   without keys (by load).
 2. The instance the policy chooses (``router/policy.py``); the client's body goes there
    byte for byte, and its answer comes back as the instance gives it (a stream relayed
    event by event, an error as is). An instance that cannot be reached is marked down (the
@@ -17,21 +15,18 @@ counts as in flight on its instance until its answer's relay ends.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import httpx
-import orjson
 
 from ringfence.actors.router.flow import CLAIM_TIMEOUT, JSON, PATHS, Relayed
 from ringfence.actors.router.instances import Instance
+from ringfence.actors.router.keys import prompt_keys
 from ringfence.actors.router.policy import Choice
 from ringfence.actors.router.state import Router
 from ringfence.actors.serve.api import ApiError
-from ringfence.cache.block_hash import block_keys
 from ringfence.cache.ids import BlockHash
 
 INSTANCE_HEADER = "X-Ringfence-Instance"
-TOKENIZE_S = 5.0
 
 
 class Forward:
@@ -89,47 +84,8 @@ class Forward:
 
     async def keys(self) -> list[BlockHash]:
         """The prompt's block keys (none when it cannot be tokenized)."""
-        ident = self.picker.instances[0].identity
-        if not ident.namespace or ident.block_size <= 0:
-            return []
-        tokens = await self.tokens()
-        if not tokens:
-            return []
-        return block_keys(tokens, ident.block_size, namespace=bytes.fromhex(ident.namespace))
-
-    async def tokens(self) -> list[int]:
-        try:
-            body = orjson.loads(self.body)
-        except orjson.JSONDecodeError:
-            return []
-        ask: dict[str, Any]
-        if self.kind == "chat":
-            if not isinstance(body.get("messages"), list):
-                return []
-            ask = {"messages": body["messages"]}
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
-                prompt = prompt[0]  # several prompts: the first one's prefix decides
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
-            if not isinstance(prompt, str):
-                return []
-            ask = {"prompt": prompt}
         up = [i for i in self.picker.instances if i.url not in self.picker.down]
-        if not up:
-            return []
-        instance = min(up, key=lambda i: i.in_flight)
-        try:
-            answer = await self.router.client.post(
-                f"{instance.url}/tokenize", json=ask, timeout=TOKENIZE_S
-            )
-        except httpx.TransportError:
-            return []
-        if answer.status_code != 200:
-            return []  # the instance the request goes to will name what is wrong
-        tokens = answer.json().get("tokens")
-        return tokens if isinstance(tokens, list) else []
+        return await prompt_keys(self.router.client, self.kind, self.body, up)
 
     # The answer (the relay calls these).
 

@@ -60,6 +60,7 @@ class Router:
     followers: dict[str, EventFollower] = field(default_factory=dict)  # by instance URL
     revivals: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # instances down
     loads: list[asyncio.Task[None]] = field(default_factory=list)  # following each one's load
+    pd: dict[str, Picker] = field(default_factory=dict)  # prefill, decode: the cache policy's
 
     @property
     def aggregated(self) -> bool:
@@ -157,19 +158,27 @@ async def open_router(options: RouterOptions, log: RouterLog | None = None) -> R
     for instance in pool.instances:
         metrics.watch(f"{instance.role} {instance.url}", instance.count_in_flight)
     log = log or RouterLog()
-    if not options.instances:
-        return Router(client=client, pool=pool, options=options, metrics=metrics, log=log)
     index = KVIndex() if options.policy == "cache" else None
-    picker = Picker(
-        options.policy, pool.of_role("both"), index, Weights(overlap=options.overlap_weight)
-    )
     followers = {}
     if index is not None:
         loop = asyncio.get_running_loop()
-        for instance in pool.of_role("both"):
+        for instance in pool.instances:
             follower = follow(instance, index, loop, log)
             if follower is not None:
                 followers[instance.url] = follower
+    weights = Weights(overlap=options.overlap_weight)
+    if not options.instances:
+        # Prefill and decode: by their cached prefixes where any publishes events, else
+        # (and under the other policies) by the router's count in flight (Pool.pick).
+        pd = {}
+        if index is not None and followers:
+            pd = {role: Picker("cache", pool.of_role(role), index, weights)
+                  for role in ("prefill", "decode")}  # fmt: skip
+        return Router(
+            client=client, pool=pool, options=options, metrics=metrics, log=log,
+            index=index, followers=followers, pd=pd,
+        )  # fmt: skip
+    picker = Picker(options.policy, pool.of_role("both"), index, weights)
     router = Router(
         client=client, pool=pool, options=options, metrics=metrics, log=log, picker=picker,
         index=index, followers=followers,

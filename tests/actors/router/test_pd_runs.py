@@ -28,6 +28,7 @@ from pd import Pd, cached, completion, full_blocks, pd_instances, tokens
 from routing import Rig, routed_urls
 
 from ringfence.actors.engine.intake import load_workload
+from ringfence.actors.router.keys import keys_of
 from ringfence.actors.tools.bench.serving.handover import read_handover
 
 TTL_S = 3.0  # the decode instance's reservation_ttl_s
@@ -41,7 +42,9 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd]:
         decode_sets=(
             f"cache.device_blocks={DEVICE_BLOCKS}",
             f"engine.reservation_ttl_s={TTL_S}",
+            "events.enabled=true",
         ),
+        prefill_sets=("events.enabled=true",),  # the router's cache policy follows both
     ) as instances:
         yield instances
 
@@ -123,6 +126,27 @@ def test_a_streamed_chat_through_the_router_equals_the_both_instance(pd: Pd, rig
     assert usage is not None and usage.prompt_tokens_details is not None
     cached_tokens = usage.prompt_tokens_details.cached_tokens or 0
     assert cached_tokens >= full_blocks(range(usage.prompt_tokens))
+
+
+def test_a_prompt_the_decode_instance_holds_already_is_not_prefilled_again(pd: Pd, rig: Rig):
+    prompt = fresh_prompt(400, 70)
+    first = both_and_routed(pd, rig, prompt, 4)
+    assert rig.log.events("router.answered")[-1]["prefill"] == pd.prefill.url
+    keys = keys_of(rig.router.pool.of_role("decode")[0].identity, prompt)
+    index = rig.router.index
+    assert index is not None and len(keys) == 4
+
+    def held() -> bool:
+        found = index.overlap(keys).get(pd.decode.url)
+        return found is not None and found.blocks == len(keys)
+
+    wait_until("the decode instance's events to reach the router", held, 30.0)
+    second = both_and_routed(pd, rig, prompt, 4)
+    answered = rig.log.events("router.answered")[-1]
+    assert answered["prefill_skipped"] is True and answered["prefill"] is None, answered
+    assert answered["prompt_blocks"] == 4 and answered["decode_cached"] > 0
+    assert tokens(second) == tokens(first)
+    assert sum(cached(second).values()) >= full_blocks(prompt)
 
 
 def test_a_flood_of_long_prompts_waits_for_room_and_never_preempts_a_running_decode(

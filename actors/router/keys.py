@@ -1,0 +1,78 @@
+"""A prompt's block keys as the instances hash them, for the policies that read them.
+
+Token ids as the client gave them; text and chats through an instance's ``/tokenize``
+(which renders a chat with the instance's own template); then hashed into block keys as
+the engine hashes them (``cache/block_hash.py``, in the instances' namespace, which the
+pool's fingerprint check makes the same for all). A prompt that cannot be tokenized has no
+keys: it is routed by load alone, and the instance it reaches names what is wrong with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import orjson
+
+from ringfence.actors.router.instances import Identity, Instance
+from ringfence.cache.block_hash import block_keys
+from ringfence.cache.ids import BlockHash
+
+TOKENIZE_S = 5.0  # one /tokenize call
+
+
+def keys_of(identity: Identity, tokens: Sequence[int]) -> list[BlockHash]:
+    """The block keys of ``tokens`` on instances of ``identity`` (none without a namespace)."""
+    if not identity.namespace or identity.block_size <= 0 or not tokens:
+        return []
+    return block_keys(
+        list(tokens), identity.block_size, namespace=bytes.fromhex(identity.namespace)
+    )
+
+
+async def prompt_keys(
+    client: httpx.AsyncClient, kind: str, body: bytes, up: Sequence[Instance]
+) -> list[BlockHash]:
+    """The keys of the prompt in ``body`` (a ``completions`` or ``chat`` request), tokenized
+    where needed by the least busy of ``up`` (the instances not known to be down)."""
+    if not up:
+        return []
+    tokens = await prompt_tokens(client, kind, body, min(up, key=lambda i: i.in_flight))
+    return keys_of(up[0].identity, tokens)
+
+
+async def prompt_tokens(
+    client: httpx.AsyncClient, kind: str, body: bytes, instance: Instance
+) -> list[int]:
+    try:
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return []
+    if not isinstance(request, dict):
+        return []
+    ask: dict[str, Any]
+    if kind == "chat":
+        if not isinstance(request.get("messages"), list):
+            return []
+        ask = {"messages": request["messages"]}
+    else:
+        prompt = request.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+            prompt = prompt[0]  # several prompts: the first one's prefix decides
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if not isinstance(prompt, str):
+            return []
+        ask = {"prompt": prompt}
+    try:
+        answer = await client.post(f"{instance.url}/tokenize", json=ask, timeout=TOKENIZE_S)
+    except httpx.TransportError:
+        return []
+    if answer.status_code != 200:
+        return []
+    try:
+        tokens = answer.json().get("tokens")
+    except ValueError:
+        return []
+    return tokens if isinstance(tokens, list) else []
