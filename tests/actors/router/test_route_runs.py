@@ -208,7 +208,8 @@ def test_a_killed_instance_is_routed_around_with_no_failed_request_and_back_once
         # The same address again, a new instance: once it serves, it is routed to again.
         port = int(a.url.rsplit(":", 1)[1])
         with served(tmp_path, *SETS, port=port) as again:
-            wait_until("router.instance_up", lambda: rig.log.events("router.instance_up"), 60.0)
+            up = lambda: bool(rig.log.events("router.instance_up"))  # noqa: E731
+            wait_until("router.instance_up", up, 60.0)
             assert picker_of(rig).down == set()
             served_by = {complete(rig, prompt(120 + n))[0] for n in range(2)}
             assert served_by == {again.url, b.url}
