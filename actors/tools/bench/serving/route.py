@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds one policy's load may run (600)"
     )
+    parser.add_argument(
+        "--overlap-weight", type=float, default=None,
+        help="the routers' --overlap-weight (default: the router's, 1.0)",
+    )  # fmt: skip
     parser.add_argument("--plot", type=Path, metavar="FILE", help="the PNG (bench-route.png)")
     add_overrides(parser, ",".join(DEFAULT_SETTINGS))
 
@@ -97,7 +101,7 @@ def shared_prefix_requests(
 
 def policy_side(
     policy: str, requests: Sequence[LoadRequest], *, settings: Sequence[str], count: int,
-    folder: Path, timeout: float,
+    folder: Path, timeout: float, router_options: Sequence[str] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """The requests through a router with ``policy`` over ``count`` fresh instances."""
     from ringfence.actors.tools.bench.serving.client import run_load, served_model
@@ -112,7 +116,7 @@ def policy_side(
             [lambda n=n: Served(folder / f"i{n}", sets, start_timeout=START_S)  # type: ignore[misc]
              for n in range(count)],
         )  # fmt: skip
-        options = ["--policy", policy]
+        options = ["--policy", policy, *router_options]
         for instance in instances:
             options += ["--instance", instance.url]
         with Routed(folder, [], [], start_timeout=START_S, options=options) as router:
@@ -222,11 +226,16 @@ def main(args: argparse.Namespace) -> int:
     for flag in ("instances", "groups", "users", "turns", "system_blocks", "max_tokens", "rounds"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.overlap_weight is not None and not args.overlap_weight >= 0:
+        raise ValueError("--overlap-weight must be >= 0")
     settings = [*DEFAULT_SETTINGS, *args.overrides]
     requests = shared_prefix_requests(
         groups=args.groups, users=args.users, turns=args.turns,
         system_blocks=args.system_blocks, max_tokens=args.max_tokens, rate=args.rate,
     )  # fmt: skip
+    router_options = []
+    if args.overlap_weight is not None:
+        router_options = ["--overlap-weight", str(args.overlap_weight)]
     began = time.perf_counter()
     rounds: list[dict[str, dict[str, Any]]] = []
     first_tokens: dict[str, tuple[int, ...]] | None = None
@@ -239,7 +248,7 @@ def main(args: argparse.Namespace) -> int:
                     folder = Path(tmp) / f"round-{index}" / policy
                     found = policy_side(
                         policy, requests, settings=settings, count=args.instances,
-                        folder=folder, timeout=args.timeout,
+                        folder=folder, timeout=args.timeout, router_options=router_options,
                     )  # fmt: skip
                     tokens = {t.id: t.token_ids for t in found["timelines"] if not t.error}
                     first_tokens = first_tokens or tokens
@@ -258,6 +267,7 @@ def main(args: argparse.Namespace) -> int:
         "requests": len(requests),
         "workload": {k: getattr(args, k) for k in
                      ("groups", "users", "turns", "system_blocks", "max_tokens", "rate")},
+        "overlap_weight": args.overlap_weight,
         **report(policies, rounds),
         "wall_s": round(time.perf_counter() - began, 3),
     }  # fmt: skip

@@ -68,6 +68,9 @@ def test_a_bad_option_is_named():
     args = parser.parse_args(["--turns", "0"])
     with pytest.raises(ValueError, match="--turns must be >= 1"):
         route.main(args)
+    args = parser.parse_args(["--overlap-weight", "-1"])
+    with pytest.raises(ValueError, match="--overlap-weight must be >= 0"):
+        route.main(args)
 
 
 @pytest.mark.slow  # four tiny instances and two routers: about 25 s on 2 CPUs
