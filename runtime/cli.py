@@ -42,6 +42,7 @@ BENCHMARKS = {
     "serve": "ringfence.actors.tools.bench.serving.cli",
     "pd": "ringfence.actors.tools.bench.serving.pd",
     "route": "ringfence.actors.tools.bench.serving.route",
+    "router-latency": "ringfence.actors.tools.bench.serving.router_latency",
 }
 
 
@@ -79,6 +80,7 @@ BENCH_HELP = {
     "serve": "load over HTTP against ringfence serve, beside the same requests through launch",
     "pd": "prefill and decode instances behind the router against one instance doing both",
     "route": "the router's policies side by side on a shared-prefix workload (cache-aware)",
+    "router-latency": "the latency the router adds to a request, before stubs that answer at once",
 }
 
 
