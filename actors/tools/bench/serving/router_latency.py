@@ -18,11 +18,13 @@ Prompt forms: ``ids`` (token ids: ``approximate`` and ``cache`` hash them as the
 that call's cost is in those rows); ``round_robin`` and ``least_loaded`` read no prompt.
 
 The report (:mod:`.latency_report`): per cell each side's p50/p90/p99, the router's added
-latency (router minus direct, percentile by percentile), the target as PASS/FAIL, and the
-router's own ``total_s`` from its log; per policy what its log says of the KV events
-(``router.no_events``), of the blocks the policy found cached, and of the requests each
-instance got. The target is informational: the exit status is 1 only for a failed request
-or a process that did not start.
+latency (router minus direct, percentile by percentile), the target as PASS/FAIL (judged at
+concurrency 1: the router on its own), the router's own ``total_s`` from its log, and the
+router process's CPU time per request (``/proc/PID/stat`` around the cell, over the
+requests it routed: the direct side costs it nothing, bar the events it follows); per
+policy what its log says of the KV events (``router.no_events``), of the blocks the policy
+found cached, and of the requests each instance got. The target is informational: the
+exit status is 1 only for a failed request or a process that did not start.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def policy_runs(
     the report's rows, and what the router's log says of the policy."""
     from ringfence.actors.tools.bench.serving.handover import router_lines
     from ringfence.actors.tools.bench.serving.latency_load import measure
-    from ringfence.actors.tools.bench.serving.server import Routed
+    from ringfence.actors.tools.bench.serving.server import Routed, cpu_seconds
 
     options = ["--policy", policy, *(arg for url in stubs for arg in ("--instance", url))]
     cells = [(c, shape) for c in plan["concurrency"] for shape in plan["shapes"]]
@@ -137,22 +139,25 @@ def policy_runs(
     with Routed(folder / policy, [], [], start_timeout=START_S, options=options) as router:
         for index, (concurrency, shape) in enumerate(cells):
             bodies = bodies_of(shape, args, seed=number * len(cells) + index)
+            before = cpu_seconds(router.pid)
             sides = asyncio.run(measure(
                 stubs, router.url, PATHS[shape.prompt], bodies, warmup=args.warmup,
                 rounds=args.rounds, concurrency=concurrency, stream=shape.stream,
             ))  # fmt: skip
-            found.append((concurrency, shape, sides))
+            cpu = (cpu_seconds(router.pid) - before) / len(bodies)
+            found.append((concurrency, shape, sides, cpu))
         router.stop(deadline_s=STOP_S)
     lines = router_lines(router.log_path)
     routed = [line for line in lines if line["event"] == "router.routed"]
     per_cell = args.warmup + args.requests
     whole = len(routed) == per_cell * len(cells)  # else the lines cannot be told apart
     rows = []
-    for index, (concurrency, shape, sides) in enumerate(found):
+    for index, (concurrency, shape, sides, cpu) in enumerate(found):
         mine = routed[index * per_cell + args.warmup : (index + 1) * per_cell] if whole else []
         rows.append(latency_report.row(
             policy=policy, concurrency=concurrency, prompt=shape.prompt, stream=shape.stream,
             sides=sides, routed_total_s=[float(line["total_s"]) for line in mine],
+            router_cpu_s=cpu,
         ))  # fmt: skip
     names = {url: f"i{n}" for n, url in enumerate(stubs)}
     cached = [line for line in routed if (line.get("cached_blocks") or 0) > 0]
