@@ -1,12 +1,15 @@
 """``ringfence bench router-latency``: what the router adds to a request's latency, measured
 on its own behind instances that answer at once (issue 36: under 2 ms at p99).
 
-``--instances`` stub instances (:mod:`.stub_instance`: an aggregated instance's API with
-every answer ready at once, KV events published unless ``--no-events``) serve the whole
-run, each in a process of its own; for each policy of ``--policies`` a fresh ``ringfence
-router --instance ... --policy P`` (its own process, as a user runs it) stands in front of
-them. Each cell (a policy, a ``--concurrency``, a prompt form of ``--prompts``, an answer
-form of ``--answers``) sends ``--requests`` requests directly to the stubs (in turn) and the
+Each policy of ``--policies`` runs on ``--instances`` fresh stub instances
+(:mod:`.stub_instance`: an aggregated instance's API with every answer ready at once, KV
+events published unless ``--no-events``), each in a process of its own, behind a fresh
+``ringfence router --instance ... --policy P`` (its own process, as a user runs it). Fresh
+stubs for each policy: a ``cache`` router that started behind stubs that had served the
+other policies would first replay every batch they published (seen here: its first cell
+took twice the router CPU per request of the same cell on fresh stubs), and its index would
+start full. Each cell (a policy, a ``--concurrency``, a prompt form of ``--prompts``, an
+answer form of ``--answers``) sends ``--requests`` requests directly to the stubs (in turn) and the
 same requests through the router, closed loop (:mod:`.latency_load`), after ``--warmup``
 requests on each side; the sides alternate in ``--rounds`` rounds. Every cell has prompts
 of its own (``--prompt-tokens`` each, three quarters one of ``--prefixes`` shared heads),
@@ -171,27 +174,28 @@ def policy_runs(
 
 
 def bench(plan: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The stubs, then each policy's router in turn; the report's rows and policies."""
+    """Each policy in turn on fresh stubs behind a fresh router; the report's rows and
+    policies."""
     from ringfence.actors.tools.bench.serving.pd import started_together
     from ringfence.actors.tools.bench.serving.stub_instance import Stub
 
     rows: list[dict[str, Any]] = []
     policies: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="rf-bench-router-latency-") as tmp:
-        folder = Path(tmp)
-        with contextlib.ExitStack() as stack:
-            stubs = started_together(stack, [
-                lambda n=n: Stub(folder / f"stub-{n}.out", events=not args.no_events,  # type: ignore[misc]
-                                 start_timeout=START_S)
-                for n in range(args.instances)
-            ])  # fmt: skip
-            urls = [stub.url for stub in stubs]
-            for number, policy in enumerate(plan["policies"]):
+        for number, policy in enumerate(plan["policies"]):
+            folder = Path(tmp) / policy
+            with contextlib.ExitStack() as stack:
+                stubs = started_together(stack, [
+                    lambda n=n, f=folder: Stub(f / f"stub-{n}.out", events=not args.no_events,  # type: ignore[misc]
+                                               start_timeout=START_S)
+                    for n in range(args.instances)
+                ])  # fmt: skip
                 found, about = policy_runs(
-                    policy, number=number, stubs=urls, plan=plan, args=args, folder=folder
-                )
-                rows += found
-                policies[policy] = about
+                    policy, number=number, stubs=[stub.url for stub in stubs], plan=plan,
+                    args=args, folder=folder,
+                )  # fmt: skip
+            rows += found
+            policies[policy] = about
     return {"rows": rows, "policies": policies}
 
 

@@ -143,8 +143,8 @@ def test_the_quick_form_answers_every_request_directly_and_through_each_router(
     ])  # fmt: skip
     result = orjson.loads(out.read_bytes())
     assert status == 0, result
-    # Every process it started (three stubs, a router per policy) has exited.
-    assert len(started) == 5 and all(s.proc.poll() is not None for s in started)
+    # Every process it started (three fresh stubs and a router per policy) has exited.
+    assert len(started) == 8 and all(s.proc.poll() is not None for s in started)
     cells = [(r["policy"], r["concurrency"], r["prompt"], r["stream"]) for r in result["rows"]]
     assert cells == [
         (policy, concurrency, prompt, stream)
