@@ -25,7 +25,8 @@ latency (router minus direct, percentile by percentile), the target as PASS/FAIL
 concurrency 1: the router on its own), the router's own ``total_s`` from its log, and the
 router process's CPU time per request (``/proc/PID/stat`` around the cell, over the
 requests it routed: the direct side costs it nothing, bar the events it follows); per
-policy what its log says of the KV events (``router.no_events``), of the blocks the policy
+policy what its log says of the KV events (``router.no_events``), of the instances' load
+(``router.no_load``: a router that cannot follow it), of the blocks the policy
 found cached, and of the requests each instance got. The target is informational: the
 exit status is 1 only for a failed request or a process that did not start.
 """
@@ -167,6 +168,7 @@ def policy_runs(
     about = {
         "routed": len(routed),
         "no_events": sum(line["event"] == "router.no_events" for line in lines),
+        "no_load": sum(line["event"] == "router.no_load" for line in lines),
         "with_cached_blocks": len(cached),
         "per_instance": dict(Counter(names.get(line["instance"], "?") for line in routed)),
     }

@@ -8,6 +8,9 @@ and ``actors/serve/tokens.py``), and nothing more:
 - ``GET /ringfence/instance``: role ``both``, model ``stub``, one fingerprint (every stub's
   is the same, so a router pools them), the block keys' namespace and size, and where it
   publishes KV events (null with ``--no-events``);
+- ``GET /ringfence/load?after=N&wait_s=S``: an idle instance's load (no request running or
+  waiting, every block free), number 1: at once when ``N`` is below 1, else at ``S``
+  seconds, as a long poll answers when nothing changed;
 - ``POST /tokenize``: the UTF-8 bytes of the prompt (of a chat: its contents, joined) as its
   token ids, so an ASCII text and its bytes as ids are the same prompt;
 - ``POST /v1/completions`` and ``/v1/chat/completions``: ``max_tokens`` (default 4) tokens
@@ -29,6 +32,8 @@ One process, one event loop: every route runs on it.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import hashlib
 import os
 import re
@@ -59,6 +64,9 @@ FINGERPRINT: Final = "stub"
 NAMESPACE: Final = hashlib.blake2b(b"ringfence.bench.stub", digest_size=16).digest()
 BLOCK_SIZE: Final = 16
 MAX_TOKENS: Final = 4  # a request's tokens when it names no max_tokens
+BLOCKS: Final = 1 << 20  # the device blocks it says it has, every one free
+MAX_WAIT_S: Final = 30.0  # the longest it holds a GET /ringfence/load (as an instance does)
+GRACE_S: Final = 1  # open connections (a held load poll) get this long when it stops
 EVENTS_BUFFER: Final = 100_000  # batches the publisher keeps for a router that starts later
 KEEP_ALIVE_S: Final = 300  # an idle connection kept: a client waits while its other side runs
 LISTENING: Final = re.compile(
@@ -137,24 +145,43 @@ class Blocks:
         return encode_batch(time.time(), [stored], layout="map")
 
 
-def build_app(publisher: EventPublisher | None = None) -> Starlette:
-    """The stub's app; ``publisher`` the one its events go out on (None: no events)."""
+def build_app(
+    publisher: EventPublisher | None = None, stopping: asyncio.Event | None = None
+) -> Starlette:
+    """The stub's app; ``publisher`` the one its events go out on (None: no events);
+    ``stopping``, once set, answers every held load poll at once."""
+    stopping = stopping or asyncio.Event()
     blocks = Blocks()
     card = None
     if publisher is not None:
         ends = publisher.endpoints
         card = {"endpoint": ends.publish, "replay_endpoint": ends.replay}
+    idle = {"pending": 0, "running": 0, "waiting": 0, "reservations": 0,
+            "free_blocks": BLOCKS, "total_blocks": BLOCKS}  # fmt: skip
     identity = orjson.dumps({
         "role": "both", "model": MODEL, "model_id": MODEL, "fingerprints": [FINGERPRINT],
         "namespace": NAMESPACE.hex(), "events": card, "block_size": BLOCK_SIZE, "tp_size": 1,
-        "max_model_len": 1 << 20, "serving": True, "load": {"pending": 0},
+        "max_model_len": 1 << 20, "serving": True, "load": idle,
     })  # fmt: skip
+    load_answer = orjson.dumps({"seq": 1, **idle})
 
     def json(content: bytes) -> Response:
         return Response(content, media_type="application/json")
 
     async def instance(request: Request) -> Response:
         return json(identity)
+
+    async def load(request: Request) -> Response:
+        """Its load never changes: number 1, at once to a caller that has not seen it."""
+        try:
+            after = int(request.query_params.get("after", "0"))
+            wait_s = min(max(float(request.query_params.get("wait_s", "0")), 0.0), MAX_WAIT_S)
+        except ValueError:
+            return Response(b'{"error":"after and wait_s are numbers"}', status_code=400)
+        if after >= 1:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), wait_s)
+        return json(load_answer)
 
     async def health(request: Request) -> Response:
         return json(b'{"status":"ok"}')
@@ -185,6 +212,7 @@ def build_app(publisher: EventPublisher | None = None) -> Starlette:
 
     return Starlette(routes=[
         Route("/ringfence/instance", instance, methods=["GET"]),
+        Route("/ringfence/load", load, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -213,18 +241,29 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM stops it as SIGINT does: uvicorn raises the signal again once it stopped,
     # and this handler makes that a KeyboardInterrupt, caught below, for either signal.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    stopping = asyncio.Event()
+
+    class Server(uvicorn.Server):
+        """uvicorn, answering the held load polls first when it stops (they would hold the
+        stop up to their ``wait_s``)."""
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            stopping.set()
+            await super().shutdown(sockets)
+
     config = uvicorn.Config(
-        build_app(publisher),
+        build_app(publisher, stopping),
         log_level="warning",
         access_log=False,
         lifespan="off",
         timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=GRACE_S,
     )
     host, port = sock.getsockname()[:2]
     print(f"ringfence stub: listening on http://{host}:{port} (pid {os.getpid()})")
     print("ringfence stub: ready", flush=True)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:

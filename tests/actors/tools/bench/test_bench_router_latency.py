@@ -164,6 +164,7 @@ def test_the_quick_form_answers_every_request_directly_and_through_each_router(
         assert policies[policy]["routed"] == 8 * 14  # 8 cells of 2 warm-up and 12 requests
         assert sum(policies[policy]["per_instance"].values()) == 8 * 14
     assert policies["round_robin"]["per_instance"] == {"i0": 38, "i1": 37, "i2": 37}
+    assert policies["round_robin"]["no_load"] == policies["cache"]["no_load"] == 0
     # The cache policy followed the stubs' events and found their blocks.
     assert policies["cache"]["no_events"] == 0 and policies["cache"]["with_cached_blocks"] > 0
     assert set(result["target"]) == {"p99_added_under_s", "met", "worst_p99_added_s"}

@@ -82,6 +82,24 @@ def test_a_stub_without_a_publisher_says_it_has_no_events():
         assert http.stop(STOP_S)
 
 
+def get(url: str, path: str) -> Answer:
+    import httpx
+
+    with httpx.Client(trust_env=False) as client:
+        answer = client.get(f"{url}{path}")
+        return Answer(answer.status_code, answer.content)
+
+
+def test_its_load_is_idle_number_1_at_once_then_again_once_the_poll_is_held(stub):
+    idle = {"seq": 1, "pending": 0, "running": 0, "waiting": 0, "reservations": 0,
+            "free_blocks": stub_instance.BLOCKS, "total_blocks": stub_instance.BLOCKS}  # fmt: skip
+    first = get(stub, "/ringfence/load?after=0&wait_s=5")
+    assert first.status == 200 and orjson.loads(first.body) == idle
+    held = get(stub, "/ringfence/load?after=1&wait_s=0.05")
+    assert held.status == 200 and orjson.loads(held.body) == idle
+    assert get(stub, "/ringfence/load?after=x").status == 400
+
+
 def test_tokenize_gives_the_utf8_bytes_of_a_prompt_or_of_a_chats_contents(stub):
     answer = post(stub, "/tokenize", {"prompt": "ab"})
     assert answer.status == 200 and orjson.loads(answer.body)["tokens"] == [97, 98]
