@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     shutil.which("spin") is None or shutil.which("gcc") is None,
     reason="spin and gcc are needed (scripts/test installs spin with apt-get)",
 )
-SMALL = [c for c in CONFIGS if c.ci]
+SMALL = [c for c in CONFIGS if c.ci and c.ci_search]
 CAUGHT = [m for m in MUTANTS if config(m.config).ci and not m.equivalent]
 
 
