@@ -14,7 +14,10 @@ import asyncio
 import signal
 import sys
 
-POLICY_CHOICES = ("round_robin", "least_loaded", "approximate", "cache")  # router/policy.py
+# router/policy.py's POLICIES and DEFAULT_OVERLAP_WEIGHT (kept here: --help imports no
+# more than it needs; tests/actors/router/test_policy.py checks they agree).
+POLICY_CHOICES = ("round_robin", "least_loaded", "approximate", "cache")
+OVERLAP_WEIGHT = 4.0
 
 DESCRIPTION = (
     "Serve the OpenAI API (POST /v1/completions and /v1/chat/completions, GET /v1/models, "
@@ -40,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how --instance instances are picked (default cache; see actors/router/policy.py)",
     )  # fmt: skip
     parser.add_argument(
-        "--overlap-weight", type=float, default=1.0, metavar="W",
-        help="the cost function's weight of the prefill an instance would still need",
+        "--overlap-weight", type=float, default=OVERLAP_WEIGHT, metavar="W",
+        help="the cost function's weight of the prefill an instance would still need "
+        f"(default {OVERLAP_WEIGHT:g})",
     )  # fmt: skip
     parser.add_argument(
         "--prefill", action="append", default=[], metavar="URL",

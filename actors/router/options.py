@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringfence.actors.router.policy import POLICIES
+from ringfence.actors.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES
 
 PREFILL_MARGIN_S = 2.0  # the default prefill deadline: the reservation's ttl_s less this
 RETRY_CAP_S = 2.0  # the longest wait between two reserve rounds (Retry-After is capped here)
@@ -20,7 +20,9 @@ class RouterOptions:
     decode: tuple[str, ...] = ()  # base URLs of the decode instances (at least one with prefill)
     instances: tuple[str, ...] = ()  # aggregated instances (engine.role both): --instance
     policy: str = "cache"  # how an aggregated instance is picked (router/policy.py)
-    overlap_weight: float = 1.0  # the cost function's weight of the prefill still needed
+    # The cost function's weight of the prefill still needed (RESULTS.md: the sweep of
+    # `bench route --overlap-weight` that chose it).
+    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
     reserve_timeout_s: float = 30.0  # how long one request may wait for room on a decode
     prefill_timeout_s: float | None = None  # None: the reservation's ttl_s less a margin
     start_timeout_s: float = 120.0  # how long every instance has to answer at start

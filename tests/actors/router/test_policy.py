@@ -7,8 +7,10 @@ from hashlib import blake2b
 
 import pytest
 
+from ringfence.actors.router.cli import OVERLAP_WEIGHT, POLICY_CHOICES
 from ringfence.actors.router.instances import Identity, Instance
-from ringfence.actors.router.policy import Picker, Weights
+from ringfence.actors.router.options import RouterOptions
+from ringfence.actors.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, Picker, Weights
 from ringfence.actors.serve.load import Load
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.kv_events import AllBlocksCleared, BlockStored
@@ -104,7 +106,7 @@ def test_the_instances_own_word_counts_requests_this_router_did_not_send():
 def test_too_few_free_blocks_cost_what_the_prompt_must_wait_for():
     a, b = instances(2)
     index = KVIndex()
-    picker = Picker("cache", [a, b], index)
+    picker = Picker("cache", [a, b], index, Weights(overlap=1.0))
     store(index, a.url, keys(1, 4))
     a.load = Load(free_blocks=2, total_blocks=64)  # needs 6 more, has 2: short 4
     b.load = Load(free_blocks=64, total_blocks=64)
@@ -159,3 +161,13 @@ def test_round_robin_takes_turns_and_skips_an_instance_down():
 def test_an_unknown_policy_is_refused_by_name():
     with pytest.raises(ValueError, match="--policy must be one of"):
         Picker("random", instances(), None)
+
+
+def test_the_command_line_offers_the_policies_and_the_default_weight():
+    assert POLICY_CHOICES == POLICIES
+    assert (
+        OVERLAP_WEIGHT
+        == DEFAULT_OVERLAP_WEIGHT
+        == Weights().overlap
+        == RouterOptions(instances=("http://a",)).overlap_weight
+    )

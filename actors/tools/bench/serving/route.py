@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--overlap-weight", type=float, default=None,
-        help="the routers' --overlap-weight (default: the router's, 1.0)",
+        help="the routers' --overlap-weight (default: the router's, 4)",
     )  # fmt: skip
     parser.add_argument("--plot", type=Path, metavar="FILE", help="the PNG (bench-route.png)")
     add_overrides(parser, ",".join(DEFAULT_SETTINGS))
