@@ -7,6 +7,11 @@ conversation so far (the earlier messages and stand-in answers) and a new messag
 turns of one index arrive before the next index's, at Poisson times of ``--rate``
 requests per second. Greedy, so every policy must give every request the same tokens.
 
+With ``--direct N``, the first ``N`` users of each group are another client's: they send
+straight to one instance (group ``g``'s to instance ``g mod instances``), never through the
+router. What they leave cached there only the instances' KV events tell the router; the
+``approximate`` policy, which remembers only where it sent prompts, cannot know it.
+
 Each policy runs on ``--instances`` fresh ``ringfence serve`` instances (KV events on,
 each Worker with an equal share of the CPUs) behind a fresh ``ringfence router
 --instance ... --policy P``; the policies take turns round by round. The report, per
@@ -20,6 +25,7 @@ tokens equal the first policy's; then ``cache`` against ``round_robin`` and agai
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import random
@@ -66,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=600.0, help="seconds one policy's load may run (600)"
     )
     parser.add_argument(
+        "--direct",
+        type=int,
+        default=0,
+        help="users of each group who bypass the router, to one instance (0)",
+    )
+    parser.add_argument(
         "--overlap-weight", type=float, default=None,
         help="the routers' --overlap-weight (default: the router's, 4)",
     )  # fmt: skip
@@ -99,12 +111,19 @@ def shared_prefix_requests(
     return requests
 
 
+def direct_instance(request: LoadRequest, direct: int, count: int) -> int | None:
+    """The instance a request of ``--direct``'s users goes to straight (None: the router)."""
+    group, user = (int(part[1:]) for part in request.session.split("-"))
+    return group % count if user < direct else None
+
+
 def policy_side(
     policy: str, requests: Sequence[LoadRequest], *, settings: Sequence[str], count: int,
-    folder: Path, timeout: float, router_options: Sequence[str] = (),
+    folder: Path, timeout: float, router_options: Sequence[str] = (), direct: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
-    """The requests through a router with ``policy`` over ``count`` fresh instances."""
-    from ringfence.actors.tools.bench.serving.client import run_load, served_model
+    """The requests through a router with ``policy`` over ``count`` fresh instances (those
+    of ``direct`` users straight to their instance)."""
+    from ringfence.actors.tools.bench.serving.client import run_load_async, served_model
     from ringfence.actors.tools.bench.serving.handover import router_lines
     from ringfence.actors.tools.bench.serving.server import Routed, Served
 
@@ -121,7 +140,23 @@ def policy_side(
             options += ["--instance", instance.url]
         with Routed(folder, [], [], start_timeout=START_S, options=options) as router:
             model = served_model(router.url, timeout=timeout)
-            timelines, start = run_load(router.url, requests, model=model, timeout=timeout)
+            targets: dict[str, list[LoadRequest]] = {}
+            for request in requests:
+                n = direct_instance(request, direct, count)
+                targets.setdefault(router.url if n is None else instances[n].url, []).append(
+                    request
+                )
+
+            async def load() -> list[tuple[list[Timeline], float]]:
+                return await asyncio.gather(*(
+                    run_load_async(url, part, model=model, timeout=timeout)
+                    for url, part in targets.items()
+                ))  # fmt: skip
+
+            loads = asyncio.run(load())
+            by_id = {t.id: t for timelines, _ in loads for t in timelines}
+            timelines = [by_id[r.id] for r in requests]
+            start = min(begun for _, begun in loads)
             router.stop(deadline_s=STOP_S)
         names = {i.url: f"i{n}" for n, i in enumerate(instances)}
         leaked = [name for i in instances for name in i.stop(deadline_s=STOP_S)]
@@ -226,6 +261,8 @@ def main(args: argparse.Namespace) -> int:
     for flag in ("instances", "groups", "users", "turns", "system_blocks", "max_tokens", "rounds"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if not 0 <= args.direct < args.users:
+        raise ValueError("--direct must be >= 0 and below --users (someone must be routed)")
     if args.overlap_weight is not None and not args.overlap_weight >= 0:
         raise ValueError("--overlap-weight must be >= 0")
     settings = [*DEFAULT_SETTINGS, *args.overrides]
@@ -249,6 +286,7 @@ def main(args: argparse.Namespace) -> int:
                     found = policy_side(
                         policy, requests, settings=settings, count=args.instances,
                         folder=folder, timeout=args.timeout, router_options=router_options,
+                        direct=args.direct,
                     )  # fmt: skip
                     tokens = {t.id: t.token_ids for t in found["timelines"] if not t.error}
                     first_tokens = first_tokens or tokens
@@ -268,6 +306,7 @@ def main(args: argparse.Namespace) -> int:
         "workload": {k: getattr(args, k) for k in
                      ("groups", "users", "turns", "system_blocks", "max_tokens", "rate")},
         "overlap_weight": args.overlap_weight,
+        "direct": args.direct,
         **report(policies, rounds),
         "wall_s": round(time.perf_counter() - began, 3),
     }  # fmt: skip

@@ -68,6 +68,9 @@ def test_a_bad_option_is_named():
     args = parser.parse_args(["--turns", "0"])
     with pytest.raises(ValueError, match="--turns must be >= 1"):
         route.main(args)
+    args = parser.parse_args(["--users", "2", "--direct", "2"])
+    with pytest.raises(ValueError, match="--direct must be >= 0 and below --users"):
+        route.main(args)
     args = parser.parse_args(["--overlap-weight", "-1"])
     with pytest.raises(ValueError, match="--overlap-weight must be >= 0"):
         route.main(args)
@@ -90,3 +93,14 @@ def test_the_quick_form_routes_on_real_instances_with_the_same_tokens_everywhere
         assert sum(figures["per_instance"].values()) == 8
     assert result["policies"]["round_robin"]["per_instance"] == {"i0": 4, "i1": 4}
     assert (tmp_path / "route.png").exists()
+
+
+def test_the_direct_users_of_each_group_go_to_their_groups_instance():
+    requests = route.shared_prefix_requests(
+        groups=4, users=3, turns=2, system_blocks=2, max_tokens=4, rate=10.0
+    )
+    where = {r.id: route.direct_instance(r, 1, 3) for r in requests}
+    assert {i: n for i, n in where.items() if n is not None} == {
+        f"g{g}-u0-t{t}": g % 3 for g in range(4) for t in range(2)
+    }
+    assert all(route.direct_instance(r, 0, 3) is None for r in requests)
