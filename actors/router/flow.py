@@ -36,6 +36,7 @@ from ringfence.actors.router.keys import keys_of, prompt_keys
 from ringfence.actors.router.options import FIRST_BACKOFF_S
 from ringfence.actors.router.state import Router
 from ringfence.actors.serve.api import ApiError
+from ringfence.cache.ids import BlockHash
 from ringfence.shm.errors import RingfenceError
 
 RESERVATION_HEADER = "X-Ringfence-Reservation"
@@ -92,6 +93,16 @@ def retry_after_s(answer: httpx.Response) -> float | None:
         return max(float(answer.headers["retry-after"]), 0.0)
     except (KeyError, ValueError):
         return None
+
+
+def decode_lost(router: Router, request: str, where: str | None, error: str, what: str) -> ApiError:
+    """The 502 of an instance (``what``: "decode instance", "instance") that failed after
+    its answer began, logged as ``router.decode_lost``."""
+    router.log.error("router.decode_lost", request=request, decode=where, error=error)
+    return ApiError(
+        f"the {what} {where} failed: {error}",
+        status=502, kind="server_error", code="decode_failed",
+    )  # fmt: skip
 
 
 class Handover:
@@ -236,10 +247,13 @@ class Handover:
     async def prefill(self, reservation: Reservation) -> None:
         """Prefill the reservation's prompt into the shared tier, or log why not."""
         router = self.router
-        if self._held_by_decode(reservation):
+        keys = []  # the prompt's block keys, under the cache policy
+        if "prefill" in router.pd:
+            keys = keys_of(reservation.instance.identity, reservation.prompt_token_ids)
+        if self._held_by_decode(reservation, keys):
             self.trace["prefill_skipped"] = True
             return
-        instance = self._prefill_instance(reservation)
+        instance = self._prefill_instance(keys)
         if instance is None:
             self._fell_back("no_instance", None, "no prefill instance", reservation)
             return
@@ -274,23 +288,21 @@ class Handover:
         router.metrics.stage_seconds.labels(stage="prefill").observe(elapsed)
         self.trace["prefill_s"] = round(elapsed, 6)
 
-    def _held_by_decode(self, reservation: Reservation) -> bool:
-        """Under the cache policy: the decode instance holds every full block of the prompt
-        already (on some tier), so no prefill is needed."""
+    def _held_by_decode(self, reservation: Reservation, keys: list[BlockHash]) -> bool:
+        """Under the cache policy (``keys``: the prompt's): the decode instance holds every
+        full block of the prompt already (on some tier), so no prefill is needed."""
         index = self.router.index
-        if "prefill" not in self.router.pd or index is None:
+        if not keys or index is None:
             return False
-        keys = keys_of(reservation.instance.identity, reservation.prompt_token_ids)
-        held = index.overlap(keys).get(reservation.instance.url) if keys else None
+        held = index.overlap(keys).get(reservation.instance.url)
         return held is not None and held.blocks == len(keys)
 
-    def _prefill_instance(self, reservation: Reservation) -> Instance | None:
+    def _prefill_instance(self, keys: list[BlockHash]) -> Instance | None:
         """The prefill instance: under the cache policy the one the cost function picks for
-        the reservation's tokens, else the least in flight; None when there is none."""
+        the prompt's ``keys``, else the least in flight; None when there is none."""
         pick = self.router.pd.get("prefill")
         if pick is None:
             return self.router.pool.pick("prefill")
-        keys = keys_of(reservation.instance.identity, reservation.prompt_token_ids)
         choice = pick.choose(keys)
         if choice is None:
             return None
@@ -348,12 +360,7 @@ class Handover:
 
     def decode_failed(self, error: str) -> ApiError:
         """The error of a decode instance that failed mid-request (logged here)."""
-        decode = self.trace["decode"]
-        self.router.log.error("router.decode_lost", request=self.id, decode=decode, error=error)
-        return ApiError(
-            f"the decode instance {decode} failed: {error}",
-            status=502, kind="server_error", code="decode_failed",
-        )  # fmt: skip
+        return decode_lost(self.router, self.id, self.trace["decode"], error, "decode instance")
 
     async def finish(self, outcome: str, status: int) -> None:
         """Close the upstream answer, stop counting the request in flight, count and log

@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from ringfence.actors.router.flow import CLAIM_TIMEOUT, JSON, PATHS, Relayed
+from ringfence.actors.router.flow import CLAIM_TIMEOUT, JSON, PATHS, Relayed, decode_lost
 from ringfence.actors.router.instances import Instance
 from ringfence.actors.router.keys import prompt_keys
 from ringfence.actors.router.policy import Choice
@@ -94,11 +94,7 @@ class Forward:
 
     def decode_failed(self, error: str) -> ApiError:
         where = self.choice.instance.url if self.choice else None
-        self.router.log.error("router.decode_lost", request=self.id, decode=where, error=error)
-        return ApiError(
-            f"the instance {where} failed: {error}",
-            status=502, kind="server_error", code="decode_failed",
-        )  # fmt: skip
+        return decode_lost(self.router, self.id, where, error, "instance")
 
     async def finish(self, outcome: str, status: int) -> None:
         """Close the upstream answer, stop counting it in flight, count and log it once."""
