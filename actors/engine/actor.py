@@ -6,7 +6,8 @@ lanes of every rank have answered its ``Resync`` (:mod:`.roster`), builds the
 and its client of the storage tier (:mod:`.storage`), then runs a loop made of messages only:
 
 - requests arrive from a workload (``engine.workload``: timers at their ``arrival_s``) or
-  from clients (:class:`ClientHub`), and become the scheduler's requests (:mod:`.intake`);
+  from clients (:class:`ClientHub`), and become the scheduler's requests (:mod:`.intake`;
+  the handlers in :mod:`.requests_in`);
 - whenever the step lane is idle, :meth:`Scheduler.schedule` gives the next ops; the
   ledger (:mod:`.ledger`) sends them in issue order to every rank while the lane has
   credit, so no result ring ever fills (in ``transfer.mode = "sync"`` an op is held until
@@ -42,43 +43,38 @@ writes in flight, so the next instance on the same storage finds them.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from ringfence.actors.engine.begin import begin_scheduler
-from ringfence.actors.engine.clients import ClientHub, RequestKey, RequestRefused
+from ringfence.actors.engine.clients import ClientHub
 from ringfence.actors.engine.config import EngineSettings
-from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
+from ringfence.actors.engine.disaggregation import HandOverDesk
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.kv_events import KVEventsOut
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
 from ringfence.actors.engine.logprobs import emitted_logprobs, file_prompt_logprobs
 from ringfence.actors.engine.outputs import Outputs
+from ringfence.actors.engine.requests_in import Arrive, RequestsIn
 from ringfence.actors.engine.roster import EXECUTORS, Roster
 from ringfence.actors.engine.stats import count_bytes, counters_of, no_stats, stats_of
 from ringfence.actors.model.info import ModelInfo
-from ringfence.actors.protocol.client import Abort, Hello, Reserve, Stats, Submit
+from ringfence.actors.protocol.client import Stats
 from ringfence.actors.protocol.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
 from ringfence.actors.protocol.worker import StepResult, WorkerReady
 from ringfence.cache.fences import Lane
 from ringfence.cache.storage.ranks import AllRanks
-from ringfence.runtime.actor import Actor, handles
+from ringfence.runtime.actor import handles
 from ringfence.runtime.messages import Tick
-from ringfence.sched.request import Request, RequestError
 from ringfence.sched.scheduler import Scheduler
 from ringfence.sched.workload import returning_turns
 from ringfence.shm.errors import ProtocolError
 
 
-@dataclass(frozen=True, slots=True)
-class Arrive:
-    """Timer: the workload requests due by now arrive."""
-
-
-class Engine(Actor):
-    """See the module docstring. Its handlers only route: each concern has its module."""
+class Engine(RequestsIn):
+    """See the module docstring. Its handlers only route: each concern has its module; the
+    handlers of requests coming in are :class:`RequestsIn`'s."""
 
     config_section = EngineSettings  # only the sections it reads
     tick_s = 0.5
@@ -261,102 +257,6 @@ class Engine(Actor):
                 self.outputs.start_progress(len(self.intake.workload))
             self.clock0 = time.perf_counter()
             self.on_arrive(Arrive())
-
-    # Requests in.
-
-    @handles(Arrive)
-    def on_arrive(self, msg: Arrive) -> None:
-        lines, wait = self.intake.due(self.now())
-        for line in lines:
-            request = self.intake.request(line)
-            try:
-                self._add(request, None, line.arrival_s)
-            except RequestError as e:  # it can never run (e.g. a token outside the vocabulary)
-                self.outputs.refused(request, line.arrival_s, str(e))
-        if wait is not None:
-            self.schedule(wait, Arrive())
-        self._kick()
-
-    def _add(
-        self, request: Request, key: RequestKey | None, arrival: float, reservation: str = ""
-    ) -> None:
-        assert self.scheduler is not None
-        if self.log.tracing:  # before the call: replay repeats it, RequestError included
-            self.log.trace(
-                "sched.add",
-                request=request.request_id,
-                prompt=list(request.prompt_token_ids),
-                params=asdict(request.params),
-            )
-        seq_id = self.scheduler.add(request, reservation)
-        if reservation:
-            self.log.info("reservation.claim", reservation=reservation, request=request.request_id)
-        self.outputs.arrived(request, key, arrival)
-        self.log.info(
-            "request.arrive",
-            request=request.request_id,
-            seq_id=seq_id,
-            prompt_tokens=request.num_prompt_tokens,
-            max_tokens=request.params.max_tokens,
-            arrival_s=round(arrival, 6),
-        )
-
-    @handles(Hello)
-    def on_hello(self, msg: Hello) -> None:
-        peer = self._peer()
-        for key in self.clients.hello(peer, msg):
-            self._abort(key, "the client attached again")
-        if msg.stats:
-            self.clients.post_stats(self.stats(), peer)
-        self._flush()
-
-    @handles(Submit)
-    def on_submit(self, msg: Submit) -> None:
-        peer = self._peer()
-        try:
-            if self.scheduler is None:
-                raise RequestRefused("the engine is starting: its worker is not ready yet")
-            reservation = self.desk.claimed(peer, msg, self.scheduler)
-            key = self.clients.submit(peer, msg)
-        except RequestRefused as e:
-            self.clients.reject(peer, msg.request_id, str(e), e.code)
-            self._flush()
-            return
-        try:
-            now = self.now()
-            self._add(self.intake.submitted(msg, key, now), key, now, reservation)
-        except RequestError as e:  # e.g. longer than the model: the request ends here
-            self.clients.emit(key, finish_reason="abort", error=str(e))
-        self._kick()
-
-    @handles(Reserve)
-    def on_reserve(self, msg: Reserve) -> None:
-        self.desk.reserve(self._peer(), msg, self.scheduler)
-        self._flush()
-
-    @handles(Expire)
-    def on_expire(self, msg: Expire) -> None:
-        self.desk.expire(msg, self.scheduler)
-
-    @handles(Abort)
-    def on_abort(self, msg: Abort) -> None:
-        key = self.clients.abort(self._peer(), msg.request_id)
-        if key is not None:
-            self._abort(key, "")
-        self._kick()
-
-    def _peer(self) -> str:
-        delivery = self.ctx.services.current
-        assert delivery is not None
-        return delivery.peer
-
-    def _abort(self, request_id: str, error: str) -> None:
-        if self.scheduler is None:
-            return
-        if self.log.tracing:
-            self.log.trace("sched.abort", request=request_id)
-        if self.scheduler.abort(request_id) is not None:
-            self.outputs.finished(request_id, error)
 
     # Issuing.
 
