@@ -1,10 +1,11 @@
 """The scheduler's block bookkeeping: the pools of both tiers, demotion, and fenced op issue.
 
 :class:`BlockManager` owns the device and host :class:`BlockPool`, the
-:class:`PrefixIndex` over them and storage, and the :class:`FenceTracker`. Every op
-it issues gets its number and fence at once, in the order of the calls, and is
-appended to the outgoing list that :meth:`take_ops` hands to the engine. Issuing in
-call order is what makes the orders right without further care: the write-back of
+:class:`PrefixIndex` over them and storage, and the :class:`Issuer` (:mod:`sched.issue`,
+with the :class:`FenceTracker`). Every op it issues gets its number and fence at once, in
+the order of the calls, and is appended to the outgoing list that the issuer's
+``take_ops`` hands to the engine. Issuing in call order is what makes the orders right
+without further care: the write-back of
 an evicted host block is issued by the allocation that reuses it, so before the
 swap-out that overwrites it; the swap-out of an evicted device block before the
 swap-in or step that overwrites it; a write-through before nothing that could
@@ -26,28 +27,19 @@ the caller passes in (the engine's storage client, or a fake in tests).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 from ringfence.cache.block_pool import BlockPool
 from ringfence.cache.demotion import on_evicted, on_filled
 from ringfence.cache.fences import FenceTracker, Lane
-from ringfence.cache.ids import BlockHash, BlockId, Seq
+from ringfence.cache.ids import BlockHash, BlockId
 from ringfence.cache.kv_events import KVEventJournal, Tier
 from ringfence.cache.prefix_index import PrefixIndex, PrefixMatch, StoragePresence
 from ringfence.sched.config import TierConfig
-from ringfence.sched.ops import Op, Piece, Reason, StepOp, StoreOp, SwapOp
+from ringfence.sched.issue import Issuer
+from ringfence.sched.ops import Piece, Reason, StepOp, StoreOp, SwapOp
 from ringfence.sched.stored import StoredSet
-
-
-@dataclass(slots=True)
-class Moved:
-    """Counters of what the issued ops move, by lane and direction."""
-
-    ops: Counter[str] = field(default_factory=Counter)  # "swap_out", "prefetch", ...
-    blocks: Counter[str] = field(default_factory=Counter)
 
 
 def _told(events: KVEventJournal | None, tier: Tier) -> Callable[[BlockHash, bool], None] | None:
@@ -65,15 +57,12 @@ def _told(events: KVEventJournal | None, tier: Tier) -> Callable[[BlockHash, boo
     return on_key
 
 
-_NAMES = {("in", Lane.SWAP): "swap_in", ("out", Lane.SWAP): "swap_out"}
-_NAMES |= {("write", Lane.STORE): "write_back", ("read", Lane.STORE): "prefetch"}
-
-
 class BlockManager:
     """See the module docstring.
 
-    The scheduler drives it through its methods only; of its attributes, the engine
-    reads ``inflight`` and ``moved``, and tests may inspect the pools ``device`` and
+    The scheduler drives it through its methods only; of its attributes, the scheduler
+    takes the ops from ``issuer``, the engine reads the issuer's ``inflight`` and ``moved``,
+    and tests may inspect the pools ``device`` and
     ``host`` (read only: a block taken or keyed behind the manager's back breaks the
     references the scheduler counts on).
     """
@@ -100,35 +89,11 @@ class BlockManager:
             self.host if config.host_cache else None,
             self.stored if config.storage else None,
         )
-        self.tracker = FenceTracker(
-            config.device_blocks, config.host_blocks, keep_access=keep_access
-        )
-        self.moved = Moved()
-        self._out: list[Op] = []
-        self.inflight: dict[tuple[Lane, int], SwapOp | StoreOp] = {}  # issued, not completed
+        tracker = FenceTracker(config.device_blocks, config.host_blocks, keep_access=keep_access)
+        self.issuer = Issuer(config.block_size, tracker, first_numbers)
         self._poison: list[BlockId] = []  # freed unkeyed device blocks, for the next step
-        self._next = {lane: 1 for lane in Lane} | dict(first_numbers or {})
 
-    # The ops.
-
-    def take_ops(self) -> list[Op]:
-        """The ops issued since the last call, in issue order; clears the list."""
-        out, self._out = self._out, []
-        return out
-
-    @property
-    def has_ops(self) -> bool:
-        """Whether ops were issued since the last :meth:`take_ops`."""
-        return bool(self._out)
-
-    def last_number(self, lane: Lane) -> int:
-        """The number of the last op issued on ``lane`` (0 before the first)."""
-        return self._next[lane] - 1
-
-    def _number(self, lane: Lane) -> Seq:
-        seq = self._next[lane]
-        self._next[lane] = seq + 1
-        return Seq(seq)
+    # The ops (numbered, fenced and listed by the issuer).
 
     def issue_step(self, pieces: Sequence[Piece], closed: tuple[int, ...] = ()) -> StepOp:
         """The step running ``pieces`` (and the poison of blocks freed since the last one),
@@ -139,66 +104,13 @@ class BlockManager:
             free = [b for b in dict.fromkeys(self._poison) if self.device.ref_count(b) == 0]
             poison = tuple(b for b in free if self.device.key_of(b) is None)
         self._poison.clear()
-        reads: set[BlockId] = set(BlockId(b) for b in poison)
-        writes: set[BlockId] = set(reads)
-        for p in pieces:
-            table = p.block_table
-            bs = self.config.block_size
-            end = p.start + len(p.token_ids)
-            reads.update(BlockId(b) for b in table[: -(-end // bs)])
-            writes.update(BlockId(b) for b in table[p.start // bs : -(-end // bs)])
-        step = self._number(Lane.STEP)
-        fence = self.tracker.issue(Lane.STEP, step, read_device=reads, write_device=writes)
-        op = StepOp(step=step, fence=fence, pieces=tuple(pieces), poison=poison, closed=closed)
-        self._out.append(op)
-        return op
+        return self.issuer.step(pieces, closed, poison)
 
-    def _swap(
-        self, direction: str, device: Sequence[BlockId], host: Sequence[BlockId], reason: Reason
-    ) -> SwapOp:
-        seq = self._number(Lane.SWAP)
-        if direction == "out":
-            fence = self.tracker.issue(Lane.SWAP, seq, read_device=device, write_host=host)
-        else:
-            fence = self.tracker.issue(Lane.SWAP, seq, read_host=host, write_device=device)
-        op = SwapOp(
-            op=seq,
-            fence=fence,
-            direction="out" if direction == "out" else "in",
-            device_blocks=tuple(device),
-            host_blocks=tuple(host),
-            reason=reason,
-        )
-        self._record(op, len(device))
-        return op
-
-    def _store(
-        self, direction: str, host: Sequence[BlockId], keys: Sequence[BlockHash], reason: Reason
-    ) -> StoreOp:
-        seq = self._number(Lane.STORE)
-        if direction == "write":
-            fence = self.tracker.issue(Lane.STORE, seq, read_host=host)
-            self.stored.keys.update(keys)
-        else:
-            fence = self.tracker.issue(Lane.STORE, seq, write_host=host)
-        op = StoreOp(
-            op=seq,
-            fence=fence,
-            direction="write" if direction == "write" else "read",
-            host_blocks=tuple(host),
-            keys=tuple(keys),
-            reason=reason,
-        )
-        self._record(op, len(host))
-        return op
-
-    def _record(self, op: SwapOp | StoreOp, blocks: int) -> None:
-        """An issued transfer op: counted, in flight until its completion, out to the engine."""
-        name = _NAMES[(op.direction, op.lane)]
-        self.moved.ops[name] += 1
-        self.moved.blocks[name] += blocks
-        self.inflight[(op.lane, op.number)] = op
-        self._out.append(op)
+    def _write(self, host: Sequence[BlockId], keys: Sequence[BlockHash], reason: Reason) -> None:
+        """Write host blocks to storage; their keys count as stored from now on (the store
+        lane is one FIFO: a prefetch issued later finds the write done)."""
+        self.issuer.store("write", host, keys, reason)
+        self.stored.keys.update(keys)
 
     # Allocation and demotion.
 
@@ -227,7 +139,7 @@ class BlockManager:
                 self.config.host_eviction, "host->storage", allocation.evicted, self.stored.has
             )
             if copies:
-                self._store("write", [c.block_id for c in copies], [c.key for c in copies], "evict")
+                self._write([c.block_id for c in copies], [c.key for c in copies], "evict")
         return list(allocation.block_ids)
 
     def _lower_has(self, key: BlockHash) -> bool:
@@ -249,7 +161,7 @@ class BlockManager:
             host = self.allocate_host(len(blocks))
             if host is None:
                 return False
-            self._swap("out", blocks, host, reason)
+            self.issuer.swap("out", blocks, host, reason)
             for b, key in zip(host, keys, strict=True):
                 self.host.set_key(b, key)
             self.host.free(reversed(host))  # cached and findable, free for reuse
@@ -275,10 +187,10 @@ class BlockManager:
                 self.config.host_eviction, "host->storage", staging.evicted, self.stored.has
             )
             if copies:
-                self._store("write", [c.block_id for c in copies], [c.key for c in copies], "evict")
+                self._write([c.block_id for c in copies], [c.key for c in copies], "evict")
         host = list(staging.block_ids)
-        self._swap("out", [b for b, _ in pairs], host, reason)
-        self._store("write", host, [k for _, k in pairs], reason)
+        self.issuer.swap("out", [b for b, _ in pairs], host, reason)
+        self._write(host, [k for _, k in pairs], reason)
         self.host.free(host)  # free at issue: a later writer of these blocks waits (I4)
         return True
 
@@ -302,7 +214,7 @@ class BlockManager:
     ) -> None:
         pairs = [(b, k) for b, k in zip(host, keys, strict=True) if not self.stored.has(k)]
         if pairs:
-            self._store("write", [b for b, _ in pairs], [k for _, k in pairs], reason)
+            self._write([b for b, _ in pairs], [k for _, k in pairs], reason)
 
     def filled(self, blocks: Sequence[BlockId], keys: Sequence[BlockHash]) -> None:
         """Device blocks that just became full of computed KV: key them (and copy down by policy).
@@ -319,14 +231,14 @@ class BlockManager:
 
     def swap_in(self, host: Sequence[BlockId], device: Sequence[BlockId], reason: Reason) -> None:
         if host:
-            self._swap("in", device, host, reason)
+            self.issuer.swap("in", device, host, reason)
 
     def swap_out(self, device: Sequence[BlockId], host: Sequence[BlockId], reason: Reason) -> None:
         if device:
-            self._swap("out", device, host, reason)
+            self.issuer.swap("out", device, host, reason)
 
     def prefetch(self, host: Sequence[BlockId], keys: Sequence[BlockHash]) -> StoreOp:
-        return self._store("read", host, keys, "admit")
+        return self.issuer.store("read", host, keys, "admit")
 
     def free_device(self, blocks: Sequence[BlockId]) -> None:
         """Drop a reference to each block, last block first (the prefix stays cached longest)."""
@@ -435,7 +347,7 @@ class BlockManager:
         host copies and a swap-in's device blocks lose their keys, a write-back's keys are
         no longer taken as stored (a prefetch's are the scheduler's to handle).
         """
-        op = self.inflight.pop((lane, number), None)
+        op = self.issuer.completed(lane, number)
         if op is None:
             return op
         if status == "ok":

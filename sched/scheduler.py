@@ -266,7 +266,7 @@ class Scheduler:
             HandOver(
                 request_id=r.request_id,
                 keys=tuple(keys[:done]),
-                mark=self.blocks.last_number(Lane.STORE),
+                mark=self.blocks.issuer.last_number(Lane.STORE),
                 # Skipped by save: storage had them (another instance wrote them).
                 present=frozenset(k for k in keys[:done] if k not in own),
             )
@@ -302,7 +302,7 @@ class Scheduler:
             self.counters.steps += 1
             self.counters.batched_tokens += self.config.sched.max_batched_tokens - budget
         self._pieces.key_filled(self.blocks)  # after the step: see ringfence.sched.pieces
-        return self.blocks.take_ops()
+        return self.blocks.issuer.take_ops()
 
     def take_decisions(self) -> list[Decision]:
         """The admissions, prefetches and preemptions since the last call, in order
@@ -312,7 +312,7 @@ class Scheduler:
     def take_access(self, op: Op) -> Access | None:
         """The block sets ``op`` declared to the fence tracker, once (None unless the
         scheduler was built with ``journal=True``): the trace's ``declared``."""
-        return self.blocks.tracker.take_access(op.lane, op.number)
+        return self.blocks.issuer.tracker.take_access(op.lane, op.number)
 
     def _wanted(self, seq: Sequence) -> int:
         """Tokens the sequence could compute now: all known tokens without KV."""
@@ -456,7 +456,7 @@ class Scheduler:
         that op's watermark, which the old op's cancellation advances.
         """
         self._step_in_flight = None
-        for lane, number in list(self.blocks.inflight):
+        for lane, number in list(self.blocks.issuer.inflight):
             seq = self._admission.prefetches.get(number) if lane is Lane.STORE else None
             if seq is None:
                 self.on_transfer(lane, number, "cancelled")
@@ -497,4 +497,4 @@ class Scheduler:
     def idle(self) -> bool:
         """No live request and no op issued outside a round (a hand-over's writes): nothing
         to schedule until one arrives."""
-        return not self._by_id and not self.blocks.has_ops
+        return not self._by_id and not self.blocks.issuer.has_ops

@@ -81,7 +81,7 @@ def count_bytes(
 ) -> None:
     """Add a transfer op's bytes (every rank's) to ``moved`` under "<lane>_<direction>";
     before the scheduler applies the op (it is still in flight there)."""
-    op = scheduler.blocks.inflight.get((lane, number))
+    op = scheduler.blocks.issuer.inflight.get((lane, number))
     if op is not None:
         name = f"{lane}_{op.direction}"
         moved[name] = moved.get(name, 0) + nbytes
@@ -91,7 +91,7 @@ def counters_of(scheduler: Scheduler, mode: str, moved: Mapping[str, int]) -> di
     """The engine's figures of a workload run, for ``summary.json`` (``mode``: the run's
     ``transfer.mode``; the preemption policy is the scheduler's ``sched.preemption``)."""
     c = scheduler.counters
-    blocks = scheduler.blocks.moved
+    blocks = scheduler.blocks.issuer.moved
     return {
         "mode": mode,
         "preemption_policy": scheduler.config.sched.preemption,

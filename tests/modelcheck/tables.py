@@ -150,7 +150,7 @@ def driven(
     presence = Presence()
     sched = _scheduler(rng, device_blocks, host_blocks, presence, preemption, kv_events)
     tracker = tracker_class(device_blocks, host_blocks)
-    sched.blocks.tracker = tracker
+    sched.blocks.issuer.tracker = tracker
     shared = [rng.randrange(1, 50) for _ in range(8)]
     for index in range(requests):
         fresh = [rng.randrange(1, 50) for _ in range(rng.randrange(2, 14))]

@@ -79,7 +79,7 @@ def test_a_prefetch_completion_holds_the_good_blocks_and_hands_back_the_rest_in_
     prefetch = seq.prefetch  # (a local: the completion below changes the field)
     assert prefetch == (1, (1, 2, 3), (0, 2, 3))
     assert admission.prefetches == {1: seq}
-    [read] = blocks.take_ops()
+    [read] = blocks.issuer.take_ops()
     assert isinstance(read, StoreOp)
     assert (read.direction, read.host_blocks, read.keys) == ("read", (1, 2, 3), (k[0], k[2], k[3]))
     # Meanwhile another sequence's swap-out left key 2 on host, in block 4.
@@ -103,7 +103,7 @@ def test_a_prefetch_completion_holds_the_good_blocks_and_hands_back_the_rest_in_
     assert admission.admit(waiting, running, 100, pieces, set()) == 97
     [piece] = pieces
     assert (piece.start, piece.token_ids) == (6, prompt[6:])
-    [swap_in] = blocks.take_ops()
+    [swap_in] = blocks.issuer.take_ops()
     assert isinstance(swap_in, SwapOp)
     assert (swap_in.direction, swap_in.host_blocks, swap_in.device_blocks) == (
         "in",

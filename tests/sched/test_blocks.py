@@ -56,7 +56,7 @@ def test_release_host_drops_one_reference_each_and_frees_in_the_order_given():
     assert blocks.host.free_order() == ids(3, 4, 5, 2, 0)
     blocks.release_host([])  # nothing held: a no-op
     assert blocks.host.free_order() == ids(3, 4, 5, 2, 0)
-    assert blocks.take_ops() == []  # freeing issues nothing
+    assert blocks.issuer.take_ops() == []  # freeing issues nothing
 
 
 def test_released_host_blocks_keep_their_keys_and_stay_findable():
@@ -80,7 +80,7 @@ def test_hold_on_host_keys_the_blocks_and_holds_an_existing_copy_instead_of_a_du
     assert refs(blocks.host) == [1, 1, 0, 0, 2, 0]
     assert keys(blocks.host) == [key(1), key(0), None, None, key(9), None]
     assert blocks.host.free_order() == ids(5, 2, 3)
-    assert blocks.take_ops() == []
+    assert blocks.issuer.take_ops() == []
 
 
 def test_hold_on_host_of_a_block_that_holds_its_key_already_keeps_it():
@@ -111,7 +111,7 @@ def test_release_host_hits_drops_the_references_acquire_took_on_host_hits_only()
     assert refs(blocks.host) == [0] * 6
     assert blocks.host.free_order() == ids(2, 3, 4, 5, 0, 1)  # in match order
     assert keys(blocks.host)[:2] == [key(2), key(3)]
-    assert blocks.take_ops() == []
+    assert blocks.issuer.take_ops() == []
 
 
 def test_forget_copies_drops_every_key_of_the_sequence_on_both_tiers_and_nothing_else():
@@ -133,4 +133,4 @@ def test_forget_copies_drops_every_key_of_the_sequence_on_both_tiers_and_nothing
     assert blocks.device.free_order() == device_order
     assert blocks.host.free_order() == host_order
     assert blocks.match([key(1)]).where == ()
-    assert blocks.take_ops() == []
+    assert blocks.issuer.take_ops() == []

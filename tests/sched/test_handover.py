@@ -251,4 +251,4 @@ def test_with_a_headroom_cap_more_requests_fit_and_outgrowing_it_preempts_by_sav
         assert list(request.output_token_ids) == expected_output(request.prompt_token_ids, 12)
     assert decode.sched.counters.preemptions["save"] > 0
     saved = [op for op in decode.ops if isinstance(op, SwapOp) and op.reason == "preempt"]
-    assert saved and decode.sched.blocks.last_number(Lane.STORE) > 0
+    assert saved and decode.sched.blocks.issuer.last_number(Lane.STORE) > 0

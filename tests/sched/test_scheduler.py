@@ -432,7 +432,7 @@ class Sim:
         host = blocks.host
         used = [b for b in range(host.num_blocks) if host.ref_count(BlockId(b))]
         assert used == [], f"host blocks still in use: {used}"
-        assert blocks.inflight == {}
+        assert blocks.issuer.inflight == {}
         assert not self.pending
 
 

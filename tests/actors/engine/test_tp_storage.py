@@ -161,7 +161,7 @@ def written_back(tmp_path: Path, statuses: tuple[str, str]) -> tuple[bool, bool,
     ledger = make_ledger(tmp_path)
     key = chain(config)[0]
     blocks.write_back([BlockId(0)], [key], "evict")
-    (op,) = blocks.take_ops()
+    (op,) = blocks.issuer.take_ops()
     ledger.queue([op], epoch=0)
     ledger.pump()
     seen = [blocks.stored.has(key)]
