@@ -2,7 +2,7 @@
 per rank.
 
 :class:`Logs` writes lines as ringfence's actors do (the common fields of log.py, the
-events and fields of runtime/events.py), at trace level, with every ring message logged
+events and fields of runtime/events/), at trace level, with every ring message logged
 at both ends with consecutive sequence numbers. :meth:`Logs.op` runs one op start to
 end (schedule, issue, plan message to every rank, each rank's completion and result
 message, application) before the next, so every executor sees every earlier op done at

@@ -1,7 +1,7 @@
 """A run's logs for replay: every actor's JSON lines, read and merged in happens-before order.
 
 :func:`read_run` reads each ``<actor>-<rank>.jsonl`` of a run dir (DESIGN.md "Logs and
-replay"; the events and fields are catalogued in ``runtime/events.py``), skipping a
+replay"; the events and fields are catalogued in ``runtime/events/``), skipping a
 partial last line (a process killed mid-write) or any line that is not a JSON object
 with a warning, and keeps only the last launch when the supervisor log shows several
 on the same run dir. It gathers every numbered op of the three lanes into :class:`Op`

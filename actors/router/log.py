@@ -1,4 +1,4 @@
-"""The router's log: one JSON line per event on stderr (events listed in runtime/events.py).
+"""The router's log: one JSON line per event on stderr (events in runtime/events/serving.py).
 
 The router is no actor of a run (it has no run dir), so its lines go to its stderr,
 each one ``{"ts", "level", "actor": "router", "pid", <fields>, "event"}`` as an actor's

@@ -1,4 +1,4 @@
-"""The event catalogue in runtime/events.py names every event the code logs, and only those."""
+"""The event catalogue in runtime/events/ names every event the code logs, and only those."""
 
 from __future__ import annotations
 
