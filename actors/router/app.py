@@ -15,7 +15,6 @@ import asyncio
 import uuid
 from typing import Any
 
-import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -27,6 +26,7 @@ from ringfence.actors.router.forward import INSTANCE_HEADER, Forward
 from ringfence.actors.router.instances import Instance
 from ringfence.actors.router.relay import EventRelay, is_event_stream, read_whole
 from ringfence.actors.router.state import Router
+from ringfence.actors.router.upstream import TransportError, describe
 from ringfence.actors.serve.api import ApiError, error_body
 
 PROBE_S = 2.0  # one instance's /health or /v1/models, asked by the router's own routes
@@ -62,13 +62,13 @@ def build_app(router: Router) -> FastAPI:
         for instance in pool.of_role("both" if router.aggregated else "decode"):
             try:
                 answer = await router.client.get(f"{instance.url}/v1/models", timeout=PROBE_S)
-            except httpx.TransportError as e:
-                last = f"{instance.url}: {type(e).__name__}: {e}"
+            except TransportError as e:
+                last = f"{instance.url}: {describe(e)}"
                 continue
-            if answer.status_code == 200:
+            if answer.status == 200:
                 media_type = answer.headers.get("content-type", "application/json")
                 return Response(answer.content, media_type=media_type)
-            last = f"{instance.url}: HTTP {answer.status_code}"
+            last = f"{instance.url}: HTTP {answer.status}"
         raise ApiError(
             f"no decode instance answered /v1/models (last: {last})",
             status=503, kind="server_error",
@@ -167,11 +167,11 @@ async def probe(router: Router, instance: Instance) -> str | None:
     """None if ``instance`` answers /health 200, else why not."""
     try:
         answer = await router.client.get(f"{instance.url}/health", timeout=PROBE_S)
-    except httpx.TransportError as e:
-        return f"{type(e).__name__}: {e}"
-    if answer.status_code == 200:
+    except TransportError as e:
+        return describe(e)
+    if answer.status == 200:
         return None
-    return f"HTTP {answer.status_code}: {answer.text[:200]}"
+    return f"HTTP {answer.status}: {answer.text[:200]}"
 
 
 async def _disconnected(request: Request) -> None:
