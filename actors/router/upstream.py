@@ -100,11 +100,16 @@ class Stream:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive; TransportError if it broke off (its end
-        before the length or the last chunk the answer announced included)."""
+        before the length or the last chunk the answer announced included), once every
+        byte that came before the break was given."""
+        content = self._response.content
         try:
-            async for chunk in self._response.content.iter_any():
+            async for chunk in content.iter_any():
                 yield chunk
         except FAILURES as e:
+            left = arrived(content)
+            if left:
+                yield left
             raise transport_error(e) from e
 
     async def read(self) -> bytes:
@@ -123,6 +128,16 @@ class Stream:
             response.release()
         else:
             response.close()
+
+
+def arrived(content: aiohttp.StreamReader) -> bytes:
+    """The bytes of a broken body that arrived and were not read yet. aiohttp's reader raises
+    the failure before them (``readany`` looks at its exception first), so what an instance
+    sent just before it died (the events of a stream, in the same read as the connection's
+    end) would be lost: they are taken from its buffer, a private field."""
+    if not getattr(content, "_buffer", None):
+        return b""
+    return content._read_nowait(-1)
 
 
 class Upstream:
