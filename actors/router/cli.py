@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import Callable
 
 # router/policy.py's POLICIES and DEFAULT_OVERLAP_WEIGHT (kept here: --help imports no
 # more than it needs; tests/actors/router/test_policy.py checks they agree).
@@ -93,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
     # While it starts, SIGTERM stops it as Ctrl-C does (serving, uvicorn handles both).
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        asyncio.run(serve(options, sock, out=sys.stdout))
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(serve(options, sock, out=sys.stdout))
         print("ringfence router: stopped", flush=True)
     except KeyboardInterrupt:
         print("ringfence router: stopped while starting", file=sys.stderr)
@@ -106,3 +108,14 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
     return 0
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (uvicorn's ``standard`` extra brings it), else
+    None (asyncio's): the router's every request is a few wake-ups of its loop and a few
+    socket writes, which uvloop's loop does in C."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

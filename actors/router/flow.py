@@ -28,13 +28,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 
 from ringfence.actors.router.instances import Instance
 from ringfence.actors.router.keys import keys_of, prompt_keys
 from ringfence.actors.router.options import FIRST_BACKOFF_S
 from ringfence.actors.router.state import Router
+from ringfence.actors.router.upstream import (
+    JSON,
+    Answer,
+    ConnectError,
+    Stream,
+    TransportError,
+    describe,
+)
 from ringfence.actors.serve.api import ApiError
 from ringfence.cache.ids import BlockHash
 from ringfence.shm.errors import RingfenceError
@@ -45,16 +52,15 @@ RESERVE_CALL_S = 5.0  # one reserve call (the reserve deadline bounds it too)
 # Between two bytes of a claim's answer: a plain answer's first byte comes when the whole
 # output is made, so this bounds the longest generation (the instance has its own limit).
 CLAIM_READ_S = 600.0
-CLAIM_TIMEOUT = httpx.Timeout(CLAIM_READ_S, connect=5.0)
-JSON = {"content-type": "application/json"}
+CLAIM_CONNECT_S = 5.0
 
 
 class Relayed(RingfenceError):
     """An instance's error answer that the client gets as is (a 400 naming its field)."""
 
-    def __init__(self, answer: httpx.Response, content: bytes) -> None:
-        super().__init__(f"HTTP {answer.status_code} from {answer.request.url}")
-        self.status = answer.status_code
+    def __init__(self, answer: Answer | Stream, content: bytes) -> None:
+        super().__init__(f"HTTP {answer.status} from {answer.url}")
+        self.status = answer.status
         self.content = content
         self.media_type = answer.headers.get("content-type", "application/json")
         after = answer.headers.get("retry-after")
@@ -88,7 +94,7 @@ def error_code(content: bytes) -> str | None:
     return code if isinstance(code, str) else None
 
 
-def retry_after_s(answer: httpx.Response) -> float | None:
+def retry_after_s(answer: Answer) -> float | None:
     try:
         return max(float(answer.headers["retry-after"]), 0.0)
     except (KeyError, ValueError):
@@ -115,7 +121,7 @@ class Handover:
         self.body = body  # the client's body as sent
         self.id = request_id
         self.started = time.monotonic()
-        self.upstream: httpx.Response | None = None  # the claim's answer being relayed
+        self.upstream: Stream | None = None  # the claim's answer being relayed
         self.held: list[Instance] = []  # decode instances this request counts in flight on
         self.trace: dict[str, Any] = {"retries": 0, "claims": 0, "decode": None, "prefill": None}
         self._claimed_at = 0.0
@@ -123,7 +129,7 @@ class Handover:
 
     # The run.
 
-    async def run(self) -> httpx.Response:
+    async def run(self) -> Stream:
         """The claim's answer (status 200, body unread), once reserved and prefilled.
 
         Raises ApiError (503: no room in time; 502: the decode instance failed before its
@@ -198,18 +204,17 @@ class Handover:
         try:
             answer = await self.router.client.post(
                 f"{instance.url}/ringfence/reserve",
-                content=payload,
-                headers=JSON,
+                payload,
                 timeout=max(min(RESERVE_CALL_S, left), 0.01),
             )
-        except httpx.TransportError as e:
+        except TransportError as e:
             self._release(instance)
-            error = f"{type(e).__name__}: {e}"
+            error = describe(e)
             self.router.log.warning(
                 "router.reserve_failed", request=self.id, decode=instance.url, error=error
             )
             return Refusal(f"{instance.url} failed: {error}")
-        if answer.status_code == 200:
+        if answer.status == 200:
             try:
                 got = orjson.loads(answer.content)
                 return Reservation(
@@ -221,11 +226,11 @@ class Handover:
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 error = f"not a reservation ({e!r}): {answer.text[:200]}"
         else:
-            error = f"HTTP {answer.status_code}: {answer.text[:200]}"
+            error = f"HTTP {answer.status}: {answer.text[:200]}"
         self._release(instance)
-        if answer.status_code == 400:
+        if answer.status == 400:
             raise Relayed(answer, answer.content)
-        if answer.status_code == 503:
+        if answer.status == 503:
             return Refusal(f"{instance.url}: {error}", retry_after_s(answer))
         self.router.log.warning(
             "router.reserve_failed", request=self.id, decode=instance.url, error=error
@@ -265,17 +270,17 @@ class Handover:
             try:
                 async with asyncio.timeout(timeout):  # the whole call, not each read
                     answer = await router.client.post(
-                        f"{instance.url}/ringfence/prefill", json=body, timeout=timeout
+                        f"{instance.url}/ringfence/prefill", orjson.dumps(body), timeout=timeout
                     )
-            except httpx.ConnectError as e:
+            except ConnectError as e:
                 return self._fell_back("refused", instance, repr(e), reservation)
-            except (TimeoutError, httpx.TimeoutException):
+            except TimeoutError:  # asyncio's, or the call's own (CallTimeout)
                 why = f"no answer within {timeout:g} s"
                 return self._fell_back("timeout", instance, why, reservation)
-            except httpx.TransportError as e:
+            except TransportError as e:
                 return self._fell_back("transport", instance, repr(e), reservation)
-        if answer.status_code != 200:
-            error = f"HTTP {answer.status_code}: {answer.text[:200]}"
+        if answer.status != 200:
+            error = f"HTTP {answer.status}: {answer.text[:200]}"
             return self._fell_back("http_error", instance, error, reservation)
         try:
             done = orjson.loads(answer.content)
@@ -320,28 +325,26 @@ class Handover:
             decode=reservation.instance.url, prompt_tokens=len(reservation.prompt_token_ids),
         )  # fmt: skip
 
-    async def claim(self, reservation: Reservation) -> httpx.Response | None:
+    async def claim(self, reservation: Reservation) -> Stream | None:
         """The decode instance's answer to the claim (200, unread); None: it expired."""
         instance, router = reservation.instance, self.router
         self.trace["claims"] += 1
-        request = router.client.build_request(
-            "POST",
-            instance.url + PATHS[self.kind],
-            content=self.body,
-            headers={**JSON, RESERVATION_HEADER: reservation.id},
-            timeout=CLAIM_TIMEOUT,
-        )
         self._claimed_at = time.monotonic()
         try:
-            answer = await router.client.send(request, stream=True)
-            if answer.status_code == 200:
+            answer = await router.client.open(
+                instance.url + PATHS[self.kind],
+                self.body,
+                headers={**JSON, RESERVATION_HEADER: reservation.id},
+                connect_s=CLAIM_CONNECT_S,
+                read_s=CLAIM_READ_S,
+            )
+            if answer.status == 200:
                 self.upstream = answer
                 return answer
-            content = await answer.aread()
-            await answer.aclose()
-        except httpx.TransportError as e:
-            raise self.decode_failed(f"{type(e).__name__}: {e}") from e
-        if answer.status_code == 409 and error_code(content) == "reservation_expired":
+            content = await answer.read()
+        except TransportError as e:
+            raise self.decode_failed(describe(e)) from e
+        if answer.status == 409 and error_code(content) == "reservation_expired":
             router.metrics.expired.inc()
             router.log.info(
                 "router.expired", request=self.id, decode=instance.url, reservation=reservation.id

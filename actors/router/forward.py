@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import time
 
-import httpx
-
-from ringfence.actors.router.flow import CLAIM_TIMEOUT, JSON, PATHS, Relayed, decode_lost
+from ringfence.actors.router.flow import (
+    CLAIM_CONNECT_S,
+    CLAIM_READ_S,
+    PATHS,
+    Relayed,
+    decode_lost,
+)
 from ringfence.actors.router.instances import Instance
 from ringfence.actors.router.keys import prompt_keys
 from ringfence.actors.router.policy import Choice
 from ringfence.actors.router.state import Router
+from ringfence.actors.router.upstream import JSON, Stream, TransportError
 from ringfence.actors.serve.api import ApiError
 from ringfence.cache.ids import BlockHash
 
@@ -40,13 +45,13 @@ class Forward:
         self.body = body
         self.id = request_id
         self.started = time.monotonic()
-        self.upstream: httpx.Response | None = None
+        self.upstream: Stream | None = None
         self.choice: Choice | None = None
         self.first_byte_s: float | None = None
         self._sent_at = 0.0
         self._finished = False
 
-    async def run(self) -> httpx.Response:
+    async def run(self) -> Stream:
         """The chosen instance's answer (status 200, body unread); Relayed for its error
         answer, ApiError 503 when no instance can be reached."""
         keys = await self.keys() if self.picker.needs_keys else []
@@ -63,22 +68,19 @@ class Forward:
             self.choice = choice
             self._sent_at = time.monotonic()
             try:
-                request = self.router.client.build_request(
-                    "POST", f"{instance.url}{PATHS[self.kind]}", content=self.body,
-                    headers=JSON, timeout=CLAIM_TIMEOUT,
+                answer = await self.router.client.open(
+                    f"{instance.url}{PATHS[self.kind]}", self.body, headers=JSON,
+                    connect_s=CLAIM_CONNECT_S, read_s=CLAIM_READ_S,
                 )  # fmt: skip
-                answer = await self.router.client.send(request, stream=True)
-            except httpx.TransportError as e:
+            except TransportError as e:
                 self.router.pool.release(instance)
                 self.choice = None
                 self.router.lost(instance, self.id, repr(e))
                 tried.append(instance)
                 continue
             self.picker.routed(choice, keys)
-            if answer.status_code != 200:
-                content = await answer.aread()
-                await answer.aclose()
-                raise Relayed(answer, content)
+            if answer.status != 200:
+                raise Relayed(answer, await answer.read())
             self.upstream = answer
             return answer
 

@@ -19,8 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
+from ringfence.actors.router.upstream import TransportError, Upstream, describe
 from ringfence.actors.serve.load import Load
 from ringfence.shm.errors import RingfenceError
 
@@ -171,7 +170,7 @@ def check_pool(instances: list[Instance]) -> None:
             )
 
 
-async def identify(client: httpx.AsyncClient, url: str, deadline: float) -> Identity:
+async def identify(client: Upstream, url: str, deadline: float) -> Identity:
     """The identity of the instance at ``url``, asking again (waits doubling up to a second)
     until it answers 200 or ``deadline`` (time.monotonic()) passes: StartTimeout then."""
     wait = FIRST_WAIT_S
@@ -181,11 +180,11 @@ async def identify(client: httpx.AsyncClient, url: str, deadline: float) -> Iden
             answer = await client.get(
                 f"{url}/ringfence/instance", timeout=max(min(IDENTIFY_CALL_S, left), 0.01)
             )
-            if answer.status_code == 200:
+            if answer.status == 200:
                 return Identity.of(url, answer.json())
-            last = f"HTTP {answer.status_code}: {answer.text[:200]}"
-        except httpx.TransportError as e:
-            last = f"{type(e).__name__}: {e}"
+            last = f"HTTP {answer.status}: {answer.text[:200]}"
+        except TransportError as e:
+            last = describe(e)
         except ValueError as e:  # not JSON
             raise PoolRefused(f"{url}/ringfence/instance: not an instance's answer ({e})") from e
         left = deadline - time.monotonic()
@@ -196,7 +195,7 @@ async def identify(client: httpx.AsyncClient, url: str, deadline: float) -> Iden
 
 
 async def open_pool(
-    client: httpx.AsyncClient,
+    client: Upstream,
     prefill: tuple[str, ...],
     decode: tuple[str, ...],
     timeout_s: float,

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
 import orjson
 
 from ringfence.actors.router.instances import Identity, Instance
+from ringfence.actors.router.upstream import TransportError, Upstream
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.ids import BlockHash
 
@@ -32,7 +32,7 @@ def keys_of(identity: Identity, tokens: Sequence[int]) -> list[BlockHash]:
 
 
 async def prompt_keys(
-    client: httpx.AsyncClient, kind: str, body: bytes, up: Sequence[Instance]
+    client: Upstream, kind: str, body: bytes, up: Sequence[Instance]
 ) -> list[BlockHash]:
     """The keys of the prompt in ``body`` (a ``completions`` or ``chat`` request), tokenized
     where needed by the least busy of ``up`` (the instances not known to be down)."""
@@ -42,9 +42,7 @@ async def prompt_keys(
     return keys_of(up[0].identity, tokens)
 
 
-async def prompt_tokens(
-    client: httpx.AsyncClient, kind: str, body: bytes, instance: Instance
-) -> list[int]:
+async def prompt_tokens(client: Upstream, kind: str, body: bytes, instance: Instance) -> list[int]:
     try:
         request = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -66,10 +64,12 @@ async def prompt_tokens(
             return []
         ask = {"prompt": prompt}
     try:
-        answer = await client.post(f"{instance.url}/tokenize", json=ask, timeout=TOKENIZE_S)
-    except httpx.TransportError:
+        answer = await client.post(
+            f"{instance.url}/tokenize", orjson.dumps(ask), timeout=TOKENIZE_S
+        )
+    except TransportError:
         return []
-    if answer.status_code != 200:
+    if answer.status != 200:
         return []
     try:
         tokens = answer.json().get("tokens")

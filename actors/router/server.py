@@ -74,6 +74,7 @@ async def serve(
             build_app(router),
             log_level="warning",
             access_log=False,
+            proxy_headers=False,  # the router reads no client address: no work a request
             lifespan="off",
             timeout_graceful_shutdown=GRACE_S,
             timeout_keep_alive=30,

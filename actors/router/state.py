@@ -1,7 +1,7 @@
 """The parts of a router process every request shares: its one HTTP client (a pool of
-connections to the instances), the checked pool of instances, its options, metrics and log;
-for aggregated instances the policy that picks one, and the followers of their KV events
-that keep its index.
+connections to the instances, ``upstream.py``), the checked pool of instances, its options,
+metrics and log; for aggregated instances the policy that picks one, and the followers of
+their KV events that keep its index.
 
 An aggregated instance found dead (a request could not reach it) is routed around and its
 index entries dropped; a task then asks its ``/ringfence/instance`` again (waits doubling
@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-
-import httpx
 
 from ringfence.actors.events.subscriber import EventFollower
 from ringfence.actors.router.instances import (
@@ -33,13 +31,11 @@ from ringfence.actors.router.log import RouterLog
 from ringfence.actors.router.metrics import Metrics
 from ringfence.actors.router.options import RouterOptions
 from ringfence.actors.router.policy import Picker, Weights
+from ringfence.actors.router.upstream import TransportError, Upstream
 from ringfence.actors.serve.load import Load
 from ringfence.cache.kv_events import KVEvent
 from ringfence.cache.kv_index import KVIndex
 
-# Streams are long-lived: one connection per request in flight, and many kept for reuse.
-LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=256, keepalive_expiry=30)
-TIMEOUT = httpx.Timeout(30.0, connect=5.0)  # each call of the router sets its own read timeout
 LOAD_WAIT_S = 5.0  # how long an instance may hold a GET /ringfence/load with no change
 LOAD_FIELDS = ("pending", "running", "waiting", "reservations", "free_blocks", "total_blocks")
 REVIVE_S = 24 * 3600.0  # how long an instance found dead is asked for (then again)
@@ -50,7 +46,7 @@ REFUSED_WAIT_S = 5.0  # before asking again an instance that came back as anothe
 class Router:
     """One router. Created on, and used only from, the event loop its server runs on."""
 
-    client: httpx.AsyncClient
+    client: Upstream
     pool: Pool
     options: RouterOptions
     metrics: Metrics
@@ -114,14 +110,13 @@ class Router:
         while True:
             try:
                 answer = await self.client.get(
-                    f"{instance.url}/ringfence/load",
-                    params={"after": seq, "wait_s": LOAD_WAIT_S},
+                    f"{instance.url}/ringfence/load?after={seq}&wait_s={LOAD_WAIT_S}",
                     timeout=LOAD_WAIT_S + IDENTIFY_CALL_S,
                 )
-                if answer.status_code == 404:
+                if answer.status == 404:
                     self.log.warning("router.no_load", instance=instance.url)
                     return
-                if answer.status_code == 200:
+                if answer.status == 200:
                     body = answer.json()
                     seq = int(body["seq"])
                     instance.load = Load(**{k: int(body.get(k, 0)) for k in LOAD_FIELDS})
@@ -129,7 +124,7 @@ class Router:
                     wait = FIRST_WAIT_S
                     continue
                 instance.load = None  # not serving now (an error answer)
-            except (httpx.TransportError, TypeError, KeyError, ValueError):
+            except (TransportError, TypeError, KeyError, ValueError):
                 instance.load = None  # gone, or an answer not of an instance: no word now
             await asyncio.sleep(wait)
             wait = min(wait * 2, MAX_WAIT_S)
@@ -145,8 +140,7 @@ class Router:
 async def open_router(options: RouterOptions, log: RouterLog | None = None) -> Router:
     """A router on the running loop, once every instance answered and the pool was checked
     (PoolRefused, StartTimeout: the client is closed again)."""
-    # trust_env=False: instances are reached directly, never through an HTTP(S)_PROXY.
-    client = httpx.AsyncClient(limits=LIMITS, timeout=TIMEOUT, trust_env=False)
+    client = Upstream()
     try:
         pool = await open_pool(
             client, options.prefill, options.decode, options.start_timeout_s, options.instances

@@ -280,3 +280,13 @@ def test_models_are_a_decode_instances(fakes):
         assert [m.id for m in rig.openai().models.list()] == ["fake"]
         with rig.http() as client:
             assert client.get("/v1/models").json() == httpx.get(f"{decode.url}/v1/models").json()
+
+
+def test_an_unknown_route_and_a_wrong_method_are_answered_in_openais_error_body(fakes):
+    prefill, decode = fakes("p", role="prefill"), fakes("d")
+    with routed([prefill], [decode]) as rig, rig.http() as client:
+        for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+            answer = client.request(method, path)
+            assert answer.status_code == status
+            assert answer.json()["error"]["type"] == "invalid_request_error"
+        assert rig.journal == []

@@ -20,7 +20,7 @@ throughput over the busy period, and the serve/launch ratios of TTFT p50 (above 
 serving's first tokens come later) and of output-token throughput (below 1: serving is
 slower), with the share of requests whose output tokens are the same on both sides,
 and the front end's CPU over the load. Last, the front end's own CPU at ``--burst``
-streams at once (short unique prompts) on a fresh server: ``/proc/PID/stat`` of the
+streams at once (short unique prompts) on a fresh server: the CPU clock of the
 front end process read before and after, CPU seconds per second and per output token.
 
 A server or launch that fails to start or exit, or a request that fails, is an error

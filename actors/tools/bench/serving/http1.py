@@ -2,7 +2,7 @@
 on each, nothing read of an answer but its status line, the headers that frame its body,
 and its body.
 
-Why not httpx, as the router and the other serving benchmarks use: measured here (2 CPUs),
+Why not httpx, as the other serving benchmarks use: measured here (2 CPUs),
 an ``httpx.AsyncClient`` took 1.1 ms at p50 for a small POST that a stub instance answers in
 0.18 ms over a bare socket (``httpx.Client``: 0.66 ms). A benchmark of a 2 ms budget would
 read mostly its own client and that client's scatter; this one adds tens of microseconds.

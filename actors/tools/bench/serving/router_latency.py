@@ -23,7 +23,7 @@ that call's cost is in those rows); ``round_robin`` and ``least_loaded`` read no
 The report (:mod:`.latency_report`): per cell each side's p50/p90/p99, the router's added
 latency (router minus direct, percentile by percentile), the target as PASS/FAIL (judged at
 concurrency 1: the router on its own), the router's own ``total_s`` from its log, and the
-router process's CPU time per request (``/proc/PID/stat`` around the cell, over the
+router process's CPU time per request (its CPU clock around the cell, over the
 requests it routed: the direct side costs it nothing, bar the events it follows); per
 policy what its log says of the KV events (``router.no_events``), of the instances' load
 (``router.no_load``: a router that cannot follow it), of the blocks the policy
