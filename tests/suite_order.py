@@ -24,6 +24,7 @@ LONGEST_FIRST = (
     "tests/runtime/test_supervisor.py",
     "tests/actors/tools/testing/test_harness.py",
     "tests/actors/engine/test_engine.py",
+    "tests/actors/tools/bench/test_bench_route.py",
     "tests/actors/client/test_client.py",
     "tests/runtime/test_embed.py",
     "tests/actors/model/test_parallel.py",

@@ -76,7 +76,7 @@ def test_a_bad_option_is_named():
         route.main(args)
 
 
-@pytest.mark.slow  # four tiny instances and two routers: about 25 s on 2 CPUs
+# The bench's quick form, in CI: four tiny instances and two routers, about 25 s on 2 CPUs.
 def test_the_quick_form_routes_on_real_instances_with_the_same_tokens_everywhere(tmp_path: Path):
     out = tmp_path / "route.json"
     status = cli.main([
