@@ -304,8 +304,11 @@ def supervise(
     ``after(run_dir)`` prints what the run left (launch: its summary). With
     ``signal_is_success`` a stop by SIGINT/SIGTERM exits 0 rather than 128 + the signal.
     """
+    from ringfence.runtime.secrets import export_secrets
     from ringfence.runtime.supervisor import Supervisor
 
+    # A secret (an API key) reaches the actors by environment, never through the run dir.
+    config = export_secrets(config)
     # The topology's preflight (a checkpoint the Worker could not load, a workload the
     # engine could not read) runs here, before a run exists: its error is the command's.
     supervisor = Supervisor(config, run_dir)

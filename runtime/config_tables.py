@@ -33,6 +33,9 @@ D = TypeVar("D", bound="DataclassInstance")
 
 ACTOR_NAME = r"[a-z][a-z0-9_]{0,31}"  # full match; the <name> of an [actors.<name>] table
 RULES = frozenset({"ge", "gt", "le", "multiple_of", "pattern", "above"})
+# A field whose metadata names ``SECRET`` (the environment variable that carries it to the
+# actors) is written back empty: a run dir never holds a secret (runtime/secrets.py).
+SECRET = "secret"
 _INT64 = (-(2**63), 2**63 - 1)  # TOML integers are signed 64-bit
 _BOUNDS = (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="))
 _EXPECTED = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
@@ -160,7 +163,7 @@ def _check_section(cls: type) -> None:
             continue
         if "doc" not in f.metadata:
             raise TypeError(f"{cls.__name__}.{f.name}: a config field needs setting(..., doc)")
-        if unknown := f.metadata.keys() - RULES - {"doc"}:
+        if unknown := f.metadata.keys() - RULES - {"doc", SECRET}:
             raise TypeError(f"{cls.__name__}.{f.name}: unknown setting rules {sorted(unknown)}")
     for path in _tools(cls).values():
         _check_section(section_class(path))
@@ -303,6 +306,8 @@ def dump_table(obj: Any, key: str, lines: list[str]) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if not (dataclasses.is_dataclass(value) or isinstance(value, Mapping)):
+            if f.metadata.get(SECRET):
+                value = type(value)()  # redacted: the actors read it from the environment
             lines += [f"# {f.metadata['doc']}", f"{_dump_key(f.name)} = {_dump_value(value)}"]
     for name, value, doc in _subtables(obj):
         sub = _join(key, _dump_key(name))

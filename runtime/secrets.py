@@ -1,0 +1,62 @@
+"""Settings that are secrets (an API key): never written to a run dir, never logged.
+
+A secret is declared with :func:`secret`, which names the environment variable that carries
+it. The run dir's ``config.toml`` holds it empty (``config_tables.dump_table``), so the
+actors, which load that file, cannot read it there: :func:`export_secrets` takes every secret
+set in the config out of it and into the environment, before the supervisor spawns anything
+(its children inherit the environment, and nothing else of the parent). An actor reads the
+value from the environment (:func:`secret_values`), joined with what the variable held
+already: one or several values, comma-separated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, TypeVar, cast
+
+from ringfence.runtime.config_tables import SECRET
+
+T = TypeVar("T")
+
+
+def secret(doc: str, env: str) -> str:
+    """A string setting that is a secret, carried to the actors by environment variable ``env``."""
+    return dataclasses.field(default="", metadata={"doc": doc, SECRET: env})
+
+
+def export_secrets(cfg: T, environ: dict[str, str] | None = None) -> T:
+    """``cfg`` with every secret emptied, each one's value added to its variable in
+    ``environ`` (default ``os.environ``)."""
+    env = os.environ if environ is None else environ
+    return _export(cfg, env)  # type: ignore[no-any-return]
+
+
+def _export(obj: Any, env: Any) -> Any:
+    if isinstance(obj, Mapping):
+        items = {k: _export(v, env) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
+        return cast(Any, type(obj))(items)
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return obj
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        var = f.metadata.get(SECRET)
+        if var and value:
+            env[var] = ",".join(v for v in (env.get(var, ""), value) if v)
+            changes[f.name] = ""
+        elif dataclasses.is_dataclass(value) or isinstance(value, Mapping):
+            new = _export(value, env)
+            if new is not value:
+                changes[f.name] = new
+    return dataclasses.replace(obj, **changes) if changes else obj
+
+
+def secret_values(inline: str, env: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The values of a secret: ``inline`` (the config's, where an actor was handed it in
+    process) and the environment variable ``env``'s, comma-separated, blanks dropped."""
+    held = (os.environ if environ is None else environ).get(env, "")
+    return [v.strip() for v in f"{inline},{held}".split(",") if v.strip()]
