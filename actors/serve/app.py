@@ -33,6 +33,7 @@ from ringfence.actors.serve.api import (
     error_body,
     ignored_fields,
 )
+from ringfence.actors.serve.auth import Keys, RequireKey, open_paths
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.openapi import install
@@ -70,10 +71,17 @@ def answers(model: type[ChatCompletionResponse | CompletionResponse], chunk: typ
     return {200: {**ok, "content": streamed}, **ERRORS}
 
 
-def build_app(frontend: FrontEndView, config: FrontEndSettings) -> FastAPI:
-    """The API of ``frontend`` (its gateway, prompter, liveness and the engine's stats)."""
+def build_app(
+    frontend: FrontEndView, config: FrontEndSettings, keys: Keys | None = None
+) -> FastAPI:
+    """The API of ``frontend`` (its gateway, prompter, liveness and the engine's stats);
+    with ``keys``, every route but the open ones asks for one (:mod:`.auth`)."""
     app = FastAPI(title="ringfence", version="0.1.0", openapi_url="/openapi.json")
     install(app)
+    if keys:
+        app.add_middleware(
+            RequireKey, keys=keys, open_paths=open_paths(config.server.protect_metrics)
+        )
     gateway, prompter = frontend.gateway, frontend.prompter
     metrics = Metrics(
         pending=lambda: gateway.pending,

@@ -9,7 +9,12 @@ from ringfence.actors.engine.config import EngineConfig
 from ringfence.actors.model.config import ModelConfig, ParallelConfig
 from ringfence.cache.config import CacheConfig
 from ringfence.runtime.config import setting
+from ringfence.runtime.secrets import secret
 from ringfence.sched.config import SchedConfig
+
+API_KEY_ENV = "RINGFENCE_API_KEY"  # vLLM's VLLM_API_KEY: keys, comma-separated
+# The key ringfence router presents to its instances (theirs, not its clients').
+INSTANCE_KEY_ENV = "RINGFENCE_INSTANCE_API_KEY"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +35,15 @@ class ServerConfig:
     request_timeout_s: float = setting(
         600.0, "a request with no output for this long ends with an error", gt=0
     )
+    api_key: str = secret(
+        "API keys every route but /health and /metrics asks for (comma-separated); a secret: "
+        f"never written to the run dir, handed to the front end as {API_KEY_ENV}",
+        env=API_KEY_ENV,
+    )
+    api_key_file: str = setting(
+        "", "a file of more API keys, one a line ('#' starts a comment); empty = none"
+    )
+    protect_metrics: bool = setting(False, "GET /metrics asks for an API key too")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

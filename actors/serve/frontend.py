@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -92,6 +93,9 @@ class FrontEnd(Actor):
         self.prompter = Prompter(config)
         self.inbox = self.local_inbox(HTTP, CLIENT_TO_ENGINE)
         settings = config.server
+        from ringfence.actors.serve.auth import exposed_warning, exposed_without_key, load_keys
+
+        keys = load_keys(settings.api_key, settings.api_key_file)  # a bad key file fails here
         sock = bind(settings.host, settings.port)  # an address in use fails the start here
         self.loop = asyncio.new_event_loop()
         self.gateway = Gateway(
@@ -107,12 +111,14 @@ class FrontEnd(Actor):
         from ringfence.actors.serve.app import build_app
         from ringfence.actors.serve.server import HttpThread
 
-        app = build_app(self, config)
+        app = build_app(self, config, keys)
         self.http = HttpThread(app, sock, self.loop)
         self.http.start()
         host, port = sock.getsockname()[:2]
         self.address = (host, port)
         print(LISTENING.format(host=host, port=port, pid=_pid()), flush=True)
+        if exposed_without_key(settings.host, keys):
+            print(exposed_warning("serve", host, port), file=sys.stderr, flush=True)
         self.log.info("server.listening", host=host, port=port)
         self.hello()
 

@@ -1,0 +1,96 @@
+"""``ringfence serve`` with API keys: every route but /health and /metrics answers 401
+without a key it holds and does nothing; the key is never written to the run dir or printed;
+a key file that cannot be read stops the command before a run exists."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from launching import ringfence
+from serving import Server, served
+
+KEY, FILE_KEY = "sk-inline-5c1e2b", "sk-file-a09d44"
+OPEN = {"/health", "/metrics"}
+MODEL = "ringfence-tiny"
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory) -> Iterator[tuple[Server, Path]]:
+    tmp = tmp_path_factory.mktemp("serve-keys")
+    key_file = tmp / "keys.txt"
+    key_file.write_text(f"# the service's keys\n{FILE_KEY}\n")
+    sets = ("model.preset=tiny", f"server.api_key={KEY}", f"server.api_key_file={key_file}")
+    with served(tmp, *sets) as server:
+        yield server, tmp
+
+
+def routes(server: Server) -> dict[str, str]:
+    """Every path of the API and one method it takes, from its own OpenAPI document."""
+    with server.http() as client:
+        document = client.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
+    assert document.status_code == 200
+    paths = document.json()["paths"]
+    return {p: "post" if "post" in ops else "get" for p, ops in paths.items()}
+
+
+def test_every_route_but_health_and_metrics_answers_401_without_a_key_it_holds(keyed):
+    server, _ = keyed
+    paths = routes(server)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+            "/detokenize", "/ringfence/reserve", "/ringfence/prefill",
+            "/ringfence/instance", "/ringfence/load"} <= paths.keys()  # fmt: skip
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    with server.http() as client:
+        for path, method in sorted({**paths, "/openapi.json": "get", "/docs": "get"}.items()):
+            for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY}):
+                answer = client.request(method, path, headers=headers, json=body)
+                if path in OPEN:
+                    assert answer.status_code == 200, (path, headers, answer.text)
+                    continue
+                assert answer.status_code == 401, (path, headers, answer.text)
+                assert answer.json()["error"]["code"] == "invalid_api_key"
+    assert server.engine_events("request.arrive") == []  # nothing reached the engine
+    with pytest.raises(openai.AuthenticationError):
+        wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0)
+        wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+
+
+@pytest.mark.parametrize("key", [KEY, FILE_KEY])
+def test_the_settings_key_and_the_key_files_are_each_taken(keyed, key):
+    server, _ = keyed
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+    completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert completion.usage is not None and completion.usage.completion_tokens == 2
+    answer = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {key}"}
+    )
+    assert answer.status_code == 200
+
+
+def test_no_key_is_in_any_file_of_the_run_dir_or_in_what_the_command_printed(keyed):
+    server, tmp = keyed
+    server.post("/v1/completions", {"model": MODEL, "prompt": "hi"})  # a 401, not logged
+    leaked = []
+    for path in (tmp / "run").rglob("*"):
+        if path.is_file() and any(k.encode() in path.read_bytes() for k in (KEY, FILE_KEY)):
+            leaked.append(str(path))
+    assert leaked == []
+    printed = server.launch.stdout() + server.launch.stderr()
+    assert KEY not in printed and FILE_KEY not in printed
+    config = (tmp / "run" / "config.toml").read_text()
+    assert 'api_key = ""' in config and "api_key_file = " in config
+
+
+def test_a_key_file_that_cannot_be_read_is_named_before_a_run_exists(tmp_path):
+    missing = tmp_path / "nope.keys"
+    done = ringfence(
+        "serve", "--port", "0", "--run-dir", tmp_path / "run",
+        "--set", "model.preset=tiny", "--set", f"server.api_key_file={missing}",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"api key file {missing}: No such file or directory" in done.stderr
+    assert not (tmp_path / "run").exists()
