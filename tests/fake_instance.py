@@ -22,11 +22,13 @@ from typing import Any
 import orjson
 from fake_serve import listening_socket
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ringfence.actors.router.server import nodelay
+from ringfence.actors.serve.auth import Keys, RequireKey
 from ringfence.actors.serve.server import HttpThread
 
 HEADER = "x-ringfence-reservation"
@@ -48,6 +50,7 @@ class Knobs:
     prefill_delay_s: float = 1.0
     die_after: int | None = None  # a claim's answer breaks after this many events (plain: bytes)
     gate: threading.Event | None = None  # a claim's stream waits here after its first event
+    api_key: str = ""  # every route but /health asks for this key (as ringfence serve's)
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,10 @@ class FakeInstance:
             Route("/v1/completions", self._claim, methods=["POST"]),
             Route("/v1/chat/completions", self._claim, methods=["POST"]),
         ]
-        return Starlette(routes=routes)
+        if not self.knobs.api_key:
+            return Starlette(routes=routes)
+        keys = Keys([self.knobs.api_key])
+        return Starlette(routes=routes, middleware=[Middleware(RequireKey, keys=keys)])
 
     async def _record(self, request: Request) -> Call:
         raw = await request.body()

@@ -19,6 +19,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from ringfence.actors.router.relay import EventRelay, is_event_stream, read_whol
 from ringfence.actors.router.state import Router
 from ringfence.actors.router.upstream import TransportError, describe
 from ringfence.actors.serve.api import ApiError, error_body
+from ringfence.actors.serve.auth import RequireKey, open_paths
 
 PROBE_S = 2.0  # one instance's /health or /v1/models, asked by the router's own routes
 OUTCOME_OF_STATUS = {502: "decode_failed", 503: "no_room"}  # the router's own errors
@@ -89,7 +91,17 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
     handlers = {ApiError: api_error, Relayed: relayed, HTTPException: http_error}
-    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+    options = router.options
+    keys = [
+        Middleware(
+            RequireKey, keys=options.client_keys, open_paths=open_paths(options.protect_metrics)
+        )
+    ]
+    return Starlette(
+        routes=routes,
+        exception_handlers=handlers,  # type: ignore[arg-type]
+        middleware=keys if options.client_keys else None,
+    )
 
 
 # The router's errors in OpenAI's error body, and instances' errors as is.

@@ -73,12 +73,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--start-timeout-s", type=float, default=120.0, metavar="S",
         help="how long every instance has to answer at start",
     )  # fmt: skip
+    parser.add_argument(
+        "--api-key-file", metavar="FILE",
+        help="a file of the API keys the router's clients must present (one a line), besides "
+        "RINGFENCE_API_KEY's (comma-separated); with none, anyone may call",
+    )  # fmt: skip
+    parser.add_argument(
+        "--instance-api-key-file", metavar="FILE",
+        help="a file holding the key the router presents to its instances (their "
+        "RINGFENCE_API_KEY), or set RINGFENCE_INSTANCE_API_KEY",
+    )  # fmt: skip
+    parser.add_argument(
+        "--protect-metrics", action="store_true", help="GET /metrics asks for a client key too"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     from ringfence.actors.router.instances import StartTimeout
     from ringfence.actors.router.options import RouterOptions
     from ringfence.actors.router.server import listen, serve
+    from ringfence.actors.serve.auth import (
+        exposed_warning,
+        exposed_without_key,
+        instance_key,
+        load_keys,
+    )
 
     options = RouterOptions(
         prefill=tuple(args.prefill),
@@ -89,8 +108,14 @@ def main(args: argparse.Namespace) -> int:
         reserve_timeout_s=args.reserve_timeout_s,
         prefill_timeout_s=args.prefill_timeout_s,
         start_timeout_s=args.start_timeout_s,
+        client_keys=load_keys(key_file=args.api_key_file or ""),
+        protect_metrics=args.protect_metrics,
+        instance_key=instance_key(args.instance_api_key_file or ""),
     )  # ValueError: the command line's fault, named (exit 2)
     sock = listen(args.host, args.port)
+    if exposed_without_key(args.host, options.client_keys):
+        host, port = sock.getsockname()[:2]
+        print(exposed_warning("router", host, port), file=sys.stderr, flush=True)
     # While it starts, SIGTERM stops it as Ctrl-C does (serving, uvicorn handles both).
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

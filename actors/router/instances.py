@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringfence.actors.router.upstream import TransportError, Upstream, describe
+from ringfence.actors.serve.config import INSTANCE_KEY_ENV
 from ringfence.actors.serve.load import Load
 from ringfence.shm.errors import RingfenceError
 
@@ -182,6 +183,12 @@ async def identify(client: Upstream, url: str, deadline: float) -> Identity:
             )
             if answer.status == 200:
                 return Identity.of(url, answer.json())
+            if answer.status in (401, 403):  # asking again will not change the key
+                raise PoolRefused(
+                    f"{url} refused the router's API key (HTTP {answer.status}): give the "
+                    f"router the instances' key ({INSTANCE_KEY_ENV}, or "
+                    "--instance-api-key-file)"
+                )
             last = f"HTTP {answer.status}: {answer.text[:200]}"
         except TransportError as e:
             last = describe(e)

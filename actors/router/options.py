@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ringfence.actors.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES
+from ringfence.actors.serve.auth import Keys
 
 PREFILL_MARGIN_S = 2.0  # the default prefill deadline: the reservation's ttl_s less this
 RETRY_CAP_S = 2.0  # the longest wait between two reserve rounds (Retry-After is capped here)
@@ -28,6 +29,9 @@ class RouterOptions:
     start_timeout_s: float = 120.0  # how long every instance has to answer at start
     retry_cap_s: float = RETRY_CAP_S
     max_claims: int = MAX_CLAIMS
+    client_keys: Keys = field(default_factory=lambda: Keys(()))  # none: anyone may call
+    protect_metrics: bool = False  # GET /metrics asks for a client key too
+    instance_key: str = field(default="", repr=False)  # presented on every call to an instance
 
     def __post_init__(self) -> None:
         if self.instances and (self.prefill or self.decode):

@@ -143,7 +143,8 @@ def arrived(content: aiohttp.StreamReader) -> bytes:
 class Upstream:
     """The router's one HTTP client (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str = "") -> None:
+        """``key``: the instances' API key, presented on every call (none if empty)."""
         connector = aiohttp.TCPConnector(
             limit=MAX_CONNECTIONS, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
         )
@@ -152,6 +153,7 @@ class Upstream:
             timeout=aiohttp.ClientTimeout(total=DEFAULT_TIMEOUT_S, sock_connect=CONNECT_S),
             cookie_jar=aiohttp.DummyCookieJar(),  # one client's cookie is no other's
             trust_env=False,
+            headers={"Authorization": f"Bearer {key}"} if key else None,
         )
 
     async def get(self, url: str, *, timeout: float) -> Answer:

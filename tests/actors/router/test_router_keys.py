@@ -1,0 +1,96 @@
+"""The router's API keys: its clients' keys guard every route but /health (and /metrics
+unless protected), and it presents the instances' key on every call to them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from launching import launch_env
+from routing import routed
+from starlette.routing import Route
+
+from ringfence.actors.router.app import build_app
+from ringfence.actors.router.instances import PoolRefused
+from ringfence.actors.serve.auth import Keys
+
+CLIENT_KEY, INSTANCE_KEY = "sk-client-7f3a", "sk-instance-91c2"
+OPEN = {"/health", "/metrics"}
+
+
+def test_every_route_but_health_and_metrics_asks_the_client_for_its_key(fakes):
+    prefill, decode = fakes("p", role="prefill"), fakes("d")
+    with routed([prefill], [decode], client_keys=Keys([CLIENT_KEY])) as rig:
+        routes = [r for r in build_app(rig.router).routes if isinstance(r, Route)]
+        paths = {r.path: sorted(r.methods or ()) for r in routes}
+        assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= paths.keys()
+        with rig.http() as client:
+            for path, methods in paths.items():
+                method = "POST" if "POST" in methods else "GET"
+                for headers in ({}, {"Authorization": f"Bearer {INSTANCE_KEY}"}):
+                    answer = client.request(method, path, headers=headers, content=b"{}")
+                    if path in OPEN:
+                        assert answer.status_code != 401, (path, headers)
+                    else:
+                        assert answer.status_code == 401, (path, headers)
+                        assert answer.json()["error"]["code"] == "invalid_api_key"
+        assert prefill.calls == [] and decode.calls == []  # nothing reached an instance
+        answer = rig.post("/v1/completions", {"model": "fake", "prompt": "hi", "max_tokens": 2})
+        assert answer.status_code == 401
+        with rig.http() as client:
+            good = client.post(
+                "/v1/completions",
+                json={"model": "fake", "prompt": "hi", "max_tokens": 2},
+                headers={"Authorization": f"Bearer {CLIENT_KEY}"},
+            )
+        assert good.status_code == 200, good.text
+        assert good.json()["choices"][0]["text"] == "tok0 tok1 "
+
+
+def test_protected_metrics_ask_for_the_key_too(fakes):
+    prefill, decode = fakes("p", role="prefill"), fakes("d")
+    keys = Keys([CLIENT_KEY])
+    with (
+        routed([prefill], [decode], client_keys=keys, protect_metrics=True) as rig,
+        rig.http() as client,
+    ):
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/health").status_code == 200
+        ok = client.get("/metrics", headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+        assert ok.status_code == 200
+
+
+def test_the_router_presents_the_instances_key_on_every_call(fakes):
+    prefill = fakes("p", role="prefill", api_key=INSTANCE_KEY)
+    decode = fakes("d", api_key=INSTANCE_KEY)
+    with routed([prefill], [decode], instance_key=INSTANCE_KEY) as rig:
+        answer = rig.post("/v1/completions", {"model": "fake", "prompt": "hi", "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == "tok0 tok1 "
+        assert decode.paths() == ["/ringfence/reserve", "/v1/completions"]
+        assert prefill.paths() == ["/ringfence/prefill"]
+
+
+@pytest.mark.parametrize("key", ["", "sk-wrong"])
+def test_an_instance_that_refuses_the_routers_key_fails_the_start_naming_it(fakes, key):
+    prefill = fakes("p", role="prefill", api_key=INSTANCE_KEY)
+    decode = fakes("d", api_key=INSTANCE_KEY)
+    with pytest.raises(PoolRefused) as refused, routed([prefill], [decode], instance_key=key):
+        pass
+    assert "refused the router's API key (HTTP 401)" in str(refused.value)
+    assert "RINGFENCE_INSTANCE_API_KEY" in str(refused.value)
+    assert INSTANCE_KEY not in str(refused.value)
+
+
+def test_ringfence_router_with_a_key_file_it_cannot_read_exits_2_naming_it(tmp_path):
+    missing = tmp_path / "clients.keys"
+    command = [sys.executable, "-m", "ringfence.runtime.cli", "router", "--instance",
+               "http://127.0.0.1:1", "--api-key-file", str(missing)]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=launch_env(), timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"ringfence router: api key file {missing}: No such file or directory"
+    )
