@@ -32,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from ringfence.actors.serve.config import API_KEY_ENV, INSTANCE_KEY_ENV
 from ringfence.actors.tools.testing.demo import APPLIED
 from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.manifest import Manifest, read_manifest
@@ -56,8 +57,11 @@ _RUN_LINE = re.compile(r"^ringfence (?:launch|serve): run ([a-z0-9]+) in ", re.M
 
 
 def launch_env(mark: str | None = None) -> dict[str, str]:
-    """The environment of a launched process: tests/ importable (fixture_actors), and the mark."""
+    """The environment of a launched process: tests/ importable (fixture_actors), and the mark;
+    without the user's API keys (a test that wants keys gives its own)."""
     env = dict(os.environ)
+    for var in (API_KEY_ENV, INSTANCE_KEY_ENV):
+        env.pop(var, None)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(TESTS_DIR), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
     )
