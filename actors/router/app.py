@@ -32,6 +32,7 @@ from ringfence.actors.router.state import Router
 from ringfence.actors.router.upstream import TransportError, describe
 from ringfence.actors.serve.api import ApiError, error_body
 from ringfence.actors.serve.auth import RequireKey, open_paths
+from ringfence.actors.serve.limits import LimitBody
 
 PROBE_S = 2.0  # one instance's /health or /v1/models, asked by the router's own routes
 OUTCOME_OF_STATUS = {502: "decode_failed", 503: "no_room"}  # the router's own errors
@@ -92,15 +93,15 @@ def build_app(router: Router) -> Starlette:
     ]
     handlers = {ApiError: api_error, Relayed: relayed, HTTPException: http_error}
     options = router.options
-    keys = [
-        Middleware(
-            RequireKey, keys=options.client_keys, open_paths=open_paths(options.protect_metrics)
-        )
-    ]
+    # The first is the outermost: a call without a key is refused before its body is read.
+    middleware = [Middleware(LimitBody, max_bytes=options.max_body_bytes)]
+    if options.client_keys:
+        guard = open_paths(options.protect_metrics)
+        middleware.insert(0, Middleware(RequireKey, keys=options.client_keys, open_paths=guard))
     return Starlette(
         routes=routes,
         exception_handlers=handlers,  # type: ignore[arg-type]
-        middleware=keys if options.client_keys else None,
+        middleware=middleware,
     )
 
 

@@ -86,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--protect-metrics", action="store_true", help="GET /metrics asks for a client key too"
     )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=32 << 20, metavar="N",
+        help="the largest request body taken (default 32 MiB); a larger one is answered 413",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -110,6 +114,7 @@ def main(args: argparse.Namespace) -> int:
         start_timeout_s=args.start_timeout_s,
         client_keys=load_keys(key_file=args.api_key_file or ""),
         protect_metrics=args.protect_metrics,
+        max_body_bytes=args.max_body_bytes,
         instance_key=instance_key(args.instance_api_key_file or ""),
     )  # ValueError: the command line's fault, named (exit 2)
     sock = listen(args.host, args.port)

@@ -32,6 +32,7 @@ class RouterOptions:
     client_keys: Keys = field(default_factory=lambda: Keys(()))  # none: anyone may call
     protect_metrics: bool = False  # GET /metrics asks for a client key too
     instance_key: str = field(default="", repr=False)  # presented on every call to an instance
+    max_body_bytes: int = 32 << 20  # a larger request body is answered 413 (as an instance's)
 
     def __post_init__(self) -> None:
         if self.instances and (self.prefill or self.decode):
@@ -54,6 +55,8 @@ class RouterOptions:
         for name in ("reserve_timeout_s", "start_timeout_s", "retry_cap_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
+        if not self.max_body_bytes >= 1024:
+            raise ValueError("--max-body-bytes: must be >= 1024")
         if self.prefill_timeout_s is not None and not self.prefill_timeout_s > 0:
             raise ValueError("--prefill-timeout-s: must be > 0")
 

@@ -35,6 +35,7 @@ from ringfence.actors.serve.api import (
 )
 from ringfence.actors.serve.auth import Keys, RequireKey, open_paths
 from ringfence.actors.serve.config import FrontEndSettings
+from ringfence.actors.serve.limits import LimitBody
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.openapi import install
 from ringfence.actors.serve.prompts import prompt_of
@@ -78,7 +79,8 @@ def build_app(
     with ``keys``, every route but the open ones asks for one (:mod:`.auth`)."""
     app = FastAPI(title="ringfence", version="0.1.0", openapi_url="/openapi.json")
     install(app)
-    if keys:
+    app.add_middleware(LimitBody, max_bytes=config.server.max_body_bytes)
+    if keys:  # added last: the outermost, so a call without a key is refused before its body
         app.add_middleware(
             RequireKey, keys=keys, open_paths=open_paths(config.server.protect_metrics)
         )

@@ -44,6 +44,9 @@ class ServerConfig:
         "", "a file of more API keys, one a line ('#' starts a comment); empty = none"
     )
     protect_metrics: bool = setting(False, "GET /metrics asks for an API key too")
+    max_body_bytes: int = setting(
+        32 << 20, "the largest request body taken; a larger one is answered 413", ge=1024
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,5 +1,5 @@
 """The router's API keys: its clients' keys guard every route but /health (and /metrics
-unless protected), and it presents the instances' key on every call to them."""
+unless protected), and it presents the instances' key on every call to them; its body limit."""
 
 from __future__ import annotations
 
@@ -94,3 +94,15 @@ def test_ringfence_router_with_a_key_file_it_cannot_read_exits_2_naming_it(tmp_p
     assert done.stderr.splitlines()[-1] == (
         f"ringfence router: api key file {missing}: No such file or directory"
     )
+
+
+def test_a_body_over_the_routers_limit_is_413_and_reaches_no_instance(fakes):
+    prefill, decode = fakes("p", role="prefill"), fakes("d")
+    with routed([prefill], [decode], max_body_bytes=4096) as rig:
+        huge = {"model": "fake", "prompt": "x" * 5000, "max_tokens": 2}
+        answer = rig.post("/v1/completions", huge)
+        assert answer.status_code == 413
+        assert answer.json()["error"]["code"] == "request_too_large"
+        assert prefill.calls == [] and decode.calls == []
+        small = rig.post("/v1/completions", {"model": "fake", "prompt": "hi", "max_tokens": 2})
+        assert small.status_code == 200

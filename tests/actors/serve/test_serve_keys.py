@@ -1,6 +1,7 @@
 """``ringfence serve`` with API keys: every route but /health and /metrics answers 401
 without a key it holds and does nothing; the key is never written to the run dir or printed;
-a key file that cannot be read stops the command before a run exists."""
+a key file that cannot be read stops the command before a run exists; a body over
+``server.max_body_bytes`` is 413."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from serving import Server, served
 KEY, FILE_KEY = "sk-inline-5c1e2b", "sk-file-a09d44"
 OPEN = {"/health", "/metrics"}
 MODEL = "ringfence-tiny"
+MAX_BODY = 65536
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,8 @@ def keyed(tmp_path_factory) -> Iterator[tuple[Server, Path]]:
     tmp = tmp_path_factory.mktemp("serve-keys")
     key_file = tmp / "keys.txt"
     key_file.write_text(f"# the service's keys\n{FILE_KEY}\n")
-    sets = ("model.preset=tiny", f"server.api_key={KEY}", f"server.api_key_file={key_file}")
+    sets = ("model.preset=tiny", f"server.api_key={KEY}", f"server.api_key_file={key_file}",
+            f"server.max_body_bytes={MAX_BODY}")  # fmt: skip
     with served(tmp, *sets) as server:
         yield server, tmp
 
@@ -94,3 +97,17 @@ def test_a_key_file_that_cannot_be_read_is_named_before_a_run_exists(tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"api key file {missing}: No such file or directory" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_body_over_server_max_body_bytes_is_413_and_reaches_nothing(keyed):
+    server, _ = keyed
+    huge = {"model": MODEL, "prompt": "x" * MAX_BODY, "max_tokens": 1}
+    with server.http() as client:
+        answer = client.post(
+            "/v1/completions", json=huge, headers={"Authorization": f"Bearer {KEY}"}
+        )
+        assert answer.status_code == 413, answer.text
+        assert answer.json()["error"]["code"] == "request_too_large"
+        unkeyed = client.post("/v1/completions", json=huge)  # the key is asked for first
+        assert unkeyed.status_code == 401
+    assert not [e for e in server.engine_events("request.arrive") if e["prompt_tokens"] > 60000]
