@@ -33,12 +33,16 @@ def remote_generate(run_dir: str, prompt: list[int], max_tokens: int, seed: int,
 
 def stream_until_killed(run_dir: str, prompt: list[int], out: str) -> None:
     """Runs in a spawned process: a long request, "<slot> <pid>" to ``out`` at its first
-    token, then streaming on until the test kills the process."""
+    token, then SIGKILL to itself at once. Not the test's kill: 200 tokens take well under a
+    second, and a busy test process noticing the first token late once killed a client whose
+    request had finished (no request in flight, nothing for the engine to abort)."""
     with Client.connect(run_dir) as client:
         request_id = client.submit(prompt, request_id="doomed", max_tokens=200)
-        for n, _token in enumerate(client.stream(request_id, timeout=WAIT_S)):
-            if n == 0:
-                Path(out).write_text(f"{client.instance} {os.getpid()}")
+        for _token in client.stream(request_id, timeout=WAIT_S):
+            written = Path(f"{out}.tmp")
+            written.write_text(f"{client.instance} {os.getpid()}")
+            written.rename(out)  # whole when the test sees it
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_and_can_abort(  # noqa: PLR0915 one launch serves every client case (CI time)
@@ -84,8 +88,7 @@ def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_an
             )
             try:
                 wait_until("the doomed client's first token", marker.exists, WAIT_S)
-                slot = marker.read_text().split()[0]
-                doomed.kill()  # SIGKILL
+                slot = marker.read_text().split()[0]  # it killed itself mid-stream
             finally:
                 peers.finish(doomed, WAIT_S)
             lost = run.wait_for_event("client.lost", log="engine-0", peer=slot, timeout=WAIT_S)
