@@ -79,7 +79,7 @@ class SchedulerConfig:
     max_model_len: int = 1 << 30  # longest prompt plus max_tokens (sched.max_model_len)
     vocab_size: int = 1 << 31  # token ids the model has (0 .. vocab_size - 1)
     # A prefill instance (engine.role): a finishing request's full blocks are written to
-    # storage and the request held until they are (Scheduler.take_handovers).
+    # storage and the request held until they are (sched/handovers.py).
     handover: bool = False
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ Blocks are the :class:`BlockManager`'s: the scheduler allocates, holds and relea
 them, and issues ops, through its methods only, never through its pools.
 
 A prefill instance (``SchedulerConfig.handover``) writes every full block of a finishing
-request to storage (:meth:`take_handovers`); a decode instance admits requests by
+request to storage (:mod:`sched.handovers`); a decode instance admits requests by
 reservation (:meth:`reserve`, :mod:`ringfence.sched.reservations`). DESIGN.md "Instances".
 
 When the Worker restarts, :meth:`reset_device` takes the device tier as lost: every op
@@ -67,6 +67,7 @@ from ringfence.cache.prefix_index import StoragePresence
 from ringfence.sched.admission import Admission
 from ringfence.sched.blocks import BlockManager
 from ringfence.sched.config import SchedulerConfig
+from ringfence.sched.handovers import HandOvers
 from ringfence.sched.ops import Op, Piece, StepOp, SwapOp
 from ringfence.sched.pieces import PieceMaker
 from ringfence.sched.request import Request, RequestError, RequestState
@@ -75,7 +76,6 @@ from ringfence.sched.sequence import (
     Counters,
     Decision,
     Emitted,
-    HandOver,
     Journal,
     Sequence,
     Tail,
@@ -115,7 +115,7 @@ class Scheduler:
         self._next_seq = 0
         self._step_in_flight: StepOp | None = None
         self.reservations = Reservations(self._bs, config.sched.reserve_blocks)
-        self._handovers: list[HandOver] = []  # since the last take_handovers
+        self.handovers = HandOvers(self.blocks, self._pieces, self._bs)  # handover only
 
     # Requests.
 
@@ -237,39 +237,6 @@ class Scheduler:
             free_blocks=self.blocks.device.num_free,
             headroom=self.reservations.growth(lives),
             expires_at=expires_at,
-        )
-
-    def take_handovers(self) -> list[HandOver]:
-        """The requests handed over since the last call (``handover`` only), in finish order."""
-        taken, self._handovers = self._handovers, []
-        return taken
-
-    def stored_blocks(self, handover: HandOver) -> int:
-        """How many leading blocks of ``handover`` storage holds, once its ``mark`` is complete
-        (a write that failed took its keys out of the stored set)."""
-        stored = self.blocks.stored.keys
-        count = 0
-        for key in handover.keys:
-            if key not in stored and key not in handover.present:
-                break
-            count += 1
-        return count
-
-    def _hand_over(self, seq: Sequence) -> None:
-        """Write the finished sequence's full blocks to storage (DESIGN.md "Instances")."""
-        r = seq.request
-        full = r.num_computed_tokens // self._bs
-        keys = self._pieces.keys(seq, r.all_token_ids, full)
-        done = self.blocks.save_all(seq.blocks[:full], keys, "handover")
-        own = self.blocks.stored.keys
-        self._handovers.append(
-            HandOver(
-                request_id=r.request_id,
-                keys=tuple(keys[:done]),
-                mark=self.blocks.issuer.last_number(Lane.STORE),
-                # Skipped by save: storage had them (another instance wrote them).
-                present=frozenset(k for k in keys[:done] if k not in own),
-            )
         )
 
     # Scheduling.
@@ -408,7 +375,7 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         self._running.remove(seq)
         if self.config.handover:
-            self._hand_over(seq)  # its blocks are read before they are freed (fenced)
+            self.handovers.write(seq)  # its blocks are read before they are freed (fenced)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

@@ -102,7 +102,7 @@ class HandOver:
     """A prefill instance's finished request whose full blocks are being written to storage
     for a decode instance (DESIGN.md "Instances"): the engine holds its finish until the
     store op ``mark`` is complete on every rank, then reports how many leading blocks are
-    durable (:meth:`ringfence.sched.scheduler.Scheduler.stored_blocks`)."""
+    durable (:meth:`ringfence.sched.handovers.HandOvers.stored_blocks`)."""
 
     request_id: str
     keys: tuple[BlockHash, ...]  # its full blocks' keys, in order

@@ -303,7 +303,7 @@ class Engine(RequestsIn):
                 e, hold=self.scheduler.config.handover, logprobs=logprobs, prompt_logprobs=prompt
             )
         if self.scheduler.config.handover:  # finishes wait for writes (DESIGN.md "Instances")
-            self.desk.hold(self.scheduler.take_handovers())
+            self.desk.hold(self.scheduler.handovers.take())
             self.desk.settle(self.ledger.completed(Lane.STORE), self.scheduler)
         for request in failed:
             error = f"step {done.number} {done.status}: {done.error}"

@@ -167,7 +167,7 @@ class HandOverDesk:
             if handover.mark > store_complete:
                 waiting.append((handover, since))
                 continue
-            stored = scheduler.stored_blocks(handover)
+            stored = scheduler.handovers.stored_blocks(handover)
             self._log.info(
                 "handover.done",
                 request=handover.request_id,

@@ -127,23 +127,23 @@ def test_a_prefill_writes_every_full_block_of_a_finished_request_and_reports_the
     sim = prefill_side(storage)
     tokens = prompt(1, 4 * BS + 2)  # four full blocks and a partial one
     sim.run([(0, make_request("p", tokens, max_tokens=1))])
-    (handover,) = sim.sched.take_handovers()
+    (handover,) = sim.sched.handovers.take()
     assert len(handover.keys) == 4 and handover.present == frozenset()
     writes = [op for op in sim.ops if isinstance(op, StoreOp) and op.reason == "handover"]
     assert [k for op in writes for k in op.keys] == list(handover.keys)
     assert handover.mark == max(op.op for op in writes)
     assert set(handover.keys) <= set(storage)  # the simulator checked each blob's contents
-    assert sim.sched.stored_blocks(handover) == 4
+    assert sim.sched.handovers.stored_blocks(handover) == 4
 
 
 def test_a_prefill_writes_in_rounds_when_the_host_pool_is_smaller_than_the_prompt():
     storage: dict[Any, Any] = {}
     sim = prefill_side(storage, host_blocks=2)
     sim.run([(0, make_request("p", prompt(2, 7 * BS), max_tokens=1))])
-    (handover,) = sim.sched.take_handovers()
+    (handover,) = sim.sched.handovers.take()
     writes = [op for op in sim.ops if isinstance(op, StoreOp) and op.reason == "handover"]
     assert [len(op.keys) for op in writes] == [2, 2, 2, 1]
-    assert sim.sched.stored_blocks(handover) == 7
+    assert sim.sched.handovers.stored_blocks(handover) == 7
 
 
 def test_a_block_storage_held_already_is_not_written_again_but_counts_as_stored():
@@ -152,11 +152,11 @@ def test_a_block_storage_held_already_is_not_written_again_but_counts_as_stored(
     first.run([(0, make_request("a", prompt(3, 3 * BS), max_tokens=1))])
     second = prefill_side(storage)  # another prefill instance on the same tier
     second.run([(0, make_request("b", prompt(3, 3 * BS) + prompt(4, 2 * BS), max_tokens=1))])
-    (handover,) = second.sched.take_handovers()
+    (handover,) = second.sched.handovers.take()
     assert len(handover.present) == 3
     writes = [op for op in second.ops if isinstance(op, StoreOp) and op.direction == "write"]
     written = [k for op in writes for k in op.keys]
-    assert len(written) == 2 and second.sched.stored_blocks(handover) == 5
+    assert len(written) == 2 and second.sched.handovers.stored_blocks(handover) == 5
 
 
 def test_a_failed_write_leaves_the_stored_count_at_the_blocks_before_it():
@@ -168,12 +168,12 @@ def test_a_failed_write_leaves_the_stored_count_at_the_blocks_before_it():
         sim.apply_step()
         if sim.sched.idle and not sim.step_in_flight:
             break
-    (handover,) = sim.sched.take_handovers()
+    (handover,) = sim.sched.handovers.take()
     writes = [p for p in sim.pending if isinstance(p.op, StoreOp)]
     assert len(writes) == 3
     writes[1].status = "failed"  # blocks 2 and 3
     sim.complete(everything=True)
-    assert sim.sched.stored_blocks(handover) == 2
+    assert sim.sched.handovers.stored_blocks(handover) == 2
 
 
 # Decode: reservations, and the prefill's blocks prefetched.
