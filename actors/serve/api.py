@@ -18,9 +18,11 @@ The error body is OpenAI's: ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import Send
 
 from ringfence.shm.errors import RingfenceError
 
@@ -61,6 +63,16 @@ def error_body(
     code: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def send_error(
+    send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """Answer an ASGI call with ``body`` (an :func:`error_body`, as JSON bytes) from a
+    middleware, before any route ran."""
+    head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": [*head, *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class ErrorDetail(BaseModel):

@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ringfence.actors.serve.api import error_body
+from ringfence.actors.serve.api import error_body, send_error
 from ringfence.actors.serve.config import API_KEY_ENV, INSTANCE_KEY_ENV
 from ringfence.runtime.secrets import secret_values
 
@@ -131,18 +131,7 @@ class RequireKey:
         if self.keys.accepts(authorization):
             await self.app(scope, receive, send)
             return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(UNAUTHORIZED)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": UNAUTHORIZED})
+        await send_error(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
 
 
 def open_paths(protect_metrics: bool) -> frozenset[str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ringfence.actors.serve.api import error_body
+from ringfence.actors.serve.api import error_body, send_error
 
 
 class BodyTooLarge(Exception):
@@ -71,16 +71,4 @@ class LimitBody:
             await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
-        body = too_large(self.max_bytes)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 413, too_large(self.max_bytes), [(b"connection", b"close")])
