@@ -54,3 +54,17 @@ def check_number(field: str, value: object, *, minimum: float = 0.0) -> float:
     if not math.isfinite(value) or value < minimum:
         raise RequestError(f"{field} must be finite and >= {minimum:g}, got {value!r}", field=field)
     return float(value)
+
+
+MAX_SALT_CHARS = 1024  # a cache salt's length limit (a salt is an identity, not a payload)
+
+
+def check_salt(value: object) -> str:
+    """A cache salt: a str of at most :data:`MAX_SALT_CHARS` characters; RequestError otherwise."""
+    if not isinstance(value, str):
+        raise RequestError(f"cache_salt must be a string, got {value!r}", field="cache_salt")
+    if len(value) > MAX_SALT_CHARS:
+        raise RequestError(
+            f"cache_salt has {len(value)} characters, at most {MAX_SALT_CHARS}", field="cache_salt"
+        )
+    return value

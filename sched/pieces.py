@@ -83,6 +83,7 @@ class PieceMaker:
                 self._bs,
                 namespace=self._namespace,
                 parent=parent,
+                salt=seq.request.cache_salt,  # joins the first block's key only
             )
             if self._events is not None:
                 bs = self._bs

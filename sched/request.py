@@ -10,7 +10,13 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ringfence.sched.checks import RequestError, check_number, check_token_ids, is_int
+from ringfence.sched.checks import (
+    RequestError,
+    check_number,
+    check_salt,
+    check_token_ids,
+    is_int,
+)
 from ringfence.sched.sampling import SamplingParams, TokenLogprobs
 
 # Re-exported: a request's error and parameters are part of its vocabulary.
@@ -106,6 +112,7 @@ class Request:
     __slots__ = (
         "_num_computed_tokens",
         "arrival",
+        "cache_salt",
         "cached_tokens",
         "finish_reason",
         "output_token_ids",
@@ -123,6 +130,7 @@ class Request:
         prompt_token_ids: tuple[int, ...] | list[int],
         params: SamplingParams | None = None,
         arrival: float = 0.0,
+        cache_salt: str = "",
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(
@@ -135,6 +143,9 @@ class Request:
         self.params = params if params is not None else SamplingParams()
         # Seconds since the workload started, given by the caller: sched reads no clock.
         self.arrival = check_number("arrival", arrival)
+        # vLLM's cache_salt: joins the hash of the prompt's first block (cache/block_hash.py),
+        # so requests with another salt share none of this one's blocks. "": no salt.
+        self.cache_salt = check_salt(cache_salt)
         self.state = RequestState.WAITING
         self.output_token_ids: list[int] = []  # sampled tokens, in order
         self._num_computed_tokens = 0  # tokens (prompt, then output) whose KV is in the cache

@@ -51,6 +51,7 @@ class Knobs:
     die_after: int | None = None  # a claim's answer breaks after this many events (plain: bytes)
     gate: threading.Event | None = None  # a claim's stream waits here after its first event
     api_key: str = ""  # every route but /health asks for this key (as ringfence serve's)
+    salt_by_key: bool = False  # what its identity says of server.salt_by_key
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,8 @@ class FakeInstance:
         return JSONResponse({
             "role": self.knobs.role, "model": MODEL, "model_id": "m0",
             "fingerprints": list(self.knobs.fingerprints), "block_size": 16, "tp_size": 1,
-            "max_model_len": 2048, "load": {"pending": 0, "running": 0, "waiting": 0,
+            "max_model_len": 2048, "salt_by_key": self.knobs.salt_by_key,
+            "load": {"pending": 0, "running": 0, "waiting": 0,
             "reservations": len(self._live), "free_blocks": 100, "total_blocks": 100},
         })  # fmt: skip
 

@@ -134,13 +134,15 @@ class Client:
         request_id: str | None = None,
         params: SamplingParams | None = None,
         reservation_id: str = "",
+        cache_salt: str = "",
         **sampling: Any,
     ) -> str:
         """Send a request (text, or prompt token ids); return its id. Does not wait for output.
 
         ``params``, and any :class:`SamplingParams` field as a keyword (``max_tokens=8``,
         over ``params``'), say how to sample. ``reservation_id``: on a decode instance, the
-        :meth:`reserve` answer it claims.
+        :meth:`reserve` answer it claims. ``cache_salt``: vLLM's; requests with another
+        salt share none of this one's cached blocks.
         ValueError for bad parameters or an id still in use; RingFull if the engine does
         not take the request within the send timeout; ClientError if the client is closed
         or the engine is gone.
@@ -148,7 +150,10 @@ class Client:
         text, token_ids = (prompt, ()) if isinstance(prompt, str) else ("", tuple(prompt))
         return self._send(
             _submit(request_id, params, sampling)(
-                prompt=text, prompt_token_ids=token_ids, reservation_id=reservation_id
+                prompt=text,
+                prompt_token_ids=token_ids,
+                reservation_id=reservation_id,
+                cache_salt=cache_salt,
             )
         )
 

@@ -139,7 +139,11 @@ class Intake:
         else:
             tokens = msg.prompt_token_ids or tuple(self.encode(msg.prompt))
         return Request(
-            request_id=request_id, prompt_token_ids=tokens, params=params, arrival=arrival
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            params=params,
+            arrival=arrival,
+            cache_salt=msg.cache_salt,
         )
 
     def encode(self, text: str) -> list[int]:

@@ -76,6 +76,7 @@ class RequestsIn(Actor):
                 request=request.request_id,
                 prompt=list(request.prompt_token_ids),
                 params=asdict(request.params),
+                cache_salt=request.cache_salt,
             )
         seq_id = self.scheduler.add(request, reservation)
         if reservation:

@@ -57,6 +57,9 @@ class Submit:
     # A decode instance's claim: the Reserve's reservation_id this request takes the room
     # of (its prompt_token_ids must be the reserved ones). "" everywhere else.
     reservation_id: str = ""
+    # vLLM's cache_salt: joins the hash of the prompt's first block, so requests with another
+    # salt share none of its cached blocks, on any tier ("": none).
+    cache_salt: str = ""
 
 
 def check_submit(msg: Submit) -> None:

@@ -199,7 +199,12 @@ class _State:
     def _add(self, scheduler: Scheduler, entry: Entry) -> None:
         rid = str(entry.get("request"))
         params = SamplingParams(**(entry.get("params") or {}))
-        request = Request(request_id=rid, prompt_token_ids=entry.get("prompt"), params=params)
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=entry.get("prompt"),
+            params=params,
+            cache_salt=str(entry.get("cache_salt") or ""),
+        )
         try:
             self.added[rid] = scheduler.add(request)
         except RequestError:

@@ -1,7 +1,8 @@
 """The router's HTTP API: OpenAI's completions and chat completions, run over the instances
 (:mod:`.flow`), the models of a decode instance, the pool's health, and metrics.
 
-The client's body goes to the instances unchanged: the router reads only that it is a JSON
+The client's body goes to the instances unchanged (but with ``--salt-by-key``, where its
+``cache_salt`` is put under the caller's tenant): the router reads only that it is a JSON
 object (else its own 400); every other check is the decode instance's (its reserve answers
 400 naming the field, relayed as is). Every error the router makes itself is answered with
 OpenAI's error body. A client that disconnects before its answer began has its request
@@ -31,7 +32,7 @@ from ringfence.actors.router.relay import EventRelay, is_event_stream, read_whol
 from ringfence.actors.router.state import Router
 from ringfence.actors.router.upstream import TransportError, describe
 from ringfence.actors.serve.api import ApiError, error_body
-from ringfence.actors.serve.auth import RequireKey, open_paths
+from ringfence.actors.serve.auth import TENANT_SCOPE, RequireKey, open_paths, tenant_salt
 from ringfence.actors.serve.limits import LimitBody
 
 PROBE_S = 2.0  # one instance's /health or /v1/models, asked by the router's own routes
@@ -128,10 +129,12 @@ async def route(router: Router, kind: str, request: Request) -> Response:
     """One client request, from its body to the start of its answer."""
     raw = await request.body()
     try:
-        check_object(raw)
+        body = check_object(raw)
     except ApiError:
         router.metrics.requests.labels(outcome="bad_request").inc()
         raise
+    if router.options.salt_by_key:
+        raw = salted(body, request.scope.get(TENANT_SCOPE)) or raw
     run: type[Handover | Forward] = Forward if router.aggregated else Handover
     handover = run(router, kind, raw, f"rtr-{uuid.uuid4().hex}")
     work = asyncio.ensure_future(answer_of(handover))
@@ -169,6 +172,17 @@ async def answer_of(handover: Handover | Forward) -> Response:
     if is_event_stream(upstream):
         return EventRelay(handover, upstream)
     return await read_whole(handover, upstream)
+
+
+def salted(body: dict[str, Any], tenant: str | None) -> bytes | None:
+    """The body with its ``cache_salt`` under the caller's tenant (as an instance salting by
+    key makes it), as the instances will read it; None where the salt is not a string (the
+    instance answers 400 naming it)."""
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        return None
+    body["cache_salt"] = tenant_salt(tenant, salt, salt_by_key=True)
+    return orjson.dumps(body)
 
 
 def check_object(raw: bytes) -> dict[str, Any]:

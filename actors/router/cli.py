@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--protect-metrics", action="store_true", help="GET /metrics asks for a client key too"
     )
     parser.add_argument(
+        "--salt-by-key", action="store_true",
+        help="cache-salt every request by its client key's tenant (the key file's name after "
+        "the key, else the key's own): tenants share no cached prefix",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-body-bytes", type=int, default=32 << 20, metavar="N",
         help="the largest request body taken (default 32 MiB); a larger one is answered 413",
     )  # fmt: skip
@@ -114,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
         start_timeout_s=args.start_timeout_s,
         client_keys=load_keys(key_file=args.api_key_file or ""),
         protect_metrics=args.protect_metrics,
+        salt_by_key=args.salt_by_key,
         max_body_bytes=args.max_body_bytes,
         instance_key=instance_key(args.instance_api_key_file or ""),
     )  # ValueError: the command line's fault, named (exit 2)

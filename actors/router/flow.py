@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from ringfence.actors.router.instances import Instance
-from ringfence.actors.router.keys import keys_of, prompt_keys
+from ringfence.actors.router.keys import keys_of, prompt_keys, salt_of
 from ringfence.actors.router.options import FIRST_BACKOFF_S
 from ringfence.actors.router.state import Router
 from ringfence.actors.router.upstream import (
@@ -253,8 +253,9 @@ class Handover:
         """Prefill the reservation's prompt into the shared tier, or log why not."""
         router = self.router
         keys = []  # the prompt's block keys, under the cache policy
+        salt = salt_of(orjson.loads(self.body))  # a JSON object: checked on arrival
         if "prefill" in router.pd:
-            keys = keys_of(reservation.instance.identity, reservation.prompt_token_ids)
+            keys = keys_of(reservation.instance.identity, reservation.prompt_token_ids, salt)
         if self._held_by_decode(reservation, keys):
             self.trace["prefill_skipped"] = True
             return
@@ -265,7 +266,12 @@ class Handover:
         self.trace["prefill"] = instance.url
         timeout = router.options.prefill_deadline_s(reservation.ttl_s)
         start = time.monotonic()
-        body = {"prompt_token_ids": reservation.prompt_token_ids, "request_id": self.id}
+        body: dict[str, Any] = {
+            "prompt_token_ids": reservation.prompt_token_ids,
+            "request_id": self.id,
+        }
+        if salt:  # keyed as the decode side will key them
+            body["cache_salt"] = salt
         with router.pool.busy(instance):
             try:
                 async with asyncio.timeout(timeout):  # the whole call, not each read

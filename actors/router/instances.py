@@ -49,6 +49,7 @@ class Identity:
     block_size: int = 0
     events: tuple[str, str] | None = None  # where it publishes KV events, and replays them
     serving: bool = True  # False while its engine is down (restarting, or not begun)
+    salt_by_key: bool = False  # it salts requests by their key: the router's, behind a router
 
     @classmethod
     def of(cls, url: str, body: Any) -> Identity:
@@ -68,6 +69,7 @@ class Identity:
                 if isinstance(events, dict)
                 else None,
                 serving=bool(body.get("serving", True)),
+                salt_by_key=bool(body.get("salt_by_key", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PoolRefused(f"{url}/ringfence/instance: not an instance's answer ({e!r})") from e
@@ -156,6 +158,12 @@ def check_pool(instances: list[Instance]) -> None:
     """PoolRefused naming the first instance of the wrong role, or the first two whose
     fingerprints differ (both named, with their roles and fingerprints)."""
     for instance in instances:
+        if instance.identity.salt_by_key:
+            raise PoolRefused(
+                f"{instance.url}: the instance salts requests by API key (server.salt_by_key), "
+                "so every request through the router would be the router key's tenant; salt by "
+                "key at the router instead (--salt-by-key)"
+            )
         if instance.identity.role != instance.role:
             flag = "--instance" if instance.role == "both" else f"--{instance.role}"
             raise PoolRefused(

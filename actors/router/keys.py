@@ -3,8 +3,9 @@
 Token ids as the client gave them; text and chats through an instance's ``/tokenize``
 (which renders a chat with the instance's own template); then hashed into block keys as
 the engine hashes them (``cache/block_hash.py``, in the instances' namespace, which the
-pool's fingerprint check makes the same for all). A prompt that cannot be tokenized has no
-keys: it is routed by load alone, and the instance it reaches names what is wrong with it.
+pool's fingerprint check makes the same for all), salted with the body's ``cache_salt`` as
+the instance salts it. A prompt that cannot be tokenized has no keys: it is routed by load
+alone, and the instance it reaches names what is wrong with it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ from ringfence.cache.ids import BlockHash
 TOKENIZE_S = 5.0  # one /tokenize call
 
 
-def keys_of(identity: Identity, tokens: Sequence[int]) -> list[BlockHash]:
-    """The block keys of ``tokens`` on instances of ``identity`` (none without a namespace)."""
+def keys_of(identity: Identity, tokens: Sequence[int], salt: str = "") -> list[BlockHash]:
+    """The block keys of ``tokens`` salted with ``salt`` on instances of ``identity`` (none
+    without a namespace)."""
     if not identity.namespace or identity.block_size <= 0 or not tokens:
         return []
-    return block_keys(
-        list(tokens), identity.block_size, namespace=bytes.fromhex(identity.namespace)
-    )
+    namespace = bytes.fromhex(identity.namespace)
+    return block_keys(list(tokens), identity.block_size, namespace=namespace, salt=salt)
+
+
+def salt_of(request: dict[str, Any]) -> str:
+    """The cache salt of a client's request ("" for none, or one the instance will refuse)."""
+    salt = request.get("cache_salt")
+    return salt if isinstance(salt, str) else ""
 
 
 async def prompt_keys(
@@ -38,17 +45,20 @@ async def prompt_keys(
     where needed by the least busy of ``up`` (the instances not known to be down)."""
     if not up:
         return []
-    tokens = await prompt_tokens(client, kind, body, min(up, key=lambda i: i.in_flight))
-    return keys_of(up[0].identity, tokens)
-
-
-async def prompt_tokens(client: Upstream, kind: str, body: bytes, instance: Instance) -> list[int]:
     try:
         request = orjson.loads(body)
     except orjson.JSONDecodeError:
         return []
     if not isinstance(request, dict):
         return []
+    tokens = await prompt_tokens(client, kind, request, min(up, key=lambda i: i.in_flight))
+    return keys_of(up[0].identity, tokens, salt_of(request))
+
+
+async def prompt_tokens(
+    client: Upstream, kind: str, request: dict[str, Any], instance: Instance
+) -> list[int]:
+    """The token ids of the prompt of ``request`` (the client's body)."""
     ask: dict[str, Any]
     if kind == "chat":
         if not isinstance(request.get("messages"), list):

@@ -31,6 +31,7 @@ class RouterOptions:
     max_claims: int = MAX_CLAIMS
     client_keys: Keys = field(default_factory=lambda: Keys(()))  # none: anyone may call
     protect_metrics: bool = False  # GET /metrics asks for a client key too
+    salt_by_key: bool = False  # the client key's tenant salts every request (serve/auth.py)
     instance_key: str = field(default="", repr=False)  # presented on every call to an instance
     max_body_bytes: int = 32 << 20  # a larger request body is answered 413 (as an instance's)
 
@@ -55,6 +56,11 @@ class RouterOptions:
         for name in ("reserve_timeout_s", "start_timeout_s", "retry_cap_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
+        if self.salt_by_key and not self.client_keys:
+            raise ValueError(
+                "--salt-by-key salts requests by their client key, and no key is given "
+                "(--api-key-file, or RINGFENCE_API_KEY)"
+            )
         if not self.max_body_bytes >= 1024:
             raise ValueError("--max-body-bytes: must be >= 1024")
         if self.prefill_timeout_s is not None and not self.prefill_timeout_s > 0:

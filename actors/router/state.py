@@ -209,6 +209,8 @@ def _differs(was: Identity, now: Identity) -> str | None:
     role or model, or fingerprints), or not serving yet; None when it may take requests."""
     if now.role != was.role:
         return f"its role is {now.role!r}, not {was.role!r}"
+    if now.salt_by_key:
+        return "it salts requests by API key (server.salt_by_key): salt by key at the router"
     if now.fingerprints != was.fingerprints:
         return (f"its fingerprints [{', '.join(now.fingerprints)}] are not the pool's "
                 f"[{', '.join(was.fingerprints)}]")  # fmt: skip

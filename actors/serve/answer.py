@@ -69,6 +69,7 @@ class Answer:
         metrics: Metrics,
         timeout_s: float,
         reservation: str = "",
+        cache_salt: str = "",
     ) -> None:
         self.body = body
         self.prompt = prompt
@@ -94,6 +95,7 @@ class Answer:
                     prompt_token_ids=prompt.token_ids,
                     params=sampling_params(body, prompt, prompter.vocab_size, index),
                     reservation_id=reservation,
+                    cache_salt=cache_salt,
                 )
                 stream = frontend.gateway.open(submit)  # 429 / 503 here, before any output
                 self.generations.append(Generation(

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Send
 
+from ringfence.sched.checks import MAX_SALT_CHARS
 from ringfence.shm.errors import RingfenceError
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -130,6 +131,9 @@ class _Sampling(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     # vLLM: the prompt's log probabilities, with this many alternatives per token.
     prompt_logprobs: TopLogprobs | None = None
+    # vLLM: joins the hash of the prompt's first KV block, so requests with another salt
+    # share none of its cached blocks (and cannot tell from their speed that it was sent).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
 
 
 class CompletionRequest(_Sampling):

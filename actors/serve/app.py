@@ -33,7 +33,7 @@ from ringfence.actors.serve.api import (
     error_body,
     ignored_fields,
 )
-from ringfence.actors.serve.auth import Keys, RequireKey, open_paths
+from ringfence.actors.serve.auth import TENANT_SCOPE, Keys, RequireKey, open_paths, tenant_salt
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.limits import LimitBody
 from ringfence.actors.serve.metrics import Metrics
@@ -95,6 +95,11 @@ def build_app(
     app.state.metrics = metrics
     timeout_s = config.server.request_timeout_s
     name = prompter.model_name
+    salt_by_key = config.server.salt_by_key
+
+    def salt_of(request: Request, cache_salt: str | None) -> str:
+        """The request's cache salt: the client's, under its key's tenant when salting by key."""
+        return tenant_salt(request.scope.get(TENANT_SCOPE), cache_salt, salt_by_key)
 
     handle_errors(app, metrics)
 
@@ -136,7 +141,8 @@ def build_app(
             prompt = prompt_of(body, prompter)
             reservation = claimed(request, role)
             answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics,
-                            timeout_s=timeout_s, reservation=reservation)  # fmt: skip
+                            timeout_s=timeout_s, reservation=reservation,
+                            cache_salt=salt_of(request, body.cache_salt))  # fmt: skip
             if body.stream:
                 return answer.sse(answer.completion_chunks)
             return JSONResponse(await answer.whole(request, answer.completion_body))
@@ -153,7 +159,8 @@ def build_app(
             prompt = prompt_of(body, prompter)
             reservation = claimed(request, role)
             answer = Answer(frontend, body, prompt, kind="chatcmpl", metrics=metrics,
-                            timeout_s=timeout_s, reservation=reservation)  # fmt: skip
+                            timeout_s=timeout_s, reservation=reservation,
+                            cache_salt=salt_of(request, body.cache_salt))  # fmt: skip
             if body.stream:
                 return answer.sse(answer.chat_chunks)
             return JSONResponse(await answer.whole(request, answer.chat_body))

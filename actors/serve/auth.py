@@ -13,6 +13,14 @@ one, or with another, gets 401 in OpenAI's error body, before the route reads it
 changes nothing. A key is compared as its SHA-256 digest with ``hmac.compare_digest``,
 against every key held, so the time taken tells nothing of a key's length or of how much of
 it matched. Keys are never logged: a refused call is counted, not recorded with what it sent.
+
+Each key belongs to a tenant: the name after it on its key-file line (``<key> <tenant>``:
+keys of one name are one tenant), else one of its own, ``key-`` and 16 hex digits of a
+BLAKE2b digest of the key (a one-way name, the same on every server given the key). With
+``server.salt_by_key`` (``--salt-by-key`` on the router) the tenant salts every request
+made with the key (:func:`tenant_salt`): tenants share no cached prefix, and cannot learn
+from a short first token that another sent one, unless an operator gives their keys one
+tenant name.
 """
 
 from __future__ import annotations
@@ -28,20 +36,31 @@ import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ringfence.actors.serve.api import error_body, send_error
-from ringfence.actors.serve.config import API_KEY_ENV, INSTANCE_KEY_ENV
+from ringfence.actors.serve.config import API_KEY_ENV, INSTANCE_KEY_ENV, ServerConfig
 from ringfence.runtime.secrets import secret_values
 
 OPEN_PATHS = frozenset({"/health"})  # and /metrics unless protected
+TENANT_SCOPE = "ringfence.tenant"  # the ASGI scope key RequireKey sets: the caller's tenant
 
 
-def read_key_file(path: str) -> list[str]:
-    """The keys of a key file; ValueError naming the file if it cannot be read or holds none."""
+def read_key_file(path: str) -> list[tuple[str, str]]:
+    """The ``(key, tenant)`` lines of a key file ("" for a line naming no tenant); ValueError
+    naming the file (and line) if it cannot be read, holds none or a line is not one."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"api key file {path}: {getattr(e, 'strerror', None) or e}") from None
-    keys = [line.strip() for line in text.splitlines()]
-    keys = [k for k in keys if k and not k.startswith("#")]
+    keys: list[tuple[str, str]] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) > 2:
+            raise ValueError(
+                f"api key file {path}, line {number}: a key and at most a tenant name, "
+                f"not {len(words)} words"
+            )
+        keys.append((words[0], words[1] if len(words) == 2 else ""))
     if not keys:
         raise ValueError(f"api key file {path}: no key in it (one a line)")
     return keys
@@ -49,19 +68,34 @@ def read_key_file(path: str) -> list[str]:
 
 def load_keys(inline: str = "", key_file: str = "", env: str = API_KEY_ENV) -> Keys:
     """Every key of the three places (module docstring); :class:`Keys` with none: no check."""
-    keys = secret_values(inline, env)
+    keys = [(k, "") for k in secret_values(inline, env)]
     if key_file:
         keys += read_key_file(key_file)
-    for key in keys:
-        if any(c.isspace() or not c.isprintable() for c in key):
-            raise ValueError("an API key holds a space or an unprintable character")
+    for key, tenant in keys:
+        if any(c.isspace() or not c.isprintable() for c in key + tenant):
+            raise ValueError("an API key or tenant name holds a space or an unprintable character")
     return Keys(keys)
+
+
+def server_keys(server: ServerConfig) -> Keys:
+    """The keys of ``serve``'s ``[server]`` settings; ValueError for a key file that cannot be
+    read, or for salting by key with no key to salt by."""
+    keys = load_keys(server.api_key, server.api_key_file)
+    if server.salt_by_key and not keys:
+        raise ValueError(
+            f"server.salt_by_key salts requests by their API key, and no key is set (give "
+            f"{API_KEY_ENV}, server.api_key or server.api_key_file)"
+        )
+    return keys
 
 
 def instance_key(key_file: str = "") -> str:
     """The one key ``ringfence router`` presents to its instances: the key file's, else
     ``RINGFENCE_INSTANCE_API_KEY``'s ("" for none); ValueError if there are several."""
-    keys = read_key_file(key_file) if key_file else secret_values("", INSTANCE_KEY_ENV)
+    if key_file:
+        keys = [key for key, _ in read_key_file(key_file)]
+    else:
+        keys = secret_values("", INSTANCE_KEY_ENV)
     if len(keys) > 1:
         where = key_file or INSTANCE_KEY_ENV
         raise ValueError(f"{where}: the router presents one key to its instances, not {len(keys)}")
@@ -69,10 +103,16 @@ def instance_key(key_file: str = "") -> str:
 
 
 class Keys:
-    """The keys a server takes (their digests only)."""
+    """The keys a server takes (their digests only), each with its tenant's name."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
-        self._digests = tuple(dict.fromkeys(_digest(k.encode()) for k in keys))
+    def __init__(self, keys: Sequence[str | tuple[str, str]]) -> None:
+        tenants: dict[bytes, str] = {}
+        for item in keys:
+            key, tenant = (item, "") if isinstance(item, str) else item
+            digest = _digest(key.encode())
+            tenants[digest] = tenant or tenants.get(digest) or _own_tenant(digest)
+        self._digests = tuple(tenants)
+        self._tenants = tuple(tenants.values())
 
     def __bool__(self) -> bool:
         return bool(self._digests)
@@ -85,20 +125,41 @@ class Keys:
 
     def accepts(self, authorization: bytes | None) -> bool:
         """Whether an ``Authorization`` header's value is ``Bearer`` and one of the keys."""
+        return self.tenant(authorization) is not None
+
+    def tenant(self, authorization: bytes | None) -> str | None:
+        """The tenant of the key an ``Authorization`` header's value presents (``Bearer``),
+        None if it is none of the keys."""
         if authorization is None:
-            return False
+            return None
         scheme, _, token = authorization.strip().partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
+            return None
         digest = _digest(token.strip())
-        found = False
-        for held in self._digests:  # every one, whatever matched: the same time for all
-            found |= hmac.compare_digest(digest, held)
-        return found
+        found = -1
+        for index, held in enumerate(self._digests):  # every one, whatever matched: the
+            if hmac.compare_digest(digest, held):  # same comparisons for all
+                found = index
+        return self._tenants[found] if found >= 0 else None
 
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
+
+
+def _own_tenant(digest: bytes) -> str:
+    """The tenant of a key given no name: a one-way name of its own (module docstring)."""
+    return "key-" + hashlib.blake2b(digest, digest_size=8, person=b"ringfence.tenant").hexdigest()
+
+
+def tenant_salt(tenant: str | None, cache_salt: str | None, salt_by_key: bool) -> str:
+    """The cache salt a request runs with: the client's ``cache_salt``, under the caller's
+    tenant's name when salting by key. A tenant name holds no space, so the first space
+    ends it, and no client's salt can make another tenant's."""
+    salt = cache_salt or ""
+    if not salt_by_key or tenant is None:
+        return salt
+    return f"{tenant} {salt}" if salt else tenant
 
 
 UNAUTHORIZED = orjson.dumps(
@@ -128,7 +189,9 @@ class RequireKey:
             if name == b"authorization":
                 authorization = value
                 break
-        if self.keys.accepts(authorization):
+        tenant = self.keys.tenant(authorization)
+        if tenant is not None:
+            scope[TENANT_SCOPE] = tenant
             await self.app(scope, receive, send)
             return
         await send_error(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])

@@ -41,10 +41,10 @@ def main(args: argparse.Namespace) -> int:
         overrides.append(f"server.port={args.port}")
     # A server stopped by Ctrl-C or its orchestrator's SIGTERM did its job: exit 0.
     config = load_config(args.config, overrides)
-    from ringfence.actors.serve.auth import load_keys
+    from ringfence.actors.serve.auth import server_keys
     from ringfence.actors.serve.config import ServerConfig
 
     server = config.section("server")
     assert isinstance(server, ServerConfig)
-    load_keys(server.api_key, server.api_key_file)  # a bad key file: exit 2, before a run
+    server_keys(server)  # a bad key file, salting by key without keys: exit 2, before a run
     return supervise("serve", config, args.run_dir, signal_is_success=True)

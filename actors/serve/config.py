@@ -44,6 +44,10 @@ class ServerConfig:
         "", "a file of more API keys, one a line ('#' starts a comment); empty = none"
     )
     protect_metrics: bool = setting(False, "GET /metrics asks for an API key too")
+    salt_by_key: bool = setting(
+        False,
+        "every request is cache-salted by its API key's tenant: tenants share no cached prefix",
+    )
     max_body_bytes: int = setting(
         32 << 20, "the largest request body taken; a larger one is answered 413", ge=1024
     )

@@ -93,9 +93,9 @@ class FrontEnd(Actor):
         self.prompter = Prompter(config)
         self.inbox = self.local_inbox(HTTP, CLIENT_TO_ENGINE)
         settings = config.server
-        from ringfence.actors.serve.auth import exposed_warning, exposed_without_key, load_keys
+        from ringfence.actors.serve.auth import exposed_warning, exposed_without_key, server_keys
 
-        keys = load_keys(settings.api_key, settings.api_key_file)  # a bad key file fails here
+        keys = server_keys(settings)  # a bad key file fails here
         sock = bind(settings.host, settings.port)  # an address in use fails the start here
         self.loop = asyncio.new_event_loop()
         self.gateway = Gateway(

@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,12 +33,14 @@ from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.protocol.client import Rejected, Reservation, Reserve, Submit, Tokens
 from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, CompletionRequest
+from ringfence.actors.serve.auth import TENANT_SCOPE, tenant_salt
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Lost, RequestStream
 from ringfence.actors.serve.load import Load
 from ringfence.actors.serve.prompts import prompt_of
 from ringfence.actors.serve.responses import events_card
 from ringfence.actors.serve.view import FrontEndView
+from ringfence.sched.checks import MAX_SALT_CHARS
 from ringfence.sched.sampling import SamplingParams
 
 ANSWER_TIMEOUT_S = 30.0  # how long a reserve waits for the engine's answer
@@ -58,6 +60,8 @@ class PrefillRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt_token_ids: list[int] = Field(min_length=1)
     request_id: str = ""  # the router's id of the request, for the logs
+    # The client's cache_salt: the decode side keys the handed-over blocks with it too.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
 
 
 def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSettings) -> None:
@@ -87,6 +91,8 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
             "tp_size": config.parallel.tp_size,
             "max_model_len": prompter.max_model_len,
             "serving": not frontend.engine_down_reason(),
+            # Salting by key here salts a router's every request with the router's key.
+            "salt_by_key": config.server.salt_by_key,
             "load": load,
         }
 
@@ -119,14 +125,17 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
         }
 
     @app.post("/ringfence/prefill")
-    async def prefill(body: PrefillRequest) -> dict[str, Any]:
+    async def prefill(body: PrefillRequest, request: Request) -> dict[str, Any]:
         if role != "prefill":
             raise _wrong_role(role, "prefill", "prefills")
         prompter.check_ids("prompt_token_ids", body.prompt_token_ids)
+        tenant = request.scope.get(TENANT_SCOPE)
         submit = Submit(
             request_id=f"prefill-{body.request_id or uuid.uuid4().hex}",
             prompt_token_ids=tuple(body.prompt_token_ids),
             params=SamplingParams(max_tokens=1),
+            # Salted as the claimed request on the decode side will be (its /v1 route).
+            cache_salt=tenant_salt(tenant, body.cache_salt, config.server.salt_by_key),
         )
         stream = frontend.gateway.open(submit)  # 429 / 503 here
         return await _prefilled(stream, config.server.request_timeout_s)

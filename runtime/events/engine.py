@@ -115,7 +115,9 @@ ENGINE_EVENTS: Final[dict[str, Event]] = {
     ),
     # The engine's calls into its scheduler, in order (trace): enough for `ringfence replay
     # --redrive` to repeat them on a fresh scheduler and compare every decision.
-    "sched.add": event("trace", "request prompt params", "a request is handed to the scheduler"),
+    "sched.add": event(
+        "trace", "request prompt params cache_salt", "a request is handed to the scheduler"
+    ),
     "sched.abort": event("trace", "request", "a request is aborted in the scheduler"),
     "sched.schedule": event(
         "trace",

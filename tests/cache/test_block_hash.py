@@ -178,6 +178,29 @@ def test_distinct_extra_keys_give_distinct_keys():
     assert len(keys) == len(EXTRAS)
 
 
+def test_a_salt_changes_the_first_key_and_so_every_later_one():
+    plain = block_keys(TOKENS, 4, namespace=NAMESPACE)
+    salted = block_keys(TOKENS, 4, namespace=NAMESPACE, salt="tenant-a")
+    assert len(salted) == len(plain) == 3
+    assert not set(salted) & set(plain)
+    assert salted == block_keys(TOKENS, 4, namespace=NAMESPACE, salt="tenant-a")
+    assert not set(salted) & set(block_keys(TOKENS, 4, namespace=NAMESPACE, salt="tenant-b"))
+    assert block_keys(TOKENS, 4, namespace=NAMESPACE, salt="") == plain
+
+
+def test_the_salt_joins_the_first_block_only_as_vllms_cache_salt_does():
+    salted = block_keys(TOKENS, 4, namespace=NAMESPACE, salt="s")
+    first = block_key(None, TOKENS[:4], ("x",), namespace=NAMESPACE, salt="s")
+    assert first == block_keys(TOKENS[:4], 4, namespace=NAMESPACE, extra=("x",), salt="s")[0]
+    assert salted[0] == block_key(None, TOKENS[:4], (("cache_salt", "s"),), namespace=NAMESPACE)
+    # Later blocks chain from the salted first key, unsalted themselves: a chain continued
+    # from its parent with or without the salt gets the same keys.
+    assert salted[1:] == block_keys(TOKENS[4:], 4, namespace=NAMESPACE, parent=salted[0])
+    assert salted[1:] == block_keys(TOKENS[4:], 4, namespace=NAMESPACE, parent=salted[0], salt="s")
+    with pytest.raises(TypeError, match="cache salt is a str"):
+        block_keys(TOKENS, 4, namespace=NAMESPACE, salt=b"s")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("bad", [-1, 2**32, 2**64])
 def test_a_token_id_outside_32_bits_raises(bad):
     with pytest.raises(ValueError, match=f"token id {bad} "):

@@ -47,9 +47,11 @@ def expected_output(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     return out
 
 
-def key_contents(tokens: tuple[int, ...], block_size: int) -> dict[BlockHash, Contents]:
+def key_contents(
+    tokens: tuple[int, ...], block_size: int, salt: str = ""
+) -> dict[BlockHash, Contents]:
     """Storage entries for the full blocks of ``tokens`` (as another instance wrote them)."""
-    keys = block_keys(tokens, block_size, namespace=NAMESPACE)
+    keys = block_keys(tokens, block_size, namespace=NAMESPACE, salt=salt)
     return {
         key: {s: tokens[: i * block_size + s + 1] for s in range(block_size)}
         for i, key in enumerate(keys)
@@ -112,13 +114,18 @@ def make_scheduler(
 
 
 def make_request(
-    request_id: str, prompt: Iterable[int], max_tokens: int = 8, arrival: float = 0.0
+    request_id: str,
+    prompt: Iterable[int],
+    max_tokens: int = 8,
+    arrival: float = 0.0,
+    cache_salt: str = "",
 ) -> Request:
     return Request(
         request_id=request_id,
         prompt_token_ids=tuple(prompt),
         params=SamplingParams(max_tokens=max_tokens),
         arrival=arrival,
+        cache_salt=cache_salt,
     )
 
 
@@ -724,6 +731,37 @@ def test_a_later_request_reuses_the_shared_prefix_on_device():
     sim.run([(sim.round, make_request("b", second, 4))])
     b = sim.requests[1]
     assert b.cached_tokens == {"device": 16, "host": 0, "storage": 0}
+    assert b.output_token_ids == expected_output(second, 4)
+    sim.check_drained()
+
+
+def test_requests_with_another_cache_salt_share_no_block_and_those_with_the_same_do():
+    first, second = prefix_prompts()
+    sim = Sim(make_scheduler(device_blocks=64))
+    sim.run([(0, make_request("a", first, 4, cache_salt="tenant-a"))])
+    sim.run([(sim.round, make_request("b", second, 4, cache_salt="tenant-b"))])
+    sim.run([(sim.round, make_request("plain", second, 4))])
+    sim.run([(sim.round, make_request("a2", second, 4, cache_salt="tenant-a"))])
+    b, plain, a2 = (sim.requests[i] for i in (1, 2, 3))
+    assert b.cached_tokens == plain.cached_tokens == {"device": 0, "host": 0, "storage": 0}
+    assert a2.cached_tokens == {"device": 16, "host": 0, "storage": 0}
+    for request in (b, plain, a2):  # the same tokens, whatever was shared
+        assert request.output_token_ids == expected_output(second, 4)
+    sim.check_drained()
+
+
+@pytest.mark.parametrize(
+    ("stored", "asked", "cached"), [("s", "s", 16), ("s", "t", 0), ("", "s", 0)]
+)
+def test_a_stored_prefix_is_found_only_under_its_own_salt(stored, asked, cached):
+    first, second = prefix_prompts()
+    storage = key_contents(first, 4, salt=stored)
+    sim = Sim(
+        make_scheduler(device_blocks=16, host_blocks=8, storage=FakeStorage(storage)), storage
+    )
+    sim.run([(0, make_request("b", second, 4, cache_salt=asked))])
+    b = sim.requests[0]
+    assert b.cached_tokens == {"device": 0, "host": 0, "storage": cached}
     assert b.output_token_ids == expected_output(second, 4)
     sim.check_drained()
 

@@ -85,6 +85,20 @@ def test_unique_prompts_through_the_router_equal_a_both_instance_and_come_from_t
     assert rig.metric("ringfence_router_prefills_total") >= len(batch)
 
 
+def test_a_salted_prompt_is_handed_over_under_its_salt_and_another_salt_finds_nothing(
+    pd: Pd, rig: Rig
+):
+    prompt = fresh_prompt(7, 4 * 16 + 3)
+    expected = tokens(completion(pd.both.url, prompt, 6))
+    first = completion(rig.url, prompt, 6, cache_salt="tenant-x")
+    # The prefill keyed the blocks as the decode side does: they came from the tier.
+    assert tokens(first) == expected
+    assert cached(first)["storage"] == full_blocks(prompt), cached(first)
+    # The same prompt under another salt (straight to the decode side's tier) finds none.
+    other = completion(pd.both.url, prompt, 6, cache_salt="tenant-y")
+    assert tokens(other) == expected and sum(cached(other).values()) == 0, cached(other)
+
+
 def test_the_hand_over_is_timed_per_block_from_the_instances_logs_and_the_routers(pd: Pd, rig: Rig):
     prompt = fresh_prompt(3, 5 * 16 + 4)  # five full blocks to hand over
     both_and_routed(pd, rig, prompt, 4)

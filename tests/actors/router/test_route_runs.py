@@ -87,6 +87,31 @@ def test_cache_sends_a_prompt_where_its_prefix_is_cached(pair):
         assert all(r["policy"] == "cache" and r["outcome"] == "ok" for r in routed)
 
 
+def test_a_salted_prompt_is_published_and_routed_under_its_salt_only(pair):
+    a, b = pair
+    tokens = prompt(5)
+    card = b.get("/v1/models").json()["data"][0]["ringfence"]
+    namespace = bytes.fromhex(card["fingerprint"])
+    salted = block_keys(tokens, card["block_size"], namespace=namespace, salt="tenant-s")
+    with routed_urls([], [], instances=(a.url, b.url), policy="cache") as rig:
+        body = {"prompt": tokens, "max_tokens": 1, "cache_salt": "tenant-s"}
+        assert b.post("/v1/completions", body).status_code == 200
+        wait_until(
+            f"the router's index to hold the salted blocks on {b.url}",
+            partial(holds, index_of(rig), salted, b.url),
+            EVENTS_S,
+        )
+        plain = block_keys(tokens, card["block_size"], namespace=namespace)
+        found = index_of(rig).overlap(plain)  # the KV events carry the salted keys only
+        assert not [o for o in found.values() if o.blocks], found
+        for salt in ("tenant-s", "tenant-t", None):
+            answer = rig.post("/v1/completions", {**body, "cache_salt": salt, "max_tokens": 4})
+            assert answer.status_code == 200, answer.text
+        routed = rig.log.events("router.routed")
+        assert [r["cached_blocks"] for r in routed] == [4.0, 0.0, 0.0]
+        assert routed[0]["instance"] == b.url
+
+
 def test_round_robin_takes_turns_and_every_policy_gives_the_same_greedy_tokens(pair):
     a, b = pair
     answers = {}

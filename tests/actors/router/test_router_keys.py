@@ -1,5 +1,6 @@
 """The router's API keys: its clients' keys guard every route but /health (and /metrics
-unless protected), and it presents the instances' key on every call to them; its body limit."""
+unless protected), and it presents the instances' key on every call to them; its body limit;
+salting by key: each client key's tenant salts the request on every instance it reaches."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from starlette.routing import Route
 
 from ringfence.actors.router.app import build_app
 from ringfence.actors.router.instances import PoolRefused
+from ringfence.actors.router.options import RouterOptions
 from ringfence.actors.serve.auth import Keys
 
 CLIENT_KEY, INSTANCE_KEY = "sk-client-7f3a", "sk-instance-91c2"
@@ -106,3 +108,37 @@ def test_a_body_over_the_routers_limit_is_413_and_reaches_no_instance(fakes):
         assert prefill.calls == [] and decode.calls == []
         small = rig.post("/v1/completions", {"model": "fake", "prompt": "hi", "max_tokens": 2})
         assert small.status_code == 200
+
+
+def test_salted_by_key_each_tenants_requests_carry_its_salt_to_prefill_and_decode(fakes):
+    prefill, decode = fakes("p", role="prefill"), fakes("d")
+    keys = Keys([(CLIENT_KEY, "team-a"), ("sk-other-44d1", "")])
+    with routed([prefill], [decode], client_keys=keys, salt_by_key=True) as rig, rig.http() as c:
+        for key, salt in (
+            (CLIENT_KEY, None),
+            (CLIENT_KEY, "mine"),
+            ("sk-other-44d1", None),
+            (CLIENT_KEY, 7),
+        ):
+            body = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+            if salt is not None:
+                body["cache_salt"] = salt
+            answer = c.post(
+                "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert answer.status_code == 200, answer.text
+    claims = [call.body for call in decode.calls if call.path == "/v1/completions"]
+    prefills = [call.body for call in prefill.calls]
+    other = Keys(["sk-other-44d1"]).tenant(b"Bearer sk-other-44d1")
+    assert [c.get("cache_salt") for c in claims] == ["team-a", "team-a mine", other, 7]
+    # The prefill keys the blocks as the claim will; a salt an instance refuses passes as is.
+    assert [p.get("cache_salt") for p in prefills] == ["team-a", "team-a mine", other, None]
+
+
+def test_salting_by_key_needs_client_keys_and_an_instance_salting_by_key_is_refused(fakes):
+    with pytest.raises(ValueError, match="--salt-by-key salts requests by their client key"):
+        RouterOptions(instances=("http://127.0.0.1:1",), salt_by_key=True)
+    prefill, decode = fakes("p", role="prefill"), fakes("d", salt_by_key=True)
+    with pytest.raises(PoolRefused) as refused, routed([prefill], [decode]):
+        pass
+    assert f"{decode.url}: the instance salts requests by API key" in str(refused.value)

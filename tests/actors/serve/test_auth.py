@@ -120,3 +120,44 @@ def test_a_server_beyond_loopback_without_a_key_is_exposed():
 def test_a_key_file_path_is_no_secret(tmp_path: Path):
     config = load_config(None, [SERVE, f"server.api_key_file={tmp_path}/keys"])
     assert f'api_key_file = "{tmp_path}/keys"' in dump_config(config)
+
+
+def test_a_key_files_tenant_names_group_keys_and_a_key_without_one_is_its_own(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("sk-a1 team-a\nsk-a2   team-a  \nsk-b\n# sk-c team-c\n")
+    keys = load_keys(key_file=str(path))
+    a1, a2 = keys.tenant(b"Bearer sk-a1"), keys.tenant(b"Bearer sk-a2")
+    b = keys.tenant(b"Bearer sk-b")
+    assert a1 == a2 == "team-a"
+    assert b is not None and b.startswith("key-") and len(b) == 4 + 16
+    assert "sk-b" not in b and b == Keys(["sk-b"]).tenant(b"Bearer sk-b")  # the same anywhere
+    assert Keys(["sk-c"]).tenant(b"Bearer sk-c") != b
+    assert keys.tenant(b"Bearer sk-c") is None and keys.tenant(None) is None
+    path.write_text("sk-a team a\n")
+    with pytest.raises(ValueError, match="line 1: a key and at most a tenant name, not 3 words"):
+        load_keys(key_file=str(path))
+
+
+def test_the_salt_by_key_puts_the_tenant_before_the_clients_salt():
+    from ringfence.actors.serve.auth import tenant_salt
+
+    assert tenant_salt("team-a", None, salt_by_key=False) == ""
+    assert tenant_salt("team-a", "s", salt_by_key=False) == "s"
+    assert tenant_salt(None, "s", salt_by_key=True) == "s"  # no keys: nothing to salt by
+    assert tenant_salt("team-a", None, salt_by_key=True) == "team-a"
+    assert tenant_salt("team-a", "s", salt_by_key=True) == "team-a s"
+    # A client's salt never makes another tenant's: the tenant's name ends at the first space.
+    assert tenant_salt("team-a", "team-b", salt_by_key=True) != tenant_salt("team-b", None, True)
+
+
+def test_the_middleware_hands_the_route_the_callers_tenant():
+    from ringfence.actors.serve.auth import TENANT_SCOPE
+
+    async def who(request):
+        return PlainTextResponse(str(request.scope.get(TENANT_SCOPE)))
+
+    keys = Keys([("sk-1", "one"), ("sk-2", "two")])
+    app = Starlette(routes=[Route("/v1/x", who)], middleware=[Middleware(RequireKey, keys=keys)])
+    with TestClient(app) as client:
+        assert client.get("/v1/x", headers={"Authorization": "Bearer sk-2"}).text == "two"
+        assert client.get("/v1/x", headers={"Authorization": "Bearer sk-1"}).text == "one"
