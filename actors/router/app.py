@@ -97,8 +97,14 @@ def build_app(router: Router) -> Starlette:
     # The first is the outermost: a call without a key is refused before its body is read.
     middleware = [Middleware(LimitBody, max_bytes=options.max_body_bytes)]
     if options.client_keys:
-        guard = open_paths(options.protect_metrics)
-        middleware.insert(0, Middleware(RequireKey, keys=options.client_keys, open_paths=guard))
+        guard = Middleware(
+            RequireKey,
+            keys=options.client_keys,
+            open_paths=open_paths(options.protect_metrics),
+            max_per_key=options.max_requests_per_key,
+            option="--max-requests-per-key",
+        )
+        middleware.insert(0, guard)
     return Starlette(
         routes=routes,
         exception_handlers=handlers,  # type: ignore[arg-type]

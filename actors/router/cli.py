@@ -95,6 +95,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=int, default=32 << 20, metavar="N",
         help="the largest request body taken (default 32 MiB); a larger one is answered 413",
     )  # fmt: skip
+    parser.add_argument(
+        "--header-timeout-s", type=float, default=10.0, metavar="S",
+        help="a connection whose request head is not whole in S seconds is closed (default 10)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--body-timeout-s", type=float, default=60.0, metavar="S",
+        help="a request body not whole S seconds after its head is answered 408 (default 60)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-requests-per-key", type=int, default=0, metavar="N",
+        help="requests one client key may have running at once; more are answered 429 "
+        "(default 0: any)",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -121,6 +134,9 @@ def main(args: argparse.Namespace) -> int:
         protect_metrics=args.protect_metrics,
         salt_by_key=args.salt_by_key,
         max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_requests_per_key=args.max_requests_per_key,
         instance_key=instance_key(args.instance_api_key_file or ""),
     )  # ValueError: the command line's fault, named (exit 2)
     sock = listen(args.host, args.port)

@@ -34,6 +34,9 @@ class RouterOptions:
     salt_by_key: bool = False  # the client key's tenant salts every request (serve/auth.py)
     instance_key: str = field(default="", repr=False)  # presented on every call to an instance
     max_body_bytes: int = 32 << 20  # a larger request body is answered 413 (as an instance's)
+    header_timeout_s: float = 10.0  # a connection whose request head is not whole is closed
+    body_timeout_s: float = 60.0  # a request body not whole this long after its head: 408
+    max_requests_per_key: int = 0  # one client key's requests running at once; 0: any
 
     def __post_init__(self) -> None:
         if self.instances and (self.prefill or self.decode):
@@ -53,7 +56,13 @@ class RouterOptions:
         twice = sorted({u for u in urls if urls.count(u) > 1})
         if twice:
             raise ValueError(f"{', '.join(twice)}: each instance may be named once")
-        for name in ("reserve_timeout_s", "start_timeout_s", "retry_cap_s"):
+        if self.max_requests_per_key < 0:
+            raise ValueError("--max-requests-per-key: must be >= 0")
+        if self.max_requests_per_key and not self.client_keys:
+            raise ValueError("--max-requests-per-key counts by client key, and no key is given")
+        names = ("reserve_timeout_s", "start_timeout_s", "retry_cap_s", "header_timeout_s",
+                 "body_timeout_s")  # fmt: skip
+        for name in names:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
         if self.salt_by_key and not self.client_keys:

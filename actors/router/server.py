@@ -23,6 +23,7 @@ from ringfence.actors.router.app import build_app
 from ringfence.actors.router.log import RouterLog
 from ringfence.actors.router.options import RouterOptions
 from ringfence.actors.router.state import open_router
+from ringfence.actors.serve.deadlines import head_deadline
 
 GRACE_S = 1  # open connections get this long to finish when the server stops
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -72,6 +73,7 @@ async def serve(
     try:
         config = uvicorn.Config(
             build_app(router),
+            http=head_deadline(router.options.header_timeout_s),  # a slow head: closed
             log_level="warning",
             access_log=False,
             proxy_headers=False,  # the router reads no client address: no work a request

@@ -79,10 +79,15 @@ def build_app(
     with ``keys``, every route but the open ones asks for one (:mod:`.auth`)."""
     app = FastAPI(title="ringfence", version="0.1.0", openapi_url="/openapi.json")
     install(app)
-    app.add_middleware(LimitBody, max_bytes=config.server.max_body_bytes)
+    server = config.server
+    app.add_middleware(LimitBody, max_bytes=server.max_body_bytes, timeout_s=server.body_timeout_s)
     if keys:  # added last: the outermost, so a call without a key is refused before its body
         app.add_middleware(
-            RequireKey, keys=keys, open_paths=open_paths(config.server.protect_metrics)
+            RequireKey,
+            keys=keys,
+            open_paths=open_paths(server.protect_metrics),
+            max_per_key=server.max_requests_per_key,
+            retry_after_s=server.retry_after_s,
         )
     gateway, prompter = frontend.gateway, frontend.prompter
     metrics = Metrics(

@@ -29,7 +29,7 @@ import hashlib
 import hmac
 import ipaddress
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -130,6 +130,11 @@ class Keys:
     def tenant(self, authorization: bytes | None) -> str | None:
         """The tenant of the key an ``Authorization`` header's value presents (``Bearer``),
         None if it is none of the keys."""
+        index = self.index(authorization)
+        return None if index is None else self._tenants[index]
+
+    def index(self, authorization: bytes | None) -> int | None:
+        """Which key an ``Authorization`` header's value presents (``Bearer``), None if none."""
         if authorization is None:
             return None
         scheme, _, token = authorization.strip().partition(b" ")
@@ -140,7 +145,10 @@ class Keys:
         for index, held in enumerate(self._digests):  # every one, whatever matched: the
             if hmac.compare_digest(digest, held):  # same comparisons for all
                 found = index
-        return self._tenants[found] if found >= 0 else None
+        return found if found >= 0 else None
+
+    def tenant_of(self, index: int) -> str:
+        return self._tenants[index]
 
 
 def _digest(key: bytes) -> bytes:
@@ -172,13 +180,30 @@ UNAUTHORIZED = orjson.dumps(
 )
 
 
+def too_many(limit: int, option: str) -> bytes:
+    return orjson.dumps(
+        error_body(
+            f"this API key has {limit} requests running already ({option}); retry later",
+            kind="rate_limit_exceeded",
+            code="rate_limit_exceeded",
+            param=None,
+        )
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class RequireKey:
-    """ASGI middleware: 401 for an HTTP call to a protected path without a key of ``keys``."""
+    """ASGI middleware: 401 for an HTTP call to a protected path without a key of ``keys``;
+    429 for one past ``max_per_key`` calls of its key running at once (0: no cap), each
+    running from its head until its answer ended (a stream's last event)."""
 
     app: ASGIApp
     keys: Keys
     open_paths: frozenset[str] = OPEN_PATHS
+    max_per_key: int = 0
+    option: str = "server.max_requests_per_key"  # what the 429 names
+    retry_after_s: int = 1
+    running: dict[int, int] = field(default_factory=dict)  # key index -> calls running
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths:
@@ -189,12 +214,25 @@ class RequireKey:
             if name == b"authorization":
                 authorization = value
                 break
-        tenant = self.keys.tenant(authorization)
-        if tenant is not None:
-            scope[TENANT_SCOPE] = tenant
-            await self.app(scope, receive, send)
+        index = self.keys.index(authorization)
+        if index is None:
+            await send_error(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
             return
-        await send_error(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
+        scope[TENANT_SCOPE] = self.keys.tenant_of(index)
+        running = self.running.get(index, 0)
+        if self.max_per_key and running >= self.max_per_key:
+            retry = [(b"retry-after", b"%d" % self.retry_after_s)]
+            await send_error(send, 429, too_many(self.max_per_key, self.option), retry)
+            return
+        self.running[index] = running + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            left = self.running[index] - 1
+            if left:
+                self.running[index] = left
+            else:
+                del self.running[index]
 
 
 def open_paths(protect_metrics: bool) -> frozenset[str]:

@@ -51,6 +51,15 @@ class ServerConfig:
     max_body_bytes: int = setting(
         32 << 20, "the largest request body taken; a larger one is answered 413", ge=1024
     )
+    header_timeout_s: float = setting(
+        10.0, "a connection whose request head is not whole this long is closed", gt=0, le=3600
+    )
+    body_timeout_s: float = setting(
+        60.0, "a request body not whole this long after its head is answered 408", gt=0, le=3600
+    )
+    max_requests_per_key: int = setting(
+        0, "requests one API key may have running at once; more are answered 429; 0 = any", ge=0
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

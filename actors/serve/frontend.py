@@ -112,7 +112,7 @@ class FrontEnd(Actor):
         from ringfence.actors.serve.server import HttpThread
 
         app = build_app(self, config, keys)
-        self.http = HttpThread(app, sock, self.loop)
+        self.http = HttpThread(app, sock, self.loop, settings.header_timeout_s)
         self.http.start()
         host, port = sock.getsockname()[:2]
         self.address = (host, port)

@@ -16,15 +16,25 @@ import threading
 import uvicorn
 from starlette.types import ASGIApp
 
+from ringfence.actors.serve.deadlines import head_deadline
+
 GRACE_S = 1  # open connections get this long to finish when the server stops
+HEAD_TIMEOUT_S = 10.0  # server.header_timeout_s's default
 
 
 class HttpThread:
     """Serves ``app`` on ``sock`` in a thread running ``loop``; start once, stop once."""
 
-    def __init__(self, app: ASGIApp, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+    ) -> None:
         config = uvicorn.Config(
             app,
+            http=head_deadline(head_timeout_s),  # a head not whole in time: closed
             log_level="warning",
             access_log=False,
             lifespan="off",

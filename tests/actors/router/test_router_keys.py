@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 from launching import launch_env
@@ -142,3 +143,34 @@ def test_salting_by_key_needs_client_keys_and_an_instance_salting_by_key_is_refu
     with pytest.raises(PoolRefused) as refused, routed([prefill], [decode]):
         pass
     assert f"{decode.url}: the instance salts requests by API key" in str(refused.value)
+
+
+def test_a_client_keys_streams_past_its_cap_are_429_while_another_keys_are_routed(fakes):
+    gate = threading.Event()
+    prefill, decodes = fakes("p", role="prefill"), [fakes(d, gate=gate) for d in ("d1", "d2")]
+    keys = Keys([CLIENT_KEY, "sk-second-02aa"])
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 2, "stream": True}
+    mine, other = ({"Authorization": f"Bearer {k}"} for k in (CLIENT_KEY, "sk-second-02aa"))
+    with (
+        routed([prefill], decodes, client_keys=keys, max_requests_per_key=1) as rig,
+        rig.http() as first,
+        rig.http() as second,
+        rig.http() as third,  # one client a call
+        first.stream("POST", "/v1/completions", json=body, headers=mine) as held,
+    ):
+        events = held.iter_raw()  # kept: a dropped iterator closes the stream
+        next(events)  # its stream runs, held by the fake after its first event
+        refused = second.post("/v1/completions", json=body, headers=mine)
+        assert refused.status_code == 429, refused.text
+        assert "--max-requests-per-key" in refused.json()["error"]["message"]
+        with third.stream("POST", "/v1/completions", json=body, headers=other) as routed_too:
+            assert routed_too.status_code == 200
+            more = routed_too.iter_raw()
+            next(more)
+            gate.set()
+            assert b"[DONE]" in b"".join(more)
+        assert b"[DONE]" in b"".join(events)
+        again = second.post("/v1/completions", json={**body, "stream": False}, headers=mine)
+        assert again.status_code == 200  # its count went back
+    with pytest.raises(ValueError, match="--max-requests-per-key counts by client key"):
+        RouterOptions(instances=("http://127.0.0.1:1",), max_requests_per_key=1)
