@@ -11,6 +11,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ringfence.cache.storage.registry import BACKEND_NAMES
+from ringfence.cache.storage.seal import SECRET_ENV
+from ringfence.cache.storage.url import PASSWORD_ENV, split_password
 
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
 
@@ -31,13 +33,40 @@ def setting(default: T, doc: str, **rules: Any) -> T:
     return dataclasses.field(default=default, metadata={"doc": doc, **rules})
 
 
+# The metadata key of a secret setting: runtime.config_tables.SECRET (tests check they agree).
+SECRET = "secret"
+
+
+def secret_setting(doc: str, env: str) -> str:
+    """A string setting that is a secret carried to the actors by environment variable
+    ``env``, as ``runtime.secrets.secret`` declares one (runtime/secrets.py)."""
+    return dataclasses.field(default="", repr=False, metadata={"doc": doc, SECRET: env})
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StorageConfig:
     """[cache.storage]: the storage tier below host memory."""
 
     backend: Backend = setting("local", "storage backend; 'none' disables the storage tier")
     path: str = setting("", "directory of the 'local' backend; empty = <run dir>/storage")
-    url: str = setting("", "server URL of the 'redis' backend")
+    url: str = setting(
+        "", "server URL of the 'redis' backend: redis:// or rediss:// (TLS), [user@]host:port/db"
+    )
+    password: str = secret_setting(
+        "the 'redis' server's password (of the URL's user); a password written in the URL is "
+        f"moved here; a secret: never written to the run dir, handed to the actors as "
+        f"{PASSWORD_ENV}",
+        env=PASSWORD_ENV,
+    )
+    secret: str = secret_setting(
+        "the tier's secret: every block carries a keyed MAC and one that does not verify is a "
+        f"miss; instances sharing a tier share it; a secret: never written to the run dir, "
+        f"handed to the actors as {SECRET_ENV} (no comma in it)",
+        env=SECRET_ENV,
+    )
+    secret_file: str = setting(
+        "", "a file holding the storage secret (its first line not blank nor '#'); empty = none"
+    )
     max_bytes: int = setting(1 << 30, "capacity of the storage tier in bytes", ge=0)
     timeout_s: float = setting(
         2.0, "'redis': the most seconds a connect or a reply may take", gt=0, le=3600
@@ -48,6 +77,19 @@ class StorageConfig:
         gt=0,
         le=60,
     )
+
+    def __post_init__(self) -> None:
+        # A password in the URL is the password setting's: the URL is written to the run
+        # dir and printed, the secret is not (cache/storage/url.py).
+        url, password = split_password(self.url)
+        if not password:
+            return
+        if self.password and self.password != password:
+            raise ValueError(
+                "cache.storage.url: holds a password, and cache.storage.password another one"
+            )
+        object.__setattr__(self, "url", url)
+        object.__setattr__(self, "password", password)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

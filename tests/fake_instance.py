@@ -41,6 +41,7 @@ class Knobs:
 
     role: str = "decode"
     fingerprints: tuple[str, ...] = ("f0",)
+    storage_secret_id: str | None = None  # the identifier of its storage secret (None: none)
     no_room: int = 0  # reserve answers 503 no_room this many times first
     retry_after: str = "0"  # the Retry-After of a no_room
     bad_field: str | None = None  # reserve answers 400 naming this field
@@ -181,6 +182,7 @@ class FakeInstance:
         return JSONResponse({
             "role": self.knobs.role, "model": MODEL, "model_id": "m0",
             "fingerprints": list(self.knobs.fingerprints), "block_size": 16, "tp_size": 1,
+            "storage_secret_id": self.knobs.storage_secret_id,
             "max_model_len": 2048, "salt_by_key": self.knobs.salt_by_key,
             "load": {"pending": 0, "running": 0, "waiting": 0,
             "reservations": len(self._live), "free_blocks": 100, "total_blocks": 100},

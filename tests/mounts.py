@@ -18,6 +18,8 @@ MOUNT_TIMEOUT_S = 30.0
 def mounted_tmpfs(point: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (mount's ``size=``) mounted at ``point`` (created), unmounted after.
 
+    Its root is ``0700``, this user's only, as the local storage backend asks of its directory.
+
     Skips the test where mounting is not permitted (not root, or no CAP_SYS_ADMIN).
     """
     mount, umount = shutil.which("mount"), shutil.which("umount")
@@ -25,7 +27,7 @@ def mounted_tmpfs(point: Path, size: str) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root")
     point.mkdir()
     done = subprocess.run(
-        [mount, "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+        [mount, "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(point)],
         capture_output=True,
         text=True,
         timeout=MOUNT_TIMEOUT_S,

@@ -3,7 +3,9 @@
 At start the router reads ``GET /ringfence/instance`` of every instance it was given,
 waiting until each one answers (an instance starts in minutes), and refuses a pool it
 cannot run: an instance of the wrong role, or two instances whose fingerprints differ
-(they could not share KV through the tier). The load it picks prefill and decode
+(they could not share KV through the tier), or whose storage secrets differ (each would
+take the other's blocks for forgeries; compared by a keyed hash of the secret that
+reveals nothing of it). The load it picks prefill and decode
 instances by is its own count of requests in flight on each (:attr:`Instance.in_flight`),
 exact for the requests it routes and free to read; for aggregated instances it also
 follows each one's own word (``GET /ringfence/load``, :attr:`Instance.load`), which counts
@@ -31,7 +33,8 @@ MAX_WAIT_S = 1.0
 
 
 class PoolRefused(RingfenceError, ValueError):
-    """The instances cannot work together (roles, fingerprints); the message names them."""
+    """The instances cannot work together (roles, fingerprints, storage secrets); the
+    message names them."""
 
 
 class StartTimeout(RingfenceError, TimeoutError):
@@ -46,6 +49,7 @@ class Identity:
     model: str  # the served model's name
     fingerprints: tuple[str, ...]  # the storage namespaces, one per tp rank
     namespace: str = ""  # the block keys' namespace (hex): how to hash a prompt as it does
+    secret_id: str = ""  # its storage secret's identifier (cache.storage.secret); "" for none
     block_size: int = 0
     events: tuple[str, str] | None = None  # where it publishes KV events, and replays them
     serving: bool = True  # False while its engine is down (restarting, or not begun)
@@ -64,6 +68,7 @@ class Identity:
                 model=str(body["model"]),
                 fingerprints=tuple(prints),
                 namespace=str(body.get("namespace") or ""),
+                secret_id=str(body.get("storage_secret_id") or ""),
                 block_size=int(body.get("block_size") or 0),
                 events=(str(events["endpoint"]), str(events["replay_endpoint"]))
                 if isinstance(events, dict)
@@ -156,7 +161,7 @@ class Pool:
 
 def check_pool(instances: list[Instance]) -> None:
     """PoolRefused naming the first instance of the wrong role, or the first two whose
-    fingerprints differ (both named, with their roles and fingerprints)."""
+    fingerprints or storage secrets differ (both named, with their roles and fingerprints)."""
     for instance in instances:
         if instance.identity.salt_by_key:
             raise PoolRefused(
@@ -177,6 +182,17 @@ def check_pool(instances: list[Instance]) -> None:
                 f"{first.describe()} and {other.describe()} cannot share KV: their "
                 "fingerprints differ (another model, dtype, block size or tp size)"
             )
+        if other.identity.secret_id != first.identity.secret_id:
+            raise PoolRefused(
+                f"{first.describe()} and {other.describe()} cannot share KV: their storage "
+                f"secrets differ ({secret_name(first.identity)} and "
+                f"{secret_name(other.identity)}; cache.storage.secret)"
+            )
+
+
+def secret_name(identity: Identity) -> str:
+    """How a message names an instance's storage secret: its identifier, never the secret."""
+    return f"secret {identity.secret_id}" if identity.secret_id else "no secret"
 
 
 async def identify(client: Upstream, url: str, deadline: float) -> Identity:

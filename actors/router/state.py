@@ -26,6 +26,7 @@ from ringfence.actors.router.instances import (
     PoolRefused,
     identify,
     open_pool,
+    secret_name,
 )
 from ringfence.actors.router.log import RouterLog
 from ringfence.actors.router.metrics import Metrics
@@ -206,7 +207,8 @@ def follow(
 
 def _differs(was: Identity, now: Identity) -> str | None:
     """Why an instance that answers again is not the one the pool was checked with (another
-    role or model, or fingerprints), or not serving yet; None when it may take requests."""
+    role or model, or fingerprints, or storage secret), or not serving yet; None when it may
+    take requests."""
     if now.role != was.role:
         return f"its role is {now.role!r}, not {was.role!r}"
     if now.salt_by_key:
@@ -214,6 +216,8 @@ def _differs(was: Identity, now: Identity) -> str | None:
     if now.fingerprints != was.fingerprints:
         return (f"its fingerprints [{', '.join(now.fingerprints)}] are not the pool's "
                 f"[{', '.join(was.fingerprints)}]")  # fmt: skip
+    if now.secret_id != was.secret_id:
+        return f"its storage secret ({secret_name(now)}) is not the pool's ({secret_name(was)})"
     if not now.serving:
         return "it is not serving yet"
     return None

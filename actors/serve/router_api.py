@@ -1,7 +1,9 @@
 """The API an instance offers ``ringfence router``: its routes (DESIGN.md "Instances").
 
 - ``GET /ringfence/instance``: what the router pairs instances by (role, model, the
-  storage fingerprints of every rank), picks them by (load), and hashes prompts and
+  storage fingerprints of every rank, the storage secret's identifier: a keyed hash that
+  tells whether two instances hold the same secret, ``cache/storage/seal.py``), picks them
+  by (load), and hashes prompts and
   follows KV events with (the block keys' namespace and size, the events' endpoints);
 - ``GET /ringfence/load?after=N&wait_s=S``: the load (``load.py``), numbered by change,
   answered once it is past ``N`` or at ``S`` seconds (a long poll the router follows);
@@ -40,6 +42,7 @@ from ringfence.actors.serve.load import Load
 from ringfence.actors.serve.prompts import prompt_of
 from ringfence.actors.serve.responses import events_card
 from ringfence.actors.serve.view import FrontEndView
+from ringfence.cache.storage.seal import load_seal
 from ringfence.sched.checks import MAX_SALT_CHARS
 from ringfence.sched.sampling import SamplingParams
 
@@ -73,6 +76,8 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
         for rank in range(config.parallel.tp_size)
     ]
     namespace = block_fingerprint(config, ident).digest().hex()
+    storage = config.cache.storage
+    seal = load_seal(storage.secret, storage.secret_file)  # its id, never the secret
     prompter = frontend.prompter
 
     @app.get("/ringfence/instance")
@@ -86,6 +91,7 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
             "model_id": ident,
             "fingerprints": fingerprints,
             "namespace": namespace,  # of the block keys (the KV events' hashes)
+            "storage_secret_id": None if seal is None else seal.id,
             "events": None if events is None else events["events"],
             "block_size": config.cache.block_size,
             "tp_size": config.parallel.tp_size,

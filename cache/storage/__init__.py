@@ -4,9 +4,10 @@ A backend maps a :data:`~ringfence.cache.ids.BlockHash` to a block's bytes. Keys
 content hashes, so writing a key twice stores the same bytes and write-back and
 prefetch are idempotent. Every value is stored as a blob (see :mod:`.blob`): the
 block's bytes and a trailer naming the format version, the writer's fingerprint, the
-key, the length and a checksum; a blob that is short, corrupt or from another
-fingerprint reads as a miss, is reported as a ``storage.corrupt`` error and is
-deleted, never returned as data.
+key, the length and a checksum, and with a storage secret (:mod:`.seal`) a keyed tag; a
+blob that is short, corrupt, from another fingerprint or (with the secret) not sealed by
+it reads as a miss, is reported as a ``storage.corrupt`` or ``storage.forged`` error and
+is deleted, never returned as data.
 
 A backend's key space is its fingerprint's: backends of two fingerprints sharing one
 directory or server store the same key side by side, each sees only its own blocks,
@@ -40,6 +41,11 @@ engine's client of one rank logs them (:class:`~.ranks.RankLog`):
 
 - ``storage.corrupt`` (error; ``key`` hex, ``reason`` a :class:`~.blob.CorruptBlock`
   reason): a blob failed its checks; it was treated as a miss and deleted.
+- ``storage.forged`` (error; ``key`` hex of the latest, ``count`` since the last report):
+  a reader holding the storage secret (:mod:`.seal`) found a blob whose tag does not verify,
+  or a plain one; it was treated as a miss and deleted. Reported at most once per
+  :data:`FORGED_REPORT_S` per backend with the count since the last report, so whoever can
+  write to the tier cannot flood the log (``stats().forged`` counts every one).
 - ``storage.read_failed`` (error; ``key``, ``error``): reading a blob raised an
   ``OSError`` (local); it was treated as a miss and left in place.
 - ``storage.write_failed`` (error; ``failed``, ``written``, ``error``): a put could not
@@ -54,11 +60,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Protocol
 
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage.blob import Buffer, CorruptBlock, decode, decode_into
+from ringfence.cache.storage.seal import Seal
 from ringfence.shm.errors import RingfenceError
 
 __all__ = [
@@ -73,6 +81,7 @@ __all__ = [
 
 
 DEFAULT_TIMEOUT_S: Final = 2.0  # a redis client's connect and reply timeout
+FORGED_REPORT_S: Final = 10.0  # the least time between two storage.forged events of a backend
 
 
 class StorageUnavailable(RingfenceError, ConnectionError):
@@ -105,6 +114,7 @@ class StorageStats:
     evictions: int  # blocks this backend deleted to stay within max_bytes (or a full disk)
     failed_puts: int = 0  # blocks a put could not write (each put with one raised)
     read_errors: int = 0  # reads that raised an OSError (each also counts as a miss)
+    forged: int = 0  # of the corrupt blobs, those whose tag did not verify (or had none)
 
 
 class StorageLog(Protocol):
@@ -208,10 +218,14 @@ class Counters:
     """
 
     __slots__ = (
+        "_clock",
+        "_forged_reported_at",
+        "_forged_unreported",
         "backend",
         "corrupt",
         "evictions",
         "failed_puts",
+        "forged",
         "hits",
         "log",
         "misses",
@@ -219,7 +233,13 @@ class Counters:
         "read_errors",
     )
 
-    def __init__(self, backend: str, log: StorageLog | None) -> None:
+    def __init__(
+        self,
+        backend: str,
+        log: StorageLog | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.backend = backend  # the registry name, written in every report
         self.log: StorageLog = log if log is not None else _StdlibLog()
         self.num_puts = 0
@@ -229,21 +249,50 @@ class Counters:
         self.evictions = 0
         self.failed_puts = 0
         self.read_errors = 0
+        self.forged = 0
+        self._clock = clock  # times the forged reports
+        self._forged_unreported = 0  # forged blobs found since the last storage.forged
+        self._forged_reported_at: float | None = None  # the clock at that report
 
     def report(self, error: CorruptBlock) -> None:
-        """Count and log a blob that failed its checks (the caller turns it into a miss)."""
+        """Count and log a blob that failed its checks (the caller turns it into a miss).
+
+        A forged one is logged as ``storage.forged``, at most once per
+        :data:`FORGED_REPORT_S` with the count since the last (see the module docstring).
+        """
         self.corrupt += 1
-        self.log.error(
-            "storage.corrupt", backend=self.backend, key=error.key.hex(), reason=error.reason
-        )
+        if error.reason != "forged":
+            self.log.error(
+                "storage.corrupt", backend=self.backend, key=error.key.hex(), reason=error.reason
+            )
+            return
+        self.forged += 1
+        self._forged_unreported += 1
+        now = self._clock()
+        last = self._forged_reported_at
+        if last is None or now - last >= FORGED_REPORT_S:
+            self.log.error(
+                "storage.forged",
+                backend=self.backend,
+                key=error.key.hex(),
+                count=self._forged_unreported,
+            )
+            self._forged_unreported = 0
+            self._forged_reported_at = now
 
     def payload(
-        self, fingerprint: bytes, key: BlockHash, blob: Buffer, drop: Callable[[BlockHash], object]
+        self,
+        fingerprint: bytes,
+        key: BlockHash,
+        blob: Buffer,
+        drop: Callable[[BlockHash], object],
+        *,
+        seal: Seal | None = None,
     ) -> bytes | None:
         """The payload of ``blob``; or, for a blob that fails its checks, report it, ``drop``
         it (so a later write-back can store it again) and return None: a miss."""
         try:
-            return decode(fingerprint, key, blob)
+            return decode(fingerprint, key, blob, seal)
         except CorruptBlock as error:
             self.report(error)
             drop(key)
@@ -256,10 +305,12 @@ class Counters:
         blob: Buffer,
         dest: memoryview,
         drop: Callable[[BlockHash], object],
+        *,
+        seal: Seal | None = None,
     ) -> bool:
-        """As :meth:`payload`, into ``dest``; True on a hit."""
+        """As :meth:`payload`, into ``dest`` (untouched on a miss); True on a hit."""
         try:
-            decode_into(fingerprint, key, blob, dest)
+            decode_into(fingerprint, key, blob, dest, seal)
         except CorruptBlock as error:
             self.report(error)
             drop(key)
@@ -277,4 +328,5 @@ class Counters:
             evictions=self.evictions,
             failed_puts=self.failed_puts,
             read_errors=self.read_errors,
+            forged=self.forged,
         )

@@ -58,6 +58,19 @@ working as a cache instead of staying full. A read that raises an ``OSError`` (n
 missing file) is a miss, logged ``storage.read_failed``; the file stays, since the
 error may pass. Recency stamps are best effort: a blob whose mtime cannot be set
 (another user's, a read-only mount) keeps its age.
+
+Permissions: the directory is one user's (the processes of a machine that share it run as
+that user). Blobs are created ``0600`` and the directories the backend creates ``0700``;
+a root or fingerprint directory that another user owns, or that its group or others may
+write to, is refused at open (:class:`UnsafeDirectory`, naming the path and its mode):
+whoever can write there could replace blocks, and without a storage secret a block is
+taken on its CRC-32 alone.
+
+Reads with a storage secret (``seal``) take the same paths: a read into the caller's
+buffer reads the payload there and then checks its tag, so on a miss the buffer holds the
+refused bytes. The store lane's caller never uses such a buffer (the block is reported
+missing and recomputed; ``get_into``'s contract), so no unverified byte becomes KV, and a
+second buffer would cost every hit a copy.
 """
 
 from __future__ import annotations
@@ -66,6 +79,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -75,6 +89,7 @@ from typing import Final, NamedTuple, TypeVar
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import Counters, StorageLog, StorageStats, StorageWriteFailed
 from ringfence.cache.storage.blob import (
+    END_BYTES,
     KEY_BYTES,
     TRAILER,
     Buffer,
@@ -86,6 +101,8 @@ from ringfence.cache.storage.blob import (
     trailer,
     verify,
 )
+from ringfence.cache.storage.seal import Seal
+from ringfence.shm.errors import ConfigError
 
 TMP_PREFIX: Final = ".tmp-"
 RESCAN_FRACTION: Final = 8  # rescan after writing max_bytes / RESCAN_FRACTION
@@ -93,8 +110,15 @@ _O_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _O_READ: Final = os.O_RDONLY | os.O_CLOEXEC
 _HEX: Final = frozenset("0123456789abcdef")
 _FULL: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # errors that more room would cure
+FILE_MODE: Final = 0o600  # a blob: this user's only
+DIR_MODE: Final = 0o700  # a directory the backend creates
+_OTHERS_WRITE: Final = 0o022  # group or others may write: refused (see the module docstring)
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class UnsafeDirectory(ConfigError):
+    """The storage directory is another user's, or others may write to it."""
 
 
 class _Stored(NamedTuple):
@@ -134,10 +158,12 @@ class LocalBackend:
         log: StorageLog | None = None,
         fsync: bool = True,
         num_threads: int = 4,
+        seal: Seal | None = None,
     ) -> None:
         check_key(fingerprint, "fingerprint")
         self.root = os.fspath(root)
         self.fingerprint = fingerprint
+        self.seal = seal  # the storage secret's MAC: blobs are keyed and must verify
         self.directory = os.path.join(self.root, fingerprint.hex())  # this key space
         self.max_bytes = max_bytes  # 0: no bound
         self.fsync = fsync
@@ -149,7 +175,8 @@ class LocalBackend:
         self._written_since_scan = 0
         self._last_stamp = 0
         self._closed = False
-        os.makedirs(self.directory, exist_ok=True)
+        for directory in (self.root, self.directory):
+            _make_private_dir(directory)
         self.rescan()
         self._bound()
 
@@ -247,7 +274,7 @@ class LocalBackend:
         """
         key, view, stamp = item
         path = self.path_for(key)
-        size = len(view) + TRAILER.size
+        size = len(view) + (END_BYTES if self.seal is not None else TRAILER.size)
         try:
             try:
                 stored = os.stat(path).st_size
@@ -264,12 +291,13 @@ class LocalBackend:
         """Write a temp file, flush it and rename it to ``path``; on any error remove it."""
         shard = os.path.dirname(path)
         tmp = os.path.join(shard, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        tail = trailer(self.fingerprint, key, view)
+        tail = self._tail_of(key, view)
         try:
-            fd = os.open(tmp, _O_CREATE, 0o644)
+            fd = os.open(tmp, _O_CREATE, FILE_MODE)
         except FileNotFoundError:
-            os.makedirs(shard, exist_ok=True)
-            fd = os.open(tmp, _O_CREATE, 0o644)
+            with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+                os.mkdir(shard, DIR_MODE)
+            fd = os.open(tmp, _O_CREATE, FILE_MODE)
         try:
             try:
                 self._write_blob(fd, view, tail)
@@ -283,6 +311,10 @@ class LocalBackend:
             with contextlib.suppress(OSError):  # the first error is the one to report
                 os.unlink(tmp)
             raise
+
+    def _tail_of(self, key: BlockHash, view: memoryview) -> bytes:
+        """What follows the payload on disk: its trailer, after its tag with a secret."""
+        return trailer(self.fingerprint, key, view, self.seal)
 
     def _fail_put(self, failed: list[_Stored], written: int) -> None:
         """Count and log the blocks a put could not write, make room if the disk is full,
@@ -368,15 +400,16 @@ class LocalBackend:
         try:
             size = os.fstat(fd).st_size
             try:
-                end = os.pread(fd, TRAILER.size, max(0, size - TRAILER.size))
-                tail = read_trailer(self.fingerprint, key, end, size)  # bounds the read below
+                end = os.pread(fd, min(size, END_BYTES), max(0, size - END_BYTES))
+                tail = read_trailer(self.fingerprint, key, end, size, self.seal)  # bounds the read
                 payload = None
                 if dest is None:
                     payload = os.pread(fd, tail.length, 0)
-                    verify(key, tail, payload)
+                    verify(key, tail, payload, self.seal)
                 else:
                     check_fits(key, tail.length, dest)
-                    verify(key, tail, dest[: os.preadv(fd, [dest], 0)])  # a read cut short fails
+                    got = dest[: os.preadv(fd, [dest], 0)]  # a read cut short fails
+                    verify(key, tail, got, self.seal)
             except CorruptBlock as error:
                 return _Loaded(False, None, size, error)
             except OSError as error:
@@ -430,6 +463,33 @@ def _touch(target: str | int, stamp: int) -> None:
     # Another user's file in a shared directory, or a read-only mount: it keeps its age.
     with contextlib.suppress(OSError):
         os.utime(target, ns=(stamp, stamp))
+
+
+def _make_private_dir(path: str) -> None:
+    """Create ``path`` (``0700``) if it is missing; :class:`UnsafeDirectory` if it is another
+    user's or its group or others may write to it."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # its parent is missing too: made as by mkdir -p
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, DIR_MODE)
+    st = os.stat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectory(
+            f"cache.storage.path: {path} (mode {mode:04o}) belongs to user {st.st_uid}, not "
+            f"to this one ({os.geteuid()}): another user could replace its blocks",
+            key="cache.storage.path",
+        )
+    if mode & _OTHERS_WRITE:
+        raise UnsafeDirectory(
+            f"cache.storage.path: {path} (mode {mode:04o}) may be written by its group or "
+            f"others, who could replace its blocks (chmod go-w {path})",
+            key="cache.storage.path",
+        )
 
 
 def _is_key_name(name: str) -> bool:

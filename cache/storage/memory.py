@@ -13,6 +13,7 @@ from ringfence.cache.storage.blob import (
     check_key,
     encode,
 )
+from ringfence.cache.storage.seal import Seal
 
 
 class MemoryBackend:
@@ -26,9 +27,17 @@ class MemoryBackend:
 
     name = "memory"
 
-    def __init__(self, *, fingerprint: bytes, max_bytes: int = 0, log: StorageLog | None = None):
+    def __init__(
+        self,
+        *,
+        fingerprint: bytes,
+        max_bytes: int = 0,
+        log: StorageLog | None = None,
+        seal: Seal | None = None,
+    ):
         check_key(fingerprint, "fingerprint")
         self.fingerprint = fingerprint
+        self.seal = seal  # the storage secret's MAC: blobs are keyed and must verify
         self.max_bytes = max_bytes  # 0: no bound
         # The stored blobs, least recently used first; read-only outside (see replace_blob).
         self.blobs: OrderedDict[BlockHash, bytes] = OrderedDict()
@@ -43,7 +52,7 @@ class MemoryBackend:
             check_key(key)
             if key in self.blobs:
                 continue
-            blob = encode(self.fingerprint, key, payload)
+            blob = encode(self.fingerprint, key, payload, self.seal)
             self.blobs[key] = blob
             self._num_bytes += len(blob)
             written += 1
@@ -58,7 +67,11 @@ class MemoryBackend:
         for key in keys:
             check_key(key)
             blob = self.blobs.get(key)
-            payload = None if blob is None else self._counters.payload(fp, key, blob, self._remove)
+            payload = (
+                None
+                if blob is None
+                else self._counters.payload(fp, key, blob, self._remove, seal=self.seal)
+            )
             if payload is None:
                 self._counters.misses += 1
             else:
@@ -75,7 +88,9 @@ class MemoryBackend:
             check_key(key)
             blob = self.blobs.get(key)
             dest = as_bytes_view(buffer)
-            hit = blob is not None and self._counters.fill(fp, key, blob, dest, self._remove)
+            hit = blob is not None and self._counters.fill(
+                fp, key, blob, dest, self._remove, seal=self.seal
+            )
             if hit:
                 self._counters.hits += 1
                 self.blobs.move_to_end(key)

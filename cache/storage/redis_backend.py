@@ -18,6 +18,10 @@ package imports without redis installed. Connection failures and timeouts raise
 :class:`~ringfence.cache.storage.StorageUnavailable`; other Redis errors (a
 misconfigured server) propagate unchanged.
 
+TLS and ACLs: ``url`` may be ``rediss://`` and name a user (``redis://user@host``); the
+password is ``password`` (a password in the URL is taken out of it first, cache/storage/url.py),
+so the URL this backend keeps and prints (:attr:`url`, errors: host and port) holds none.
+
 Faults: every connect and every reply waits at most ``socket_timeout_s``, and the
 client is told to retry nothing itself (redis-py 8's default policy retries ten times
 with sleeps in between: a refused connect took 4.7 s per call here, and a server that
@@ -49,6 +53,8 @@ from ringfence.cache.storage.blob import (
     check_key,
     encode,
 )
+from ringfence.cache.storage.seal import Seal
+from ringfence.cache.storage.url import split_password
 
 if TYPE_CHECKING:
     import redis
@@ -73,6 +79,8 @@ class RedisBackend:
         log: StorageLog | None = None,
         socket_timeout_s: float = DEFAULT_TIMEOUT_S,
         require_server: bool = True,
+        seal: Seal | None = None,
+        password: str = "",
     ) -> None:
         import redis
         from redis.backoff import NoBackoff
@@ -80,13 +88,17 @@ class RedisBackend:
 
         check_key(fingerprint, "fingerprint")
         self.fingerprint = fingerprint
+        self.seal = seal  # the storage secret's MAC: blobs are keyed and must verify
         self.prefix = b"rf:" + fingerprint.hex().encode() + b":"  # of every key of this backend
         self._errors: tuple[type[Exception], ...] = (
             redis.exceptions.ConnectionError,
             redis.exceptions.TimeoutError,
         )
+        url, in_url = split_password(url)  # a URL is printed: it keeps no password
+        self.url = url
         self.client: redis.Redis = redis.Redis.from_url(
             url,
+            password=password or in_url or None,
             decode_responses=False,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
@@ -119,7 +131,7 @@ class RedisBackend:
         batch_bytes = 0
         for key, payload in items:
             name = self.redis_key(key)
-            blob = encode(self.fingerprint, key, payload)
+            blob = encode(self.fingerprint, key, payload, self.seal)
             batch.append((name, blob))
             batch_bytes += len(blob)
             if batch_bytes >= CHUNK_BYTES:
@@ -132,25 +144,27 @@ class RedisBackend:
 
     def get_many(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
         self._check_open()
-        counters, fp = self._counters, self.fingerprint
+        counters, fp, seal = self._counters, self.fingerprint, self.seal
         out: list[bytes | None] = []
         for chunk in _chunks(keys, CHUNK_KEYS):
             blobs = self._pipelined(lambda pipe, k: pipe.get(self.redis_key(k)), chunk)
             for key, blob in zip(chunk, blobs, strict=True):
-                payload = None if blob is None else counters.payload(fp, key, blob, self._drop)
+                payload = None
+                if blob is not None:
+                    payload = counters.payload(fp, key, blob, self._drop, seal=seal)
                 self._count(payload is not None)
                 out.append(payload)
         return out
 
     def get_into(self, items: Sequence[tuple[BlockHash, Buffer]]) -> list[bool]:
         self._check_open()
-        counters, fp = self._counters, self.fingerprint
+        counters, fp, seal = self._counters, self.fingerprint, self.seal
         out: list[bool] = []
         for chunk in _chunks(items, CHUNK_KEYS):
             blobs = self._pipelined(lambda pipe, item: pipe.get(self.redis_key(item[0])), chunk)
             for (key, buffer), blob in zip(chunk, blobs, strict=True):
                 dest = as_bytes_view(buffer)
-                hit = blob is not None and counters.fill(fp, key, blob, dest, self._drop)
+                hit = blob is not None and counters.fill(fp, key, blob, dest, self._drop, seal=seal)
                 self._count(hit)
                 out.append(hit)
         return out

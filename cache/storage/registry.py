@@ -21,6 +21,8 @@ from typing import Final, Protocol
 
 from ringfence.cache.storage import DEFAULT_TIMEOUT_S, StorageBackend, StorageLog
 from ringfence.cache.storage.blob import check_key
+from ringfence.cache.storage.seal import Seal, load_seal
+from ringfence.cache.storage.url import password_of
 from ringfence.shm.errors import ConfigError
 
 RUN_STORAGE = "storage"  # under the run dir: where a tier of this run only keeps its blocks
@@ -36,6 +38,8 @@ class Place:
     max_bytes: int  # local, memory: the bound (0: none)
     timeout_s: float  # redis: the connect and reply timeout
     require_server: bool  # redis: an unreachable server at open raises (else: a warning)
+    seal: Seal | None = None  # the storage secret's MAC, where one is set: every blob keyed
+    password: str = ""  # redis: the server's password (never in the URL)
 
 
 # (fingerprint, place, log) -> the backend; an opener imports its backend's module.
@@ -71,6 +75,12 @@ class StorageSettings(Protocol):
     def max_bytes(self) -> int: ...
     @property
     def timeout_s(self) -> float: ...
+    @property
+    def password(self) -> str: ...
+    @property
+    def secret(self) -> str: ...
+    @property
+    def secret_file(self) -> str: ...
 
 
 def _open_local(fp: bytes, place: Place, log: StorageLog | None) -> StorageBackend:
@@ -80,7 +90,9 @@ def _open_local(fp: bytes, place: Place, log: StorageLog | None) -> StorageBacke
         raise ConfigError(
             "cache.storage.path: the local backend needs a directory", key="cache.storage.path"
         )
-    return LocalBackend(place.path, fingerprint=fp, max_bytes=place.max_bytes, log=log)
+    return LocalBackend(
+        place.path, fingerprint=fp, max_bytes=place.max_bytes, log=log, seal=place.seal
+    )
 
 
 def _open_redis(fp: bytes, place: Place, log: StorageLog | None) -> StorageBackend:
@@ -96,13 +108,15 @@ def _open_redis(fp: bytes, place: Place, log: StorageLog | None) -> StorageBacke
         log=log,
         socket_timeout_s=place.timeout_s,
         require_server=place.require_server,
+        seal=place.seal,
+        password=place.password,
     )
 
 
 def _open_memory(fp: bytes, place: Place, log: StorageLog | None) -> StorageBackend:
     from ringfence.cache.storage.memory import MemoryBackend
 
-    return MemoryBackend(fingerprint=fp, max_bytes=place.max_bytes, log=log)
+    return MemoryBackend(fingerprint=fp, max_bytes=place.max_bytes, log=log, seal=place.seal)
 
 
 def _open_none(fp: bytes, place: Place, log: StorageLog | None) -> StorageBackend:
@@ -147,7 +161,8 @@ def open_storage(
 
     A backend whose registry entry puts an empty ``path`` in the run dir keeps its blocks
     in ``<run_dir>/storage`` (with no ``run_dir``, the path stays empty and the backend
-    refuses it). The rest is :func:`open_backend`'s.
+    refuses it). The storage secret is the settings' and the environment's
+    (:func:`.seal.load_seal`). The rest is :func:`open_backend`'s.
     """
     path = settings.path
     if not path and backend(settings.backend).path_in_run_dir and run_dir is not None:
@@ -161,6 +176,8 @@ def open_storage(
         timeout_s=settings.timeout_s,
         log=log,
         require_server=require_server,
+        seal=load_seal(settings.secret, settings.secret_file),
+        password=password_of(settings.password),
     )
 
 
@@ -174,6 +191,8 @@ def open_backend(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     log: StorageLog | None = None,
     require_server: bool = True,
+    seal: Seal | None = None,
+    password: str = "",
 ) -> StorageBackend:
     """Open the backend registered as ``name`` at an explicit place (tests, benchmarks; a
     run's actors open theirs with :func:`open_storage`).
@@ -188,6 +207,9 @@ def open_backend(
     with ``require_server=False`` an unreachable server is a ``storage.unreachable``
     warning instead, and each call raises ``StorageUnavailable`` until it is reachable
     (the actors open it so: a tier that is down at launch costs misses, not the run).
+    With ``seal`` (a storage secret's, :mod:`.seal`), every blob is written with a tag and
+    read only if its tag verifies. ``password`` is the redis server's (its URL holds
+    none, :mod:`.url`).
     """
     entry = backend(name)
     if max_bytes < 0:
@@ -200,6 +222,12 @@ def open_backend(
         )
     check_key(fingerprint, "fingerprint")
     place = Place(
-        path=path, url=url, max_bytes=max_bytes, timeout_s=timeout_s, require_server=require_server
+        path=path,
+        url=url,
+        max_bytes=max_bytes,
+        timeout_s=timeout_s,
+        require_server=require_server,
+        seal=seal,
+        password=password,
     )
     return entry.open(fingerprint, place, log)

@@ -89,6 +89,12 @@ RUN_EVENTS: Final[dict[str, Event]] = {
     "storage.corrupt": event(
         "error", "backend key reason", "a stored block failed its checks: a miss, deleted"
     ),
+    "storage.forged": event(
+        "error",
+        "backend key count",
+        "with cache.storage.secret set, a stored block's tag did not verify (or it had none): a "
+        "miss, deleted; at most one event per 10 s per client, `count` forged since the last",
+    ),
     "storage.read_failed": event(
         "error", "backend key error", "reading a stored block raised an OSError: a miss, kept"
     ),

@@ -185,7 +185,7 @@ TAMPER = {
     "cut below a trailer": (lambda blob: blob[: TRAILER.size - 1], "short"),
     "lost its start": (lambda blob: blob[BLOCK // 2 :], "length"),
     "bad magic": (lambda blob: replace(blob, BLOCK, b"XXXX"), "magic"),
-    "newer format": (lambda blob: replace(blob, BLOCK + 4, b"\x02\x00"), "version"),
+    "newer format": (lambda blob: replace(blob, BLOCK + 4, b"\x03\x00"), "version"),
     "foreign fingerprint": (
         lambda blob: encode(OTHER_FP, key(0), decode(FP, key(0), blob)),
         "fingerprint",

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from ringfence.actors.config import Config
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.tools.testing.demo import DemoConfig
+from ringfence.cache import config as cache_config
 from ringfence.cache.config import CacheConfig, StorageConfig
 from ringfence.runtime.config import (
     ActorPolicy,
@@ -27,7 +28,7 @@ from ringfence.runtime.config import (
     parse_override,
     setting,
 )
-from ringfence.runtime.config_tables import ACTOR_NAME
+from ringfence.runtime.config_tables import ACTOR_NAME, SECRET
 from ringfence.runtime.imports import import_target
 from ringfence.runtime.secrets import export_secrets
 from ringfence.shm.errors import ConfigError
@@ -270,7 +271,7 @@ def test_dump_writes_every_key_under_a_doc_comment_with_floats_that_read_back_as
     headers = [line for line in lines if line.startswith("[")]
     assert headers == [f"[{name}]" for name in SECTIONS.split()]
     keys = [i for i, line in enumerate(lines) if " = " in line and not line.startswith("#")]
-    assert len(keys) == 6 + 6 + 6 + 5 + 4 + 9 + 1 + 14 + 6 + 10 + 2 + 4 + 6  # [server]: 14
+    assert len(keys) == 6 + 6 + 9 + 5 + 4 + 9 + 1 + 14 + 6 + 10 + 2 + 4 + 6  # [server]: 14
     assert all(lines[i - 1].startswith("# ") for i in keys)
     assert "spin_us = 50.0" in lines and "chaos_delay_ms = 0.0" in lines
 
@@ -317,6 +318,27 @@ def test_any_valid_config_survives_a_dump_and_load(cfg):
     # by environment (runtime/secrets.py), never through a run dir's config.toml.
     public = export_secrets(cfg, {})
     assert Config.loads(dump_config(cfg)) == public
+
+
+def test_the_storage_secret_and_password_leave_the_config_for_the_environment():
+    # The cache declares its secrets itself (it may not import the runtime): the same key.
+    assert cache_config.SECRET == SECRET
+    sets = [
+        "cache.storage.secret=tier-secret",
+        "cache.storage.url=redis://alice:pass-word@10.0.0.2:6379/0",
+    ]
+    cfg = Config.load(None, sets)
+    assert cfg.cache.storage.url == "redis://alice@10.0.0.2:6379/0"
+    environ: dict[str, str] = {}
+    public = export_secrets(cfg, environ)
+    assert environ == {
+        "RINGFENCE_STORAGE_SECRET": "tier-secret",
+        "RINGFENCE_STORAGE_PASSWORD": "pass-word",
+    }
+    text = dump_config(public)
+    assert "tier-secret" not in text and "pass-word" not in text
+    assert 'url = "redis://alice@10.0.0.2:6379/0"' in text
+    assert (public.cache.storage.secret, public.cache.storage.password) == ("", "")
 
 
 def test_the_config_is_immutable_down_to_the_actor_mapping():

@@ -11,7 +11,10 @@ installed), next to a plain ``open().write()`` of the same bytes into the same
 temp dir, as a ratio (target >= 0.7). Presence part: microseconds per engine question
 "how many of these 32 keys are stored" (16 are) through the engine's guarded client,
 asked on its asker thread with a deadline (``cache.storage.presence_timeout_s``) next
-to asked in the caller, as a ratio: the price of never stalling on a hung server.
+to asked in the caller, as a ratio: the price of never stalling on a hung server. With
+``--secret``, each backend also runs as ``<name>+secret`` in the same rounds, its blobs keyed
+with a storage secret (HMAC-SHA256 written and checked, ``cache/storage/seal.py``): the
+MAC's price, side by side.
 
 Lives in ringfence.cache (stdlib only) and is reached by import path from the CLI.
 """
@@ -53,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, help="cached blocks (1,000,000; quick 20,000)")
     parser.add_argument("--storage-blocks", type=int, help="256 KiB blocks per storage run (64)")
     parser.add_argument("--backends", default="local,redis", help="storage backends: %(default)s")
+    parser.add_argument(
+        "--secret", action="store_true", help="also each backend with a storage secret (MAC)"
+    )
 
 
 def _per_block_us(run: Callable[[], int]) -> float:
@@ -215,10 +221,15 @@ def _plain(workdir: Path, payloads: list[bytes], *, fsync: bool = False) -> tupl
 
 
 def _backend(
-    name: str, workdir: Path, url: str, payloads: list[bytes], round_no: int
+    label: str, workdir: Path, url: str, payloads: list[bytes], round_no: int
 ) -> tuple[float, float]:
-    """MB/s of ``put_many`` then ``get_many`` of fresh keys on backend ``name``."""
+    """MB/s of ``put_many`` then ``get_many`` of fresh keys on backend ``label`` (a name, or
+    ``<name>+secret``: its blobs keyed with :data:`BENCH_SECRET`)."""
     from ringfence.cache.storage.registry import open_backend
+    from ringfence.cache.storage.seal import Seal
+
+    name, _, keyed = label.partition("+")
+    seal = Seal(BENCH_SECRET) if keyed else None
 
     total = len(payloads) * STORAGE_BLOCK_BYTES
     keys = [
@@ -226,7 +237,7 @@ def _backend(
         for i in range(len(payloads))
     ]
     backend = open_backend(
-        name, fingerprint=FINGERPRINT, path=str(workdir / name), url=url, max_bytes=0
+        name, fingerprint=FINGERPRINT, path=str(workdir / label), url=url, max_bytes=0, seal=seal
     )
     try:
         put = _mb_per_s(total, lambda: backend.put_many(zip(keys, payloads, strict=True)))
@@ -240,6 +251,7 @@ def _backend(
     return put, get
 
 
+BENCH_SECRET = b"ringfence bench cache"  # the storage secret of the +secret runs
 PRESENCE_KEYS = 32  # keys per presence question, the first half of them stored
 
 
@@ -272,7 +284,9 @@ def _presence(name: str, workdir: Path, url: str, questions: int) -> tuple[float
     return timings[0], timings[1]
 
 
-def bench_storage(backends: Sequence[str], num_blocks: int, rounds: int) -> dict[str, Any]:
+def bench_storage(
+    backends: Sequence[str], num_blocks: int, rounds: int, *, secret: bool = False
+) -> dict[str, Any]:
     """Median put/get MB/s per backend and of the plain write/read, over interleaved rounds."""
     from ringfence.actors.tools.testing.redis_server import REDIS_SERVER, redis_server
 
@@ -299,6 +313,11 @@ def bench_storage(backends: Sequence[str], num_blocks: int, rounds: int) -> dict
             samples["plain_fsync"].append(_plain(round_dir, payloads, fsync=True))
             for name in active:
                 samples.setdefault(name, []).append(_backend(name, round_dir, url, payloads, r))
+                if secret:  # right after the plain one: the same state of the machine
+                    keyed = f"{name}+secret"
+                    samples.setdefault(keyed, []).append(
+                        _backend(keyed, round_dir, url, payloads, r)
+                    )
                 asks.setdefault(name, []).append(_presence(name, round_dir, url, questions))
     median = {
         name: {
@@ -337,7 +356,7 @@ def _print_storage(report: dict[str, Any]) -> list[tuple[str, bool, str]]:
     print(f"storage, {report['blocks']} blocks of 256 KiB, median of {report['rounds']} round(s):")
     targets = []
     for name, m in report["median"].items():
-        line = f"  {name:<8} put {m['put_mb_s']:8.0f} MB/s   get {m['get_mb_s']:8.0f} MB/s"
+        line = f"  {name:<14} put {m['put_mb_s']:8.0f} MB/s   get {m['get_mb_s']:8.0f} MB/s"
         ratio = report["ratios"].get(name)
         if ratio is not None:
             put, get = ratio["put_vs_plain_write"], ratio["get_vs_plain_read"]
@@ -372,7 +391,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--backends: expected a subset of local,redis,memory, got {unknown}")
     index = bench_index(num_blocks, 200 if args.quick else 20_000)
     targets = _print_index(index)
-    storage = bench_storage(backends, storage_blocks, 1 if args.quick else 5)
+    storage = bench_storage(backends, storage_blocks, 1 if args.quick else 5, secret=args.secret)
     targets += _print_storage(storage)
     for name, passed, detail in targets:
         print(f"{'PASS' if passed else 'FAIL'} {name}: {detail}")

@@ -78,6 +78,7 @@ def redis_server(
     timeout_s: float = 10.0,
     bind: str = "127.0.0.1",
     prefix: Sequence[str] = (),
+    user: tuple[str, str] | None = None,
 ) -> Iterator[str]:
     """Run redis-server on ``bind`` with ``workdir`` as its dir; yield its URL; stop it.
 
@@ -91,6 +92,9 @@ def redis_server(
     required (this process cannot tell which ports are free there), it is not pinged
     (its log line is the readiness), and protected mode is off (its clients are not on
     loopback).
+
+    ``user``: an ACL user ``(name, password)`` that may do anything, and the default user
+    off, so a client must log in as it (the yielded URL holds neither; the PING does).
     """
     import redis
 
@@ -105,6 +109,9 @@ def redis_server(
         args += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", ""]
         if prefix:
             args += ["--protected-mode", "no"]
+        if user is not None:
+            args += ["--user", user[0], "on", f">{user[1]}", "~*", "&*", "+@all"]
+            args += ["--user", "default", "off"]
         proc = subprocess.Popen(
             args,
             cwd=workdir,
@@ -118,7 +125,8 @@ def redis_server(
             if output.ready:
                 url = f"redis://{bind}:{listen}/0"
                 if not prefix:
-                    with redis.Redis.from_url(url, socket_timeout=timeout_s) as client:
+                    login = {"username": user[0], "password": user[1]} if user else {}
+                    with redis.Redis.from_url(url, socket_timeout=timeout_s, **login) as client:
                         assert client.ping()
                 yield url
                 return

@@ -30,10 +30,13 @@ from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.tools.bench.faults.storage import damage_prefix
 from ringfence.actors.tools.testing.local import LocalRunner
 from ringfence.actors.tools.testing.redis_server import REDIS_SERVER, redis_server, url_port
-from ringfence.actors.tools.testing.storage import read_blob
+from ringfence.actors.tools.testing.storage import read_blob, write_blob
+from ringfence.cache.block_hash import block_keys
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage.blob import decode
+from ringfence.cache.storage.blob import decode, encode
 from ringfence.cache.storage.local import LocalBackend
+from ringfence.cache.storage.redis_backend import RedisBackend
+from ringfence.cache.storage.seal import Seal
 
 REQUESTS = 4  # the first chat's four turns
 BLOCK_SIZE = 16
@@ -260,3 +263,60 @@ def test_a_local_tier_on_a_full_tmpfs_fails_writes_with_enospc_and_the_tokens_st
     assert failed and all("No space left on device" in f["error"] for f in failed), failed
     assert len(store_events(run, "storage.write_failed")) == len(failed)
     assert store_events(run, "lane.done", direction="write", status="ok")
+
+
+# --- an untrusted tier: a storage secret ---------------------------------------------------
+
+
+SECRET = "tier-secret-9f3c1e"
+PASSWORD = "redis-pass-77d0a2"
+
+
+def test_a_run_with_a_storage_secret_misses_a_forged_block_and_writes_neither_secret(tmp_path):
+    """A first instance (in process) fills a redis tier with keyed blobs; one is replaced by
+    a plain blob with a correct checksum. A launched run with the secret, logging in as an
+    ACL user by a URL with the password, takes it for a forgery (a miss), computes exact
+    tokens, and neither the secret nor the password is in any file it wrote."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not on PATH (scripts/test installs it as root)")
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis", user=("alice", PASSWORD)) as url:
+        host = url.removeprefix("redis://")
+        sets = (
+            *RUN,
+            "cache.storage.backend=redis",
+            f"cache.storage.url=redis://alice:{PASSWORD}@{host}",
+            f"cache.storage.secret={SECRET}",
+        )
+        config = Config.load(None, sets)
+        seal = Seal(SECRET.encode())
+        runner = LocalRunner(config)
+        records = runner.run(load_workload("synthetic:multiturn", requests=1), arrivals=False)
+        first = load_workload("synthetic:multiturn", requests=1)[0]
+        assert first.prompt_token_ids is not None
+        keys = block_keys(first.prompt_token_ids, BLOCK_SIZE, namespace=namespace(config))
+        blocks = {k: t.numpy().data for k, t in runner.machine.storage.items()}
+        assert records and keys[1] in blocks
+        store = RedisBackend(f"redis://alice@{host}", fingerprint=namespace(config), seal=seal,
+                             password=PASSWORD)  # fmt: skip
+        try:
+            assert store.put_many(blocks.items()) == len(blocks)
+            forged = bytes(len(blocks[keys[1]]))  # zeros, under a real key, its CRC right
+            write_blob(store, keys[1], encode(namespace(config), keys[1], forged))
+            with launched(tmp_path, *sets) as run:
+                finished(run)
+            assert tokens_of(run.run_dir) == expected_tokens()
+            assert store_events(run, "storage.forged") == [
+                {**store_events(run, "storage.forged")[0], "key": keys[1].hex(), "count": 1}
+            ]
+            assert store_events(run, "storage.corrupt") == []
+            # The recomputed block was written back, keyed, in the forged one's place.
+            assert store.get_many([keys[1]]) == [bytes(blocks[keys[1]])]
+        finally:
+            store.close()
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and "redis" not in p.parts]
+    assert any(p.name == "config.toml" for p in written)
+    for path in written:
+        data = path.read_bytes()
+        assert SECRET.encode() not in data, path
+        assert PASSWORD.encode() not in data, path

@@ -1,6 +1,6 @@
 """The router's start: it waits for every instance, refuses a pool it cannot run (roles,
-fingerprints), and as ``ringfence router`` prints where it listens, then ready, and exits 0
-on Ctrl-C or SIGTERM."""
+fingerprints, storage secrets), and as ``ringfence router`` prints where it listens, then
+ready, and exits 0 on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 from launching import RINGFENCE, launch_env
 from routing import routed
 
-from ringfence.actors.router.instances import PoolRefused, StartTimeout
+from ringfence.actors.router.instances import Identity, PoolRefused, StartTimeout
 from ringfence.actors.router.options import RouterOptions
-from ringfence.actors.router.state import open_router
+from ringfence.actors.router.state import _differs, open_router
 
 LISTENING = re.compile(r"ringfence router: listening on (http://[0-9.]+:\d+) \(pid (\d+)\)")
 START_S = 30.0  # the command imports fastapi, httpx, prometheus_client; the machine is busy
@@ -42,6 +42,36 @@ def test_instances_with_differing_fingerprints_are_refused_naming_both(fakes):
         "fingerprints [aa, cc]) cannot share KV: their fingerprints differ (another model, "
         "dtype, block size or tp size)"
     )
+
+
+@pytest.mark.parametrize(("prefill_id", "decode_id"), [("5ec1", "5ec2"), ("5ec1", None)])
+def test_instances_with_differing_storage_secrets_are_refused_naming_both(
+    fakes, prefill_id, decode_id
+):
+    prefill = fakes("p", role="prefill", storage_secret_id=prefill_id)
+    decode = fakes("d", storage_secret_id=decode_id)
+    with pytest.raises(PoolRefused) as refused, routed([prefill], [decode]):
+        pass
+    theirs = f"secret {decode_id}" if decode_id else "no secret"
+    assert str(refused.value) == (
+        f"{prefill.url} (prefill, fingerprints [f0]) and {decode.url} (decode, fingerprints "
+        f"[f0]) cannot share KV: their storage secrets differ (secret {prefill_id} and "
+        f"{theirs}; cache.storage.secret)"
+    )
+
+
+def test_instances_with_one_storage_secret_make_a_pool(fakes):
+    prefill = fakes("p", role="prefill", storage_secret_id="5ec1")
+    decode = fakes("d", storage_secret_id="5ec1")
+    with routed([prefill], [decode]) as rig:
+        assert [i.identity.secret_id for i in rig.router.pool.instances] == ["5ec1", "5ec1"]
+
+
+def test_an_instance_that_answers_again_with_another_storage_secret_is_not_taken_back():
+    was = Identity(role="decode", model="m", fingerprints=("f0",), secret_id="5ec1")
+    assert _differs(was, was) is None
+    now = Identity(role="decode", model="m", fingerprints=("f0",), secret_id="")
+    assert _differs(was, now) == "its storage secret (no secret) is not the pool's (secret 5ec1)"
 
 
 @pytest.mark.parametrize("wrong", ["prefill", "decode"])

@@ -105,7 +105,7 @@ def full_tmpfs(work: Path, scenario: Scenario) -> Iterator[tuple[str, ...]]:
     if os.geteuid() != 0 or mount is None or umount is None:
         raise FaultError("mounting a tmpfs needs root")
     done = subprocess.run(
-        [mount, "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(point)],
+        [mount, "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(point)],
         capture_output=True,
         text=True,
         timeout=30,

@@ -41,3 +41,15 @@ def test_unknown_cache_bench_backends_are_refused_with_a_message(
 ) -> None:
     assert cli.main(["bench", "cache", "--quick", "--backends", "local,tape"]) == 2
     assert "--backends" in capsys.readouterr().err
+
+
+def test_the_secret_runs_each_backend_also_with_keyed_blobs_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "cache.json"
+    argv = ["bench", "cache", "--quick", "--backends", "memory", "--secret", "--json", str(path)]
+    assert cli.main(argv) == 0
+    storage = orjson.loads(path.read_bytes())["storage"]
+    assert set(storage["median"]) == {"plain", "plain_fsync", "memory", "memory+secret"}
+    assert storage["median"]["memory+secret"]["get_mb_s"] > 0
+    assert "memory+secret" in capsys.readouterr().out
