@@ -108,7 +108,8 @@ def prepare_run_dir(run_dir: Path) -> str | None:
         raise ValueError(f"run dir {run_dir} exists and is not a directory")
     if not (run_dir / MANIFEST_FILE).exists():
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            # 0700: its logs, manifests and stored blocks are no other user's to read.
+            run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"run dir {run_dir}: cannot create it: {e.strerror}") from e
         return None
