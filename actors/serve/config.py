@@ -47,6 +47,13 @@ class ServerConfig:
     max_body_bytes: int = setting(
         32 << 20, "the largest request body taken; a larger one is answered 413", ge=1024
     )
+    ssl_keyfile: str = setting(
+        "", "the TLS certificate's private key (PEM, unencrypted); with ssl_certfile: HTTPS"
+    )
+    ssl_certfile: str = setting("", "the TLS certificate (PEM, with its chain); empty = HTTP")
+    ssl_ca_certs: str = setting(
+        "", "every client must present a certificate this CA file (PEM) issued; empty = none"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
