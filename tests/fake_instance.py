@@ -30,6 +30,7 @@ from starlette.routing import Route
 from ringfence.actors.router.server import nodelay
 from ringfence.actors.serve.auth import Keys, RequireKey
 from ringfence.actors.serve.server import HttpThread
+from ringfence.actors.serve.tls import ListenerTls
 
 HEADER = "x-ringfence-reservation"
 MODEL = "fake"
@@ -132,6 +133,7 @@ class FakeInstance:
     calls: list[Call] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # reservations whose stream the client left
     url: str = ""
+    tls: ListenerTls | None = None  # HTTPS with these files (the URL is https://)
     _granted: int = 0
     _live: set[str] = field(default_factory=set)
     _http: HttpThread | None = None
@@ -140,8 +142,8 @@ class FakeInstance:
         sock = listening_socket("127.0.0.1", 0)
         nodelay(sock)
         host, port = sock.getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        self._http = HttpThread(self.app(), sock, asyncio.new_event_loop())
+        self.url = f"{'https' if self.tls else 'http'}://{host}:{port}"
+        self._http = HttpThread(self.app(), sock, asyncio.new_event_loop(), self.tls)
         self._http.start()
         return self
 

@@ -10,6 +10,8 @@ knows every token before it asks. Some seeds misbehave on purpose (see ``SEED_*`
 Run as a script (``python fake_serve.py serve --run-dir D --host H --port P [--set
 K=V ...]``) it listens on H:P, prints ``ringfence serve``'s listening line with its own
 pid as the front end's and its ready line, and exits 0 on SIGINT, as the real command does.
+Like it, it asks for the keys of ``RINGFENCE_API_KEY`` and serves HTTPS with
+``server.ssl_certfile`` and ``server.ssl_keyfile``; it reads no other setting.
 """
 
 from __future__ import annotations
@@ -129,13 +131,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args(argv)
+    from ringfence.actors.serve.auth import RequireKey, load_keys
+    from ringfence.actors.serve.tls import SERVE_NAMES, ListenerTls, scheme
+
+    sets = dict(setting.partition("=")[::2] for setting in args.set)
+    tls = ListenerTls.of(
+        sets.get("server.ssl_keyfile", ""), sets.get("server.ssl_certfile", ""), "", SERVE_NAMES
+    )
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    url = f"{scheme(tls)}://{host}:{port}"
     lines = (
-        f"ringfence serve: listening on http://{host}:{port} (front end pid {os.getpid()})",
+        f"ringfence serve: listening on {url} (front end pid {os.getpid()})",
         "ringfence serve: ready",
     )
-    server = uvicorn.Server(uvicorn.Config(app(*lines), log_level="warning"))
+    application: Any = RequireKey(app(*lines), load_keys())
+    options = tls.uvicorn_options() if tls is not None else {}
+    server = uvicorn.Server(uvicorn.Config(application, log_level="warning", **options))
     # A SIGINT from here on stops it cleanly, exit 0 (uvicorn returns on SIGINT after the
     # requests in flight, then re-raises the signal; one before it started is a stop too).
     with contextlib.suppress(KeyboardInterrupt):

@@ -23,7 +23,7 @@ import httpx
 import openai
 from launching import QUICK, Launch, launched, wait_until
 
-LISTENING = re.compile(r"listening on (http://[0-9.]+:\d+) \(front end pid (\d+)\)")
+LISTENING = re.compile(r"listening on (https?://[0-9.]+:\d+) \(front end pid (\d+)\)")
 READY = "ringfence serve: ready"
 START_TIMEOUT_S = 90.0  # every actor imports torch; the machine may be busy with other tests
 STOP_TIMEOUT_S = 30.0

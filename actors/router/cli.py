@@ -29,7 +29,8 @@ DESCRIPTION = (
     "reserved on a decode instance, prefilled into the tier by a prefill instance, then "
     "decoded. Exit "
     "status: 0 when stopped by Ctrl-C or SIGTERM, 2 for a bad command line or instances "
-    "that cannot work together (a wrong role, differing fingerprints), 1 when an instance "
+    "that cannot work together (a wrong role, differing fingerprints, a key refused, a TLS "
+    "certificate that does not verify), 1 when an instance "
     "did not answer in time."
 )
 
@@ -108,18 +109,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests one client key may have running at once; more are answered 429 "
         "(default 0: any)",
     )  # fmt: skip
+    tls = parser.add_argument_group("TLS (the router's own listener, as ringfence serve's)")
+    tls.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM)")
+    tls.add_argument(
+        "--ssl-certfile", metavar="FILE", help="the TLS certificate (PEM): serve HTTPS"
+    )
+    tls.add_argument(
+        "--ssl-ca-certs", metavar="FILE",
+        help="a CA file (PEM): every client must present a certificate it issued",
+    )  # fmt: skip
+    tls = parser.add_argument_group("TLS to the instances (https:// instance URLs)")
+    tls.add_argument(
+        "--instance-ca-certs", metavar="FILE",
+        help="the CA file (PEM) instances' certificates must chain to (default: the system's "
+        "trust store); a certificate that does not verify fails the start",
+    )  # fmt: skip
+    tls.add_argument(
+        "--instance-ssl-certfile", metavar="FILE",
+        help="a client certificate (PEM) presented to instances that ask for one",
+    )  # fmt: skip
+    tls.add_argument(
+        "--instance-ssl-keyfile", metavar="FILE", help="the client certificate's private key"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     from ringfence.actors.router.instances import StartTimeout
     from ringfence.actors.router.options import RouterOptions
     from ringfence.actors.router.server import listen, serve
-    from ringfence.actors.serve.auth import (
-        exposed_warning,
-        exposed_without_key,
-        instance_key,
-        load_keys,
-    )
+    from ringfence.actors.serve import auth
+    from ringfence.actors.serve.tls import ROUTER_NAMES, ListenerTls
 
     options = RouterOptions(
         prefill=tuple(args.prefill),
@@ -130,19 +149,28 @@ def main(args: argparse.Namespace) -> int:
         reserve_timeout_s=args.reserve_timeout_s,
         prefill_timeout_s=args.prefill_timeout_s,
         start_timeout_s=args.start_timeout_s,
-        client_keys=load_keys(key_file=args.api_key_file or ""),
+        client_keys=auth.load_keys(key_file=args.api_key_file or ""),
         protect_metrics=args.protect_metrics,
         salt_by_key=args.salt_by_key,
         max_body_bytes=args.max_body_bytes,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
         max_requests_per_key=args.max_requests_per_key,
-        instance_key=instance_key(args.instance_api_key_file or ""),
+        instance_key=auth.instance_key(args.instance_api_key_file or ""),
+        tls=ListenerTls.of(
+            args.ssl_keyfile or "", args.ssl_certfile or "", args.ssl_ca_certs or "", ROUTER_NAMES
+        ),
+        instance_ca_certs=args.instance_ca_certs or "",
+        instance_certfile=args.instance_ssl_certfile or "",
+        instance_keyfile=args.instance_ssl_keyfile or "",
     )  # ValueError: the command line's fault, named (exit 2)
     sock = listen(args.host, args.port)
-    if exposed_without_key(args.host, options.client_keys):
-        host, port = sock.getsockname()[:2]
-        print(exposed_warning("router", host, port), file=sys.stderr, flush=True)
+    host, port = sock.getsockname()[:2]
+    if auth.exposed_without_key(args.host, options.client_keys):
+        print(auth.exposed_warning("router", host, port), file=sys.stderr, flush=True)
+    if auth.keys_in_clear(args.host, options.client_keys, options.tls is not None):
+        flags = "--ssl-certfile and --ssl-keyfile"
+        print(auth.clear_keys_warning("router", host, port, flags), file=sys.stderr, flush=True)
     # While it starts, SIGTERM stops it as Ctrl-C does (serving, uvicorn handles both).
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

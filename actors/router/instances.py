@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ringfence.actors.router.upstream import TransportError, Upstream, describe
+from ringfence.actors.router.upstream import TlsRefused, TransportError, Upstream, describe
 from ringfence.actors.serve.config import INSTANCE_KEY_ENV
 from ringfence.actors.serve.load import Load
 from ringfence.shm.errors import RingfenceError
@@ -33,8 +33,9 @@ MAX_WAIT_S = 1.0
 
 
 class PoolRefused(RingfenceError, ValueError):
-    """The instances cannot work together (roles, fingerprints, storage secrets); the
-    message names them."""
+    """The instances cannot work together (roles, fingerprints, storage secrets), or will not
+    work with the router (its key refused, a certificate that does not verify); the message
+    names them."""
 
 
 class StartTimeout(RingfenceError, TimeoutError):
@@ -214,6 +215,11 @@ async def identify(client: Upstream, url: str, deadline: float) -> Identity:
                     "--instance-api-key-file)"
                 )
             last = f"HTTP {answer.status}: {answer.text[:200]}"
+        except TlsRefused as e:  # asking again will not change the certificate
+            raise PoolRefused(
+                f"{url}: {e} (the router verifies instances against --instance-ca-certs, "
+                "else the system's trust store)"
+            ) from e
         except TransportError as e:
             last = describe(e)
         except ValueError as e:  # not JSON

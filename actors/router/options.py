@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 
 from ringfence.actors.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES
 from ringfence.actors.serve.auth import Keys
+from ringfence.actors.serve.tls import ListenerTls, instance_context
 
 PREFILL_MARGIN_S = 2.0  # the default prefill deadline: the reservation's ttl_s less this
 RETRY_CAP_S = 2.0  # the longest wait between two reserve rounds (Retry-After is capped here)
@@ -37,6 +39,12 @@ class RouterOptions:
     header_timeout_s: float = 10.0  # a connection whose request head is not whole is closed
     body_timeout_s: float = 60.0  # a request body not whole this long after its head: 408
     max_requests_per_key: int = 0  # one client key's requests running at once; 0: any
+    tls: ListenerTls | None = None  # the router's own listener: HTTPS (None: HTTP)
+    # https instance URLs: their certificates verified against this CA file ("": the system's
+    # trust store); the client certificate presented to instances that ask for one.
+    instance_ca_certs: str = ""
+    instance_certfile: str = ""
+    instance_keyfile: str = ""
 
     def __post_init__(self) -> None:
         if self.instances and (self.prefill or self.decode):
@@ -74,6 +82,14 @@ class RouterOptions:
             raise ValueError("--max-body-bytes: must be >= 1024")
         if self.prefill_timeout_s is not None and not self.prefill_timeout_s > 0:
             raise ValueError("--prefill-timeout-s: must be > 0")
+        if self.instance_ca_certs or self.instance_certfile or self.instance_keyfile:
+            self.instance_tls()  # a file that is missing or wrong, named now
+
+    def instance_tls(self) -> ssl.SSLContext:
+        """The context of the router's calls to https instance URLs (it always verifies)."""
+        return instance_context(
+            self.instance_ca_certs, self.instance_certfile, self.instance_keyfile
+        )
 
     def prefill_deadline_s(self, ttl_s: float) -> float:
         """How long the prefill of a reservation that lives ``ttl_s`` seconds may take."""

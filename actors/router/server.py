@@ -1,5 +1,6 @@
 """The router's HTTP server: uvicorn on the main thread's event loop, on a socket bound first.
 
+It speaks HTTPS when the options carry TLS files (``--ssl-certfile``, :mod:`..serve.tls`).
 The socket is bound before the instances are asked anything, so an address in use fails
 the command at once; connections made while the router starts wait in its backlog.
 SIGINT and SIGTERM stop the server gracefully (open connections get ``GRACE_S``), and the
@@ -24,6 +25,7 @@ from ringfence.actors.router.log import RouterLog
 from ringfence.actors.router.options import RouterOptions
 from ringfence.actors.router.state import open_router
 from ringfence.actors.serve.deadlines import head_deadline
+from ringfence.actors.serve.tls import scheme
 
 GRACE_S = 1  # open connections get this long to finish when the server stops
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -70,6 +72,7 @@ async def serve(
     StartTimeout), tell ``out`` where it listens and that it is ready, and serve until
     SIGINT or SIGTERM."""
     router = await open_router(options, log)
+    tls = options.tls
     try:
         config = uvicorn.Config(
             build_app(router),
@@ -80,14 +83,17 @@ async def serve(
             lifespan="off",
             timeout_graceful_shutdown=GRACE_S,
             timeout_keep_alive=30,
+            **(tls.uvicorn_options() if tls is not None else {}),
         )
         server = _Server(config)
         host, port = sock.getsockname()[:2]
         router.log.info(
-            "router.started", host=host, port=port,
+            "router.started", host=host, port=port, tls=tls is not None,
+            client_certificates=tls is not None and tls.client_certificates,
             instances=[f"{i.role} {i.describe()}" for i in router.pool.instances],
         )  # fmt: skip
-        print(f"ringfence router: listening on http://{host}:{port} (pid {os.getpid()})", file=out)
+        url = f"{scheme(tls)}://{host}:{port}"
+        print(f"ringfence router: listening on {url} (pid {os.getpid()})", file=out)
         print("ringfence router: ready", file=out, flush=True)
         await server.serve(sockets=[sock])
     finally:

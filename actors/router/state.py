@@ -141,7 +141,7 @@ class Router:
 async def open_router(options: RouterOptions, log: RouterLog | None = None) -> Router:
     """A router on the running loop, once every instance answered and the pool was checked
     (PoolRefused, StartTimeout: the client is closed again)."""
-    client = Upstream(options.instance_key)
+    client = Upstream(options.instance_key, options.instance_tls())
     try:
         pool = await open_pool(
             client, options.prefill, options.decode, options.start_timeout_s, options.instances

@@ -10,6 +10,7 @@ Every call has a deadline: a whole answer's (``timeout``, the call and its body)
 stream's (``connect_s`` to connect, ``read_s`` between two reads of its body). What goes
 wrong below HTTP is a :class:`TransportError`, named for what happened
 (:class:`ConnectError`: nothing could be sent; :class:`CallTimeout`: the deadline passed;
+:class:`TlsRefused`: the TLS handshake failed, an instance's certificate did not verify;
 the base class: the answer broke off), never aiohttp's own errors; an HTTP answer, whatever
 its status, is an :class:`Answer` or a :class:`Stream`.
 
@@ -18,6 +19,7 @@ Owned by the router's event loop: the session is made and used on it only.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,11 @@ class ConnectError(TransportError):
     """The instance could not be connected to (refused, unreachable): nothing was sent."""
 
 
+class TlsRefused(ConnectError):
+    """The TLS handshake with the instance failed: its certificate did not verify (another
+    CA's, or for another host name), or it does not speak TLS. Asking again changes nothing."""
+
+
 class CallTimeout(TransportError, TimeoutError):
     """The call's deadline passed (to connect, to answer, or between two reads)."""
 
@@ -56,6 +63,11 @@ def transport_error(e: BaseException) -> TransportError:
     text = str(e) or type(e).__name__
     if isinstance(e, TimeoutError):  # aiohttp's timeouts are TimeoutErrors too
         return CallTimeout(text)
+    if isinstance(e, aiohttp.ClientConnectorCertificateError):
+        reason = getattr(e.certificate_error, "verify_message", "") or str(e.certificate_error)
+        return TlsRefused(f"its TLS certificate does not verify: {reason}")
+    if isinstance(e, aiohttp.ClientConnectorSSLError):
+        return TlsRefused(f"the TLS handshake failed: {e.os_error}")
     if isinstance(e, aiohttp.ClientConnectorError):
         return ConnectError(text)
     return TransportError(text)
@@ -143,10 +155,15 @@ def arrived(content: aiohttp.StreamReader) -> bytes:
 class Upstream:
     """The router's one HTTP client (see the module docstring)."""
 
-    def __init__(self, key: str = "") -> None:
-        """``key``: the instances' API key, presented on every call (none if empty)."""
+    def __init__(self, key: str = "", tls: ssl.SSLContext | None = None) -> None:
+        """``key``: the instances' API key, presented on every call (none if empty);
+        ``tls``: the context of https instance URLs (:func:`..serve.tls.instance_context`;
+        None: aiohttp's default, which verifies against the system's trust store)."""
         connector = aiohttp.TCPConnector(
-            limit=MAX_CONNECTIONS, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+            limit=MAX_CONNECTIONS,
+            limit_per_host=0,
+            keepalive_timeout=KEEPALIVE_S,
+            ssl=tls if tls is not None else True,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,

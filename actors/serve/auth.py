@@ -242,8 +242,17 @@ def open_paths(protect_metrics: bool) -> frozenset[str]:
 
 def exposed_without_key(host: str, keys: Keys) -> bool:
     """Whether a server on ``host`` with ``keys`` answers anyone beyond this machine."""
-    if keys:
-        return False
+    return not keys and beyond_loopback(host)
+
+
+def keys_in_clear(host: str, keys: Keys, tls: bool) -> bool:
+    """Whether a server on ``host`` asks for ``keys`` beyond this machine over plain HTTP,
+    where anyone on the path reads them."""
+    return bool(keys) and not tls and beyond_loopback(host)
+
+
+def beyond_loopback(host: str) -> bool:
+    """Whether an address to listen on lets other machines in."""
     try:
         return not ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -254,4 +263,11 @@ def exposed_warning(command: str, host: str, port: int) -> str:
     return (
         f"ringfence {command}: warning: listening on {host}:{port} with no API key: anyone who "
         f"can reach it may use it (give it keys: {API_KEY_ENV}, or a key file)"
+    )
+
+
+def clear_keys_warning(command: str, host: str, port: int, flags: str) -> str:
+    return (
+        f"ringfence {command}: warning: listening on {host}:{port} over plain HTTP with API "
+        f"keys: they travel in clear, readable on the way (give it a certificate: {flags})"
     )

@@ -60,6 +60,13 @@ class ServerConfig:
     max_requests_per_key: int = setting(
         0, "requests one API key may have running at once; more are answered 429; 0 = any", ge=0
     )
+    ssl_keyfile: str = setting(
+        "", "the TLS certificate's private key (PEM, unencrypted); with ssl_certfile: HTTPS"
+    )
+    ssl_certfile: str = setting("", "the TLS certificate (PEM, with its chain); empty = HTTP")
+    ssl_ca_certs: str = setting(
+        "", "every client must present a certificate this CA file (PEM) issued; empty = none"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

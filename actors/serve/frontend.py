@@ -50,7 +50,7 @@ from ringfence.shm.liveness import ProcessStamp
 ENGINE = "engine"
 HTTP = "http"  # the peer name of the local inbox the event loop posts to
 STOP_TIMEOUT_S = 5.0  # how long on_stop waits for the HTTP thread to end
-LISTENING = "ringfence serve: listening on http://{host}:{port} (front end pid {pid})"
+LISTENING = "ringfence serve: listening on {scheme}://{host}:{port} (front end pid {pid})"
 READY = "ringfence serve: ready"
 STARTING = f"{ENGINE}-0 (starting)"  # /health's word for an engine up but not serving yet
 
@@ -93,9 +93,11 @@ class FrontEnd(Actor):
         self.prompter = Prompter(config)
         self.inbox = self.local_inbox(HTTP, CLIENT_TO_ENGINE)
         settings = config.server
-        from ringfence.actors.serve.auth import exposed_warning, exposed_without_key, server_keys
+        from ringfence.actors.serve import auth
+        from ringfence.actors.serve.tls import SERVE_NAMES, scheme, serve_tls
 
-        keys = server_keys(settings)  # a bad key file fails here
+        keys = auth.server_keys(settings)  # a bad key file fails here
+        tls = serve_tls(settings)  # and so does a bad certificate
         sock = bind(settings.host, settings.port)  # an address in use fails the start here
         self.loop = asyncio.new_event_loop()
         self.gateway = Gateway(
@@ -112,14 +114,21 @@ class FrontEnd(Actor):
         from ringfence.actors.serve.server import HttpThread
 
         app = build_app(self, config, keys)
-        self.http = HttpThread(app, sock, self.loop, settings.header_timeout_s)
+        self.http = HttpThread(app, sock, self.loop, tls, settings.header_timeout_s)
         self.http.start()
         host, port = sock.getsockname()[:2]
         self.address = (host, port)
-        print(LISTENING.format(host=host, port=port, pid=_pid()), flush=True)
-        if exposed_without_key(settings.host, keys):
-            print(exposed_warning("serve", host, port), file=sys.stderr, flush=True)
-        self.log.info("server.listening", host=host, port=port)
+        print(LISTENING.format(scheme=scheme(tls), host=host, port=port, pid=_pid()), flush=True)
+        if auth.exposed_without_key(settings.host, keys):
+            print(auth.exposed_warning("serve", host, port), file=sys.stderr, flush=True)
+        if auth.keys_in_clear(settings.host, keys, tls is not None):
+            flags = f"{SERVE_NAMES.certfile} and {SERVE_NAMES.keyfile}"
+            warning = auth.clear_keys_warning("serve", host, port, flags)
+            print(warning, file=sys.stderr, flush=True)
+        self.log.info(
+            "server.listening", host=host, port=port, tls=tls is not None,
+            client_certificates=tls is not None and tls.client_certificates,
+        )  # fmt: skip
         self.hello()
 
     def on_stop(self) -> None:

@@ -17,19 +17,22 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from ringfence.actors.serve.deadlines import head_deadline
+from ringfence.actors.serve.tls import ListenerTls
 
 GRACE_S = 1  # open connections get this long to finish when the server stops
 HEAD_TIMEOUT_S = 10.0  # server.header_timeout_s's default
 
 
 class HttpThread:
-    """Serves ``app`` on ``sock`` in a thread running ``loop``; start once, stop once."""
+    """Serves ``app`` on ``sock`` in a thread running ``loop`` (HTTPS with ``tls``); start
+    once, stop once."""
 
     def __init__(
         self,
         app: ASGIApp,
         sock: socket.socket,
         loop: asyncio.AbstractEventLoop,
+        tls: ListenerTls | None = None,
         head_timeout_s: float = HEAD_TIMEOUT_S,
     ) -> None:
         config = uvicorn.Config(
@@ -40,6 +43,7 @@ class HttpThread:
             lifespan="off",
             timeout_graceful_shutdown=GRACE_S,
             timeout_keep_alive=30,
+            **(tls.uvicorn_options() if tls is not None else {}),
         )
         self.server = uvicorn.Server(config)
         self._sock = sock

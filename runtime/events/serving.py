@@ -11,7 +11,12 @@ from ringfence.runtime.events.event import Event, event
 SERVING_EVENTS: Final[dict[str, Event]] = {
     # The HTTP front end of ringfence serve (actor "frontend", actors/serve/frontend.py);
     # ``request`` is its own request id (the engine's key is "frontend-0/<inc>/<request>").
-    "server.listening": event("info", "host port", "the HTTP server accepts connections here"),
+    "server.listening": event(
+        "info",
+        "host port tls client_certificates",
+        "the HTTP server accepts connections here; tls: HTTPS, client_certificates: every "
+        "client must present a certificate the server.ssl_ca_certs CA issued",
+    ),
     "server.ready": event(
         "info", "", "every actor is live and the engine began: requests are served"
     ),
@@ -38,7 +43,10 @@ SERVING_EVENTS: Final[dict[str, Event]] = {
     # ringfence router (actors/router/; no actor of a run: its lines go to its stderr, with
     # "actor": "router"). ``request`` is the router's own id, sent to the prefill instance.
     "router.started": event(
-        "info", "host port instances", "every instance answered and the pool was checked"
+        "info",
+        "host port tls client_certificates instances",
+        "every instance answered and the pool was checked; tls, client_certificates: as "
+        "server.listening's",
     ),
     "router.instance_down": event(
         "warning",

@@ -8,16 +8,18 @@ from typing import Any
 import pytest
 from fake_instance import FakeInstance, Knobs
 
+from ringfence.actors.serve.tls import ListenerTls
+
 
 @pytest.fixture
 def fakes() -> Iterator[Callable[..., FakeInstance]]:
-    """``fakes(name, role=..., **knobs)``: a started fake instance, stopped after the test;
-    every fake of the test shares one journal."""
+    """``fakes(name, role=..., tls=None, **knobs)``: a started fake instance (HTTPS with
+    ``tls``), stopped after the test; every fake of the test shares one journal."""
     made: list[FakeInstance] = []
     journal: list[tuple[str, str]] = []
 
-    def make(name: str, **knobs: Any) -> FakeInstance:
-        fake = FakeInstance(name, Knobs(**knobs), journal=journal).start()
+    def make(name: str, tls: ListenerTls | None = None, **knobs: Any) -> FakeInstance:
+        fake = FakeInstance(name, Knobs(**knobs), journal=journal, tls=tls).start()
         made.append(fake)
         return fake
 

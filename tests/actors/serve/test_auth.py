@@ -17,6 +17,7 @@ from ringfence.actors.serve.auth import (
     RequireKey,
     exposed_without_key,
     instance_key,
+    keys_in_clear,
     load_keys,
     open_paths,
 )
@@ -115,6 +116,14 @@ def test_a_server_beyond_loopback_without_a_key_is_exposed():
     assert not exposed_without_key("127.0.0.1", none) and not exposed_without_key("::1", none)
     assert not exposed_without_key("localhost", none)
     assert not exposed_without_key("0.0.0.0", some)
+
+
+def test_keys_asked_for_beyond_loopback_over_plain_http_travel_in_clear():
+    none, some = Keys(()), Keys(["sk-1"])
+    assert keys_in_clear("0.0.0.0", some, tls=False) and keys_in_clear("::", some, tls=False)
+    assert not keys_in_clear("0.0.0.0", some, tls=True)
+    assert not keys_in_clear("127.0.0.1", some, tls=False)
+    assert not keys_in_clear("0.0.0.0", none, tls=False)  # the no-key warning's case
 
 
 def test_a_key_file_path_is_no_secret(tmp_path: Path):

@@ -19,9 +19,12 @@ engine, the client's from when it sent the request), request and output-token
 throughput over the busy period, and the serve/launch ratios of TTFT p50 (above 1:
 serving's first tokens come later) and of output-token throughput (below 1: serving is
 slower), with the share of requests whose output tokens are the same on both sides,
-and the front end's CPU over the load. Last, the front end's own CPU at ``--burst``
-streams at once (short unique prompts) on a fresh server: the CPU clock of the
-front end process read before and after, CPU seconds per second and per output token.
+and the front end's CPU over the load. With ``--security``, the serve side again with an
+API key and with a key over HTTPS, each on a fresh server, beside the plain one
+(:mod:`.security`: TTFT p50 and p90 and throughput against it). Last, the front end's own
+CPU at ``--burst`` streams at once (short unique prompts) on a fresh server: the CPU clock
+of the front end process read before and after, CPU seconds per second and per output
+token.
 
 A server or launch that fails to start or exit, or a request that fails, is an error
 (exit status 1) after the table, JSON and plot are written.
@@ -41,11 +44,13 @@ from typing import Any
 
 import orjson
 
+from ringfence.actors.engine.percentiles import percentile
 from ringfence.actors.tools.bench import launcher
 from ringfence.actors.tools.bench.launcher import RunError
 from ringfence.actors.tools.bench.options import add_overrides, environment, plot_path
-from ringfence.actors.tools.bench.serving import report
+from ringfence.actors.tools.bench.serving import report, security
 from ringfence.actors.tools.bench.serving.client import LoadRequest
+from ringfence.actors.tools.bench.serving.security import Security
 from ringfence.actors.tools.bench.serving.stats import parse_rate, poisson_arrivals, rate_label
 from ringfence.sched.sampling import MAX_LOGPROBS
 
@@ -106,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", type=Path, metavar="FILE", help="the PNG (next to --json, else bench-serve.png)"
     )
+    security.add_arguments(parser)
 
 
 def _check(args: argparse.Namespace) -> tuple[list[float], list[str]]:
@@ -188,10 +194,15 @@ def workload_file(requests: Sequence[LoadRequest]) -> bytes:
 
 
 def serve_side(
-    requests: Sequence[LoadRequest], settings: Sequence[str], run_dir: Path, timeout: float
+    requests: Sequence[LoadRequest],
+    settings: Sequence[str],
+    run_dir: Path,
+    timeout: float,
+    guard: Security | None = None,
 ) -> dict[str, Any]:
-    """The requests against a fresh ``ringfence serve`` in ``run_dir``: the figures of
-    :func:`stats.summarize`, the front end's CPU seconds over the load (from just before
+    """The requests against a fresh ``ringfence serve`` in ``run_dir`` (with ``guard``'s key
+    and TLS files, if given): the figures of :func:`stats.summarize` and the TTFT's p90
+    (``ttft_p90_s``), the front end's CPU seconds over the load (from just before
     the first request to just after the last stream ended: ``frontend_cpu_s``, per second
     and per output token), the served model's name, the output tokens by request, and the
     names the server's stop left behind (unlinked)."""
@@ -201,20 +212,27 @@ def serve_side(
     from ringfence.actors.tools.bench.serving.server import Served
     from ringfence.actors.tools.bench.serving.stats import busy_period, summarize
 
-    with Served(run_dir, settings, start_timeout=START_S) as server:
+    env: dict[str, str] | None = None
+    client: dict[str, Any] = {}  # the load's headers and certificate check
+    if guard is not None:
+        settings = [*settings, *guard.settings()]
+        env, client = guard.env(), {"headers": guard.headers(), "verify": guard.verify()}
+    with Served(run_dir, settings, start_timeout=START_S, env=env) as server:
         try:
-            model = served_model(server.url, timeout=timeout)
+            model = served_model(server.url, timeout=timeout, **client)
         except (httpx.HTTPError, ValueError) as e:
             raise RunError(f"ringfence serve: GET /v1/models failed: {e}\n{server.tail()}") from e
         cpu_before, wall_before = server.frontend_cpu_s(), time.perf_counter()
-        timelines, start = run_load(server.url, requests, model=model, timeout=timeout)
+        timelines, start = run_load(server.url, requests, model=model, timeout=timeout, **client)
         cpu_after, wall_after = server.frontend_cpu_s(), time.perf_counter()
         leaked = server.stop(deadline_s=timeout)
     figures = summarize(timelines, duration_s=busy_period(timelines, start_s=start))
     cpu_s, wall_s = cpu_after - cpu_before, wall_after - wall_before
     tokens = figures["output_tokens"]
+    ttfts = [v for t in timelines if not t.error and (v := t.ttft_s) is not None]
     return {
         **figures,
+        "ttft_p90_s": percentile(ttfts, 90) if ttfts else None,
         "frontend_cpu_s": cpu_s,
         "wall_s": wall_s,
         "frontend_cpu_s_per_s": cpu_s / wall_s if wall_s > 0 else None,
@@ -276,9 +294,11 @@ def bench(
     burst_tokens: int,
     timeout: float,
     logprobs: int | None = None,
+    guards: Sequence[Security] = (),
 ) -> dict[str, Any]:
-    """Every (workload, rate) pair, serve then launch, each on a fresh instance; then the
-    burst. The report's ``rows`` and ``burst`` (None without one)."""
+    """Every (workload, rate) pair, serve then launch (then serve with each of ``guards``),
+    each on a fresh instance; then the burst. The report's ``rows`` and ``burst`` (None
+    without one)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="rf-bench-serve-") as tmp:
         for workload in workloads:
@@ -288,7 +308,17 @@ def bench(
                 load = load_requests(workload, requests, rate, seed=seed, logprobs=logprobs)
                 served = serve_side(load, settings, folder / "serve", timeout)
                 launched = launch_side(load, settings, folder, timeout)
-                rows.append(report.row(workload, rate, served, launched))
+                row = report.row(workload, rate, served, launched)
+                for guard in guards:
+                    run_dir = folder / f"serve-{guard.mode}"
+                    guarded = serve_side(load, settings, run_dir, timeout, guard)
+                    del guarded["tokens"]
+                    ratios = security.compare(served, guarded)
+                    row.setdefault("security", {})[guard.mode] = {
+                        "figures": guarded,
+                        "ratios": ratios,
+                    }
+                rows.append(row)
                 shutil.rmtree(folder, ignore_errors=True)  # its storage tier: up to 250 MB
         found = None
         if burst_streams:
@@ -300,6 +330,7 @@ def bench(
 
 def main(args: argparse.Namespace) -> int:
     rates, workloads = _check(args)
+    guards = security.modes(args)
     settings = [*DEFAULT_SETTINGS, *args.overrides]
     start = time.perf_counter()
     try:
@@ -313,6 +344,7 @@ def main(args: argparse.Namespace) -> int:
             burst_tokens=args.burst_tokens,
             timeout=args.timeout,
             logprobs=args.logprobs,
+            guards=guards,
         )
     except RunError as e:
         print(f"ringfence bench serve: {e}", file=sys.stderr)
@@ -324,6 +356,7 @@ def main(args: argparse.Namespace) -> int:
         "rates": [rate_label(r) for r in rates],
         "seed": args.seed,
         "logprobs": args.logprobs,
+        "security": [g.mode for g in guards],
         **figures,
         "wall_s": round(time.perf_counter() - start, 3),
     }

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,12 +154,17 @@ async def run_load_async(
     *,
     model: str | None,
     timeout: float,
+    headers: Mapping[str, str] | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> tuple[list[Timeline], float]:
     """Send every request at its arrival time and read every stream: the timelines in the
-    order given, and the perf_counter time the run started (arrival 0)."""
+    order given, and the perf_counter time the run started (arrival 0). ``headers`` go with
+    every request (an API key); ``verify``: how an https server's certificate is checked."""
     url = f"{base_url.rstrip('/')}/v1/completions"
     limits = httpx.Limits(max_connections=max(1, len(requests)), max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout), limits=limits, headers=headers, verify=verify
+    ) as client:
 
         async def one(request: LoadRequest) -> Timeline:
             await _at(start, request)
@@ -170,15 +176,33 @@ async def run_load_async(
 
 
 def run_load(
-    base_url: str, requests: Sequence[LoadRequest], *, model: str | None, timeout: float
+    base_url: str,
+    requests: Sequence[LoadRequest],
+    *,
+    model: str | None,
+    timeout: float,
+    headers: Mapping[str, str] | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> tuple[list[Timeline], float]:
     """:func:`run_load_async` on a fresh event loop (from synchronous code)."""
-    return asyncio.run(run_load_async(base_url, requests, model=model, timeout=timeout))
+    return asyncio.run(
+        run_load_async(
+            base_url, requests, model=model, timeout=timeout, headers=headers, verify=verify
+        )
+    )
 
 
-def served_model(base_url: str, *, timeout: float) -> str:
+def served_model(
+    base_url: str,
+    *,
+    timeout: float,
+    headers: Mapping[str, str] | None = None,
+    verify: ssl.SSLContext | bool = True,
+) -> str:
     """``data[0].id`` of ``GET /v1/models``; ValueError naming what the answer lacked."""
-    answer = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout)
+    answer = httpx.get(
+        f"{base_url.rstrip('/')}/v1/models", timeout=timeout, headers=headers, verify=verify
+    )
     answer.raise_for_status()
     data = answer.json().get("data")
     if not isinstance(data, list) or not data or not isinstance(data[0].get("id"), str):

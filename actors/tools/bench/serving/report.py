@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfence.actors.engine.percentiles import stats
+from ringfence.actors.tools.bench.serving.security import table_lines as security_lines
 from ringfence.actors.tools.bench.serving.stats import rate_label
 
 NO_STATS: dict[str, float | None] = {"p50": None, "p99": None, "mean": None}
@@ -126,6 +127,7 @@ def table(result: Mapping[str, Any]) -> str:
             f"{_num(ratios['output_tokens_per_s'], '.2f') + 'x':>25}"
             f"{'-' if match is None else f'{match:.0%}':>13}{_cpu(serve):>27}"
         )
+    lines += security_lines(result["rows"])
     b = result.get("burst")
     if b:
         per_token = b["frontend_cpu_s_per_token"]
@@ -160,6 +162,11 @@ def failures(result: Mapping[str, Any]) -> list[str]:
         (f"{r['workload']} @ {r['rate']}/s {side}", r[side])
         for r in result["rows"]
         for side in ("serve", "launch")
+    ]
+    sides += [
+        (f"{r['workload']} @ {r['rate']}/s serve {mode}", side["figures"])
+        for r in result["rows"]
+        for mode, side in r.get("security", {}).items()
     ]
     if result.get("burst"):
         sides.append(("burst", result["burst"]))

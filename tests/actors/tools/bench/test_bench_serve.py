@@ -13,6 +13,7 @@ from typing import Any
 import fake_serve
 import orjson
 import pytest
+from certificates import make_certificates
 from launching import QUICK
 
 from ringfence.actors.tools.bench import launcher
@@ -79,6 +80,40 @@ def test_a_bench_against_the_fake_server_reports_each_pair_and_the_burst(
     assert (tmp_path / "serve.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "TTFT p50 serve/launch" in out and "front end at 8 concurrent streams" in out
+
+
+def test_security_sides_run_with_a_key_and_over_verified_https_beside_the_plain_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(launcher, "ringfence_command", lambda: FAKE)
+    monkeypatch.setattr(bench_serve, "launch_side", fake_launch)
+    certs = make_certificates(tmp_path / "certs")
+    path = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--workloads", "unique", "--rates", "inf", "--requests", "3"]
+    argv += ["--burst", "0", "--json", str(path), "--security", "keys,keys+tls"]
+    argv += ["--ssl-certfile", certs.server.certfile, "--ssl-keyfile", certs.server.keyfile]
+    assert cli.main([*argv, "--ssl-ca-certs", certs.ca]) == 0, capsys.readouterr().err
+    result = orjson.loads(path.read_bytes())
+    assert result["security"] == ["keys", "keys+tls"]
+    (row,) = result["rows"]
+    assert list(row["security"]) == ["keys", "keys+tls"]
+    for side in row["security"].values():  # the fake asks for the key, and only speaks TLS
+        assert side["figures"]["requests"] == {"total": 3, "finished": 3, "failed": 0}
+        assert side["figures"]["ttft_p90_s"] > 0 and "tokens" not in side["figures"]
+        assert side["ratios"]["ttft_p50"] > 0 and side["ratios"]["ttft_p90"] > 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in lines if line.startswith("unique    inf  ")][-3:] == [
+        "plain", "keys", "keys+tls",
+    ]  # fmt: skip
+
+
+def test_keys_and_tls_sides_are_refused_without_what_they_need(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["bench", "serve", "--security", "keys,tls"]) == 2
+    assert "--security: unknown ['tls']; known: keys, keys+tls" in capsys.readouterr().err
+    assert cli.main(["bench", "serve", "--security", "keys+tls"]) == 2
+    assert "--security keys+tls needs --ssl-certfile" in capsys.readouterr().err
 
 
 def test_the_launch_gets_the_same_requests_as_the_server(tmp_path: Path) -> None:
