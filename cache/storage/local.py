@@ -59,12 +59,9 @@ missing file) is a miss, logged ``storage.read_failed``; the file stays, since t
 error may pass. Recency stamps are best effort: a blob whose mtime cannot be set
 (another user's, a read-only mount) keeps its age.
 
-Permissions: the directory is one user's (the processes of a machine that share it run as
-that user). Blobs are created ``0600`` and the directories the backend creates ``0700``;
-a root or fingerprint directory that another user owns, or that its group or others may
-write to, is refused at open (:class:`UnsafeDirectory`, naming the path and its mode):
-whoever can write there could replace blocks, and without a storage secret a block is
-taken on its CRC-32 alone.
+Permissions: the directory is one user's; blobs are created ``0600`` and a root or
+fingerprint directory anyone else may write to is refused at open
+(:mod:`.private_dir`).
 
 Reads with a storage secret (``seal``) take the same paths: a read into the caller's
 buffer reads the payload there and then checks its tag, so on a miss the buffer holds the
@@ -79,7 +76,6 @@ import contextlib
 import errno
 import os
 import secrets
-import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -101,8 +97,8 @@ from ringfence.cache.storage.blob import (
     trailer,
     verify,
 )
+from ringfence.cache.storage.private_dir import DIR_MODE, FILE_MODE, make_private_dir
 from ringfence.cache.storage.seal import Seal
-from ringfence.shm.errors import ConfigError
 
 TMP_PREFIX: Final = ".tmp-"
 RESCAN_FRACTION: Final = 8  # rescan after writing max_bytes / RESCAN_FRACTION
@@ -110,15 +106,8 @@ _O_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _O_READ: Final = os.O_RDONLY | os.O_CLOEXEC
 _HEX: Final = frozenset("0123456789abcdef")
 _FULL: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # errors that more room would cure
-FILE_MODE: Final = 0o600  # a blob: this user's only
-DIR_MODE: Final = 0o700  # a directory the backend creates
-_OTHERS_WRITE: Final = 0o022  # group or others may write: refused (see the module docstring)
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class UnsafeDirectory(ConfigError):
-    """The storage directory is another user's, or others may write to it."""
 
 
 class _Stored(NamedTuple):
@@ -176,7 +165,7 @@ class LocalBackend:
         self._last_stamp = 0
         self._closed = False
         for directory in (self.root, self.directory):
-            _make_private_dir(directory)
+            make_private_dir(directory)
         self.rescan()
         self._bound()
 
@@ -463,33 +452,6 @@ def _touch(target: str | int, stamp: int) -> None:
     # Another user's file in a shared directory, or a read-only mount: it keeps its age.
     with contextlib.suppress(OSError):
         os.utime(target, ns=(stamp, stamp))
-
-
-def _make_private_dir(path: str) -> None:
-    """Create ``path`` (``0700``) if it is missing; :class:`UnsafeDirectory` if it is another
-    user's or its group or others may write to it."""
-    try:
-        os.mkdir(path, DIR_MODE)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:  # its parent is missing too: made as by mkdir -p
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, DIR_MODE)
-    st = os.stat(path)
-    mode = stat.S_IMODE(st.st_mode)
-    if st.st_uid != os.geteuid():
-        raise UnsafeDirectory(
-            f"cache.storage.path: {path} (mode {mode:04o}) belongs to user {st.st_uid}, not "
-            f"to this one ({os.geteuid()}): another user could replace its blocks",
-            key="cache.storage.path",
-        )
-    if mode & _OTHERS_WRITE:
-        raise UnsafeDirectory(
-            f"cache.storage.path: {path} (mode {mode:04o}) may be written by its group or "
-            f"others, who could replace its blocks (chmod go-w {path})",
-            key="cache.storage.path",
-        )
 
 
 def _is_key_name(name: str) -> bool:

@@ -24,8 +24,9 @@ from ringfence.cache.storage.blob import (
     decode_into,
     encode,
 )
-from ringfence.cache.storage.local import LocalBackend, UnsafeDirectory
+from ringfence.cache.storage.local import LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
+from ringfence.cache.storage.private_dir import UnsafeDirectory
 from ringfence.cache.storage.redis_backend import RedisBackend
 from ringfence.cache.storage.registry import open_backend, open_storage
 from ringfence.cache.storage.seal import SECRET_ENV, Seal, load_seal
