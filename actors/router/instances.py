@@ -222,6 +222,14 @@ async def identify(client: Upstream, url: str, deadline: float) -> Identity:
             ) from e
         except TransportError as e:
             last = describe(e)
+            if await client.closed_after_handshake(
+                url, timeout=max(min(IDENTIFY_CALL_S, left), 0.01)
+            ):
+                raise PoolRefused(
+                    f"{url}: the instance closes the TLS connection before answering: it asks "
+                    "for a client certificate the router does not present, or does not take "
+                    "the one it does (--instance-ssl-certfile and --instance-ssl-keyfile)"
+                ) from e
         except ValueError as e:  # not JSON
             raise PoolRefused(f"{url}/ringfence/instance: not an instance's answer ({e})") from e
         left = deadline - time.monotonic()

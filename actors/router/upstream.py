@@ -19,10 +19,13 @@ Owned by the router's event loop: the session is made and used on it only.
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -159,11 +162,12 @@ class Upstream:
         """``key``: the instances' API key, presented on every call (none if empty);
         ``tls``: the context of https instance URLs (:func:`..serve.tls.instance_context`;
         None: aiohttp's default, which verifies against the system's trust store)."""
+        self._tls = tls if tls is not None else ssl.create_default_context()
         connector = aiohttp.TCPConnector(
             limit=MAX_CONNECTIONS,
             limit_per_host=0,
             keepalive_timeout=KEEPALIVE_S,
-            ssl=tls if tls is not None else True,
+            ssl=self._tls,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -172,6 +176,39 @@ class Upstream:
             trust_env=False,
             headers={"Authorization": f"Bearer {key}"} if key else None,
         )
+
+    async def closed_after_handshake(self, url: str, *, timeout: float) -> bool:
+        """Whether the https instance at ``url`` completes a TLS handshake with the router and
+        then closes the connection without answering a request. An instance that asks for a
+        client certificate the router did not present does this under TLS 1.3 (the refusal
+        comes after the handshake, as an alert aiohttp reports as "Server disconnected"); a
+        server asked again will do it again."""
+        parts = urlsplit(url)
+        if parts.scheme != "https" or parts.hostname is None:
+            return False
+        host, port = parts.hostname, parts.port or 443
+        request = b"GET /health HTTP/1.1\r\nHost: %s\r\n\r\n" % parts.netloc.encode()
+
+        def ask() -> bool:
+            try:
+                raw = socket.create_connection((host, port), timeout=timeout)
+            except OSError:  # refused, unreachable, timed out: nothing said of TLS
+                return False
+            with raw:
+                try:
+                    tls = self._tls.wrap_socket(raw, server_hostname=host)
+                except OSError:  # the handshake failed: aiohttp names that itself
+                    return False
+                with tls:
+                    try:
+                        tls.sendall(request)
+                        return tls.recv(1) == b""
+                    except (ConnectionResetError, ssl.SSLError):
+                        return True
+                    except OSError:
+                        return False
+
+        return await asyncio.to_thread(ask)
 
     async def get(self, url: str, *, timeout: float) -> Answer:
         """``GET url``, its whole answer within ``timeout`` seconds."""

@@ -91,6 +91,24 @@ def test_the_router_presents_its_client_certificate_to_instances_that_ask(fakes,
         assert known.get(f"{decode.url}/health").status_code == 200
 
 
+def test_an_instance_that_asks_for_a_client_certificate_the_router_lacks_is_refused_at_once(
+    fakes, certs
+):
+    tls = listener(certs.server, ca_certs=certs.ca)  # clients must show a certificate
+    prefill, decode = fakes("p", role="prefill", tls=tls), fakes("d", tls=tls)
+    with (
+        pytest.raises(PoolRefused) as refused,
+        routed([prefill], [decode], instance_ca_certs=certs.ca, start_timeout_s=30.0),
+    ):
+        pass
+    # Under TLS 1.3 the refusal comes after the handshake: named, not a start timeout.
+    assert str(refused.value).endswith(
+        "the instance closes the TLS connection before answering: it asks for a client "
+        "certificate the router does not present, or does not take the one it does "
+        "(--instance-ssl-certfile and --instance-ssl-keyfile)"
+    ), refused.value
+
+
 def router_command(*args: str) -> list[str]:
     return [str(RINGFENCE), "router", "--port", "0", "--start-timeout-s", "10", *args]
 
