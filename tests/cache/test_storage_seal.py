@@ -314,3 +314,23 @@ def test_an_acl_user_logs_in_by_url_or_by_the_password_setting(acl_redis, monkey
     settings = StorageConfig(backend="redis", url=f"redis://alice@{host}")
     with closing(open_storage(settings, fingerprint=FP, run_dir=None)) as store:
         assert store.get_many([key(0)]) == [payload(0)]
+
+
+def test_a_tls_redis_is_reached_by_rediss_and_verified_against_the_urls_ca(tmp_path):
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
+    from certificates import make_certificates
+
+    certs = make_certificates(tmp_path / "certs")
+    pair = (certs.server.certfile, certs.server.keyfile, certs.ca)
+    with redis_server(tmp_path, tls=pair) as url:
+        assert url.startswith("rediss://") and "ssl_ca_certs=" in url
+        with closing(open_backend("redis", fingerprint=FP, url=url)) as store:
+            assert store.put_many([(key(0), payload(0))]) == 1
+            assert store.get_many([key(0)]) == [payload(0)]
+        bare = url.partition("?")[0]  # the system's trust store: the test CA is not in it
+        with pytest.raises(StorageUnavailable, match="certificate verify failed"):
+            open_backend("redis", fingerprint=FP, url=bare)
+        plain = bare.replace("rediss://", "redis://")  # no TLS to a TLS-only server
+        with pytest.raises(StorageUnavailable):
+            open_backend("redis", fingerprint=FP, url=plain)

@@ -79,6 +79,7 @@ def redis_server(
     bind: str = "127.0.0.1",
     prefix: Sequence[str] = (),
     user: tuple[str, str] | None = None,
+    tls: tuple[str, str, str] | None = None,
 ) -> Iterator[str]:
     """Run redis-server on ``bind`` with ``workdir`` as its dir; yield its URL; stop it.
 
@@ -95,6 +96,9 @@ def redis_server(
 
     ``user``: an ACL user ``(name, password)`` that may do anything, and the default user
     off, so a client must log in as it (the yielded URL holds neither; the PING does).
+
+    ``tls``: ``(certfile, keyfile, ca_certs)``: it speaks TLS only (no plain port), asks no
+    client certificate, and the yielded URL is ``rediss://...?ssl_ca_certs=<ca_certs>``.
     """
     import redis
 
@@ -105,7 +109,12 @@ def redis_server(
     log = b""
     for _ in range(1 if port else START_ATTEMPTS):
         listen = port or free_port()
-        args = [*prefix, REDIS_SERVER, "--bind", bind, "--port", str(listen), "--dir", str(workdir)]
+        ports = ["--port", str(listen)]
+        if tls is not None:
+            ports = ["--port", "0", "--tls-port", str(listen), "--tls-cert-file", tls[0]]
+            ports += ["--tls-key-file", tls[1], "--tls-ca-cert-file", tls[2]]
+            ports += ["--tls-auth-clients", "no"]
+        args = [*prefix, REDIS_SERVER, "--bind", bind, *ports, "--dir", str(workdir)]
         args += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", ""]
         if prefix:
             args += ["--protected-mode", "no"]
@@ -124,6 +133,8 @@ def redis_server(
             output.settled.wait(timeout_s)
             if output.ready:
                 url = f"redis://{bind}:{listen}/0"
+                if tls is not None:
+                    url = f"rediss://{bind}:{listen}/0?ssl_ca_certs={tls[2]}"
                 if not prefix:
                     login = {"username": user[0], "password": user[1]} if user else {}
                     with redis.Redis.from_url(url, socket_timeout=timeout_s, **login) as client:
