@@ -10,6 +10,7 @@ from __future__ import annotations
 from ringfence.actors.config import Config
 from ringfence.actors.model.identity import model_shape
 from ringfence.cache.storage.registry import BACKENDS, backend
+from ringfence.cache.storage.seal import load_seal
 from ringfence.runtime.extras import require
 from ringfence.sched.config import max_model_len
 
@@ -23,10 +24,13 @@ def check_limits(config: Config) -> None:
 def check_storage(config: Config) -> None:
     """The launch's check that the storage backend's client library is installed (the
     engine and the store lanes import it in their own processes, where a missing one would
-    be an actor's failure): MissingExtra naming the extra that installs it."""
+    be an actor's failure): MissingExtra naming the extra that installs it; and that the
+    storage secret can be read, and is one (ConfigError naming the setting or file)."""
     name = config.cache.storage.backend
     if library := backend(name).requires:
         require(library, f"cache.storage.backend = {name!r}")
+    if name != "none":
+        load_seal(config.cache.storage.secret, config.cache.storage.secret_file)
 
 
 def check_role(config: Config) -> None:

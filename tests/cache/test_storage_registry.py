@@ -131,6 +131,21 @@ def test_the_launch_requires_the_client_library_the_entry_names(monkeypatch):
     )
 
 
+def test_the_launch_refuses_a_storage_secret_it_cannot_read_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("RINGFENCE_STORAGE_SECRET", raising=False)
+    missing = tmp_path / "nope.secret"
+    config = Config.load(None, [f"cache.storage.secret_file={missing}"])
+    with pytest.raises(ConfigError, match=f"cache.storage.secret_file {missing}: No such file"):
+        check_storage(config)
+    (tmp_path / "ok.secret").write_text("s3cret\n")
+    monkeypatch.setenv("RINGFENCE_STORAGE_SECRET", "another")
+    config = Config.load(None, [f"cache.storage.secret_file={tmp_path / 'ok.secret'}"])
+    with pytest.raises(ConfigError, match="2 different secrets are set"):
+        check_storage(config)
+    no_tier = ["cache.storage.backend=none", f"cache.storage.secret_file={missing}"]
+    check_storage(Config.load(None, no_tier))  # no tier: no secret to read
+
+
 def test_the_configs_backend_choices_are_the_registrys_names():
     assert typing.get_args(BackendName) == tuple(BACKENDS)
     assert Config.load(None, ["cache.storage.backend=memory"]).cache.storage.backend == "memory"
