@@ -38,6 +38,8 @@ import orjson
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
+from ringfence.runtime.secrets import redact, redactions
+
 LEVELS: Final = {"info": logging.INFO, "trace": logging.DEBUG}
 TRACE_BUFFER_BYTES: Final = 64 << 10
 # structlog method name -> the level written in the line ("debug" is our trace level).
@@ -55,10 +57,11 @@ class _LineWriter:
     mid-burst loses at most the trace lines of that burst, never an info line.
     """
 
-    __slots__ = ("_buffer", "_buffered", "_fd", "_lock")
+    __slots__ = ("_buffer", "_buffered", "_fd", "_lock", "_secrets")
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
+        self._secrets = redactions()  # what no line may hold (runtime/secrets.py)
         self._buffer: list[bytes] = []
         self._buffered = 0
         self._lock = threading.Lock()  # threads of one process may share a log
@@ -89,7 +92,8 @@ class _LineWriter:
     def _write_buffer(self) -> None:
         if not self._buffer or self._fd is None:
             return
-        data = memoryview(b"".join(self._buffer))
+        joined = b"".join(self._buffer)
+        data = memoryview(redact(joined, self._secrets) if self._secrets else joined)
         self._buffer.clear()
         self._buffered = 0
         while data:

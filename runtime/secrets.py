@@ -7,6 +7,11 @@ set in the config out of it and into the environment, before the supervisor spaw
 (its children inherit the environment, and nothing else of the parent). An actor reads the
 value from the environment (:func:`secret_values`), joined with what the variable held
 already: one or several values, comma-separated.
+
+The names of every secret's variable go to the children too (:data:`SECRET_VARS_ENV`), so
+that each process's log can redact their values (:func:`redactions`) from every line it
+writes, should one ever be passed to it: secrets are kept out of logs by construction, and
+the redaction is what catches a mistake.
 """
 
 from __future__ import annotations
@@ -16,9 +21,14 @@ import os
 from collections.abc import Mapping
 from typing import Any, TypeVar, cast
 
+import orjson
+
 from ringfence.runtime.config_tables import SECRET
 
 T = TypeVar("T")
+SECRET_VARS_ENV = "RINGFENCE_SECRET_VARS"  # the secrets' variables, comma-separated
+MIN_REDACTED = 6  # a shorter value is not looked for in log lines (it would hit at random)
+REDACTED = b"[redacted]"
 
 
 def secret(doc: str, env: str) -> str:
@@ -30,7 +40,45 @@ def export_secrets(cfg: T, environ: dict[str, str] | None = None) -> T:
     """``cfg`` with every secret emptied, each one's value added to its variable in
     ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
+    names = {*env.get(SECRET_VARS_ENV, "").split(","), *_secret_vars(cfg)} - {""}
+    env[SECRET_VARS_ENV] = ",".join(sorted(names))
     return _export(cfg, env)  # type: ignore[no-any-return]
+
+
+def _secret_vars(obj: Any) -> set[str]:
+    """The variables of every secret setting of ``obj`` (set or not)."""
+    if isinstance(obj, Mapping):
+        return set().union(*(_secret_vars(v) for v in obj.values()))
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return set()
+    found: set[str] = set()
+    for f in dataclasses.fields(obj):
+        if var := f.metadata.get(SECRET):
+            found.add(var)
+        found |= _secret_vars(getattr(obj, f.name))
+    return found
+
+
+def redactions(environ: Mapping[str, str] | None = None) -> tuple[bytes, ...]:
+    """What a log line must not hold: each value of the variables :data:`SECRET_VARS_ENV`
+    names (at least :data:`MIN_REDACTED` characters), as written and as JSON escapes it;
+    longest first."""
+    env = os.environ if environ is None else environ
+    found: set[bytes] = set()
+    for var in env.get(SECRET_VARS_ENV, "").split(","):
+        for value in secret_values("", var, env) if var else ():
+            if len(value) >= MIN_REDACTED:
+                found.add(value.encode())
+                found.add(orjson.dumps(value)[1:-1])
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def redact(data: bytes, secrets: tuple[bytes, ...]) -> bytes:
+    """``data`` with every one of ``secrets`` replaced by :data:`REDACTED`."""
+    for value in secrets:
+        if value in data:
+            data = data.replace(value, REDACTED)
+    return data
 
 
 def _export(obj: Any, env: Any) -> Any:

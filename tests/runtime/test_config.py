@@ -334,6 +334,9 @@ def test_the_storage_secret_and_password_leave_the_config_for_the_environment():
     assert environ == {
         "RINGFENCE_STORAGE_SECRET": "tier-secret",
         "RINGFENCE_STORAGE_PASSWORD": "pass-word",
+        # Every secret's variable, set or not: what each process's log redacts.
+        "RINGFENCE_SECRET_VARS": "RINGFENCE_API_KEY,RINGFENCE_STORAGE_PASSWORD,"
+        "RINGFENCE_STORAGE_SECRET",
     }
     text = dump_config(public)
     assert "tier-secret" not in text and "pass-word" not in text

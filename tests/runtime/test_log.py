@@ -277,3 +277,24 @@ def test_the_fast_trace_path_renders_what_the_structlog_chain_renders(tmp_path):
     for line in (fast, chain):
         del line["ts"], line["mono_ns"]
     assert list(fast.items()) == list(chain.items())
+
+
+def test_no_line_holds_a_secret_value_of_the_variables_the_supervisor_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("RINGFENCE_SECRET_VARS", "RINGFENCE_API_KEY,RINGFENCE_STORAGE_SECRET")
+    monkeypatch.setenv("RINGFENCE_API_KEY", 'sk-one,sk-"quoted",abc')
+    monkeypatch.setenv("RINGFENCE_STORAGE_SECRET", "tier-secret-1")
+    monkeypatch.setenv("OTHER_VAR", "not-a-secret")
+    log = make_log(tmp_path, level="trace")
+    log.info("demo.start", url="redis://x?key=sk-one", nested={"k": ['sk-"quoted"']})
+    log.trace("sched.add", prompt=[1], params={"secret": "tier-secret-1"}, cache_salt="abc")
+    log.warning("demo.stop", why="not-a-secret sk-on")
+    log.close()
+    data = file_of(log).read_bytes()
+    for value in (b"sk-one", b'sk-\\"quoted\\"', b"tier-secret-1"):
+        assert value not in data, value
+    first, second, third = read_lines(log)
+    assert first["url"] == "redis://x?key=[redacted]"
+    assert first["nested"] == {"k": ["[redacted]"]}
+    assert second["params"] == {"secret": "[redacted]"}
+    assert second["cache_salt"] == "abc"  # shorter than a secret is looked for
+    assert third["why"] == "not-a-secret sk-on"  # what is not a secret stays

@@ -76,7 +76,11 @@ def test_a_secret_setting_leaves_the_config_for_the_environment_and_is_never_dum
     assert "sk-secret-1" not in dump_config(config)  # the run dir's config.toml
     environ: dict[str, str] = {"RINGFENCE_API_KEY": "sk-already"}
     exported = export_secrets(config, environ)
-    assert environ == {"RINGFENCE_API_KEY": "sk-already,sk-secret-1"}
+    assert environ == {
+        "RINGFENCE_API_KEY": "sk-already,sk-secret-1",
+        "RINGFENCE_SECRET_VARS": "RINGFENCE_API_KEY,RINGFENCE_STORAGE_PASSWORD,"
+        "RINGFENCE_STORAGE_SECRET",
+    }
     server = exported.section("server")
     assert isinstance(server, ServerConfig)
     assert (server.api_key, server.port) == ("", 9)
