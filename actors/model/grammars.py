@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import lru_cache
 from typing import TYPE_CHECKING, ClassVar
 
 from ringfence.actors.model.tokenizer import (
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False}  # (see grammar_text)
+CHECKED = 256  # specs whose verdict problem() keeps
 CACHE_SIZE = 64  # compiled grammars kept per Worker, least recently used dropped first
 BYTE_SPECIALS = (b"<s>", b"</s>", b"<pad>")  # ByteTokenizer's BOS, EOS and PAD, in id order
 
@@ -83,8 +85,10 @@ def grammar_text(spec: StructuredOutput) -> str:
     return text
 
 
+@lru_cache(maxsize=CHECKED)
 def problem(spec: StructuredOutput) -> str:
-    """Why ``spec`` does not compile ("" if it does); what the front end answers 400 with."""
+    """Why ``spec`` does not compile ("" if it does); what the front end answers 400 with.
+    Verdicts are kept by spec (thread-safe: the cache is, and compiling changes nothing)."""
     try:
         grammar_text(spec)
     except GrammarError as e:

@@ -102,6 +102,37 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema: the field is named apart.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, any JSON object, or a JSON schema."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # with type json_schema only
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: what the output must match, one field of these."""
+
+    model_config = LENIENT  # vLLM's backend tuning knobs are accepted and ignored (by name)
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")  # a JSON schema
+    regex: str | None = None  # the whole output matches it
+    choice: Annotated[list[str], Field(min_length=1)] | None = None  # the output is one of these
+    grammar: str | None = None  # a Lark grammar or llama.cpp's GBNF (vLLM's EBNF)
+    json_object: bool | None = None  # true: any JSON object
+
+
 class _Sampling(BaseModel):
     """The fields completions and chat completions share."""
 
@@ -134,6 +165,14 @@ class _Sampling(BaseModel):
     # vLLM: joins the hash of the prompt's first KV block, so requests with another salt
     # share none of its cached blocks (and cannot tell from their speed that it was sent).
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
+    # vLLM: the grammar the output follows (actors/serve/structured.py), and the older
+    # top-level fields vLLM still takes for it.
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (vLLM takes it on completions too)
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -162,19 +201,12 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = STRICT
-
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the model's length
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     logprobs: bool | None = None  # each output token's log probability
@@ -223,4 +255,7 @@ def ignored_fields(request: _Sampling) -> list[str]:
     options = request.stream_options
     if options is not None:
         names += [f"stream_options.{name}" for name in options.model_extra or ()]
+    structured = request.structured_outputs
+    if structured is not None:
+        names += [f"structured_outputs.{name}" for name in structured.model_extra or ()]
     return [ascii(name)[1:-1] or '""' for name in names]

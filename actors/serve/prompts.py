@@ -183,8 +183,6 @@ def prompt_of(body: CompletionRequest | ChatCompletionRequest, prompter: Prompte
     check_request(body, prompter)
     if isinstance(body, CompletionRequest):
         return prompter.completion(body.prompt, body.max_tokens)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError("response_format: only text", param="response_format")
     limit, field = body.max_completion_tokens, "max_completion_tokens"
     if limit is None:
         limit, field = body.max_tokens, "max_tokens"
