@@ -87,6 +87,7 @@ class Sampler:
         # the logits after bias, penalties and temperature, which the token was drawn from.
         self.logprobs_mode = logprobs_mode
         self.seqs: dict[int, SeqSampling] = {}
+        self.constrained: set[int] = set()  # the open sequences with a matcher
 
     def problem(self, pieces: Sequence[Piece]) -> str:
         """Why these pieces cannot be sampled, or "": a piece to sample of a sequence that is
@@ -157,6 +158,7 @@ class Sampler:
         """Forget ended sequences (unknown ids are ignored: a reset forgot them already)."""
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
+            self.constrained.discard(seq_id)
 
     def advance(self, pieces: Sequence[Piece]) -> None:
         """Open the sequences the pieces open (replacing what was kept: they start over) and
@@ -164,6 +166,10 @@ class Sampler:
         for p in pieces:
             if p.opening is not None:
                 opened = self.seqs[p.seq_id] = self._opened(p.opening)
+                if opened.matcher is not None:
+                    self.constrained.add(p.seq_id)
+                else:
+                    self.constrained.discard(p.seq_id)
                 opened.observe(p.opening.history)
                 opened.num_tokens = p.start
             if (state := self.seqs.get(p.seq_id)) is not None:  # (an opening may come later)
@@ -180,8 +186,8 @@ class Sampler:
         """Start computing the grammar masks of the pieces to sample (call after
         :meth:`advance`, before the forward: they are filled beside it); None if none has a
         grammar."""
-        if self.constraints is None:
-            return None
+        if self.constraints is None or not self.constrained:
+            return None  # no grammar open: nothing to do, every step
         rows = [
             (row, state.matcher)
             for row, p in enumerate(pieces)
@@ -218,6 +224,10 @@ class Sampler:
                     raise GrammarError(f"sequence {p.seq_id} has a grammar but no matcher here")
                 raw = masks.apply(row, raw)  # the grammar first: vLLM applies it to the logits
             logits = processed(raw, state, position) if params.processes_logits else raw
+            if params.structured is not None and not bool(torch.isfinite(logits).any()):
+                # The knobs forbade every token the grammar allows (min_tokens holding off
+                # the end it allows alone): the grammar wins, so the output stays valid.
+                logits = raw
             token = sample(
                 logits,
                 temperature=params.temperature,
