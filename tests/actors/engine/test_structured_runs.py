@@ -14,6 +14,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from engine_runs import TRACE, replayed
 from inproc import inproc_run
 from launching import QUICK, launched
 from random_workloads import ENGINE, RUN_TIMEOUT_S, outputs, reference
@@ -73,13 +74,16 @@ def test_preempted_constrained_requests_get_the_plain_loops_valid_tokens(
 
 def test_a_worker_killed_mid_run_rebuilds_every_matcher_from_the_output(tmp_path, workload):
     path, expected = workload
-    sets = (*ENGINE, *QUICK, "cache.device_blocks=256", f"engine.workload={path}")
+    sets = (*ENGINE, *QUICK, TRACE, "cache.device_blocks=256", f"engine.workload={path}")
     with launched(tmp_path, *sets) as run:
         run.wait_for_event("step.done", log="worker-0", step=40, timeout=120.0)
         run.kill_actor("worker-0")
         assert run.wait(180.0) == 0, run.tail()
         restarts = run.events("worker.ready", log="worker-0")
     assert len(restarts) == 2, "the worker was not restarted"
+    # The checks hold, and the redriven scheduler (the requests' structured outputs read
+    # back from the log) repeats every decision.
+    replayed(tmp_path / "run")
     got = outputs(tmp_path / "run")
     for request_id, tokens in got.items():
         check_output(request_id, tokens)
