@@ -224,7 +224,8 @@ class Sampler:
                     raise GrammarError(f"sequence {p.seq_id} has a grammar but no matcher here")
                 raw = masks.apply(row, raw)  # the grammar first: vLLM applies it to the logits
             logits = processed(raw, state, position) if params.processes_logits else raw
-            if params.structured is not None and not bool(torch.isfinite(logits).any()):
+            constrained = params.structured is not None
+            if constrained and logits is not raw and not bool(logits.isfinite().any()):
                 # The knobs forbade every token the grammar allows (min_tokens holding off
                 # the end it allows alone): the grammar wins, so the output stays valid.
                 logits = raw
