@@ -18,7 +18,7 @@ Owned by the Worker actor's thread; the fill thread only writes the job's own bi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import llguidance
@@ -38,6 +38,11 @@ class MaskJob:
     rows: dict[int, int]  # row of the step's logits -> row of ``bits``
     bits: torch.Tensor  # [rows, words] int32: bit j of word w allows token 32 w + j
     done: Future[None]
+
+    def wait(self) -> None:
+        """Return once the fill is over, however it ended (a step that failed before it
+        sampled still waits: the fill reads matchers the next plan moves)."""
+        wait([self.done], timeout=MASK_TIMEOUT_S)
 
     def apply(self, row: int, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (one row, any float dtype, on the CPU) with the row's forbidden tokens

@@ -203,8 +203,18 @@ class Sampler:
         constrained row masked by its grammar (``masks`` from :meth:`start_masks`; computed
         here when not given)."""
         last_logits = last_logits.to(device="cpu", dtype=torch.float64)
-        if masks is None:
-            masks = self.start_masks(pieces)
+        if masks is not None:
+            return self._draw(pieces, last_logits, masks)
+        masks = self.start_masks(pieces)
+        try:
+            return self._draw(pieces, last_logits, masks)
+        finally:
+            if masks is not None:  # its fill reads the matchers: over before they move
+                masks.wait()
+
+    def _draw(
+        self, pieces: Sequence[Piece], last_logits: torch.Tensor, masks: MaskJob | None
+    ) -> tuple[SampledToken, ...]:
         outputs = []
         for row, p in enumerate(pieces):
             if not p.sample:

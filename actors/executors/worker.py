@@ -289,11 +289,15 @@ class Worker(LaneExecutor):
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return (), ()
         masks = self.sampler.start_masks(plan.pieces)  # filled beside the forward
-        out = self.executor.step(plan.pieces, whole=self.sampler.whole(plan.pieces))
-        self._touched()
-        prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
-        # One copy for all pieces; on CUDA it waits for the step, KV writes included.
-        return self.sampler.sample(plan.pieces, out.last_logits.to("cpu"), masks), prompt
+        try:
+            out = self.executor.step(plan.pieces, whole=self.sampler.whole(plan.pieces))
+            self._touched()
+            prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
+            # One copy for all pieces; on CUDA it waits for the step, KV writes included.
+            return self.sampler.sample(plan.pieces, out.last_logits.to("cpu"), masks), prompt
+        finally:
+            if masks is not None:  # the fill reads the matchers: done before a plan moves them
+                masks.wait()
 
     def _touched(self) -> None:
         """Add the blocks the model's step indexed to the op's touches (when tracing)."""
