@@ -5,7 +5,7 @@ ignored, as vLLM does (clients send other servers' knobs), but never silently: t
 end logs one ``server.fields_ignored`` line and answers with the
 ``X-Ringfence-Ignored-Fields`` header naming them (:func:`ignored_fields`). Fields of the
 OpenAI API this server does not implement are declared too, with the one value it honours
-(``suffix``, ``tools``...), so that a request asking for more is refused by name
+(``suffix``), so that a request asking for more is refused by name
 (:func:`check_unsupported`) rather than ignored. The sampling fields are checked once more,
 and turned into the request's ``SamplingParams``, in :mod:`.sampling`.
 Types are strict, as the schema states them: ``false`` is no token id, ``0`` no boolean
@@ -201,14 +201,48 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
+class FunctionDef(BaseModel):
+    model_config = LENIENT
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None  # calls always follow the schema when the grammar forces them
+
+
+class Tool(BaseModel):
+    model_config = LENIENT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function the answer must call."""
+
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the model's length
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    # The functions the model may call (actors/serve/tools.py), and whether it must: none,
+    # auto (the default with tools), required (some call) or one named function.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced answer is one call
     logprobs: bool | None = None  # each output token's log probability
     top_logprobs: TopLogprobs | None = None  # and this many alternatives (needs logprobs)
 
@@ -216,8 +250,6 @@ class ChatCompletionRequest(_Sampling):
 # field -> (the value honoured, how to say it)
 _UNSUPPORTED: dict[str, tuple[object, str]] = {
     "suffix": (None, "suffix is not supported"),
-    "tools": (None, "tools are not supported"),
-    "tool_choice": (None, "tool_choice is not supported"),
 }
 
 
@@ -225,7 +257,7 @@ def check_unsupported(request: _Sampling) -> None:
     """ApiError naming the first field set to something this server does not do."""
     for name, (honoured, why) in _UNSUPPORTED.items():
         value = getattr(request, name, honoured)
-        if value != honoured and not (name == "tools" and value == []):
+        if value != honoured:
             raise ApiError(f"{name}: {why}, got {value!r}", param=name)
     best_of = getattr(request, "best_of", None)
     if best_of is not None and best_of != request.n:

@@ -61,6 +61,12 @@ def sampling_params(
     carries the structured output (:mod:`.structured`), so each keeps its own matcher.
     """
     structured = structured_output(body)
+    forced = prompt.tools.forced if prompt.tools is not None else None
+    if forced is not None:  # tool_choice required or named: a grammar of one call
+        if structured is not None:
+            raise ApiError("tool_choice: a forced tool call and a structured output cannot be "
+                           "combined", param="tool_choice")  # fmt: skip
+        structured = forced
     try:
         params = SamplingParams(
             max_tokens=max(prompt.max_tokens, 1),

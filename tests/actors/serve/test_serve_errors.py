@@ -114,8 +114,8 @@ ONLY: list[tuple[str, str, Any, str | None, str]] = [
      "top_logprobs", "needs logprobs: true"),
     ("chat logprobs a number", "/v1/chat/completions", {**CHAT, "logprobs": 3}, "logprobs",
      "valid boolean"),
-    ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools",
-     "tools are not supported"),
+    ("tool without function", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]},
+     "tools.0.function", "Field required"),
 ]  # fmt: skip
 
 # (name, path, body, param, what the message says): every bad request of the module.
