@@ -36,6 +36,14 @@ HERMES_TEMPLATE = (
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Llama 3.1's shape, cut short: the tools by name, calls as JSON with "parameters".
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nEnvironment: ipython\n<tools>"
+    "{%- for tool in tools %}{{ tool.function.name }} {% endfor %}</tools>\n"
+    'Answer with {"name": ..., "parameters": ...}<|im_end|>\n{%- endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 WEATHER_ARGS = {
     "type": "object",
     "properties": {
@@ -59,6 +67,14 @@ MAX_TOKENS = 96
 def server(tmp_path_factory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("tools")
     file = write_tiny(tmp / "hermes.gguf", tiny_weights(38), template=HERMES_TEMPLATE)
+    with served(tmp, f"model.path={file}", "model.dtype=float32") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llama3_server(tmp_path_factory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("tools-llama3")
+    file = write_tiny(tmp / "llama3.gguf", tiny_weights(39), template=LLAMA3_TEMPLATE)
     with served(tmp, f"model.path={file}", "model.dtype=float32") as server:
         yield server
 
@@ -88,6 +104,18 @@ def test_required_always_yields_a_call_for_every_choice_and_seed(server):
             [call] = choice.message.tool_calls
             check_call(call)
             assert choice.message.content is None
+
+
+def test_llama3s_json_form_is_forced_read_back_and_streamed_alike(llama3_server):
+    whole = chat(llama3_server, tools=TOOLS, tool_choice="required", seed=6)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    check_call(call)
+    chunks = list(chat(llama3_server, tools=TOOLS, tool_choice="required", seed=6, stream=True))
+    [streamed] = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or ()]
+    assert (streamed.function.name, streamed.function.arguments) == (
+        call.function.name, call.function.arguments)  # fmt: skip
 
 
 def test_a_named_function_is_the_one_called(server):
