@@ -2,7 +2,7 @@
 nested JSON schema, a regex and a choice (``structured_workloads.py``) on the tiny preset.
 
 Every output ends at the grammar's end token and is valid for its kind, and every run's
-tokens equal the plain loop's (which never preempts): so under swap or recompute
+tokens equal the plain loop's (which never preempts): so under swap, recompute or save
 preemption with a small device pool, chaos delays and poisoned blocks, and across a Worker
 killed mid-run, each matcher was rebuilt from the sequence's output and masked exactly as
 an undisturbed one would have.
@@ -56,7 +56,7 @@ def test_the_plain_loops_outputs_are_valid_and_differ_as_their_seeds_do(workload
     assert len({texts[f"choice{i}"] for i in range(15)}) > 1
 
 
-@pytest.mark.parametrize("policy", ["swap", "recompute"])
+@pytest.mark.parametrize("policy", ["swap", "recompute", "save"])
 def test_preempted_constrained_requests_get_the_plain_loops_valid_tokens(
     tmp_path, workload, policy
 ):
