@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ringfence.actors.model.grammars import problem
 from ringfence.actors.model.tool_calls import Function, Parsed, ToolFormat, tool_format
 from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, NamedToolChoice
 from ringfence.sched.structured import StructuredOutput
@@ -66,7 +67,16 @@ def tool_use(body: ChatCompletionRequest, template_source: str | None) -> ToolUs
             raise ApiError(f"{field}: {said}", param=field)
         functions = [f for f in functions if f.name == choice.function.name]
     if choice == "required" or isinstance(choice, NamedToolChoice):
+        for i, f in enumerate(body.tools):  # each schema's fault named where it is
+            if f.function.name in {g.name for g in functions} and f.function.parameters:
+                spec = StructuredOutput.json_schema(f.function.parameters)
+                if said := problem(spec):
+                    field = f"tools.{i}.function.parameters"
+                    raise ApiError(f"{field}: {said}", param=field)
         forced = StructuredOutput(kind="grammar", source=fmt.grammar(functions))
+        if said := problem(forced):
+            raise ApiError(f"tool_choice: the call's grammar does not compile: {said}",
+                           param="tool_choice")  # fmt: skip
     return ToolUse(format=fmt, tools=tools, forced=forced)
 
 

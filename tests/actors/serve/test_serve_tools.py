@@ -165,6 +165,9 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}},
      "tool_choice", "cannot be combined"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "same name"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objekt"}}}], "tool_choice": "required"},
+     "tools.1.function.parameters", "objekt"),
 ]  # fmt: skip
 
 
