@@ -30,13 +30,14 @@ Reason = Literal["evict", "through", "preempt", "admit", "resume", "handover"]
 class Opening:
     """What the Worker keeps of a sequence, sent with its first piece after each admission
     (and after a preemption or a reset, which send it back to waiting) instead of with
-    every piece: how to sample it, and the tokens a penalty counts that the Worker will
-    not see in a piece (those before the piece's start: a prefix cache hit, or KV swapped
-    back in). The Worker forgets it when the sequence is in a step's ``closed``."""
+    every piece: how to sample it, and the tokens a penalty counts or a grammar's matcher
+    replays that the Worker will not see in a piece (those before the piece's start: a
+    prefix cache hit, or KV swapped back in). The Worker forgets it when the sequence is in
+    a step's ``closed``."""
 
     params: SamplingParams
     num_prompt_tokens: int  # positions from here on are output (the penalties' tokens)
-    history: tuple[int, ...] = ()  # positions 0 .. start - 1 when params.needs_counts
+    history: tuple[int, ...] = ()  # positions 0 .. start - 1 when params.needs_history
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -58,7 +58,7 @@ class PieceMaker:
         """What the Worker keeps of the sequence (:class:`Opening`); it is open from now."""
         seq.opened = True
         r = seq.request
-        history = tokens[:start] if r.params.needs_counts else ()
+        history = tokens[:start] if r.params.needs_history else ()
         return Opening(params=r.params, num_prompt_tokens=r.num_prompt_tokens, history=history)
 
     def close(self, seq: Sequence) -> None:

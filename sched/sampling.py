@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ringfence.sched.checks import RequestError, check_number, check_token_ids, is_int
+from ringfence.sched.structured import StructuredOutput
 
 MAX_LOGPROBS = 20  # most alternatives a token's logprobs may list (OpenAI's limit)
 LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to +-this, as OpenAI and vLLM do
@@ -84,7 +85,8 @@ def _check_bias(value: object) -> tuple[tuple[int, float], ...]:
 class SamplingParams:
     """How to sample one request's output. Immutable, so requests may share one instance.
 
-    The order the Worker applies them in is vLLM's: logit_bias and the min_tokens mask,
+    The order the Worker applies them in is vLLM's: the structured output's grammar mask
+    (``structured``: tokens its grammar forbids get -inf), then logit_bias and the min_tokens mask,
     then the penalties, on the raw logits; then temperature, min_p, top_k and top_p; then
     a draw seeded by (seed, position). Log probabilities are of the raw logits by default
     (vLLM's ``raw_logprobs``); ``model.logprobs_mode = "processed_logprobs"`` gives those of
@@ -106,6 +108,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
     logprobs: int | None = None  # None: none; k: the sampled token's and k alternatives'
     prompt_logprobs: int | None = None  # the same for each prompt token (the first: none)
+    structured: StructuredOutput | None = None  # the grammar the output follows (issue 38)
 
     def __post_init__(self) -> None:
         # frozen, so normalise through object.__setattr__: an int temperature to a float,
@@ -135,6 +138,7 @@ class SamplingParams:
         put(self, "logit_bias", _check_bias(self.logit_bias))
         put(self, "logprobs", _check_logprobs("logprobs", self.logprobs))
         put(self, "prompt_logprobs", _check_logprobs("prompt_logprobs", self.prompt_logprobs))
+        put(self, "structured", StructuredOutput.of(self.structured))
 
     @property
     def needs_counts(self) -> bool:
@@ -142,6 +146,12 @@ class SamplingParams:
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
+
+    @property
+    def needs_history(self) -> bool:
+        """The Worker must see every token before a sequence's first piece (its Opening's
+        ``history``): a penalty counts them, a grammar's matcher replays the output's."""
+        return self.needs_counts or self.structured is not None
 
     @property
     def processes_logits(self) -> bool:

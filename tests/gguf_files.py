@@ -88,11 +88,13 @@ def write_tiny(
     quantized: bool = False,
     drop: tuple[str, ...] = (),
     replace: dict[str, Any] | None = None,
+    template: str = TEMPLATE,
 ) -> Path:
     """``weights`` (Llama names, numpy) written to ``file`` as llama.cpp writes a GGUF file:
     metadata, a byte-level vocabulary of TINY's 259 tokens, a chat template, and the
     tensors (matrices as Q8_0 when ``quantized``, else float32). ``drop`` leaves out
-    tensors and ``replace`` swaps in other arrays, both by llama.cpp's names."""
+    tensors and ``replace`` swaps in other arrays, both by llama.cpp's names; ``template``
+    replaces the chat template."""
     import gguf
     import numpy as np
 
@@ -113,7 +115,7 @@ def write_tiny(
     writer.add_token_merges([])
     writer.add_bos_token_id(257)
     writer.add_eos_token_id(258)
-    writer.add_chat_template(TEMPLATE)
+    writer.add_chat_template(template)
     for name, weight in weights.items():
         theirs = gguf_name(name)
         if theirs in drop:

@@ -62,9 +62,15 @@ def check_workload(config: IntakeSections) -> None:
         raise ValueError(f"workload {config.engine.workload}: {e}") from None
 
 
-def with_stops(params: SamplingParams, stop_ids: Sequence[int]) -> SamplingParams:
+def with_stops(
+    params: SamplingParams, stop_ids: Sequence[int], eos: int | None = None
+) -> SamplingParams:
     """``params`` that also stop at ``stop_ids``, the model's end-of-sequence tokens (after
-    the request's own, no repeats), unless they ask to ignore them."""
+    the request's own, no repeats), unless they ask to ignore them. A structured output
+    stops at ``eos`` when the model names no stop ids (the presets): its grammar allows
+    only that token once it is complete (``actors/model/grammars.py``)."""
+    if not stop_ids and params.structured is not None and eos is not None:
+        stop_ids = (eos,)
     if not stop_ids or params.ignore_eos:
         return params
     stops = tuple(dict.fromkeys([*params.stop_token_ids, *stop_ids]))
@@ -72,10 +78,14 @@ def with_stops(params: SamplingParams, stop_ids: Sequence[int]) -> SamplingParam
 
 
 def make_request(
-    line: WorkloadRequest, encode: Encode | None = None, stop_ids: Sequence[int] = ()
+    line: WorkloadRequest,
+    encode: Encode | None = None,
+    stop_ids: Sequence[int] = (),
+    eos: int | None = ByteTokenizer.eos,
 ) -> Request:
-    """The scheduler's request of a workload line; a text prompt goes through ``encode``;
-    it also stops at ``stop_ids``. A chat must have been rendered to token ids before."""
+    """The scheduler's request of a workload line; a text prompt goes through ``encode``
+    (bytes by default, so ``eos`` is the byte tokenizer's); it also stops at ``stop_ids``
+    (:func:`with_stops`). A chat must have been rendered to token ids before."""
     if line.prompt_token_ids is not None:
         tokens = tuple(line.prompt_token_ids)
     elif line.prompt is not None:
@@ -85,9 +95,20 @@ def make_request(
     return Request(
         request_id=line.id,
         prompt_token_ids=tokens,
-        params=with_stops(line.params, stop_ids),
+        params=with_stops(line.params, stop_ids, eos),
         arrival=line.arrival_s,
     )
+
+
+def check_structured(params: SamplingParams) -> None:
+    """RequestError naming ``structured`` with the grammar backend's complaint when the
+    request's structured output does not compile (so a bad one never reaches the Worker)."""
+    if params.structured is None:
+        return
+    from ringfence.actors.model.grammars import problem  # the backend, for these alone
+
+    if said := problem(params.structured):
+        raise RequestError(f"structured: {said}", field="structured")
 
 
 class Intake:
@@ -124,13 +145,15 @@ class Intake:
         return lines, None
 
     def request(self, line: WorkloadRequest) -> Request:
-        return make_request(line, self.encode, self.tokenizer().stop_ids)
+        tokenizer = self.tokenizer()
+        return make_request(line, self.encode, tokenizer.stop_ids, tokenizer.eos)
 
     def submitted(self, msg: Submit, request_id: str, arrival: float) -> Request:
         """The request of a client's Submit, keyed ``request_id`` (RequestError if bad)."""
         tokenizer = self.tokenizer()
         msg.params.check_vocab(tokenizer.vocab_size)
-        params = with_stops(msg.params, tokenizer.stop_ids)
+        check_structured(msg.params)
+        params = with_stops(msg.params, tokenizer.stop_ids, tokenizer.eos)
         if msg.messages:
             try:
                 tokens = tuple(self.encode_chat(msg.messages))
@@ -177,6 +200,10 @@ class Intake:
         return tokenizer
 
     def _rendered(self, line: WorkloadRequest, source: str) -> WorkloadRequest:
+        try:
+            check_structured(line.params)
+        except RequestError as e:
+            raise ValueError(f"{source}: request {line.id!r}: {e}") from None
         if line.messages is None:
             return line
         try:

@@ -7,6 +7,13 @@ in between, the Worker keeps it here with the counts the penalties read, updated
 every piece's tokens, so neither is sent again each step. Every rank keeps the same
 state (a plan is refused or run alike on every rank); rank 0 samples.
 
+A sequence with a structured output (issue 38) also keeps its grammar's matcher, which
+consumes the output's tokens as the pieces bring them: so after a restart, a preemption by
+recompute or swap, or a failed step, the reopened sequence's matcher is rebuilt by replaying
+its output (the Opening's ``history``, then its pieces), through the same path as the
+penalties' counts. Only rank 0 keeps matchers (it alone samples); a sequence without a
+grammar costs nothing more.
+
 Owned by the Worker actor's thread; not thread-safe.
 """
 
@@ -16,9 +23,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
+from ringfence.actors.executors.constraints import Constraints, MaskJob
 from ringfence.actors.model.decoder import sample
+from ringfence.actors.model.grammars import GrammarError, Grammars
 from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
@@ -41,26 +51,43 @@ class SeqSampling:
     # prompt_logprobs: the logits of the last token of its previous piece, which give the
     # log probability of this piece's first token (None before the first piece).
     pending: torch.Tensor | None = None
+    # The grammar's matcher, standing after the output tokens seen (structured outputs).
+    matcher: llguidance.LLMatcher | None = None
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Count the tokens at positions num_tokens, num_tokens + 1, ... (only when a
-        penalty reads the counts; otherwise only the position moves)."""
+        penalty reads the counts) and feed the output's to the grammar's matcher."""
+        first_output = max(0, self.num_prompt_tokens - self.num_tokens)
         if self.params.needs_counts:
-            first_output = max(0, self.num_prompt_tokens - self.num_tokens)
             self.seen.update(tokens)
             self.output_counts.update(tokens[first_output:])
+        matcher = self.matcher
+        if matcher is not None and first_output < len(tokens):
+            for token in tokens[first_output:]:
+                # A finished grammar allows only its end token; with ignore_eos the output
+                # goes on past it and the matcher, stopped, stays where it ended. A token it
+                # refuses (one it never allowed) leaves it in error: it then allows only the
+                # end token, so the output ends rather than stray further.
+                if matcher.is_stopped() or not matcher.consume_token(token):
+                    break
         self.num_tokens += len(tokens)
 
 
 class Sampler:
     """The open sequences of one Worker, by the scheduler's seq id."""
 
-    def __init__(self, vocab_size: int, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(
+        self, vocab_size: int, logprobs_mode: str = "raw_logprobs", grammars: Grammars | None = None
+    ) -> None:
+        """``grammars``: the structured outputs' compiler (None: this rank does not sample,
+        or keeps no tokenizer; a grammar then fails the plan that opens its sequence)."""
         self.vocab_size = vocab_size
+        self.constraints = Constraints(grammars) if grammars is not None else None
         # "raw_logprobs" (vLLM's default): of the model's logits; "processed_logprobs": of
         # the logits after bias, penalties and temperature, which the token was drawn from.
         self.logprobs_mode = logprobs_mode
         self.seqs: dict[int, SeqSampling] = {}
+        self.constrained: set[int] = set()  # the open sequences with a matcher
 
     def problem(self, pieces: Sequence[Piece]) -> str:
         """Why these pieces cannot be sampled, or "": a piece to sample of a sequence that is
@@ -70,13 +97,15 @@ class Sampler:
         for i, p in enumerate(pieces):
             o = p.opening
             if o is not None:
-                if o.params.needs_counts and len(o.history) != p.start:
+                if o.params.needs_history and len(o.history) != p.start:
                     return (
                         f"piece {i} opens sequence {p.seq_id} with {len(o.history)} history "
                         f"tokens, but starts at {p.start}"
                     )
                 try:
                     o.params.check_vocab(self.vocab_size)
+                    if o.params.structured is not None and self.constraints is not None:
+                        self.constraints.grammars.matcher(o.params.structured)  # compiled, kept
                 except ValueError as e:
                     return f"piece {i} (sequence {p.seq_id}): {e}"
                 opened.add(p.seq_id)
@@ -129,24 +158,63 @@ class Sampler:
         """Forget ended sequences (unknown ids are ignored: a reset forgot them already)."""
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
+            self.constrained.discard(seq_id)
 
     def advance(self, pieces: Sequence[Piece]) -> None:
         """Open the sequences the pieces open (replacing what was kept: they start over) and
         count every piece's tokens; call once per plan, before sampling it."""
         for p in pieces:
             if p.opening is not None:
-                opened = self.seqs[p.seq_id] = _opened(p.opening)
+                opened = self.seqs[p.seq_id] = self._opened(p.opening)
+                if opened.matcher is not None:
+                    self.constrained.add(p.seq_id)
+                else:
+                    self.constrained.discard(p.seq_id)
                 opened.observe(p.opening.history)
                 opened.num_tokens = p.start
             if (state := self.seqs.get(p.seq_id)) is not None:  # (an opening may come later)
                 state.observe(p.token_ids)
 
+    def _opened(self, opening: Opening) -> SeqSampling:
+        state = SeqSampling(params=opening.params, num_prompt_tokens=opening.num_prompt_tokens)
+        spec = opening.params.structured
+        if spec is not None and self.constraints is not None:
+            state.matcher = self.constraints.grammars.matcher(spec)
+        return state
+
+    def start_masks(self, pieces: Sequence[Piece]) -> MaskJob | None:
+        """Start computing the grammar masks of the pieces to sample (call after
+        :meth:`advance`, before the forward: they are filled beside it); None if none has a
+        grammar."""
+        if self.constraints is None or not self.constrained:
+            return None  # no grammar open: nothing to do, every step
+        rows = [
+            (row, state.matcher)
+            for row, p in enumerate(pieces)
+            if p.sample and (state := self.seqs.get(p.seq_id)) and state.matcher is not None
+        ]
+        return self.constraints.start(rows)
+
     def sample(
-        self, pieces: Sequence[Piece], last_logits: torch.Tensor
+        self, pieces: Sequence[Piece], last_logits: torch.Tensor, masks: MaskJob | None = None
     ) -> tuple[SampledToken, ...]:
         """The next token of every piece that asks for one, from its row of ``last_logits``
-        (on any device: sampled on the CPU in float64, so every device draws the same)."""
+        (on any device: sampled on the CPU in float64, so every device draws the same), each
+        constrained row masked by its grammar (``masks`` from :meth:`start_masks`; computed
+        here when not given)."""
         last_logits = last_logits.to(device="cpu", dtype=torch.float64)
+        if masks is not None:
+            return self._draw(pieces, last_logits, masks)
+        masks = self.start_masks(pieces)
+        try:
+            return self._draw(pieces, last_logits, masks)
+        finally:
+            if masks is not None:  # its fill reads the matchers: over before they move
+                masks.wait()
+
+    def _draw(
+        self, pieces: Sequence[Piece], last_logits: torch.Tensor, masks: MaskJob | None
+    ) -> tuple[SampledToken, ...]:
         outputs = []
         for row, p in enumerate(pieces):
             if not p.sample:
@@ -161,7 +229,16 @@ class Sampler:
             params = state.params
             position = p.start + len(p.token_ids)
             raw = last_logits[row]
+            if params.structured is not None:
+                if masks is None or row not in masks.rows:
+                    raise GrammarError(f"sequence {p.seq_id} has a grammar but no matcher here")
+                raw = masks.apply(row, raw)  # the grammar first: vLLM applies it to the logits
             logits = processed(raw, state, position) if params.processes_logits else raw
+            constrained = params.structured is not None
+            if constrained and logits is not raw and not bool(logits.isfinite().any()):
+                # The knobs forbade every token the grammar allows (min_tokens holding off
+                # the end it allows alone): the grammar wins, so the output stays valid.
+                logits = raw
             token = sample(
                 logits,
                 temperature=params.temperature,
@@ -187,10 +264,6 @@ class Sampler:
                 )
             )
         return tuple(outputs)
-
-
-def _opened(opening: Opening) -> SeqSampling:
-    return SeqSampling(params=opening.params, num_prompt_tokens=opening.num_prompt_tokens)
 
 
 def processed(raw: torch.Tensor, state: SeqSampling, position: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ from ringfence.actors.executors.ranks import StepGate
 from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
+from ringfence.actors.model.grammars import model_grammars
 from ringfence.actors.model.loader import load_model
 from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.model.parallel import Group, Shard, join_group, rank_device, rendezvous_file
@@ -84,7 +85,10 @@ class Worker(LaneExecutor):
         self.executor: PagedExecutor | None = PagedExecutor(self.model, self.space.kv)
         self.executor.record_touches = self.log.tracing  # for op.touched (touches.py)
         # A restart forgets every sequence: the engine opens them again (reset_device).
-        self.sampler = Sampler(self.model.config.vocab_size, config.model.logprobs_mode)
+        vocab_size = self.model.config.vocab_size
+        # Rank 0 alone samples, so it alone compiles grammars and keeps matchers.
+        grammars = model_grammars(config.model.path, vocab_size) if rank == 0 else None
+        self.sampler = Sampler(vocab_size, config.model.logprobs_mode, grammars)
         self.cuda = self.space.kv.device.type == "cuda"
         self.steps = 0
         self.log.info(
@@ -160,6 +164,8 @@ class Worker(LaneExecutor):
     def on_stop(self) -> None:
         super().on_stop()
         self.executor = None
+        if self.sampler.constraints is not None:
+            self.sampler.constraints.close()  # the grammar masks' thread
         if self.space is not None:
             self.space.close()
             self.space = None
@@ -282,11 +288,16 @@ class Worker(LaneExecutor):
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return (), ()
-        out = self.executor.step(plan.pieces, whole=self.sampler.whole(plan.pieces))
-        self._touched()
-        prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
-        # One copy for all pieces; on CUDA it waits for the step, KV writes included.
-        return self.sampler.sample(plan.pieces, out.last_logits.to("cpu")), prompt
+        masks = self.sampler.start_masks(plan.pieces)  # filled beside the forward
+        try:
+            out = self.executor.step(plan.pieces, whole=self.sampler.whole(plan.pieces))
+            self._touched()
+            prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
+            # One copy for all pieces; on CUDA it waits for the step, KV writes included.
+            return self.sampler.sample(plan.pieces, out.last_logits.to("cpu"), masks), prompt
+        finally:
+            if masks is not None:  # the fill reads the matchers: done before a plan moves them
+                masks.wait()
 
     def _touched(self) -> None:
         """Add the blocks the model's step indexed to the op's touches (when tracing)."""

@@ -174,6 +174,7 @@ class ChatTemplate:
     def __init__(self, source: str, *, origin: str, variables: Mapping[str, str]) -> None:
         """Compile ``source``; ChatTemplateError naming ``origin`` (its file) if it does not."""
         self.origin = origin  # the file the template came from, for error messages
+        self.source = source  # the template's text (what it writes: a tool-call format)
         self.variables = dict(variables)  # bos_token, eos_token... as the template sees them
         try:
             self._template = _environment().from_string(source)
@@ -194,16 +195,23 @@ class ChatTemplate:
             )
         return cls(source, origin=origin, variables=_token_strings(root))
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """The prompt text of ``messages`` (objects with at least ``role``), opening the
-        assistant's turn when ``add_generation_prompt``. ChatTemplateError naming the
-        template's file if the template refuses them (its ``raise_exception``)."""
+        assistant's turn when ``add_generation_prompt``, offering ``tools`` (OpenAI's tool
+        objects) where the template writes them. ChatTemplateError naming the template's
+        file if the template refuses them (its ``raise_exception``)."""
         chat = _chat(messages)
         try:
             text: str = self._template.render(
                 **_plain(self.variables),
                 messages=chat,
-                tools=None,
+                tools=_plain(list(tools)) if tools else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
             )
@@ -217,10 +225,12 @@ class ChatTemplate:
         messages: Sequence[Message],
         *,
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat: ``tokenizer``'s encoding, no specials added
         (the template writes its own bos)."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt=add_generation_prompt))
+        text = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return tokenizer.encode(text)
 
 
 def _token_strings(root: Path) -> dict[str, str]:

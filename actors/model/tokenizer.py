@@ -89,6 +89,11 @@ class CheckpointTokenizer:
         self.stop_ids = specials.stop_ids  # every id that ends generation
         self.vocab_size: int = tokenizer.get_vocab_size()
 
+    @property
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` itself (a grammar backend reads its JSON form)."""
+        return self._tokenizer
+
     def encode(self, text: str, *, bos: bool = False) -> list[int]:
         """Ids of ``text`` without the tokenizer's own specials, after ``bos`` when asked for.
 

@@ -47,6 +47,8 @@ vouches for another, and each finding names the executor (``worker-1``, ``swap-0
 - **requests**: every request that arrived finished or was aborted once, or is
   reported as still in flight (also one in flight in an engine that died, unless the
   next engine ran it again); none finished that never arrived.
+- **grammar** (trace: ``sched.add`` and ``sched.step``): every output token of a request
+  with a structured output was one its grammar allowed (see ``grammar.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from typing import Final
 from ringfence.actors.replay.completions import check_ops
 from ringfence.actors.replay.declared import check_declared
 from ringfence.actors.replay.findings import TOUCHED, CheckResult, Violation, op_name
+from ringfence.actors.replay.grammar import check_grammars
 from ringfence.actors.replay.invariants import check_invariants
 from ringfence.actors.replay.records import LANE_NAMES, Entry, RunLog
 
@@ -73,6 +76,7 @@ CHECKS: Final = {
     "rings": "no sequence gap or duplicate on any ring",
     "epochs": "no result of another epoch was applied",
     "requests": "every request that arrived finished, was aborted, or is in flight",
+    "grammar": "every output token of a structured output was one its grammar allowed",
 }
 
 
@@ -94,6 +98,8 @@ def check_run(log: RunLog) -> CheckResult:
         _rings(log, result)
     _epochs(log, result)
     _requests(log, result)
+    if log.traced:
+        check_grammars(log, result)
     rank = {check: i for i, check in enumerate(CHECKS)}
     result.violations.sort(key=lambda v: (v.at.order if v.at else -1, rank.get(v.check, 99)))
     return result

@@ -40,6 +40,7 @@ from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.outputs import Delta, Generation, Usage
 from ringfence.actors.serve.prompts import Prompt
 from ringfence.actors.serve.sampling import asked_prompt_logprobs, output_logprobs, sampling_params
+from ringfence.actors.serve.tools import ToolStream, message_fields
 from ringfence.actors.serve.view import FrontEndView
 from ringfence.sched.sampling import TokenLogprobs
 
@@ -203,12 +204,19 @@ class Answer:
 
     def chat_body(self, outputs: list[Output]) -> dict[str, Any]:
         choices = []
+        tools = self.prompt.tools
         for index, out in enumerate(outputs):
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            finish = out.finish
+            if tools is not None:  # the answer's calls read out of its text
+                parsed = tools.parse(out.text)
+                message = {"role": "assistant", **message_fields(parsed)}
+                finish = "tool_calls" if parsed.calls and finish == "stop" else finish
             choice: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant", "content": out.text},
+                "message": message,
                 "logprobs": self._chat_logprobs(out.logprobs),
-                "finish_reason": out.finish,
+                "finish_reason": finish,
             }
             if self.body.return_token_ids:
                 choice["token_ids"] = out.token_ids
@@ -326,14 +334,25 @@ class Answer:
             if index == 0 and self.body.return_token_ids:
                 head["prompt_token_ids"] = list(self.prompt.token_ids)
             yield head
+        tools = self.prompt.tools
+        streams = {i: ToolStream(tools) for i in range(len(self.generations))} if tools else {}
         async for index, delta, first in self._deltas():
-            content = {"content": delta.text} if delta.text else {}
-            choice = self._choice(index, delta, {"delta": content})
-            choice["logprobs"] = self._chat_logprobs(delta.logprobs)
-            chunk = self._chunk("chat.completion.chunk", choice)
-            if first and index == 0 and self.body.prompt_logprobs is not None:
-                chunk["prompt_logprobs"] = self._prompt_logprobs()
-            yield chunk
+            stream = streams.get(index)
+            if stream is not None:  # held while a call may be coming; calls sent whole
+                pieces = stream.take(delta.text, delta.finish_reason is not None) or [{}]
+            else:
+                pieces = [{"content": delta.text} if delta.text else {}]
+            for i, piece in enumerate(pieces):
+                final = i == len(pieces) - 1  # the delta's finish and logprobs go last
+                choice = self._choice(index, delta if final else None, {"delta": piece})
+                if final:
+                    choice["logprobs"] = self._chat_logprobs(delta.logprobs)
+                    if "tool_calls" in piece and delta.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
+                chunk = self._chunk("chat.completion.chunk", choice)
+                if first and i == 0 and index == 0 and self.body.prompt_logprobs is not None:
+                    chunk["prompt_logprobs"] = self._prompt_logprobs()
+                yield chunk
 
     def _choice(self, index: int, delta: Delta | None, fields: dict[str, Any]) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, **fields, "logprobs": None}

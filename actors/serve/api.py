@@ -5,7 +5,7 @@ ignored, as vLLM does (clients send other servers' knobs), but never silently: t
 end logs one ``server.fields_ignored`` line and answers with the
 ``X-Ringfence-Ignored-Fields`` header naming them (:func:`ignored_fields`). Fields of the
 OpenAI API this server does not implement are declared too, with the one value it honours
-(``suffix``, ``tools``...), so that a request asking for more is refused by name
+(``suffix``), so that a request asking for more is refused by name
 (:func:`check_unsupported`) rather than ignored. The sampling fields are checked once more,
 and turned into the request's ``SamplingParams``, in :mod:`.sampling`.
 Types are strict, as the schema states them: ``false`` is no token id, ``0`` no boolean
@@ -102,6 +102,37 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema: the field is named apart.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, any JSON object, or a JSON schema."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # with type json_schema only
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: what the output must match, one field of these."""
+
+    model_config = LENIENT  # vLLM's backend tuning knobs are accepted and ignored (by name)
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")  # a JSON schema
+    regex: str | None = None  # the whole output matches it
+    choice: Annotated[list[str], Field(min_length=1)] | None = None  # the output is one of these
+    grammar: str | None = None  # a Lark grammar or llama.cpp's GBNF (vLLM's EBNF)
+    json_object: bool | None = None  # true: any JSON object
+
+
 class _Sampling(BaseModel):
     """The fields completions and chat completions share."""
 
@@ -134,6 +165,14 @@ class _Sampling(BaseModel):
     # vLLM: joins the hash of the prompt's first KV block, so requests with another salt
     # share none of its cached blocks (and cannot tell from their speed that it was sent).
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
+    # vLLM: the grammar the output follows (actors/serve/structured.py), and the older
+    # top-level fields vLLM still takes for it.
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (vLLM takes it on completions too)
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -162,10 +201,35 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
-class ResponseFormat(BaseModel):
+class FunctionDef(BaseModel):
+    model_config = LENIENT
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None  # calls always follow the schema when the grammar forces them
+
+
+class Tool(BaseModel):
+    model_config = LENIENT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
     model_config = STRICT
 
-    type: Literal["text"]
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function the answer must call."""
+
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -174,9 +238,11 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the model's length
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name
-    response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    # The functions the model may call (actors/serve/tools.py), and whether it must: none,
+    # auto (the default with tools), required (some call) or one named function.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced answer is one call
     logprobs: bool | None = None  # each output token's log probability
     top_logprobs: TopLogprobs | None = None  # and this many alternatives (needs logprobs)
 
@@ -184,8 +250,6 @@ class ChatCompletionRequest(_Sampling):
 # field -> (the value honoured, how to say it)
 _UNSUPPORTED: dict[str, tuple[object, str]] = {
     "suffix": (None, "suffix is not supported"),
-    "tools": (None, "tools are not supported"),
-    "tool_choice": (None, "tool_choice is not supported"),
 }
 
 
@@ -193,7 +257,7 @@ def check_unsupported(request: _Sampling) -> None:
     """ApiError naming the first field set to something this server does not do."""
     for name, (honoured, why) in _UNSUPPORTED.items():
         value = getattr(request, name, honoured)
-        if value != honoured and not (name == "tools" and value == []):
+        if value != honoured:
             raise ApiError(f"{name}: {why}, got {value!r}", param=name)
     best_of = getattr(request, "best_of", None)
     if best_of is not None and best_of != request.n:
@@ -223,4 +287,7 @@ def ignored_fields(request: _Sampling) -> list[str]:
     options = request.stream_options
     if options is not None:
         names += [f"stream_options.{name}" for name in options.model_extra or ()]
+    structured = request.structured_outputs
+    if structured is not None:
+        names += [f"structured_outputs.{name}" for name in structured.model_extra or ()]
     return [ascii(name)[1:-1] or '""' for name in names]

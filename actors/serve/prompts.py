@@ -9,7 +9,7 @@ chat template of their own; they get :data:`PRESET_TEMPLATE`, a plain one.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ from ringfence.actors.serve.api import (
     check_unsupported,
 )
 from ringfence.actors.serve.config import ServerConfig
+from ringfence.actors.serve.tools import ToolUse, tool_use
 from ringfence.sched.config import SchedConfig, max_model_len
 
 PRESET_TEMPLATE = (
@@ -39,6 +40,7 @@ class Prompt:
 
     token_ids: tuple[int, ...]
     max_tokens: int
+    tools: ToolUse | None = None  # a chat's tools: how they are forced and read back
 
 
 class PromptSections(Protocol):
@@ -100,14 +102,25 @@ class Prompter:
             ids = prompt
         return self._checked("prompt", tuple(ids), max_tokens, "max_tokens")
 
-    def chat(self, messages: Sequence[ChatMessage], max_tokens: int | None, field: str) -> Prompt:
+    def chat(
+        self,
+        messages: Sequence[ChatMessage],
+        max_tokens: int | None,
+        field: str,
+        tools: ToolUse | None = None,
+    ) -> Prompt:
         """The ids of a chat, rendered through the chat template with the assistant's turn
-        opened. ``field`` names the max-tokens field the client used."""
-        ids = self.chat_ids(messages, add_generation_prompt=True)
-        return self._checked("messages", tuple(ids), max_tokens, field)
+        opened and ``tools`` offered. ``field`` names the max-tokens field the client used."""
+        offered = tools.tools if tools is not None else None
+        ids = self.chat_ids(messages, add_generation_prompt=True, tools=offered)
+        return replace(self._checked("messages", tuple(ids), max_tokens, field), tools=tools)
 
     def chat_ids(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The ids of a chat rendered through the chat template (unchecked against limits)."""
         if self.template is None:
@@ -127,7 +140,7 @@ class Prompter:
             chat.append(plain)
         try:
             return self.template.encode(
-                self.tokenizer, chat, add_generation_prompt=add_generation_prompt
+                self.tokenizer, chat, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except ChatTemplateError as e:
             raise ApiError(f"messages: {e}", param="messages") from None
@@ -183,12 +196,11 @@ def prompt_of(body: CompletionRequest | ChatCompletionRequest, prompter: Prompte
     check_request(body, prompter)
     if isinstance(body, CompletionRequest):
         return prompter.completion(body.prompt, body.max_tokens)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError("response_format: only text", param="response_format")
     limit, field = body.max_completion_tokens, "max_completion_tokens"
     if limit is None:
         limit, field = body.max_tokens, "max_tokens"
-    return prompter.chat(body.messages, limit, field)
+    tools = tool_use(body, prompter.template_source)
+    return prompter.chat(body.messages, limit, field, tools)
 
 
 def check_request(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> None:

@@ -14,7 +14,8 @@ from pydantic import BaseModel, Field
 
 from ringfence.actors.protocol.client import Stats
 
-Finish = Literal["stop", "length"] | None  # None until the last chunk of a stream
+# None until the last chunk of a stream; tool_calls: a chat answer that called its tools.
+Finish = Literal["stop", "length", "tool_calls"] | None
 TokenIds = list[int]
 
 
@@ -77,9 +78,25 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None  # absent from stream chunks but the usage chunk
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: the answer is tool calls alone
+    tool_calls: list[ToolCall] = []  # only when it called its tools
+
+
+class ToolCallDelta(ToolCall):
+    index: int  # the call's place among the answer's calls (each sent whole)
 
 
 class TopLogprob(BaseModel):
@@ -120,6 +137,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] = "assistant"  # only in the first chunk
     content: str = ""  # absent from a chunk that adds no text
+    tool_calls: list[ToolCallDelta] = []  # only in the chunk that carries the calls
 
 
 class ChatChunkChoice(BaseModel):

@@ -56,7 +56,7 @@ class LocalRunner:
         if config.cache.poison_freed:
             device.fill_(float("nan"))
             host.fill_(float("nan"))
-        self.machine = Sequential(model, device, host)
+        self.machine = Sequential(model, device, host, config.model.path)
 
     def run(
         self, workload: Sequence[WorkloadRequest], *, arrivals: bool = True

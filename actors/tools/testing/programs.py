@@ -22,6 +22,7 @@ import torch
 from ringfence.actors.executors.sampling import Sampler
 from ringfence.actors.kv.copies import copy_blocks
 from ringfence.actors.model.decoder import Model
+from ringfence.actors.model.grammars import model_grammars
 from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.protocol.worker import SampledToken
 from ringfence.cache.fences import Fence, FenceTracker, Lane
@@ -241,9 +242,13 @@ class Expected(NamedTuple):
 class Sequential:
     """Runs ops one at a time, in the order given, on these tensors and a dict as storage."""
 
-    def __init__(self, model: Model, device: torch.Tensor, host: torch.Tensor) -> None:
+    def __init__(
+        self, model: Model, device: torch.Tensor, host: torch.Tensor, model_path: str = ""
+    ) -> None:
+        """``model_path``: the checkpoint whose tokenizer compiles grammars (bytes: "")."""
         self.executor = PagedExecutor(model, device)
-        self.sampler = Sampler(model.config.vocab_size)
+        vocab_size = model.config.vocab_size
+        self.sampler = Sampler(vocab_size, grammars=model_grammars(model_path, vocab_size))
         self.device, self.host = device, host
         self.storage: dict[BlockHash, torch.Tensor] = {}
 

@@ -9,6 +9,7 @@ and the last two kill an instance.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -19,6 +20,7 @@ from functools import partial
 from typing import Any
 
 import httpx
+import jsonschema
 import orjson
 import pytest
 from engine_runs import replayed
@@ -26,6 +28,7 @@ from launching import wait_until
 from openai.types.chat import ChatCompletionMessageParam
 from pd import Pd, cached, completion, full_blocks, pd_instances, tokens
 from routing import Rig, routed_urls
+from structured_workloads import SCHEMA
 
 from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.router.keys import keys_of
@@ -83,6 +86,22 @@ def test_unique_prompts_through_the_router_equal_a_both_instance_and_come_from_t
     for prompt, answer in zip(batch, answers, strict=True):
         assert cached(answer)["storage"] == full_blocks(prompt), cached(answer)
     assert rig.metric("ringfence_router_prefills_total") >= len(batch)
+
+
+def test_a_structured_output_through_the_router_equals_the_both_instance_and_is_valid(
+    pd: Pd, rig: Rig
+):
+    # The decode instance samples every output token itself, the first included, from the
+    # prompt's KV the prefill instance stored: its matcher starts at the output's start
+    # there, as on the both instance (issue 38).
+    prompt = fresh_prompt(38, 3 * 16 + 5)
+    ask = {"structured_outputs": {"json": SCHEMA}, "temperature": 1.0, "seed": 38}
+    expected = tokens(completion(pd.both.url, prompt, 96, **ask))
+    answer = completion(rig.url, prompt, 96, **ask)
+    assert tokens(answer) == expected
+    assert cached(answer)["storage"] == full_blocks(prompt), cached(answer)
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(answer["choices"][0]["text"]), SCHEMA)
 
 
 def test_a_salted_prompt_is_handed_over_under_its_salt_and_another_salt_finds_nothing(

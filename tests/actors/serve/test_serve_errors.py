@@ -104,8 +104,8 @@ ONLY: list[tuple[str, str, Any, str | None, str]] = [
     ("chat lone surrogate", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages",
      "not a Unicode character"),
-    ("json_object", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
-     "response_format.type", "'text'"),
+    ("response_format xml", "/v1/chat/completions",
+     {**CHAT, "response_format": {"type": "xml"}}, "response_format.type", "'json_schema'"),
     ("chat max_tokens 0", "/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens",
      "greater than or equal to 1"),
     ("top_logprobs 21", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21},
@@ -114,8 +114,8 @@ ONLY: list[tuple[str, str, Any, str | None, str]] = [
      "top_logprobs", "needs logprobs: true"),
     ("chat logprobs a number", "/v1/chat/completions", {**CHAT, "logprobs": 3}, "logprobs",
      "valid boolean"),
-    ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools",
-     "tools are not supported"),
+    ("tool without function", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]},
+     "tools.0.function", "Field required"),
 ]  # fmt: skip
 
 # (name, path, body, param, what the message says): every bad request of the module.

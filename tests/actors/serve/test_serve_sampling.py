@@ -75,17 +75,22 @@ def test_a_bad_knob_is_a_400_the_sdk_reports_with_its_param(server):
 
 
 def test_unknown_fields_are_ignored_named_in_a_header_and_logged_once(server):
-    body = {"prompt": PROMPT, "max_tokens": 2, "frobnicate": 1, "guided_json": {"a": 1}}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 2,
+        "frobnicate": 1,
+        "guided_decoding_backend": "outlines",
+    }
     with server.http() as http:
         answer = http.post("/v1/completions", json=body)
         assert answer.status_code == 200, answer.text
-        assert answer.headers["X-Ringfence-Ignored-Fields"] == "frobnicate, guided_json"
+        assert answer.headers["X-Ringfence-Ignored-Fields"] == "frobnicate, guided_decoding_backend"
         assert answer.json()["usage"]["completion_tokens"] == 2
         streamed = {**body, "stream": True, "stream_options": {"include_usage": True, "zz": 0}}
         with http.stream("POST", "/v1/completions", json=streamed) as events:
             assert events.status_code == 200
             assert events.headers["X-Ringfence-Ignored-Fields"] == (
-                "frobnicate, guided_json, stream_options.zz"
+                "frobnicate, guided_decoding_backend, stream_options.zz"
             )
             assert list(events.iter_lines())[-2:] == ["data: [DONE]", ""]
         known = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
@@ -94,12 +99,14 @@ def test_unknown_fields_are_ignored_named_in_a_header_and_logged_once(server):
         # refuses was never read into fields).
         refused = http.post("/v1/completions", json={**body, "min_tokens": 3})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
-        assert refused.headers["X-Ringfence-Ignored-Fields"] == "frobnicate, guided_json"
+        assert (
+            refused.headers["X-Ringfence-Ignored-Fields"] == "frobnicate, guided_decoding_backend"
+        )
     lines = server.frontend_events("server.fields_ignored", path="/v1/completions")
     assert [line["fields"] for line in lines][-3:] == [
-        ["frobnicate", "guided_json"],
-        ["frobnicate", "guided_json", "stream_options.zz"],
-        ["frobnicate", "guided_json"],
+        ["frobnicate", "guided_decoding_backend"],
+        ["frobnicate", "guided_decoding_backend", "stream_options.zz"],
+        ["frobnicate", "guided_decoding_backend"],
     ]
 
 

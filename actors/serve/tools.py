@@ -1,0 +1,134 @@
+"""A chat request's tools (issue 38): checked, offered to the chat template, forced by a
+grammar where ``tool_choice`` asks for a call, and read back out of each answer.
+
+``tool_choice`` is ``none`` (the tools are shown to the template, no call is read out),
+``auto`` (the default with tools: the model may call), ``required`` (it calls one of them)
+or a named function (it calls that one). The format of a call is the one the model's chat
+template teaches (``actors/model/tool_calls.py``); a template that teaches none takes tools
+only with ``none``. ``required`` and a named function become the request's structured
+output (a grammar of one call), so they cannot be combined with another.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ringfence.actors.model.grammars import problem
+from ringfence.actors.model.tool_calls import Function, Parsed, ToolFormat, tool_format
+from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, NamedToolChoice
+from ringfence.sched.structured import StructuredOutput
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """How one chat request uses its tools."""
+
+    format: ToolFormat | None  # None: tool_choice none (no call is read out)
+    tools: tuple[dict[str, Any], ...]  # as the template sees them (OpenAI's tool objects)
+    forced: StructuredOutput | None  # the grammar of one call (required, named)
+
+    def parse(self, text: str) -> Parsed:
+        """The answer's content and calls (every text is content without a format)."""
+        if self.format is None:
+            return Parsed(content=text, calls=())
+        return self.format.parse(text)
+
+
+def tool_use(body: ChatCompletionRequest, template_source: str | None) -> ToolUse | None:
+    """The request's tool use, or None without tools; ApiError 400 naming the field."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise ApiError(f"tool_choice: {_said(choice)} needs tools", param="tool_choice")
+        return None
+    functions = [
+        Function(name=t.function.name, parameters=t.function.parameters or {}) for t in body.tools
+    ]
+    names = [f.name for f in functions]
+    if len(set(names)) < len(names):
+        raise ApiError("tools: two functions have the same name", param="tools")
+    tools = tuple(t.model_dump(exclude_none=True) for t in body.tools)
+    if choice == "none":
+        return ToolUse(format=None, tools=tools, forced=None)
+    fmt = tool_format(template_source)
+    if fmt is None:
+        raise ApiError(
+            "tools: this model's chat template teaches no tool-call format (it writes "
+            "neither <tool_call> nor <|python_tag|>): give tool_choice none",
+            param="tools",
+        )
+    forced = None
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            field = "tool_choice.function.name"
+            said = f"{choice.function.name!r} is not one of the tools ({', '.join(names)})"
+            raise ApiError(f"{field}: {said}", param=field)
+        functions = [f for f in functions if f.name == choice.function.name]
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        for i, f in enumerate(body.tools):  # each schema's fault named where it is
+            if f.function.name in {g.name for g in functions} and f.function.parameters:
+                spec = StructuredOutput.json_schema(f.function.parameters)
+                if said := problem(spec):
+                    field = f"tools.{i}.function.parameters"
+                    raise ApiError(f"{field}: {said}", param=field)
+        forced = StructuredOutput(kind="grammar", source=fmt.grammar(functions))
+        if said := problem(forced):
+            raise ApiError(f"tool_choice: the call's grammar does not compile: {said}",
+                           param="tool_choice")  # fmt: skip
+    return ToolUse(format=fmt, tools=tools, forced=forced)
+
+
+def _said(choice: object) -> str:
+    return repr(choice) if isinstance(choice, str) else "a named function"
+
+
+def call_id() -> str:
+    """A fresh tool call id, as OpenAI's look."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def message_fields(parsed: Parsed) -> dict[str, Any]:
+    """The assistant message's ``content`` and (when it called) ``tool_calls``."""
+    fields: dict[str, Any] = {"content": parsed.content}
+    if parsed.calls:
+        fields["tool_calls"] = [
+            {"id": call_id(), "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed.calls
+        ]  # fmt: skip
+    return fields
+
+
+class ToolStream:
+    """One streamed choice's text while calls may come: sent as content until the text may
+    be inside a call, then held, and at the end sent as the calls (``tool_calls`` deltas,
+    each call whole) or, when it held no call after all, as content."""
+
+    def __init__(self, use: ToolUse) -> None:
+        self.use = use
+        self.sent = ""  # content already streamed
+        self.held = ""  # text held back since a call may have begun
+
+    def take(self, text: str, last: bool) -> list[dict[str, Any]]:
+        """The delta objects to send for ``text`` (the choice's next text; ``last``: its
+        final piece), in order; none while holding."""
+        fmt = self.use.format
+        if fmt is None or not fmt.may_start(self.sent + self.held + text):
+            out, self.held = self.held + text, ""  # no call after all: what was held goes too
+            self.sent += out
+            return [{"content": out}] if out else []
+        self.held += text
+        if not last:
+            return []
+        parsed = fmt.parse(self.sent + self.held)
+        if not parsed.calls:
+            return [{"content": self.held}] if self.held else []
+        deltas: list[dict[str, Any]] = []
+        content = parsed.content or ""
+        if content.startswith(self.sent) and len(content) > len(self.sent):
+            deltas.append({"content": content[len(self.sent) :]})
+        calls = message_fields(parsed)["tool_calls"]
+        deltas.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+        return deltas

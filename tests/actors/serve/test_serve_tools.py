@@ -1,0 +1,209 @@
+"""Tools on chat completions (issue 38) through ``ringfence serve`` and the openai SDK.
+
+The model is a tiny GGUF file (random weights, a byte-level vocabulary) whose chat template
+teaches the Hermes format (``<tool_call>``), as Qwen's does: so ``tool_choice`` required
+and named are the grammar's doing, and ``auto`` reads back whatever the model wrote. The
+presets' plain template teaches no format: tools are refused there but with ``none``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+from gguf_files import tiny_weights, write_tiny
+from serving import Server, served
+
+from ringfence.actors.model.tool_calls import FORMATS
+from ringfence.actors.serve.tools import ToolStream, ToolUse
+
+HERMES_TEMPLATE = (
+    # The tools by name only: the model's context is 512 byte tokens.
+    "{%- if tools %}<|im_start|>system\n<tools>"
+    "{%- for tool in tools %}{{ tool.function.name }} {% endfor %}</tools>\n"
+    "Call one as <tool_call>\n{...}\n</tool_call><|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{%- for c in m.tool_calls %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments }}}\n'
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Llama 3.1's shape, cut short: the tools by name, calls as JSON with "parameters".
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nEnvironment: ipython\n<tools>"
+    "{%- for tool in tools %}{{ tool.function.name }} {% endfor %}</tools>\n"
+    'Answer with {"name": ..., "parameters": ...}<|im_end|>\n{%- endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The forecast",
+                                      "parameters": WEATHER_ARGS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}},
+]  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Rome?"}]
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("tools")
+    file = write_tiny(tmp / "hermes.gguf", tiny_weights(38), template=HERMES_TEMPLATE)
+    with served(tmp, f"model.path={file}", "model.dtype=float32") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llama3_server(tmp_path_factory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("tools-llama3")
+    file = write_tiny(tmp / "llama3.gguf", tiny_weights(39), template=LLAMA3_TEMPLATE)
+    with served(tmp, f"model.path={file}", "model.dtype=float32") as server:
+        yield server
+
+
+def chat(server: Server, **body: Any) -> Any:
+    return server.client().chat.completions.create(  # type: ignore[call-overload]
+        model=None,  # the served one
+        messages=body.pop("messages", ASK),
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        **body,
+    )
+
+
+def check_call(call: Any) -> None:
+    """A call of one of TOOLS, its arguments valid for the function's parameters."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_required_always_yields_a_call_for_every_choice_and_seed(server):
+    for seed in range(3):
+        answer = chat(server, tools=TOOLS, tool_choice="required", seed=seed, n=2)
+        for choice in answer.choices:
+            assert choice.finish_reason == "tool_calls", choice.message
+            [call] = choice.message.tool_calls
+            check_call(call)
+            assert choice.message.content is None
+
+
+def test_llama3s_json_form_is_forced_read_back_and_streamed_alike(llama3_server):
+    whole = chat(llama3_server, tools=TOOLS, tool_choice="required", seed=6)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    check_call(call)
+    chunks = list(chat(llama3_server, tools=TOOLS, tool_choice="required", seed=6, stream=True))
+    [streamed] = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or ()]
+    assert (streamed.function.name, streamed.function.arguments) == (
+        call.function.name, call.function.arguments)  # fmt: skip
+
+
+def test_a_named_function_is_the_one_called(server):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    answer = chat(server, tools=TOOLS, tool_choice=named, seed=1)
+    [call] = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
+
+
+def test_a_streamed_call_comes_as_a_tool_calls_delta_equal_to_the_whole_answers(server):
+    whole = chat(server, tools=TOOLS, tool_choice="required", seed=4)
+    [expected] = whole.choices[0].message.tool_calls
+    chunks = list(chat(server, tools=TOOLS, tool_choice="required", seed=4, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [call for d in deltas for call in d.tool_calls or ()]
+    assert len(calls) == 1 and calls[0].index == 0
+    assert (calls[0].function.name, calls[0].function.arguments) == (
+        expected.function.name, expected.function.arguments)  # fmt: skip
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_the_sdks_tool_loop_takes_the_call_and_answers_from_the_tools_result(server):
+    first = chat(server, tools=TOOLS, tool_choice="required", seed=2)
+    message = first.choices[0].message
+    [call] = message.tool_calls
+    result = {"forecast": "sun", "for": json.loads(call.function.arguments)}
+    messages = [
+        *ASK,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)},
+    ]
+    second = chat(server, messages=messages, tools=TOOLS, tool_choice="none", seed=2)
+    choice = second.choices[0]
+    assert not choice.message.tool_calls and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    # The tool's result reached the prompt: the template rendered the call and the result.
+    tokens = server.post("/tokenize", {"messages": messages}).json()["tokens"]
+    rendered = bytes(t for t in tokens if t < 256).decode()
+    assert "<tool_response>" in rendered and call.function.name in rendered
+
+
+BAD = [
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}},
+     "tool_choice.function.name", "'rm' is not one of the tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}},
+     "tool_choice", "cannot be combined"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "same name"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objekt"}}}], "tool_choice": "required"},
+     "tools.1.function.parameters", "objekt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "param", "said"), BAD, ids=[p for _, p, _ in BAD])
+def test_a_tool_request_it_cannot_honour_is_a_400_naming_the_field(server, body, param, said):
+    answer = server.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and said in error["message"], error
+
+
+def test_a_template_without_a_tool_format_takes_tools_only_with_none(tiny_server):
+    body = {"messages": ASK, "max_tokens": 2, "tools": TOOLS}
+    refused = tiny_server.post("/v1/chat/completions", body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+    assert "teaches no tool-call format" in refused.json()["error"]["message"]
+    taken = tiny_server.post("/v1/chat/completions", {**body, "tool_choice": "none"})
+    assert taken.status_code == 200, taken.text
+
+
+def test_a_stream_holds_only_what_may_be_a_call_and_sends_the_calls_whole():
+    def run(pieces: list[str]) -> list[dict[str, Any]]:
+        stream = ToolStream(ToolUse(format=FORMATS["hermes"], tools=(), forced=None))
+        return [d for i, p in enumerate(pieces) for d in stream.take(p, i == len(pieces) - 1)]
+
+    # A delta is held whole from where a call may begin, and let go once none can.
+    assert run(["x", "a <", "b", " c"]) == [
+        {"content": "x"},
+        {"content": "a <b"},
+        {"content": " c"},
+    ]
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    sent = run(["Let me see. <tool", call[5:20], call[20:]])
+    assert sent[0] == {"content": "Let me see."}  # the text before the call, as parse gives it
+    [calls] = [d["tool_calls"] for d in sent if "tool_calls" in d]
+    assert [(c["index"], c["function"]) for c in calls] == [
+        (0, {"name": "get_time", "arguments": "{}"})
+    ]
+    assert len(sent) == 2, sent
