@@ -4,7 +4,8 @@ applied as its ranks reported it.
 Every issued op completed (ok, failed, rejected or cancelled) at every rank, or is
 reported as still in flight at the end of the log where no later op of its lane
 completed at that rank (an engine that died, or one killed with an issue line still
-buffered, leaves its ops in flight, not in violation); nothing was executed that the
+buffered, leaves its ops in flight, not in violation, and so does an executor killed
+between completing an op and its report reaching the engine); nothing was executed that the
 engine never issued, nor issued twice; the engine applied an op only once every rank had
 completed it, after it received every rank's report (where the ring messages were
 logged), with the status the ranks reported (the worst of them), or dropped it as stale.
@@ -34,6 +35,7 @@ def check_ops(log: RunLog, result: CheckResult) -> None:
             last_done[key] = max(last_done[key], op.number)
     killed = _killed_engines(log)
     dead = _dead_engines(log)
+    dead_executors = _dead_executors(log)
     receipts = _report_receipts(log) if log.traced else None
     for op in sorted(log.ops.values(), key=lambda o: (o.lane, o.number)):
         name = op_name(op)
@@ -70,8 +72,12 @@ def check_ops(log: RunLog, result: CheckResult) -> None:
             _applied_after_reports(op, receipts, result)
         elif not op.stale:
             issuer = op.issue.pid if op.issue is not None else killed.get((op.lane, op.number))
+            gone = [e for e in op.first_done().values() if e.pid in dead_executors]
             if issuer in dead:  # its engine died before the completion came back
                 why = f"not applied: engine pid {issuer}, which issued it, was killed"
+            elif gone:  # an executor died between completing it and its report arriving
+                who = f"{gone[0].source} pid {gone[0].pid}"
+                why = f"not applied: {who}, which completed it, was killed"
             else:
                 why = "not applied by the end"
             result.in_flight.append(f"{name} (completed {status}; {why})")
@@ -170,6 +176,20 @@ def _dead_engines(log: RunLog) -> set[int]:
     pids = list(dict.fromkeys(e.pid for e in engine))
     stopped = {e.pid for e in engine if e.event == "actor.stop"}
     return {pid for pid in pids[:-1] if pid not in stopped}
+
+
+def _dead_executors(log: RunLog) -> set[int]:
+    """The pids of the executors (Worker and lane ranks) that died without stopping while a
+    later incarnation of theirs went on: a report of theirs may never have reached the
+    engine, which then recomputes (a restart ends every op in flight)."""
+    dead: set[int] = set()
+    for source, entries in log.sources.items():
+        if source.partition("-")[0] not in LANE_ACTORS.values():
+            continue
+        pids = list(dict.fromkeys(e.pid for e in entries))
+        stopped = {e.pid for e in entries if e.event == "actor.stop"}
+        dead |= {pid for pid in pids[:-1] if pid not in stopped}
+    return dead
 
 
 def _killed_engines(log: RunLog) -> dict[tuple[str, int], int]:

@@ -4,19 +4,32 @@ Part of ``ringfence bench worker``: the same ``Sampler`` the Worker runs, on one
 step's last logits (``decode_seqs`` rows of the model's vocabulary), for sequences that
 ask for nothing beyond temperature (``plain``: the path every step took before the
 knobs existed), for ``logprobs`` 5, for the three penalties over a 256-token history,
-and for all of them. Each figure is the median over rounds of ``STEPS`` steps, in
-milliseconds per step, with its ratio to ``plain`` measured in the same run.
+for all of them, and (``grammar``, given the model's grammars) for a structured output:
+every row in the middle of a nested JSON schema (:data:`SCHEMA`, its matcher rebuilt from
+the output so far as a reopened sequence's is), masked by llguidance. Each figure is the
+median over rounds of ``STEPS`` steps, in milliseconds per step, with its ratio to
+``plain`` measured in the same run.
+
+The ``grammar`` figure is the whole cost of a masked step as this bench times it: the
+masks filled, then applied, then the draw. In the Worker the fill runs beside the forward
+(``actors/executors/constraints.py``), so a step pays the apply and the draw, and the fill
+only where it outlasts the forward.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import SamplingParams
+from ringfence.sched.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    from ringfence.actors.model.grammars import Grammars
 
 STEPS = 20  # decode steps per timed round
 HISTORY = 256  # tokens each sequence has seen before the step
@@ -28,8 +41,37 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def sampling_costs(vocab_size: int, seqs: int, rounds: int, seed: int = 0) -> dict[str, Any]:
-    """{variant: ms per step}, {variant: ratio to plain}: see the module docstring."""
+# The grammar variant's schema, and the output every row stands after (mid-object).
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+        },
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "address", "tags"],
+    "additionalProperties": False,
+}
+OUTPUT_SO_FAR = '{"name": "Ada", "age": 36, "address": {"city": "Lon'
+
+
+def sampling_costs(
+    vocab_size: int,
+    seqs: int,
+    rounds: int,
+    seed: int = 0,
+    *,
+    grammars: Grammars | None = None,
+    encode: Any = None,
+) -> dict[str, Any]:
+    """{variant: ms per step}, {variant: ratio to plain}: see the module docstring. With
+    ``grammars`` (the model's) and ``encode`` (its tokenizer's text to ids), the ``grammar``
+    variant too."""
     import torch
 
     from ringfence.actors.executors.sampling import Sampler
@@ -37,17 +79,27 @@ def sampling_costs(vocab_size: int, seqs: int, rounds: int, seed: int = 0) -> di
     gen = random.Random(seed)
     history = [[gen.randrange(vocab_size) for _ in range(HISTORY)] for _ in range(seqs)]
     logits = torch.randn(seqs, vocab_size, generator=torch.Generator().manual_seed(seed))
+    variants = dict(VARIANTS)
+    if grammars is not None:
+        spec = StructuredOutput(kind="json", source=json.dumps(SCHEMA))
+        variants["grammar"] = {"structured": spec}
+        output = list(encode(OUTPUT_SO_FAR))
     ms: dict[str, float] = {}
-    for name, knobs in VARIANTS.items():
-        sampler = Sampler(vocab_size)
+    for name, knobs in variants.items():
+        sampler = Sampler(vocab_size, grammars=grammars)
         params = SamplingParams(max_tokens=HISTORY, **knobs)
+        rows = history
+        prompt = HISTORY // 2
+        if name == "grammar":  # the prompt, then the output so far: the matcher replays it
+            rows = [h[: HISTORY - len(output)] + output for h in history]
+            prompt = HISTORY - len(output)
         pieces = [
             Piece(
                 seq_id=i, token_ids=(h[-1],), start=HISTORY - 1, block_table=(), sample=True,
-                opening=Opening(params=params, num_prompt_tokens=HISTORY // 2,
-                                history=tuple(h[:-1]) if params.needs_counts else ()),
+                opening=Opening(params=params, num_prompt_tokens=prompt,
+                                history=tuple(h[:-1]) if params.needs_history else ()),
             )
-            for i, h in enumerate(history)
+            for i, h in enumerate(rows)
         ]  # fmt: skip
         sampler.advance(pieces)
         steps = [[Piece(seq_id=p.seq_id, token_ids=p.token_ids, start=p.start, block_table=(),

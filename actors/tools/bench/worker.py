@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ringfence.actors.model.grammars import model_grammars
+from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ringfence.actors.tools.bench.options import add_counts, resolve_counts, resolve_preset
 from ringfence.actors.tools.bench.sampling import sampling_costs
 from ringfence.actors.tools.bench.subject import Subject
@@ -187,10 +189,21 @@ def bench_worker(
             "target_ratio": TARGET_RATIO,
             "meets_target": {phase: r >= TARGET_RATIO for phase, r in ratios.items()},
             "decode_greedy_tokens_equal": same / (decode_tokens + counts["decode_seqs"]),
-            "sampling": sampling_costs(c.vocab_size, counts["decode_seqs"], counts["rounds"]),
+            "sampling": sampling_costs(
+                c.vocab_size,
+                counts["decode_seqs"],
+                counts["rounds"],
+                grammars=model_grammars(subject.checkpoint or "", c.vocab_size),
+                encode=_tokenizer(subject.checkpoint).encode,
+            ),
         }
     )
     return report
+
+
+def _tokenizer(checkpoint: str | None) -> Tokenizer:
+    """The tokenizer the model samples with: the checkpoint's, bytes for a preset."""
+    return (load_tokenizer(checkpoint) if checkpoint else None) or ByteTokenizer()
 
 
 def _named(report: dict[str, Any]) -> str:

@@ -432,6 +432,22 @@ def test_an_op_whose_engine_was_killed_before_its_completion_came_is_in_flight_s
     ]
 
 
+def test_an_op_whose_executor_was_killed_before_its_report_came_is_in_flight_saying_so(
+    tmp_path,
+):
+    logs = build(CLEAN)
+    del logs.files[ENGINE][logs.find(ENGINE, "sched.transfer", lane="store", op=1)]
+    killed = logs.pid["store-0"]
+    logs.pid["store-0"] += 50  # a restarted store lane logs on; the killed one said no stop
+    logs.log("store-0", "actor.start")
+    _, result = replay(logs, tmp_path)
+    assert result.ok, messages(result)
+    assert result.in_flight == [
+        f"write-back 1 (completed ok; not applied: store-0 pid {killed}, which completed it, "
+        "was killed)"
+    ]
+
+
 def test_an_op_completed_but_not_applied_by_a_live_engine_is_in_flight_by_the_end(tmp_path):
     logs = build(CLEAN)
     del logs.files[ENGINE][logs.find(ENGINE, "sched.transfer", lane="store", op=1)]
