@@ -121,6 +121,11 @@ def trailer(
     return tail if seal is None else seal.tag(payload, fields) + tail
 
 
+def blob_size(payload_bytes: int, seal: Seal | None = None) -> int:
+    """The bytes of the blob :func:`encode` makes of a ``payload_bytes`` payload."""
+    return payload_bytes + (TRAILER.size if seal is None else END_BYTES)
+
+
 def encode(fingerprint: bytes, key: BlockHash, payload: Buffer, seal: Seal | None = None) -> bytes:
     """Payload and trailer as one ``bytes`` (one copy of the payload)."""
     view = as_bytes_view(payload)

@@ -77,7 +77,6 @@ import errno
 import os
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, NamedTuple, TypeVar
@@ -86,25 +85,23 @@ from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import Counters, StorageLog, StorageStats, StorageWriteFailed
 from ringfence.cache.storage.blob import (
     END_BYTES,
-    KEY_BYTES,
-    TRAILER,
     Buffer,
     CorruptBlock,
     as_bytes_view,
+    blob_size,
     check_fits,
     check_key,
     read_trailer,
     trailer,
     verify,
 )
+from ringfence.cache.storage.blob_index import TMP_PREFIX, BlobIndex
 from ringfence.cache.storage.private_dir import DIR_MODE, FILE_MODE, make_private_dir
 from ringfence.cache.storage.seal import Seal
 
-TMP_PREFIX: Final = ".tmp-"
 RESCAN_FRACTION: Final = 8  # rescan after writing max_bytes / RESCAN_FRACTION
 _O_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _O_READ: Final = os.O_RDONLY | os.O_CLOEXEC
-_HEX: Final = frozenset("0123456789abcdef")
 _FULL: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # errors that more room would cure
 T = TypeVar("T")
 R = TypeVar("R")
@@ -159,8 +156,7 @@ class LocalBackend:
         self._num_threads = num_threads
         self._pool: ThreadPoolExecutor | None = None
         self._counters = Counters(self.name, log)
-        self._index: OrderedDict[BlockHash, int] = OrderedDict()  # key -> blob bytes, LRU first
-        self._num_bytes = 0  # sum of the index's sizes
+        self._index = BlobIndex()  # what the directory holds, least recently used first
         self._written_since_scan = 0
         self._last_stamp = 0
         self._closed = False
@@ -187,7 +183,7 @@ class LocalBackend:
         for (key, _, _), stored in zip(views, results, strict=True):
             if stored.failed is not None:
                 continue
-            self._remember(key, stored.size)
+            self._index.remember(key, stored.size)
             if stored.written:
                 self._written_since_scan += stored.size
                 written += 1
@@ -227,7 +223,7 @@ class LocalBackend:
 
     def stats(self) -> StorageStats:
         """Counters of this backend; ``num_blocks``/``num_bytes`` as of its index."""
-        return self._counters.snapshot(num_blocks=len(self._index), num_bytes=self._num_bytes)
+        return self._counters.snapshot(num_blocks=len(self._index), num_bytes=self._index.num_bytes)
 
     def close(self) -> None:
         self._closed = True
@@ -238,21 +234,7 @@ class LocalBackend:
     def rescan(self) -> None:
         """Rebuild the index from this fingerprint's directory, and remove temp files of
         dead processes there (other fingerprints' directories are not looked at)."""
-        found: list[tuple[int, str, int]] = []  # (mtime ns, key hex, size)
-        with os.scandir(self.directory) as shards:
-            shard_paths = [e.path for e in shards if len(e.name) == 2 and e.is_dir()]
-        for shard in shard_paths:
-            with contextlib.suppress(FileNotFoundError), os.scandir(shard) as entries:
-                for entry in entries:
-                    if entry.name.startswith(TMP_PREFIX):
-                        _remove_if_orphaned(entry.path, entry.name)
-                    elif _is_key_name(entry.name):
-                        with contextlib.suppress(FileNotFoundError):
-                            st = entry.stat()
-                            found.append((st.st_mtime_ns, entry.name, st.st_size))
-        found.sort()
-        self._index = OrderedDict((BlockHash(bytes.fromhex(name)), size) for _, name, size in found)
-        self._num_bytes = sum(self._index.values())
+        self._index = BlobIndex.scan(self.directory)
         self._written_since_scan = 0
 
     def _store(self, item: tuple[BlockHash, memoryview, int]) -> _Stored:
@@ -263,7 +245,7 @@ class LocalBackend:
         """
         key, view, stamp = item
         path = self.path_for(key)
-        size = len(view) + (END_BYTES if self.seal is not None else TRAILER.size)
+        size = blob_size(len(view), self.seal)
         try:
             try:
                 stored = os.stat(path).st_size
@@ -280,7 +262,7 @@ class LocalBackend:
         """Write a temp file, flush it and rename it to ``path``; on any error remove it."""
         shard = os.path.dirname(path)
         tmp = os.path.join(shard, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        tail = self._tail_of(key, view)
+        tail = trailer(self.fingerprint, key, view, self.seal)
         try:
             fd = os.open(tmp, _O_CREATE, FILE_MODE)
         except FileNotFoundError:
@@ -300,10 +282,6 @@ class LocalBackend:
             with contextlib.suppress(OSError):  # the first error is the one to report
                 os.unlink(tmp)
             raise
-
-    def _tail_of(self, key: BlockHash, view: memoryview) -> bytes:
-        """What follows the payload on disk: its trailer, after its tag with a secret."""
-        return trailer(self.fingerprint, key, view, self.seal)
 
     def _fail_put(self, failed: list[_Stored], written: int) -> None:
         """Count and log the blocks a put could not write, make room if the disk is full,
@@ -332,8 +310,8 @@ class LocalBackend:
     def _make_room(self, num_bytes: int) -> None:
         """Evict least recently used blocks of at least ``num_bytes`` in all (a full disk)."""
         freed = 0
-        while freed < num_bytes and self._index:
-            key, size = next(iter(self._index.items()))
+        while freed < num_bytes and (oldest := self._index.oldest()) is not None:
+            key, size = oldest
             self._unlink(key)
             self._counters.evictions += 1
             freed += size
@@ -367,10 +345,10 @@ class LocalBackend:
                 )
             if got.hit:
                 self._counters.hits += 1
-                self._remember(key, got.size)
+                self._index.remember(key, got.size)
             else:
                 self._counters.misses += 1
-                self._forget(key)
+                self._index.forget(key)
         return loaded
 
     def _load(self, item: tuple[BlockHash, memoryview | None, int]) -> _Loaded:
@@ -421,16 +399,8 @@ class LocalBackend:
         self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
         return self._last_stamp
 
-    def _remember(self, key: BlockHash, size: int) -> None:
-        self._num_bytes += size - self._index.get(key, 0)
-        self._index[key] = size
-        self._index.move_to_end(key)
-
-    def _forget(self, key: BlockHash) -> None:
-        self._num_bytes -= self._index.pop(key, 0)
-
     def _unlink(self, key: BlockHash) -> bool:
-        self._forget(key)
+        self._index.forget(key)
         try:
             os.unlink(self.path_for(key))
         except FileNotFoundError:
@@ -438,8 +408,10 @@ class LocalBackend:
         return True
 
     def _bound(self) -> None:
-        while self.max_bytes and self._num_bytes > self.max_bytes:
-            self._unlink(next(iter(self._index)))
+        while self.max_bytes and self._index.num_bytes > self.max_bytes:
+            oldest = self._index.oldest()
+            assert oldest is not None  # bytes are held, so blobs are
+            self._unlink(oldest[0])
             self._counters.evictions += 1
 
     def _check_open(self) -> None:
@@ -452,22 +424,3 @@ def _touch(target: str | int, stamp: int) -> None:
     # Another user's file in a shared directory, or a read-only mount: it keeps its age.
     with contextlib.suppress(OSError):
         os.utime(target, ns=(stamp, stamp))
-
-
-def _is_key_name(name: str) -> bool:
-    """Whether a file name is a key in hex (any other file in the directory is left alone)."""
-    return len(name) == 2 * KEY_BYTES and all(c in _HEX for c in name)
-
-
-def _remove_if_orphaned(path: str, name: str) -> None:
-    """Remove a temp file whose writer process no longer exists."""
-    pid_text = name[len(TMP_PREFIX) :].partition("-")[0]
-    if not pid_text.isdigit() or int(pid_text) == os.getpid():
-        return
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    except PermissionError:
-        pass  # alive, under another user
