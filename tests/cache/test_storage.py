@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ringfence.actors.tools.testing.redis_server import REDIS_SERVER, free_port, redis_server
+from ringfence.actors.tools.testing.redis_server import free_port
 from ringfence.actors.tools.testing.shm import reap_subprocess
 from ringfence.actors.tools.testing.storage import RecordingLog, read_blob, write_blob
 from ringfence.cache.ids import BlockHash
@@ -46,14 +46,6 @@ def stored(store, k: BlockHash) -> bytes:
     blob = read_blob(store, k)
     assert blob is not None, f"{k.hex()} is not stored"
     return blob
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
 
 
 @pytest.fixture(params=["local", "redis", "memory"])

@@ -52,14 +52,6 @@ def flip(blob: bytes, at: int) -> bytes:
     return blob[:at] + bytes([blob[at] ^ 0x01]) + blob[at + 1 :]
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
 @pytest.fixture(params=["local", "redis", "memory"])
 def make(request, tmp_path):
     """A builder of backends of one kind over one store (memory: each its own), with or
