@@ -142,7 +142,7 @@ async def route(router: Router, kind: str, request: Request) -> Response:
     if router.options.salt_by_key:
         raw = salted(body, request.scope.get(TENANT_SCOPE)) or raw
     run: type[Handover | Forward] = Forward if router.aggregated else Handover
-    handover = run(router, kind, raw, f"rtr-{uuid.uuid4().hex}")
+    handover = run(router, kind, raw, body, f"rtr-{uuid.uuid4().hex}")
     work = asyncio.ensure_future(answer_of(handover))
     gone = asyncio.ensure_future(_disconnected(request))
     try:

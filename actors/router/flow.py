@@ -115,10 +115,13 @@ class Handover:
     """One request's run. On the router's event loop: :meth:`run` once, then the answer's
     relay, then :meth:`finish` once (also after a failure or a cancellation)."""
 
-    def __init__(self, router: Router, kind: str, body: bytes, request_id: str) -> None:
+    def __init__(
+        self, router: Router, kind: str, body: bytes, request: dict[str, Any], request_id: str
+    ) -> None:
         self.router = router
         self.kind = kind
         self.body = body  # the client's body as sent
+        self.request = request  # ... and parsed (once, on arrival)
         self.id = request_id
         self.started = time.monotonic()
         self.upstream: Stream | None = None  # the claim's answer being relayed
@@ -156,7 +159,7 @@ class Handover:
         pick = self.router.pd.get("decode")
         if pick is None or not any(i.identity.events for i in pick.instances):
             return None
-        keys = await prompt_keys(self.router.client, self.kind, self.body, pick.instances)
+        keys = await prompt_keys(self.router.client, self.kind, self.request, pick.instances)
         choice = pick.choose(keys)
         if choice is None:
             return None
@@ -253,7 +256,7 @@ class Handover:
         """Prefill the reservation's prompt into the shared tier, or log why not."""
         router = self.router
         keys = []  # the prompt's block keys, under the cache policy
-        salt = salt_of(orjson.loads(self.body))  # a JSON object: checked on arrival
+        salt = salt_of(self.request)
         if "prefill" in router.pd:
             keys = keys_of(reservation.instance.identity, reservation.prompt_token_ids, salt)
         if self._held_by_decode(reservation, keys):

@@ -15,6 +15,7 @@ counts as in flight on its instance until its answer's relay ends.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ringfence.actors.router.flow import (
     CLAIM_CONNECT_S,
@@ -38,11 +39,14 @@ class Forward:
     """One request's run (as :class:`~.flow.Handover`: :meth:`run` once, the relay, then
     :meth:`finish` once)."""
 
-    def __init__(self, router: Router, kind: str, body: bytes, request_id: str) -> None:
+    def __init__(
+        self, router: Router, kind: str, body: bytes, request: dict[str, Any], request_id: str
+    ) -> None:
         assert router.picker is not None
         self.router, self.picker = router, router.picker
         self.kind = kind
         self.body = body
+        self.request = request  # the body parsed (once, on arrival)
         self.id = request_id
         self.started = time.monotonic()
         self.upstream: Stream | None = None
@@ -87,7 +91,7 @@ class Forward:
     async def keys(self) -> list[BlockHash]:
         """The prompt's block keys (none when it cannot be tokenized)."""
         up = [i for i in self.picker.instances if i.url not in self.picker.down]
-        return await prompt_keys(self.router.client, self.kind, self.body, up)
+        return await prompt_keys(self.router.client, self.kind, self.request, up)
 
     # The answer (the relay calls these).
 

@@ -39,17 +39,11 @@ def salt_of(request: dict[str, Any]) -> str:
 
 
 async def prompt_keys(
-    client: Upstream, kind: str, body: bytes, up: Sequence[Instance]
+    client: Upstream, kind: str, request: dict[str, Any], up: Sequence[Instance]
 ) -> list[BlockHash]:
-    """The keys of the prompt in ``body`` (a ``completions`` or ``chat`` request), tokenized
-    where needed by the least busy of ``up`` (the instances not known to be down)."""
+    """The keys of the prompt of ``request`` (a ``completions`` or ``chat`` body, parsed),
+    tokenized where needed by the least busy of ``up`` (the instances not known to be down)."""
     if not up:
-        return []
-    try:
-        request = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return []
-    if not isinstance(request, dict):
         return []
     tokens = await prompt_tokens(client, kind, request, min(up, key=lambda i: i.in_flight))
     return keys_of(up[0].identity, tokens, salt_of(request))

@@ -21,7 +21,8 @@ from ringfence.actors.tools.testing.storage import RecordingLog, read_blob, writ
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage import StorageUnavailable
 from ringfence.cache.storage.blob import TRAILER, CorruptBlock, decode, encode
-from ringfence.cache.storage.local import TMP_PREFIX, LocalBackend
+from ringfence.cache.storage.blob_index import TMP_PREFIX
+from ringfence.cache.storage.local import LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
 from ringfence.cache.storage.registry import open_backend

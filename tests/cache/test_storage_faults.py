@@ -43,8 +43,9 @@ from ringfence.cache.storage import (
     StorageWriteFailed,
 )
 from ringfence.cache.storage.blob import TRAILER, decode
+from ringfence.cache.storage.blob_index import TMP_PREFIX
 from ringfence.cache.storage.guarded import GuardedBackend
-from ringfence.cache.storage.local import TMP_PREFIX, LocalBackend
+from ringfence.cache.storage.local import LocalBackend
 from ringfence.cache.storage.memory import MemoryBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
 from ringfence.cache.storage.registry import BACKENDS, Backend, Place, open_backend, open_storage
