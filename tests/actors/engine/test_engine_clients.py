@@ -146,5 +146,11 @@ def test_clients_in_this_and_another_process_get_the_tokens_of_the_plain_loop_an
         assert run.events("engine.drain_timeout", log="engine-0") == []
         finished = run.events("request.finish", log="engine-0")
         reasons = {f["request"].rsplit("/", 1)[-1]: f["reason"] for f in finished}
-        assert len(finished) == 8 and reasons.pop("long") == reasons.pop("doomed") == "abort"
+        assert len(finished) == 8 and reasons.pop("long") == "abort"
+        # The doomed request was aborted when its client was found gone with it in flight (the
+        # lost client's queued output alone logs client.lost with nothing aborted), else it ran out.
+        if lost and lost[0]["aborted"]:
+            assert reasons.pop("doomed") == "abort"
+        else:
+            assert reasons.pop("doomed") in ("length", "stop")
         assert set(reasons.values()) == {"length"}
