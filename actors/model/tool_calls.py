@@ -10,6 +10,9 @@ Two formats, each chosen by what the chat template writes (:func:`tool_format`),
   of ``ipython``): the whole answer is ``{"name": ..., "parameters": {...}}`` (optionally
   after ``<|python_tag|>``; several joined by ``;``).
 
+Both read back through one :class:`CallReader` (``call_reader.py``), as the text grows in a
+stream and at once for a whole answer, so both agree.
+
 A template that writes neither has no tool-call format: the front end then refuses tools
 unless ``tool_choice`` is ``none``. ``required`` and a named function are enforced by a
 grammar (:meth:`ToolFormat.grammar`, a Lark grammar embedding each function's JSON schema,
@@ -21,10 +24,11 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from ringfence.actors.model.call_reader import CallReader, Layout
 
 COMPACT = {"whitespace_flexible": False}  # llguidance's JSON style inside a grammar
 
@@ -59,14 +63,28 @@ class ToolFormat:
 
     name: ClassVar[str]
     arguments_key: ClassVar[str]  # the key of the call's object that holds the arguments
+    layout: ClassVar[Layout]  # where its calls sit in an answer
 
     def parse(self, text: str) -> Parsed:
-        raise NotImplementedError
+        """The answer's content and calls, as its stream (:meth:`reader`) sends them."""
+        content: list[str] = []
+        calls: list[list[str]] = []
+        for event in self.reader().feed(text, last=True):
+            if event.kind == "content":
+                content.append(event.text)
+            elif event.kind == "call":
+                calls.append([event.text, ""])
+            else:
+                calls[event.index][1] += event.text
+        said = "".join(content)
+        return Parsed(
+            content=said if said or not calls else None,
+            calls=tuple(ToolCall(name=name, arguments=arguments) for name, arguments in calls),
+        )
 
-    def may_start(self, text: str) -> bool:
-        """Whether ``text`` (an answer so far) may already be inside a call: a stream holds
-        its text back from then on, to send the calls whole."""
-        raise NotImplementedError
+    def reader(self) -> CallReader:
+        """A reader of one answer's text as it grows."""
+        return CallReader(self.layout)
 
     def grammar(self, functions: Sequence[Function]) -> str:
         """A Lark grammar (llguidance's) whose every sentence is one call of one of
@@ -91,41 +109,11 @@ class ToolFormat:
         return {**schema, "x-guidance": COMPACT}
 
 
-def _call(obj: object, key: str) -> ToolCall | None:
-    """The call an object of the output describes, or None if it is no call."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
-    return ToolCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False))
-
-
 class Hermes(ToolFormat):
     name = "hermes"
     arguments_key = "arguments"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def parse(self, text: str) -> Parsed:
-        start = text.find(self.OPEN)
-        if start < 0:
-            return Parsed(content=text, calls=())
-        calls = []
-        for body in self._CALL.findall(text[start:]):
-            try:
-                call = _call(json.loads(body), self.arguments_key)
-            except ValueError:
-                call = None
-            if call is None:  # not a call after all: the answer is text
-                return Parsed(content=text, calls=())
-            calls.append(call)
-        content = text[:start].strip()
-        return Parsed(content=content or None, calls=tuple(calls))
-
-    def may_start(self, text: str) -> bool:
-        if self.OPEN in text:
-            return True
-        tail = text[-len(self.OPEN) + 1 :]  # the opening tag may be arriving
-        return any(self.OPEN.startswith(tail[i:]) for i in range(len(tail)) if tail[i:])
+    layout = Layout(open=OPEN, close=CLOSE, lead=None, separator=None)
 
     def grammar(self, functions: Sequence[Function]) -> str:
         schema = json.dumps(self.call_schema(functions))
@@ -136,27 +124,7 @@ class Llama3Json(ToolFormat):
     name = "llama3_json"
     arguments_key = "parameters"
     TAG = "<|python_tag|>"
-
-    def parse(self, text: str) -> Parsed:
-        body = text.strip().removeprefix(self.TAG).strip()
-        if not body.startswith("{"):
-            return Parsed(content=text, calls=())
-        calls = []
-        for part in body.split(";"):
-            try:
-                call = _call(json.loads(part), self.arguments_key)
-            except ValueError:
-                call = None
-            if call is None:
-                return Parsed(content=text, calls=())
-            calls.append(call)
-        return Parsed(content=None, calls=tuple(calls))
-
-    def may_start(self, text: str) -> bool:
-        head = text.lstrip()
-        if not head:
-            return False
-        return head.startswith(("{", self.TAG)) or self.TAG.startswith(head)
+    layout = Layout(open=None, close=None, lead=TAG, separator=";")
 
     def grammar(self, functions: Sequence[Function]) -> str:
         return f"start: call\ncall: %json {json.dumps(self.call_schema(functions))}"

@@ -338,7 +338,7 @@ class Answer:
         streams = {i: ToolStream(tools) for i in range(len(self.generations))} if tools else {}
         async for index, delta, first in self._deltas():
             stream = streams.get(index)
-            if stream is not None:  # held while a call may be coming; calls sent whole
+            if stream is not None:  # calls and their arguments as the model writes them
                 pieces = stream.take(delta.text, delta.finish_reason is not None) or [{}]
             else:
                 pieces = [{"content": delta.text} if delta.text else {}]
@@ -347,7 +347,7 @@ class Answer:
                 choice = self._choice(index, delta if final else None, {"delta": piece})
                 if final:
                     choice["logprobs"] = self._chat_logprobs(delta.logprobs)
-                    if "tool_calls" in piece and delta.finish_reason == "stop":
+                    if stream is not None and stream.called and delta.finish_reason == "stop":
                         choice["finish_reason"] = "tool_calls"
                 chunk = self._chunk("chat.completion.chunk", choice)
                 if first and i == 0 and index == 0 and self.body.prompt_logprobs is not None:

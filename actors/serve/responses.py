@@ -95,8 +95,16 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = []  # only when it called its tools
 
 
-class ToolCallDelta(ToolCall):
-    index: int  # the call's place among the answer's calls (each sent whole)
+class FunctionDelta(BaseModel):
+    name: str | None = None  # only in the call's first delta
+    arguments: str  # the next piece of the arguments' JSON text ("" in the first delta)
+
+
+class ToolCallDelta(BaseModel):
+    index: int  # the call's place among the answer's calls
+    id: str | None = None  # only in the call's first delta
+    type: Literal["function"] | None = None  # only in the call's first delta
+    function: FunctionDelta
 
 
 class TopLogprob(BaseModel):
@@ -137,7 +145,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] = "assistant"  # only in the first chunk
     content: str = ""  # absent from a chunk that adds no text
-    tool_calls: list[ToolCallDelta] = []  # only in the chunk that carries the calls
+    tool_calls: list[ToolCallDelta] = []  # only in chunks that start a call or add to one
 
 
 class ChatChunkChoice(BaseModel):

@@ -102,33 +102,33 @@ def message_fields(parsed: Parsed) -> dict[str, Any]:
 
 
 class ToolStream:
-    """One streamed choice's text while calls may come: sent as content until the text may
-    be inside a call, then held, and at the end sent as the calls (``tool_calls`` deltas,
-    each call whole) or, when it held no call after all, as content."""
+    """One streamed choice's text while calls may come: content as it is sure to be
+    content, each call's start (its id and function's name) as soon as its head is read,
+    then its arguments piece by piece as the model writes them, all as ``tool_calls``
+    deltas that add up to the whole answer's message (one reader reads both)."""
 
     def __init__(self, use: ToolUse) -> None:
-        self.use = use
-        self.sent = ""  # content already streamed
-        self.held = ""  # text held back since a call may have begun
+        self.reader = use.format.reader() if use.format is not None else None
+        self.called = False  # a call has started: the answer finishes as tool_calls
 
     def take(self, text: str, last: bool) -> list[dict[str, Any]]:
         """The delta objects to send for ``text`` (the choice's next text; ``last``: its
-        final piece), in order; none while holding."""
-        fmt = self.use.format
-        if fmt is None or not fmt.may_start(self.sent + self.held + text):
-            out, self.held = self.held + text, ""  # no call after all: what was held goes too
-            self.sent += out
-            return [{"content": out}] if out else []
-        self.held += text
-        if not last:
-            return []
-        parsed = fmt.parse(self.sent + self.held)
-        if not parsed.calls:
-            return [{"content": self.held}] if self.held else []
+        final piece), in order; none while what it read is undecided."""
+        if self.reader is None:
+            return [{"content": text}] if text else []
         deltas: list[dict[str, Any]] = []
-        content = parsed.content or ""
-        if content.startswith(self.sent) and len(content) > len(self.sent):
-            deltas.append({"content": content[len(self.sent) :]})
-        calls = message_fields(parsed)["tool_calls"]
-        deltas.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+        for event in self.reader.feed(text, last):
+            if event.kind == "content":
+                deltas.append({"content": event.text})
+                continue
+            if event.kind == "call":
+                self.called = True
+                call = {"index": event.index, "id": call_id(), "type": "function",
+                        "function": {"name": event.text, "arguments": ""}}  # fmt: skip
+            elif deltas and deltas[-1].get("tool_calls", [{}])[0].get("index") == event.index:
+                deltas[-1]["tool_calls"][0]["function"]["arguments"] += event.text
+                continue  # one delta per call and piece of text
+            else:
+                call = {"index": event.index, "function": {"arguments": event.text}}
+            deltas.append({"tool_calls": [call]})
         return deltas

@@ -113,9 +113,11 @@ def test_llama3s_json_form_is_forced_read_back_and_streamed_alike(llama3_server)
     [call] = choice.message.tool_calls
     check_call(call)
     chunks = list(chat(llama3_server, tools=TOOLS, tool_choice="required", seed=6, stream=True))
-    [streamed] = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or ()]
-    assert (streamed.function.name, streamed.function.arguments) == (
-        call.function.name, call.function.arguments)  # fmt: skip
+    [streamed] = calls_of([c.choices[0].delta for c in chunks if c.choices])
+    assert [streamed["name"], streamed["arguments"]] == [
+        call.function.name,
+        call.function.arguments,
+    ]
 
 
 def test_a_named_function_is_the_one_called(server):
@@ -125,15 +127,32 @@ def test_a_named_function_is_the_one_called(server):
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
 
 
-def test_a_streamed_call_comes_as_a_tool_calls_delta_equal_to_the_whole_answers(server):
+def calls_of(deltas: list[Any]) -> list[dict[str, Any]]:
+    """The calls a stream's deltas add up to, as a client assembles them: a call's first
+    delta has its id, type and name, later ones (by index) add to its arguments."""
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        for piece in delta.tool_calls or ():
+            if piece.id is not None:
+                assert piece.index == len(calls) and piece.type == "function"
+                assert piece.id.startswith("call_") and piece.function.name
+                calls.append({"name": piece.function.name, "arguments": ""})
+            else:
+                assert piece.function.name is None and piece.index == len(calls) - 1
+            calls[piece.index]["arguments"] += piece.function.arguments
+    return calls
+
+
+def test_a_streamed_call_adds_up_to_the_whole_answers_its_arguments_in_pieces(server):
     whole = chat(server, tools=TOOLS, tool_choice="required", seed=4)
     [expected] = whole.choices[0].message.tool_calls
     chunks = list(chat(server, tools=TOOLS, tool_choice="required", seed=4, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [call for d in deltas for call in d.tool_calls or ()]
-    assert len(calls) == 1 and calls[0].index == 0
-    assert (calls[0].function.name, calls[0].function.arguments) == (
-        expected.function.name, expected.function.arguments)  # fmt: skip
+    [call] = calls_of(deltas)
+    assert call == {"name": expected.function.name, "arguments": expected.function.arguments}
+    # The arguments come as the model writes them: a delta per token or so, not at the end.
+    pieces = [p for d in deltas for p in d.tool_calls or () if p.id is None]
+    assert len(pieces) > 3, pieces
     assert "".join(d.content or "" for d in deltas) == ""
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -188,22 +207,24 @@ def test_a_template_without_a_tool_format_takes_tools_only_with_none(tiny_server
     assert taken.status_code == 200, taken.text
 
 
-def test_a_stream_holds_only_what_may_be_a_call_and_sends_the_calls_whole():
+def test_a_stream_sends_content_then_each_calls_start_and_arguments_as_they_come():
     def run(pieces: list[str]) -> list[dict[str, Any]]:
         stream = ToolStream(ToolUse(format=FORMATS["hermes"], tools=(), forced=None))
         return [d for i, p in enumerate(pieces) for d in stream.take(p, i == len(pieces) - 1)]
 
-    # A delta is held whole from where a call may begin, and let go once none can.
+    # Text is sent once it cannot begin a call.
     assert run(["x", "a <", "b", " c"]) == [
-        {"content": "x"},
-        {"content": "a <b"},
-        {"content": " c"},
-    ]
-    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
-    sent = run(["Let me see. <tool", call[5:20], call[20:]])
+        {"content": "x"}, {"content": "a"}, {"content": " <b"}, {"content": " c"}
+    ]  # fmt: skip
+    sent = run(["Let me see. <tool", '_call>\n{"name": "get_time", "arguments": {"tz',
+                '": "', 'UTC"}', '}\n</tool_call>'])  # fmt: skip
     assert sent[0] == {"content": "Let me see."}  # the text before the call, as parse gives it
-    [calls] = [d["tool_calls"] for d in sent if "tool_calls" in d]
-    assert [(c["index"], c["function"]) for c in calls] == [
-        (0, {"name": "get_time", "arguments": "{}"})
+    [start] = sent[1]["tool_calls"]
+    assert start["id"].startswith("call_") and start["index"] == 0
+    # The head's piece starts the call (with what it had of the arguments); each later piece
+    # adds to them.
+    assert start["function"] == {"name": "get_time", "arguments": '{"tz'}
+    assert [d["tool_calls"] for d in sent[2:]] == [
+        [{"index": 0, "function": {"arguments": '": "'}}],
+        [{"index": 0, "function": {"arguments": 'UTC"}'}}],
     ]
-    assert len(sent) == 2, sent

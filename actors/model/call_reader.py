@@ -1,0 +1,327 @@
+"""An answer's tool calls read as its text grows (issue 38): content, each call's start (its
+function's name) and its arguments' JSON text as the model writes it.
+
+One reader serves the stream and the whole answer alike (``ToolFormat.parse`` feeds it the
+whole text at once), so a streamed answer's deltas add up to the whole answer's message by
+construction. A call starts once its head is read: ``{"name": "<name>", "arguments": ``
+(or ``"parameters"``), whitespace free; from there each piece of the arguments' value goes
+out as it comes, and the value's end (its brackets balanced, strings and escapes minded)
+ends the call's arguments. Like every server's, a call that was cut short (``length``) keeps
+the arguments written so far: they may not be valid JSON, as OpenAI's documentation warns.
+
+A block whose head reads otherwise (keys in another order, say) is held whole and parsed
+as JSON when it ends: a call (its arguments re-serialized) or, when it is none, content.
+
+Whitespace next to a call is not content: a run of it is held until what follows decides
+(a call drops it, other text sends it), and at the answer's end it is sent only when the
+answer called nothing, so an answer without calls reads back exactly as written.
+
+Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["content", "call", "arguments"]
+NEED = "need"  # the text so far may still become what is looked for
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """Where a format's calls sit in an answer."""
+
+    open: str | None  # the tag before each call (Hermes); None: calls start the answer
+    close: str | None  # the tag after each call
+    lead: str | None  # an optional tag before the first call when calls start the answer
+    separator: str | None  # between calls that start the answer (Llama 3: ";")
+    keys: tuple[str, ...] = ("arguments", "parameters")  # the arguments' key
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What the text read so far adds: content, a call's start (``text`` its function's
+    name) or a piece of a call's arguments."""
+
+    kind: Kind
+    text: str
+    index: int = 0  # the call's place among the answer's calls (calls and arguments)
+
+
+def head(text: str, keys: tuple[str, ...]) -> tuple[int, str] | str | None:
+    """Where a call's arguments start in ``text`` and its function's name; NEED while
+    ``text`` may still become such a head; None when it cannot."""
+    p = 0
+
+    def skip() -> None:
+        nonlocal p
+        while p < len(text) and text[p] in " \t\r\n":
+            p += 1
+
+    def take(*words: str) -> str | None:
+        nonlocal p
+        rest = text[p:]
+        for word in words:
+            if rest.startswith(word):
+                p += len(word)
+                return word
+        return NEED if any(word.startswith(rest) for word in words) else None
+
+    steps: tuple[tuple[str, ...], ...] = (("{",), ('"name"',), (":",))
+    for words in steps:
+        skip()
+        if (got := take(*words)) in (None, NEED):
+            return got
+    skip()
+    if p == len(text):
+        return NEED
+    if text[p] != '"':
+        return None
+    end = _string_end(text, p)
+    if end is None:
+        return NEED
+    try:
+        name = json.loads(text[p:end])
+    except ValueError:
+        return None
+    p = end
+    steps = ((",",), tuple(f'"{k}"' for k in keys), (":",))
+    for words in steps:
+        skip()
+        if (got := take(*words)) in (None, NEED):
+            return got
+    skip()
+    return (p, name) if p < len(text) else NEED
+
+
+def _string_end(text: str, start: int) -> int | None:
+    """Just past the JSON string that opens at ``start``; None when it has not ended."""
+    escaped = False
+    for i in range(start + 1, len(text)):
+        c = text[i]
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == '"':
+            return i + 1
+    return None
+
+
+class _Value:
+    """Where one JSON value ends, read piece by piece (its first character first)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.started = self.scalar = self.in_string = self.escaped = False
+
+    def end(self, text: str) -> int | None:
+        """Just past the value's end in ``text`` (the value's next piece); None: all of it
+        belongs to the value."""
+        for i, c in enumerate(text):
+            if not self.started:
+                self.started = True
+                self.depth = 1 if c in "{[" else 0
+                self.in_string, self.scalar = c == '"', c not in '{["'
+            elif self.scalar:
+                if c in ",}] \t\r\n;<":
+                    return i
+            elif self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+
+def _partial_suffix(text: str, word: str) -> int:
+    """The length of ``text``'s longest ending that is a proper beginning of ``word``."""
+    for n in range(min(len(word) - 1, len(text)), 0, -1):
+        if word.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def as_call(body: str) -> tuple[str, str] | None:
+    """A call object's name and arguments (re-serialized), or None if ``body`` is none."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+class CallReader:
+    """One answer's text, fed in order: the events each piece adds (see the module
+    docstring). Modes: ``text`` (content; calls start at ``open``), ``start`` (calls start
+    the answer: before the first), ``plain`` (calls start the answer and it did not),
+    ``head``, ``arguments``, ``tail`` (after a call's arguments, to its end) and ``whole``
+    (a block held to its end)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.mode = "text" if layout.open is not None else "start"
+        self.buffer = ""  # read, not yet decided
+        self.spaces = ""  # whitespace held before what may be a call
+        self.held = ""  # everything held since the answer's start (calls start the answer)
+        self.calls = 0
+        self.value = _Value()
+
+    def feed(self, text: str, last: bool = False) -> list[Event]:
+        """The events ``text`` (the answer's next piece; ``last``: its final one) adds."""
+        self.buffer += text
+        if self.layout.open is None:
+            self.held += text
+        events: list[Event] = []
+        while self._step(events, last):
+            pass
+        if last:
+            self._finish(events)
+        return events
+
+    # One step: True when it used some of the buffer and another may follow.
+
+    def _step(self, events: list[Event], last: bool) -> bool:
+        step = getattr(self, f"_{self.mode}")
+        ending = last and self.mode in ("head", "whole")  # a block cut short ends here
+        return (bool(self.buffer) or ending) and step(events, last)
+
+    def _text(self, events: list[Event], last: bool) -> bool:
+        tag = self.layout.open
+        assert tag is not None
+        at = self.buffer.find(tag)
+        hold = 0 if last else _partial_suffix(self.buffer, tag)  # the tag may be arriving
+        cut = at if at >= 0 else len(self.buffer) - hold
+        self._content(self.buffer[:cut], events)
+        self.buffer = self.buffer[cut:]
+        if at < 0:
+            return False
+        self.buffer, self.mode = self.buffer[len(tag) :], "head"
+        return True
+
+    def _content(self, text: str, events: list[Event]) -> None:
+        """Sends ``text`` as content, its trailing whitespace held."""
+        said = text.rstrip(" \t\r\n")
+        if said:
+            events.append(Event("content", self.spaces + said))
+            self.spaces = ""
+        self.spaces += text[len(said) :]
+
+    def _start(self, events: list[Event], last: bool) -> bool:
+        lead = self.layout.lead or ""
+        rest = self.buffer.lstrip(" \t\r\n")
+        if lead and rest.startswith(lead):
+            rest = rest[len(lead) :].lstrip(" \t\r\n")
+        elif lead and lead.startswith(rest) and not last:
+            return False
+        if not rest:
+            return False
+        if rest.startswith("{"):
+            self.buffer, self.mode = rest, "head"
+            return True
+        self.mode, self.buffer = "plain", self.held
+        return True
+
+    def _plain(self, events: list[Event], last: bool) -> bool:
+        if self.buffer:
+            events.append(Event("content", self.buffer))
+        self.buffer = ""
+        return False
+
+    def _head(self, events: list[Event], last: bool) -> bool:
+        got = head(self.buffer, self.layout.keys)
+        if got == NEED and not last:
+            return False
+        if not isinstance(got, tuple):
+            self.mode = "whole"
+            return True
+        start, name = got
+        self.spaces = ""
+        events.append(Event("call", name, self.calls))
+        self.buffer, self.mode, self.value = self.buffer[start:], "arguments", _Value()
+        return True
+
+    def _arguments(self, events: list[Event], last: bool) -> bool:
+        close = self.layout.close or ""
+        text, used, done = self.buffer, 0, False
+        while not done:  # a call closed before its arguments did ends them there
+            rest = text[used:]
+            at = rest.find(close) if close else -1
+            hold = 0 if last or not close else _partial_suffix(rest, close)
+            scan = rest[:at] if at >= 0 else rest[: len(rest) - hold]
+            end = self.value.end(scan)
+            used += len(scan) if end is None else end
+            if end is not None or at < 0:
+                done = end is not None
+                break
+            if not self.value.in_string:
+                done = True
+            else:  # the tag is a string's text: the arguments' own
+                self.value.end(close)
+                used += len(close)
+        if used:
+            events.append(Event("arguments", text[:used], self.calls))
+        self.buffer = text[used:]
+        if not done:
+            return False
+        self.calls += 1
+        self.mode = "tail"
+        return True
+
+    def _tail(self, events: list[Event], last: bool) -> bool:
+        end = self.layout.close or self.layout.separator or ""
+        at = self.buffer.find(end) if end else -1
+        if at < 0:  # the rest of the call (its closing brace) is no content
+            keep = 0 if last else _partial_suffix(self.buffer, end) if end else 0
+            self.buffer = self.buffer[len(self.buffer) - keep :]
+            return False
+        self.buffer = self.buffer[at + len(end) :]
+        self.mode = "text" if self.layout.open is not None else "head"
+        return True
+
+    def _whole(self, events: list[Event], last: bool) -> bool:
+        close = self.layout.close
+        at = self.buffer.find(close) if close is not None else -1
+        if at < 0 and not last:
+            return False
+        body = self.buffer if at < 0 else self.buffer[:at]
+        after = len(self.buffer) if at < 0 else at + len(close or "")
+        parts = body.split(self.layout.separator) if self.layout.separator else [body]
+        calls = [as_call(part) for part in parts]
+        if all(calls):
+            for name, arguments in (c for c in calls if c is not None):
+                events.append(Event("call", name, self.calls))
+                events.append(Event("arguments", arguments, self.calls))
+                self.calls += 1
+            self.spaces = ""
+        elif self.layout.open is not None:  # not a call after all: the block is content
+            self._content(self.layout.open + self.buffer[:after], events)
+        elif content := self.held if not self.calls else body.strip(" \t\r\n"):
+            events.append(Event("content", content))
+        self.buffer = self.buffer[after:]
+        self.mode = "text" if self.layout.open is not None else "plain"
+        return True
+
+    def _finish(self, events: list[Event]) -> None:
+        if self.mode == "start" and self.held:
+            events.append(Event("content", self.held))
+        if self.spaces and not self.calls:
+            events.append(Event("content", self.spaces))
+        self.buffer = self.spaces = ""
