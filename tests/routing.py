@@ -1,10 +1,14 @@
-"""A ``ringfence router`` in the test's process over fake instances (tests/fake_instance.py):
-:func:`routed` serves one with uvicorn in a thread on 127.0.0.1 (a free port)."""
+"""A ``ringfence router`` over fake instances (tests/fake_instance.py): :func:`routed` serves
+one in the test's process with uvicorn in a thread on 127.0.0.1 (a free port);
+:func:`router_process` runs the command, and :func:`router_refusal` runs one that must not
+start."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+import re
+import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +20,7 @@ import openai
 import orjson
 from fake_instance import FakeInstance
 from fake_serve import listening_socket
+from launching import RINGFENCE, launch_env
 from prometheus_client.parser import text_string_to_metric_families
 
 from ringfence.actors.router.app import build_app
@@ -127,3 +132,52 @@ def routed_urls(
     finally:
         asyncio.run_coroutine_threadsafe(router.aclose(), loop).result(5.0)
         assert http.stop(5.0), "the router's server did not stop"
+
+
+ROUTER_START_S = 30.0  # the command imports fastapi, httpx, prometheus_client; the machine is busy
+LISTENING = re.compile(
+    r"^ringfence router: listening on (https?://127\.0\.0\.1:\d+) \(pid (\d+)\)$"
+)
+
+
+def router_command(*args: str) -> list[str]:
+    """``ringfence router`` on a free loopback port, giving its instances 10 s to answer."""
+    return [str(RINGFENCE), "router", "--port", "0", "--start-timeout-s", "10", *args]
+
+
+@contextmanager
+def router_process(*args: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``ringfence router *args`` started: its URL, once it printed where it listens (its pid
+    the process's) and that it is ready, and the process; killed if it is running at the end."""
+    proc = subprocess.Popen(
+        router_command(*args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=launch_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        first, second = proc.stdout.readline(), proc.stdout.readline()
+        match = LISTENING.match(first.rstrip("\n"))
+        said = f"{first!r} {second!r}"
+        assert match and second == "ringfence router: ready\n", (
+            f"{said}: {proc.communicate(timeout=ROUTER_START_S)}"
+        )
+        assert int(match[2]) == proc.pid, said
+        yield match[1], proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def router_refusal(*args: str, started: bool = True) -> subprocess.CompletedProcess[str]:
+    """``ringfence router *args`` run to its end, which must be exit 2 with nothing on stdout
+    (``started``: as :func:`router_command` starts it; else with ``args`` alone)."""
+    command = router_command(*args) if started else [str(RINGFENCE), "router", *args]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=launch_env(), timeout=60, check=False
+    )
+    assert (done.returncode, done.stdout) == (2, ""), done
+    return done

@@ -4,13 +4,10 @@ salting by key: each client key's tenant salts the request on every instance it 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 
 import pytest
-from launching import launch_env
-from routing import routed
+from routing import routed, router_refusal
 from starlette.routing import Route
 
 from ringfence.actors.router.app import build_app
@@ -88,12 +85,9 @@ def test_an_instance_that_refuses_the_routers_key_fails_the_start_naming_it(fake
 
 def test_ringfence_router_with_a_key_file_it_cannot_read_exits_2_naming_it(tmp_path):
     missing = tmp_path / "clients.keys"
-    command = [sys.executable, "-m", "ringfence.runtime.cli", "router", "--instance",
-               "http://127.0.0.1:1", "--api-key-file", str(missing)]  # fmt: skip
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=launch_env(), timeout=60, check=False
+    done = router_refusal(
+        "--instance", "http://127.0.0.1:1", "--api-key-file", str(missing), started=False
     )
-    assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1] == (
         f"ringfence router: api key file {missing}: No such file or directory"
     )

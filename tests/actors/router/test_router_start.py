@@ -5,23 +5,16 @@ ready, and exits 0 on Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import socket
-import subprocess
-import sys
 
 import httpx
 import pytest
-from launching import RINGFENCE, launch_env
-from routing import routed
+from routing import ROUTER_START_S, routed, router_process, router_refusal
 
 from ringfence.actors.router.instances import Identity, PoolRefused, StartTimeout
 from ringfence.actors.router.options import RouterOptions
 from ringfence.actors.router.state import _differs, open_router
-
-LISTENING = re.compile(r"ringfence router: listening on (http://[0-9.]+:\d+) \(pid (\d+)\)")
-START_S = 30.0  # the command imports fastapi, httpx, prometheus_client; the machine is busy
 
 
 def closed_port_url() -> str:
@@ -95,59 +88,33 @@ def test_an_instance_that_never_answers_fails_the_start_at_its_deadline(fakes):
     assert "ConnectError" in str(late.value)
 
 
-def router_command(*args: str) -> list[str]:
-    return [str(RINGFENCE), "router", "--port", "0", "--start-timeout-s", "10", *args]
-
-
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_ringfence_router_serves_until_a_signal_then_exits_0(fakes, stop):
     prefill, decode = fakes("p", role="prefill"), fakes("d")
-    command = router_command("--prefill", prefill.url, "--decode", decode.url)
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env()
-    )
-    try:
-        assert proc.stdout is not None
-        first, second = proc.stdout.readline(), proc.stdout.readline()
-        match = LISTENING.match(first)
-        assert match, f"{first!r} {second!r}: {proc.communicate(timeout=START_S)}"
-        assert (int(match[2]), second) == (proc.pid, "ringfence router: ready\n")
+    with router_process("--prefill", prefill.url, "--decode", decode.url) as (url, proc):
         body = {"prompt": "hello there", "max_tokens": 2}
-        answer = httpx.post(f"{match[1]}/v1/completions", json=body, timeout=10, trust_env=False)
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=10, trust_env=False)
         assert answer.json()["choices"][0]["text"] == "tok0 tok1 "
         assert [p for _, p in decode.journal][-3:] == [
             "/ringfence/reserve", "/ringfence/prefill", "/v1/completions",
         ]  # fmt: skip
         proc.send_signal(stop)
-        out, err = proc.communicate(timeout=START_S)
+        out, err = proc.communicate(timeout=ROUTER_START_S)
         assert proc.returncode == 0, err
         assert out == "ringfence router: stopped\n"
         assert '"event":"router.answered"' in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_ringfence_router_exits_2_naming_both_instances_when_fingerprints_differ(fakes):
     prefill = fakes("p", role="prefill", fingerprints=("aa",))
     decode = fakes("d", fingerprints=("bb",))
-    command = router_command("--prefill", prefill.url, "--decode", decode.url)
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=launch_env(), timeout=START_S, check=False
-    )
-    assert done.returncode == 2
-    assert done.stdout == ""
+    done = router_refusal("--prefill", prefill.url, "--decode", decode.url)
     assert done.stderr.startswith(f"ringfence router: {prefill.url} (prefill, fingerprints [aa])")
     assert f"and {decode.url} (decode, fingerprints [bb]) cannot share KV" in done.stderr
 
 
 def test_ringfence_router_without_decode_exits_2_naming_what_is_missing():
-    command = [sys.executable, "-m", "ringfence.runtime.cli", "router", "--prefill", "http://x:1"]
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=launch_env(), timeout=START_S, check=False
-    )
-    assert done.returncode == 2
+    done = router_refusal("--prefill", "http://x:1", started=False)
     assert done.stderr.splitlines()[-1] == (
         "ringfence router: --decode: at least one decode instance is needed (or --instance)"
     )

@@ -4,22 +4,15 @@ to instances that ask for one; its own listener speaks HTTPS with --ssl-certfile
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-
 import httpx
 import openai
 import pytest
 from certificates import Certificates, Pair, make_certificates
-from launching import RINGFENCE, launch_env
-from routing import routed
+from routing import ROUTER_START_S, routed, router_process, router_refusal
 
 from ringfence.actors.router.instances import PoolRefused
 from ringfence.actors.serve.tls import ROUTER_NAMES, SERVE_NAMES, ListenerTls
 
-START_S = 30.0
-LISTENING = re.compile(r"^ringfence router: listening on (https://127\.0\.0\.1:\d+) \(pid \d+\)$")
 REQUEST = {"model": "fake", "prompt": "hi", "max_tokens": 2}
 
 
@@ -109,27 +102,14 @@ def test_an_instance_that_asks_for_a_client_certificate_the_router_lacks_is_refu
     ), refused.value
 
 
-def router_command(*args: str) -> list[str]:
-    return [str(RINGFENCE), "router", "--port", "0", "--start-timeout-s", "10", *args]
-
-
 def test_ringfence_router_serves_https_with_its_certificate(fakes, certs):
     tls = listener(certs.server)
     prefill, decode = fakes("p", role="prefill", tls=tls), fakes("d", tls=tls)
-    command = router_command(
+    with router_process(
         "--prefill", prefill.url, "--decode", decode.url, "--instance-ca-certs", certs.ca,
         "--ssl-certfile", certs.server.certfile, "--ssl-keyfile", certs.server.keyfile,
-    )  # fmt: skip
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env()
-    )
-    try:
-        assert proc.stdout is not None
-        first, second = proc.stdout.readline(), proc.stdout.readline()
-        match = LISTENING.match(first)
-        assert match, f"{first!r} {second!r}: {proc.communicate(timeout=START_S)}"
-        assert second == "ringfence router: ready\n"
-        url = match[1]
+    ) as (url, proc):  # fmt: skip
+        assert url.startswith("https://")
         verified = openai.DefaultHttpxClient(
             verify=certs.client_context(), trust_env=False, timeout=10
         )
@@ -142,13 +122,9 @@ def test_ringfence_router_serves_https_with_its_certificate(fakes, certs):
         with pytest.raises(httpx.TransportError):  # plain HTTP to the TLS port: no answer
             httpx.get(f"{plain}/health", timeout=10, trust_env=False)
         proc.terminate()
-        _, err = proc.communicate(timeout=START_S)
+        _, err = proc.communicate(timeout=ROUTER_START_S)
         assert proc.returncode == 0, err
         assert '"event":"router.started"' in err and '"tls":true' in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_ringfence_router_exits_2_naming_an_instance_whose_certificate_does_not_verify(
@@ -156,14 +132,9 @@ def test_ringfence_router_exits_2_naming_an_instance_whose_certificate_does_not_
 ):
     prefill = fakes("p", role="prefill", tls=listener(certs.server))
     decode = fakes("d", tls=listener(certs.other_ca))
-    command = router_command(
+    done = router_refusal(
         "--prefill", prefill.url, "--decode", decode.url, "--instance-ca-certs", certs.ca
     )
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=launch_env(), timeout=START_S, check=False
-    )
-    assert done.returncode == 2, done.stderr
-    assert done.stdout == ""
     assert done.stderr.startswith(
         f"ringfence router: {decode.url}: its TLS certificate does not verify: unable to get "
         "local issuer certificate"
@@ -186,12 +157,9 @@ def test_ringfence_router_with_a_tls_file_missing_or_wrong_exits_2_naming_it(
 ):
     names = {"key": certs.server.keyfile, "cert": certs.server.certfile,
              "missing": str(tmp_path / "none.key")}  # fmt: skip
-    command = [sys.executable, "-m", "ringfence.runtime.cli", "router", "--instance",
-               "http://127.0.0.1:1", *(f.format(**names) for f in flags)]  # fmt: skip
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=launch_env(), timeout=START_S, check=False
+    done = router_refusal(
+        "--instance", "http://127.0.0.1:1", *(f.format(**names) for f in flags), started=False
     )
-    assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1].startswith(f"ringfence router: {error.format(**names)}")
 
 
