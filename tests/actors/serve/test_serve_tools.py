@@ -157,6 +157,23 @@ def test_a_streamed_call_adds_up_to_the_whole_answers_its_arguments_in_pieces(se
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_the_sdks_stream_helper_assembles_the_call_from_its_argument_deltas(server):
+    whole = chat(server, tools=TOOLS, tool_choice="required", seed=5)
+    [expected] = whole.choices[0].message.tool_calls
+    with server.client().chat.completions.stream(
+        model=whole.model, messages=ASK, max_tokens=MAX_TOKENS, temperature=1.0, seed=5,
+        tools=TOOLS, tool_choice="required",
+    ) as stream:  # fmt: skip
+        kinds = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert kinds.count("tool_calls.function.arguments.delta") > 3, kinds
+    assert kinds.count("tool_calls.function.arguments.done") == 1
+    [call] = final.choices[0].message.tool_calls or []
+    assert (call.function.name, call.function.arguments) == (
+        expected.function.name, expected.function.arguments)  # fmt: skip
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
 def test_the_sdks_tool_loop_takes_the_call_and_answers_from_the_tools_result(server):
     first = chat(server, tools=TOOLS, tool_choice="required", seed=2)
     message = first.choices[0].message
