@@ -12,6 +12,7 @@ response's body is cancelled; plain answers: a watcher of the connection).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -143,7 +144,7 @@ def build_app(
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         async def run() -> Response:
-            prompt = prompt_of(body, prompter)
+            prompt = await asyncio.to_thread(prompt_of, body, prompter)  # off the loop
             reservation = claimed(request, role)
             answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics,
                             timeout_s=timeout_s, reservation=reservation,
@@ -161,7 +162,7 @@ def build_app(
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         async def run() -> Response:
-            prompt = prompt_of(body, prompter)
+            prompt = await asyncio.to_thread(prompt_of, body, prompter)  # off the loop
             reservation = claimed(request, role)
             answer = Answer(frontend, body, prompt, kind="chatcmpl", metrics=metrics,
                             timeout_s=timeout_s, reservation=reservation,

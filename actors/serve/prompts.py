@@ -25,8 +25,10 @@ from ringfence.actors.serve.api import (
     check_unsupported,
 )
 from ringfence.actors.serve.config import ServerConfig
+from ringfence.actors.serve.structured import structured_output
 from ringfence.actors.serve.tools import ToolUse, tool_use
 from ringfence.sched.config import SchedConfig, max_model_len
+from ringfence.sched.structured import StructuredOutput
 
 PRESET_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
@@ -41,6 +43,8 @@ class Prompt:
     token_ids: tuple[int, ...]
     max_tokens: int
     tools: ToolUse | None = None  # a chat's tools: how they are forced and read back
+    # The request's structured output, compiled once (a forced tool call's grammar included).
+    structured: StructuredOutput | None = None
 
 
 class PromptSections(Protocol):
@@ -192,15 +196,20 @@ class Prompter:
 
 
 def prompt_of(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> Prompt:
-    """The request's checked prompt (ApiError naming the field the server cannot honour)."""
+    """The request's checked prompt, its structured output compiled (ApiError naming the
+    field the server cannot honour). What may take long (a long prompt's tokens, a large
+    schema's grammar) happens here: the server calls it on a thread, not its event loop."""
     check_request(body, prompter)
     if isinstance(body, CompletionRequest):
-        return prompter.completion(body.prompt, body.max_tokens)
+        prompt = prompter.completion(body.prompt, body.max_tokens)
+        return replace(prompt, structured=structured_output(body))
     limit, field = body.max_completion_tokens, "max_completion_tokens"
     if limit is None:
         limit, field = body.max_tokens, "max_tokens"
     tools = tool_use(body, prompter.template_source)
-    return prompter.chat(body.messages, limit, field, tools)
+    prompt = prompter.chat(body.messages, limit, field, tools)
+    forced = tools.forced if tools is not None else None
+    return replace(prompt, structured=structured_output(body, forced))
 
 
 def check_request(body: CompletionRequest | ChatCompletionRequest, prompter: Prompter) -> None:

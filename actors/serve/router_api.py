@@ -111,7 +111,7 @@ def install_router_api(app: FastAPI, frontend: FrontEndView, config: FrontEndSet
     async def reserve(body: ReserveRequest) -> dict[str, Any]:
         if role != "decode":
             raise _wrong_role(role, "decode", "reservations")
-        prompt = prompt_of(_client_body(body), prompter)
+        prompt = await asyncio.to_thread(prompt_of, _client_body(body), prompter)
         name = f"rsv-{uuid.uuid4().hex}"
         msg = Reserve(
             reservation_id=name, prompt_token_ids=prompt.token_ids, max_tokens=prompt.max_tokens

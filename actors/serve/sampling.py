@@ -15,7 +15,6 @@ from typing import Any, cast
 
 from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, CompletionRequest
 from ringfence.actors.serve.prompts import Prompt
-from ringfence.actors.serve.structured import structured_output
 from ringfence.sched.checks import RequestError
 from ringfence.sched.sampling import SamplingParams
 
@@ -58,15 +57,8 @@ def sampling_params(
     vLLM's conventions become ours: ``top_k`` -1 is off (0), no ``seed`` is a fresh one.
     The prompt's log probabilities are asked of the first choice only (they are the same
     for all). ``max_tokens`` 0 (echo) runs one token, which the answer drops. Each choice
-    carries the structured output (:mod:`.structured`), so each keeps its own matcher.
+    carries the prompt's structured output (checked with it), so each keeps its own matcher.
     """
-    structured = structured_output(body)
-    forced = prompt.tools.forced if prompt.tools is not None else None
-    if forced is not None:  # tool_choice required or named: a grammar of one call
-        if structured is not None:
-            raise ApiError("tool_choice: a forced tool call and a structured output cannot be "
-                           "combined", param="tool_choice")  # fmt: skip
-        structured = forced
     try:
         params = SamplingParams(
             max_tokens=max(prompt.max_tokens, 1),
@@ -85,7 +77,7 @@ def sampling_params(
             logit_bias=cast(Any, body.logit_bias or {}),
             logprobs=output_logprobs(body),
             prompt_logprobs=asked_prompt_logprobs(body) if index == 0 else None,
-            structured=structured,
+            structured=prompt.structured,
         )
         params.check_vocab(vocab_size)
     except RequestError as e:

@@ -7,7 +7,10 @@ not: here the output always follows it), vLLM's ``structured_outputs`` (``json``
 :class:`~ringfence.sched.structured.StructuredOutput`. At most one may be given. The
 grammar backend compiles it here once (``actors/model/grammars.py``; about 1.5 ms for a
 nested schema, and kept by spec), so that a bad schema, regex or grammar is a 400 naming
-the field and carrying the backend's complaint before the request reaches the engine.
+the field and carrying the backend's complaint before the request reaches the engine. The
+server does it on a thread with the rest of the request's prompt (``prompts.prompt_of``):
+a large schema takes the backend most of a second (it lets go of the GIL meanwhile), and
+the event loop serves every other stream in that time.
 """
 
 from __future__ import annotations
@@ -21,8 +24,22 @@ from ringfence.sched.checks import RequestError
 from ringfence.sched.structured import ANY_JSON_OBJECT, StructuredOutput
 
 
-def structured_output(body: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
-    """The request's structured output, or None; ApiError 400 naming the field at fault."""
+def structured_output(
+    body: CompletionRequest | ChatCompletionRequest, forced: StructuredOutput | None = None
+) -> StructuredOutput | None:
+    """The request's structured output, or None; ApiError 400 naming the field at fault.
+    ``forced``: the grammar of one call that its ``tool_choice`` forces, which takes no
+    other structured output."""
+    spec = _asked_output(body)
+    if forced is None:
+        return spec
+    if spec is not None:
+        raise ApiError("tool_choice: a forced tool call and a structured output cannot be "
+                       "combined", param="tool_choice")  # fmt: skip
+    return forced
+
+
+def _asked_output(body: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
     asked = _asked(body)
     if len(asked) > 1:
         names = ", ".join(field for field, _ in asked)

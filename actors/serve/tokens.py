@@ -8,6 +8,7 @@ on the event loop and touch no engine.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI
@@ -115,13 +116,14 @@ def install_token_api(app: FastAPI, prompter: Prompter) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, responses=REFUSED)
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
-        return tokenize(body, prompter)
+        return await asyncio.to_thread(tokenize, body, prompter)  # off the event loop
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=REFUSED)
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         prompter.check_ids("tokens", body.tokens)
-        return {"prompt": prompter.decode(body.tokens, skip_special=False)}
+        text = await asyncio.to_thread(prompter.decode, body.tokens, skip_special=False)
+        return {"prompt": text}
 
     @app.get("/tokenizer_info", response_model=TokenizerInfo)
     async def tokenizer_info_route() -> dict[str, Any]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import selectors
+import socket
+import uuid
 from typing import Annotated, Any, Literal
 
 import jsonschema
@@ -134,3 +137,43 @@ def test_a_spec_that_does_not_compile_is_a_400_naming_its_field(server, body, pa
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and said in error["message"], error
+
+
+def test_a_large_schema_compiles_off_the_event_loop_which_answers_meanwhile(server):
+    """A schema that takes the backend most of a second to refuse (15,000 properties, the
+    last with a broken pattern): /health, asked once the server has begun the request (it
+    logs the request's unknown field just before), is answered before it."""
+    marker = f"x_probe_{uuid.uuid4().hex[:8]}"  # an unknown field: logged as ignored
+    properties: dict[str, Any] = {
+        f"p{i}": {"type": "string", "pattern": f"^a{i}[bc]+$"} for i in range(15_000)
+    }
+    properties["last"] = {"type": "string", "pattern": "^("}
+    body = json.dumps({
+        "prompt": PROMPT, "max_tokens": 2,
+        "structured_outputs": {"json": {"type": "object", "properties": properties}},
+        marker: True,
+    }).encode()  # fmt: skip
+    host, port = server.url.removeprefix("http://").split(":")
+    heavy = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    health = f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+    with (
+        socket.create_connection((host, int(port)), timeout=60) as first,
+        socket.create_connection((host, int(port)), timeout=60) as second,
+        selectors.DefaultSelector() as selector,
+    ):
+        first.sendall(heavy)
+        server.launch.wait_for_event(
+            "server.fields_ignored", log="frontend-0", fields=[marker], timeout=60
+        )
+        second.sendall(health)
+        selector.register(first, selectors.EVENT_READ, "the schema's answer")
+        selector.register(second, selectors.EVENT_READ, "/health")
+        ready = selector.select(timeout=60)
+        assert ready, "neither answered"
+        assert ready[0][0].data == "/health", [key.data for key, _ in ready]
+        answer = b"".join(iter(lambda: first.recv(1 << 16), b""))
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"structured_outputs.json" in answer and b"unclosed group" in answer
