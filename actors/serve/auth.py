@@ -17,10 +17,14 @@ it matched. Keys are never logged: a refused call is counted, not recorded with 
 Each key belongs to a tenant: the name after it on its key-file line (``<key> <tenant>``:
 keys of one name are one tenant), else one of its own, ``key-`` and 16 hex digits of a
 BLAKE2b digest of the key (a one-way name, the same on every server given the key). With
-``server.salt_by_key`` (``--salt-by-key`` on the router) the tenant salts every request
-made with the key (:func:`tenant_salt`): tenants share no cached prefix, and cannot learn
-from a short first token that another sent one, unless an operator gives their keys one
-tenant name.
+``server.salt_by_key`` (``--salt-by-key`` on the router) the tenant's salt salts every
+request made with the key (:func:`tenant_salt`): tenants share no cached prefix, and cannot
+learn from a short first token that another sent one, unless an operator gives their keys
+one tenant name. A tenant's salt is one only its keys make: a key's own name, or a named
+tenant's name and a BLAKE2b digest of all its keys (so the block hashes in KV events or a
+shared tier's key names cannot be matched against a guessed prompt under a guessed tenant
+name). It is the same on every server given the same key file; a named tenant given another
+key gets a new salt, and finds its earlier prefixes no more.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ringfence.actors.serve.config import API_KEY_ENV, INSTANCE_KEY_ENV, ServerC
 from ringfence.runtime.secrets import secret_values
 
 OPEN_PATHS = frozenset({"/health"})  # and /metrics unless protected
-TENANT_SCOPE = "ringfence.tenant"  # the ASGI scope key RequireKey sets: the caller's tenant
+TENANT_SCOPE = "ringfence.tenant"  # the ASGI scope key RequireKey sets: the tenant's salt
 
 
 def read_key_file(path: str) -> list[tuple[str, str]]:
@@ -103,16 +107,25 @@ def instance_key(key_file: str = "") -> str:
 
 
 class Keys:
-    """The keys a server takes (their digests only), each with its tenant's name."""
+    """The keys a server takes (their digests only), each with its tenant's name and salt."""
 
     def __init__(self, keys: Sequence[str | tuple[str, str]]) -> None:
         tenants: dict[bytes, str] = {}
+        named: dict[bytes, bool] = {}
         for item in keys:
             key, tenant = (item, "") if isinstance(item, str) else item
             digest = _digest(key.encode())
+            named[digest] = bool(tenant) or named.get(digest, False)
             tenants[digest] = tenant or tenants.get(digest) or _own_tenant(digest)
+        members: dict[str, list[bytes]] = {}
+        for digest, tenant in tenants.items():
+            members.setdefault(tenant, []).append(digest)
         self._digests = tuple(tenants)
         self._tenants = tuple(tenants.values())
+        self._salts = tuple(
+            _named_salt(tenant, members[tenant]) if named[digest] else tenant
+            for digest, tenant in tenants.items()
+        )
 
     def __bool__(self) -> bool:
         return bool(self._digests)
@@ -147,8 +160,9 @@ class Keys:
                 found = index
         return found if found >= 0 else None
 
-    def tenant_of(self, index: int) -> str:
-        return self._tenants[index]
+    def salt_of(self, index: int) -> str:
+        """The salt of key ``index``'s tenant (module docstring)."""
+        return self._salts[index]
 
 
 def _digest(key: bytes) -> bytes:
@@ -160,10 +174,19 @@ def _own_tenant(digest: bytes) -> str:
     return "key-" + hashlib.blake2b(digest, digest_size=8, person=b"ringfence.tenant").hexdigest()
 
 
+def _named_salt(tenant: str, digests: list[bytes]) -> str:
+    """A named tenant's salt: its name and a digest of all its keys' digests."""
+    digest = hashlib.blake2b(tenant.encode(), digest_size=8, person=b"ringfence.salt")
+    for held in sorted(digests):
+        digest.update(held)
+    return f"{tenant}-{digest.hexdigest()}"
+
+
 def tenant_salt(tenant: str | None, cache_salt: str | None, salt_by_key: bool) -> str:
     """The cache salt a request runs with: the client's ``cache_salt``, under the caller's
-    tenant's name when salting by key. A tenant name holds no space, so the first space
-    ends it, and no client's salt can make another tenant's."""
+    tenant's salt (``tenant``: :meth:`Keys.salt_of`) when salting by key. A tenant's salt
+    holds no space, so the first space ends it, and no client's salt can make another
+    tenant's."""
     salt = cache_salt or ""
     if not salt_by_key or tenant is None:
         return salt
@@ -218,7 +241,7 @@ class RequireKey:
         if index is None:
             await send_error(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
             return
-        scope[TENANT_SCOPE] = self.keys.tenant_of(index)
+        scope[TENANT_SCOPE] = self.keys.salt_of(index)
         running = self.running.get(index, 0)
         if self.max_per_key and running >= self.max_per_key:
             retry = [(b"retry-after", b"%d" % self.retry_after_s)]

@@ -124,10 +124,11 @@ def test_salted_by_key_each_tenants_requests_carry_its_salt_to_prefill_and_decod
             assert answer.status_code == 200, answer.text
     claims = [call.body for call in decode.calls if call.path == "/v1/completions"]
     prefills = [call.body for call in prefill.calls]
-    other = Keys(["sk-other-44d1"]).tenant(b"Bearer sk-other-44d1")
-    assert [c.get("cache_salt") for c in claims] == ["team-a", "team-a mine", other, 7]
+    team, other = keys.salt_of(0), Keys(["sk-other-44d1"]).tenant(b"Bearer sk-other-44d1")
+    assert team.startswith("team-a-")  # the tenant's salt, made by its keys
+    assert [c.get("cache_salt") for c in claims] == [team, f"{team} mine", other, 7]
     # The prefill keys the blocks as the claim will; a salt an instance refuses passes as is.
-    assert [p.get("cache_salt") for p in prefills] == ["team-a", "team-a mine", other, None]
+    assert [p.get("cache_salt") for p in prefills] == [team, f"{team} mine", other, None]
 
 
 def test_salting_by_key_needs_client_keys_and_an_instance_salting_by_key_is_refused(fakes):

@@ -172,5 +172,17 @@ def test_the_middleware_hands_the_route_the_callers_tenant():
     keys = Keys([("sk-1", "one"), ("sk-2", "two")])
     app = Starlette(routes=[Route("/v1/x", who)], middleware=[Middleware(RequireKey, keys=keys)])
     with TestClient(app) as client:
-        assert client.get("/v1/x", headers={"Authorization": "Bearer sk-2"}).text == "two"
-        assert client.get("/v1/x", headers={"Authorization": "Bearer sk-1"}).text == "one"
+        assert client.get("/v1/x", headers={"Authorization": "Bearer sk-2"}).text == keys.salt_of(1)
+        assert client.get("/v1/x", headers={"Authorization": "Bearer sk-1"}).text == keys.salt_of(0)
+
+
+def test_a_tenants_salt_is_made_by_its_keys_not_its_name_alone():
+    team = Keys([("sk-a1", "team-a"), ("sk-a2", "team-a"), ("sk-b", "team-b"), "sk-c"])
+    a1, a2, b, c = (team.salt_of(i) for i in range(4))
+    assert a1 == a2 and a1.startswith("team-a-") and len(a1) == len("team-a-") + 16
+    assert b.startswith("team-b-") and b != a1
+    assert c == team.tenant(b"Bearer sk-c")  # a key's own name is one-way already
+    # The same key file anywhere: the same salt; the name without its keys: another one.
+    assert Keys([("sk-a2", "team-a"), ("sk-a1", "team-a")]).salt_of(0) == a1
+    assert Keys([("sk-guess", "team-a")]).salt_of(0) != a1
+    assert " " not in a1 + b + c
