@@ -9,6 +9,9 @@ out as it comes, and the value's end (its brackets balanced, strings and escapes
 ends the call's arguments. Like every server's, a call that was cut short (``length``) keeps
 the arguments written so far: they may not be valid JSON, as OpenAI's documentation warns.
 
+With ``most`` calls (OpenAI's ``parallel_tool_calls: false`` is one), what follows the last
+call the reader takes is dropped, whether more calls or text.
+
 A block whose head reads otherwise (keys in another order, say) is held whole and parsed
 as JSON when it ends: a call (its arguments re-serialized) or, when it is none, content.
 
@@ -172,11 +175,12 @@ class CallReader:
     """One answer's text, fed in order: the events each piece adds (see the module
     docstring). Modes: ``text`` (content; calls start at ``open``), ``start`` (calls start
     the answer: before the first), ``plain`` (calls start the answer and it did not),
-    ``head``, ``arguments``, ``tail`` (after a call's arguments, to its end) and ``whole``
-    (a block held to its end)."""
+    ``head``, ``arguments``, ``tail`` (after a call's arguments, to its end), ``whole``
+    (a block held to its end) and ``done`` (``most`` calls read: the rest is dropped)."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, most: int | None = None) -> None:
         self.layout = layout
+        self.most = most  # the calls taken (None: all)
         self.mode = "text" if layout.open is not None else "start"
         self.buffer = ""  # read, not yet decided
         self.spaces = ""  # whitespace held before what may be a call
@@ -282,7 +286,7 @@ class CallReader:
         if not done:
             return False
         self.calls += 1
-        self.mode = "tail"
+        self.mode = "done" if self.calls == self.most else "tail"
         return True
 
     def _tail(self, events: list[Event], last: bool) -> bool:
@@ -306,7 +310,7 @@ class CallReader:
         parts = body.split(self.layout.separator) if self.layout.separator else [body]
         calls = [as_call(part) for part in parts]
         if all(calls):
-            for name, arguments in (c for c in calls if c is not None):
+            for name, arguments in [c for c in calls if c is not None][: self._room()]:
                 events.append(Event("call", name, self.calls))
                 events.append(Event("arguments", arguments, self.calls))
                 self.calls += 1
@@ -316,8 +320,19 @@ class CallReader:
         elif content := self.held if not self.calls else body.strip(" \t\r\n"):
             events.append(Event("content", content))
         self.buffer = self.buffer[after:]
-        self.mode = "text" if self.layout.open is not None else "plain"
+        if self.calls == self.most:
+            self.mode = "done"
+        else:
+            self.mode = "text" if self.layout.open is not None else "plain"
         return True
+
+    def _done(self, events: list[Event], last: bool) -> bool:
+        self.buffer = ""
+        return False
+
+    def _room(self) -> int | None:
+        """How many more calls the reader takes (None: any)."""
+        return None if self.most is None else self.most - self.calls
 
     def _finish(self, events: list[Event]) -> None:
         if self.mode == "start" and self.held:

@@ -65,11 +65,12 @@ class ToolFormat:
     arguments_key: ClassVar[str]  # the key of the call's object that holds the arguments
     layout: ClassVar[Layout]  # where its calls sit in an answer
 
-    def parse(self, text: str) -> Parsed:
-        """The answer's content and calls, as its stream (:meth:`reader`) sends them."""
+    def parse(self, text: str, most: int | None = None) -> Parsed:
+        """The answer's content and calls (its first ``most``), as its stream
+        (:meth:`reader`) sends them."""
         content: list[str] = []
         calls: list[list[str]] = []
-        for event in self.reader().feed(text, last=True):
+        for event in self.reader(most).feed(text, last=True):
             if event.kind == "content":
                 content.append(event.text)
             elif event.kind == "call":
@@ -82,9 +83,9 @@ class ToolFormat:
             calls=tuple(ToolCall(name=name, arguments=arguments) for name, arguments in calls),
         )
 
-    def reader(self) -> CallReader:
-        """A reader of one answer's text as it grows."""
-        return CallReader(self.layout)
+    def reader(self, most: int | None = None) -> CallReader:
+        """A reader of one answer's text as it grows, taking its first ``most`` calls."""
+        return CallReader(self.layout, most)
 
     def grammar(self, functions: Sequence[Function]) -> str:
         """A Lark grammar (llguidance's) whose every sentence is one call of one of

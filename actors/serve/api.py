@@ -242,7 +242,7 @@ class ChatCompletionRequest(_Sampling):
     # auto (the default with tools), required (some call) or one named function.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; a forced answer is one call
+    parallel_tool_calls: bool | None = None  # false: one call at most (a forced one is one)
     logprobs: bool | None = None  # each output token's log probability
     top_logprobs: TopLogprobs | None = None  # and this many alternatives (needs logprobs)
 

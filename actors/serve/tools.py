@@ -3,10 +3,12 @@ grammar where ``tool_choice`` asks for a call, and read back out of each answer.
 
 ``tool_choice`` is ``none`` (the tools are shown to the template, no call is read out),
 ``auto`` (the default with tools: the model may call), ``required`` (it calls one of them)
-or a named function (it calls that one). The format of a call is the one the model's chat
-template teaches (``actors/model/tool_calls.py``); a template that teaches none takes tools
-only with ``none``. ``required`` and a named function become the request's structured
-output (a grammar of one call), so they cannot be combined with another.
+or a named function (it calls that one). With ``parallel_tool_calls`` false an answer holds
+one call at most: what the model writes after its first is dropped. The format of a call is
+the one the model's chat template teaches (``actors/model/tool_calls.py``); a template that
+teaches none takes tools only with ``none``. ``required`` and a named function become the
+request's structured output (a grammar of one call), so they cannot be combined with
+another.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ class ToolUse:
     format: ToolFormat | None  # None: tool_choice none (no call is read out)
     tools: tuple[dict[str, Any], ...]  # as the template sees them (OpenAI's tool objects)
     forced: StructuredOutput | None  # the grammar of one call (required, named)
+    most: int | None = None  # the calls read out (parallel_tool_calls false: 1; None: all)
 
     def parse(self, text: str) -> Parsed:
         """The answer's content and calls (every text is content without a format)."""
         if self.format is None:
             return Parsed(content=text, calls=())
-        return self.format.parse(text)
+        return self.format.parse(text, self.most)
 
 
 def tool_use(body: ChatCompletionRequest, template_source: str | None) -> ToolUse | None:
@@ -77,7 +80,8 @@ def tool_use(body: ChatCompletionRequest, template_source: str | None) -> ToolUs
         if said := problem(forced):
             raise ApiError(f"tool_choice: the call's grammar does not compile: {said}",
                            param="tool_choice")  # fmt: skip
-    return ToolUse(format=fmt, tools=tools, forced=forced)
+    most = 1 if body.parallel_tool_calls is False else None
+    return ToolUse(format=fmt, tools=tools, forced=forced, most=most)
 
 
 def _said(choice: object) -> str:
@@ -108,7 +112,7 @@ class ToolStream:
     deltas that add up to the whole answer's message (one reader reads both)."""
 
     def __init__(self, use: ToolUse) -> None:
-        self.reader = use.format.reader() if use.format is not None else None
+        self.reader = use.format.reader(use.most) if use.format is not None else None
         self.called = False  # a call has started: the answer finishes as tool_calls
 
     def take(self, text: str, last: bool) -> list[dict[str, Any]]:

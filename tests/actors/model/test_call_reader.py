@@ -42,8 +42,8 @@ def fold(events: list[Event]) -> tuple[str, list[list[str]]]:
     return content, calls
 
 
-def streamed(fmt: ToolFormat, pieces: list[str]) -> list[Event]:
-    reader = fmt.reader()
+def streamed(fmt: ToolFormat, pieces: list[str], most: int | None = None) -> list[Event]:
+    reader = fmt.reader(most)
     return [e for i, p in enumerate(pieces) for e in reader.feed(p, i == len(pieces) - 1)]
 
 
@@ -71,6 +71,14 @@ def test_a_stream_in_any_pieces_adds_up_to_the_whole_answers_parse(hermes, llama
         )  # fmt: skip
         if not calls:  # no call: every character is content, as written
             assert content == text
+        # One call at most (parallel_tool_calls false): the first of them, streamed alike.
+        first = fmt.parse(text, most=1)
+        assert [(c.name, c.arguments) for c in first.calls] == [
+            (c.name, c.arguments) for c in parsed.calls[:1]
+        ]  # fmt: skip
+        assert fold(streamed(fmt, pieces, most=1))[1] == [
+            [c.name, c.arguments] for c in first.calls
+        ]
 
 
 def test_a_calls_arguments_go_out_as_they_are_written():

@@ -245,3 +245,21 @@ def test_a_stream_sends_content_then_each_calls_start_and_arguments_as_they_come
         [{"index": 0, "function": {"arguments": '": "'}}],
         [{"index": 0, "function": {"arguments": 'UTC"}'}}],
     ]
+
+
+def test_with_parallel_tool_calls_false_an_answer_holds_its_first_call_only():
+    two = (
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'
+    )
+    one = ToolUse(format=FORMATS["hermes"], tools=(), forced=None, most=1)
+    assert [c.name for c in one.parse(two).calls] == ["get_time"]
+    every = ToolUse(format=FORMATS["hermes"], tools=(), forced=None)
+    assert [c.name for c in every.parse(two).calls] == ["get_time", "get_weather"]
+    stream = ToolStream(one)
+    sent = [d for piece in (two[:40], two[40:90], two[90:]) for d in stream.take(piece, False)]
+    sent += stream.take("", True)
+    pieces = [p for d in sent for p in d.get("tool_calls", ())]
+    assert {p["index"] for p in pieces} == {0} and pieces[0]["function"]["name"] == "get_time"
+    assert "".join(p["function"]["arguments"] for p in pieces) == "{}"
+    assert not any("content" in d for d in sent)
