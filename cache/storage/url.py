@@ -2,8 +2,9 @@
 is printed whole.
 
 ``cache.storage.url`` takes what redis-py takes: ``redis://`` or ``rediss://`` (TLS),
-``[user[:password]@]host[:port][/db]``, or ``unix://``. A password written in the URL is
-taken out of it when the settings are built (:func:`split_password`) and into
+``[user[:password]@]host[:port][/db]``, or ``unix://``, and options in its query string
+(``?password=...`` among them). A password written in the URL, before its host or in its
+query, is taken out of it when the settings are built (:func:`split_password`) and into
 ``cache.storage.password``, a secret, so the run dir's config.toml, the logs and every
 message hold ``redis://user@host:port/db``; a URL that must be shown while it still holds
 one is shown as :func:`redact` writes it, ``redis://user:***@host:port/db``. An actor
@@ -28,12 +29,18 @@ class SplitUrl(NamedTuple):
 
 def split_password(url: str) -> SplitUrl:
     """``url`` without its password, and the password; a URL with none (or that is no URL:
-    redis-py will say so) is returned as it is."""
+    redis-py will say so) is returned as it is. A password before the host wins over one in
+    the query, as in redis-py; either way neither stays."""
     parts = _parts(url)
-    if parts is None or parts.password is None:
+    if parts is None:
         return SplitUrl(url, "")
-    bare = urlunsplit(parts._replace(netloc=_netloc(parts, None)))
-    return SplitUrl(bare, unquote(parts.password))
+    query, in_query = _query_password(parts.query, None)
+    if parts.password is None and in_query is None:
+        return SplitUrl(url, "")
+    netloc = parts.netloc if parts.password is None else _netloc(parts, None)
+    bare = _join(parts, netloc, query)
+    password = in_query if parts.password is None else unquote(parts.password)
+    return SplitUrl(bare, password or "")
 
 
 def password_of(inline: str, environ: Mapping[str, str] | None = None) -> str:
@@ -43,11 +50,44 @@ def password_of(inline: str, environ: Mapping[str, str] | None = None) -> str:
 
 
 def redact(url: str) -> str:
-    """``url`` with its password, if it holds one, written as ``***``."""
+    """``url`` with its password, if it holds one (before its host or in its query),
+    written as ``***``."""
     parts = _parts(url)
-    if parts is None or parts.password is None:
+    if parts is None:
         return url
-    return urlunsplit(parts._replace(netloc=_netloc(parts, HIDDEN)))
+    query, in_query = _query_password(parts.query, HIDDEN)
+    if parts.password is None and in_query is None:
+        return url
+    netloc = parts.netloc if parts.password is None else _netloc(parts, HIDDEN)
+    return _join(parts, netloc, query)
+
+
+def _join(parts: SplitResult, netloc: str, query: str) -> str:
+    """The URL of ``parts`` with ``netloc`` and ``query``; ``unix:///path`` keeps its
+    empty host (urlunsplit would write ``unix:/path``)."""
+    url = (
+        f"{parts.scheme}://{netloc}{parts.path}"
+        if parts.scheme
+        else urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
+    )
+    return url + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+
+
+def _query_password(query: str, shown: str | None) -> tuple[str, str | None]:
+    """``query`` with each ``password=`` option dropped (``shown`` None) or its value written
+    as ``shown``, the other options as written; and the first password (None: none), as
+    redis-py reads it."""
+    kept: list[str] = []
+    found: str | None = None
+    for option in query.split("&") if query else ():
+        name, _, value = option.partition("=")
+        if unquote(name) != "password":
+            kept.append(option)
+            continue
+        found = unquote(value) if found is None else found
+        if shown is not None:
+            kept.append(f"{name}={shown}")
+    return "&".join(kept), found
 
 
 def _parts(url: str) -> SplitResult | None:

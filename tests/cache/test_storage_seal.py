@@ -282,6 +282,13 @@ def test_a_password_in_the_url_leaves_it_for_the_password_setting():
     assert redact("redis://alice:pw@h:1/0") == "redis://alice:***@h:1/0"
     assert redact("redis://h:1/0") == "redis://h:1/0"
     assert split_password("redis://:pw@h").url == "redis://h"
+    # redis-py's other form, in the query string: taken out the same, other options kept.
+    cfg = StorageConfig(url="redis://h:1/0?ssl_ca_certs=%2Fca.pem&password=p%26q&db=2")
+    assert (cfg.url, cfg.password) == ("redis://h:1/0?ssl_ca_certs=%2Fca.pem&db=2", "p&q")
+    unix = StorageConfig(url="unix:///run/redis.sock?password=pw&db=1")
+    assert (unix.url, unix.password) == ("unix:///run/redis.sock?db=1", "pw")
+    assert redact("redis://h/0?password=pw&db=1") == "redis://h/0?password=***&db=1"
+    assert split_password("redis://:one@h/0?password=two") == ("redis://h/0", "one")
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +309,10 @@ def test_an_acl_user_logs_in_by_url_or_by_the_password_setting(acl_redis, monkey
         assert store.put_many([(key(0), payload(0))]) == 1
         assert isinstance(store, RedisBackend)
         assert "s3cret" not in store.url
+    in_query = f"redis://alice@{host}/0?password=s3cret%20pw"  # redis-py's other form
+    with closing(open_backend("redis", fingerprint=FP, url=in_query)) as store:
+        assert store.get_many([key(0)]) == [payload(0)]
+        assert isinstance(store, RedisBackend) and "s3cret" not in store.url
     monkeypatch.setenv(PASSWORD_ENV, "s3cret pw")
     settings = StorageConfig(backend="redis", url=f"redis://alice@{host}")
     with closing(open_storage(settings, fingerprint=FP, run_dir=None)) as store:
