@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ringfence.actors.engine.config import EngineConfig
 from ringfence.actors.model.config import ModelConfig
-from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, model_tokenizer
 from ringfence.actors.protocol.client import Submit
 from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
@@ -194,9 +194,7 @@ class Intake:
         """The checkpoint's tokenizer (bytes for the presets), loaded on first use."""
         tokenizer = self._tokenizer
         if tokenizer is None:
-            path = self.config.model.path
-            tokenizer = (load_tokenizer(path) if path else None) or ByteTokenizer()
-            self._tokenizer = tokenizer
+            tokenizer = self._tokenizer = model_tokenizer(self.config.model.path)
         return tokenizer
 
     def _rendered(self, line: WorkloadRequest, source: str) -> WorkloadRequest:

@@ -44,7 +44,7 @@ from ringfence.actors.model.tokenizer import (
     ByteTokenizer,
     CheckpointTokenizer,
     Tokenizer,
-    load_tokenizer,
+    model_tokenizer,
 )
 from ringfence.sched.structured import StructuredOutput
 from ringfence.shm.errors import RingfenceError
@@ -168,4 +168,4 @@ class Grammars:
 def model_grammars(path: str, vocab_size: int) -> Grammars:
     """The grammars of the model at ``path`` (a checkpoint's tokenizer; bytes for a preset,
     ``path`` empty): the tokenizer the model samples with, as the Engine encodes with it."""
-    return Grammars(lambda: (load_tokenizer(path) if path else None) or ByteTokenizer(), vocab_size)
+    return Grammars(lambda: model_tokenizer(path), vocab_size)

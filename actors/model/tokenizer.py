@@ -178,3 +178,9 @@ def load_tokenizer(path: str | Path) -> CheckpointTokenizer | None:
     _add_named_tokens(tokenizer, token_entries(root))
     specials = read_special_tokens(root, tokenizer.token_to_id)
     return CheckpointTokenizer(tokenizer, specials, file=str(file))
+
+
+def model_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer a model samples with: its checkpoint's (``model.path``), else bytes (a
+    preset, ``path`` empty, or a checkpoint without a tokenizer.json)."""
+    return (load_tokenizer(path) if path else None) or ByteTokenizer()

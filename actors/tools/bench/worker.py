@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ringfence.actors.model.grammars import model_grammars
-from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from ringfence.actors.model.tokenizer import model_tokenizer
 from ringfence.actors.tools.bench.options import add_counts, resolve_counts, resolve_preset
 from ringfence.actors.tools.bench.sampling import sampling_costs
 from ringfence.actors.tools.bench.subject import Subject
@@ -194,16 +194,11 @@ def bench_worker(
                 counts["decode_seqs"],
                 counts["rounds"],
                 grammars=model_grammars(subject.checkpoint or "", c.vocab_size),
-                encode=_tokenizer(subject.checkpoint).encode,
+                encode=model_tokenizer(subject.checkpoint or "").encode,
             ),
         }
     )
     return report
-
-
-def _tokenizer(checkpoint: str | None) -> Tokenizer:
-    """The tokenizer the model samples with: the checkpoint's, bytes for a preset."""
-    return (load_tokenizer(checkpoint) if checkpoint else None) or ByteTokenizer()
 
 
 def _named(report: dict[str, Any]) -> str:
