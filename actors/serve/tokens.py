@@ -2,8 +2,9 @@
 
 They use the front end's own tokenizer and chat template (:class:`~.prompts.Prompter`), so
 ``/tokenize`` gives exactly the ids ``/v1/completions`` and ``/v1/chat/completions`` feed
-the model for the same text or chat (no bos added unless ``add_special_tokens``). They run
-on the event loop and touch no engine.
+the model for the same text or chat (no bos added unless ``add_special_tokens``). They
+touch no engine; the tokenizer runs on a thread, not the event loop (a long text's tokens
+would hold every stream up).
 """
 
 from __future__ import annotations

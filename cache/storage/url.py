@@ -31,16 +31,7 @@ def split_password(url: str) -> SplitUrl:
     """``url`` without its password, and the password; a URL with none (or that is no URL:
     redis-py will say so) is returned as it is. A password before the host wins over one in
     the query, as in redis-py; either way neither stays."""
-    parts = _parts(url)
-    if parts is None:
-        return SplitUrl(url, "")
-    query, in_query = _query_password(parts.query, None)
-    if parts.password is None and in_query is None:
-        return SplitUrl(url, "")
-    netloc = parts.netloc if parts.password is None else _netloc(parts, None)
-    bare = _join(parts, netloc, query)
-    password = in_query if parts.password is None else unquote(parts.password)
-    return SplitUrl(bare, password or "")
+    return _rewritten(url, None)
 
 
 def password_of(inline: str, environ: Mapping[str, str] | None = None) -> str:
@@ -52,14 +43,21 @@ def password_of(inline: str, environ: Mapping[str, str] | None = None) -> str:
 def redact(url: str) -> str:
     """``url`` with its password, if it holds one (before its host or in its query),
     written as ``***``."""
+    return _rewritten(url, HIDDEN).url
+
+
+def _rewritten(url: str, shown: str | None) -> SplitUrl:
+    """``url`` with every password in it dropped (``shown`` None) or written as ``shown``,
+    and the password redis-py would take from it ("" for none)."""
     parts = _parts(url)
     if parts is None:
-        return url
-    query, in_query = _query_password(parts.query, HIDDEN)
+        return SplitUrl(url, "")
+    query, in_query = _query_password(parts.query, shown)
     if parts.password is None and in_query is None:
-        return url
-    netloc = parts.netloc if parts.password is None else _netloc(parts, HIDDEN)
-    return _join(parts, netloc, query)
+        return SplitUrl(url, "")
+    netloc = parts.netloc if parts.password is None else _netloc(parts, shown)
+    password = in_query if parts.password is None else unquote(parts.password)
+    return SplitUrl(_join(parts, netloc, query), password or "")
 
 
 def _join(parts: SplitResult, netloc: str, query: str) -> str:
