@@ -40,23 +40,11 @@ def export_secrets(cfg: T, environ: dict[str, str] | None = None) -> T:
     """``cfg`` with every secret emptied, each one's value added to its variable in
     ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
-    names = {*env.get(SECRET_VARS_ENV, "").split(","), *_secret_vars(cfg)} - {""}
+    names: set[str] = set()
+    exported = _export(cfg, env, names)
+    names |= set(env.get(SECRET_VARS_ENV, "").split(",")) - {""}
     env[SECRET_VARS_ENV] = ",".join(sorted(names))
-    return _export(cfg, env)  # type: ignore[no-any-return]
-
-
-def _secret_vars(obj: Any) -> set[str]:
-    """The variables of every secret setting of ``obj`` (set or not)."""
-    if isinstance(obj, Mapping):
-        return set().union(*(_secret_vars(v) for v in obj.values()))
-    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
-        return set()
-    found: set[str] = set()
-    for f in dataclasses.fields(obj):
-        if var := f.metadata.get(SECRET):
-            found.add(var)
-        found |= _secret_vars(getattr(obj, f.name))
-    return found
+    return exported  # type: ignore[no-any-return]
 
 
 def redactions(environ: Mapping[str, str] | None = None) -> tuple[bytes, ...]:
@@ -81,9 +69,11 @@ def redact(data: bytes, secrets: tuple[bytes, ...]) -> bytes:
     return data
 
 
-def _export(obj: Any, env: Any) -> Any:
+def _export(obj: Any, env: Any, names: set[str]) -> Any:
+    """``obj`` with its secrets moved into ``env``; every secret's variable (set or not)
+    added to ``names``."""
     if isinstance(obj, Mapping):
-        items = {k: _export(v, env) for k, v in obj.items()}
+        items = {k: _export(v, env, names) for k, v in obj.items()}
         if all(items[k] is v for k, v in obj.items()):
             return obj
         return cast(Any, type(obj))(items)
@@ -93,11 +83,13 @@ def _export(obj: Any, env: Any) -> Any:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         var = f.metadata.get(SECRET)
+        if var:
+            names.add(var)
         if var and value:
             env[var] = ",".join(v for v in (env.get(var, ""), value) if v)
             changes[f.name] = ""
         elif dataclasses.is_dataclass(value) or isinstance(value, Mapping):
-            new = _export(value, env)
+            new = _export(value, env, names)
             if new is not value:
                 changes[f.name] = new
     return dataclasses.replace(obj, **changes) if changes else obj

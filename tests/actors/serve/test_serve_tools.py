@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -63,19 +65,25 @@ ASK = [{"role": "user", "content": "What is the weather in Rome?"}]
 MAX_TOKENS = 96
 
 
+@contextmanager
+def tiny_served(tmp: Path, name: str, seed: int, template: str) -> Iterator[Server]:
+    """``ringfence serve`` of a tiny GGUF file (random weights of ``seed``) whose chat
+    template is ``template``."""
+    file = write_tiny(tmp / f"{name}.gguf", tiny_weights(seed), template=template)
+    with served(tmp, f"model.path={file}", "model.dtype=float32") as server:
+        yield server
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("tools")
-    file = write_tiny(tmp / "hermes.gguf", tiny_weights(38), template=HERMES_TEMPLATE)
-    with served(tmp, f"model.path={file}", "model.dtype=float32") as server:
+    with tiny_served(tmp_path_factory.mktemp("tools"), "hermes", 38, HERMES_TEMPLATE) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def llama3_server(tmp_path_factory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("tools-llama3")
-    file = write_tiny(tmp / "llama3.gguf", tiny_weights(39), template=LLAMA3_TEMPLATE)
-    with served(tmp, f"model.path={file}", "model.dtype=float32") as server:
+    with tiny_served(tmp, "llama3", 39, LLAMA3_TEMPLATE) as server:
         yield server
 
 
