@@ -83,7 +83,7 @@ def test_a_worker_killed_mid_run_rebuilds_every_matcher_from_the_output(tmp_path
     assert len(restarts) == 2, "the worker was not restarted"
     # The checks hold, and the redriven scheduler (the requests' structured outputs read
     # back from the log) repeats every decision.
-    replayed(tmp_path / "run")
+    replayed(tmp_path / "run", killed="worker-0")
     got = outputs(tmp_path / "run")
     for request_id, tokens in got.items():
         check_output(request_id, tokens)
