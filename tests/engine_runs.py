@@ -73,14 +73,10 @@ def replayed(run_dir: Path, *, lost: int = 0, killed: str | None = None) -> None
     result = check_run(log)
     assert result.ok, [f"[{v.check}] {v.message}" for v in result.violations[:5]]
     died = [item for item in result.in_flight if "when engine pid" in item]
-    # An op a killed executor completed: SIGKILL can land between its step.done line and its
+    # An op a killed executor completed: SIGKILL can land between its done watermark and its
     # report, which the engine then never applies (its restart cancels the op's epoch).
-    who = f"not applied: {killed} pid "
-    reported = [
-        item
-        for item in result.in_flight
-        if killed is not None and who in item and "which completed it" in item
-    ]
+    mine = f"not applied: {killed} pid " if killed else None
+    reported = [item for item in result.in_flight if mine and mine in item]
     assert len(reported) <= 1, result.in_flight
     # Ops a killed engine had in flight: executed or completed, never applied by it.
     orphans = [
