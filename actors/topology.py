@@ -20,6 +20,8 @@ from ringfence.runtime.topology import ActorSpec, ChannelSpec, CounterSpec, Topo
 _W = "ringfence.actors.protocol.worker"
 _T = "ringfence.actors.protocol.transfer"
 CHECK_MODEL = "ringfence.actors.preflight:check_model"  # by name: imported when a run starts
+# The device pool and batch limits a GPU gets unless set, resolved before the preflight.
+DEVICE_DEFAULTS = "ringfence.actors.device_defaults:resolve_device_defaults"
 _EXECUTORS = {
     "worker": "ringfence.actors.executors.worker:Worker",
     "swap": "ringfence.actors.executors.swap:SwapLane",
@@ -72,4 +74,5 @@ class FencedTopology:
             ),
             counters=(CounterSpec(name=LANES, count=LANE_SLOTS * ranks),),
             preflight=(CHECK_MODEL, *self.preflight),
+            defaults=(DEVICE_DEFAULTS,),
         )

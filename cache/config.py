@@ -99,7 +99,19 @@ class CacheConfig:
     block_size: int = setting(16, "tokens per KV block", ge=1, le=4096)
     # The defaults are sized for a first run of the tiny preset: the main job's chat
     # (synthetic:chat) outgrows both pools, so its returning turns reach host and storage.
-    device_blocks: int = setting(256, "KV blocks in the device pool", ge=1)
+    device_blocks: int = setting(
+        256,
+        "KV blocks in the device pool; on CUDA, unless set, as many as "
+        "cache.gpu_memory_utilization leaves beside the weights and activations",
+        ge=1,
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "on CUDA: the fraction of the device's total memory this instance may use for its "
+        "weights, activations and KV cache (vLLM's gpu_memory_utilization)",
+        gt=0,
+        le=1,
+    )
     host_blocks: int = setting(768, "KV blocks in the host pool; 0 = no host cache tier", ge=0)
     device_eviction: Eviction = setting(
         "write_back", "device tier: write_back (demote on eviction), write_through or none"

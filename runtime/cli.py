@@ -313,6 +313,8 @@ def supervise(
     # engine could not read) runs here, before a run exists: its error is the command's.
     supervisor = Supervisor(config, run_dir)
     print(f"ringfence {command}: run {supervisor.run_id} in {supervisor.run_dir}", flush=True)
+    for note in supervisor.notes:  # the settings the machine chose (on a GPU: the pool)
+        print(f"ringfence {command}: {note}", flush=True)
     code = supervisor.run()
     if signal_is_success and code in STOP_CODES and not supervisor.failure:
         code = 0

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ringfence.runtime.config_tables import (
+    EXPLICIT,
     dump_table,
     nest,
     parse_toml,
@@ -151,6 +152,12 @@ class RunConfig:
     tools: Mapping[str, object] = dataclasses.field(
         default_factory=_tool_sections, hash=False, metadata={"tools": True}
     )
+    # The dotted keys (and tables) a file or ``--set`` wrote, whatever their value: a
+    # default that depends on the device yields to these (actors/device_defaults.py). No
+    # TOML key; a config built in Python, not loaded, has none. Left out of equality.
+    explicit: frozenset[str] = dataclasses.field(
+        default=frozenset(), compare=False, repr=False, metadata={EXPLICIT: True}
+    )
 
     def __post_init__(self) -> None:
         actors = types.MappingProxyType(dict(sorted(self.actors.items())))
@@ -176,17 +183,26 @@ class RunConfig:
         """The defaults, then the TOML file at ``path`` (if given), then each override in order."""
         layers = [] if path is None else [read_layer(path)]
         layers += [("--set", nest(*parse_override(text))) for text in overrides]
-        return resolve(cls, {}, layers, "defaults")
+        written: set[str] = set()
+        loaded = resolve(cls, {}, layers, "defaults", written)
+        return dataclasses.replace(loaded, explicit=frozenset(written))
 
     @classmethod
     def loads(cls: type[Self], text: str, source: str = "<string>") -> Self:
         """The defaults, then the TOML document ``text``; errors name ``source``."""
-        return resolve(cls, {}, [(source, parse_toml(source, text.encode()))], "defaults")
+        written: set[str] = set()
+        loaded = resolve(
+            cls, {}, [(source, parse_toml(source, text.encode()))], "defaults", written
+        )
+        return dataclasses.replace(loaded, explicit=frozenset(written))
 
     def with_overrides(self: Self, overrides: Mapping[str, object], source: str = "--set") -> Self:
-        """This config with dotted-key ``overrides`` applied in order, validated like a file's."""
+        """This config with dotted-key ``overrides`` applied in order, validated like a file's;
+        its :attr:`explicit` keys and theirs."""
         layers = [(source, nest(key, value, source)) for key, value in overrides.items()]
-        return resolve(type(self), to_raw(self), layers, "config")
+        written = set(self.explicit)
+        changed = resolve(type(self), to_raw(self), layers, "config", written)
+        return dataclasses.replace(changed, explicit=frozenset(written))
 
     def actor(self, name: str) -> ActorPolicy:
         """The policy configured for actor ``name``, or the default policy."""

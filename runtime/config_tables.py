@@ -36,6 +36,9 @@ RULES = frozenset({"ge", "gt", "le", "multiple_of", "pattern", "above"})
 # A field whose metadata names ``SECRET`` (the environment variable that carries it to the
 # actors) is written back empty: a run dir never holds a secret (runtime/secrets.py).
 SECRET = "secret"
+# A field whose metadata holds ``EXPLICIT`` is bookkeeping of the loader (the keys the
+# layers wrote, ``RunConfig.explicit``), never a TOML key: not read, not written.
+EXPLICIT = "explicit"
 _INT64 = (-(2**63), 2**63 - 1)  # TOML integers are signed 64-bit
 _BOUNDS = (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="))
 _EXPECTED = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
@@ -101,12 +104,17 @@ def resolve(
     raw: dict[str, Any],
     layers: Iterable[tuple[str, Mapping[str, Any]]],
     default: str,
+    written: set[str] | None = None,
 ) -> D:
-    """``raw`` with each ``(source, table)`` layer merged in order, validated as ``cls``."""
+    """``raw`` with each ``(source, table)`` layer merged in order, validated as ``cls``.
+    ``written``, if given, receives the dotted key of every value and table a layer wrote."""
     origin = _Origin(default)
     for source, layer in layers:
         _merge(raw, layer, "", source, origin)
-    return _build(cls, raw, "", origin)
+    built = _build(cls, raw, "", origin)
+    if written is not None:
+        written.update(origin.writes)
+    return built
 
 
 def _merge(
@@ -154,7 +162,7 @@ def _check_section(cls: type) -> None:
         return
     for f in dataclasses.fields(cls):
         tp = _hints(cls)[f.name]
-        if f.metadata.get("tools"):
+        if f.metadata.get("tools") or f.metadata.get(EXPLICIT):
             continue
         if typing.get_origin(tp) is Mapping:
             tp = typing.get_args(tp)[1]
@@ -179,7 +187,7 @@ def _build(cls: type[D], raw: object, key: str, origin: _Origin) -> D:
         raise origin.error(f"expected a table, got {_describe(raw)}", key)
     _check_section(cls)
     tools = _tools(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("tools")}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not _bookkeeping(f)}
     for name in raw:
         if name not in fields and name not in tools:
             hint = suggest(name, [*fields, *tools], key)
@@ -202,6 +210,12 @@ def _build(cls: type[D], raw: object, key: str, origin: _Origin) -> D:
             reason = f"must be > {_join(key, other)} ({low!r}), got {value!r}"
             raise origin.error(reason, _join(key, f.name), _join(key, other))
     return obj
+
+
+def _bookkeeping(f: dataclasses.Field[Any]) -> bool:
+    """A field that is no key of its table: the tools' sections (top-level tables of their
+    own) and the loader's record of the keys written (:data:`EXPLICIT`)."""
+    return bool(f.metadata.get("tools") or f.metadata.get(EXPLICIT))
 
 
 def _value(tp: Any, meta: Mapping[str, Any], value: Any, key: str, origin: _Origin) -> object:
@@ -270,7 +284,7 @@ def to_raw(obj: Any) -> Any:
         for f in dataclasses.fields(obj):
             if f.metadata.get("tools"):  # the tools' sections are top-level tables
                 raw |= {name: to_raw(section) for name, section in getattr(obj, f.name).items()}
-            else:
+            elif not f.metadata.get(EXPLICIT):
                 raw[f.name] = to_raw(getattr(obj, f.name))
         return raw
     if isinstance(obj, Mapping):
@@ -305,6 +319,8 @@ def dump_table(obj: Any, key: str, lines: list[str]) -> None:
     # TOML puts a table's own keys before any sub-table header, so scalars go first.
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
+        if f.metadata.get(EXPLICIT):
+            continue
         if not (dataclasses.is_dataclass(value) or isinstance(value, Mapping)):
             if f.metadata.get(SECRET):
                 value = type(value)()  # redacted: the actors read it from the environment

@@ -11,7 +11,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -28,7 +28,7 @@ from ringfence.runtime.manifest import (
     write_atomic,
     write_manifest,
 )
-from ringfence.runtime.topology import Topology
+from ringfence.runtime.topology import Resolved, Topology
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock
 from ringfence.shm.doorbell import Doorbell
@@ -81,15 +81,55 @@ def load_topology(config: RunConfig, *, preflight: bool = False) -> Topology:
 
     With ``preflight``, its preflight checks run first (:func:`run_preflight`), before
     the actors' modules are imported: a run they refuse is refused in a moment."""
+    topology = _topology_of(config)
+    if preflight:
+        run_preflight(config, topology)
+    topology.check()
+    return topology
+
+
+class Prepared(NamedTuple):
+    """A run's config with the machine's defaults filled in, its checked topology, and the
+    notes saying which defaults were chosen and why."""
+
+    config: RunConfig
+    topology: Topology
+    notes: tuple[str, ...]
+
+
+def prepare(config: RunConfig) -> Prepared:
+    """What the supervisor launches: the topology's defaults resolved (:func:`resolve_defaults`),
+    then its preflight checks run on the resolved config, then the topology checked."""
+    topology = _topology_of(config)
+    config, notes = resolve_defaults(config, topology)
+    run_preflight(config, topology)
+    topology.check()
+    return Prepared(config, topology, notes)
+
+
+def _topology_of(config: RunConfig) -> Topology:
     found = import_target(config.runtime.topology)
     topology = found(config) if callable(found) else found
     if not isinstance(topology, Topology):
         raise ValueError(f"runtime.topology: {config.runtime.topology} is not a Topology")
     check_actor_names(config, [a.name for a in topology.actors], "config")
-    if preflight:
-        run_preflight(config, topology)
-    topology.check()
     return topology
+
+
+def resolve_defaults(config: RunConfig, topology: Topology) -> Resolved:
+    """Each of the topology's defaults functions applied to ``config`` in order; their notes
+    together. A ValueError (a setting that cannot fit the machine) propagates."""
+    notes: list[str] = []
+    for path in topology.defaults:
+        fill = import_target(path)
+        if not callable(fill):
+            raise ValueError(f"topology: defaults function {path} is not a function")
+        resolved = fill(config)
+        if not isinstance(resolved, Resolved):
+            raise TypeError(f"topology: defaults function {path} returned no Resolved")
+        config = resolved.config
+        notes += resolved.notes
+    return Resolved(config, tuple(notes))
 
 
 def run_preflight(config: RunConfig, topology: Topology) -> None:

@@ -3,8 +3,8 @@
 A run, in order:
 
 1. import and check the topology (every receiver handles its channels' messages),
-   the per-actor config and the topology's preflight checks (the checkpoint, the
-   workload), before anything is created;
+   the per-actor config, its defaults (the machine's: the device pool on a GPU) and its
+   preflight checks (the checkpoint, the workload), before anything is created;
 2. take the run dir (cleaning what a dead earlier run left there), write the lease,
    the names manifest and the resolved config, then create every doorbell, ring and
    counter block the manifest names (run.py);
@@ -51,7 +51,7 @@ from ringfence.runtime.failure import Failure, describe_exit, read_failure
 from ringfence.runtime.groups import KILL_REAP_S, Groups, ranks_of
 from ringfence.runtime.log import ActorLog, log_path
 from ringfence.runtime.messages import RUNTIME, Stop
-from ringfence.runtime.run import Run, Slot, create_run, load_topology, write_actors
+from ringfence.runtime.run import Run, Slot, create_run, prepare, write_actors
 from ringfence.runtime.topology import SUPERVISOR
 from ringfence.shm import names
 from ringfence.shm.liveness import ProcessStamp
@@ -64,9 +64,8 @@ class Supervisor:
     """Runs one launch. Main thread only (it installs signal handlers for its duration)."""
 
     def __init__(self, config: RunConfig, run_dir: Path | None = None) -> None:
-        self.config = config
         # Nothing exists yet: a topology, config or preflight error leaves nothing behind.
-        self.topology = load_topology(config, preflight=True)
+        self.config, self.topology, self.notes = prepare(config)  # the machine's defaults in
         self.run_id = names.new_run_id()
         self.run_dir = run_dir or Path(config.runtime.run_dir) / self.run_id
         # Replaced by the run's log once the run dir exists; until then lines go nowhere.
@@ -94,6 +93,8 @@ class Supervisor:
         stack.callback(self.log.close)
         if stale:
             self.log.info("run.clean", run_id=stale)
+        if self.notes:
+            self.log.info("run.resolve_defaults", notes=list(self.notes))
         return run
 
     def run(self) -> int:

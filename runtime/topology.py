@@ -28,6 +28,12 @@ a function ``check(config) -> None`` that raises ValueError naming the file and 
 field at fault (a checkpoint the Worker could not load, a workload the engine could not
 read). The supervisor runs them before it creates anything (``run.preflight``), so that a
 run its actors would refuse is refused before any process or shared-memory name exists.
+
+Before the preflight come its defaults: import paths of functions ``resolve(config) ->
+Resolved`` that fill in settings whose default depends on the machine (the device pool
+and the batch limits on a GPU), leaving every key the file or ``--set`` wrote as it is.
+The supervisor runs the config they return, writes it to the run dir, logs and prints
+their notes (``run.resolve_defaults``).
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from ringfence.runtime.codec import Registry
 from ringfence.runtime.imports import TARGET_RE, import_target
 from ringfence.runtime.messages import RESERVED_TAG
+
+if TYPE_CHECKING:
+    from ringfence.runtime.config import RunConfig
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 SUPERVISOR = "supervisor"
@@ -72,6 +81,14 @@ class CounterSpec:
     count: int  # counters in the block, each with one writer
 
 
+class Resolved(NamedTuple):
+    """What a topology's defaults function returns: the config with the settings it chose
+    filled in, and one line per choice for the terminal and the log (none: nothing chosen)."""
+
+    config: RunConfig
+    notes: tuple[str, ...] = ()
+
+
 class Instance(NamedTuple):
     name: str
     rank: int
@@ -95,13 +112,17 @@ class Link(NamedTuple):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
-    """Actors, in stop order (the first is stopped first), channels, counter blocks and the
-    preflight checks (import paths, run in order; see the module docstring)."""
+    """Actors, in stop order (the first is stopped first), channels, counter blocks, the
+    preflight checks and the defaults functions (import paths, run in order; see the module
+    docstring)."""
 
     actors: tuple[ActorSpec, ...]
     channels: tuple[ChannelSpec, ...] = ()
     counters: tuple[CounterSpec, ...] = ()
     preflight: tuple[str, ...] = ()
+    # Functions of the config that fill in the machine's defaults, run in order before the
+    # preflight (see the module docstring).
+    defaults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.actors]
@@ -138,6 +159,9 @@ class Topology:
         for check in self.preflight:
             if not TARGET_RE.match(check):
                 raise ValueError(f"topology: bad preflight check {check!r}")
+        for path in self.defaults:
+            if not TARGET_RE.match(path):
+                raise ValueError(f"topology: bad defaults function {path!r}")
 
     def actor(self, name: str) -> ActorSpec:
         for spec in self.actors:

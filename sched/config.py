@@ -23,8 +23,11 @@ POLICIES = get_args(Preemption)
 class SchedConfig:
     """[sched]: batch limits and what preemption does with a sequence's blocks."""
 
-    max_num_seqs: int = setting(16, "most sequences in one batch", ge=1)
-    max_batched_tokens: int = setting(512, "most tokens in one step", ge=1)
+    # On CUDA, unless set, a GPU server's limits instead (actors/device_defaults.py).
+    max_num_seqs: int = setting(16, "most sequences in one batch (on CUDA, unless set: 256)", ge=1)
+    max_batched_tokens: int = setting(
+        512, "most tokens in one step (on CUDA, unless set: 8192)", ge=1
+    )
     preemption: Preemption = setting("recompute", "recompute, swap (to host) or save (to storage)")
     reserve_blocks: int = setting(
         -1,

@@ -15,6 +15,12 @@ RUN_EVENTS: Final[dict[str, Event]] = {
     "run.clean": event(
         "info", "run_id", "names a dead earlier run left in this run dir were removed"
     ),
+    "run.resolve_defaults": event(
+        "info",
+        "notes",
+        "the topology's defaults functions chose settings the config left to the machine "
+        "(on a GPU: the device pool, the batch limits), one note each; config.toml holds them",
+    ),
     "run.signal": event("info", "signal during", "SIGINT/SIGTERM received (during='stop': a 2nd)"),
     "run.stop": event("info", "reason stop_timeout_s", "the ordered stop of every actor began"),
     "run.error": event("error", "error", "the supervisor itself failed; the run is torn down"),

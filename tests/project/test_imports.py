@@ -202,7 +202,7 @@ ACTOR_LAYERS: tuple[Layer, ...] = (
     Layer("protocol", ("protocol",), over=("kv",)),  # every channel's messages, the lanes' counters
     Layer("executors", ("executors",), over=("protocol",)),  # the Worker, the Transfer lanes
     Layer("client", ("client",), over=("protocol",)),  # the users' client and its slots
-    Layer("launch", ("preflight", "topology"), over=("protocol",)),  # checks, fenced topology
+    Layer("launch", ("preflight", "device_defaults", "topology"), over=("protocol",)),  # checks, GPU defaults, fenced topology
     Layer("events", ("events",), over=("schema",)),  # KV events on the wire, their publisher
     Layer("engine", ("engine",), over=("client", "launch", "events")),
     Layer("serve", ("serve",), over=("engine",)),
@@ -489,6 +489,7 @@ def test_a_knot_larger_than_its_named_circle_says_how_many_more(tmp_path):
 CONFIG = "ringfence.actors.config"
 CONFIG_ROOT = (
     "ringfence.actors.preflight",  # check_model
+    "ringfence.actors.device_defaults",  # resolve_device_defaults
     "ringfence.actors.engine.checks",  # check_limits, check_role, check_storage
     "ringfence.actors.serve.topology",  # check_server, beside the topology that names it
 )
