@@ -29,7 +29,7 @@ import math
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 from ringfence.actors.config import Config
 from ringfence.actors.model.dtypes import ITEMSIZE
@@ -146,7 +146,7 @@ def device_defaults(config: Config, devices: Sequence[DeviceMemory]) -> Resolved
     sched = config.sched
     batch = {key: value for key, value in GPU_BATCH.items() if key not in config.explicit}
     if batch:
-        limits = {key.partition(".")[2]: value for key, value in batch.items()}
+        limits: dict[str, Any] = {key.partition(".")[2]: value for key, value in batch.items()}
         sched = dataclasses.replace(sched, **limits)
     config = dataclasses.replace(config, sched=sched)
     plan = plan_memory(config, _shape(config), devices)

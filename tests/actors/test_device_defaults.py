@@ -4,6 +4,7 @@ its defaults. Devices here are fakes (total and free bytes): no GPU is needed.""
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import pytest
 
@@ -22,8 +23,22 @@ from ringfence.actors.model.shape import PRESETS
 from ringfence.runtime.config import dump_config, loads_config
 from ringfence.runtime.run import prepare
 
-H200 = DeviceMemory(device="cuda:0", name="NVIDIA H200", total_bytes=140 * GIB, free_bytes=139 * GIB)
+H200 = DeviceMemory(
+    device="cuda:0", name="NVIDIA H200", total_bytes=140 * GIB, free_bytes=139 * GIB
+)
 GPU = ("model.device=cuda", "model.preset=small", "model.dtype=bfloat16")
+
+
+class Filled(NamedTuple):
+    config: Config
+    notes: tuple[str, ...]
+
+
+def defaults(config: Config, devices: list[DeviceMemory]) -> Filled:
+    """device_defaults, its config typed as the actors' Config."""
+    resolved = device_defaults(config, devices)
+    assert isinstance(resolved.config, Config)
+    return Filled(resolved.config, resolved.notes)
 
 
 def gpu_config(*sets: str) -> Config:
@@ -34,14 +49,14 @@ def gpu_config(*sets: str) -> Config:
 
 def test_on_the_cpu_nothing_changes_and_nothing_is_said():
     config = Config.load(None, ["model.preset=small"])
-    resolved = device_defaults(config, [H200])  # a device present changes nothing either
+    resolved = defaults(config, [H200])  # a device present changes nothing either
     assert resolved.config == config and resolved.notes == ()
     assert (config.sched.max_num_seqs, config.sched.max_batched_tokens) == (16, 512)
     assert config.cache.device_blocks == 256
 
 
 def test_on_cuda_the_batch_limits_are_a_gpu_servers_and_the_pool_fills_the_fraction():
-    resolved = device_defaults(gpu_config(), [H200])
+    resolved = defaults(gpu_config(), [H200])
     config = resolved.config
     assert (config.sched.max_num_seqs, config.sched.max_batched_tokens) == (256, 8192)
     plan = plan_memory(config, PRESETS["small"], [H200])
@@ -63,13 +78,13 @@ def test_the_budget_is_what_is_free_when_that_is_less_than_the_fraction():
     busy = dataclasses.replace(H200, free_bytes=40 * GIB)
     plan = plan_memory(gpu_config(), PRESETS["small"], [busy])
     assert plan.budget == 40 * GIB
-    smaller = device_defaults(gpu_config(), [busy]).config.cache.device_blocks
-    assert smaller < device_defaults(gpu_config(), [H200]).config.cache.device_blocks
+    smaller = defaults(gpu_config(), [busy]).config.cache.device_blocks
+    assert smaller < defaults(gpu_config(), [H200]).config.cache.device_blocks
 
 
 def test_a_lower_utilization_gives_a_smaller_pool_in_proportion():
-    full = device_defaults(gpu_config(), [H200]).config.cache.device_blocks
-    half = device_defaults(gpu_config("cache.gpu_memory_utilization=0.45"), [H200])
+    full = defaults(gpu_config(), [H200]).config.cache.device_blocks
+    half = defaults(gpu_config("cache.gpu_memory_utilization=0.45"), [H200])
     assert half.config.cache.device_blocks < full / 2  # the weights and reserves stay whole
     assert half.config.cache.device_blocks > full / 2 - (4 * GIB) // (128 << 10)
 
@@ -84,7 +99,7 @@ def test_the_rank_with_the_least_room_sizes_every_ranks_pool():
 
 def test_settings_given_explicitly_win_even_when_they_equal_the_cpu_defaults():
     config = gpu_config("sched.max_num_seqs=16", "cache.device_blocks=1000")
-    resolved = device_defaults(config, [H200]).config
+    resolved = defaults(config, [H200]).config
     assert resolved.sched.max_num_seqs == 16  # the CPU default, but written: kept
     assert resolved.cache.device_blocks == 1000
     assert resolved.sched.max_batched_tokens == 8192  # not written: the GPU's
@@ -95,7 +110,7 @@ def test_settings_in_a_toml_file_count_as_given(tmp_path):
     path.write_text("[sched]\nmax_batched_tokens = 512\n")
     config = Config.load(path, GPU)
     assert {"sched", "sched.max_batched_tokens", "model.device"} <= config.explicit
-    resolved = device_defaults(config, [H200]).config  # type: ignore[arg-type]
+    resolved = defaults(config, [H200]).config
     assert (resolved.sched.max_num_seqs, resolved.sched.max_batched_tokens) == (256, 512)
 
 
@@ -113,20 +128,20 @@ def test_the_explicit_keys_are_no_toml_key_and_a_dumped_config_gives_every_key()
 def test_a_pool_given_that_does_not_fit_is_an_error_naming_the_setting():
     config = gpu_config("cache.device_blocks=2000000")  # 244 GiB of 128 KiB blocks
     with pytest.raises(ValueError, match=r"^cache.device_blocks: 2000000 blocks of 0.12 MiB"):
-        device_defaults(config, [H200])
-    fits = device_defaults(gpu_config(), [H200]).config.cache.device_blocks
-    device_defaults(gpu_config(f"cache.device_blocks={fits}"), [H200])  # the most that fits
+        defaults(config, [H200])
+    fits = defaults(gpu_config(), [H200]).config.cache.device_blocks
+    defaults(gpu_config(f"cache.device_blocks={fits}"), [H200])  # the most that fits
 
 
 def test_a_device_too_small_for_the_weights_is_an_error_naming_the_fraction():
     small = dataclasses.replace(H200, total_bytes=2 * GIB, free_bytes=2 * GIB)
     with pytest.raises(ValueError, match=r"^cache.gpu_memory_utilization: 0.9 of cuda:0: "):
-        device_defaults(gpu_config(), [small])
+        defaults(gpu_config(), [small])
 
 
 def test_a_toy_models_pool_is_capped_so_the_engines_bookkeeping_stays_small():
     config = Config.load(None, ["model.device=cuda"])  # tiny: 8 KiB blocks
-    resolved = device_defaults(config, [H200])  # type: ignore[arg-type]
+    resolved = defaults(config, [H200])
     assert resolved.config.cache.device_blocks == MAX_AUTO_BLOCKS
     assert "(capped)" in resolved.notes[0]
 
@@ -159,6 +174,7 @@ def test_the_supervisor_runs_the_config_with_the_devices_defaults(monkeypatch):
     monkeypatch.setattr(dd, "check_device", lambda *args: None)
     monkeypatch.setattr(preflight, "check_device", lambda *args: None)
     prepared = prepare(gpu_config())
+    assert isinstance(prepared.config, Config)
     assert probed == [("cuda", 1)]
     assert prepared.config.sched.max_num_seqs == 256
     assert prepared.config.cache.device_blocks > 256

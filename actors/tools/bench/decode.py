@@ -1,0 +1,197 @@
+"""``ringfence bench decode``: a decode step of the whole runtime, of its forward alone, of
+transformers' fastest path and of the hardware's floor, side by side on the same weights.
+
+For each batch size N of ``--seqs`` (1, 8, 64, 256 on CUDA; 1, 8, 64 on the CPU):
+
+1. ``ringfence launch``: N requests of ``--prompt-tokens`` tokens each decoding
+   ``--output-tokens``, all arriving at once, ``sched.max_num_seqs`` = N and a pool that
+   holds them all (``decode_launch.py``): output tokens per second, TTFT p50, TPOT p50
+   and p90, and its steady decode step split into forward, sampling, engine and idle from
+   the run's logs, with the device's busy fraction;
+2. the Worker's forward alone at N sequences of ``--prompt-tokens`` context
+   (``bench worker``'s paged decode, ``--forward-steps`` steps);
+3. transformers on a static cache: compiled with ``reduce-overhead`` on CUDA, eager on the
+   CPU (``decode_inproc.py`` says why);
+4. the roofline: the bytes a decode step reads (weights and the context's KV) over the
+   device's measured copy bandwidth, and each step's ratio to it (1.0 is the hardware's pace).
+
+The launches run first, while this process holds no device memory; then the model is
+loaded here once for the rest. The model is ``--model PATH`` (a checkpoint directory) or
+a preset (``--preset``: small; tiny with ``--quick``), in ``--dtype`` (bfloat16 on CUDA,
+float32 on the CPU). ``--json FILE`` writes the report, ``--plot FILE`` a PNG (matplotlib,
+the ``bench`` extra). ``--quick`` is the test's form: tiny, N = 1 and 4, a few tokens.
+The engine's lines that time a step are trace lines (``runtime.log_level = trace``, the
+default here; ``--log-level info`` measures without their cost and leaves engine and idle
+as one figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ringfence.actors.tools.bench.decode_launch import Shape, launch_figures
+from ringfence.actors.tools.bench.decode_report import print_report, write_plot
+from ringfence.actors.tools.bench.options import add_counts, environment, resolve_counts
+
+DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") if __doc__ else None
+SEQS = {"cuda": (1, 8, 64, 256), "cpu": (1, 8, 64), "quick": (1, 4)}
+# name: (default, quick default, help)
+COUNTS: dict[str, tuple[int, int, str]] = {
+    "prompt_tokens": (128, 8, "prompt tokens of each request (the forward's context)"),
+    "output_tokens": (256, 4, "tokens each request decodes"),
+    "forward_steps": (32, 2, "timed steps of the forward alone and of transformers"),
+}
+SEED = 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register this benchmark's options (``--json`` is added by the CLI)."""
+    parser.add_argument("--quick", action="store_true", help="tiny preset, N = 1 and 4 (tests)")
+    parser.add_argument("--preset", help="model preset (small; quick: tiny)")
+    parser.add_argument("--model", metavar="PATH", help="a checkpoint directory (no preset)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (%(default)s)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), help="bfloat16 on CUDA, float32 on the CPU"
+    )
+    parser.add_argument(
+        "--seqs", help="batch sizes, comma-separated (CUDA 1,8,64,256; CPU 1,8,64; quick 1,4)"
+    )
+    add_counts(parser, COUNTS)
+    parser.add_argument(
+        "--log-level",
+        choices=("trace", "info"),
+        default="trace",
+        help="the launches' runtime.log_level: trace times the engine (%(default)s)",
+    )
+    parser.add_argument("--threads", type=int, help="CPU threads of the Worker and of this process")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a launch may take")
+    parser.add_argument("--folder", type=Path, help="where the run dirs go (a temporary folder)")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG of the figures")
+
+
+def seqs_of(args: argparse.Namespace, cuda: bool) -> tuple[int, ...]:
+    """``--seqs``, else the device's batch sizes; ValueError naming a bad one."""
+    if args.seqs is None:
+        return SEQS["quick" if args.quick else "cuda" if cuda else "cpu"]
+    try:
+        seqs = tuple(int(text) for text in args.seqs.split(","))
+    except ValueError:
+        raise ValueError(f"--seqs: {args.seqs!r} is not a comma-separated list of ints") from None
+    if not seqs or min(seqs) < 1:
+        raise ValueError(f"--seqs: {args.seqs!r}: every batch size must be >= 1")
+    return seqs
+
+
+def bench_decode(args: argparse.Namespace, transformers: Any) -> dict[str, Any]:
+    """The report (see the module docstring)."""
+    import torch
+
+    from ringfence.actors.model.families import read_config
+    from ringfence.actors.model.shape import PRESETS
+    from ringfence.actors.tools.bench import decode_inproc as inproc
+    from ringfence.actors.tools.bench.subject import Subject
+
+    counts = resolve_counts(args, COUNTS)
+    cuda = args.device != "cpu"
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.model is not None and args.preset is not None:
+        raise ValueError("--model and --preset: give one of them")
+    preset = None if args.model else args.preset or ("tiny" if args.quick else "small")
+    model_set = [f"model.device={args.device}", f"model.dtype={dtype}"]
+    model_set.append(f"model.path={args.model}" if args.model else f"model.preset={preset}")
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"--preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    shape = PRESETS[preset] if preset else read_config(args.model)
+    longest = counts["prompt_tokens"] + max(counts["output_tokens"], counts["forward_steps"])
+    if longest > shape.max_position:
+        raise ValueError(f"--prompt-tokens and --output-tokens: {longest} > {shape.max_position}")
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    env = {"OMP_NUM_THREADS": str(threads)}
+    model_set.append(f"actors.worker.threads={threads}")
+    folder = args.folder or Path(tempfile.mkdtemp(prefix="ringfence-bench-decode-"))
+    seqs = seqs_of(args, cuda)
+    points: list[dict[str, Any]] = []
+    for n in seqs:  # the launches first: this process holds no device memory yet
+        run = Shape(
+            seqs=n,
+            prompt_tokens=counts["prompt_tokens"],
+            output_tokens=counts["output_tokens"],
+            vocab_size=shape.vocab_size,
+            seed=SEED,
+        )
+        trace = args.log_level == "trace"
+        launched = launch_figures(
+            folder, run, model_set, trace=trace, timeout=args.timeout, env=env
+        )
+        points.append({"seqs": n, "launch": launched})
+    subject = Subject(preset=preset) if preset else Subject(checkpoint=args.model)
+    model, hf = subject.load(getattr(torch, dtype), transformers, args.device)
+    device = next(model.parameters()).device
+    bandwidth = inproc.copy_bandwidth(torch, device)
+    gen = random.Random(SEED + 1)
+    for point in points:
+        n, context, steps = point["seqs"], counts["prompt_tokens"], counts["forward_steps"]
+        forward_ms = inproc.forward_alone(model, hf, n, context, steps)
+        contexts = [[gen.randrange(shape.vocab_size) for _ in range(context)] for _ in range(n)]
+        theirs = inproc.transformers_static(
+            torch, transformers, hf, contexts, steps=steps, compile=cuda
+        )
+        launch_context = context + counts["output_tokens"] / 2  # the mean over the decode
+        floor = {
+            "forward": inproc.step_bytes(model, n, context + steps / 2) / bandwidth * 1e3,
+            "launch": inproc.step_bytes(model, n, launch_context) / bandwidth * 1e3,
+        }
+        point["forward"] = {"step_ms": forward_ms}
+        point["transformers"] = theirs
+        point["roofline"] = {
+            "floor_ms": floor,
+            "launch": floor["launch"] / point["launch"]["step"]["step_ms"],
+            "forward": floor["forward"] / forward_ms,
+            "transformers": floor["forward"] / theirs["step_ms"],
+        }
+    return {
+        "environment": environment(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "threads": threads,
+        "model": {
+            "preset": preset,
+            "checkpoint": args.model,
+            "dtype": dtype,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
+        "counts": counts,
+        "log_level": args.log_level,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "points": points,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise ValueError(f"--device: {args.device!r} is neither cpu nor cuda")
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError as exc:
+        print(
+            f"ringfence bench decode: needs transformers (pip install 'ringfence[bench]'): {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    report = bench_decode(args, transformers)
+    print_report(report)
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if args.plot is not None:
+        write_plot(args.plot, report)
+    return 0

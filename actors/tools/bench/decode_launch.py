@@ -1,0 +1,191 @@
+"""One ``ringfence launch`` of ``bench decode``'s requests, and what its logs say a decode step
+is made of.
+
+The workload is ``seqs`` requests of ``prompt_tokens`` random token ids, all arriving at
+once, each decoding exactly ``output_tokens`` tokens (``ignore_eos``), with
+``sched.max_num_seqs`` = ``seqs`` and a device pool that holds every one of them whole, so
+that nothing waits for room. From its files:
+
+* ``summary.json`` and ``outputs.jsonl``: output tokens per second over the run, TTFT p50,
+  TPOT p50 and p90 (the engine's own definitions, ``actors/engine/summary.py``);
+* the Worker's ``step.done`` lines: each step's ``forward_ns`` and ``sample_ns`` (where the
+  Worker writes them; else its ``exec_ns`` counts as forward and sampling is unknown);
+* the engine's trace lines (``runtime.log_level = trace``): ``op.issue`` of a step (when it
+  was sent) and ``sched.step`` (when its result was received).
+
+A step of steady decode (every one of the ``seqs`` sequences decoding one token) lasts from
+its issue to the next one's, and is split into ``forward`` and ``sampling`` (the Worker's),
+``engine`` (from the result received to the next step issued: applying it, scheduling,
+planning) and ``idle``, the rest: the rings both ways and the Worker's own checks and
+bookkeeping around the forward. At the info level the engine's lines are absent: the step
+runs from one ``step.done`` to the next and ``engine`` and ``idle`` are one figure,
+``between``. ``device_busy`` is the forward's share of the steady decode's wall time: on
+CUDA, how busy the GPU was kept.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ringfence.actors.engine.percentiles import percentile
+from ringfence.actors.tools.bench import launcher
+from ringfence.actors.tools.bench.launcher import RunError
+
+BLOCK_SIZE = 16  # the runtime's default cache.block_size
+MS = 1e-6  # milliseconds per nanosecond
+MAX_BATCHED = 8192  # a GPU server's sched.max_batched_tokens: the prompts' prefill steps
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shape:
+    """The requests of one launch."""
+
+    seqs: int
+    prompt_tokens: int
+    output_tokens: int
+    vocab_size: int
+    seed: int = 0
+
+
+def write_workload(path: Path, shape: Shape) -> None:
+    """The workload file of ``shape``: random prompts (seeded), all arriving at time 0."""
+    gen = random.Random(shape.seed)
+    lines = [
+        {
+            "id": f"r{i}",
+            "prompt_token_ids": [
+                gen.randrange(shape.vocab_size) for _ in range(shape.prompt_tokens)
+            ],
+            "max_tokens": shape.output_tokens,
+            "ignore_eos": True,
+            "arrival_s": 0.0,
+        }
+        for i in range(shape.seqs)
+    ]
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+
+
+def settings(shape: Shape, model: Sequence[str], *, trace: bool) -> list[str]:
+    """The launch's ``--set`` overrides: the model's (``model``), then the batch and the pool."""
+    per_seq = -(-(shape.prompt_tokens + shape.output_tokens) // BLOCK_SIZE)
+    prefill = shape.seqs * shape.prompt_tokens
+    return [
+        *model,
+        f"sched.max_num_seqs={shape.seqs}",
+        f"sched.max_batched_tokens={max(shape.prompt_tokens, min(prefill, MAX_BATCHED))}",
+        f"cache.device_blocks={shape.seqs * per_seq + shape.seqs}",  # ample: one spare each
+        "cache.storage.backend=none",  # nothing to keep: the requests never come back
+        f"runtime.log_level={'trace' if trace else 'info'}",
+    ]
+
+
+def launch_figures(
+    folder: Path, shape: Shape, model: Sequence[str], *, trace: bool, timeout: float,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Launch the requests of ``shape`` in a run dir under ``folder`` and read its figures
+    (see the module docstring). RunError naming the run when it fails or a request is
+    cut short."""
+    folder.mkdir(parents=True, exist_ok=True)
+    workload = folder / f"decode-{shape.seqs}.jsonl"
+    write_workload(workload, shape)
+    run_dir = folder / f"run-{shape.seqs}"
+    done = launcher.run(
+        run_dir,
+        settings(shape, model, trace=trace),
+        what=f"decode launch at {shape.seqs} seqs",
+        timeout=timeout,
+        workload=str(workload),
+        env=env,
+        needs_summary=True,
+    )
+    lengths = [len(line["token_ids"]) for line in done.outputs]
+    if lengths != [shape.output_tokens] * shape.seqs:
+        raise RunError(f"decode launch at {shape.seqs} seqs: output lengths {sorted(set(lengths))}")
+    tpot = [t for line in done.outputs if (t := line.get("tpot_s")) is not None]
+    ttft = [t for line in done.outputs if (t := line.get("ttft_s")) is not None]
+    summary = done.summary
+    return {
+        "run_dir": str(run_dir),
+        "log_level": "trace" if trace else "info",
+        "wall_s": done.wall_s,
+        "duration_s": summary["duration_s"],
+        "output_tokens": summary["tokens"]["output"],
+        "output_tokens_per_s": summary["throughput"]["output_tokens_per_s"],
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3 if ttft else None,
+        "tpot_p50_ms": percentile(tpot, 50) * 1e3 if tpot else None,
+        "tpot_p90_ms": percentile(tpot, 90) * 1e3 if tpot else None,
+        "step": step_split(
+            launcher.read_log(run_dir, "worker-0"),
+            launcher.read_log(run_dir, "engine-0") if trace else None,
+            shape.seqs,
+        ),
+    }
+
+
+def step_split(
+    worker: Sequence[dict[str, Any]], engine: Sequence[dict[str, Any]] | None, seqs: int
+) -> dict[str, Any]:
+    """The mean steady decode step and its parts, in milliseconds (see the module
+    docstring): means, so that the parts add up to the step. RunError when the run had no
+    steady decode step."""
+    done = {
+        e["step"]: e
+        for e in worker
+        if e["event"] == "step.done" and e["status"] == "ok" and e["pieces"] == e["tokens"] == seqs
+    }
+    ended = {e["step"]: e["mono_ns"] for e in worker if e["event"] == "step.done"}
+    issued: dict[int, int] = {}
+    received: dict[int, int] = {}
+    for e in engine or ():
+        if e["event"] == "op.issue" and e["lane"] == "step":
+            issued[e["op"]] = e["mono_ns"]
+        elif e["event"] == "sched.step":
+            received[e["step"]] = e["mono_ns"]
+    rows: list[dict[str, int | None]] = []
+    timed = all(line.get("forward_ns") is not None for line in done.values())
+    for step, line in sorted(done.items()):
+        # A Worker that times only the whole execution: it all counts as the forward.
+        forward = line["forward_ns"] if timed else line["exec_ns"]
+        sample = line["sample_ns"] if timed else None
+        row: dict[str, int | None] = {
+            "end": line["mono_ns"],
+            "forward": forward,
+            "sampling": sample,
+        }
+        if engine is None and step + 1 in ended:
+            row |= {"step": ended[step + 1] - ended[step], "engine": None, "idle": None}
+        elif engine is not None and {step, step + 1} <= issued.keys() and step in received:
+            cycle, engine_ns = issued[step + 1] - issued[step], issued[step + 1] - received[step]
+            idle = cycle - forward - (sample or 0) - engine_ns
+            row |= {"step": cycle, "engine": engine_ns, "idle": idle}
+        else:
+            continue  # the last step: no next one to end it
+        rows.append(row)
+    if not rows:
+        raise RunError(f"no steady decode step of {seqs} sequences in the run's logs")
+
+    def mean_ms(key: str) -> float | None:
+        values = [row[key] for row in rows]
+        return None if None in values else statistics.fmean(values) * MS  # type: ignore[arg-type]
+
+    step_ms = mean_ms("step")
+    assert step_ms is not None
+    parts = {key: mean_ms(key) for key in ("forward", "sampling", "engine", "idle")}
+    steady_ns = sum(row["step"] or 0 for row in rows)
+    forward_ns = sum(row["forward"] or 0 for row in rows)
+    return {
+        "steady_steps": len(rows),
+        "step_ms": step_ms,
+        "parts_ms": parts,
+        "between_ms": step_ms - (parts["forward"] or 0.0) - (parts["sampling"] or 0.0),
+        "forward_source": "forward_ns" if timed else "exec_ns",
+        "device_busy": forward_ns / steady_ns if steady_ns > 0 else None,
+    }

@@ -1,0 +1,147 @@
+"""``ringfence bench decode``: the report's structure and its figures' consistency (the parts of
+a step add up to it, the roofline ratios are floor over step); never a wall-clock limit."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from ringfence.actors.tools.bench.decode import seqs_of
+from ringfence.actors.tools.bench.decode_launch import Shape, settings, step_split, write_workload
+from ringfence.actors.tools.bench.launcher import RunError
+from ringfence.runtime import cli
+from ringfence.sched.workload import parse_workload
+
+MS = 1_000_000  # nanoseconds
+
+
+def worker_line(
+    step: int, end_ms: float, *, seqs: int, exec_ms: float, **timed: float
+) -> dict[str, Any]:
+    line = {"event": "step.done", "step": step, "status": "ok", "mono_ns": int(end_ms * MS)}
+    line |= {"pieces": seqs, "tokens": seqs, "exec_ns": int(exec_ms * MS), "wait_ns": 0}
+    return line | {f"{key}_ns": int(ms * MS) for key, ms in timed.items()}
+
+
+def engine_lines(step: int, issued_ms: float, received_ms: float) -> list[dict[str, Any]]:
+    return [
+        {"event": "op.issue", "lane": "step", "op": step, "mono_ns": int(issued_ms * MS)},
+        {"event": "sched.step", "step": step, "mono_ns": int(received_ms * MS)},
+    ]
+
+
+def test_a_steady_step_splits_into_forward_sampling_engine_and_idle_that_add_up_to_it():
+    # Steps 2 and 3 decode both sequences; step 1 is the prefill (4 tokens), step 4 the last.
+    worker = [
+        {**worker_line(1, 9.0, seqs=2, exec_ms=8.0), "tokens": 4},
+        worker_line(2, 19.0, seqs=2, exec_ms=7.0, forward=5.0, sample=1.0),
+        worker_line(3, 29.0, seqs=2, exec_ms=7.0, forward=6.0, sample=2.0),
+        worker_line(4, 39.0, seqs=2, exec_ms=7.0, forward=6.0, sample=2.0),
+    ]
+    engine = [
+        *engine_lines(1, 0.0, 9.5),
+        *engine_lines(2, 10.0, 19.5),
+        *engine_lines(3, 21.0, 29.5),
+        *engine_lines(4, 30.0, 39.5),
+    ]
+    worker[0] |= {"forward_ns": 7 * MS, "sample_ns": MS}
+    split = step_split(worker, engine, seqs=2)
+    # Steps 2 and 3: cycles 11 and 9 ms; engine 21 - 19.5 = 1.5 and 30 - 29.5 = 0.5 ms.
+    assert split["steady_steps"] == 2 and split["forward_source"] == "forward_ns"
+    assert split["step_ms"] == pytest.approx(10.0)
+    parts = split["parts_ms"]
+    assert parts == pytest.approx({"forward": 5.5, "sampling": 1.5, "engine": 1.0, "idle": 2.0})
+    assert sum(parts.values()) == pytest.approx(split["step_ms"])
+    assert split["between_ms"] == pytest.approx(3.0)
+    assert split["device_busy"] == pytest.approx(11.0 / 20.0)
+
+
+def test_without_the_engines_lines_engine_and_idle_are_one_figure_and_exec_counts_as_forward():
+    worker = [worker_line(s, 10.0 * s, seqs=3, exec_ms=4.0) for s in (1, 2, 3)]
+    split = step_split(worker, None, seqs=3)
+    assert split["steady_steps"] == 2 and split["forward_source"] == "exec_ns"
+    assert split["parts_ms"] == {"forward": pytest.approx(4.0), "sampling": None} | {
+        "engine": None,
+        "idle": None,
+    }
+    assert split["between_ms"] == pytest.approx(6.0)
+
+
+def test_a_run_with_no_step_where_every_sequence_decodes_is_refused():
+    worker = [{**worker_line(1, 5.0, seqs=2, exec_ms=4.0), "tokens": 16}]
+    with pytest.raises(RunError, match="no steady decode step of 2 sequences"):
+        step_split(worker, [], seqs=2)
+
+
+def test_the_workload_is_the_engines_format_all_arriving_at_once(tmp_path: Path):
+    path = tmp_path / "w.jsonl"
+    write_workload(path, Shape(seqs=3, prompt_tokens=5, output_tokens=7, vocab_size=11))
+    requests = parse_workload(path.read_bytes())
+    assert [r.id for r in requests] == ["r0", "r1", "r2"]
+    for r in requests:
+        assert r.arrival_s == 0.0 and r.params.max_tokens == 7 and r.params.ignore_eos
+        assert r.prompt_token_ids is not None and len(r.prompt_token_ids) == 5
+        assert all(0 <= t < 11 for t in r.prompt_token_ids)
+    sets = settings(Shape(seqs=3, prompt_tokens=5, output_tokens=27, vocab_size=11), [], trace=True)
+    assert "sched.max_num_seqs=3" in sets and "cache.device_blocks=9" in sets  # 2 blocks + 1
+    assert "runtime.log_level=trace" in sets
+
+
+def test_batch_sizes_are_the_devices_unless_given_and_a_bad_list_is_named():
+    args = argparse.Namespace(seqs=None, quick=False)
+    assert seqs_of(args, cuda=True) == (1, 8, 64, 256) and seqs_of(args, cuda=False) == (1, 8, 64)
+    assert seqs_of(argparse.Namespace(seqs="2,16", quick=False), cuda=True) == (2, 16)
+    with pytest.raises(ValueError, match=r"^--seqs: '2,x' is not"):
+        seqs_of(argparse.Namespace(seqs="2,x", quick=False), cuda=False)
+    with pytest.raises(ValueError, match=r"^--seqs: '0': every batch size"):
+        seqs_of(argparse.Namespace(seqs="0", quick=False), cuda=False)
+
+
+def check_point(point: dict[str, Any], counts: dict[str, int]) -> None:
+    n, launch, step = point["seqs"], point["launch"], point["launch"]["step"]
+    assert launch["output_tokens"] == n * counts["output_tokens"]
+    assert launch["output_tokens_per_s"] > 0 and launch["ttft_p50_ms"] > 0
+    assert 0 < launch["tpot_p50_ms"] <= launch["tpot_p90_ms"]
+    assert step["steady_steps"] >= 1 and step["step_ms"] > 0
+    parts = step["parts_ms"]
+    assert set(parts) == {"forward", "sampling", "engine", "idle"}
+    assert parts["forward"] > 0 and parts["engine"] >= 0  # trace level: the engine is timed
+    known = [value for value in parts.values() if value is not None]
+    assert math.isclose(sum(known), step["step_ms"], rel_tol=1e-9) or parts["sampling"] is None
+    assert 0 < step["device_busy"] <= 1
+    roof = point["roofline"]
+    assert 0 < roof["floor_ms"]["forward"] <= roof["floor_ms"]["launch"]  # a longer context
+    assert roof["launch"] == pytest.approx(roof["floor_ms"]["launch"] / step["step_ms"])
+    assert roof["forward"] == pytest.approx(
+        roof["floor_ms"]["forward"] / point["forward"]["step_ms"]
+    )
+    assert roof["transformers"] == pytest.approx(
+        roof["floor_ms"]["forward"] / point["transformers"]["step_ms"]
+    )
+    assert point["transformers"]["how"] == "eager"  # the CPU: no compile
+
+
+def test_the_quick_decode_bench_reports_every_side_at_each_batch_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers", reason="the baseline is transformers")
+    pytest.importorskip("matplotlib", reason="--plot draws with matplotlib")
+    path, png = tmp_path / "decode.json", tmp_path / "decode.png"
+    argv = ["bench", "decode", "--quick", "--threads", "1", "--folder", str(tmp_path / "runs")]
+    assert cli.main([*argv, "--json", str(path), "--plot", str(png)]) == 0
+    report = orjson.loads(path.read_bytes())
+    assert report["model"]["preset"] == "tiny" and report["model"]["dtype"] == "float32"
+    assert report["counts"] == {"prompt_tokens": 8, "output_tokens": 4, "forward_steps": 2}
+    assert [p["seqs"] for p in report["points"]] == [1, 4]
+    assert report["copy_bandwidth_gb_s"] > 0 and report["log_level"] == "trace"
+    for point in report["points"]:
+        check_point(point, report["counts"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "copy bandwidth" in out and "roofline" in out
+    assert len([line for line in out.splitlines() if line.lstrip().startswith(("1 ", "4 "))]) == 2
