@@ -82,7 +82,12 @@ class Worker(LaneExecutor):
         self.space: SharedKV | None = create_kv(layout, device, shm_name=shm_name)
         if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN
             self.space.poison(range(layout.num_blocks))
-        self.executor: PagedExecutor | None = PagedExecutor(self.model, self.space.kv)
+        self.executor: PagedExecutor | None = PagedExecutor(
+            self.model,
+            self.space.kv,
+            attention=config.model.attention,
+            cuda_graphs=config.model.cuda_graphs,
+        )
         self.executor.record_touches = self.log.tracing  # for op.touched (touches.py)
         # A restart forgets every sequence: the engine opens them again (reset_device).
         vocab_size = self.model.config.vocab_size

@@ -18,6 +18,7 @@ from ringfence.runtime.config import setting
 Preset = Literal["tiny", "tiny-4kv", "small"]
 Dtype = Literal["float32", "bfloat16", "float64"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+Attention = Literal["auto", "torch", "triton"]  # actors/model/attention.py
 _DEVICE = (r"cpu|cuda(:[0-9]+)?", "'cpu', 'cuda' or 'cuda:N'")
 
 
@@ -39,6 +40,17 @@ class ModelConfig:
         "what log probabilities are of (vLLM's names and default): 'raw_logprobs', the "
         "model's logits; 'processed_logprobs', the logits after logit_bias, penalties and "
         "temperature that the token was drawn from",
+    )
+    attention: Attention = setting(
+        "auto",
+        "how attention reads the paged KV: 'torch' gathers each piece's blocks and calls SDPA "
+        "(the reference); 'triton' reads them in place with Triton kernels; 'auto' is triton "
+        "on a CUDA device when Triton is installed and the dtype is not float64, else torch",
+    )
+    cuda_graphs: bool = setting(
+        True,
+        "replay decode-only steps as CUDA graphs, one per batch-size bucket up to "
+        "sched.max_num_seqs (on CUDA with the triton attention and parallel.tp_size 1 only)",
     )
 
 

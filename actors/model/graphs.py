@@ -1,0 +1,143 @@
+"""Decode steps captured as CUDA graphs per batch-size bucket, and replayed.
+
+A decode step of a small model launches a few hundred small kernels (16 layers of norms,
+projections, rotary, attention, MLP), and on a GPU their launch costs more than their work.
+A CUDA graph replays the whole forward as one launch. As nano-vllm and vLLM do it: a
+decode-only step (every piece one token) is padded up to the next bucket (1, 2, 4, ..., 256,
+and ``max_batch``), its inputs are copied into static buffers that the bucket's graph reads,
+and the graph is replayed; the real rows' logits are returned. Each bucket is captured on
+first use, after a warm-up run on a side stream (Triton compiles its kernels and cuBLAS
+makes its workspace on first use, which capture refuses), into one memory pool shared by
+the buckets. Prefill and mixed steps run eagerly.
+
+Padding rows write nothing and read nothing: their slot is -1 (the store kernel skips it)
+and their context length 0 (the attention kernel visits no key); they run through the
+linear layers on token 0 at position 0, and their logits are dropped.
+
+Only the Triton backend can be captured: its index tensors have fixed shapes per bucket and
+it never synchronizes with the host. Block tables are padded to the widest table the pool
+allows (``max_position`` positions, or every block), so any decode step fits its bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ringfence.actors.model.attention import run_layers
+from ringfence.actors.model.decoder import Model
+from ringfence.actors.model.kernels.backend import TritonStep
+from ringfence.actors.model.kernels.paged_attention import StepTensors, tile_rows
+from ringfence.sched.ops import Piece
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    logits: Tensor  # [bucket, vocab]: the graph's output, overwritten by each replay
+
+
+class DecodeGraphs:
+    """The graphs of one executor's decode steps, over its KV tensor (on CUDA, one rank;
+    :meth:`run_eager` runs anywhere).
+
+    Owned by the ``PagedExecutor``, used from its one thread. Replays mutate the KV tensor at
+    the step's slots only, and the static buffers below.
+    """
+
+    def __init__(self, model: Model, kv: Tensor, *, max_batch: int) -> None:
+        self.model, self.kv = model, kv
+        self.block_size = bs = kv.shape[3]
+        self.buckets = (*(b for b in BUCKETS if b < max_batch), max_batch)
+        n, dev = self.buckets[-1], kv.device
+        self.width = min(kv.shape[0], -(-model.config.max_position // bs))
+        self.block_q, _ = tile_rows(model.local.heads // model.local.kv_heads, 1)
+        # The static buffers every bucket's graph reads its first rows of.
+        self.token_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.program_piece = torch.arange(n, dtype=torch.int32, device=dev)
+        self.program_first = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.pool: torch.cuda._POOL_HANDLE | None = None  # made at the first capture
+        self.captured: dict[int, _Captured] = {}
+
+    def fits(self, pieces: Sequence[Piece]) -> bool:
+        """Whether a step is decode-only and within the largest bucket."""
+        return len(pieces) <= self.buckets[-1] and all(len(p.token_ids) == 1 for p in pieces)
+
+    def logits(self, pieces: Sequence[Piece]) -> Tensor:
+        """The logits [len(pieces), vocab] of a step that :meth:`fits` (checked beforehand by
+        ``PagedExecutor.check``): its inputs copied in, its bucket's graph replayed (CUDA)."""
+        n = len(pieces)
+        bucket = next(b for b in self.buckets if b >= n)
+        self._fill(pieces, bucket)
+        captured = self.captured.get(bucket) or self._capture(bucket)
+        captured.graph.replay()
+        return captured.logits[:n].clone()  # the next replay overwrites the graph's buffer
+
+    def run_eager(self, pieces: Sequence[Piece]) -> Tensor:
+        """What a replay of the step computes, run eagerly on any device: the same padded
+        buffers, the same forward (how the padding is checked without a GPU)."""
+        n = len(pieces)
+        bucket = next(b for b in self.buckets if b >= n)
+        self._fill(pieces, bucket)
+        return self._forward(bucket)[:n]
+
+    def _fill(self, pieces: Sequence[Piece], bucket: int) -> None:
+        bs, pad = self.block_size, bucket - len(pieces)
+        ends = [p.start + 1 for p in pieces]
+        width = max(-(-end // bs) for end in ends)
+        tables = torch.zeros(bucket, width, dtype=torch.int32)
+        for row, (p, end) in enumerate(zip(pieces, ends, strict=True)):
+            table = p.block_table[: -(-end // bs)]
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        slots = [p.block_table[p.start // bs] * bs + p.start % bs for p in pieces]
+        # Padding rows: token 0 at position 0, slot -1 (no write), no context (no read).
+        self.token_ids[:bucket].copy_(torch.tensor([p.token_ids[0] for p in pieces] + [0] * pad))
+        self.positions[:bucket].copy_(torch.tensor([p.start for p in pieces] + [0] * pad))
+        self.slots[:bucket].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int32))
+        self.seq_lens[:bucket].copy_(torch.tensor(ends + [0] * pad, dtype=torch.int32))
+        # Only the columns this step reads: the kernel reads no entry past a context's end.
+        self.tables[:bucket, :width].copy_(tables)
+
+    def _forward(self, bucket: int) -> Tensor:
+        """The bucket's forward over the static buffers: logits [bucket, vocab]."""
+        tensors = StepTensors(
+            slots=self.slots[:bucket],
+            tables=self.tables[:bucket],
+            query_start=self.query_start[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            program_piece=self.program_piece[:bucket],
+            program_first=self.program_first[:bucket],
+            block_q=self.block_q,
+        )
+        step = TritonStep(self.kv, tensors, self.model.config.sliding_window)
+        # Not model.embed: it checks the ids on the host, a sync that capture refuses
+        # (PagedExecutor.check has refused any id outside the vocabulary already).
+        x = F.embedding(self.token_ids[:bucket], self.model.model.embed_tokens.weight)
+        return self.model.logits(run_layers(self.model, x, self.positions[:bucket], step))
+
+    def _capture(self, bucket: int) -> _Captured:
+        device = self.kv.device
+        # The warm-up runs the current step (its inputs are in the buffers): it writes the
+        # very K/V the replay then writes again.
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._forward(bucket)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bucket)
+        self.captured[bucket] = _Captured(graph, logits)
+        return self.captured[bucket]

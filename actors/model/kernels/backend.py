@@ -1,0 +1,92 @@
+"""The Triton attention backend: a step's index tensors for the kernels of ``paged_attention.py``.
+
+Every index of a step is built on the host in one int32 buffer and crosses to the device in
+one copy (a step's pieces are Python lists; per-tensor copies would cost a transfer each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ringfence.actors.model.decoder import Model
+from ringfence.actors.model.kernels.paged_attention import (
+    StepTensors,
+    paged_attention,
+    store_kv,
+    tile_rows,
+)
+from ringfence.sched.ops import Piece
+
+
+class TritonAttention:
+    """Makes a step's :class:`TritonStep` over ``kv`` (block-major, this rank's heads)."""
+
+    def __init__(self, model: Model, kv: Tensor) -> None:
+        self.group = model.local.heads // model.local.kv_heads
+        self.window = model.config.sliding_window
+        self.kv = kv
+        self.block_size = kv.shape[3]
+
+    def prepare(self, pieces: Sequence[Piece]) -> TritonStep:
+        return TritonStep(
+            self.kv, step_tensors(pieces, self.block_size, self.group, self.kv.device), self.window
+        )
+
+
+def step_tensors(
+    pieces: Sequence[Piece], block_size: int, group: int, device: torch.device
+) -> StepTensors:
+    """The kernels' description of ``pieces`` (checked beforehand by ``PagedExecutor.check``)."""
+    bs = block_size
+    lengths = [len(p.token_ids) for p in pieces]
+    ends = [p.start + n for p, n in zip(pieces, lengths, strict=True)]
+    block_q, _ = tile_rows(group, max(lengths))
+    width = max(-(-end // bs) for end in ends)
+    slots: list[int] = []
+    tables: list[int] = []
+    starts = [0]
+    program_piece: list[int] = []
+    program_first: list[int] = []
+    for i, (p, n, end) in enumerate(zip(pieces, lengths, ends, strict=True)):
+        slots.extend(p.block_table[pos // bs] * bs + pos % bs for pos in range(p.start, end))
+        table = p.block_table[: -(-end // bs)]
+        tables.extend((*table, *(0,) * (width - len(table))))
+        starts.append(starts[-1] + n)
+        firsts = range(0, n, block_q)
+        program_piece.extend([i] * len(firsts))
+        program_first.extend(firsts)
+    parts = (slots, tables, starts, ends, program_piece, program_first)
+    host = torch.tensor([x for part in parts for x in part], dtype=torch.int32)
+    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    views = torch.split(flat, [len(part) for part in parts])
+    return StepTensors(
+        slots=views[0],
+        tables=views[1].view(len(pieces), width),
+        query_start=views[2],
+        seq_lens=views[3],
+        program_piece=views[4],
+        program_first=views[5],
+        block_q=block_q,
+    )
+
+
+class TritonStep:
+    """One step's index tensors, used by every layer; mutates the KV at the step's slots only.
+
+    Also what a captured CUDA graph runs, over its static buffers (``actors/model/graphs.py``).
+    """
+
+    def __init__(self, kv: Tensor, tensors: StepTensors, window: int | None) -> None:
+        self.kv, self.tensors, self.window = kv, tensors, window
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        store_kv(k, v, self.kv[:, layer, 0], self.kv[:, layer, 1], self.tensors.slots)
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        out = torch.empty_like(q)
+        kv = self.kv
+        paged_attention(q, kv[:, layer, 0], kv[:, layer, 1], out, self.tensors, window=self.window)
+        return out.view(q.shape[0], -1)

@@ -1,0 +1,238 @@
+"""Triton kernels over the block-major KV tensor: paged attention and the KV store.
+
+Both read and write the KV tensor in place, through per-piece block tables, never through
+a gathered copy. ``k_cache`` and ``v_cache`` are one layer's views of the KV tensor
+``[num_blocks, layers, 2, block_size, kv_heads, head_dim]`` (``kv[:, layer, 0]`` and
+``kv[:, layer, 1]``: ``[num_blocks, block_size, kv_heads, head_dim]``, not contiguous); the
+kernels take their strides, so no copy is made.
+
+A step's pieces are described by :class:`StepTensors` (built by ``kernels/backend.py``, or
+held as static buffers by a captured CUDA graph, ``actors/model/graphs.py``). One launch of
+:func:`paged_attention` per layer serves every piece of the step: decode tokens and prefill
+chunks alike (a "unified" varlen kernel, as vLLM's Triton attention is). Each program takes
+up to ``block_q`` query tokens of one piece and one KV head, and stacks the query heads of
+that KV head's group for those tokens as the rows of its tile (``block_q * group`` rows,
+padded to a power of two of at least 16, what ``tl.dot`` needs): a decode token of a
+grouped-query model still fills a tensor-core tile with its group's heads. Keys are visited
+``tile_n`` at a time with an online softmax in float32 (float64 for float64 KV).
+
+Only this module imports Triton. Where no CUDA device is present, the kernels run in Triton's
+interpreter on CPU tensors (``TRITON_INTERPRET``, set by ``actors/model/kernels/__init__.py``
+before anything imports Triton, and again here in case this module is the first). The
+interpreter's ``tl.dot`` misreads bfloat16 operands, so under it the
+tiles are widened to float32 before each dot (``UPCAST``); on a GPU bfloat16 tiles go to the
+tensor cores as they are.
+"""
+
+# Triton ships no type information: its decorator and the kernels' arguments (pointers,
+# strides and sizes, typed by Triton at launch) are left untyped.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+if not torch.cuda.is_available():  # see the module docstring: Triton's interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # after the variable above: Triton reads it at import
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRETED and type(tl.cdiv).__name__ != "InterpretedFunction":
+    raise RuntimeError(
+        "Triton was imported before TRITON_INTERPRET was set, so its own helpers cannot run "
+        "in the interpreter: import ringfence.actors.model.kernels before building a model, "
+        "or set TRITON_INTERPRET=1 in the environment"
+    )
+# Keys a program visits per loop iteration: 16 in the interpreter (a tile then spans few
+# blocks of a test's tiny block size, so tile edges inside and across blocks get exercised).
+TILE_N = 16 if INTERPRETED else 32
+NO_WINDOW = 1 << 30  # a "window" wider than any position: every causal key is seen
+
+
+class StepTensors(NamedTuple):
+    """Where each piece of a step reads and writes, as the kernels take it (on the KV's device).
+
+    Row ``i`` of ``tables`` and ``seq_lens`` is piece ``i``; its query tokens are rows
+    ``query_start[i]..query_start[i+1]-1`` of the step's q and occupy positions
+    ``seq_lens[i] - q_len .. seq_lens[i] - 1``. A piece with ``seq_lens`` 0 (the padding of a
+    captured graph) reads no key and its output rows are zero.
+    """
+
+    slots: Tensor  # [T] int64: block * block_size + offset of each token's K/V; < 0: skip
+    tables: Tensor  # [P, width] int32 block ids (past each piece's blocks: unread)
+    query_start: Tensor  # [P + 1] int32 cumulative query tokens
+    seq_lens: Tensor  # [P] int32: positions 0..seq_lens-1 of each piece are written
+    program_piece: Tensor  # [programs] int32: the piece of each program along grid axis 0
+    program_first: Tensor  # [programs] int32: its first query token within the piece
+    block_q: int  # query tokens per program
+
+
+def tile_rows(group: int, longest: int) -> tuple[int, int]:
+    """``(block_q, block_m)`` for a step whose longest piece has ``longest`` query tokens:
+    a decode-only step takes one token per program (16 rows, or the group if larger), a step
+    with chunks 64 rows' worth of tokens."""
+    rows = max(16 if longest == 1 else 64, triton.next_power_of_2(group))
+    return rows // group, rows
+
+
+# A kernel takes every pointer, stride and size as an argument, and is one loop body.
+@triton.jit
+def _paged_attention(  # noqa: PLR0917, PLR0915
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, query_start_ptr, seq_lens_ptr,
+    program_piece_ptr, program_first_ptr, window,
+    stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_table,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+    SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    kv_head = tl.program_id(1)
+    piece = tl.load(program_piece_ptr + tl.program_id(0))
+    first = tl.load(program_first_ptr + tl.program_id(0))
+    q_start = tl.load(query_start_ptr + piece)
+    q_len = tl.load(query_start_ptr + piece + 1) - q_start
+    end = tl.load(seq_lens_ptr + piece)
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // GROUP  # within the piece
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    position = end - q_len + token
+    dims = tl.arange(0, HEAD_P)
+    dim_ok = dims < HEAD_DIM
+    q_offsets = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(
+        q_ptr + q_offsets + dims[None, :] * stride_qd,
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(ACC)
+    # Keys lo..hi-1 are all any row here may see; every one of them is written (hi <= end),
+    # and nothing outside them is loaded: a free block or an unwritten slot may hold NaN.
+    hi = tl.minimum(end - q_len + first + BLOCK_Q, end)
+    lo = tl.maximum(end - q_len + first - window + 1, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), ACC)
+    l_i = tl.full([BLOCK_M], 0.0, ACC)
+    acc = tl.full([BLOCK_M, HEAD_P], 0.0, ACC)
+    table_row = tables_ptr + piece.to(tl.int64) * stride_table
+    for tile in range(lo // TILE, tl.cdiv(hi, TILE)):
+        keys = tile * TILE + tl.arange(0, TILE)
+        key_ok = (keys >= lo) & (keys < hi)
+        block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = keys % BLOCK_SIZE
+        loaded = key_ok[None, :] & dim_ok[:, None]
+        k_offsets = block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh
+        k = tl.load(k_ptr + k_offsets + dims[:, None] * stride_kd, mask=loaded, other=0.0)
+        v_offsets = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+        v = tl.load(
+            v_ptr + v_offsets + dims[None, :] * stride_vd,
+            mask=key_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(ACC)
+            v = v.to(ACC)
+        if IEEE:  # float32 KV: exact products, not TF32 (float32 is the exactness dtype)
+            scores = tl.dot(q, k, input_precision="ieee", out_dtype=ACC)
+        else:
+            scores = tl.dot(q, k, out_dtype=ACC)
+        seen = (
+            key_ok[None, :]
+            & (keys[None, :] <= position[:, None])
+            & (keys[None, :] > position[:, None] - window)
+        )
+        scores = tl.where(seen, scores * SCALE, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row that has seen no key yet keeps m = -inf; shift by 0 so no -inf - -inf = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(v.dtype), v, input_precision="ieee", out_dtype=ACC
+            )
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(
+        out_ptr + out_offsets + dims[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+@triton.jit
+def _store_kv(  # noqa: PLR0917
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_db, stride_ds, stride_dh, stride_dd,
+    BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_P: tl.constexpr, HEAD_P: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    heads = tl.arange(0, HEADS_P)[:, None]
+    dims = tl.arange(0, HEAD_P)[None, :]
+    # The slot broadcast to the tile before the compare: Triton's interpreter refuses a
+    # scalar condition combined into a tensor mask.
+    written = tl.full([HEADS_P, HEAD_P], 0, tl.int64) + slot >= 0
+    ok = (heads < KV_HEADS) & (dims < HEAD_DIM) & written
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=ok)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=ok)
+    k_at = block * stride_cb + offset * stride_cs + heads * stride_ch + dims * stride_cd
+    v_at = block * stride_db + offset * stride_ds + heads * stride_dh + dims * stride_dd
+    tl.store(k_cache_ptr + k_at, k, mask=ok)
+    tl.store(v_cache_ptr + v_at, v, mask=ok)
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
+    """Write k, v ``[T, kv_heads, head_dim]`` into the caches' slots ``[T]`` (flat
+    ``block * block_size + offset``); a token whose slot is negative writes nothing.
+    Mutates ``k_cache`` and ``v_cache`` (layer views of the KV tensor) at those slots only."""
+    if not len(slots):
+        return
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    _store_kv[(len(slots),)](
+        k, v, k_cache, v_cache, slots, *k.stride(), *v.stride(), *k_cache.stride(),
+        *v_cache.stride(), BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        HEADS_P=triton.next_power_of_2(kv_heads), HEAD_P=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    out: Tensor,
+    step: StepTensors,
+    *,
+    window: int | None,
+) -> None:
+    """Attend q ``[T, heads, head_dim]`` to each piece's keys through its block table, causal
+    by position (and within ``window``), into out ``[T, heads, head_dim]`` (mutated; q's
+    dtype). Reads only positions ``0..seq_lens-1`` of each piece's blocks."""
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // kv_heads
+    block_m = max(16, triton.next_power_of_2(step.block_q * group))
+    dtype = k_cache.dtype
+    acc: Any = tl.float64 if dtype == torch.float64 else tl.float32
+    grid = (len(step.program_piece), kv_heads)
+    _paged_attention[grid](
+        q, k_cache, v_cache, out, step.tables, step.query_start, step.seq_lens,
+        step.program_piece, step.program_first, NO_WINDOW if window is None else window,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), step.tables.stride(0),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_P=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group, BLOCK_Q=step.block_q, BLOCK_M=block_m, TILE=TILE_N,
+        SCALE=head_dim**-0.5 * math.log2(math.e), ACC=acc, UPCAST=INTERPRETED,
+        IEEE=dtype == torch.float32,
+    )  # fmt: skip

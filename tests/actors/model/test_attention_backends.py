@@ -1,0 +1,241 @@
+"""Paged steps through each attention backend, and decode steps replayed as CUDA graphs.
+
+The Triton backend runs in Triton's interpreter on a CPU: it must give what the torch
+backend (the reference) and the contiguous forward give, on mixed steps of prefill chunks
+and decodes over shuffled blocks, with NaN in every slot a step must not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from functools import cache
+
+import pytest
+import torch
+from builders import piece
+
+from ringfence.actors.model import attention
+from ringfence.actors.model.decoder import PRESETS, Model
+from ringfence.actors.model.kernels import triton_available
+from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 48
+
+needs_triton = pytest.mark.skipif(
+    not triton_available(), reason="Triton is not installed (the test extra installs it)"
+)
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: CUDA graphs and compiled kernels"
+)
+
+
+@cache
+def model_of(preset: str, dtype: torch.dtype, window: int | None = None) -> Model:
+    shape = dataclasses.replace(PRESETS[preset], sliding_window=window)
+    return Model(shape, dtype, 1)
+
+
+def cuda_model() -> Model:
+    """A fresh tiny float32 model on the GPU (``Module.to`` would move a cached one)."""
+    return Model(PRESETS["tiny"], torch.float32, 1).to("cuda")
+
+
+Step = list[tuple[int, int, int]]  # (sequence, start, length) of each piece
+
+
+def executor(model: Model, device: str = "cpu", **options) -> PagedExecutor:
+    kv = make_kv_cache(model.config, NUM_BLOCKS, BLOCK_SIZE, model.dtype, device)
+    return PagedExecutor(model, kv.fill_(float("nan")), **options)
+
+
+def mixed_steps(rng: random.Random, *, num_seqs: int = 4, decodes: int = 3) -> list[Step]:
+    """Steps of (sequence, start, length) pieces: each prompt in chunks, then one-token
+    decodes; a random subset of the sequences runs in each step."""
+    queues = []
+    for _ in range(num_seqs):
+        prompt = rng.randint(2, 13)
+        cut = rng.randint(1, prompt - 1)
+        queues.append([(0, cut), (cut, prompt - cut)] + [(prompt + i, 1) for i in range(decodes)])
+    steps: list[Step] = []
+    while any(queues):
+        ready = [s for s, q in enumerate(queues) if q]
+        chosen = sorted(rng.sample(ready, rng.randint(1, len(ready))))
+        steps.append([(s, *queues[s].pop(0)) for s in chosen])
+    return steps
+
+
+def run(
+    ex: PagedExecutor, steps: list[Step], tables: list[list[int]], seed: int
+) -> list[torch.Tensor]:
+    """Feed every piece seeded random tokens; free blocks and unwritten slots are NaN.
+    Returns each step's logits of every token [T, vocab] (float64, on the CPU)."""
+    gen = random.Random(seed)
+    free = [b for b in range(NUM_BLOCKS) if all(b not in t for t in tables)]
+    out = []
+    for step in steps:
+        ex.kv[free] = float("nan")
+        pieces = [
+            piece(
+                [gen.randrange(256) for _ in range(length)],
+                start,
+                tables[seq][: -(-(start + length) // BLOCK_SIZE)],
+            )
+            for seq, start, length in step
+        ]
+        logits = ex.step(pieces, all_logits=True).all_logits
+        assert logits is not None
+        out.append(logits.double().cpu())
+    return out
+
+
+def tables_for(rng: random.Random, num_seqs: int) -> list[list[int]]:
+    pool = list(range(NUM_BLOCKS))
+    rng.shuffle(pool)
+    return [pool[i * 6 : (i + 1) * 6] for i in range(num_seqs)]  # 24 positions each
+
+
+@needs_triton
+@pytest.mark.parametrize(("preset", "window"), [("tiny", None), ("tiny-4kv", None), ("tiny", 3)])
+def test_triton_attention_gives_the_torch_attentions_logits_over_mixed_steps(
+    rng: random.Random, preset: str, window: int | None
+) -> None:
+    model = model_of(preset, torch.float64, window)
+    steps, tables, seed = mixed_steps(rng), tables_for(rng, 4), rng.randrange(1 << 30)
+    reference = run(executor(model, attention="torch"), steps, tables, seed)
+    triton = run(executor(model, attention="triton"), steps, tables, seed)
+    for ours, theirs in zip(triton, reference, strict=True):
+        assert bool(torch.isfinite(ours).all())
+        assert (ours - theirs).abs().max().item() < 1e-9
+
+
+@needs_triton
+def test_triton_attention_decodes_what_the_contiguous_forward_decodes(rng: random.Random) -> None:
+    model = model_of("tiny", torch.float32)
+    ex = executor(model, attention="triton")
+    prompt = [rng.randrange(256) for _ in range(7)]
+    table = rng.sample(range(NUM_BLOCKS), 4)
+    tokens = [int(ex.step([piece(prompt, 0, table)]).last_logits[0].argmax())]
+    for pos in range(7, 7 + 6):
+        out = ex.step([piece([tokens[-1]], pos, table[: pos // BLOCK_SIZE + 1])])
+        tokens.append(int(out.last_logits[0].argmax()))
+    contiguous = model.forward_contiguous(torch.tensor(prompt + tokens[:-1]))
+    assert tokens == contiguous[len(prompt) - 1 :].argmax(-1).tolist()
+
+
+def test_auto_attention_is_torch_on_a_cpu_and_triton_is_named_when_missing(monkeypatch) -> None:
+    kv = torch.empty(1, 1, 2, 1, 1, 2)
+    assert attention.resolve_attention("auto", kv) == "torch"
+    assert attention.resolve_attention("torch", kv) == "torch"
+    monkeypatch.setattr(attention, "triton_available", lambda: False)
+    with pytest.raises(
+        ValueError, match=r"model\.attention is 'triton' but Triton is not installed"
+    ):
+        attention.resolve_attention("triton", kv)
+
+
+def test_cuda_graphs_are_ignored_off_cuda() -> None:
+    ex = executor(model_of("tiny", torch.float32), attention="torch", cuda_graphs=True)
+    assert ex.graphs is None
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_auto_attention_is_triton_except_in_float64() -> None:
+    assert attention.resolve_attention("auto", torch.empty(1, device="cuda")) == "triton"
+    kv = torch.empty(1, device="cuda", dtype=torch.float64)
+    assert attention.resolve_attention("auto", kv) == "torch"
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_triton_attention_gives_the_torch_attentions_logits(rng: random.Random) -> None:
+    model = cuda_model()
+    steps, tables, seed = mixed_steps(rng), tables_for(rng, 4), rng.randrange(1 << 30)
+    reference = run(executor(model, "cuda", attention="torch"), steps, tables, seed)
+    triton = run(executor(model, "cuda", attention="triton"), steps, tables, seed)
+    for ours, theirs in zip(triton, reference, strict=True):
+        assert (ours - theirs).abs().max().item() < 1e-4
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_graphs_on_and_off_give_the_same_tokens_over_a_mixed_run(
+    rng: random.Random,
+) -> None:
+    model = cuda_model()
+    steps = mixed_steps(rng, num_seqs=5, decodes=6)
+    tables, seed = tables_for(rng, 5), rng.randrange(1 << 30)
+    runs = {}
+    for graphs in (False, True):
+        ex = executor(model, "cuda", attention="triton", cuda_graphs=graphs, max_batch=4)
+        gen, tokens = random.Random(seed), []
+        for step in steps:
+            pieces = [
+                piece(
+                    [gen.randrange(256) for _ in range(n)],
+                    s,
+                    tables[q][: -(-(s + n) // BLOCK_SIZE)],
+                )
+                for q, s, n in step
+            ]
+            tokens.append(ex.step(pieces).last_logits.argmax(-1).tolist())
+        runs[graphs] = (tokens, ex)
+    assert runs[True][0] == runs[False][0]
+    replayed = runs[True][1].graphs
+    assert replayed is not None and replayed.captured, "no decode step was replayed"
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_a_replayed_graph_reads_the_kv_as_it_is_now() -> None:
+    model = cuda_model()
+    graphs = executor(model, "cuda", attention="triton", cuda_graphs=True, max_batch=8)
+    eager = executor(model, "cuda", attention="triton", cuda_graphs=False)
+    table = [5, 9, 2]
+    prompt = list(range(40, 49))  # 9 tokens: positions 0..8
+    for ex in (graphs, eager):
+        ex.step([piece(prompt, 0, table)])
+    first = graphs.step([piece([7], 9, table)]).last_logits
+    assert graphs.graphs is not None and 1 in graphs.graphs.captured
+    # Rewrite the prefix in both caches, then decode at the same position again.
+    for ex in (graphs, eager):
+        ex.step([piece(list(range(60, 69)), 0, table)])
+    replayed = graphs.step([piece([7], 9, table)]).last_logits
+    expected = eager.step([piece([7], 9, table)]).last_logits
+    assert not torch.allclose(replayed, first), "the replay read the old KV"
+    assert torch.allclose(replayed, expected, atol=1e-5, rtol=0)
+
+
+@needs_triton
+def test_a_graphs_padded_bucket_computes_the_eager_steps_logits_and_writes_only_its_slots(
+    rng: random.Random,
+) -> None:
+    """What a replay computes, run eagerly on the CPU: three decodes padded to bucket 4."""
+    from ringfence.actors.model.graphs import DecodeGraphs
+
+    model = model_of("tiny", torch.float64)
+    eager = executor(model, attention="triton")
+    tables = tables_for(rng, 3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 12))] for _ in tables]
+    eager.step(
+        [piece(p, 0, t[: -(-len(p) // BLOCK_SIZE)]) for p, t in zip(prompts, tables, strict=True)]
+    )
+    decodes = [
+        piece([rng.randrange(256)], len(p), t[: len(p) // BLOCK_SIZE + 1])
+        for p, t in zip(prompts, tables, strict=True)
+    ]
+    before = eager.kv.clone()
+    expected = eager.step(decodes).last_logits
+    after = eager.kv.clone()
+    eager.kv.copy_(before)
+    graphs = DecodeGraphs(model, eager.kv, max_batch=6)
+    assert graphs.buckets == (1, 2, 4, 6)
+    logits = graphs.run_eager(decodes)
+    assert (logits - expected).abs().max().item() < 1e-9
+    # The same slots written (NaN left where it was), with the same values up to the last
+    # bits (a matmul over 4 rows need not round as one over 3 does).
+    assert torch.equal(eager.kv.isnan(), after.isnan()), "padding wrote KV"
+    assert torch.allclose(eager.kv, after, rtol=0, atol=1e-12, equal_nan=True)
+    assert int(graphs.slots[3]) == -1 and int(graphs.seq_lens[3]) == 0

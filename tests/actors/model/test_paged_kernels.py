@@ -1,0 +1,199 @@
+"""The Triton kernels (in Triton's interpreter on a CPU) against attention written out by hand.
+
+The reference gathers each piece's keys position by position from its block table and takes
+a float64 softmax over the keys each query may see; it shares no code with the kernels or
+with the torch backend. Shapes are tiny: the interpreter runs a kernel's every program in
+Python.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from builders import piece
+
+from ringfence.actors.model.kernels import triton_available
+from ringfence.sched.ops import Piece
+
+pytestmark = pytest.mark.skipif(
+    not triton_available(), reason="Triton is not installed (the test extra installs it)"
+)
+if triton_available():
+    from ringfence.actors.model.kernels.backend import step_tensors
+    from ringfence.actors.model.kernels.paged_attention import (
+        StepTensors,
+        paged_attention,
+        store_kv,
+    )
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Case:
+    pieces: list[Piece]  # the step's pieces (token ids are placeholders: only their count matters)
+    k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim], NaN where unwritten
+    v_cache: torch.Tensor
+    q: torch.Tensor  # [T, heads, head_dim]
+
+
+def make_case(
+    rng: random.Random,
+    spans: list[tuple[int, int]],
+    *,
+    kv_heads: int = 2,
+    group: int = 2,
+    head_dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+) -> Case:
+    """Pieces of (start, length) over shuffled, disjoint block tables; every slot a piece
+    may read (positions 0..start+length-1 of its table) holds a value, every other slot NaN."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    pieces = []
+    for start, length in spans:
+        end = start + length
+        table = [free.pop() for _ in range(-(-end // BLOCK_SIZE))]
+        for pos in range(end):
+            slot = (table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
+            k_cache[slot] = torch.randn(kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[slot] = torch.randn(kv_heads, head_dim, generator=gen).to(dtype)
+        pieces.append(piece([0] * length, start, table))
+    total = sum(length for _, length in spans)
+    q = torch.randn(total, kv_heads * group, head_dim, generator=gen).to(dtype)
+    return Case(pieces, k_cache, v_cache, q)
+
+
+def reference(case: Case, window: int | None) -> torch.Tensor:
+    """Each query token's attention over the keys it sees, in float64, by hand."""
+    kv_heads = case.k_cache.shape[2]
+    group = case.q.shape[1] // kv_heads
+    out = torch.zeros(case.q.shape, dtype=torch.float64)
+    row = 0
+    for p in case.pieces:
+        for t in range(len(p.token_ids)):
+            pos = p.start + t
+            seen = [j for j in range(pos + 1) if window is None or j > pos - window]
+            slots = [(p.block_table[j // BLOCK_SIZE], j % BLOCK_SIZE) for j in seen]
+            keys = torch.stack([case.k_cache[s] for s in slots]).double()  # [keys, kv, dim]
+            values = torch.stack([case.v_cache[s] for s in slots]).double()
+            for head in range(case.q.shape[1]):
+                q = case.q[row, head].double()
+                scores = keys[:, head // group] @ q / q.shape[0] ** 0.5
+                out[row, head] = torch.softmax(scores, 0) @ values[:, head // group]
+            row += 1
+    return out
+
+
+def run_kernel(case: Case, window: int | None) -> torch.Tensor:
+    group = case.q.shape[1] // case.k_cache.shape[2]
+    step = step_tensors(case.pieces, BLOCK_SIZE, group, torch.device("cpu"))
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention(case.q, case.k_cache, case.v_cache, out, step, window=window)
+    return out
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert bool(torch.isfinite(out).all()), "a slot the step must not read was read"
+    error = (out.double() - expected).abs().max().item()
+    assert error < TOLERANCE[dtype], f"max abs error {error:.3g} in {dtype}"
+
+
+# Lengths at and around block boundaries (BLOCK_SIZE 4), decodes and prefill chunks, chunks
+# from position 0 and past it (a cached prefix), all in one step.
+MIXED = [(0, 1), (3, 1), (4, 1), (7, 1), (0, 4), (0, 9), (5, 3), (8, 8), (11, 6), (30, 1)]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_a_mixed_step_attends_as_the_reference_for_each_gqa_group(rng, group: int) -> None:
+    case = make_case(rng, MIXED, group=group)
+    assert_close(run_kernel(case, None), reference(case, None), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_float64_and_bfloat16_kv_attend_as_the_reference(rng, dtype: torch.dtype) -> None:
+    case = make_case(rng, MIXED, dtype=dtype)
+    assert_close(run_kernel(case, None), reference(case, None), dtype)
+
+
+@pytest.mark.parametrize("window", [1, 3, 5])
+def test_a_sliding_window_hides_the_keys_older_than_it(rng, window: int) -> None:
+    case = make_case(rng, MIXED, group=2)
+    expected = reference(case, window)
+    assert_close(run_kernel(case, window), expected, torch.float32)
+    assert not torch.allclose(expected, reference(case, None)), "the window must matter here"
+
+
+def test_a_head_dim_that_is_no_power_of_two_is_masked_to_its_width(rng) -> None:
+    case = make_case(rng, [(0, 5), (6, 1), (2, 3)], head_dim=12, kv_heads=1, group=4)
+    assert_close(run_kernel(case, None), reference(case, None), torch.float32)
+
+
+def test_random_ragged_steps_attend_as_the_reference(rng) -> None:
+    for _ in range(3):
+        spans = []
+        for _ in range(rng.randint(1, 5)):
+            start = rng.randrange(0, 20)
+            spans.append((start, 1 if rng.random() < 0.5 else rng.randint(2, 10)))
+        case = make_case(rng, spans, group=rng.choice([1, 2, 4]))
+        window = rng.choice([None, rng.randint(1, 12)])
+        assert_close(run_kernel(case, window), reference(case, window), torch.float32)
+
+
+def test_a_piece_with_no_context_reads_nothing_and_attends_to_zero(rng) -> None:
+    """What a captured graph's padding row does: context length 0 visits no key."""
+    case = make_case(rng, [(5, 1), (0, 1)])
+    real = step_tensors(case.pieces, BLOCK_SIZE, 2, torch.device("cpu"))
+    padded = StepTensors(
+        slots=real.slots,
+        tables=real.tables,
+        query_start=real.query_start,
+        seq_lens=torch.tensor([6, 0], dtype=torch.int32),
+        program_piece=real.program_piece,
+        program_first=real.program_first,
+        block_q=real.block_q,
+    )
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention(case.q, case.k_cache, case.v_cache, out, padded, window=None)
+    assert_close(out[:1], reference(case, None)[:1], torch.float32)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_the_store_writes_exactly_the_named_slots_and_skips_negative_ones(rng) -> None:
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    kv_heads, head_dim = 2, 12
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=gen)
+    chosen = rng.sample(range(NUM_BLOCKS * BLOCK_SIZE), 6)
+    slots = torch.tensor([chosen[0], -1, *chosen[1:3], -1, *chosen[3:]], dtype=torch.int32)
+    k = torch.randn(len(slots), kv_heads, head_dim, generator=gen)
+    v = torch.randn(len(slots), kv_heads, head_dim, generator=gen)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k.view(-1, kv_heads, head_dim)[slot] = k[row]
+            expected_v.view(-1, kv_heads, head_dim)[slot] = v[row]
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+def test_the_store_writes_through_a_layer_view_of_the_block_major_tensor(rng) -> None:
+    """The KV tensor's layer views are strided (every layer's K and V share a block)."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    kv = torch.zeros(NUM_BLOCKS, 3, 2, BLOCK_SIZE, 2, 8)
+    k, v = torch.randn(2, 2, 8, generator=gen), torch.randn(2, 2, 8, generator=gen)
+    slots = torch.tensor([9, 2 * BLOCK_SIZE + 3], dtype=torch.int32)
+    store_kv(k, v, kv[:, 1, 0], kv[:, 1, 1], slots)
+    assert torch.equal(kv[2, 1, 0, 1], k[0]) and torch.equal(kv[2, 1, 1, 1], v[0])
+    assert torch.equal(kv[2, 1, 0, 3], k[1]) and torch.equal(kv[2, 1, 1, 3], v[1])
+    assert int((kv != 0).sum()) == 4 * 2 * 8, "nothing but the two slots of layer 1"
