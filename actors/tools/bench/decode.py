@@ -32,14 +32,18 @@ import importlib
 import random
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ringfence.actors.tools.bench.decode_launch import Shape, launch_figures
 from ringfence.actors.tools.bench.decode_report import print_report, write_plot
 from ringfence.actors.tools.bench.options import add_counts, environment, resolve_counts
+
+if TYPE_CHECKING:
+    from ringfence.actors.model.shape import ModelShape
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") if __doc__ else None
 SEQS = {"cuda": (1, 8, 64, 256), "cpu": (1, 8, 64), "quick": (1, 4)}
@@ -90,26 +94,22 @@ def seqs_of(args: argparse.Namespace, cuda: bool) -> tuple[int, ...]:
     return seqs
 
 
-def bench_decode(args: argparse.Namespace, transformers: Any) -> dict[str, Any]:
-    """The report (see the module docstring)."""
+def bench_decode(
+    args: argparse.Namespace, transformers: Any, save: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """The report (see the module docstring), handed to ``save`` as it grows: after each
+    launch and each batch size's measurements, so a run cut short keeps what it measured."""
     import torch
 
-    from ringfence.actors.model.families import read_config
-    from ringfence.actors.model.shape import PRESETS
     from ringfence.actors.tools.bench import decode_inproc as inproc
     from ringfence.actors.tools.bench.subject import Subject
 
     counts = resolve_counts(args, COUNTS)
     cuda = args.device != "cpu"
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    if args.model is not None and args.preset is not None:
-        raise ValueError("--model and --preset: give one of them")
-    preset = None if args.model else args.preset or ("tiny" if args.quick else "small")
+    preset, shape = _model_of(args)
     model_set = [f"model.device={args.device}", f"model.dtype={dtype}"]
     model_set.append(f"model.path={args.model}" if args.model else f"model.preset={preset}")
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"--preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
-    shape = PRESETS[preset] if preset else read_config(args.model)
     longest = counts["prompt_tokens"] + max(counts["output_tokens"], counts["forward_steps"])
     if longest > shape.max_position:
         raise ValueError(f"--prompt-tokens and --output-tokens: {longest} > {shape.max_position}")
@@ -120,6 +120,18 @@ def bench_decode(args: argparse.Namespace, transformers: Any) -> dict[str, Any]:
     folder = args.folder or Path(tempfile.mkdtemp(prefix="ringfence-bench-decode-"))
     seqs = seqs_of(args, cuda)
     points: list[dict[str, Any]] = []
+    report: dict[str, Any] = {
+        "environment": environment(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": args.device,
+        "threads": threads,
+        "model": {"preset": preset, "checkpoint": args.model, "dtype": dtype, "parameters": None},
+        "counts": counts,
+        "log_level": args.log_level,
+        "copy_bandwidth_gb_s": None,
+        "points": points,
+    }
     for n in seqs:  # the launches first: this process holds no device memory yet
         run = Shape(
             seqs=n,
@@ -133,10 +145,15 @@ def bench_decode(args: argparse.Namespace, transformers: Any) -> dict[str, Any]:
             folder, run, model_set, trace=trace, timeout=args.timeout, env=env
         )
         points.append({"seqs": n, "launch": launched})
+        save(report)
     subject = Subject(preset=preset) if preset else Subject(checkpoint=args.model)
     model, hf = subject.load(getattr(torch, dtype), transformers, args.device)
     device = next(model.parameters()).device
+    if cuda:
+        report["device"] = torch.cuda.get_device_name(device)
+    report["model"]["parameters"] = sum(p.numel() for p in model.parameters())
     bandwidth = inproc.copy_bandwidth(torch, device)
+    report["copy_bandwidth_gb_s"] = bandwidth / 1e9
     gen = random.Random(SEED + 1)
     for point in points:
         n, context, steps = point["seqs"], counts["prompt_tokens"], counts["forward_steps"]
@@ -150,30 +167,35 @@ def bench_decode(args: argparse.Namespace, transformers: Any) -> dict[str, Any]:
             "forward": inproc.step_bytes(model, n, context + steps / 2) / bandwidth * 1e3,
             "launch": inproc.step_bytes(model, n, launch_context) / bandwidth * 1e3,
         }
-        point["forward"] = {"step_ms": forward_ms}
-        point["transformers"] = theirs
-        point["roofline"] = {
-            "floor_ms": floor,
-            "launch": floor["launch"] / point["launch"]["step"]["step_ms"],
-            "forward": floor["forward"] / forward_ms,
-            "transformers": floor["forward"] / theirs["step_ms"],
-        }
+        point |= {"forward": {"step_ms": forward_ms}, "transformers": theirs}
+        point["roofline"] = _roofline(floor, point)
+        save(report)
+    return report
+
+
+def _model_of(args: argparse.Namespace) -> tuple[str | None, ModelShape]:
+    """The preset (None for ``--model``) and the model's shape; ValueError naming the option
+    at fault."""
+    from ringfence.actors.model.families import read_config
+    from ringfence.actors.model.shape import PRESETS
+
+    if args.model is not None and args.preset is not None:
+        raise ValueError("--model and --preset: give one of them")
+    if args.model is not None:
+        return None, read_config(args.model)
+    preset: str = args.preset or ("tiny" if args.quick else "small")
+    if preset not in PRESETS:
+        raise ValueError(f"--preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    return preset, PRESETS[preset]
+
+
+def _roofline(floor: dict[str, float], point: dict[str, Any]) -> dict[str, Any]:
+    """Each side's floor over its step: 1.0 is the hardware's pace."""
     return {
-        "environment": environment(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "threads": threads,
-        "model": {
-            "preset": preset,
-            "checkpoint": args.model,
-            "dtype": dtype,
-            "parameters": sum(p.numel() for p in model.parameters()),
-        },
-        "counts": counts,
-        "log_level": args.log_level,
-        "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "points": points,
+        "floor_ms": floor,
+        "launch": floor["launch"] / point["launch"]["step"]["step_ms"],
+        "forward": floor["forward"] / point["forward"]["step_ms"],
+        "transformers": floor["forward"] / point["transformers"]["step_ms"],
     }
 
 
@@ -188,10 +210,14 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    report = bench_decode(args, transformers)
+    path: Path | None = args.json
+
+    def save(report: dict[str, Any]) -> None:
+        if path is not None:
+            path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+
+    report = bench_decode(args, transformers, save)
     print_report(report)
-    if args.json is not None:
-        args.json.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     if args.plot is not None:
         write_plot(args.plot, report)
     return 0

@@ -74,7 +74,8 @@ def transformers_static(
     how = "eager"
     step: Callable[[Any, Any], Any] = one
     if compile:
-        step = torch.compile(one, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        # One compile for the first batch size, one more (dynamic) for the rest of them.
+        step = torch.compile(one, mode="reduce-overhead", fullgraph=True)
         how = "torch.compile(mode='reduce-overhead')"
     position = context
 
