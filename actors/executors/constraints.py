@@ -44,9 +44,19 @@ class MaskJob:
         sampled still waits: the fill reads matchers the next plan moves)."""
         wait([self.done], timeout=MASK_TIMEOUT_S)
 
+    def bits_on(self, device: torch.device) -> torch.Tensor:
+        """The filled bitmask on ``device``, in one copy (waits for the fill). The batched
+        sampler unpacks it there with shifts and one ``where`` (``model/sampler.py``
+        ``masked_rows``)."""
+        self.done.result(timeout=MASK_TIMEOUT_S)
+        if device.type == "cuda":
+            return self.bits.pin_memory().to(device, non_blocking=True)
+        return self.bits.to(device)
+
     def apply(self, row: int, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (one row, any float dtype, on the CPU) with the row's forbidden tokens
-        at -inf; the same tensor when the row is not constrained. A new tensor otherwise."""
+        at -inf; the same tensor when the row is not constrained. A new tensor otherwise.
+        The one-row reference of the batched masking."""
         at = self.rows.get(row)
         if at is None:
             return logits

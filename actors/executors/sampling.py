@@ -7,6 +7,12 @@ in between, the Worker keeps it here with the counts the penalties read, updated
 every piece's tokens, so neither is sent again each step. Every rank keeps the same
 state (a plan is refused or run alike on every rank); rank 0 samples.
 
+The counts live on the device the Worker samples on (``counts.py``: a slot per sequence
+with a penalty), and a step is sampled there by batched tensor ops (``model/sampler.py``,
+each knob of every row at once, with the one-row ``decoder.sample`` as its definition):
+only the sampled ids and the asked-for log probabilities come back to the host, in one
+copy. A step's parameters go the other way in one copy too (``knobs.py``).
+
 A sequence with a structured output (issue 38) also keeps its grammar's matcher, which
 consumes the output's tokens as the pieces bring them: so after a restart, a preemption by
 recompute or swap, or a failed step, the reopened sequence's matcher is rebuilt by replaying
@@ -19,16 +25,17 @@ Owned by the Worker actor's thread; not thread-safe.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import llguidance
 import torch
 
 from ringfence.actors.executors.constraints import Constraints, MaskJob
-from ringfence.actors.model.decoder import sample
+from ringfence.actors.executors.counts import DeviceCounts
+from ringfence.actors.executors.knobs import KnobRow, SeqKnobs, build_knobs
 from ringfence.actors.model.grammars import GrammarError, Grammars
+from ringfence.actors.model.sampler import Knobs, choose, logprobs_of, masked_rows, processed_rows
 from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
@@ -41,26 +48,25 @@ class NonFiniteLogits(ArithmeticError):
 
 @dataclass(slots=True)
 class SeqSampling:
-    """One open sequence: how to sample it, and (when a penalty asks) its token counts."""
+    """One open sequence: how to sample it, and (when a penalty asks) its counts' slot."""
 
     params: SamplingParams
     num_prompt_tokens: int
+    knobs: SeqKnobs  # what its params put in each step's row
+    slot: int = 0  # its row of the device counts (0: it keeps none)
     num_tokens: int = 0  # positions seen so far (history, then every piece's tokens)
-    output_counts: Counter[int] = field(default_factory=Counter)  # output token -> times
-    seen: set[int] = field(default_factory=set)  # tokens in the prompt or the output
     # prompt_logprobs: the logits of the last token of its previous piece, which give the
     # log probability of this piece's first token (None before the first piece).
     pending: torch.Tensor | None = None
     # The grammar's matcher, standing after the output tokens seen (structured outputs).
     matcher: llguidance.LLMatcher | None = None
 
-    def observe(self, tokens: Sequence[int]) -> None:
-        """Count the tokens at positions num_tokens, num_tokens + 1, ... (only when a
-        penalty reads the counts) and feed the output's to the grammar's matcher."""
+    def observe(self, tokens: Sequence[int], counts: DeviceCounts | None) -> None:
+        """Count the tokens at positions num_tokens, num_tokens + 1, ... in its slot (when
+        it holds one) and feed the output's to the grammar's matcher."""
         first_output = max(0, self.num_prompt_tokens - self.num_tokens)
-        if self.params.needs_counts:
-            self.seen.update(tokens)
-            self.output_counts.update(tokens[first_output:])
+        if self.slot and counts is not None:
+            counts.add(self.slot, tokens, first_output)
         matcher = self.matcher
         if matcher is not None and first_output < len(tokens):
             for token in tokens[first_output:]:
@@ -77,17 +83,37 @@ class Sampler:
     """The open sequences of one Worker, by the scheduler's seq id."""
 
     def __init__(
-        self, vocab_size: int, logprobs_mode: str = "raw_logprobs", grammars: Grammars | None = None
+        self,
+        vocab_size: int,
+        logprobs_mode: str = "raw_logprobs",
+        grammars: Grammars | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         """``grammars``: the structured outputs' compiler (None: this rank does not sample,
-        or keeps no tokenizer; a grammar then fails the plan that opens its sequence)."""
+        or keeps no tokenizer; a grammar then fails the plan that opens its sequence).
+        ``device``: where the counts live and the logits are sampled (logits elsewhere are
+        moved there)."""
         self.vocab_size = vocab_size
+        self.device = torch.device(device)
         self.constraints = Constraints(grammars) if grammars is not None else None
         # "raw_logprobs" (vLLM's default): of the model's logits; "processed_logprobs": of
         # the logits after bias, penalties and temperature, which the token was drawn from.
         self.logprobs_mode = logprobs_mode
         self.seqs: dict[int, SeqSampling] = {}
         self.constrained: set[int] = set()  # the open sequences with a matcher
+        self._counts: DeviceCounts | None = None  # made when a penalty first needs it
+
+    @property
+    def counts(self) -> DeviceCounts:
+        if self._counts is None:
+            self._counts = DeviceCounts(self.vocab_size, self.device)
+        return self._counts
+
+    def counts_of(self, seq_id: int) -> tuple[dict[int, int], set[int]]:
+        """An open sequence's output counts and seen tokens, read back from the device
+        (empty when it keeps none)."""
+        slot = self.seqs[seq_id].slot
+        return self.counts.of(slot) if slot else ({}, set())
 
     def problem(self, pieces: Sequence[Piece]) -> str:
         """Why these pieces cannot be sampled, or "": a piece to sample of a sequence that is
@@ -155,29 +181,40 @@ class Sampler:
         return tuple(found)
 
     def close(self, seq_ids: Iterable[int]) -> None:
-        """Forget ended sequences (unknown ids are ignored: a reset forgot them already)."""
+        """Forget ended sequences and free their slots (unknown ids are ignored: a reset
+        forgot them already)."""
         for seq_id in seq_ids:
-            self.seqs.pop(seq_id, None)
+            state = self.seqs.pop(seq_id, None)
+            if state is not None and state.slot:
+                self.counts.release(state.slot)
             self.constrained.discard(seq_id)
 
     def advance(self, pieces: Sequence[Piece]) -> None:
         """Open the sequences the pieces open (replacing what was kept: they start over) and
-        count every piece's tokens; call once per plan, before sampling it."""
+        count every piece's tokens (one copy to the device for the plan); call once per
+        plan, before sampling it."""
         for p in pieces:
             if p.opening is not None:
+                self.close([p.seq_id])
                 opened = self.seqs[p.seq_id] = self._opened(p.opening)
                 if opened.matcher is not None:
                     self.constrained.add(p.seq_id)
-                else:
-                    self.constrained.discard(p.seq_id)
-                opened.observe(p.opening.history)
+                opened.observe(p.opening.history, self._counts)
                 opened.num_tokens = p.start
             if (state := self.seqs.get(p.seq_id)) is not None:  # (an opening may come later)
-                state.observe(p.token_ids)
+                state.observe(p.token_ids, self._counts)
+        if self._counts is not None:
+            self._counts.flush()
 
     def _opened(self, opening: Opening) -> SeqSampling:
-        state = SeqSampling(params=opening.params, num_prompt_tokens=opening.num_prompt_tokens)
-        spec = opening.params.structured
+        params = opening.params
+        state = SeqSampling(
+            params=params,
+            num_prompt_tokens=opening.num_prompt_tokens,
+            knobs=SeqKnobs.of(params, opening.num_prompt_tokens, self.vocab_size),
+            slot=self.counts.take() if params.needs_counts else 0,
+        )
+        spec = params.structured
         if spec is not None and self.constraints is not None:
             state.matcher = self.constraints.grammars.matcher(spec)
         return state
@@ -199,10 +236,9 @@ class Sampler:
         self, pieces: Sequence[Piece], last_logits: torch.Tensor, masks: MaskJob | None = None
     ) -> tuple[SampledToken, ...]:
         """The next token of every piece that asks for one, from its row of ``last_logits``
-        (on any device: sampled on the CPU in float64, so every device draws the same), each
-        constrained row masked by its grammar (``masks`` from :meth:`start_masks`; computed
-        here when not given)."""
-        last_logits = last_logits.to(device="cpu", dtype=torch.float64)
+        [pieces, vocab] (on this sampler's device, else moved there), each constrained row
+        masked by its grammar (``masks`` from :meth:`start_masks`; computed here when not
+        given). On CUDA the one copy of the results back waits for the stream."""
         if masks is not None:
             return self._draw(pieces, last_logits, masks)
         masks = self.start_masks(pieces)
@@ -215,79 +251,131 @@ class Sampler:
     def _draw(
         self, pieces: Sequence[Piece], last_logits: torch.Tensor, masks: MaskJob | None
     ) -> tuple[SampledToken, ...]:
-        outputs = []
-        for row, p in enumerate(pieces):
-            if not p.sample:
-                continue
-            if not bool(torch.isfinite(last_logits[row]).all()):
+        rows = [i for i, p in enumerate(pieces) if p.sample]
+        if not rows:
+            return ()
+        states = [self.seqs[pieces[i].seq_id] for i in rows]
+        masked: list[tuple[int, int]] = []  # (row, row of the bitmask) of constrained rows
+        for j, state in enumerate(states):
+            if state.params.structured is not None:
+                if masks is None or rows[j] not in masks.rows:
+                    seq_id = pieces[rows[j]].seq_id
+                    raise GrammarError(f"sequence {seq_id} has a grammar but no matcher here")
+                masked.append((j, masks.rows[rows[j]]))
+        knobs = build_knobs(
+            [KnobRow(knobs=state.knobs, position=pieces[i].start + len(pieces[i].token_ids),
+                     slot=state.slot) for i, state in zip(rows, states, strict=True)],
+            self.device, masked,
+        )  # fmt: skip
+        logits = last_logits.to(self.device)
+        if len(rows) < len(logits):
+            logits = logits[rows]
+        x = logits.to(torch.float64)
+        bits = masks.bits_on(self.device) if masks is not None and masked else None
+        out, top_k = self._rows(x, knobs, bits)
+        found = out.cpu().tolist()  # the one copy back: ids, logprobs, ranks, flags, tops
+        n = len(rows)
+        for j in range(n):
+            if found[3 * n + j]:
                 raise NonFiniteLogits(
-                    f"the logits of sequence {p.seq_id} are not finite: the step read KV "
-                    "that was never written, was freed and poisoned (a missing fence?), or "
-                    "was spoiled by an op that failed"
+                    f"the logits of sequence {pieces[rows[j]].seq_id} are not finite: the step "
+                    "read KV that was never written, was freed and poisoned (a missing "
+                    "fence?), or was spoiled by an op that failed"
                 )
-            state = self.seqs[p.seq_id]
-            params = state.params
-            position = p.start + len(p.token_ids)
-            raw = last_logits[row]
-            if params.structured is not None:
-                if masks is None or row not in masks.rows:
-                    raise GrammarError(f"sequence {p.seq_id} has a grammar but no matcher here")
-                raw = masks.apply(row, raw)  # the grammar first: vLLM applies it to the logits
-            logits = processed(raw, state, position) if params.processes_logits else raw
-            constrained = params.structured is not None
-            if constrained and logits is not raw and not bool(logits.isfinite().any()):
-                # The knobs forbade every token the grammar allows (min_tokens holding off
-                # the end it allows alone): the grammar wins, so the output stays valid.
-                logits = raw
-            token = sample(
-                logits,
-                temperature=params.temperature,
-                seed=params.seed,
-                position=position,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                min_p=params.min_p,
-            )
-            logprob, rank = token.logprob, 1
+        tops = found[4 * n :]
+        outputs = []
+        t = 0  # the next row of the top logprobs
+        for j, state in enumerate(states):
+            p = pieces[rows[j]]
             top: tuple[tuple[int, float], ...] = ()
-            if params.logprobs is not None or logits is not raw:
-                chosen = raw if self.logprobs_mode == "raw_logprobs" else logits
-                logprob, top, rank = token_logprobs(chosen, token.token_id, params.logprobs or 0)
+            if state.params.logprobs:
+                ids = tops[2 * t * top_k : (2 * t + 1) * top_k]
+                values = tops[(2 * t + 1) * top_k : (2 * t + 2) * top_k]
+                top = tuple(
+                    (int(i), max(v, LOGPROB_FLOOR)) for i, v in zip(ids, values, strict=True)
+                )[: state.params.logprobs]
+                t += 1
             outputs.append(
                 SampledToken(
                     seq_id=p.seq_id,
-                    position=position,
-                    token_id=token.token_id,
-                    logprob=logprob,
-                    rank=rank,
+                    position=p.start + len(p.token_ids),
+                    token_id=int(found[j]),
+                    logprob=max(found[n + j], LOGPROB_FLOOR),
+                    rank=int(found[2 * n + j]),
                     top=top,
                 )
             )
         return tuple(outputs)
 
+    def _rows(
+        self, x: torch.Tensor, knobs: Knobs, bits: torch.Tensor | None
+    ) -> tuple[torch.Tensor, int]:
+        """The step's results as one float64 tensor on the device, and the top logprobs'
+        width: tokens, logprobs, ranks and non-finite flags ([rows] each), then each top
+        row's ids and values. ``x`` [rows, vocab] float64; ``bits`` the step's bitmask."""
+        bad = ~torch.isfinite(x).all(dim=-1)
+        raw = x if bits is None else masked_rows(x, knobs.mask_rows, bits[knobs.mask_words])
+        logits, fallback = raw, None
+        if knobs.any_processed:
+            counts = seen = None
+            if knobs.any_penalty:
+                counts = self.counts.counts.index_select(0, knobs.slot)
+                seen = self.counts.seen.index_select(0, knobs.slot)
+            logits = processed_rows(raw, knobs, counts, seen)
+            if bits is not None:
+                # The knobs forbade every token the grammar allows (min_tokens holding off
+                # the end it allows alone): the grammar wins, so the output stays valid.
+                constrained = torch.zeros_like(bad).index_fill_(0, knobs.mask_rows, True)
+                fallback = constrained & ~torch.isfinite(logits).any(dim=-1)
+                logits = torch.where(fallback.unsqueeze(1), raw, logits)
+        tokens = choose(logits, knobs)
+        source = raw if self.logprobs_mode == "raw_logprobs" else logits
+        # A row whose knobs were overruled by its grammar reports as one with none.
+        keep = knobs.asked
+        if fallback is not None:
+            keep = keep | ~fallback.index_select(0, knobs.rank_rows)
+        else:
+            keep = torch.ones_like(keep)
+        lp = logprobs_of(source, tokens, knobs, keep)
+        parts = [tokens.to(torch.float64), lp.chosen, lp.rank.to(torch.float64),
+                 bad.to(torch.float64)]  # fmt: skip
+        if lp.top_ids.numel():
+            parts.append(torch.stack([lp.top_ids.to(torch.float64), lp.top_values], 1).flatten())
+        return torch.cat(parts), lp.top_ids.shape[1] if lp.top_ids.dim() == 2 else 0
 
-def processed(raw: torch.Tensor, state: SeqSampling, position: int) -> torch.Tensor:
-    """The logits [vocab] (float64) the token at ``position`` is drawn from, in vLLM's
-    order: logit_bias and the min_tokens mask, then the repetition penalty (over the
-    prompt's and the output's tokens) and the frequency and presence penalties (over the
-    output's). A new tensor; ``raw`` is not changed."""
-    p = state.params
+
+def processed(
+    raw: torch.Tensor,
+    params: SamplingParams,
+    *,
+    position: int,
+    num_prompt_tokens: int,
+    output_counts: Mapping[int, int],
+    seen: Collection[int],
+) -> torch.Tensor:
+    """The one-row reference of what the batched sampler applies before the draw: the
+    logits [vocab] (float64) the token at ``position`` is drawn from, in vLLM's order:
+    logit_bias and the min_tokens mask, then the repetition penalty (over ``seen``, the
+    prompt's and the output's tokens) and the frequency and presence penalties (over
+    ``output_counts``, the output's). A new tensor; ``raw`` is not changed."""
+    p = params
     x = raw.clone()
     if p.logit_bias:
         x[[token for token, _ in p.logit_bias]] += torch.tensor(
             [bias for _, bias in p.logit_bias], dtype=x.dtype
         )
-    if p.min_tokens and position - state.num_prompt_tokens < p.min_tokens and p.stop_token_ids:
+    if p.min_tokens and position - num_prompt_tokens < p.min_tokens and p.stop_token_ids:
         x[list(p.stop_token_ids)] = -torch.inf  # the output is too short to stop yet
-    if p.repetition_penalty != 1.0 and state.seen:
-        seen = torch.tensor(sorted(state.seen))
-        values = x[seen]
-        x[seen] = torch.where(
+    if p.repetition_penalty != 1.0 and seen:
+        ids = torch.tensor(sorted(seen))
+        values = x[ids]
+        x[ids] = torch.where(
             values > 0, values / p.repetition_penalty, values * p.repetition_penalty
         )
-    if (p.frequency_penalty or p.presence_penalty) and state.output_counts:
-        ids = torch.tensor(list(state.output_counts))
-        counts = torch.tensor(list(state.output_counts.values()), dtype=x.dtype)
+    counted = [(t, c) for t, c in output_counts.items() if c]
+    if (p.frequency_penalty or p.presence_penalty) and counted:
+        ids = torch.tensor([t for t, _ in counted])
+        counts = torch.tensor([c for _, c in counted], dtype=x.dtype)
         x[ids] -= p.frequency_penalty * counts + p.presence_penalty
     return x
 

@@ -38,6 +38,7 @@ import torch
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.executors.ranks import StepGate
 from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler
+from ringfence.actors.executors.timing import StepTimer
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
 from ringfence.actors.model.grammars import model_grammars
@@ -93,8 +94,9 @@ class Worker(LaneExecutor):
         vocab_size = self.model.config.vocab_size
         # Rank 0 alone samples, so it alone compiles grammars and keeps matchers.
         grammars = model_grammars(config.model.path, vocab_size) if rank == 0 else None
-        self.sampler = Sampler(vocab_size, config.model.logprobs_mode, grammars)
+        self.sampler = Sampler(vocab_size, config.model.logprobs_mode, grammars, device=device)
         self.cuda = self.space.kv.device.type == "cuda"
+        self.timer = StepTimer(self.space.kv.device)
         self.steps = 0
         self.log.info(
             "worker.ready",
@@ -295,11 +297,17 @@ class Worker(LaneExecutor):
             return (), ()
         masks = self.sampler.start_masks(plan.pieces)  # filled beside the forward
         try:
+            self.timer.mark()
             out = self.executor.step(plan.pieces, whole=self.sampler.whole(plan.pieces))
+            self.timer.mark()
             self._touched()
             prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
-            # One copy for all pieces; on CUDA it waits for the step, KV writes included.
-            return self.sampler.sample(plan.pieces, out.last_logits.to("cpu"), masks), prompt
+            # Sampled where the logits are; only the tokens and logprobs come back.
+            sampled = self.sampler.sample(plan.pieces, out.last_logits, masks)
+            self.timer.mark()
+            if self.cuda:  # step_done covers the writes: done, not merely queued
+                torch.cuda.current_stream(self.kv.device).synchronize()
+            return sampled, prompt
         finally:
             if masks is not None:  # the fill reads the matchers: done before a plan moves them
                 masks.wait()
@@ -330,6 +338,7 @@ class Worker(LaneExecutor):
         self.sampler.close(plan.closed)  # whatever the status: forgetting is always safe
         self.log_touches(plan.step, plan.epoch)
         reduce_ns, reduces = self.group.take_reduce_ns()
+        forward_ns, sample_ns = self.timer.take()
         self.log.info(
             "step.done",
             step=plan.step,
@@ -346,6 +355,8 @@ class Worker(LaneExecutor):
             exec_ns=exec_ns,
             reduce_ns=reduce_ns if reduces else None,
             reduces=reduces or None,
+            forward_ns=forward_ns,
+            sample_ns=sample_ns,
             error=error or None,
         )
         result = StepResult(

@@ -15,7 +15,6 @@ differs only in where attention reads its keys and values.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import NamedTuple
 
@@ -23,12 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ringfence.actors.model.draws import uniform
 from ringfence.actors.model.parallel import SINGLE, WHOLE, Group, Shard, local_shape, take_shard
 from ringfence.actors.model.shape import PRESETS, ModelShape, expected_tensors
 
 __all__ = [
-    "DTYPES", "PRESETS", "Model", "ModelShape", "Sampled", "inverse_frequencies",
-    "kv_block_bytes", "sample", "window_mask",
+    "DTYPES", "PRESETS", "Model", "ModelShape", "Sampled", "draw", "inverse_frequencies",
+    "kv_block_bytes", "nucleus", "sample", "window_mask",
 ]  # fmt: skip
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -303,72 +303,68 @@ def sample(
     top_k: int = 0,
     min_p: float = 0.0,
 ) -> Sampled:
-    """Pick a token from logits [vocab].
+    """Pick a token from logits [vocab]: the one-row reference the batched sampler
+    (``actors/model/sampler.py``) must equal, token for token.
 
-    Greedy (first maximum) at temperature 0, whatever ``top_p``; otherwise a draw from
-    softmax(logits / temperature) by a generator seeded from (seed, position) only, so
-    a replayed step picks the same token. Below 1, ``top_p`` keeps the nucleus: the
-    smallest set of most probable tokens whose probabilities sum to ``top_p`` or more
-    (always the most probable one), renormalised before the draw; before it, as vLLM orders
-    them, ``min_p`` drops the tokens less probable than min_p times the most probable one
-    and ``top_k`` (> 0) keeps the k most probable (ties by the lower id). At their defaults
-    (0) the distribution is left as it is. The reported logprob is
-    always under the raw logits (temperature 1), so it does not depend on the sampling
-    settings. ValueError naming the setting for a temperature below 0 or a top_p outside
-    (0, 1].
+    Greedy (the first maximum) at temperature 0, whatever ``top_p``. Otherwise, in float64:
+    the probabilities softmax(logits / temperature); ``min_p`` (> 0) zeroes those below
+    min_p times the most probable; ``top_k`` (> 0) keeps the k most probable (ties by the
+    lower id); below 1, ``top_p`` keeps the nucleus of what is left (:func:`nucleus`). Every
+    knob only zeroes probabilities, never rescales them (vLLM renormalises between them:
+    the same distribution, up to rounding), so the ranking is that of the softmax. The
+    draw is :func:`draw` with u(seed, position) (``draws.py``): the same on every device,
+    and a replayed step picks the same token. The reported logprob is always under the raw
+    logits (temperature 1), so it does not depend on the sampling settings. ValueError
+    naming the setting for a temperature below 0 or a top_p outside (0, 1].
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    # On the CPU in float64 whatever the model's device: the same draw on every machine.
     wide = logits.detach().to(device="cpu", dtype=torch.float64)
     if temperature == 0:
         token = int(torch.argmax(wide))
     else:
-        digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
         probs = torch.softmax(wide / temperature, dim=-1)
         if min_p > 0.0:
             probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
-            probs = probs / probs.sum()
         if 0 < top_k < len(probs):
             _, order = torch.sort(probs, descending=True, stable=True)
             kept = torch.zeros_like(probs)
             kept[order[:top_k]] = probs[order[:top_k]]
-            probs = kept / kept.sum()
-        if top_p < 1.0:  # at 1 the distribution is left as it is: the same draws as before
+            probs = kept
+        if top_p < 1.0:  # at 1 the distribution is left as it is
             probs = nucleus(probs, top_p)
-        token = int(torch.multinomial(probs, 1, generator=gen))
+        token = draw(probs, uniform(seed, position))
     return Sampled(token, float(torch.log_softmax(wide, dim=-1)[token]))
 
 
 def nucleus(probs: Tensor, top_p: float) -> Tensor:
-    """``probs`` [vocab] with every token outside the nucleus zeroed, renormalised.
+    """``probs`` [vocab] (not necessarily summing to 1) with every token outside the
+    nucleus zeroed; the others keep their values.
 
-    The nucleus is the smallest set of most probable tokens whose probabilities sum to
-    ``top_p`` or more: a token is in it when the tokens ranked above it (by probability,
-    ties by the lower id) sum to less than ``top_p``, so the most probable token always is.
-
-    Sorting the whole vocabulary is the cost, so only the tokens within a factor
-    2**shift of the most probable one are ranked, the factor widening until the nucleus
-    ends inside them. Every token left out is less probable than every one ranked, so the
-    ranking and the sums are those of the whole vocabulary: the same nucleus, bit for bit.
+    The tokens are ranked by probability, ties by the lower id (a stable sort), and summed
+    in that order; a token is in the nucleus when the sum of those ranked above it is below
+    ``top_p`` times the whole sum (the last of those running sums), so the most probable
+    token always is, and the nucleus is the smallest set holding top_p of the mass.
     """
-    top = probs.max()
-    for shift in _NUCLEUS_SHIFTS:
-        candidates = torch.nonzero(probs >= top * 2.0**-shift).squeeze(1)  # in id order
-        ordered, order = torch.sort(probs[candidates], descending=True, stable=True)
-        # The mass of the tokens ranked above each one (0 for the first, exactly).
-        before = torch.cat((ordered.new_zeros(1), torch.cumsum(ordered, dim=-1)[:-1]))
-        count = int((before < top_p).sum())  # a prefix: before never decreases
-        if count < len(candidates) or len(candidates) == len(probs):
-            break
-    chosen = candidates[order[:count]]
+    ordered, order = torch.sort(probs, descending=True, stable=True)
+    running = torch.cumsum(ordered, dim=-1)
+    before = torch.cat((running.new_zeros(1), running[:-1]))  # 0 for the first, exactly
+    inside = order[before < top_p * running[-1]]
     kept = torch.zeros_like(probs)
-    kept[chosen] = probs[chosen]
-    return kept / kept.sum()
+    kept[inside] = probs[inside]
+    return kept
 
 
-# Thresholds (most probable / 2**shift) tried in turn; the last admits every token.
-_NUCLEUS_SHIFTS = (8, 24, math.inf)
+def draw(weights: Tensor, u: float) -> int:
+    """Inverse-CDF in id order: the first id whose running sum of ``weights`` [vocab]
+    (non-negative, not all 0) exceeds u times the whole sum (the last running sum), or the
+    largest float64 below it where that product rounds up to the whole. A token of weight
+    0 is never drawn: the running sum does not rise at it."""
+    running = torch.cumsum(weights, dim=-1)
+    total = float(running[-1])
+    threshold = min(u * total, math.nextafter(total, 0.0))
+    return int(
+        torch.searchsorted(running, torch.tensor([threshold], dtype=running.dtype), right=True)
+    )

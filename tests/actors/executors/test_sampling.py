@@ -4,12 +4,13 @@ computed here from the definitions (vLLM's semantics)."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
 from builders import opened
 
-from ringfence.actors.executors.sampling import Sampler, SeqSampling, processed, token_logprobs
+from ringfence.actors.executors.sampling import Sampler, processed, token_logprobs
 from ringfence.actors.model.decoder import sample
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams
@@ -21,10 +22,11 @@ def logits_of(seed: int = 0) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def state_of(params: SamplingParams, prompt: list[int], output: list[int]) -> SeqSampling:
-    state = SeqSampling(params=params, num_prompt_tokens=len(prompt))
-    state.observe(prompt + output)
-    return state
+def processed_after(
+    raw: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int], position: int
+) -> torch.Tensor:
+    return processed(raw, params, position=position, num_prompt_tokens=len(prompt),
+                     output_counts=Counter(output), seen=set(prompt + output))  # fmt: skip
 
 
 def test_penalties_follow_their_definitions_over_the_prompt_and_the_output() -> None:
@@ -33,7 +35,7 @@ def test_penalties_follow_their_definitions_over_the_prompt_and_the_output() -> 
         repetition_penalty=1.5, frequency_penalty=0.25, presence_penalty=0.5, max_tokens=9
     )
     raw = logits_of()
-    got = processed(raw, state_of(params, prompt, output), position=len(prompt) + len(output))
+    got = processed_after(raw, params, prompt, output, position=len(prompt) + len(output))
     want = raw.clone()
     for token in (1, 2, 3):  # in the prompt or the output: the repetition penalty
         want[token] = want[token] / 1.5 if want[token] > 0 else want[token] * 1.5
@@ -46,11 +48,10 @@ def test_penalties_follow_their_definitions_over_the_prompt_and_the_output() -> 
 def test_logit_bias_is_added_and_the_stop_tokens_are_masked_until_min_tokens() -> None:
     params = SamplingParams(logit_bias=((4, 100.0), (5, -3.0)), min_tokens=2, stop_token_ids=(7, 8))
     raw = logits_of(1)
-    state = state_of(params, [1, 2], [])
-    early = processed(raw, state, position=3)  # one output token so far: too short to stop
+    early = processed_after(raw, params, [1, 2], [], position=3)  # too short to stop yet
     assert early[4] == raw[4] + 100.0 and early[5] == raw[5] - 3.0
     assert early[7] == -math.inf and early[8] == -math.inf
-    late = processed(raw, state, position=4)  # two output tokens: it may stop now
+    late = processed_after(raw, params, [1, 2], [], position=4)  # two output tokens: it may stop
     assert late[7] == raw[7] and late[8] == raw[8]
 
 
@@ -114,11 +115,12 @@ def test_an_opened_sequence_counts_its_history_and_every_piece_then_is_forgotten
     first = piece(1, [3, 4], 2, Opening(params=params, num_prompt_tokens=3, history=(1, 2)))
     assert sampler.problem([first]) == ""
     sampler.advance([first])  # prompt 1 2 3, output 4
-    state = sampler.seqs[1]
-    assert state.seen == {1, 2, 3, 4} and state.output_counts == {4: 1}
+    assert sampler.counts_of(1) == ({4: 1}, {1, 2, 3, 4})
     sampler.advance([piece(1, [4], 4)])
-    assert state.output_counts == {4: 2} and state.num_tokens == 5
+    assert sampler.counts_of(1) == ({4: 2}, {1, 2, 3, 4}) and sampler.seqs[1].num_tokens == 5
+    slot = sampler.seqs[1].slot
     sampler.close([1, 99])
+    assert slot in sampler.counts.free, "its slot is free again"
     assert sampler.seqs == {}
     assert "never opened" in sampler.problem([piece(1, [5], 5)])
 
@@ -126,7 +128,8 @@ def test_an_opened_sequence_counts_its_history_and_every_piece_then_is_forgotten
 def test_a_plain_sequence_keeps_no_counts() -> None:
     sampler = Sampler(VOCAB)
     sampler.advance([piece(1, [1, 2, 3], 0, opened(3))])
-    assert sampler.seqs[1].output_counts == {} and sampler.seqs[1].num_tokens == 3
+    assert sampler.seqs[1].slot == 0 and sampler.seqs[1].num_tokens == 3
+    assert sampler.counts_of(1) == ({}, set())
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
@@ -159,7 +162,7 @@ def test_on_cuda_every_knob_samples_the_tokens_and_logprobs_of_the_cpu_run(mode:
     )  # fmt: skip
     results = {}
     for device in ("cpu", "cuda"):
-        sampler = Sampler(VOCAB, mode)
+        sampler = Sampler(VOCAB, mode, device=device)
         opening = Opening(params=knobs, num_prompt_tokens=3, history=(1, 2, 2))
         tokens: list[int] = [3]
         first = piece(1, tokens, 3, opening)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import math
 import random
 from collections import Counter
@@ -14,6 +14,7 @@ import torch
 from builders import piece
 
 from ringfence.actors.model.decoder import PRESETS, Model, kv_block_bytes, nucleus, sample
+from ringfence.actors.model.draws import uniform
 from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
 from ringfence.actors.model.tokenizer import BOS, EOS, PAD, ByteTokenizer
 
@@ -263,7 +264,7 @@ def test_a_draw_never_leaves_the_nucleus_and_visits_every_token_in_it() -> None:
             sample(logits, temperature=1.0, seed=s, position=9, top_p=top_p).token_id for s in SEEDS
         )
         assert set(picks) == kept, (top_p, picks)
-    # In proportion within the nucleus: of {3, 0}, token 3 is drawn 4 times in 7 (229 of 400).
+    # In proportion within the nucleus: of {3, 0}, token 3 is drawn 4 times in 7.
     picks = Counter(
         sample(logits, temperature=1.0, seed=s, position=9, top_p=0.5).token_id for s in SEEDS
     )
@@ -275,10 +276,12 @@ def test_top_p_one_draws_exactly_what_the_sampler_without_it_draws() -> None:
     for s in range(100):
         plain = sample(logits, temperature=0.8, seed=s, position=s)
         assert sample(logits, temperature=0.8, seed=s, position=s, top_p=1.0) == plain
-        # What the sampler drew before top_p existed: one draw from the whole softmax.
-        probs = torch.softmax(logits / 0.8, dim=-1)
-        gen = torch.Generator().manual_seed(_sampler_seed(s, s))
-        assert plain.token_id == int(torch.multinomial(probs, 1, generator=gen))
+        # The definition, in plain floats: the first id whose running sum of the softmax
+        # exceeds u(seed, position) times the whole.
+        probs = torch.softmax(logits / 0.8, dim=-1).tolist()
+        running = list(itertools.accumulate(probs))
+        threshold = uniform(s, s) * running[-1]
+        assert plain.token_id == next(i for i, r in enumerate(running) if r > threshold)
 
 
 def test_the_nucleus_ranked_among_the_likeliest_tokens_is_the_whole_vocabularys() -> None:
@@ -293,17 +296,13 @@ def test_the_nucleus_ranked_among_the_likeliest_tokens_is_the_whole_vocabularys(
 
 
 def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    ordered, order = torch.sort(probs, descending=True, stable=True)
-    before = torch.cat((ordered.new_zeros(1), torch.cumsum(ordered, dim=-1)[:-1]))
+    order = sorted(range(len(probs)), key=lambda i: (-float(probs[i]), i))
+    running = list(itertools.accumulate(float(probs[i]) for i in order))
     kept = torch.zeros_like(probs)
-    chosen = order[before < top_p]
-    kept[chosen] = probs[chosen]
-    return kept / kept.sum()
-
-
-def _sampler_seed(seed: int, position: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    for rank, i in enumerate(order):
+        if (running[rank - 1] if rank else 0.0) < top_p * running[-1]:
+            kept[i] = probs[i]
+    return kept
 
 
 @pytest.mark.parametrize("top_p", [0.0, -0.1, 1.5, math.nan, math.inf])

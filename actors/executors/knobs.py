@@ -1,0 +1,136 @@
+"""One step's sampling parameters, built on the host and moved to the device in one copy.
+
+A sequence's ``SamplingParams`` become a :class:`SeqKnobs` once, when it is opened; each
+step, :func:`build_knobs` lays its sampled rows' knobs (and the sparse logit_bias and
+min_tokens entries) out in one int64 buffer (float64 columns stored by their bits), copies
+it to the device once (from pinned memory, without waiting, on CUDA) and slices it there
+into the :class:`~ringfence.actors.model.sampler.Knobs` the batched sampler reads.
+
+Pure functions of their arguments; owned by the Worker actor's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ringfence.actors.model.draws import as_int64, uniforms
+from ringfence.actors.model.sampler import Knobs
+from ringfence.sched.sampling import SamplingParams
+
+NUM_FLOATS = 6  # temperature, top_p, min_p, repetition, frequency, presence
+NUM_INTS = 4  # seed, position, top_k, slot
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a new CPU tensor) on ``device``: on CUDA copied from pinned memory without
+    waiting (torch's pinned allocator keeps the block until the copy is done); elsewhere
+    the same tensor."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SeqKnobs:
+    """What one sequence's parameters put in each of its rows: computed once, at opening."""
+
+    floats: tuple[float, ...]  # the NUM_FLOATS float columns
+    seed: int  # the seed modulo 2**64, as int64 holds it
+    top_k: int  # the ranks kept: the vocabulary size when top_k keeps every token
+    ranked: bool  # a draw ranks the row: top_k or top_p keeps fewer than every token
+    params: SamplingParams
+    num_prompt_tokens: int
+
+    @classmethod
+    def of(cls, params: SamplingParams, num_prompt_tokens: int, vocab_size: int) -> SeqKnobs:
+        p = params
+        floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                  p.frequency_penalty, p.presence_penalty)  # fmt: skip
+        top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+        ranked = p.temperature > 0 and (top_k < vocab_size or p.top_p < 1.0)
+        return cls(floats=floats, seed=as_int64(p.seed), top_k=top_k, ranked=ranked, params=p,
+                   num_prompt_tokens=num_prompt_tokens)  # fmt: skip
+
+    def banned(self, position: int) -> tuple[int, ...]:
+        """The stop tokens min_tokens holds off at ``position``: the output is too short."""
+        p = self.params
+        if p.min_tokens and position - self.num_prompt_tokens < p.min_tokens:
+            return p.stop_token_ids
+        return ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KnobRow:
+    """One sampled row of a step: its sequence's knobs, the position it draws, its slot."""
+
+    knobs: SeqKnobs
+    position: int
+    slot: int  # the row of the device counts (0: none)
+
+
+def build_knobs(
+    rows: Sequence[KnobRow], device: torch.device, masked: Sequence[tuple[int, int]] = ()
+) -> Knobs:
+    """The step's :class:`Knobs` on ``device``, from one host-to-device copy; ``masked``:
+    (row, row of the step's grammar bitmask) of each row a grammar constrains."""
+    floats: list[float] = []
+    ints: list[int] = []
+    bias: list[tuple[int, int]] = []
+    bias_values: list[float] = []
+    banned: list[tuple[int, int]] = []
+    rank_rows: list[int] = []
+    asked: list[int] = []
+    top_rows: list[int] = []
+    top = 0
+    random = min_p = sort = penalty = any_processed = False
+    for i, row in enumerate(rows):
+        k, p = row.knobs, row.knobs.params
+        floats.extend(k.floats)
+        ints.extend((k.seed, as_int64(row.position), k.top_k, row.slot))
+        for token, value in p.logit_bias:
+            bias.append((i, token))
+            bias_values.append(value)
+        banned.extend((i, token) for token in k.banned(row.position))
+        if p.logprobs is not None or p.processes_logits:
+            rank_rows.append(i)
+            asked.append(p.logprobs is not None)
+        if p.logprobs:
+            top_rows.append(i)
+            top = max(top, p.logprobs)
+        hot = p.temperature > 0
+        random |= hot
+        min_p |= hot and p.min_p > 0
+        sort |= k.ranked
+        penalty |= p.needs_counts
+        any_processed |= p.processes_logits
+    # One buffer: the float columns' bits, then every int column, each run's length known.
+    parts = [
+        torch.tensor(floats + bias_values, dtype=torch.float64).view(torch.int64),
+        torch.tensor(ints, dtype=torch.int64),
+        torch.tensor([r for r, _ in bias] + [t for _, t in bias], dtype=torch.int64),
+        torch.tensor([r for r, _ in banned] + [t for _, t in banned], dtype=torch.int64),
+        torch.tensor(rank_rows + asked + top_rows, dtype=torch.int64),
+        torch.tensor([r for r, _ in masked] + [w for _, w in masked], dtype=torch.int64),
+    ]
+    buf = to_device(torch.cat(parts), device)
+    n = len(rows)
+    cuts = [n * NUM_FLOATS, len(bias_values), n * NUM_INTS, 2 * len(bias), 2 * len(banned),
+            len(rank_rows), len(asked), len(top_rows), 2 * len(masked)]  # fmt: skip
+    f, bv, i, b, s, rr, ask, tr, m = torch.split(buf, cuts)
+    f = f.view(torch.float64).view(n, NUM_FLOATS)
+    i = i.view(n, NUM_INTS)
+    return Knobs(
+        temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], repetition=f[:, 3],
+        frequency=f[:, 4], presence=f[:, 5], u=uniforms(i[:, 0], i[:, 1]), top_k=i[:, 2],
+        slot=i[:, 3], bias_rows=b[: len(bias)], bias_tokens=b[len(bias):],
+        bias_values=bv.view(torch.float64), ban_rows=s[: len(banned)],
+        ban_tokens=s[len(banned):], mask_rows=m[: len(masked)], mask_words=m[len(masked):],
+        rank_rows=rr, asked=ask.bool(), top_rows=tr,
+        top_k_logprobs=top, any_random=random, any_min_p=min_p, any_sort=sort,
+        any_penalty=penalty, any_processed=any_processed,
+    )  # fmt: skip

@@ -1,0 +1,269 @@
+"""The batched sampler (``model/sampler.py`` through the Worker's ``Sampler``) equals the
+one-row reference (``decoder.sample``, ``sampling.processed``, ``token_logprobs``), row by
+row, for every knob and their combinations: the exact token, rank and top ids, the
+logprobs to 1e-12. The uniform of a draw is the same in tensor ops and in Python ints, and
+the penalties' counts on the device are those counted on the host."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from concurrent.futures import Future
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringfence.actors.executors.constraints import MaskJob, masked
+from ringfence.actors.executors.sampling import Sampler, processed, token_logprobs
+from ringfence.actors.model.decoder import sample
+from ringfence.actors.model.draws import as_int64, uniform, uniforms
+from ringfence.actors.model.sampler import masked_rows
+from ringfence.sched.ops import Opening, Piece
+from ringfence.sched.sampling import SamplingParams
+from ringfence.sched.structured import StructuredOutput
+
+VOCAB = 40
+PROMPT = 6  # every sequence's prompt length
+
+knobs = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+        "top_k": st.sampled_from([0, 1, 3, VOCAB - 1, VOCAB, 1000]),
+        "top_p": st.sampled_from([1e-9, 0.3, 0.9, 1.0]),
+        "min_p": st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+        "repetition_penalty": st.sampled_from([1.0, 0.7, 1.5]),
+        "frequency_penalty": st.sampled_from([0.0, -1.0, 0.5]),
+        "presence_penalty": st.sampled_from([0.0, 0.4, -2.0]),
+        "seed": st.sampled_from([0, 1, 2**63 - 1, 2**63, 2**64 + 5, 10**30]),
+        "logit_bias": st.lists(
+            st.tuples(st.integers(0, VOCAB - 1), st.sampled_from([-100.0, -2.5, 3.0, 100.0])),
+            max_size=3,
+        ),
+        "min_tokens": st.sampled_from([0, 2, 8]),
+        "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3).map(tuple),
+        "logprobs": st.sampled_from([None, 0, 1, 5, 20]),
+    },
+)
+rows_kind = st.sampled_from(["random", "ties", "flat", "peaked"])
+GRAMMAR = StructuredOutput.choice(["a", "b"])  # a grammar; the test gives its masks
+
+
+def bitmask_of(rows: int, seed: int) -> torch.Tensor:
+    """Random grammar masks allowing about 1 token in 5, and the token 1 always (words of
+    32 bits, as llguidance fills them)."""
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(rows, 64, generator=gen) < 0.2
+    allowed[:, 1] = True
+    weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
+    words = (allowed.view(rows, 2, 32).long() * weights).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def logits_of(kind: str, rows: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, VOCAB, generator=gen, dtype=torch.float64)
+    if kind == "ties":
+        x = torch.round(x * 2) / 2  # many equal values, at every boundary
+    elif kind == "flat":
+        x = torch.zeros(rows, VOCAB, dtype=torch.float64)
+    elif kind == "peaked":
+        x = x * 30
+    return x
+
+
+def reference_row(raw, params, *, position, output, seen, mode, bits=None):
+    """What the Worker sampled one row by, before it batched: the row's SampledToken
+    fields (token, logprob, rank, top)."""
+    if bits is not None:
+        raw = masked(raw, bits)
+    logits = raw
+    if params.processes_logits:
+        logits = processed(raw, params, position=position, num_prompt_tokens=PROMPT,
+                           output_counts=output, seen=seen)  # fmt: skip
+        if bits is not None and not bool(logits.isfinite().any()):
+            logits = raw  # the knobs forbade every token the grammar allows: it wins
+    token = sample(logits, temperature=params.temperature, seed=params.seed, position=position,
+                   top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)  # fmt: skip
+    logprob, rank, top = token.logprob, 1, ()
+    if params.logprobs is not None or logits is not raw:
+        chosen = raw if mode == "raw_logprobs" else logits
+        logprob, top, rank = token_logprobs(chosen, token.token_id, params.logprobs or 0)
+    return token.token_id, max(logprob, -9999.0), rank, top
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    params=st.lists(knobs, min_size=1, max_size=6),
+    kind=rows_kind,
+    mode=st.sampled_from(["raw_logprobs", "processed_logprobs"]),
+    seed=st.integers(0, 2**32 - 1),
+    outputs=st.integers(0, 10),
+    grammar=st.booleans(),
+)
+def test_the_batched_sampler_equals_the_one_row_reference(
+    params, kind, mode, seed, outputs, grammar
+):
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    sampler = Sampler(VOCAB, mode)
+    logits = logits_of(kind, len(params), seed)
+    bits = bitmask_of(len(params), seed) if grammar else None
+    pieces, expected = [], []
+    for i, knob in enumerate(params):
+        p = SamplingParams(max_tokens=64, structured=GRAMMAR if grammar else None, **knob)
+        history = [rng.randrange(VOCAB) for _ in range(PROMPT + outputs)]
+        opening = Opening(params=p, num_prompt_tokens=PROMPT, history=tuple(history))
+        last = rng.randrange(VOCAB)
+        start = len(history)
+        pieces.append(Piece(seq_id=10 + i, token_ids=(last,), start=start, block_table=(),
+                            sample=True, opening=opening))  # fmt: skip
+        output = Counter([*history[PROMPT:], last])
+        seen = set(history) | {last}
+        if not p.needs_counts:
+            output, seen = Counter(), set()
+        row_bits = None if bits is None else bits[i]
+        expected.append(reference_row(logits[i], p, position=start + 1, output=output,
+                                      seen=seen, mode=mode, bits=row_bits))  # fmt: skip
+    sampler.advance(pieces)
+    masks = None
+    if bits is not None:  # every row constrained, its mask already filled
+        done: Future[None] = Future()
+        done.set_result(None)
+        masks = MaskJob(rows={i: i for i in range(len(params))}, bits=bits, done=done)
+    got = sampler.sample(pieces, logits, masks)
+    for i, (out, want) in enumerate(zip(got, expected, strict=True)):
+        assert (out.token_id, out.rank) == (want[0], want[2]), (i, params[i])
+        assert abs(out.logprob - want[1]) <= 1e-12, (i, params[i])
+        assert [t for t, _ in out.top] == [t for t, _ in want[3]], (i, params[i])
+        for (_, a), (_, b) in zip(out.top, want[3], strict=True):
+            assert abs(a - b) <= 1e-12
+
+
+def test_a_mixed_batch_samples_each_row_as_it_would_alone() -> None:
+    """Greedy, hot, ranked and penalised rows in one step draw what each draws alone: no
+    row's knobs leak into another's (the fast paths are per step, the knobs per row)."""
+    kinds = [{}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.7, "top_p": 0.5},
+             {"temperature": 1.2, "top_k": 4, "min_p": 0.1}, {"repetition_penalty": 1.9},
+             {"temperature": 2.0, "logprobs": 3, "presence_penalty": 1.0}]  # fmt: skip
+    logits = logits_of("random", len(kinds), 17)
+
+    def run(indices: list[int]) -> list[tuple[int, float, int]]:
+        sampler = Sampler(VOCAB)
+        pieces = [
+            Piece(seq_id=i, token_ids=(i,), start=PROMPT, block_table=(), sample=True,
+                  opening=Opening(params=SamplingParams(**kinds[i]), num_prompt_tokens=PROMPT,
+                                  history=tuple(range(PROMPT))))
+            for i in indices
+        ]  # fmt: skip
+        sampler.advance(pieces)
+        got = sampler.sample(pieces, logits[indices])
+        return [(o.token_id, o.logprob, o.rank) for o in got]
+
+    together = run(list(range(len(kinds))))
+    assert together == [run([i])[0] for i in range(len(kinds))]
+
+
+def test_rows_not_asking_are_skipped_and_their_logits_never_read() -> None:
+    sampler = Sampler(VOCAB)
+    opening = Opening(params=SamplingParams(temperature=1.0, seed=4), num_prompt_tokens=PROMPT)
+    pieces = [
+        Piece(seq_id=1, token_ids=(1,) * PROMPT, start=0, block_table=(), sample=False,
+              opening=opening),
+        Piece(seq_id=2, token_ids=(1,) * PROMPT, start=0, block_table=(), sample=True,
+              opening=opening),
+    ]  # fmt: skip
+    sampler.advance(pieces)
+    logits = logits_of("random", 2, 5)
+    logits[0] = math.nan  # a row not sampled may hold anything
+    [out] = sampler.sample(pieces, logits)
+    want = sample(logits[1], temperature=1.0, seed=4, position=PROMPT)
+    assert (out.seq_id, out.token_id) == (2, want.token_id)
+
+
+def test_the_uniform_in_tensor_ops_equals_the_one_in_python_ints() -> None:
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    edges = [0, 1, 2**31, 2**32 - 1, 2**53 + 1, 2**63 - 2, 2**63 - 1, 2**63, 2**64 - 1]
+    pairs = [(rng.randrange(2**64), rng.randrange(2**64)) for _ in range(5000)]
+    pairs += [(s, p) for s in edges for p in edges]
+    pairs += [(rng.randrange(10**6), rng.randrange(10**6)) for _ in range(5000)]
+    seeds = torch.tensor([as_int64(s) for s, _ in pairs])
+    positions = torch.tensor([as_int64(p) for _, p in pairs])
+    got = uniforms(seeds, positions).tolist()
+    want = [uniform(s, p) for s, p in pairs]
+    assert got == want
+    assert all(0.0 <= u < 1.0 for u in got)
+    assert uniform(2**64 + 7, 3) == uniform(7, 3), "seeds are taken modulo 2**64"
+    assert len(set(want)) == len(set(pairs)), "no two pairs drew the same uniform"
+
+
+def test_a_draw_follows_the_cdf_in_id_order_with_one_uniform() -> None:
+    """Probabilities 0.3, 0.1, 0.2, 0.4 in id order: a u below 0.3 draws token 0, below 0.4
+    token 1, below 0.6 token 2, else token 3: u's own value decides, no other number."""
+    logits = torch.tensor([0.3, 0.1, 0.2, 0.4], dtype=torch.float64).log()
+    bounds = [0.3, 0.4, 0.6, 1.0]
+    for seed in range(300):
+        u = uniform(seed, 5)
+        want = next(i for i, b in enumerate(bounds) if u < b - 1e-12 or i == 3)
+        if any(abs(u - b) < 1e-9 for b in bounds):
+            continue  # within rounding of a boundary: either side is right
+        assert sample(logits, temperature=1.0, seed=seed, position=5).token_id == want
+
+
+def test_the_device_counts_of_a_reopened_sequence_are_the_hosts() -> None:
+    """Opened, stepped, closed (its slot reused by another), reopened with its history:
+    the counts read back from the device are those counted on the host, every time."""
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    sampler = Sampler(VOCAB)
+    params = SamplingParams(frequency_penalty=0.5, repetition_penalty=1.2, max_tokens=99)
+    tokens = {s: [rng.randrange(VOCAB) for _ in range(PROMPT)] for s in range(1, 30)}
+
+    def opening(seq_id: int, start: int) -> Opening:
+        return Opening(params=params, num_prompt_tokens=PROMPT,
+                       history=tuple(tokens[seq_id][:start]))  # fmt: skip
+
+    def check(seq_id: int) -> None:
+        counts, seen = sampler.counts_of(seq_id)
+        assert counts == dict(Counter(tokens[seq_id][PROMPT:])), seq_id
+        assert seen == set(tokens[seq_id]), seq_id
+
+    open_ids: set[int] = set()
+    for step in range(60):
+        pieces = []
+        if step < 20 or rng.random() < 0.3:  # open (or reopen) one; 20 open: past 16 slots
+            seq_id = step + 1 if step < 20 else rng.randrange(1, 30)
+            start = len(tokens[seq_id]) - 1
+            pieces.append(Piece(seq_id=seq_id, token_ids=(tokens[seq_id][-1],), start=start,
+                                block_table=(), sample=False,
+                                opening=opening(seq_id, start)))  # fmt: skip
+            open_ids.add(seq_id)
+        for seq_id in sorted(open_ids - {p.seq_id for p in pieces}):
+            token = rng.randrange(VOCAB)
+            tokens[seq_id].append(token)
+            pieces.append(Piece(seq_id=seq_id, token_ids=(token,), start=len(tokens[seq_id]) - 1,
+                                block_table=(), sample=False))  # fmt: skip
+        sampler.advance(pieces)
+        for seq_id in open_ids:
+            check(seq_id)
+        closing = {s for s in open_ids if step > 20 and rng.random() < 0.2}
+        sampler.close(closing)
+        open_ids -= closing
+    assert sampler.counts.num_slots >= 32, "the table grew past its first 16 slots"
+
+
+def test_the_grammar_mask_is_unpacked_on_the_device_as_the_one_row_mask() -> None:
+    gen = torch.Generator().manual_seed(9)
+    vocab = 100  # past the 3 words' 96 bits: those tokens are forbidden
+    x = torch.randn(4, vocab, generator=gen, dtype=torch.float64)
+    bits = torch.randint(-(2**31), 2**31, (2, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([3, 1])
+    got = masked_rows(x, rows, bits)
+    assert torch.equal(got[3], masked(x[3], bits[0])) and torch.equal(got[1], masked(x[1], bits[1]))
+    assert torch.equal(got[0], x[0]) and torch.equal(got[2], x[2])
+    assert bool(torch.isinf(got[3, 96:]).all())
