@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringfence.actors.model.draws import as_int64, uniforms
+from ringfence.actors.model.draws import as_int64
 from ringfence.actors.model.sampler import Knobs
 from ringfence.sched.sampling import SamplingParams
 
@@ -126,7 +126,7 @@ def build_knobs(
     i = i.view(n, NUM_INTS)
     return Knobs(
         temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], repetition=f[:, 3],
-        frequency=f[:, 4], presence=f[:, 5], u=uniforms(i[:, 0], i[:, 1]), top_k=i[:, 2],
+        frequency=f[:, 4], presence=f[:, 5], seed=i[:, 0], position=i[:, 1], top_k=i[:, 2],
         slot=i[:, 3], bias_rows=b[: len(bias)], bias_tokens=b[len(bias):],
         bias_values=bv.view(torch.float64), ban_rows=s[: len(banned)],
         ban_tokens=s[len(banned):], mask_rows=m[: len(masked)], mask_words=m[len(masked):],

@@ -35,7 +35,7 @@ from ringfence.actors.executors.constraints import Constraints, MaskJob
 from ringfence.actors.executors.counts import DeviceCounts
 from ringfence.actors.executors.knobs import KnobRow, SeqKnobs, build_knobs
 from ringfence.actors.model.grammars import GrammarError, Grammars
-from ringfence.actors.model.sampler import Knobs, choose, logprobs_of, masked_rows, processed_rows
+from ringfence.actors.model.sampler import sample_rows
 from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
@@ -272,7 +272,14 @@ class Sampler:
             logits = logits[rows]
         x = logits.to(torch.float64)
         bits = masks.bits_on(self.device) if masks is not None and masked else None
-        out, top_k = self._rows(x, knobs, bits)
+        counts = seen = None
+        if knobs.any_penalty:
+            counts = self.counts.counts.index_select(0, knobs.slot)
+            seen = self.counts.seen.index_select(0, knobs.slot)
+        out, top_k = sample_rows(
+            x, knobs, bits=bits, counts=counts, seen=seen,
+            raw_logprobs=self.logprobs_mode == "raw_logprobs",
+        )  # fmt: skip
         found = out.cpu().tolist()  # the one copy back: ids, logprobs, ranks, flags, tops
         n = len(rows)
         for j in range(n):
@@ -306,42 +313,6 @@ class Sampler:
                 )
             )
         return tuple(outputs)
-
-    def _rows(
-        self, x: torch.Tensor, knobs: Knobs, bits: torch.Tensor | None
-    ) -> tuple[torch.Tensor, int]:
-        """The step's results as one float64 tensor on the device, and the top logprobs'
-        width: tokens, logprobs, ranks and non-finite flags ([rows] each), then each top
-        row's ids and values. ``x`` [rows, vocab] float64; ``bits`` the step's bitmask."""
-        bad = ~torch.isfinite(x).all(dim=-1)
-        raw = x if bits is None else masked_rows(x, knobs.mask_rows, bits[knobs.mask_words])
-        logits, fallback = raw, None
-        if knobs.any_processed:
-            counts = seen = None
-            if knobs.any_penalty:
-                counts = self.counts.counts.index_select(0, knobs.slot)
-                seen = self.counts.seen.index_select(0, knobs.slot)
-            logits = processed_rows(raw, knobs, counts, seen)
-            if bits is not None:
-                # The knobs forbade every token the grammar allows (min_tokens holding off
-                # the end it allows alone): the grammar wins, so the output stays valid.
-                constrained = torch.zeros_like(bad).index_fill_(0, knobs.mask_rows, True)
-                fallback = constrained & ~torch.isfinite(logits).any(dim=-1)
-                logits = torch.where(fallback.unsqueeze(1), raw, logits)
-        tokens = choose(logits, knobs)
-        source = raw if self.logprobs_mode == "raw_logprobs" else logits
-        # A row whose knobs were overruled by its grammar reports as one with none.
-        keep = knobs.asked
-        if fallback is not None:
-            keep = keep | ~fallback.index_select(0, knobs.rank_rows)
-        else:
-            keep = torch.ones_like(keep)
-        lp = logprobs_of(source, tokens, knobs, keep)
-        parts = [tokens.to(torch.float64), lp.chosen, lp.rank.to(torch.float64),
-                 bad.to(torch.float64)]  # fmt: skip
-        if lp.top_ids.numel():
-            parts.append(torch.stack([lp.top_ids.to(torch.float64), lp.top_values], 1).flatten())
-        return torch.cat(parts), lp.top_ids.shape[1] if lp.top_ids.dim() == 2 else 0
 
 
 def processed(

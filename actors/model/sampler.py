@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ringfence.actors.model.draws import uniforms
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Knobs:
@@ -41,7 +43,8 @@ class Knobs:
     top_p: Tensor  # [rows] float64; 1: no nucleus
     min_p: Tensor  # [rows] float64; 0: none
     top_k: Tensor  # [rows] int64; the vocabulary size where a row keeps every token
-    u: Tensor  # [rows] float64: each row's uniform, u(seed, position)
+    seed: Tensor  # [rows] int64: each row's seed and position, modulo 2**64 (draws.py)
+    position: Tensor  # [rows] int64
     repetition: Tensor  # [rows] float64; 1: none
     frequency: Tensor  # [rows] float64
     presence: Tensor  # [rows] float64
@@ -113,7 +116,8 @@ def choose(logits: Tensor, knobs: Knobs) -> Tensor:
         probs = _top_k_top_p(probs, knobs)
     running = torch.cumsum(probs, dim=-1)
     total = running[:, -1:]
-    threshold = torch.minimum(knobs.u.unsqueeze(1) * total, torch.nextafter(total, total * 0))
+    u = uniforms(knobs.seed, knobs.position).unsqueeze(1)  # only where a row draws
+    threshold = torch.minimum(u * total, torch.nextafter(total, total * 0))
     drawn = torch.searchsorted(running, threshold, right=True).squeeze(1)
     # A NaN row (reported as non-finite by the caller) must still index inside the row.
     drawn = drawn.clamp_(max=logits.shape[1] - 1)
@@ -180,3 +184,45 @@ def stable_top(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     values = x.gather(1, in_id_order)
     values, order = torch.sort(values, dim=-1, descending=True, stable=True)
     return in_id_order.gather(1, order), values
+
+
+def sample_rows(
+    x: Tensor,
+    knobs: Knobs,
+    *,
+    bits: Tensor | None,
+    counts: Tensor | None,
+    seen: Tensor | None,
+    raw_logprobs: bool,
+) -> tuple[Tensor, int]:
+    """A step's sampling, as one float64 tensor on the device to copy back once, and the
+    top logprobs' width k: tokens, logprobs, ranks and non-finite flags ([rows] each), then
+    each of ``top_rows``' k (id, logprob) pairs. ``x`` [rows, vocab] float64; ``bits`` the
+    step's grammar bitmask (None: no row constrained); ``counts`` and ``seen`` the rows'
+    counts (None: no penalty); ``raw_logprobs``: logprobs of the raw logits, else of those
+    drawn from."""
+    # A row's sum is finite exactly when each of its values is (a model's float32 or
+    # bfloat16 logits cannot overflow a float64 sum), and costs a tenth of isfinite.
+    bad = ~torch.isfinite(x.sum(dim=-1))
+    raw = x if bits is None else masked_rows(x, knobs.mask_rows, bits[knobs.mask_words])
+    logits, fallback = raw, None
+    if knobs.any_processed:
+        logits = processed_rows(raw, knobs, counts, seen)
+        if bits is not None:
+            # The knobs forbade every token the grammar allows (min_tokens holding off
+            # the end it allows alone): the grammar wins, so the output stays valid.
+            constrained = torch.zeros_like(bad).index_fill_(0, knobs.mask_rows, True)
+            fallback = constrained & ~torch.isfinite(logits).any(dim=-1)
+            logits = torch.where(fallback.unsqueeze(1), raw, logits)
+    tokens = choose(logits, knobs)
+    # A row whose knobs its grammar overruled reports as a row without knobs: rank 1
+    # unless it asked for logprobs.
+    keep = torch.ones_like(knobs.asked)
+    if fallback is not None:
+        keep = knobs.asked | ~fallback.index_select(0, knobs.rank_rows)
+    lp = logprobs_of(raw if raw_logprobs else logits, tokens, knobs, keep)
+    parts = [tokens.to(torch.float64), lp.chosen, lp.rank.to(torch.float64), bad.to(torch.float64)]
+    k = lp.top_ids.shape[1]
+    if lp.top_ids.numel():
+        parts.append(torch.stack([lp.top_ids.to(torch.float64), lp.top_values], 1).flatten())
+    return torch.cat(parts), k

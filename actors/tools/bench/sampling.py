@@ -1,14 +1,18 @@
 """The Worker's sampling cost per decode step, by what the sequences ask for.
 
-Part of ``ringfence bench worker``: the same ``Sampler`` the Worker runs, on one decode
-step's last logits (``decode_seqs`` rows of the model's vocabulary), for sequences that
-ask for nothing beyond temperature (``plain``: the path every step took before the
-knobs existed), for ``logprobs`` 5, for the three penalties over a 256-token history,
-for all of them, and (``grammar``, given the model's grammars) for a structured output:
-every row in the middle of a nested JSON schema (:data:`SCHEMA`, its matcher rebuilt from
-the output so far as a reopened sequence's is), masked by llguidance. Each figure is the
+Part of ``ringfence bench worker``: the same ``Sampler`` the Worker runs (batched tensor ops
+on the logits' device, ``actors/model/sampler.py``), on one decode step's last logits
+(``decode_seqs`` rows of the model's vocabulary, float32, on ``device``), for sequences that
+ask for nothing (``plain``: greedy, the path every step took before the knobs existed),
+for ``logprobs`` 5, for the three penalties over a 256-token history, for those with top_k
+(``all``, greedy), for a seeded draw (``hot``), for every knob at once (``every``), and
+(``grammar``, given the model's grammars) for a structured output: every row in the middle
+of a nested JSON schema (:data:`SCHEMA`, its matcher rebuilt from the output so far as a
+reopened sequence's is), masked by llguidance. Each figure is the
 median over rounds of ``STEPS`` steps, in milliseconds per step, with its ratio to
-``plain`` measured in the same run.
+``plain`` measured in the same run. A step's time ends when its tokens are on the host (the
+sampler's one copy back waits for the device), so on CUDA it is the kernels' time and the
+launches', not the launches' alone.
 
 The ``grammar`` figure is the whole cost of a masked step as this bench times it: the
 masks filled, then applied, then the draw. In the Worker the fill runs beside the forward
@@ -38,7 +42,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "logprobs": {"logprobs": 5},
     "penalties": {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5},
     "all": {"logprobs": 5, "repetition_penalty": 1.2, "frequency_penalty": 0.5, "top_k": 50},
-}
+    "hot": {"temperature": 0.8, "seed": 1},  # a seeded draw from the whole softmax
+    "every": {  # every knob at once, drawn at temperature > 0 (top_k and top_p: one sort)
+        "temperature": 0.8, "seed": 1, "top_k": 50, "top_p": 0.9, "min_p": 0.05,
+        "repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
+        "logit_bias": ((1, 2.0), (2, -2.0)), "min_tokens": HISTORY, "stop_token_ids": (3,),
+        "logprobs": 5,
+    },
+}  # fmt: skip
 
 
 # The grammar variant's schema, and the output every row stands after (mid-object).
@@ -68,10 +79,11 @@ def sampling_costs(
     *,
     grammars: Grammars | None = None,
     encode: Any = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """{variant: ms per step}, {variant: ratio to plain}: see the module docstring. With
     ``grammars`` (the model's) and ``encode`` (its tokenizer's text to ids), the ``grammar``
-    variant too."""
+    variant too. ``device``: where the logits and the sampler's counts are."""
     import torch
 
     from ringfence.actors.executors.sampling import Sampler
@@ -79,6 +91,7 @@ def sampling_costs(
     gen = random.Random(seed)
     history = [[gen.randrange(vocab_size) for _ in range(HISTORY)] for _ in range(seqs)]
     logits = torch.randn(seqs, vocab_size, generator=torch.Generator().manual_seed(seed))
+    logits = logits.to(device)
     variants = dict(VARIANTS)
     if grammars is not None:
         spec = StructuredOutput(kind="json", source=json.dumps(SCHEMA))
@@ -86,7 +99,7 @@ def sampling_costs(
         output = list(encode(OUTPUT_SO_FAR))
     ms: dict[str, float] = {}
     for name, knobs in variants.items():
-        sampler = Sampler(vocab_size, grammars=grammars)
+        sampler = Sampler(vocab_size, grammars=grammars, device=device)
         params = SamplingParams(max_tokens=HISTORY, **knobs)
         rows = history
         prompt = HISTORY // 2

@@ -11,12 +11,13 @@ import random
 from collections import Counter
 from concurrent.futures import Future
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringfence.actors.executors.constraints import MaskJob, masked
-from ringfence.actors.executors.sampling import Sampler, processed, token_logprobs
+from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler, processed, token_logprobs
 from ringfence.actors.model.decoder import sample
 from ringfence.actors.model.draws import as_int64, uniform, uniforms
 from ringfence.actors.model.sampler import masked_rows
@@ -267,3 +268,87 @@ def test_the_grammar_mask_is_unpacked_on_the_device_as_the_one_row_mask() -> Non
     assert torch.equal(got[3], masked(x[3], bits[0])) and torch.equal(got[1], masked(x[1], bits[1]))
     assert torch.equal(got[0], x[0]) and torch.equal(got[2], x[2])
     assert bool(torch.isinf(got[3, 96:]).all())
+
+
+def test_non_finite_logits_fail_the_step_naming_the_first_sequence_that_has_them() -> None:
+    for bad in (math.nan, math.inf, -math.inf):
+        sampler = Sampler(VOCAB)
+        pieces = [
+            Piece(seq_id=5 + i, token_ids=(1,), start=PROMPT, block_table=(), sample=True,
+                  opening=Opening(params=SamplingParams(temperature=1.0), num_prompt_tokens=PROMPT))
+            for i in range(3)
+        ]  # fmt: skip
+        sampler.advance(pieces)
+        logits = logits_of("random", 3, 1)
+        logits[1, 7] = bad
+        with pytest.raises(NonFiniteLogits, match=r"^the logits of sequence 6 are not finite"):
+            sampler.sample(pieces, logits)
+
+
+def allowing(tokens: list[int], rows: int = 1) -> torch.Tensor:
+    """A bitmask [rows, 2] (int32 words) allowing only ``tokens`` (< 64) in every row."""
+    words = [0, 0]
+    for t in tokens:
+        words[t // 32] |= 1 << (t % 32)
+    signed = [w - 2**32 if w >= 2**31 else w for w in words]
+    return torch.tensor([signed] * rows, dtype=torch.int32)
+
+
+def constrained_draws(params: SamplingParams, bits: torch.Tensor, mode: str, seeds: range):
+    """(token, rank) of one constrained row per seed, through the batched sampler."""
+    found = []
+    for seed in seeds:
+        sampler = Sampler(VOCAB, mode)
+        p = SamplingParams(**{**_fields(params), "seed": seed})
+        piece = Piece(seq_id=1, token_ids=(3,), start=PROMPT, block_table=(), sample=True,
+                      opening=Opening(params=p, num_prompt_tokens=PROMPT,
+                                      history=tuple(range(PROMPT))))  # fmt: skip
+        sampler.advance([piece])
+        done: Future[None] = Future()
+        done.set_result(None)
+        [out] = sampler.sample([piece], logits_of("random", 1, seed),
+                               MaskJob(rows={0: 0}, bits=bits, done=done))  # fmt: skip
+        found.append((out.token_id, out.rank))
+    return found
+
+
+def _fields(params: SamplingParams) -> dict[str, object]:
+    return {f: getattr(params, f) for f in params.__slots__ if not f.startswith("_")}
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_when_the_knobs_forbid_every_token_the_grammar_allows_the_grammar_wins(mode: str) -> None:
+    """min_tokens holds off the only two tokens the grammar allows: the draw is among them
+    anyway, and the row reports as a row without knobs (rank 1), as the one-row path did."""
+    params = SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=(1, 2),
+                            structured=GRAMMAR)  # fmt: skip
+    draws = constrained_draws(params, allowing([1, 2]), mode, range(40))
+    assert {token for token, _ in draws} == {1, 2}
+    assert {rank for _, rank in draws} == {1}
+
+
+def test_a_constrained_rows_rank_is_under_the_grammars_mask() -> None:
+    """A penalised, constrained row that asks for no logprobs still reports its token's
+    rank among the tokens the grammar allows (the knobs changed its logits)."""
+    params = SamplingParams(temperature=5.0, repetition_penalty=1.5, structured=GRAMMAR)
+    draws = constrained_draws(params, allowing([1, 2, 9, 30, 40]), "raw_logprobs", range(60))
+    assert {token for token, _ in draws} <= {1, 2, 9, 30, 40}
+    assert {rank for _, rank in draws} - {1}, "some draw is not the most probable token"
+    assert max(rank for _, rank in draws) <= 5
+
+
+def test_top_p_keeps_a_token_only_when_the_mass_above_it_is_below_top_p() -> None:
+    """Probabilities 1/2, 1/4, 1/4: at top_p 1/2 the mass above the second token is exactly
+    1/2, not below it, so only the first is ever drawn."""
+    rest = [-1e300] * (VOCAB - 3)  # finite (an infinite logit fails the step), of weight 0
+    logits = torch.tensor([[0.0, -math.log(2), -math.log(2), *rest]], dtype=torch.float64)
+    assert torch.softmax(logits[0], -1)[:3].tolist() == [0.5, 0.25, 0.25]
+    drawn = set()
+    for seed in range(100):
+        sampler = Sampler(VOCAB)
+        p = SamplingParams(temperature=1.0, top_p=0.5, seed=seed)
+        piece = Piece(seq_id=1, token_ids=(3,), start=0, block_table=(), sample=True,
+                      opening=Opening(params=p, num_prompt_tokens=1))  # fmt: skip
+        sampler.advance([piece])
+        drawn.add(sampler.sample([piece], logits)[0].token_id)
+    assert drawn == {0}

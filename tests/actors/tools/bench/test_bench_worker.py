@@ -32,7 +32,7 @@ def test_a_quick_worker_bench_reports_both_sides_ratios_and_the_logits_check(
         assert all(len(s) == 2 for s in report["seconds"][phase].values())  # quick: 2 rounds
     assert report["target_ratio"] == 0.8
     sampling = report["sampling"]["ms_per_step"]  # masked (grammar) and unmasked steps
-    assert set(sampling) == {"plain", "logprobs", "penalties", "all", "grammar"}
+    assert set(sampling) == {"plain", "logprobs", "penalties", "all", "hot", "every", "grammar"}
     assert all(ms > 0 for ms in sampling.values())
     out = capsys.readouterr().out
     assert "logits check" in out and "x transformers" in out and "parameters" in out
