@@ -28,7 +28,7 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
 from ringfence.actors.config import Config
@@ -119,9 +119,6 @@ class MemoryPlan:
         """Whether a pool of ``blocks`` fits beside its gather."""
         pool = blocks * self.block_bytes
         return pool + min(self.gather, pool // self.layers) <= self.room
-
-
-Probe = Callable[[str, int], Sequence[DeviceMemory]]
 
 
 def resolve_device_defaults(config: RunConfig) -> Resolved:

@@ -4,10 +4,11 @@ transformers' fastest path and of the hardware's floor, side by side on the same
 For each batch size N of ``--seqs`` (1, 8, 64, 256 on CUDA; 1, 8, 64 on the CPU):
 
 1. ``ringfence launch``: N requests of ``--prompt-tokens`` tokens each decoding
-   ``--output-tokens``, all arriving at once, ``sched.max_num_seqs`` = N and a pool that
-   holds them all (``decode_launch.py``): output tokens per second, TTFT p50, TPOT p50
-   and p90, and its steady decode step split into forward, sampling, engine and idle from
-   the run's logs, with the device's busy fraction;
+   ``--output-tokens`` (128 and 256; 64 and 32 on the CPU), all arriving at once,
+   ``sched.max_num_seqs`` = N and a pool that holds them all (``decode_launch.py``):
+   output tokens per second, TTFT p50, TPOT p50 and p90, and its steady decode step split
+   into forward, sampling, engine and idle from the run's logs, with the device's busy
+   fraction;
 2. the Worker's forward alone at N sequences of ``--prompt-tokens`` context
    (``bench worker``'s paged decode, ``--forward-steps`` steps);
 3. transformers on a static cache: compiled with ``reduce-overhead`` on CUDA, eager on the
@@ -47,11 +48,16 @@ if TYPE_CHECKING:
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "") if __doc__ else None
 SEQS = {"cuda": (1, 8, 64, 256), "cpu": (1, 8, 64), "quick": (1, 4)}
-# name: (default, quick default, help)
+# name: (default, quick default, help); the defaults are a GPU's
 COUNTS: dict[str, tuple[int, int, str]] = {
-    "prompt_tokens": (128, 8, "prompt tokens of each request (the forward's context)"),
-    "output_tokens": (256, 4, "tokens each request decodes"),
-    "forward_steps": (32, 2, "timed steps of the forward alone and of transformers"),
+    "prompt_tokens": (128, 8, "prompt tokens of each request (the forward's context; CPU 64)"),
+    "output_tokens": (256, 4, "tokens each request decodes (CPU 32)"),
+    "forward_steps": (32, 2, "timed steps of the forward alone and of transformers (CPU 16)"),
+}
+# The CPU's short form: a couple of minutes for the small preset at 1, 8 and 64 sequences.
+CPU_COUNTS = {
+    name: (cpu, quick, text)
+    for (name, (_, quick, text)), cpu in zip(COUNTS.items(), (64, 32, 16), strict=True)
 }
 SEED = 0
 
@@ -104,8 +110,8 @@ def bench_decode(
     from ringfence.actors.tools.bench import decode_inproc as inproc
     from ringfence.actors.tools.bench.subject import Subject
 
-    counts = resolve_counts(args, COUNTS)
     cuda = args.device != "cpu"
+    counts = resolve_counts(args, COUNTS if cuda else CPU_COUNTS)
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     preset, shape = _model_of(args)
     model_set = [f"model.device={args.device}", f"model.dtype={dtype}"]
