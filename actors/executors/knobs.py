@@ -88,19 +88,19 @@ def build_knobs(
     top_rows: list[int] = []
     top = 0
     random = min_p = sort = penalty = any_processed = False
-    for i, row in enumerate(rows):
+    for j, row in enumerate(rows):
         k, p = row.knobs, row.knobs.params
         floats.extend(k.floats)
         ints.extend((k.seed, as_int64(row.position), k.top_k, row.slot))
         for token, value in p.logit_bias:
-            bias.append((i, token))
+            bias.append((j, token))
             bias_values.append(value)
-        banned.extend((i, token) for token in k.banned(row.position))
+        banned.extend((j, token) for token in k.banned(row.position))
         if p.logprobs is not None or p.processes_logits:
-            rank_rows.append(i)
+            rank_rows.append(j)
             asked.append(p.logprobs is not None)
         if p.logprobs:
-            top_rows.append(i)
+            top_rows.append(j)
             top = max(top, p.logprobs)
         hot = p.temperature > 0
         random |= hot
@@ -121,9 +121,9 @@ def build_knobs(
     n = len(rows)
     cuts = [n * NUM_FLOATS, len(bias_values), n * NUM_INTS, 2 * len(bias), 2 * len(banned),
             len(rank_rows), len(asked), len(top_rows), 2 * len(masked)]  # fmt: skip
-    f, bv, i, b, s, rr, ask, tr, m = torch.split(buf, cuts)
-    f = f.view(torch.float64).view(n, NUM_FLOATS)
-    i = i.view(n, NUM_INTS)
+    f_bits, bv, i_flat, b, s, rr, ask, tr, m = torch.split(buf, cuts)
+    f = f_bits.view(torch.float64).view(n, NUM_FLOATS)
+    i = i_flat.view(n, NUM_INTS)
     return Knobs(
         temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], repetition=f[:, 3],
         frequency=f[:, 4], presence=f[:, 5], seed=i[:, 0], position=i[:, 1], top_k=i[:, 2],

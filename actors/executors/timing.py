@@ -26,7 +26,7 @@ class StepTimer:
     def mark(self) -> None:
         """Note the time now: an event queued on the stream on CUDA, the clock elsewhere."""
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self.device))
             self._marks.append(event)
         else:

@@ -6,6 +6,7 @@ the penalties' counts on the device are those counted on the host."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -88,7 +89,8 @@ def reference_row(raw, params, *, position, output, seen, mode, bits=None):
             logits = raw  # the knobs forbade every token the grammar allows: it wins
     token = sample(logits, temperature=params.temperature, seed=params.seed, position=position,
                    top_p=params.top_p, top_k=params.top_k, min_p=params.min_p)  # fmt: skip
-    logprob, rank, top = token.logprob, 1, ()
+    logprob, rank = token.logprob, 1
+    top: tuple[tuple[int, float], ...] = ()
     if params.logprobs is not None or logits is not raw:
         chosen = raw if mode == "raw_logprobs" else logits
         logprob, top, rank = token_logprobs(chosen, token.token_id, params.logprobs or 0)
@@ -146,16 +148,18 @@ def test_the_batched_sampler_equals_the_one_row_reference(
 def test_a_mixed_batch_samples_each_row_as_it_would_alone() -> None:
     """Greedy, hot, ranked and penalised rows in one step draw what each draws alone: no
     row's knobs leak into another's (the fast paths are per step, the knobs per row)."""
-    kinds = [{}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.7, "top_p": 0.5},
-             {"temperature": 1.2, "top_k": 4, "min_p": 0.1}, {"repetition_penalty": 1.9},
-             {"temperature": 2.0, "logprobs": 3, "presence_penalty": 1.0}]  # fmt: skip
+    kinds = [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
+             SamplingParams(temperature=0.7, top_p=0.5),
+             SamplingParams(temperature=1.2, top_k=4, min_p=0.1),
+             SamplingParams(repetition_penalty=1.9),
+             SamplingParams(temperature=2.0, logprobs=3, presence_penalty=1.0)]  # fmt: skip
     logits = logits_of("random", len(kinds), 17)
 
     def run(indices: list[int]) -> list[tuple[int, float, int]]:
         sampler = Sampler(VOCAB)
         pieces = [
             Piece(seq_id=i, token_ids=(i,), start=PROMPT, block_table=(), sample=True,
-                  opening=Opening(params=SamplingParams(**kinds[i]), num_prompt_tokens=PROMPT,
+                  opening=Opening(params=kinds[i], num_prompt_tokens=PROMPT,
                                   history=tuple(range(PROMPT))))
             for i in indices
         ]  # fmt: skip
@@ -299,7 +303,7 @@ def constrained_draws(params: SamplingParams, bits: torch.Tensor, mode: str, see
     found = []
     for seed in seeds:
         sampler = Sampler(VOCAB, mode)
-        p = SamplingParams(**{**_fields(params), "seed": seed})
+        p = dataclasses.replace(params, seed=seed)
         piece = Piece(seq_id=1, token_ids=(3,), start=PROMPT, block_table=(), sample=True,
                       opening=Opening(params=p, num_prompt_tokens=PROMPT,
                                       history=tuple(range(PROMPT))))  # fmt: skip
@@ -310,10 +314,6 @@ def constrained_draws(params: SamplingParams, bits: torch.Tensor, mode: str, see
                                MaskJob(rows={0: 0}, bits=bits, done=done))  # fmt: skip
         found.append((out.token_id, out.rank))
     return found
-
-
-def _fields(params: SamplingParams) -> dict[str, object]:
-    return {f: getattr(params, f) for f in params.__slots__ if not f.startswith("_")}
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
