@@ -35,6 +35,14 @@ What each side does, so that both do the work a server does:
 
 Rounds (``--rounds``, 5) alternate which side runs first, after one untimed warm-up
 round, so drift affects both sides alike; figures are medians over the rounds.
+
+The paged side runs as the Worker does (``--attention``, ``auto``; ``--no-graphs`` turns its
+CUDA graphs off): the Triton kernels and CUDA graphs on a GPU with Triton, the torch
+attention elsewhere. Then each attention backend (``--backends``: ``torch``, ``triton``,
+``triton+graphs``; all of them on CUDA, none on the CPU unless named) is timed alone, and
+every decode step is set against the roofline: the bytes it reads (weights and the
+context's KV) over the device's copy bandwidth measured in the same run
+(``worker_backends.py``).
 ``--quick`` (the test) runs short lengths for 2 rounds, on the ``tiny`` preset unless
 ``--model`` names a checkpoint.
 
@@ -59,7 +67,19 @@ from ringfence.actors.model.tokenizer import model_tokenizer
 from ringfence.actors.tools.bench.options import add_counts, resolve_counts, resolve_preset
 from ringfence.actors.tools.bench.sampling import sampling_costs
 from ringfence.actors.tools.bench.subject import Subject
-from ringfence.actors.tools.bench.worker_sides import BLOCK_SIZE, SEED, Sides, logits_diff
+from ringfence.actors.tools.bench.worker_backends import (
+    default_variants,
+    parse_variants,
+    roofline,
+    time_variants,
+)
+from ringfence.actors.tools.bench.worker_sides import (
+    BLOCK_SIZE,
+    SEED,
+    WORKER_PATH,
+    Sides,
+    logits_diff,
+)
 
 if TYPE_CHECKING:
     pass
@@ -95,6 +115,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cpu", help="where both sides run: cpu or cuda (%(default)s)"
     )
+    parser.add_argument(
+        "--attention",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="the paged side's model.attention (%(default)s)",
+    )
+    parser.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the paged side's model.cuda_graphs (on CUDA with triton attention)",
+    )
+    parser.add_argument(
+        "--backends",
+        metavar="NAMES",
+        help="attention variants timed alone, comma-separated: torch, triton, triton+graphs "
+        "(default: all on CUDA, none on the CPU)",
+    )
 
 
 def bench_worker(
@@ -103,10 +141,17 @@ def bench_worker(
     counts: dict[str, int],
     transformers: Any,
     device: str = "cpu",
+    *,
+    path: dict[str, Any] | None = None,
+    backends: list[str] | None = None,
 ) -> dict[str, Any]:
     """The report: logits check, then (when it passes) median tok/s of both sides and ratios,
-    both sides on ``device``."""
+    both sides on ``device``; the paged side with ``path``'s attention options (the
+    Worker's defaults when None); then ``backends`` (``worker_backends.VARIANTS``; the
+    device's default when None) timed alone, and the roofline."""
     import torch
+
+    path = WORKER_PATH if path is None else path
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     reference, hf_reference = subject.load(torch.float32, transformers, device)
@@ -130,7 +175,7 @@ def bench_worker(
         "counts": counts,
     }
     report["attn_implementation"] = hf_reference.config._attn_implementation
-    diff, argmax_equal = logits_diff(reference, hf_reference, check_ids)
+    diff, argmax_equal = logits_diff(reference, hf_reference, check_ids, path)
     check: dict[str, Any] = {
         "tokens": CHECK_TOKENS,
         "float32_max_abs_diff": diff,
@@ -146,11 +191,16 @@ def bench_worker(
     else:
         del reference, hf_reference
         model, hf = subject.load(dtype, transformers, device)
-        diff, argmax_equal = logits_diff(model, hf, check_ids)
+        diff, argmax_equal = logits_diff(model, hf, check_ids, path)
         check[f"{dtype_name}_max_abs_diff"] = diff
         check[f"{dtype_name}_argmax_equal"] = argmax_equal
     with torch.inference_mode():
-        sides = Sides(model, hf, counts)
+        sides = Sides(model, hf, counts, path)
+        executor = sides.decode_executor
+        report["paged_path"] = {
+            "attention": executor.backend_name,
+            "cuda_graphs": executor.graphs is not None,
+        }
         report["transformers_prefill_kwargs"] = {"use_cache": True, **sides.keep_last}
         runs = {
             "prefill": (sides.paged_prefill, sides.hf_prefill),
@@ -181,8 +231,20 @@ def bench_worker(
         for ours, theirs in zip(sides.paged_tokens, sides.hf_tokens, strict=True)
         for a, b in zip(ours, theirs, strict=True)
     )
+    names = default_variants(next(model.parameters()).device) if backends is None else backends
+    with torch.inference_mode():
+        variants = time_variants(model, hf, counts, names)
+    roof = roofline(torch, model, counts)
+    decode_ms = {
+        "paged": statistics.median(seconds["decode"]["paged"]) * 1e3 / counts["decode_steps"]
+    }
+    decode_ms |= {name: v["decode_step_ms"] for name, v in variants.items()}
+    roof["ratio_to_floor"] = {name: ms / roof["decode_floor_ms"] for name, ms in decode_ms.items()}
     report.update(
         {
+            "backends": variants,
+            "paged_decode_step_ms": decode_ms["paged"],
+            "roofline": roof,
             "tok_s": tok_s,
             "seconds": seconds,
             "ratios": ratios,
@@ -245,6 +307,24 @@ def _print(report: dict[str, Any]) -> None:
             f"{'PASS' if passed else 'FAIL'} {phase} paged >= {TARGET_RATIO}x transformers: "
             f"{ratio:.2f}x"
         )
+    path, roof = report["paged_path"], report["roofline"]
+    print(
+        f"paged side: {path['attention']} attention, CUDA graphs "
+        f"{'on' if path['cuda_graphs'] else 'off'}; decode "
+        f"{report['paged_decode_step_ms']:.3f} ms/step"
+    )
+    print(
+        f"roofline: a decode step reads {roof['decode_step_bytes'] / 1e6:.1f} MB at "
+        f"{roof['copy_bandwidth_gb_s']:.1f} GB/s (copy): floor {roof['decode_floor_ms']:.3f} ms"
+    )
+    ratios = roof["ratio_to_floor"]
+    for name, v in report["backends"].items():
+        print(
+            f"  {name:<14} prefill {v['prefill_ms']:9.3f} ms, decode {v['decode_step_ms']:8.3f} "
+            f"ms/step ({ratios[name]:.1f}x the floor), greedy tokens equal to the first "
+            f"{v['greedy_tokens_equal_to_first']:.0%}"
+        )
+    print(f"  {'paged side':<14} decode {ratios['paged']:.1f}x the floor")
     sampling = report["sampling"]
     print(
         f"sampling one decode step of {n['decode_seqs']} seqs, ms (ratio to plain): "
@@ -264,6 +344,9 @@ def main(args: argparse.Namespace) -> int:
         subject = Subject(checkpoint=args.model)
     else:
         subject = Subject(preset=resolve_preset(args))
+    # Before transformers, which imports Triton: without CUDA, the kernels package sets
+    # Triton's interpreter variable first (actors/model/kernels/__init__.py says why).
+    importlib.import_module("ringfence.actors.model.kernels")
     try:
         transformers = importlib.import_module("transformers")
     except ImportError as exc:
@@ -280,7 +363,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--device: {args.device!r} is neither cpu nor cuda")
     if args.device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA device")
-    report = bench_worker(subject, args.dtype, counts, transformers, args.device)
+    path = {"attention": args.attention, "cuda_graphs": args.graphs}
+    backends = None if args.backends is None else parse_variants(args.backends)
+    report = bench_worker(
+        subject, args.dtype, counts, transformers, args.device, path=path, backends=backends
+    )
     _print(report)
     if not report["logits_check"]["passed"]:
         print(

@@ -2,7 +2,11 @@
 (``PagedExecutor.step`` over a block-major KV tensor, shuffled block tables) and
 transformers' forward with its own cache, both on the model's device, and the logits check
 between them. Each timed call returns seconds, to the end of the work it queued on a CUDA
-device."""
+device.
+
+The paged side runs as the Worker runs it unless told otherwise: ``model.attention`` and
+``model.cuda_graphs`` at their defaults (:data:`WORKER_PATH`: the Triton kernels and CUDA
+graphs on a GPU with Triton, the torch attention elsewhere)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ if TYPE_CHECKING:
 
 BLOCK_SIZE = 16  # the runtime's default block_size
 SEED = 0
+# The paged path's options as the Worker takes them from [model] at its defaults.
+WORKER_PATH: dict[str, Any] = {"attention": "auto", "cuda_graphs": True}
 
 
 def _last_logits_only(hf: Any) -> dict[str, int]:
@@ -33,26 +39,32 @@ def _last_logits_only(hf: Any) -> dict[str, int]:
     return {}
 
 
-def _executor(model: Model, tables: int, positions: int) -> tuple[PagedExecutor, list[list[int]]]:
+def _executor(
+    model: Model, tables: int, positions: int, path: dict[str, Any] | None = None
+) -> tuple[PagedExecutor, list[list[int]]]:
     """An executor over a KV tensor for ``tables`` sequences of ``positions`` positions each,
-    and their block tables: disjoint, shuffled runs of block ids."""
+    and their block tables: disjoint, shuffled runs of block ids. ``path``: the executor's
+    attention options (:data:`WORKER_PATH` when None)."""
     from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
 
     per_table = -(-positions // BLOCK_SIZE)
     ids = list(range(tables * per_table))
     random.Random(SEED).shuffle(ids)
     kv = make_kv_cache(model.config, len(ids), BLOCK_SIZE, model.dtype, _device_of(model))
-    return PagedExecutor(model, kv), [
+    options = WORKER_PATH if path is None else path
+    return PagedExecutor(model, kv, **options), [
         ids[i * per_table : (i + 1) * per_table] for i in range(tables)
     ]
 
 
-def logits_diff(model: Model, hf: Any, token_ids: list[int]) -> tuple[float, bool]:
+def logits_diff(
+    model: Model, hf: Any, token_ids: list[int], path: dict[str, Any] | None = None
+) -> tuple[float, bool]:
     """Max abs difference of the paged step's and transformers' logits of one sequence,
     and whether their argmax agree at every position."""
     import torch
 
-    executor, tables = _executor(model, 1, len(token_ids))
+    executor, tables = _executor(model, 1, len(token_ids), path)
     executor.kv.fill_(float("nan"))  # unwritten slots must never be read
     with torch.inference_mode():
         ours = executor.step([_piece(token_ids, 0, tables[0])], all_logits=True).all_logits
@@ -88,7 +100,9 @@ def _timed(run: Callable[[], object], device: Any) -> float:
 class Sides:
     """Prefill and decode of both sides over the same prompts; each call returns seconds."""
 
-    def __init__(self, model: Model, hf: Any, counts: dict[str, int]) -> None:
+    def __init__(
+        self, model: Model, hf: Any, counts: dict[str, int], path: dict[str, Any] | None = None
+    ) -> None:
         import torch
 
         self.torch = torch
@@ -105,10 +119,10 @@ class Sides:
             for _ in range(counts["decode_seqs"])
         ]
         self.prefill_executor, self.prefill_tables = _executor(
-            model, counts["prefill_seqs"], counts["prefill_tokens"]
+            model, counts["prefill_seqs"], counts["prefill_tokens"], path
         )
         self.decode_executor, self.decode_tables = _executor(
-            model, counts["decode_seqs"], counts["decode_context"] + counts["decode_steps"]
+            model, counts["decode_seqs"], counts["decode_context"] + counts["decode_steps"], path
         )
         self.keep_last = _last_logits_only(hf)
         # The cache's keyword: ``cache`` since transformers 5.x, ``past_key_values`` before.

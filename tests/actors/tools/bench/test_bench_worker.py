@@ -82,6 +82,42 @@ def test_a_quick_worker_bench_of_a_gguf_file_runs_transformers_from_the_same_fil
     assert "checkpoint" in capsys.readouterr().out
 
 
+def test_a_quick_worker_bench_times_the_named_backends_against_the_roofline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers", reason="the baseline is a transformers forward")
+    path = tmp_path / "worker.json"
+    argv = ["bench", "worker", "--quick", "--backends", "torch", "--json", str(path)]
+    assert cli.main(argv) == 0
+    report = orjson.loads(path.read_bytes())
+    if not torch.cuda.is_available():  # the Worker's path on a CPU
+        assert report["paged_path"] == {"attention": "torch", "cuda_graphs": False}
+    assert set(report["backends"]) == {"torch"}
+    torch_side = report["backends"]["torch"]
+    assert torch_side["prefill_ms"] > 0 and torch_side["decode_step_ms"] > 0
+    assert torch_side["greedy_tokens_equal_to_first"] == 1.0
+    roof = report["roofline"]
+    assert roof["copy_bandwidth_gb_s"] > 0 and roof["decode_step_bytes"] > 0
+    assert roof["decode_floor_ms"] == pytest.approx(
+        roof["decode_step_bytes"] / (roof["copy_bandwidth_gb_s"] * 1e9) * 1e3
+    )
+    assert set(roof["ratio_to_floor"]) == {"paged", "torch"}
+    assert roof["ratio_to_floor"]["torch"] == pytest.approx(
+        torch_side["decode_step_ms"] / roof["decode_floor_ms"]
+    )
+    out = capsys.readouterr().out
+    assert "roofline: a decode step reads" in out and "x the floor" in out
+
+
+def test_an_unknown_worker_bench_backend_is_refused_naming_the_known_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["bench", "worker", "--quick", "--backends", "torch,flash"]) == 2
+    assert "--backends: unknown ['flash']; known: torch, triton, triton+graphs" in (
+        capsys.readouterr().err
+    )
+
+
 def test_a_worker_bench_of_both_a_checkpoint_and_a_preset_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -134,6 +170,9 @@ def test_on_cuda_a_quick_worker_bench_runs_both_sides_there_with_equal_greedy_to
     assert report["device"] == torch.cuda.get_device_name()
     assert report["logits_check"]["passed"] and report["decode_greedy_tokens_equal"] == 1.0
     assert all(report["tok_s"][phase]["paged"] > 0 for phase in ("prefill", "decode"))
+    assert report["paged_path"] == {"attention": "triton", "cuda_graphs": True}
+    assert set(report["backends"]) == {"torch", "triton", "triton+graphs"}
+    assert all(v["greedy_tokens_equal_to_first"] == 1.0 for v in report["backends"].values())
 
 
 def test_without_transformers_the_worker_bench_says_so_and_exits_2(
