@@ -42,6 +42,16 @@ class SchedConfig:
         " max_position_embeddings",
         ge=0,
     )
+    # 2 is what a GPU wants: the Engine plans step N+1 while step N runs, and a sequence's
+    # next input may be "the token step N sampled" (Piece.pending_from). A prefill instance
+    # and tensor parallelism run one at a time (SchedulerConfig.steps_in_flight says why).
+    steps_in_flight: int = setting(
+        1,
+        "step plans in flight on the step lane: 1 (plan after each result) or 2 (plan step "
+        "N+1 while step N runs; what a GPU wants)",
+        ge=1,
+        le=2,
+    )
 
 
 def max_model_len(settings: SchedConfig, max_position: int) -> int:
@@ -84,6 +94,12 @@ class SchedulerConfig:
     # A prefill instance (engine.role): a finishing request's full blocks are written to
     # storage and the request held until they are (sched/handovers.py).
     handover: bool = False
+    # Steps planned ahead of their inputs: sched.steps_in_flight, or 1 where that cannot
+    # hold (actors/engine/sched_settings.py): a prefill instance writes a finishing
+    # request's blocks at its last token, which must not have a decode after it; under
+    # tensor parallelism only rank 0 samples, so the other ranks lack the token a step
+    # planned ahead takes as its input.
+    steps_in_flight: int = 1
 
     def __post_init__(self) -> None:
         preemption = self.sched.preemption
@@ -93,5 +109,7 @@ class SchedulerConfig:
             raise ValueError("sched.preemption = 'swap' needs a host tier (cache.host_blocks > 0)")
         if preemption == "save" and not self.tiers.storage:
             raise ValueError("sched.preemption = 'save' needs a storage tier (cache.storage)")
+        if self.steps_in_flight not in (1, 2):
+            raise ValueError(f"sched.steps_in_flight must be 1 or 2, got {self.steps_in_flight}")
         if self.handover and not self.tiers.storage:
             raise ValueError("a prefill instance needs a storage tier (cache.storage)")

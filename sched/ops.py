@@ -43,7 +43,13 @@ class Opening:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Piece:
     """One sequence's share of a step: a prefill chunk (any length >= 1), or the one token
-    of a decode."""
+    of a decode.
+
+    A decode planned while the step before it runs (``sched.steps_in_flight = 2``) may
+    take as its input the token that step samples for the sequence, which the scheduler
+    does not know yet: ``pending_from`` names that step, and ``token_ids`` holds a
+    placeholder that the Worker replaces with the token it sampled there before it reads
+    the piece (a Worker that lacks it rejects the step)."""
 
     seq_id: int  # the scheduler's id of the sequence, echoed with its sampled token
     token_ids: tuple[int, ...]  # tokens at positions start .. start + len - 1
@@ -51,6 +57,7 @@ class Piece:
     block_table: tuple[int, ...]  # device blocks covering positions 0 .. start + len - 1
     sample: bool  # the piece ends the known tokens: sample the next one
     opening: Opening | None = None  # the sequence's first piece since it was admitted
+    pending_from: int = 0  # > 0: its one token is the one step pending_from sampled for it
 
     @property
     def end(self) -> int:

@@ -53,6 +53,23 @@ class PieceMaker:
             opening=None if seq.opened else self._opening(seq, tokens, start),
         )
 
+    def make_pending(self, seq: Sequence, step: int) -> Piece:
+        """The decode of the token step ``step`` (in flight) samples for the sequence, at
+        the position after its known tokens: a placeholder token with ``pending_from``
+        (:class:`Piece`). Nothing counts as computed and nothing is queued for keying
+        until that token is applied (:meth:`Scheduler.on_step`); the sequence's block
+        table must already cover the position, and its Opening was sent already."""
+        start = seq.request.num_tokens
+        end = start + 1
+        return Piece(
+            seq_id=seq.seq_id,
+            token_ids=(0,),
+            start=start,
+            block_table=tuple(seq.blocks[: -(-end // self._bs)]),
+            sample=True,
+            pending_from=step,
+        )
+
     @staticmethod
     def _opening(seq: Sequence, tokens: tuple[int, ...], start: int) -> Opening:
         """What the Worker keeps of the sequence (:class:`Opening`); it is open from now."""

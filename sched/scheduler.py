@@ -1,10 +1,10 @@
 """The continuous-batching scheduler: requests in, fenced ops out. Pure and deterministic.
 
-The engine calls :meth:`Scheduler.schedule` whenever the step lane is idle; it
-returns the ops to issue, in issue order: the transfer ops that admission,
-preemption and demotion need, then at most one step. The engine applies the step's
-result with :meth:`on_step` and transfer completions with :meth:`on_transfer`, then
-schedules again. Nothing here reads a clock or does I/O (the storage presence object
+The engine calls :meth:`Scheduler.schedule` whenever the step lane has room
+(:attr:`can_schedule`); it returns the ops to issue, in issue order: the transfer ops
+that admission, preemption and demotion need, then at most one step. The engine applies
+the step's result with :meth:`on_step` and transfer completions with :meth:`on_transfer`,
+then schedules again. Nothing here reads a clock or does I/O (the storage presence object
 the caller passes is the one exception, and its answers only steer reuse, never
 correctness); the same calls in the same order give the same ops.
 
@@ -34,6 +34,22 @@ Preempted requests go back to the head of the waiting queue, oldest first. A ste
 KV counts as computed when the step is issued ("free at issue, fence at use"): the
 fences order every later op that touches its blocks after it. The blocks it fills get
 their keys once it is issued (:class:`ringfence.sched.pieces.PieceMaker`).
+
+With ``sched.steps_in_flight = 2`` the engine may schedule step N+1 while step N runs
+(a GPU's device then never waits for the engine). A running sequence whose piece in N
+samples a token gets a decode in N+1 whose input is that token, still unknown here
+(``Piece.pending_from``; the Worker puts it in), with blocks for its position as for any
+decode; none is planned for a sequence N's token brings to ``max_tokens``, nor for one
+with a structured output (on a device the grammar's mask for N+1 needs N's token on the
+host first). :meth:`on_step` for N applies N's tokens: the one N+1 decodes counts as
+computed then (its full block keyed), and a sequence N finishes has N+1's token dropped
+(its blocks are freed at once, fenced like any other op's). A sequence in a step in
+flight is never preempted for the next one (its token would come for a sequence no
+longer running; a failed step's bookkeeping would find it requeued). If N did not come
+back ``ok``, N+1 is void: every sequence of it that still runs is computed again
+(requeued, its copies forgotten, not counted as a failure of its own), and N+1's result,
+whatever it says, is dropped; the Worker fails a step whose pending token it lacks,
+spoiling what it would write, as a failed step does.
 
 Blocks are the :class:`BlockManager`'s: the scheduler allocates, holds and releases
 them, and issues ops, through its methods only, never through its pools.
@@ -113,7 +129,11 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()  # waiting, prefetching and preempted
         self._running: list[Sequence] = []  # in admission order
         self._next_seq = 0
-        self._step_in_flight: StepOp | None = None
+        # Steps issued, results not applied yet, oldest first (sched.steps_in_flight of them
+        # at most), and those a failed step before them voided (see on_step).
+        self._in_flight: deque[StepOp] = deque()
+        self._void: set[int] = set()
+        self._busy: frozenset[int] = frozenset()  # sequences of the steps in flight (schedule)
         self.reservations = Reservations(self._bs, config.sched.reserve_blocks)
         self.handovers = HandOvers(self.blocks, self._pieces, self._bs)  # handover only
 
@@ -244,28 +264,44 @@ class Scheduler:
     def schedule(self) -> list[Op]:
         """The ops of the next step, in issue order (empty when nothing can run now).
 
-        Call only when the previous step's result has been applied.
+        Call only while :attr:`can_schedule`: with one step in flight (two allowed), a
+        sequence whose token it samples may get a decode of that token (module doc).
         """
-        if self._step_in_flight is not None:
-            raise RuntimeError("schedule() called with a step in flight")
+        if not self.can_schedule:
+            raise RuntimeError(
+                f"schedule() called with {len(self._in_flight)} steps in flight, "
+                f"sched.steps_in_flight is {self.config.steps_in_flight}"
+            )
+        behind = self._in_flight[-1].step if self._in_flight else 0
+        self._busy = frozenset(p.seq_id for op in self._in_flight for p in op.pieces)
         budget = self.config.sched.max_batched_tokens
         pieces: list[Piece] = []
         scheduled: set[int] = set()
-        decoding = [s for s in self._running if self._wanted(s) == 1]
+        decoding = [s for s in self._running if self._wanted(s) == 1 or self._follows(s, behind)]
         prefilling = [s for s in self._running if self._wanted(s) > 1]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
             if seq not in self._running:  # preempted for an earlier one in this loop
                 continue
-            piece = self._grow(seq, min(self._wanted(seq), budget), scheduled)
+            if self._wanted(seq) == 0:  # its input is the token the step behind samples
+                piece = self._grow_pending(seq, behind, scheduled)
+            else:
+                piece = self._grow(seq, min(self._wanted(seq), budget), scheduled)
             if piece is not None:
                 pieces.append(piece)
                 scheduled.add(seq.seq_id)
                 budget -= len(piece.token_ids)
         budget = self._admission.admit(self._waiting, self._running, budget, pieces, scheduled)
         if pieces:
-            self._step_in_flight = self.blocks.issue_step(pieces, self._pieces.take_closed())
+            step = self.blocks.issue_step(pieces, self._pieces.take_closed())
+            self._in_flight.append(step)
+            for piece in pieces:
+                seq = self._seqs[piece.seq_id]
+                if piece.pending_from:
+                    seq.pending_in = step.step
+                elif piece.sample:
+                    seq.sampled_by = step.step
             self.counters.steps += 1
             self.counters.batched_tokens += self.config.sched.max_batched_tokens - budget
         self._pieces.key_filled(self.blocks)  # after the step: see ringfence.sched.pieces
@@ -285,24 +321,57 @@ class Scheduler:
         """Tokens the sequence could compute now: all known tokens without KV."""
         return seq.request.num_tokens - seq.request.num_computed_tokens
 
-    def _grow(self, seq: Sequence, count: int, scheduled: set[int]) -> Piece | None:
-        """A piece of ``count`` tokens (fewer if blocks run short) for a running sequence,
-        allocating its blocks, preempting newer sequences if it must."""
+    def _follows(self, seq: Sequence, behind: int) -> bool:
+        """Whether the sequence gets a decode of the token step ``behind`` (in flight)
+        samples for it: one more is wanted after that token, and no grammar waits for it."""
         r = seq.request
-        start = r.num_computed_tokens
-        need = -(-(start + count) // self._bs) - len(seq.blocks)
+        return (
+            behind > 0
+            and seq.sampled_by == behind
+            and not seq.pending_in
+            and r.num_output_tokens + 1 < r.params.max_tokens
+            and r.params.structured is None
+        )
+
+    def _grow(self, seq: Sequence, count: int, scheduled: set[int]) -> Piece | None:
+        """A piece of ``count`` tokens for a running sequence, allocating its blocks,
+        preempting newer sequences if it must (None if the blocks cannot be had)."""
+        start = seq.request.num_computed_tokens
+        if not self._room(seq, start + count, scheduled):
+            return None
+        return self._pieces.make(seq, count)
+
+    def _grow_pending(self, seq: Sequence, behind: int, scheduled: set[int]) -> Piece | None:
+        """The decode of the token step ``behind`` samples for the sequence (module doc),
+        its block allocated as for any decode (None if it cannot be had)."""
+        if not self._room(seq, seq.request.num_tokens + 1, scheduled):
+            return None
+        return self._pieces.make_pending(seq, behind)
+
+    def _room(self, seq: Sequence, end: int, scheduled: set[int]) -> bool:
+        """Blocks for the sequence's positions up to ``end``, preempting the newest running
+        sequence in neither this step nor one in flight while none are free. False if
+        there is none to preempt, or the sequence itself was."""
+        need = -(-end // self._bs) - len(seq.blocks)
         while need > 0:
             new = self.blocks.allocate_device(need)
             if new is not None:
                 seq.blocks.extend(new)
                 break
-            victim = next((s for s in reversed(self._running) if s.seq_id not in scheduled), None)
+            victim = next(
+                (
+                    s
+                    for s in reversed(self._running)
+                    if s.seq_id not in scheduled and s.seq_id not in self._busy
+                ),
+                None,
+            )
             if victim is None:
-                return None
+                return False
             self._preempt(victim)
             if victim is seq:
-                return None
-        return self._pieces.make(seq, count)
+                return False
+        return True
 
     # Preemption.
 
@@ -339,16 +408,20 @@ class Scheduler:
         self, step: int, status: str, outputs: Iterable[tuple[int, int]]
     ) -> tuple[list[Emitted], list[Request]]:
         """Apply step ``step``'s result: (seq_id, token_id) pairs. Returns what each request
-        produced, and the requests that a failed step ended (aborted; see the module doc)."""
-        op = self._step_in_flight
+        produced, and the requests that a failed step ended (aborted; see the module doc).
+        Results come in step order; a voided step's is dropped (see the module doc)."""
+        op = self._in_flight[0] if self._in_flight else None
         if op is None or op.step != step:
-            raise RuntimeError(f"result of step {step}, but the step in flight is {op}")
-        self._step_in_flight = None
+            raise RuntimeError(f"result of step {step}, but the oldest step in flight is {op}")
+        self._in_flight.popleft()
+        if step in self._void:
+            self._void.discard(step)
+            return [], []
         if status != "ok":
             failed = []
             for piece in op.pieces:
                 seq = self._seqs.get(piece.seq_id)
-                if seq is None or seq.request.is_finished:
+                if seq is None or seq.request.state is not RequestState.RUNNING:
                     continue
                 # What the step wrote is spoiled, and so is every copy made of it since.
                 self.blocks.forget_copies(seq.blocks, seq.keys)
@@ -359,18 +432,55 @@ class Scheduler:
                     self.counters.retries += 1
                 else:
                     failed.append(self.abort(seq.request.request_id))
+            self._void_next()
             return [], [r for r in failed if r is not None]
         emitted = []
         for seq_id, token in outputs:
             seq = self._seqs.get(seq_id)
             if seq is None or seq.request.state is not RequestState.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran (or finished: a dropped token)
             seq.failed_steps = 0  # a token came: the retries are for failures in a row
             reason = seq.request.append_output(token)
+            seq.sampled_by = 0
+            if seq.pending_in and reason is None:  # the step in flight decodes this token
+                self._took_pending(seq)
             if reason is not None:
                 self._finish(seq)
             emitted.append(Emitted(seq.request, (token,), reason is not None, seq.seq_id))
+        for piece in op.pieces:  # a decode in flight must not wait for a token never sent
+            seq = self._seqs.get(piece.seq_id)
+            if seq is not None and seq.pending_in and seq.sampled_by == step:
+                raise RuntimeError(
+                    f"step {step}'s result has no token for sequence {seq.seq_id}, whose "
+                    f"decode in step {seq.pending_in} takes it"
+                )
+        self._pieces.key_filled(self.blocks)  # the blocks pending decodes fill (issued)
         return emitted, []
+
+    def _took_pending(self, seq: Sequence) -> None:
+        """The token just applied is the input of the sequence's decode in the step in
+        flight: its KV counts as computed from now on, and a block it fills is keyed now
+        (the step that fills it is issued: see ``sched.pieces``)."""
+        r = seq.request
+        r.num_computed_tokens += 1
+        seq.sampled_by, seq.pending_in = seq.pending_in, 0
+        self._pieces.queue_keys(seq, r.all_token_ids, r.num_computed_tokens // self._bs)
+
+    def _void_next(self) -> None:
+        """A step failed with the next one in flight: that one may take tokens the failed
+        one never sampled (the Worker fails it then), so it is void (its result will be
+        dropped), and every sequence of it still running is computed again, copies of its
+        blocks forgotten (what it writes may be spoiled, as a failed step's)."""
+        for op in self._in_flight:
+            self._void.add(op.step)
+            for piece in op.pieces:
+                seq = self._seqs.get(piece.seq_id)
+                if seq is None or seq.request.state is not RequestState.RUNNING:
+                    continue
+                self.blocks.forget_copies(seq.blocks, seq.keys)
+                self._journal.record("retry", seq, computed=seq.request.num_computed_tokens)
+                self._requeue(seq)
+                self.counters.retries += 1
 
     def _finish(self, seq: Sequence) -> None:
         self._running.remove(seq)
@@ -422,7 +532,8 @@ class Scheduler:
         Numbers and fences go on: a new op on a block an old op touched still waits for
         that op's watermark, which the old op's cancellation advances.
         """
-        self._step_in_flight = None
+        self._in_flight.clear()
+        self._void.clear()
         for lane, number in list(self.blocks.issuer.inflight):
             seq = self._admission.prefetches.get(number) if lane is Lane.STORE else None
             if seq is None:
@@ -446,6 +557,7 @@ class Scheduler:
         self.blocks.free_device(seq.blocks)
         seq.blocks, seq.num_keyed = [], 0
         seq.opened = False  # its next piece opens it again, from wherever it resumes
+        seq.sampled_by = seq.pending_in = 0  # a token of a step in flight is not applied
         seq.request.num_computed_tokens = 0
         seq.request.transition(RequestState.PREEMPTED)
         self._running.remove(seq)
@@ -457,8 +569,18 @@ class Scheduler:
 
     @property
     def step_in_flight(self) -> StepOp | None:
-        """The step issued whose result has not been applied yet."""
-        return self._step_in_flight
+        """The oldest step issued whose result has not been applied yet."""
+        return self._in_flight[0] if self._in_flight else None
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps issued whose results have not been applied yet."""
+        return len(self._in_flight)
+
+    @property
+    def can_schedule(self) -> bool:
+        """Whether :meth:`schedule` may be called: fewer steps in flight than allowed."""
+        return len(self._in_flight) < self.config.steps_in_flight
 
     @property
     def idle(self) -> bool:

@@ -43,6 +43,11 @@ class Sequence:
     from_storage: set[BlockHash] = field(default_factory=set)  # prefetched keys, for counting
     failed_steps: int = 0  # its steps that failed since its last token (Scheduler.on_step)
     opened: bool = False  # a piece since its admission carried its Opening to the Worker
+    # Two steps in flight (sched.steps_in_flight = 2): the step in flight that samples its
+    # next token (0: none), and the step in flight whose decode takes that token as its
+    # input before the scheduler learns it (0: none; Piece.pending_from).
+    sampled_by: int = 0
+    pending_in: int = 0
 
     def take_holds(self) -> list[BlockId]:
         """The host blocks it holds a reference on (its held copies, then its tail's block),

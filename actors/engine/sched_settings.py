@@ -25,7 +25,9 @@ def sched_config(
     config: SchedSections, model_id: str, max_position: int, vocab_size: int = 1 << 31
 ) -> SchedulerConfig:
     """The scheduler's settings: ``[sched]``, ``[cache]`` and the model's identity and limits
-    (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``). ValueError
+    (the model's ``ModelInfo.model_id``, ``max_position`` and ``vocab_size``), and the steps
+    it may keep in flight (``sched.steps_in_flight``, 1 for a prefill instance or under
+    tensor parallelism). ValueError
     where ``sched.max_model_len`` is past the model's ``max_position``."""
     cache = config.cache
     storage = cache.storage.backend != NO_TIER
@@ -39,11 +41,14 @@ def sched_config(
         host_eviction=cache.host_eviction,
         poison_freed=cache.poison_freed,
     )
+    prefill, tp = config.engine.role == "prefill", config.parallel.tp_size
     return SchedulerConfig(
         sched=config.sched,
         tiers=tiers,
         namespace=block_fingerprint(config, model_id).digest(),
         max_model_len=max_model_len(config.sched, max_position),
         vocab_size=vocab_size,
-        handover=config.engine.role == "prefill",
+        handover=prefill,
+        # One at a time where two cannot hold (SchedulerConfig.steps_in_flight says why).
+        steps_in_flight=1 if prefill or tp > 1 else config.sched.steps_in_flight,
     )
