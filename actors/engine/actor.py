@@ -8,7 +8,8 @@ and its client of the storage tier (:mod:`.storage`), then runs a loop made of m
 - requests arrive from a workload (``engine.workload``: timers at their ``arrival_s``) or
   from clients (:class:`ClientHub`), and become the scheduler's requests (:mod:`.intake`;
   the handlers in :mod:`.requests_in`);
-- whenever the step lane is idle, :meth:`Scheduler.schedule` gives the next ops; the
+- whenever the step lane has room (one step in flight, or two with
+  ``sched.steps_in_flight = 2``), :meth:`Scheduler.schedule` gives the next ops; the
   ledger (:mod:`.ledger`) sends them in issue order to every rank while the lane has
   credit, so no result ring ever fills (in ``transfer.mode = "sync"`` an op is held until
   every op its fence names is complete, then sent with no fence);
@@ -98,6 +99,7 @@ class Engine(RequestsIn):
             sync=config.transfer.mode == "sync",
             send_all=self.send_all_many,
             log=self.log,
+            step_credits=config.sched.steps_in_flight,
         )
         self.intake = Intake(config)
         self.outputs = Outputs(self.clients, self.log, self.now)
@@ -261,10 +263,12 @@ class Engine(RequestsIn):
     # Issuing.
 
     def _kick(self) -> None:
-        """Schedule the next step if the step lane is idle, then send what has credit."""
+        """Schedule steps while the step lane has room (``sched.steps_in_flight``: with 2,
+        step N+1 is planned as soon as N is issued, so the Worker finds it in its ring
+        when N ends), then send what has credit."""
         scheduler = self.scheduler
         if scheduler is not None and not self.done and not self.regrouping:
-            if scheduler.step_in_flight is None and not scheduler.idle:
+            while scheduler.can_schedule and not scheduler.idle:
                 ops = scheduler.schedule()
                 self.ledger.queue(ops, self.epoch)
                 if self.log.tracing:
@@ -273,6 +277,8 @@ class Engine(RequestsIn):
                         ops=[[str(op.lane), op.number] for op in ops],
                         decisions=[list(d) for d in scheduler.take_decisions()],
                     )
+                if not any(op.lane is Lane.STEP for op in ops):
+                    break  # nothing more to plan until a result or a completion comes
             self.ledger.pump()
         self._flush()
         self._maybe_end()

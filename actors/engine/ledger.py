@@ -28,7 +28,8 @@ from ringfence.cache.fences import NO_WAIT, Access, Lane
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.ops import Op, StepOp, SwapOp
 
-CREDITS = {Lane.STEP: 1, Lane.SWAP: 8, Lane.STORE: 8}  # ops in flight per lane and rank
+# Ops in flight per lane and rank; the step lane's is sched.steps_in_flight (Ledger).
+CREDITS = {Lane.STEP: 1, Lane.SWAP: 8, Lane.STORE: 8}
 TARGET = {Lane.STEP: "worker", Lane.SWAP: "swap", Lane.STORE: "store"}
 LANE_OF = {"swap": Lane.SWAP, "store": Lane.STORE}
 _WORST = ("ok", "cancelled", "failed", "rejected")  # the status of an op whose ranks differ
@@ -66,10 +67,14 @@ class _Lane:
 
 
 class Ledger:
-    """See the module docstring. ``ranks``: the executors of each lane."""
+    """See the module docstring. ``ranks``: the executors of each lane; ``step_credits``:
+    steps in flight (``sched.steps_in_flight``; the scheduler plans no more than that)."""
 
-    def __init__(self, ranks: int, *, sync: bool, send_all: SendAll, log: ActorLog) -> None:
+    def __init__(
+        self, ranks: int, *, sync: bool, send_all: SendAll, log: ActorLog, step_credits: int = 1
+    ) -> None:
         self.ranks, self.sync, self.send_all, self.log = ranks, sync, send_all, log
+        self.credits = CREDITS | {Lane.STEP: step_credits}
         self.lanes = {lane: _Lane(completed=dict.fromkeys(range(ranks), 0)) for lane in Lane}
         self.first = dict.fromkeys(Lane, 1)  # each lane's first op number (see begin)
         # The scheduler's declared sets of an op, for op.issue (the engine sets it when tracing).
@@ -113,7 +118,7 @@ class Ledger:
         mode, whose fence's ops are all complete)."""
         for lane, state in self.lanes.items():
             batch: list[object] = []  # one put_many a rank: the lane's executor wakes once
-            while state.queue and self.in_flight(lane) < CREDITS[lane]:
+            while state.queue and self.in_flight(lane) < self.credits[lane]:
                 op, epoch = state.queue[0]
                 sent = op
                 if self.sync:

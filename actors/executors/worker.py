@@ -9,10 +9,12 @@ watermarks, fences") strictly in order, ``s = 1, 2, ...``. For each plan it
 2. waits, sleeping on its own doorbell, until every watermark named in the plan's
    fence has reached it: a step never reads a block before the swap-in that fills it
    is done (I1), and the swap-outs and write-backs it must not overtake are done (I3);
-3. fills the plan's ``poison`` blocks with NaN, runs the pieces as one mixed batch,
-   samples the next token of every piece that asks for one (non-finite logits fail
-   the step); a step that raises fills the blocks it was writing with NaN, so that
-   nothing fenced on it copies half-computed KV as valid (see ``actors/executors/transfer.py``);
+3. puts in the tokens its last step sampled for the decodes planned before them (a
+   plan naming tokens it lacks fails: pending.py), fills the plan's ``poison`` blocks
+   with NaN, runs the pieces as one mixed batch, samples the next token of every piece
+   that asks for one (non-finite logits fail the step); a step that raises fills the
+   blocks it was writing with NaN, so that nothing fenced on it copies half-computed
+   KV as valid (see ``actors/executors/transfer.py``);
 4. advances ``step_done`` (every step <= s finished, KV writes included) and only
    then sends the :class:`StepResult` with the step number and the plan's epoch.
 
@@ -36,6 +38,7 @@ import time
 import torch
 
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
+from ringfence.actors.executors.pending import SampledTokens
 from ringfence.actors.executors.ranks import StepGate
 from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler
 from ringfence.actors.executors.timing import StepTimer
@@ -98,6 +101,7 @@ class Worker(LaneExecutor):
         self.cuda = self.space.kv.device.type == "cuda"
         self.timer = StepTimer(self.space.kv.device)
         self.steps = 0
+        self.sampled = SampledTokens()  # the last step's tokens, for plans made before them
         self.log.info(
             "worker.ready",
             model_id=self.info.model_id,
@@ -229,6 +233,7 @@ class Worker(LaneExecutor):
         self.begin_touches()
         try:
             with self.exclusive():
+                plan = self.sampled.resolve(plan)  # the last step's tokens put in (pending.py)
                 outputs, prompt_logprobs = self._execute(plan)
         except Exception as e:  # it ran part way: the lane moves on, the engine is told
             # What it wrote is spoiled before step_done moves: a swap-out or write-back
@@ -335,6 +340,7 @@ class Worker(LaneExecutor):
     ) -> None:
         """Advance step_done past the plan, then report it."""
         self.steps += 1
+        self.sampled.keep(plan.step, ((t.seq_id, t.token_id) for t in outputs))
         self.sampler.close(plan.closed)  # whatever the status: forgetting is always safe
         self.log_touches(plan.step, plan.epoch)
         reduce_ns, reduces = self.group.take_reduce_ns()

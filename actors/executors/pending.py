@@ -1,0 +1,71 @@
+"""The tokens the Worker sampled in its last step, for the decodes planned before they were
+known (``sched.steps_in_flight = 2``; ``Piece.pending_from``).
+
+The engine plans step N+1 while step N runs, so a decode of N+1 may name "the token step
+N sampled for this sequence" instead of a token. The Worker runs its steps in lane order
+and keeps the tokens of the one it ran last (by sequence id); once the plan's fence is
+reached it puts them in. A plan naming another step, or a sequence that step sampled
+nothing for (it failed, was rejected or cancelled, or the Worker restarted since), cannot
+run: :class:`MissingToken` makes it fail as a step that raises does, its error naming
+what was missing, and so it spoils the blocks it would have written. Not a rejection
+that touches nothing: a swap-out or write-back fenced on it, issued before the engine
+learned that step N failed, would otherwise copy the blocks' older KV as this step's and
+store it under this step's keys (the model checker's ``MUT_PENDING_UNSPOILED``). The
+scheduler, which learned that step N did not come back ``ok``, has already voided N+1
+(sched/scheduler.py).
+
+On a CPU the tokens are on the host when N ends; on a GPU the point of two in flight is
+to launch N+1 before N's tokens reach the host, which needs them kept on the device
+(an index into the last step's sampled ids) and N's copy to the host overlapped with
+N+1's launch: this module is where that buffer will live.
+
+Owned by the Worker's actor thread; not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from ringfence.sched.ops import StepOp
+from ringfence.shm.errors import RingfenceError
+
+
+class MissingToken(RingfenceError, LookupError):
+    """A plan takes a token the Worker did not sample in the last step it ran."""
+
+
+class SampledTokens:
+    """The last step run and the token it sampled for each sequence (empty if it failed)."""
+
+    def __init__(self) -> None:
+        self._step = 0
+        self._tokens: dict[int, int] = {}
+
+    def keep(self, step: int, sampled: Iterable[tuple[int, int]]) -> None:
+        """Step ``step`` ended with these (seq_id, token_id); nothing when it was not ok."""
+        self._step, self._tokens = step, dict(sampled)
+
+    def resolve(self, plan: StepOp) -> StepOp:
+        """The plan with each pending input replaced by its token; MissingToken naming the
+        sequence and the step if one is not here."""
+        if not any(p.pending_from for p in plan.pieces):
+            return plan
+        pieces = []
+        for p in plan.pieces:
+            if not p.pending_from:
+                pieces.append(p)
+                continue
+            if p.pending_from != self._step:
+                raise MissingToken(
+                    f"sequence {p.seq_id} takes the token step {p.pending_from} sampled, "
+                    f"but the last step this Worker ran is {self._step}"
+                )
+            token = self._tokens.get(p.seq_id)
+            if token is None:
+                raise MissingToken(
+                    f"sequence {p.seq_id} takes the token step {p.pending_from} sampled, "
+                    "which sampled none for it (the step did not come back ok)"
+                )
+            pieces.append(replace(p, token_ids=(token,), pending_from=0))
+        return replace(plan, pieces=tuple(pieces))
