@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import random
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -41,7 +42,12 @@ import orjson
 
 from ringfence.actors.tools.bench.decode_launch import Shape, launch_figures
 from ringfence.actors.tools.bench.decode_report import print_report, write_plot
-from ringfence.actors.tools.bench.options import add_counts, environment, resolve_counts
+from ringfence.actors.tools.bench.options import (
+    add_counts,
+    add_overrides,
+    environment,
+    resolve_counts,
+)
 
 if TYPE_CHECKING:
     from ringfence.actors.model.shape import ModelShape
@@ -85,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a launch may take")
     parser.add_argument("--folder", type=Path, help="where the run dirs go (a temporary folder)")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of the figures")
+    add_overrides(parser, "the model's, the batch's and the pool's")
 
 
 def seqs_of(args: argparse.Namespace, cuda: bool) -> tuple[int, ...]:
@@ -135,6 +142,7 @@ def bench_decode(
         "model": {"preset": preset, "checkpoint": args.model, "dtype": dtype, "parameters": None},
         "counts": counts,
         "log_level": args.log_level,
+        "overrides": list(args.overrides),
         "copy_bandwidth_gb_s": None,
         "points": points,
     }
@@ -148,7 +156,7 @@ def bench_decode(
         )
         trace = args.log_level == "trace"
         launched = launch_figures(
-            folder, run, model_set, trace=trace, timeout=args.timeout, env=env
+            folder, run, [*model_set, *args.overrides], trace=trace, timeout=args.timeout, env=env
         )
         points.append({"seqs": n, "launch": launched})
         save(report)
@@ -205,6 +213,10 @@ def _roofline(floor: dict[str, float], point: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ValueError(f"--device: {args.device!r} is neither cpu nor cuda")
@@ -222,7 +234,13 @@ def main(args: argparse.Namespace) -> int:
         if path is not None:
             path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
 
-    report = bench_decode(args, transformers, save)
+    # Stopped by SIGTERM (a timeout), the launch in flight is killed with its process
+    # group as on Ctrl-C (launcher.run), not left running on the device.
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        report = bench_decode(args, transformers, save)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_report(report)
     if args.plot is not None:
         write_plot(args.plot, report)

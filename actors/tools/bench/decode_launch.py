@@ -16,7 +16,8 @@ that nothing waits for room. From its files:
 A step of steady decode (every one of the ``seqs`` sequences decoding one token) lasts from
 its issue to the next one's, and is split into ``forward`` and ``sampling`` (the Worker's),
 ``engine`` (from the result received to the next step issued: applying it, scheduling,
-planning) and ``idle``, the rest: the rings both ways and the Worker's own checks and
+planning; none where the next step was issued first, as with ``sched.steps_in_flight``
+2) and ``idle``, the rest: the rings both ways and the Worker's own checks and
 bookkeeping around the forward. At the info level the engine's lines are absent: the step
 runs from one ``step.done`` to the next and ``engine`` and ``idle`` are one figure,
 ``between``. ``device_busy`` is the forward's share of the steady decode's wall time: on
@@ -72,34 +73,35 @@ def write_workload(path: Path, shape: Shape) -> None:
     path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
 
 
-def settings(shape: Shape, model: Sequence[str], *, trace: bool) -> list[str]:
-    """The launch's ``--set`` overrides: the model's (``model``), then the batch and the pool."""
+def settings(shape: Shape, given: Sequence[str], *, trace: bool) -> list[str]:
+    """The launch's ``--set`` overrides: the batch's, the pool's and the log level, then
+    ``given`` (the model's, and the user's, which win)."""
     per_seq = -(-(shape.prompt_tokens + shape.output_tokens) // BLOCK_SIZE)
     prefill = shape.seqs * shape.prompt_tokens
     return [
-        *model,
         f"sched.max_num_seqs={shape.seqs}",
         f"sched.max_batched_tokens={max(shape.prompt_tokens, min(prefill, MAX_BATCHED))}",
         f"cache.device_blocks={shape.seqs * per_seq + shape.seqs}",  # ample: one spare each
         "cache.storage.backend=none",  # nothing to keep: the requests never come back
         f"runtime.log_level={'trace' if trace else 'info'}",
+        *given,
     ]
 
 
 def launch_figures(
-    folder: Path, shape: Shape, model: Sequence[str], *, trace: bool, timeout: float,
+    folder: Path, shape: Shape, given: Sequence[str], *, trace: bool, timeout: float,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Launch the requests of ``shape`` in a run dir under ``folder`` and read its figures
-    (see the module docstring). RunError naming the run when it fails or a request is
-    cut short."""
+    """Launch the requests of ``shape`` in a run dir under ``folder``, with the ``--set``
+    overrides ``given`` after its own, and read its figures (see the module docstring).
+    RunError naming the run when it fails or a request is cut short."""
     folder.mkdir(parents=True, exist_ok=True)
     workload = folder / f"decode-{shape.seqs}.jsonl"
     write_workload(workload, shape)
     run_dir = folder / f"run-{shape.seqs}"
     done = launcher.run(
         run_dir,
-        settings(shape, model, trace=trace),
+        settings(shape, given, trace=trace),
         what=f"decode launch at {shape.seqs} seqs",
         timeout=timeout,
         workload=str(workload),
@@ -163,7 +165,10 @@ def step_split(
         if engine is None and step + 1 in ended:
             row |= {"step": ended[step + 1] - ended[step], "engine": None, "idle": None}
         elif engine is not None and {step, step + 1} <= issued.keys() and step in received:
-            cycle, engine_ns = issued[step + 1] - issued[step], issued[step + 1] - received[step]
+            # With two steps in flight the next one may be issued before this one's result
+            # came: then no engine time lies on the step's path.
+            cycle = issued[step + 1] - issued[step]
+            engine_ns = max(issued[step + 1] - received[step], 0)
             idle = cycle - forward - (sample or 0) - engine_ns
             row |= {"step": cycle, "engine": engine_ns, "idle": idle}
         else:

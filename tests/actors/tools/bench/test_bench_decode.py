@@ -72,6 +72,19 @@ def test_without_the_engines_lines_engine_and_idle_are_one_figure_and_exec_count
     assert split["between_ms"] == pytest.approx(6.0)
 
 
+def test_a_step_issued_before_the_last_ones_result_puts_no_engine_time_on_its_path():
+    # Two steps in flight: step 3 is issued (12 ms) before step 2's result comes (19.5 ms).
+    worker = [
+        worker_line(s, 10.0 * s, seqs=1, exec_ms=6.0, forward=5.0, sample=1.0) for s in (2, 3)
+    ]
+    engine = [*engine_lines(2, 2.0, 19.5), *engine_lines(3, 12.0, 29.5)]
+    engine.append({"event": "op.issue", "lane": "step", "op": 4, "mono_ns": 22 * MS})
+    split = step_split(worker, engine, seqs=1)
+    assert split["steady_steps"] == 2 and split["step_ms"] == pytest.approx(10.0)
+    assert split["parts_ms"]["engine"] == pytest.approx(0.0)
+    assert split["parts_ms"]["idle"] == pytest.approx(4.0)
+
+
 def test_a_run_with_no_step_where_every_sequence_decodes_is_refused():
     worker = [{**worker_line(1, 5.0, seqs=2, exec_ms=4.0), "tokens": 16}]
     with pytest.raises(RunError, match="no steady decode step of 2 sequences"):
@@ -87,9 +100,15 @@ def test_the_workload_is_the_engines_format_all_arriving_at_once(tmp_path: Path)
         assert r.arrival_s == 0.0 and r.params.max_tokens == 7 and r.params.ignore_eos
         assert r.prompt_token_ids is not None and len(r.prompt_token_ids) == 5
         assert all(0 <= t < 11 for t in r.prompt_token_ids)
-    sets = settings(Shape(seqs=3, prompt_tokens=5, output_tokens=27, vocab_size=11), [], trace=True)
-    assert "sched.max_num_seqs=3" in sets and "cache.device_blocks=9" in sets  # 2 blocks + 1
+    shape = Shape(seqs=3, prompt_tokens=5, output_tokens=27, vocab_size=11)
+    sets = settings(shape, ["model.preset=small", "cache.device_blocks=64"], trace=True)
+    assert sets.index("sched.max_num_seqs=3") < sets.index("model.preset=small")
     assert "runtime.log_level=trace" in sets
+    # 2 blocks of 16 a request and one spare each; then the one given, which wins.
+    assert [s for s in sets if s.startswith("cache.device_blocks")] == [
+        "cache.device_blocks=9",
+        "cache.device_blocks=64",
+    ]
 
 
 def test_batch_sizes_are_the_devices_unless_given_and_a_bad_list_is_named():
