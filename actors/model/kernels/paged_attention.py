@@ -22,6 +22,11 @@ before anything imports Triton, and again here in case this module is the first)
 interpreter's ``tl.dot`` misreads bfloat16 operands, so under it the
 tiles are widened to float32 before each dot (``UPCAST``); on a GPU bfloat16 tiles go to the
 tensor cores as they are.
+
+Products (:func:`_matmul`): bfloat16 on the tensor cores; float32 in IEEE float32 (not TF32:
+float32 is the exactness dtype, checked against the torch path); float64 as broadcast
+products summed in float64, not ``tl.dot``, whose float64 support varies by GPU and Triton
+version. That is slow, and ``model.attention=auto`` leaves float64 to the torch path.
 """
 
 # Triton ships no type information: its decorator and the kernels' arguments (pointers,
@@ -81,16 +86,32 @@ def tile_rows(group: int, longest: int) -> tuple[int, int]:
     return rows // group, rows
 
 
+# The products of _matmul (see the module docstring).
+TENSOR_CORES, IEEE_FLOAT32, SUMMED = 0, 1, 2
+
+
+@triton.jit
+def _matmul(a, b, ACC: tl.constexpr, PRODUCTS: tl.constexpr):
+    """a [M, K] @ b [K, N] in ACC, as PRODUCTS says."""
+    if PRODUCTS == 2:  # SUMMED
+        c = tl.sum(a[:, :, None].to(ACC) * b[None, :, :].to(ACC), axis=1)
+    elif PRODUCTS == 1:  # IEEE_FLOAT32
+        c = tl.dot(a, b, input_precision="ieee", out_dtype=ACC)
+    else:
+        c = tl.dot(a, b, out_dtype=ACC)
+    return c
+
+
 # A kernel takes every pointer, stride and size as an argument, and is one loop body.
 @triton.jit
-def _paged_attention(  # noqa: PLR0917, PLR0915
+def _paged_attention(  # noqa: PLR0917
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, query_start_ptr, seq_lens_ptr,
     program_piece_ptr, program_first_ptr, window,
     stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_table,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-    SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRODUCTS: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(1)
     piece = tl.load(program_piece_ptr + tl.program_id(0))
@@ -138,10 +159,7 @@ def _paged_attention(  # noqa: PLR0917, PLR0915
         if UPCAST:
             k = k.to(ACC)
             v = v.to(ACC)
-        if IEEE:  # float32 KV: exact products, not TF32 (float32 is the exactness dtype)
-            scores = tl.dot(q, k, input_precision="ieee", out_dtype=ACC)
-        else:
-            scores = tl.dot(q, k, out_dtype=ACC)
+        scores = _matmul(q, k, ACC, PRODUCTS)
         seen = (
             key_ok[None, :]
             & (keys[None, :] <= position[:, None])
@@ -154,12 +172,7 @@ def _paged_attention(  # noqa: PLR0917, PLR0915
         p = tl.math.exp2(scores - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(v.dtype), v, input_precision="ieee", out_dtype=ACC
-            )
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC)
+        acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, ACC, PRODUCTS)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
@@ -209,6 +222,12 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tens
     )  # fmt: skip
 
 
+def _products(dtype: torch.dtype) -> int:
+    if dtype == torch.float64:
+        return SUMMED
+    return IEEE_FLOAT32 if dtype == torch.float32 else TENSOR_CORES
+
+
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -234,5 +253,5 @@ def paged_attention(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_P=max(16, triton.next_power_of_2(head_dim)),
         GROUP=group, BLOCK_Q=step.block_q, BLOCK_M=block_m, TILE=TILE_N,
         SCALE=head_dim**-0.5 * math.log2(math.e), ACC=acc, UPCAST=INTERPRETED,
-        IEEE=dtype == torch.float32,
+        PRODUCTS=_products(dtype),
     )  # fmt: skip
