@@ -16,6 +16,7 @@ built for), else ``torch``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
@@ -55,7 +56,8 @@ class AttentionBackend(Protocol):
 
 def resolve_attention(choice: Attention, kv: Tensor) -> Backend:
     """The backend ``choice`` means for a KV tensor: ``auto`` as the module docstring says;
-    ``triton`` without Triton installed is a ValueError naming the setting."""
+    ``triton`` without Triton installed, or on a CPU KV outside Triton's interpreter, is a
+    ValueError naming the setting."""
     if choice == "torch":
         return "torch"
     if choice == "triton":
@@ -63,6 +65,12 @@ def resolve_attention(choice: Attention, kv: Tensor) -> Backend:
             raise ValueError(
                 "model.attention is 'triton' but Triton is not installed (pip install triton, "
                 "or model.attention=torch)"
+            )
+        if kv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"model.attention is 'triton' with the KV on {kv.device}: Triton runs there only "
+                "in its interpreter (TRITON_INTERPRET=1, set by default where no CUDA device is "
+                "present)"
             )
         return "triton"
     if choice != "auto":

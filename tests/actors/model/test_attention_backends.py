@@ -1,8 +1,9 @@
 """Paged steps through each attention backend, and decode steps replayed as CUDA graphs.
 
-The Triton backend runs in Triton's interpreter on a CPU: it must give what the torch
-backend (the reference) and the contiguous forward give, on mixed steps of prefill chunks
-and decodes over shuffled blocks, with NaN in every slot a step must not read.
+The Triton backend (compiled on a CUDA device where there is one, else in Triton's
+interpreter on the CPU) must give what the torch backend (the reference) and the contiguous
+forward give, on mixed steps of prefill chunks and decodes over shuffled blocks, with NaN
+in every slot a step must not read.
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton backend runs
+
+
 @cache
 def model_of(preset: str, dtype: torch.dtype, window: int | None = None) -> Model:
+    """A preset on :data:`DEVICE`, with a sliding window where asked."""
     shape = dataclasses.replace(PRESETS[preset], sliding_window=window)
-    return Model(shape, dtype, 1)
+    return Model(shape, dtype, 1).to(DEVICE)
 
 
 def cuda_model() -> Model:
@@ -45,7 +50,7 @@ def cuda_model() -> Model:
 Step = list[tuple[int, int, int]]  # (sequence, start, length) of each piece
 
 
-def executor(model: Model, device: str = "cpu", **options) -> PagedExecutor:
+def executor(model: Model, device: str = DEVICE, **options) -> PagedExecutor:
     kv = make_kv_cache(model.config, NUM_BLOCKS, BLOCK_SIZE, model.dtype, device)
     return PagedExecutor(model, kv.fill_(float("nan")), **options)
 
@@ -120,7 +125,7 @@ def test_triton_attention_decodes_what_the_contiguous_forward_decodes(rng: rando
     for pos in range(7, 7 + 6):
         out = ex.step([piece([tokens[-1]], pos, table[: pos // BLOCK_SIZE + 1])])
         tokens.append(int(out.last_logits[0].argmax()))
-    contiguous = model.forward_contiguous(torch.tensor(prompt + tokens[:-1]))
+    contiguous = model.forward_contiguous(torch.tensor(prompt + tokens[:-1], device=DEVICE))
     assert tokens == contiguous[len(prompt) - 1 :].argmax(-1).tolist()
 
 
@@ -135,8 +140,18 @@ def test_auto_attention_is_torch_on_a_cpu_and_triton_is_named_when_missing(monke
         attention.resolve_attention("triton", kv)
 
 
+@needs_triton
+def test_triton_attention_on_a_cpu_outside_the_interpreter_is_refused_naming_it(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"'triton' with the KV on cpu: .*TRITON_INTERPRET=1"):
+        attention.resolve_attention("triton", torch.empty(1))
+
+
 def test_cuda_graphs_are_ignored_off_cuda() -> None:
-    ex = executor(model_of("tiny", torch.float32), attention="torch", cuda_graphs=True)
+    model = Model(PRESETS["tiny"], torch.float32, 1)
+    ex = executor(model, "cpu", attention="torch", cuda_graphs=True)
     assert ex.graphs is None
 
 
@@ -212,7 +227,7 @@ def test_on_cuda_a_replayed_graph_reads_the_kv_as_it_is_now() -> None:
 def test_a_graphs_padded_bucket_computes_the_eager_steps_logits_and_writes_only_its_slots(
     rng: random.Random,
 ) -> None:
-    """What a replay computes, run eagerly on the CPU: three decodes padded to bucket 4."""
+    """What a replay computes, run eagerly (on any device): three decodes padded to bucket 4."""
     from ringfence.actors.model.graphs import DecodeGraphs
 
     model = model_of("tiny", torch.float64)
