@@ -21,8 +21,9 @@ from ringfence.actors.tools.testing.demo import (
     Source,
 )
 from ringfence.runtime.actor import Actor, handles
+from ringfence.runtime.config import RunConfig
 from ringfence.runtime.messages import Tick
-from ringfence.runtime.topology import ActorSpec, CounterSpec, Topology
+from ringfence.runtime.topology import ActorSpec, CounterSpec, Resolved, Topology
 
 HANG_AT = 100  # the item whose handler HangingSink blocks in, in its first incarnation
 HANG_S = 60.0  # far longer than any heartbeat timeout a test sets
@@ -94,6 +95,21 @@ FAILING_RESTART = _swap("relay", f"{__name__}:RestartRefusedRelay")
 UNKNOWN_SECTION = _swap("relay", f"{__name__}:MisspeltRelay")
 # The demo pipeline with a preflight that refuses it: no actor may ever start.
 REFUSED = replace(TOPOLOGY, preflight=(f"{__name__}:refuse_run",))
+
+DEFAULT_MESSAGES = 1234  # what fill_messages chooses for demo.messages
+
+
+def fill_messages(config: RunConfig) -> Resolved:
+    """A defaults function: demo.messages is DEFAULT_MESSAGES unless the file or --set gave it."""
+    if "demo.messages" in config.explicit:
+        return Resolved(config)
+    demo = replace(config.section("demo"), messages=DEFAULT_MESSAGES)  # type: ignore[type-var]
+    note = f"demo.messages = {DEFAULT_MESSAGES} (the fixture's default)"
+    return Resolved(replace(config, tools={**config.tools, "demo": demo}), (note,))
+
+
+# The demo pipeline whose demo.messages defaults to DEFAULT_MESSAGES at launch.
+DEFAULTED = replace(TOPOLOGY, defaults=(f"{__name__}:fill_messages",))
 
 
 # Fixtures of test_supervisor_edges.py: a slow stop, a run the test ends, a relay of 2 ranks.
