@@ -3,14 +3,17 @@
 The Worker calls :meth:`Constraints.start` once the plan's tokens are counted (every
 matcher then stands where its next token is sampled) and before the forward; llguidance
 fills the rows' bitmasks on this module's thread, the GIL dropped, while torch runs the
-model. :meth:`MaskJob.apply` waits for it and sets every forbidden token's logit to -inf.
+model. :meth:`MaskJob.bits_on` waits for it and moves the bitmask to the sampling device in
+one copy, where the batched sampler sets every forbidden token's logit to -inf
+(``model/sampler.py`` ``masked_rows``; :meth:`MaskJob.apply` is its one-row reference).
 A step without a constrained row starts nothing and costs nothing.
 
 Measured here (2026-11-27, the loaded 2-core VM, SmolLM2's 49,152-token vocabulary, eight
 rows in the middle of a nested JSON schema, the median of 100 steps, twice): filling the
 eight masks took 0.22-0.25 ms, beside the forward; sampling the step took 12.1-12.7 ms
 with the masks applied against 11.0-11.2 ms for eight plain rows (0.15-0.2 ms a row,
-most of it unpacking the bits; the draw itself, about 1.2 ms a row, is unchanged).
+most of it unpacking the bits; the draw itself, about 1.2 ms a row, is unchanged). Those
+figures are of the one-row sampler the batched one replaced.
 
 Owned by the Worker actor's thread; the fill thread only writes the job's own bitmask.
 """
