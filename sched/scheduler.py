@@ -35,21 +35,8 @@ KV counts as computed when the step is issued ("free at issue, fence at use"): t
 fences order every later op that touches its blocks after it. The blocks it fills get
 their keys once it is issued (:class:`ringfence.sched.pieces.PieceMaker`).
 
-With ``sched.steps_in_flight = 2`` the engine may schedule step N+1 while step N runs
-(a GPU's device then never waits for the engine). A running sequence whose piece in N
-samples a token gets a decode in N+1 whose input is that token, still unknown here
-(``Piece.pending_from``; the Worker puts it in), with blocks for its position as for any
-decode; none is planned for a sequence N's token brings to ``max_tokens``, nor for one
-with a structured output (on a device the grammar's mask for N+1 needs N's token on the
-host first). :meth:`on_step` for N applies N's tokens: the one N+1 decodes counts as
-computed then (its full block keyed), and a sequence N finishes has N+1's token dropped
-(its blocks are freed at once, fenced like any other op's). A sequence in a step in
-flight is never preempted for the next one (its token would come for a sequence no
-longer running; a failed step's bookkeeping would find it requeued). If N did not come
-back ``ok``, N+1 is void: every sequence of it that still runs is computed again
-(requeued, its copies forgotten, not counted as a failure of its own), and N+1's result,
-whatever it says, is dropped; the Worker fails a step whose pending token it lacks,
-spoiling what it would write, as a failed step does.
+With ``sched.steps_in_flight = 2`` the engine may schedule step N+1 while step N runs,
+and a decode of N+1 may take the token N samples: :mod:`ringfence.sched.in_flight`.
 
 Blocks are the :class:`BlockManager`'s: the scheduler allocates, holds and releases
 them, and issues ops, through its methods only, never through its pools.
@@ -84,6 +71,7 @@ from ringfence.sched.admission import Admission
 from ringfence.sched.blocks import BlockManager
 from ringfence.sched.config import SchedulerConfig
 from ringfence.sched.handovers import HandOvers
+from ringfence.sched.in_flight import StepsInFlight, check_tokens, follows
 from ringfence.sched.ops import Op, Piece, StepOp, SwapOp
 from ringfence.sched.pieces import PieceMaker
 from ringfence.sched.request import Request, RequestError, RequestState
@@ -129,10 +117,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()  # waiting, prefetching and preempted
         self._running: list[Sequence] = []  # in admission order
         self._next_seq = 0
-        # Steps issued, results not applied yet, oldest first (sched.steps_in_flight of them
-        # at most), and those a failed step before them voided (see on_step).
-        self._in_flight: deque[StepOp] = deque()
-        self._void: set[int] = set()
+        self._in_flight = StepsInFlight(config.steps_in_flight)
         self._busy: frozenset[int] = frozenset()  # sequences of the steps in flight (schedule)
         self.reservations = Reservations(self._bs, config.sched.reserve_blocks)
         self.handovers = HandOvers(self.blocks, self._pieces, self._bs)  # handover only
@@ -267,17 +252,17 @@ class Scheduler:
         Call only while :attr:`can_schedule`: with one step in flight (two allowed), a
         sequence whose token it samples may get a decode of that token (module doc).
         """
-        if not self.can_schedule:
+        if not self._in_flight.room:
             raise RuntimeError(
                 f"schedule() called with {len(self._in_flight)} steps in flight, "
                 f"sched.steps_in_flight is {self.config.steps_in_flight}"
             )
-        behind = self._in_flight[-1].step if self._in_flight else 0
-        self._busy = frozenset(p.seq_id for op in self._in_flight for p in op.pieces)
+        behind = self._in_flight.behind
+        self._busy = self._in_flight.busy()
         budget = self.config.sched.max_batched_tokens
         pieces: list[Piece] = []
         scheduled: set[int] = set()
-        decoding = [s for s in self._running if self._wanted(s) == 1 or self._follows(s, behind)]
+        decoding = [s for s in self._running if self._wanted(s) == 1 or follows(s, behind)]
         prefilling = [s for s in self._running if self._wanted(s) > 1]
         for seq in decoding + prefilling:
             if budget == 0:
@@ -295,13 +280,7 @@ class Scheduler:
         budget = self._admission.admit(self._waiting, self._running, budget, pieces, scheduled)
         if pieces:
             step = self.blocks.issue_step(pieces, self._pieces.take_closed())
-            self._in_flight.append(step)
-            for piece in pieces:
-                seq = self._seqs[piece.seq_id]
-                if piece.pending_from:
-                    seq.pending_in = step.step
-                elif piece.sample:
-                    seq.sampled_by = step.step
+            self._in_flight.issued(step, self._seqs)
             self.counters.steps += 1
             self.counters.batched_tokens += self.config.sched.max_batched_tokens - budget
         self._pieces.key_filled(self.blocks)  # after the step: see ringfence.sched.pieces
@@ -320,18 +299,6 @@ class Scheduler:
     def _wanted(self, seq: Sequence) -> int:
         """Tokens the sequence could compute now: all known tokens without KV."""
         return seq.request.num_tokens - seq.request.num_computed_tokens
-
-    def _follows(self, seq: Sequence, behind: int) -> bool:
-        """Whether the sequence gets a decode of the token step ``behind`` (in flight)
-        samples for it: one more is wanted after that token, and no grammar waits for it."""
-        r = seq.request
-        return (
-            behind > 0
-            and seq.sampled_by == behind
-            and not seq.pending_in
-            and r.num_output_tokens + 1 < r.params.max_tokens
-            and r.params.structured is None
-        )
 
     def _grow(self, seq: Sequence, count: int, scheduled: set[int]) -> Piece | None:
         """A piece of ``count`` tokens for a running sequence, allocating its blocks,
@@ -410,12 +377,8 @@ class Scheduler:
         """Apply step ``step``'s result: (seq_id, token_id) pairs. Returns what each request
         produced, and the requests that a failed step ended (aborted; see the module doc).
         Results come in step order; a voided step's is dropped (see the module doc)."""
-        op = self._in_flight[0] if self._in_flight else None
-        if op is None or op.step != step:
-            raise RuntimeError(f"result of step {step}, but the oldest step in flight is {op}")
-        self._in_flight.popleft()
-        if step in self._void:
-            self._void.discard(step)
+        op = self._in_flight.applied(step)
+        if op is None:  # void: a failed step before it (sched/in_flight.py)
             return [], []
         if status != "ok":
             failed = []
@@ -447,13 +410,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq)
             emitted.append(Emitted(seq.request, (token,), reason is not None, seq.seq_id))
-        for piece in op.pieces:  # a decode in flight must not wait for a token never sent
-            seq = self._seqs.get(piece.seq_id)
-            if seq is not None and seq.pending_in and seq.sampled_by == step:
-                raise RuntimeError(
-                    f"step {step}'s result has no token for sequence {seq.seq_id}, whose "
-                    f"decode in step {seq.pending_in} takes it"
-                )
+        check_tokens(op, self._seqs)  # a decode in flight must not wait for a token never sent
         self._pieces.key_filled(self.blocks)  # the blocks pending decodes fill (issued)
         return emitted, []
 
@@ -471,8 +428,7 @@ class Scheduler:
         one never sampled (the Worker fails it then), so it is void (its result will be
         dropped), and every sequence of it still running is computed again, copies of its
         blocks forgotten (what it writes may be spoiled, as a failed step's)."""
-        for op in self._in_flight:
-            self._void.add(op.step)
+        for op in self._in_flight.void_rest():
             for piece in op.pieces:
                 seq = self._seqs.get(piece.seq_id)
                 if seq is None or seq.request.state is not RequestState.RUNNING:
@@ -533,7 +489,6 @@ class Scheduler:
         that op's watermark, which the old op's cancellation advances.
         """
         self._in_flight.clear()
-        self._void.clear()
         for lane, number in list(self.blocks.issuer.inflight):
             seq = self._admission.prefetches.get(number) if lane is Lane.STORE else None
             if seq is None:
@@ -570,7 +525,7 @@ class Scheduler:
     @property
     def step_in_flight(self) -> StepOp | None:
         """The oldest step issued whose result has not been applied yet."""
-        return self._in_flight[0] if self._in_flight else None
+        return self._in_flight.oldest
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -580,7 +535,7 @@ class Scheduler:
     @property
     def can_schedule(self) -> bool:
         """Whether :meth:`schedule` may be called: fewer steps in flight than allowed."""
-        return len(self._in_flight) < self.config.steps_in_flight
+        return self._in_flight.room
 
     @property
     def idle(self) -> bool:
