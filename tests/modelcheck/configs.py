@@ -72,6 +72,10 @@ CONFIGS = (
            liveness=True,
            what="the wait as the code runs it (doorbell, deadline, checked again): a cycle; "
            "every op completes under weak fairness, and only under it"),
+    Config(name="steps", model=PROTOCOL,
+           defines={"NOPS": 3, "NH": 1, "STEPS": 2, "MAXFAIL": 1}, ci=True, ci_search=False,
+           what="two steps in flight (sched.steps_in_flight = 2): a step may take the token "
+           "of the step it follows, and an op fails"),
     Config(name="handover", model=PD, ci=True,
            what="reserve, prefill, claim: prefill death, lateness, store crash, redis restart"),
     # Larger: every interleaving of 4 ops, all faults at once on 3.
@@ -143,6 +147,11 @@ MUTANTS = (
            what="every rank waits on rank 0's watermarks"),
     Mutant(flag="MUT_FIRST_REPORT", config="ranks", caught_by=("E1", "R"),
            what="the engine counts an op complete at its first rank's report"),
+    Mutant(flag="MUT_PENDING_UNCHECKED", config="steps", caught_by=("P",),
+           what="the Worker runs a step on the token of a step that failed (sampled none)"),
+    Mutant(flag="MUT_PENDING_UNSPOILED", config="steps", caught_by=("R",),
+           what="the Worker fails a step that lacks its token without spoiling what it "
+           "writes: a swap-out fenced on it copies the block's older KV as its"),
     Mutant(flag="MUT_LOST_WAKEUP", config="wake",
            what="a waiter clears its doorbell after checking the watermarks (a ring in between "
            "is lost)",

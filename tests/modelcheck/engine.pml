@@ -14,7 +14,11 @@ byte ev_dev[ND]; byte ev_host[NH];
 byte evw_dev[ND]; byte evw_host[NH];  /* the issue index + 1 of the op behind each view */
 byte pfp[NH];                         /* prefetches into the host block not yet complete */
 int estored;                          /* keys the engine counts as stored (at issue) */
-bit step_busy;
+byte steps_busy;                      /* steps in flight (STEPS at most) */
+#if STEPS > 1
+byte estep;                           /* the last step issued, + 1 */
+#endif
+bit ovoid[NOPS];                      /* a step in flight when the step before it failed */
 byte eepoch = 1;
 byte nissued; byte ncomp;
 byte nrep[NOPS]; bit ofail[NOPS]; bit ocomp[NOPS];
@@ -95,7 +99,16 @@ inline issue(dir, d, h, rb, key) {
   if
   :: dir == D_STEP ->
      if :: rb < ND -> oexp[k] = ev_dev[rb] :: else -> oexp[k] = NOTHING fi;
-     ev_dev[d] = k + 1; evw_dev[d] = k + 1; step_busy = 1
+     ev_dev[d] = k + 1; evw_dev[d] = k + 1;
+#if STEPS > 1
+     /* Planned while the last step runs: its input may be the token that one samples. */
+     if
+     :: steps_busy > 0 && !ocomp[estep - 1] -> opend[k] = estep
+     :: true
+     fi;
+     estep = k + 1;
+#endif
+     steps_busy++
   :: dir == D_IN ->
      prefetched_everywhere(h);
      oexp[k] = ev_host[h]; ev_dev[d] = ev_host[h]; evw_dev[d] = k + 1
@@ -117,8 +130,18 @@ inline issue(dir, d, h, rb, key) {
 /* Op kk is complete (every rank reported, or it was lost in a reset): apply it. */
 inline complete(kk) {
   ocomp[kk] = 1; ncomp++;
+  if :: ovoid[kk] -> ofail[kk] = 1 :: else fi;  /* voided: dropped, what it wrote forgotten */
   if
-  :: odir[kk] == D_STEP -> step_busy = 0
+  :: odir[kk] == D_STEP -> steps_busy--;
+     if
+     :: ofail[kk] ->  /* the steps in flight after it are void (Scheduler._void_next) */
+        vv = kk + 1;
+        do
+        :: vv < nissued -> if :: odir[vv] == D_STEP && !ocomp[vv] -> ovoid[vv] = 1 :: else fi; vv++
+        :: else -> break
+        od
+     :: else
+     fi
   :: odir[kk] == D_READ -> pfp[ohost[kk]]--
   :: else
   fi;
@@ -153,7 +176,7 @@ inline lose_in_flight(effects) {
 #define CAN_ISSUE (nissued < NOPS && regroup == 0 && resyncing == 0)
 
 proctype engine() {
-  byte k, i, j, r, d, h, rb, key, kk, rr, st, ee, dir, L;
+  byte k, i, j, r, d, h, rb, key, kk, rr, st, ee, dir, L, vv;
   byte f0, f1, f2;
   estored = BIT(PRE);
   known();
@@ -161,8 +184,8 @@ proctype engine() {
   /* Issue an op a scheduler could issue now: choose it, then issue it. */
   :: atomic {
        if
-       :: CAN_ISSUE && !step_busy -> dir = D_STEP; select(d : 0 .. ND - 1); rb = ND
-       :: CAN_ISSUE && !step_busy && kd != 0 -> dir = D_STEP; pick(kd, rb); select(d : 0 .. ND - 1)
+       :: CAN_ISSUE && steps_busy < STEPS -> dir = D_STEP; select(d : 0 .. ND - 1); rb = ND
+       :: CAN_ISSUE && steps_busy < STEPS && kd != 0 -> dir = D_STEP; pick(kd, rb); select(d : 0 .. ND - 1)
        :: CAN_ISSUE && kh != 0 -> dir = D_IN; pick(kh, h); select(d : 0 .. ND - 1)
        :: CAN_ISSUE && kd != 0 -> dir = D_OUT; pick(kd, d); select(h : 0 .. NH - 1)
        :: CAN_ISSUE && kh != 0 -> dir = D_WRITE; pick(kh, h); key = ev_host[h]
@@ -193,7 +216,7 @@ proctype engine() {
        :: ee > eepoch ->  /* the first rank of a new generation */
           eepoch = ee; regroup = NR - 1;
           lose_in_flight(1);
-          step_busy = 0;
+          steps_busy = 0;
           i = 0;
           do
           :: i < ND -> ev_dev[i] = NOTHING; i++
@@ -219,7 +242,7 @@ proctype engine() {
        :: else -> break
        od;
        lose_in_flight(0);
-       step_busy = 0; estored = BIT(PRE);  /* what storage holds, as a lookup finds it */
+       steps_busy = 0; estored = BIT(PRE);  /* what storage holds, as a lookup finds it */
        i = 0;
        do
        :: i < ND -> ev_dev[i] = NOTHING; lw_d[i] = 0; la_d[i] = 0; lw_d[ND + i] = 0; la_d[ND + i] = 0; i++

@@ -142,8 +142,24 @@ top:
 #endif
         order_check(r, k);
         st = OK;
+#if STEPS > 1
+        /* Its input is another step's token: taken from the last step it ran, if that is
+           the one and it ran ok here (actors/executors/pending.py); else the step fails,
+           spoiling what it writes, as a step that raises does. */
         if
-        :: rdD[k] ->
+        :: opend[k] != 0 && wlast[r] != opend[k] ->
+#if defined(MUT_PENDING_UNCHECKED)
+           skip  /* runs on a token never sampled */
+#elif defined(MUT_PENDING_UNSPOILED)
+           st = FAILED; goto finish  /* rejected: touches nothing */
+#else
+           st = FAILED
+#endif
+        :: else
+        fi;
+#endif
+        if
+        :: rdD[k] && st == OK ->
            i = 0;
            do
            :: rdD[k] & BIT(i) -> break
@@ -169,11 +185,22 @@ top:
            assert(false)
         :: else
         fi;
+#if STEPS > 1
+        if
+        :: st == OK && opend[k] != 0 && !sok[r * NOPS + opend[k] - 1] ->
+           printf("P violated on rank %d: step op %d ran on the token of step op %d, which did not run ok there\n", r, k, opend[k] - 1);
+           assert(false)
+        :: else
+        fi;
+#endif
         if
         :: st == OK -> dev[DI(r, g, odev[k])] = k + 1
         :: else -> dev[DI(r, g, odev[k])] = SPOIL  /* a failed step spoils what it wrote */
         fi;
 finish:
+#if STEPS > 1
+        if :: st == OK -> wlast[r] = k + 1; sok[r * NOPS + k] = 1 :: else -> wlast[r] = 0 fi;
+#endif
         fin[r * NOPS + k] = 1; wm[c] = oseq[k]; RING(c);
         rep!k, r, st, oep[k]; ring[c]?k
      fi
@@ -185,6 +212,9 @@ restart:
   /* A new Worker process: fresh device memory, its tier epoch written before anything else,
      so that a step it cancels (advancing step_done) is seen together with the epoch. */
   wgen[r] = wkill; g = wgen[r];
+#if STEPS > 1
+  wlast[r] = 0;  /* a new process keeps no tokens */
+#endif
 #ifdef MUT_CANCEL_BEFORE_EPOCH
   do
   :: nempty(ring[c]) ->

@@ -24,7 +24,7 @@ BITSTATE_BITS = 27  # 2^27 bits (16 MiB): a few minutes a search, a partial cove
 
 
 # How the models' printf names a property before its assert fails: "I1 violated ...".
-PROPERTY = re.compile(r"\b(?:I[1-4]|R|S|E1|F|D[1-3]) violated")
+PROPERTY = re.compile(r"\b(?:I[1-4]|R|S|E1|F|P|D[1-3]) violated")
 
 
 class SpinError(RuntimeError):
