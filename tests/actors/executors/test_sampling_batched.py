@@ -352,3 +352,50 @@ def test_top_p_keeps_a_token_only_when_the_mass_above_it_is_below_top_p() -> Non
         sampler.advance([piece])
         drawn.add(sampler.sample([piece], logits)[0].token_id)
     assert drawn == {0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU's draws")
+def test_on_cuda_a_batch_of_every_knob_draws_what_the_cpu_draws() -> None:
+    """64 rows of a 32,000-token vocabulary, each with its own knobs (seeded), over 4 steps:
+    the GPU's tokens, ranks and top ids are the CPU's, the logprobs within 1e-12 (a draw
+    could differ only where u lands within rounding of a CDF boundary, ~1e-16)."""
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    vocab, rows = 32_000, 64
+
+    def knob() -> SamplingParams:
+        return SamplingParams(
+            temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 1, 50]),
+            top_p=rng.choice([1.0, 0.9, 0.3]), min_p=rng.choice([0.0, 0.05]),
+            repetition_penalty=rng.choice([1.0, 1.3]), frequency_penalty=rng.choice([0.0, 0.5]),
+            presence_penalty=rng.choice([0.0, 0.5]), seed=rng.randrange(2**64),
+            logprobs=rng.choice([None, 0, 5, 20]), logit_bias=((7, 3.0),), max_tokens=99,
+            min_tokens=rng.choice([0, 3]), stop_token_ids=(11,),
+        )  # fmt: skip
+
+    params = [knob() for _ in range(rows)]
+    histories = [[rng.randrange(vocab) for _ in range(PROMPT + 4)] for _ in range(rows)]
+    gen = torch.Generator().manual_seed(seed)
+    steps = [torch.randn(rows, vocab, generator=gen) * 3 for _ in range(4)]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        for mode in ("raw_logprobs", "processed_logprobs"):
+            sampler = Sampler(vocab, mode, device=device)
+            found = []
+            for step, logits in enumerate(steps):
+                pieces = [
+                    Piece(seq_id=i, token_ids=(h[-1],), start=len(h) - 1 + step, block_table=(),
+                          sample=True, opening=None if step else Opening(
+                              params=params[i], num_prompt_tokens=PROMPT, history=tuple(h[:-1])))
+                    for i, h in enumerate(histories)
+                ]  # fmt: skip
+                sampler.advance(pieces)
+                found.append(sampler.sample(pieces, logits.to(device)))
+            runs[device, mode] = found
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        for cpu_step, gpu_step in zip(runs["cpu", mode], runs["cuda", mode], strict=True):
+            for c, g in zip(cpu_step, gpu_step, strict=True):
+                assert (c.token_id, c.rank) == (g.token_id, g.rank), (mode, c.seq_id)
+                assert abs(c.logprob - g.logprob) <= 1e-12
+                assert [t for t, _ in c.top] == [t for t, _ in g.top]
