@@ -37,14 +37,22 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SeqKnobs:
-    """What one sequence's parameters put in each of its rows: computed once, at opening."""
+    """What one sequence's parameters put in each of its rows: computed once, at opening,
+    so that a step reads plain fields (a step's host work is on the sampling path)."""
 
     floats: tuple[float, ...]  # the NUM_FLOATS float columns
     seed: int  # the seed modulo 2**64, as int64 holds it
     top_k: int  # the ranks kept: the vocabulary size when top_k keeps every token
+    bias: tuple[tuple[int, float], ...]  # logit_bias
+    stops: tuple[int, ...]  # the stop tokens min_tokens holds off ...
+    stops_until: int  # ... at positions below this one (the output too short to stop)
+    logprobs: int | None  # top logprobs asked (None: none)
+    ranks: bool  # the token's rank is computed: logprobs asked, or the knobs touch the logits
+    hot: bool  # temperature > 0: a draw
+    min_p: bool  # a draw with min_p
     ranked: bool  # a draw ranks the row: top_k or top_p keeps fewer than every token
-    params: SamplingParams
-    num_prompt_tokens: int
+    penalty: bool  # a penalty reads the counts
+    processes: bool  # a knob touches the logits before the draw
 
     @classmethod
     def of(cls, params: SamplingParams, num_prompt_tokens: int, vocab_size: int) -> SeqKnobs:
@@ -52,32 +60,27 @@ class SeqKnobs:
         floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty,
                   p.frequency_penalty, p.presence_penalty)  # fmt: skip
         top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
-        ranked = p.temperature > 0 and (top_k < vocab_size or p.top_p < 1.0)
-        return cls(floats=floats, seed=as_int64(p.seed), top_k=top_k, ranked=ranked, params=p,
-                   num_prompt_tokens=num_prompt_tokens)  # fmt: skip
-
-    def banned(self, position: int) -> tuple[int, ...]:
-        """The stop tokens min_tokens holds off at ``position``: the output is too short."""
-        p = self.params
-        if p.min_tokens and position - self.num_prompt_tokens < p.min_tokens:
-            return p.stop_token_ids
-        return ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KnobRow:
-    """One sampled row of a step: its sequence's knobs, the position it draws, its slot."""
-
-    knobs: SeqKnobs
-    position: int
-    slot: int  # the row of the device counts (0: none)
+        hot = p.temperature > 0
+        return cls(
+            floats=floats, seed=as_int64(p.seed), top_k=top_k, bias=p.logit_bias,
+            stops=p.stop_token_ids if p.min_tokens else (),
+            stops_until=num_prompt_tokens + p.min_tokens, logprobs=p.logprobs,
+            ranks=p.logprobs is not None or p.processes_logits, hot=hot,
+            min_p=hot and p.min_p > 0, ranked=hot and (top_k < vocab_size or p.top_p < 1.0),
+            penalty=p.needs_counts, processes=p.processes_logits,
+        )  # fmt: skip
 
 
 def build_knobs(
-    rows: Sequence[KnobRow], device: torch.device, masked: Sequence[tuple[int, int]] = ()
+    knobs: Sequence[SeqKnobs],
+    positions: Sequence[int],
+    slots: Sequence[int],
+    device: torch.device,
+    masked: Sequence[tuple[int, int]] = (),
 ) -> Knobs:
-    """The step's :class:`Knobs` on ``device``, from one host-to-device copy; ``masked``:
-    (row, row of the step's grammar bitmask) of each row a grammar constrains."""
+    """The step's :class:`Knobs` on ``device``, from one host-to-device copy: row j draws
+    the token at ``positions[j]`` with ``knobs[j]``, its counts in ``slots[j]`` (0: none);
+    ``masked``: (row, row of the step's grammar bitmask) of each row a grammar constrains."""
     floats: list[float] = []
     ints: list[int] = []
     bias: list[tuple[int, int]] = []
@@ -87,27 +90,20 @@ def build_knobs(
     asked: list[int] = []
     top_rows: list[int] = []
     top = 0
-    random = min_p = sort = penalty = any_processed = False
-    for j, row in enumerate(rows):
-        k, p = row.knobs, row.knobs.params
+    for j, k in enumerate(knobs):
         floats.extend(k.floats)
-        ints.extend((k.seed, as_int64(row.position), k.top_k, row.slot))
-        for token, value in p.logit_bias:
+        ints.extend((k.seed, as_int64(positions[j]), k.top_k, slots[j]))
+        for token, value in k.bias:
             bias.append((j, token))
             bias_values.append(value)
-        banned.extend((j, token) for token in k.banned(row.position))
-        if p.logprobs is not None or p.processes_logits:
+        if k.stops and positions[j] < k.stops_until:
+            banned.extend((j, token) for token in k.stops)
+        if k.ranks:
             rank_rows.append(j)
-            asked.append(p.logprobs is not None)
-        if p.logprobs:
+            asked.append(k.logprobs is not None)
+        if k.logprobs:
             top_rows.append(j)
-            top = max(top, p.logprobs)
-        hot = p.temperature > 0
-        random |= hot
-        min_p |= hot and p.min_p > 0
-        sort |= k.ranked
-        penalty |= p.needs_counts
-        any_processed |= p.processes_logits
+            top = max(top, k.logprobs)
     # One buffer: the float columns' bits, then every int column, each run's length known.
     parts = [
         torch.tensor(floats + bias_values, dtype=torch.float64).view(torch.int64),
@@ -118,7 +114,7 @@ def build_knobs(
         torch.tensor([r for r, _ in masked] + [w for _, w in masked], dtype=torch.int64),
     ]
     buf = to_device(torch.cat(parts), device)
-    n = len(rows)
+    n = len(knobs)
     cuts = [n * NUM_FLOATS, len(bias_values), n * NUM_INTS, 2 * len(bias), 2 * len(banned),
             len(rank_rows), len(asked), len(top_rows), 2 * len(masked)]  # fmt: skip
     f_bits, bv, i_flat, b, s, rr, ask, tr, m = torch.split(buf, cuts)
@@ -131,6 +127,7 @@ def build_knobs(
         bias_values=bv.view(torch.float64), ban_rows=s[: len(banned)],
         ban_tokens=s[len(banned):], mask_rows=m[: len(masked)], mask_words=m[len(masked):],
         rank_rows=rr, asked=ask.bool(), top_rows=tr,
-        top_k_logprobs=top, any_random=random, any_min_p=min_p, any_sort=sort,
-        any_penalty=penalty, any_processed=any_processed,
+        top_k_logprobs=top, any_random=any(k.hot for k in knobs),
+        any_min_p=any(k.min_p for k in knobs), any_sort=any(k.ranked for k in knobs),
+        any_penalty=any(k.penalty for k in knobs), any_processed=any(k.processes for k in knobs),
     )  # fmt: skip

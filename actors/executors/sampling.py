@@ -33,7 +33,7 @@ import torch
 
 from ringfence.actors.executors.constraints import Constraints, MaskJob
 from ringfence.actors.executors.counts import DeviceCounts
-from ringfence.actors.executors.knobs import KnobRow, SeqKnobs, build_knobs
+from ringfence.actors.executors.knobs import SeqKnobs, build_knobs
 from ringfence.actors.model.grammars import GrammarError, Grammars
 from ringfence.actors.model.sampler import sample_rows
 from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken
@@ -263,10 +263,12 @@ class Sampler:
                     raise GrammarError(f"sequence {seq_id} has a grammar but no matcher here")
                 masked.append((j, masks.rows[rows[j]]))
         knobs = build_knobs(
-            [KnobRow(knobs=state.knobs, position=pieces[i].start + len(pieces[i].token_ids),
-                     slot=state.slot) for i, state in zip(rows, states, strict=True)],
-            self.device, masked,
-        )  # fmt: skip
+            [state.knobs for state in states],
+            [pieces[i].start + len(pieces[i].token_ids) for i in rows],
+            [state.slot for state in states],
+            self.device,
+            masked,
+        )
         logits = last_logits.to(self.device)
         if len(rows) < len(logits):
             logits = logits[rows]
