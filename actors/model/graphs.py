@@ -57,12 +57,12 @@ class DecodeGraphs:
         n, dev = self.buckets[-1], kv.device
         self.width = min(kv.shape[0], -(-model.config.max_position // bs))
         self.block_q, _ = tile_rows(model.local.heads // model.local.kv_heads, 1)
-        # The static buffers every bucket's graph reads its first rows of.
-        self.token_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        # The static buffers every bucket's graph reads its first columns or rows of. A step's
+        # inputs cross in two copies: the four per-piece rows of ``inputs``, and the tables.
+        # All int32, as the eager kernels take them (the same compiled kernels serve both).
+        self.inputs = torch.zeros(4, n, dtype=torch.int32, device=dev)
+        self.token_ids, self.positions, self.slots, self.seq_lens = self.inputs
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.program_piece = torch.arange(n, dtype=torch.int32, device=dev)
         self.program_first = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -95,18 +95,21 @@ class DecodeGraphs:
         bs, pad = self.block_size, bucket - len(pieces)
         ends = [p.start + 1 for p in pieces]
         width = max(-(-end // bs) for end in ends)
-        tables = torch.zeros(bucket, width, dtype=torch.int32)
-        for row, (p, end) in enumerate(zip(pieces, ends, strict=True)):
+        tables: list[int] = []
+        for p, end in zip(pieces, ends, strict=True):
             table = p.block_table[: -(-end // bs)]
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots = [p.block_table[p.start // bs] * bs + p.start % bs for p in pieces]
+            tables.extend((*table, *(0,) * (width - len(table))))
         # Padding rows: token 0 at position 0, slot -1 (no write), no context (no read).
-        self.token_ids[:bucket].copy_(torch.tensor([p.token_ids[0] for p in pieces] + [0] * pad))
-        self.positions[:bucket].copy_(torch.tensor([p.start for p in pieces] + [0] * pad))
-        self.slots[:bucket].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int32))
-        self.seq_lens[:bucket].copy_(torch.tensor(ends + [0] * pad, dtype=torch.int32))
+        inputs = [
+            [p.token_ids[0] for p in pieces] + [0] * pad,
+            [p.start for p in pieces] + [0] * pad,
+            [p.block_table[p.start // bs] * bs + p.start % bs for p in pieces] + [-1] * pad,
+            ends + [0] * pad,
+        ]
+        self.inputs[:, :bucket].copy_(torch.tensor(inputs, dtype=torch.int32))
         # Only the columns this step reads: the kernel reads no entry past a context's end.
-        self.tables[:bucket, :width].copy_(tables)
+        host = torch.tensor(tables + [0] * (pad * width), dtype=torch.int32)
+        self.tables[:bucket, :width].copy_(host.view(bucket, width))
 
     def _forward(self, bucket: int) -> Tensor:
         """The bucket's forward over the static buffers: logits [bucket, vocab]."""

@@ -69,7 +69,7 @@ class StepTensors(NamedTuple):
     captured graph) reads no key and its output rows are zero.
     """
 
-    slots: Tensor  # [T] int64: block * block_size + offset of each token's K/V; < 0: skip
+    slots: Tensor  # [T] int32: block * block_size + offset of each token's K/V; < 0: skip
     tables: Tensor  # [P, width] int32 block ids (past each piece's blocks: unread)
     query_start: Tensor  # [P + 1] int32 cumulative query tokens
     seq_lens: Tensor  # [P] int32: positions 0..seq_lens-1 of each piece are written
