@@ -81,10 +81,19 @@ def masked_rows(logits: Tensor, rows: Tensor, bits: Tensor) -> Tensor:
     return logits.index_copy(0, rows, torch.where(allowed[:, :vocab], chosen, -torch.inf))
 
 
-def processed_rows(raw: Tensor, knobs: Knobs, counts: Tensor | None, seen: Tensor | None) -> Tensor:
+def processed_rows(
+    raw: Tensor,
+    knobs: Knobs,
+    counts: Tensor | None,
+    seen: Tensor | None,
+    *,
+    dense: bool | None = None,
+) -> Tensor:
     """The logits each row draws from: logit_bias, the min_tokens mask, the repetition
     penalty over ``seen`` [rows, vocab] (bool: prompt or output) and the frequency and
-    presence penalties over ``counts`` [rows, vocab] (the output's), in that order."""
+    presence penalties over ``counts`` [rows, vocab] (the output's), in that order.
+    ``dense``: the penalties over whole rows (by default on CUDA), else over the seen
+    tokens only; the two agree bit for bit."""
     x = raw.clone()
     if knobs.bias_rows.numel():
         at = (knobs.bias_rows, knobs.bias_tokens)
@@ -92,12 +101,25 @@ def processed_rows(raw: Tensor, knobs: Knobs, counts: Tensor | None, seen: Tenso
     if knobs.ban_rows.numel():
         x.index_put_((knobs.ban_rows, knobs.ban_tokens), x.new_tensor(-torch.inf))
     if knobs.any_penalty and counts is not None and seen is not None:
-        rp = knobs.repetition.unsqueeze(1)
-        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
-        wide = counts.to(torch.float64)
-        penalty = knobs.frequency.unsqueeze(1) * wide + knobs.presence.unsqueeze(1)
-        x = torch.where(counts > 0, x - penalty, x)
+        rp, fp, pp = knobs.repetition, knobs.frequency, knobs.presence
+        if x.is_cuda if dense is None else dense:  # on CUDA a few passes cost less than a sync
+            x = _penalised(x, seen, counts, rp=rp[:, None], fp=fp[:, None], pp=pp[:, None])
+        else:  # only the seen tokens (every output token is one): a few hundred a row
+            rows, tokens = torch.nonzero(seen, as_tuple=True)
+            at = (rows, tokens)
+            found = _penalised(x[at], seen[at], counts[at], rp=rp[rows], fp=fp[rows], pp=pp[rows])
+            x.index_put_(at, found)
     return x
+
+
+def _penalised(
+    x: Tensor, seen: Tensor, counts: Tensor, *, rp: Tensor, fp: Tensor, pp: Tensor
+) -> Tensor:
+    """``x`` with the repetition penalty where ``seen`` and the frequency and presence
+    penalties where ``counts`` > 0: the same arithmetic, element for element, however the
+    elements were gathered (so the sparse and the dense forms agree bit for bit)."""
+    x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    return torch.where(counts > 0, x - (fp * counts.to(torch.float64) + pp), x)
 
 
 def choose(logits: Tensor, knobs: Knobs) -> Tensor:

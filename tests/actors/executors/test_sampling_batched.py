@@ -18,10 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringfence.actors.executors.constraints import MaskJob, masked
+from ringfence.actors.executors.knobs import build_knobs
 from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler, processed, token_logprobs
 from ringfence.actors.model.decoder import sample
 from ringfence.actors.model.draws import as_int64, uniform, uniforms
-from ringfence.actors.model.sampler import masked_rows
+from ringfence.actors.model.sampler import masked_rows, processed_rows
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import SamplingParams
 from ringfence.sched.structured import StructuredOutput
@@ -399,3 +400,36 @@ def test_on_cuda_a_batch_of_every_knob_draws_what_the_cpu_draws() -> None:
                 assert (c.token_id, c.rank) == (g.token_id, g.rank), (mode, c.seq_id)
                 assert abs(c.logprob - g.logprob) <= 1e-12
                 assert [t for t, _ in c.top] == [t for t, _ in g.top]
+
+
+def test_the_dense_penalties_of_a_gpu_equal_the_sparse_ones_of_the_cpu() -> None:
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    rows = 8
+    sampler = Sampler(VOCAB)
+    params = [
+        SamplingParams(repetition_penalty=0.5 + i / 5, frequency_penalty=i / 8 - 0.5,
+                       presence_penalty=1 - i / 4)
+        for i in range(rows)
+    ]  # fmt: skip
+    pieces = [
+        Piece(seq_id=i, token_ids=(1,), start=PROMPT, block_table=(), sample=True,
+              opening=Opening(params=p, num_prompt_tokens=PROMPT))
+        for i, p in enumerate(params)
+    ]  # fmt: skip
+    sampler.advance(pieces)
+    states = [sampler.seqs[i] for i in range(rows)]
+    knobs = build_knobs(
+        [s.knobs for s in states],
+        [PROMPT + 1] * rows,
+        [s.slot for s in states],
+        torch.device("cpu"),
+    )
+    x = torch.randn(rows, VOCAB, generator=gen, dtype=torch.float64) * 4
+    counts = torch.randint(0, 3, (rows, VOCAB), generator=gen, dtype=torch.int32)
+    seen = (counts > 0) | (torch.rand(rows, VOCAB, generator=gen) < 0.3)
+    dense = processed_rows(x, knobs, counts, seen, dense=True)
+    sparse = processed_rows(x, knobs, counts, seen, dense=False)
+    assert torch.equal(dense, sparse)
+    assert not torch.equal(dense, x), "the penalties changed something"
