@@ -257,6 +257,7 @@ def bench_worker(
                 counts["rounds"],
                 grammars=model_grammars(subject.checkpoint or "", c.vocab_size),
                 encode=model_tokenizer(subject.checkpoint or "").encode,
+                device=device,
             ),
         }
     )
