@@ -140,7 +140,9 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of the process's other threads (a lane hosted beside the
+        # Worker, a sampler's helper) must not invalidate this capture, nor it theirs.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._forward(bucket)
         self.captured[bucket] = _Captured(graph, logits)
         return self.captured[bucket]
