@@ -51,6 +51,7 @@ class SeqKnobs:
     hot: bool  # temperature > 0: a draw
     min_p: bool  # a draw with min_p
     ranked: bool  # a draw ranks the row: top_k or top_p keeps fewer than every token
+    top_k_kept: bool  # top_k keeps fewer than every token
     penalty: bool  # a penalty reads the counts
     processes: bool  # a knob touches the logits before the draw
 
@@ -67,8 +68,18 @@ class SeqKnobs:
             stops_until=num_prompt_tokens + p.min_tokens, logprobs=p.logprobs,
             ranks=p.logprobs is not None or p.processes_logits, hot=hot,
             min_p=hot and p.min_p > 0, ranked=hot and (top_k < vocab_size or p.top_p < 1.0),
+            top_k_kept=top_k < vocab_size,
             penalty=p.needs_counts, processes=p.processes_logits,
         )  # fmt: skip
+
+
+def top_k_bound(knobs: Sequence[SeqKnobs]) -> int:
+    """The largest top_k of the rows a draw ranks, where each has one (it bounds the
+    ranking the sampler needs); 0 where one ranks by top_p alone, or none ranks."""
+    ranked = [k for k in knobs if k.ranked]
+    if not ranked or any(not k.top_k_kept for k in ranked):
+        return 0
+    return max(k.top_k for k in ranked)
 
 
 def build_knobs(
@@ -129,5 +140,6 @@ def build_knobs(
         rank_rows=rr, asked=ask.bool(), top_rows=tr,
         top_k_logprobs=top, any_random=any(k.hot for k in knobs),
         any_min_p=any(k.min_p for k in knobs), any_sort=any(k.ranked for k in knobs),
+        top_k_bound=top_k_bound(knobs),
         any_penalty=any(k.penalty for k in knobs), any_processed=any(k.processes for k in knobs),
     )  # fmt: skip

@@ -63,6 +63,7 @@ class Knobs:
     any_random: bool  # a row has temperature > 0
     any_min_p: bool
     any_sort: bool  # a random row has top_k or top_p
+    top_k_bound: int  # every such row has a top_k, this the largest (0: some has none)
     any_penalty: bool  # a row has a penalty: the counts are read
     any_processed: bool  # a row has any knob touching the logits
 
@@ -147,17 +148,30 @@ def choose(logits: Tensor, knobs: Knobs) -> Tensor:
 
 
 def _top_k_top_p(probs: Tensor, knobs: Knobs) -> Tensor:
-    """``probs`` with what top_k and top_p drop zeroed: one stable sort ranks the row (ties
-    by the lower id), top_k keeps a prefix of it, and the nucleus a prefix of that, where
-    the mass ranked above a token is below top_p times the whole (``decoder.nucleus``)."""
-    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    ranks = torch.arange(probs.shape[1], device=probs.device)
+    """``probs`` with what top_k and top_p drop zeroed: a stable ranking of the row (ties
+    by the lower id), of which top_k keeps a prefix and the nucleus a prefix of that, where
+    the mass ranked above a token is below top_p times the whole (``decoder.nucleus``).
+
+    Where every ranked row has a top_k, only the first ``top_k_bound`` of the ranking are
+    needed (:func:`stable_top`, no sort of the row); else one stable sort ranks it all. The
+    kept values, their order and so their sums are the same either way.
+    """
+    bound = knobs.top_k_bound
+    if bound:
+        order, ordered = stable_top(probs, min(bound, probs.shape[1]))
+    else:
+        ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(ordered.shape[1], device=probs.device)
     ordered = torch.where(ranks < knobs.top_k.unsqueeze(1), ordered, 0.0)
     running = torch.cumsum(ordered, dim=-1)
     before = torch.cat([running.new_zeros(len(running), 1), running[:, :-1]], dim=1)
     top_p = knobs.top_p.unsqueeze(1)
     inside = (before < top_p * running[:, -1:]) | (top_p >= 1.0)
-    return torch.zeros_like(probs).scatter_(1, order, torch.where(inside, ordered, 0.0))
+    kept = torch.zeros_like(probs).scatter_(1, order, torch.where(inside, ordered, 0.0))
+    if not bound:
+        return kept  # a row that ranks nothing got its own values back
+    ranking = (knobs.top_k < probs.shape[1]) | (knobs.top_p < 1.0)
+    return torch.where(ranking.unsqueeze(1), kept, probs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

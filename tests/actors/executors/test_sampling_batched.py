@@ -146,30 +146,34 @@ def test_the_batched_sampler_equals_the_one_row_reference(
             assert abs(a - b) <= 1e-12
 
 
-def test_a_mixed_batch_samples_each_row_as_it_would_alone() -> None:
+@pytest.mark.parametrize("third", ["top_p alone", "top_k and top_p"])
+def test_a_mixed_batch_samples_each_row_as_it_would_alone(third: str) -> None:
     """Greedy, hot, ranked and penalised rows in one step draw what each draws alone: no
-    row's knobs leak into another's (the fast paths are per step, the knobs per row)."""
+    row's knobs leak into another's (the fast paths are per step, the knobs per row). With
+    a row ranked by top_p alone the step sorts its rows; else only the best top_k."""
+    ranked = {"top_p alone": {}, "top_k and top_p": {"top_k": 6}}[third]
     kinds = [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
-             SamplingParams(temperature=0.7, top_p=0.5),
+             SamplingParams(temperature=0.7, top_p=0.5, **ranked),
              SamplingParams(temperature=1.2, top_k=4, min_p=0.1),
              SamplingParams(repetition_penalty=1.9),
              SamplingParams(temperature=2.0, logprobs=3, presence_penalty=1.0)]  # fmt: skip
-    logits = logits_of("random", len(kinds), 17)
+    logits = logits_of("flat", len(kinds), 17) + logits_of("random", len(kinds), 17) / 4
 
-    def run(indices: list[int]) -> list[tuple[int, float, int]]:
+    def run(indices: list[int], seed: int) -> list[tuple[int, float, int]]:
         sampler = Sampler(VOCAB)
         pieces = [
             Piece(seq_id=i, token_ids=(i,), start=PROMPT, block_table=(), sample=True,
-                  opening=Opening(params=kinds[i], num_prompt_tokens=PROMPT,
-                                  history=tuple(range(PROMPT))))
+                  opening=Opening(params=dataclasses.replace(kinds[i], seed=seed),
+                                  num_prompt_tokens=PROMPT, history=tuple(range(PROMPT))))
             for i in indices
         ]  # fmt: skip
         sampler.advance(pieces)
         got = sampler.sample(pieces, logits[indices])
         return [(o.token_id, o.logprob, o.rank) for o in got]
 
-    together = run(list(range(len(kinds))))
-    assert together == [run([i])[0] for i in range(len(kinds))]
+    for seed in range(10):
+        together = run(list(range(len(kinds))), seed)
+        assert together == [run([i], seed)[0] for i in range(len(kinds))], seed
 
 
 def test_rows_not_asking_are_skipped_and_their_logits_never_read() -> None:
