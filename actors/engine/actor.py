@@ -371,6 +371,8 @@ class Engine(RequestsIn):
             return
         if self.ledger.waiting() or self.ledger.in_flight(Lane.STORE):
             return  # the write-backs go out and finish first
+        if self.ledger.in_flight(Lane.STEP):
+            return  # a decode planned ahead (steps_in_flight 2) for a finished request still runs
         self.done = True
         assert self.ctx.run_dir is not None
         order = {w.id: i for i, w in enumerate(workload)}
