@@ -4,14 +4,18 @@ step N+1 while step N runs, and the tokens equal the plain loop's.
 The run is the engine tests' (``tests/engine_runs.py``): the engine topology as processes
 on a synthetic workload in float64, host and storage tiers on, chaos delays on every
 transfer op and poisoned freed blocks, traced, then checked by ``ringfence replay`` and
-re-driven (``finished``).
+re-driven (``finished``). Last, the settings: where two fall back to one, and what is
+refused.
 """
 
 from __future__ import annotations
 
+import pytest
 from engine_runs import TIERS, finished, reference, workload_sets
 from launching import launched
 
+from ringfence.actors.config import Config
+from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.replay.log import read_run
 
 
@@ -44,3 +48,21 @@ def test_one_step_in_flight_is_the_default(tmp_path):
         outputs, _ = finished(run)
     assert len(outputs) == 2
     assert most_steps_in_flight(run.run_dir) == 1
+
+
+@pytest.mark.parametrize(
+    ("sets", "steps"),
+    [
+        ((), 2),
+        (("parallel.tp_size=2",), 1),  # rank 0 alone samples: the others lack the token
+        (("engine.role=prefill", "cache.storage.path=/tmp/tier"), 1),  # hands over at the end
+    ],
+)
+def test_two_steps_in_flight_fall_back_to_one_where_they_cannot_hold(sets, steps):
+    config = Config.load(None, ["sched.steps_in_flight=2", *sets])
+    assert sched_config(config, "m", 2048).steps_in_flight == steps
+
+
+def test_more_than_two_steps_in_flight_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"sched\.steps_in_flight"):
+        Config.load(None, ["sched.steps_in_flight=3"])
