@@ -72,7 +72,12 @@ class Lane:
         return seq_id
 
     def schedule(self) -> StepOp | None:
-        busy = {p.seq_id for op, _, _ in self.results for p in op.pieces}
+        busy = {
+            p.seq_id
+            for op, _, _ in self.results
+            for p in op.pieces
+            if self.requests[p.seq_id].state is RequestState.RUNNING
+        }
         ops = self.sched.schedule()
         steps = [op for op in ops if isinstance(op, StepOp)]
         assert len(steps) == len(ops) <= 1, "no transfer tier: only steps"
@@ -314,3 +319,43 @@ def test_one_in_flight_is_the_default_and_refuses_a_second() -> None:
     assert not sched.can_schedule
     with pytest.raises(RuntimeError, match=r"sched\.steps_in_flight is 1"):
         sched.schedule()
+
+
+@pytest.mark.parametrize("seed", range(20, 32))
+def test_under_random_failures_aborts_resets_and_a_short_pool_every_token_is_the_plain_ones(
+    seed: int,
+) -> None:
+    """Seeded: steps fail at random, requests are aborted at random, the device is reset
+    once, and the pool is short; every request that was not aborted ends with exactly the
+    tokens of the one-at-a-time loop, and every read the Worker makes finds its own KV."""
+    rng = random.Random(seed)
+    lane = Lane(make_scheduler(device_blocks=12), fail=frozenset(rng.sample(range(1, 120), 8)))
+    requests = workload(seed, count=10)
+    for request in requests:
+        lane.add(request)
+    doomed = set(rng.sample([r.request_id for r in requests], 2))
+    reset_at = rng.randrange(5, 40)
+    for rounds in range(3000):
+        while lane.sched.can_schedule and lane.schedule() is not None:
+            pass
+        if rounds == reset_at:
+            lane.sched.reset_device()
+            lane.results.clear()
+            lane.device.clear()
+            lane.kept = (0, {})
+            continue
+        if doomed and rng.random() < 0.1:
+            lane.sched.abort(doomed.pop())
+        if not lane.results:
+            if lane.sched.num_live == 0:
+                break
+            continue
+        lane.apply()
+    assert lane.sched.num_live == 0
+    assert lane.preempted_busy == []
+    for request in lane.requests.values():
+        if request.state is RequestState.ABORTED:
+            continue
+        assert request.output_token_ids == expected_output(
+            request.prompt_token_ids, request.params.max_tokens
+        ), request.request_id
