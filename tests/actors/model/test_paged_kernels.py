@@ -10,6 +10,8 @@ program in Python.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -203,3 +205,65 @@ def test_the_store_writes_through_a_layer_view_of_the_block_major_tensor(rng) ->
     assert torch.equal(kv[2, 1, 0, 1], k[0]) and torch.equal(kv[2, 1, 1, 1], v[0])
     assert torch.equal(kv[2, 1, 0, 3], k[1]) and torch.equal(kv[2, 1, 1, 3], v[1])
     assert int((kv != 0).sum()) == 4 * 2 * 8, "nothing but the two slots of layer 1"
+
+
+# Compiles each kernel as a GPU would see it (Triton's compiler for sm_90, an H100/H200:
+# PTX and a cubin), in a process where the interpreter is off; no GPU is needed for that.
+COMPILE_FOR_SM90 = r"""
+import math, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import torch, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ringfence.actors.model.kernels import paged_attention as pa
+
+POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64"}
+
+def build(kernel, dtype, constants, tensors, indices):
+    names = list(kernel.arg_names)
+    signature = {
+        n: "constexpr" if n in constants else POINTER[dtype] if n in tensors
+        else "*i32" if n in indices else "i32"
+        for n in names
+    }
+    constexprs = {(names.index(n),): v for n, v in constants.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+CASES = ((torch.bfloat16, 4), (torch.bfloat16, 16), (torch.float32, 4), (torch.float64, 4))
+for dtype, block_q in CASES:  # block_q 4: a decode's tile, 16: a prefill chunk's
+    constants = dict(
+        BLOCK_SIZE=16, HEAD_DIM=64, HEAD_P=64, GROUP=4, BLOCK_Q=block_q, BLOCK_M=4 * block_q,
+        TILE=32, SCALE=64**-0.5 * math.log2(math.e), UPCAST=False, PRODUCTS=pa._products(dtype),
+        ACC=tl.float64 if dtype == torch.float64 else tl.float32,
+    )
+    tensors = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
+    indices = ("tables_ptr", "query_start_ptr", "seq_lens_ptr", "program_piece_ptr")
+    indices += ("program_first_ptr",)
+    compiled = build(pa._paged_attention, dtype, constants, tensors, indices)
+    print("attention", str(dtype), block_q, len(compiled.asm["cubin"]) > 0)
+    constants = dict(BLOCK_SIZE=16, KV_HEADS=8, HEAD_DIM=64, HEADS_P=8, HEAD_P=64)
+    tensors = ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")
+    compiled = build(pa._store_kv, dtype, constants, tensors, ("slots_ptr",))
+    print("store", str(dtype), block_q, len(compiled.asm["cubin"]) > 0)
+"""
+
+
+def test_the_kernels_compile_for_a_hopper_gpu_even_without_one() -> None:
+    import triton
+    from packaging.version import Version
+
+    if Version(triton.__version__) < Version("3.3"):
+        pytest.skip(f"Triton {triton.__version__} compiles through another API")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton build has no NVIDIA backend")
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 8 and all(line.endswith("True") for line in lines), run.stdout
