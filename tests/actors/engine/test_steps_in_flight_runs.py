@@ -4,15 +4,21 @@ step N+1 while step N runs, and the tokens equal the plain loop's.
 The run is the engine tests' (``tests/engine_runs.py``): the engine topology as processes
 on a synthetic workload in float64, host and storage tiers on, chaos delays on every
 transfer op and poisoned freed blocks, traced, then checked by ``ringfence replay`` and
-re-driven (``finished``). Last, the settings: where two fall back to one, and what is
-refused.
+re-driven (``finished``). The sampling knobs in a run in this process (``inproc.py``): a
+knob the Worker counts tokens for (penalties) must count the token it put in, not the
+placeholder. Last, the settings: where two fall back to one, and what is refused.
 """
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from engine_runs import TIERS, finished, reference, workload_sets
+from inproc import inproc_run
 from launching import launched
+from random_workloads import ENGINE, RUN_TIMEOUT_S, outputs
+from random_workloads import TIERS as SMALL_TIERS
+from random_workloads import reference as plain_tokens
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.sched_settings import sched_config
@@ -48,6 +54,39 @@ def test_one_step_in_flight_is_the_default(tmp_path):
         outputs, _ = finished(run)
     assert len(outputs) == 2
     assert most_steps_in_flight(run.run_dir) == 1
+
+
+def test_two_steps_in_flight_keep_every_knobs_tokens(tmp_path):
+    prompts = ([5, 6, 7, 5, 6, 7, 5, 6, 7, 9], [40, 41, 40, 41, 40, 2])
+    greedy = tmp_path / "greedy.jsonl"
+    write_lines(greedy, [{"id": f"g{i}", "prompt_token_ids": p} for i, p in enumerate(prompts)])
+    plain = plain_tokens(greedy)
+    lines = []
+    for i, prompt in enumerate(prompts):
+        base = {"prompt_token_ids": prompt, "max_tokens": 10, "seed": i}
+        stop = plain[f"g{i}"][3]  # the greedy line stops at its 4th token at the latest
+        lines += [
+            {"id": f"greedy{i}", **base},
+            {"id": f"repetition{i}", **base, "repetition_penalty": 2.0},
+            {"id": f"frequency{i}", **base, "frequency_penalty": 2.0},
+            {"id": f"presence{i}", **base, "presence_penalty": 2.0},
+            {"id": f"hot{i}", **base, "temperature": 1.5, "top_k": 3, "min_p": 0.05},
+            {"id": f"stops{i}", **base, "stop_token_ids": [stop], "min_tokens": 2},
+        ]
+    workload = write_lines(tmp_path / "workload.jsonl", lines)
+    sets = (*ENGINE, *SMALL_TIERS, f"engine.workload={workload}", "sched.steps_in_flight=2")
+    with inproc_run(tmp_path / "run", sets) as run:
+        assert run.wait_shutdown(RUN_TIMEOUT_S), "the workload did not finish"
+        assert run.failures() == {}
+    got = outputs(tmp_path / "run")
+    assert got == plain_tokens(workload)
+    for i in range(len(prompts)):  # a stop ended it while its next decode was planned
+        assert 3 <= len(got[f"stops{i}"]) <= 4 and got[f"stops{i}"][-1] == plain[f"g{i}"][3]
+
+
+def write_lines(path, lines):
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    return path
 
 
 @pytest.mark.parametrize(
