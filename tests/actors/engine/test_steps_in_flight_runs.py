@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from engine_runs import TIERS, finished, reference, workload_sets
+from engine_runs import TIERS, finished, reference, replayed, results, workload_sets
 from inproc import inproc_run
 from launching import launched
 from random_workloads import ENGINE, RUN_TIMEOUT_S, outputs
@@ -46,6 +46,19 @@ def test_two_steps_in_flight_under_chaos_and_poison_give_the_plain_loops_tokens(
     engine = summary["engine"]
     assert sum(engine["preemptions"].values()) > 0, engine  # the pool really ran short
     assert most_steps_in_flight(run.run_dir) == 2
+
+
+def test_a_worker_killed_with_two_steps_in_flight_costs_recomputation_not_tokens(tmp_path):
+    sets = workload_sets("pressure", *TIERS, "sched.preemption=swap", "sched.steps_in_flight=2")
+    with launched(tmp_path, *sets) as run:
+        run.wait_for_event("step.done", log="worker-0", step=30, timeout=120.0)
+        run.kill_actor("worker-0")
+        assert run.wait(180.0) == 0, run.tail()
+        restarts = run.events("worker.ready", log="worker-0")
+    assert len(restarts) == 2, "the worker was not restarted"
+    replayed(run.run_dir, killed="worker-0")  # both steps in flight lost, none applied
+    outputs, _ = results(run.run_dir)
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
 
 
 def test_one_step_in_flight_is_the_default(tmp_path):
