@@ -202,7 +202,8 @@ ACTOR_LAYERS: tuple[Layer, ...] = (
     Layer("protocol", ("protocol",), over=("kv",)),  # every channel's messages, the lanes' counters
     Layer("executors", ("executors",), over=("protocol",)),  # the Worker, the Transfer lanes
     Layer("client", ("client",), over=("protocol",)),  # the users' client and its slots
-    Layer("launch", ("preflight", "device_defaults", "topology"), over=("protocol",)),  # checks, GPU defaults, fenced topology
+    # The checks, the GPU defaults, the fenced topology.
+    Layer("launch", ("preflight", "device_defaults", "topology"), over=("protocol",)),
     Layer("events", ("events",), over=("schema",)),  # KV events on the wire, their publisher
     Layer("engine", ("engine",), over=("client", "launch", "events")),
     Layer("serve", ("serve",), over=("engine",)),
