@@ -151,9 +151,9 @@ def test_a_mixed_batch_samples_each_row_as_it_would_alone(third: str) -> None:
     """Greedy, hot, ranked and penalised rows in one step draw what each draws alone: no
     row's knobs leak into another's (the fast paths are per step, the knobs per row). With
     a row ranked by top_p alone the step sorts its rows; else only the best top_k."""
-    ranked = {"top_p alone": {}, "top_k and top_p": {"top_k": 6}}[third]
+    top_k = {"top_p alone": 0, "top_k and top_p": 6}[third]
     kinds = [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
-             SamplingParams(temperature=0.7, top_p=0.5, **ranked),
+             SamplingParams(temperature=0.7, top_p=0.5, top_k=top_k),
              SamplingParams(temperature=1.2, top_k=4, min_p=0.1),
              SamplingParams(repetition_penalty=1.9),
              SamplingParams(temperature=2.0, logprobs=3, presence_penalty=1.0)]  # fmt: skip
