@@ -211,12 +211,14 @@ class Worker(LaneExecutor):
                 ),
             )
             return
+        # Stale first: a plan issued for the tier before this restart names sequences this
+        # incarnation never opened, which would read as malformed; it is merely too old.
+        if stale := self.stale(plan.epoch):
+            self._finish(plan, "cancelled", error=stale)
+            return
         problem = self._problem(plan)
         if problem:
             self._finish(plan, "rejected", error=problem)
-            return
-        if stale := self.stale(plan.epoch):  # e.g. issued for the tier before this restart
-            self._finish(plan, "cancelled", error=stale)
             return
         started = time.perf_counter_ns()
         try:
