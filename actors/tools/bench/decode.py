@@ -32,7 +32,6 @@ import argparse
 import importlib
 import random
 import signal
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +47,7 @@ from ringfence.actors.tools.bench.options import (
     environment,
     resolve_counts,
 )
+from ringfence.runtime.extras import require
 
 if TYPE_CHECKING:
     from ringfence.actors.model.shape import ModelShape
@@ -220,14 +220,8 @@ def _stopped(signum: int, frame: object) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ValueError(f"--device: {args.device!r} is neither cpu nor cuda")
-    try:
-        transformers = importlib.import_module("transformers")
-    except ImportError as exc:
-        print(
-            f"ringfence bench decode: needs transformers (pip install 'ringfence[bench]'): {exc}",
-            file=sys.stderr,
-        )
-        return 2
+    require("transformers", "ringfence bench decode")  # the CLI prints the extra to install
+    transformers = importlib.import_module("transformers")
     path: Path | None = args.json
 
     def save(report: dict[str, Any]) -> None:
