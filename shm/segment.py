@@ -16,8 +16,6 @@ import posix_ipc
 
 from ringfence.shm.errors import NameExists, NameMissing
 
-_PAGE = mmap.PAGESIZE
-
 
 class Segment:
     """One mapped shared-memory segment.
@@ -141,8 +139,3 @@ class Segment:
         role = "creator" if self.is_creator else "attacher"
         state = "closed" if self.closed else f"{self.size} bytes"
         return f"<Segment {self.name} {role} {state}>"
-
-
-def page_round(size: int) -> int:
-    """``size`` rounded up to a whole number of pages."""
-    return -(-size // _PAGE) * _PAGE
