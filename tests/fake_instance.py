@@ -27,10 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ringfence.actors.http.auth import Keys, RequireKey
+from ringfence.actors.http.tls import ListenerTls
 from ringfence.actors.router.server import nodelay
-from ringfence.actors.serve.auth import Keys, RequireKey
 from ringfence.actors.serve.server import HttpThread
-from ringfence.actors.serve.tls import ListenerTls
 
 HEADER = "x-ringfence-reservation"
 MODEL = "fake"

@@ -131,8 +131,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args(argv)
-    from ringfence.actors.serve.auth import RequireKey, load_keys
-    from ringfence.actors.serve.tls import SERVE_NAMES, ListenerTls, scheme
+    from ringfence.actors.http.auth import RequireKey, load_keys
+    from ringfence.actors.http.tls import SERVE_NAMES, ListenerTls, scheme
 
     sets = dict(setting.partition("=")[::2] for setting in args.set)
     tls = ListenerTls.of(

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from ringfence.actors.serve.config import API_KEY_ENV, INSTANCE_KEY_ENV
+from ringfence.actors.http.env import API_KEY_ENV, INSTANCE_KEY_ENV
 from ringfence.actors.tools.testing.demo import APPLIED
 from ringfence.runtime.control import InstanceControl
 from ringfence.runtime.manifest import Manifest, read_manifest

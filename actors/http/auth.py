@@ -35,12 +35,13 @@ import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ringfence.actors.serve.api import error_body, send_error
-from ringfence.actors.serve.config import API_KEY_ENV, INSTANCE_KEY_ENV, ServerConfig
+from ringfence.actors.http.env import API_KEY_ENV, INSTANCE_KEY_ENV
+from ringfence.actors.http.errors import error_body, send_error
 from ringfence.runtime.secrets import secret_values
 
 OPEN_PATHS = frozenset({"/health"})  # and /metrics unless protected
@@ -81,7 +82,18 @@ def load_keys(inline: str = "", key_file: str = "", env: str = API_KEY_ENV) -> K
     return Keys(keys)
 
 
-def server_keys(server: ServerConfig) -> Keys:
+class KeySettings(Protocol):
+    """What :func:`server_keys` reads of a server's settings (``serve``'s ``[server]``)."""
+
+    @property
+    def api_key(self) -> str: ...
+    @property
+    def api_key_file(self) -> str: ...
+    @property
+    def salt_by_key(self) -> bool: ...
+
+
+def server_keys(server: KeySettings) -> Keys:
     """The keys of ``serve``'s ``[server]`` settings; ValueError for a key file that cannot be
     read, or for salting by key with no key to salt by."""
     keys = load_keys(server.api_key, server.api_key_file)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ringfence.actors.serve.api import error_body, send_error
+from ringfence.actors.http.errors import error_body, send_error
 
 CLOSE = [(b"connection", b"close")]
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
-
-from ringfence.actors.serve.config import ServerConfig
+from typing import Any, NamedTuple, Protocol
 
 
 class TlsNames(NamedTuple):
@@ -91,7 +89,18 @@ class ListenerTls:
         }
 
 
-def serve_tls(server: ServerConfig) -> ListenerTls | None:
+class TlsSettings(Protocol):
+    """What :func:`serve_tls` reads of a server's settings (``serve``'s ``[server]``)."""
+
+    @property
+    def ssl_keyfile(self) -> str: ...
+    @property
+    def ssl_certfile(self) -> str: ...
+    @property
+    def ssl_ca_certs(self) -> str: ...
+
+
+def serve_tls(server: TlsSettings) -> ListenerTls | None:
     """``ringfence serve``'s TLS files, checked (None: plain HTTP); ValueError naming them."""
     return ListenerTls.of(server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs, SERVE_NAMES)
 

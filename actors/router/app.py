@@ -25,15 +25,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ringfence.actors.http.auth import TENANT_SCOPE, RequireKey, open_paths, tenant_salt
+from ringfence.actors.http.errors import ApiError, error_body
+from ringfence.actors.http.limits import LimitBody
 from ringfence.actors.router.flow import Handover, Relayed
 from ringfence.actors.router.forward import INSTANCE_HEADER, Forward
 from ringfence.actors.router.instances import Instance
 from ringfence.actors.router.relay import EventRelay, is_event_stream, read_whole
 from ringfence.actors.router.state import Router
 from ringfence.actors.router.upstream import TransportError, describe
-from ringfence.actors.serve.api import ApiError, error_body
-from ringfence.actors.serve.auth import TENANT_SCOPE, RequireKey, open_paths, tenant_salt
-from ringfence.actors.serve.limits import LimitBody
 
 PROBE_S = 2.0  # one instance's /health or /v1/models, asked by the router's own routes
 OUTCOME_OF_STATUS = {502: "decode_failed", 503: "no_room"}  # the router's own errors

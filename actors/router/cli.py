@@ -134,11 +134,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ringfence.actors.http import auth
+    from ringfence.actors.http.tls import ROUTER_NAMES, ListenerTls
     from ringfence.actors.router.instances import StartTimeout
     from ringfence.actors.router.options import RouterOptions
     from ringfence.actors.router.server import listen, serve
-    from ringfence.actors.serve import auth
-    from ringfence.actors.serve.tls import ROUTER_NAMES, ListenerTls
 
     options = RouterOptions(
         prefill=tuple(args.prefill),

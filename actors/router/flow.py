@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from ringfence.actors.http.errors import ApiError
 from ringfence.actors.router.instances import Instance
 from ringfence.actors.router.keys import keys_of, prompt_keys, salt_of
 from ringfence.actors.router.options import FIRST_BACKOFF_S
@@ -42,7 +43,6 @@ from ringfence.actors.router.upstream import (
     TransportError,
     describe,
 )
-from ringfence.actors.serve.api import ApiError
 from ringfence.cache.ids import BlockHash
 from ringfence.shm.errors import RingfenceError
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ringfence.actors.http.errors import ApiError
 from ringfence.actors.router.flow import (
     CLAIM_CONNECT_S,
     CLAIM_READ_S,
@@ -29,7 +30,6 @@ from ringfence.actors.router.keys import prompt_keys
 from ringfence.actors.router.policy import Choice
 from ringfence.actors.router.state import Router
 from ringfence.actors.router.upstream import JSON, Stream, TransportError
-from ringfence.actors.serve.api import ApiError
 from ringfence.cache.ids import BlockHash
 
 INSTANCE_HEADER = "X-Ringfence-Instance"

@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ringfence.actors.http.env import INSTANCE_KEY_ENV
+from ringfence.actors.http.load import Load
 from ringfence.actors.router.upstream import TlsRefused, TransportError, Upstream, describe
-from ringfence.actors.serve.config import INSTANCE_KEY_ENV
-from ringfence.actors.serve.load import Load
 from ringfence.shm.errors import RingfenceError
 
 ROLES = ("prefill", "decode", "both")  # both: an aggregated instance (--instance)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, field
 
+from ringfence.actors.http.auth import Keys
+from ringfence.actors.http.tls import ListenerTls, instance_context
 from ringfence.actors.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES
-from ringfence.actors.serve.auth import Keys
-from ringfence.actors.serve.tls import ListenerTls, instance_context
 
 PREFILL_MARGIN_S = 2.0  # the default prefill deadline: the reservation's ttl_s less this
 RETRY_CAP_S = 2.0  # the longest wait between two reserve rounds (Retry-After is capped here)
@@ -33,7 +33,7 @@ class RouterOptions:
     max_claims: int = MAX_CLAIMS
     client_keys: Keys = field(default_factory=lambda: Keys(()))  # none: anyone may call
     protect_metrics: bool = False  # GET /metrics asks for a client key too
-    salt_by_key: bool = False  # the client key's tenant salts every request (serve/auth.py)
+    salt_by_key: bool = False  # the client key's tenant salts every request (http/auth.py)
     instance_key: str = field(default="", repr=False)  # presented on every call to an instance
     max_body_bytes: int = 32 << 20  # a larger request body is answered 413 (as an instance's)
     header_timeout_s: float = 10.0  # a connection whose request head is not whole is closed

@@ -17,8 +17,8 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ringfence.actors.http.errors import ApiError
 from ringfence.actors.router.upstream import Stream, TransportError, describe
-from ringfence.actors.serve.api import ApiError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -1,6 +1,6 @@
 """The router's HTTP server: uvicorn on the main thread's event loop, on a socket bound first.
 
-It speaks HTTPS when the options carry TLS files (``--ssl-certfile``, :mod:`..serve.tls`).
+It speaks HTTPS when the options carry TLS files (``--ssl-certfile``, :mod:`..http.tls`).
 The socket is bound before the instances are asked anything, so an address in use fails
 the command at once; connections made while the router starts wait in its backlog.
 SIGINT and SIGTERM stop the server gracefully (open connections get ``GRACE_S``), and the
@@ -20,12 +20,12 @@ from typing import TextIO
 
 import uvicorn
 
+from ringfence.actors.http.deadlines import head_deadline
+from ringfence.actors.http.tls import scheme
 from ringfence.actors.router.app import build_app
 from ringfence.actors.router.log import RouterLog
 from ringfence.actors.router.options import RouterOptions
 from ringfence.actors.router.state import open_router
-from ringfence.actors.serve.deadlines import head_deadline
-from ringfence.actors.serve.tls import scheme
 
 GRACE_S = 1  # open connections get this long to finish when the server stops
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

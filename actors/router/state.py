@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ringfence.actors.events.subscriber import EventFollower
+from ringfence.actors.http.load import Load
 from ringfence.actors.router.instances import (
     FIRST_WAIT_S,
     IDENTIFY_CALL_S,
@@ -33,7 +34,6 @@ from ringfence.actors.router.metrics import Metrics
 from ringfence.actors.router.options import RouterOptions
 from ringfence.actors.router.policy import Picker, Weights
 from ringfence.actors.router.upstream import TransportError, Upstream
-from ringfence.actors.serve.load import Load
 from ringfence.cache.kv_events import KVEvent
 from ringfence.cache.kv_index import KVIndex
 

@@ -160,7 +160,7 @@ class Upstream:
 
     def __init__(self, key: str = "", tls: ssl.SSLContext | None = None) -> None:
         """``key``: the instances' API key, presented on every call (none if empty);
-        ``tls``: the context of https instance URLs (:func:`..serve.tls.instance_context`;
+        ``tls``: the context of https instance URLs (:func:`..http.tls.instance_context`;
         None: aiohttp's default, which verifies against the system's trust store)."""
         self._tls = tls if tls is not None else ssl.create_default_context()
         connector = aiohttp.TCPConnector(

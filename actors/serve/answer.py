@@ -23,13 +23,9 @@ import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from ringfence.actors.http.errors import ApiError
 from ringfence.actors.protocol.client import Submit
-from ringfence.actors.serve.api import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    stop_strings,
-)
+from ringfence.actors.serve.api import ChatCompletionRequest, CompletionRequest, stop_strings
 from ringfence.actors.serve.logprobs import (
     TokenNames,
     chat_logprobs,

@@ -22,21 +22,19 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from ringfence.actors.http.auth import TENANT_SCOPE, Keys, RequireKey, open_paths, tenant_salt
+from ringfence.actors.http.errors import ApiError, ErrorResponse, error_body
+from ringfence.actors.http.limits import LimitBody
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.serve.answer import Answer
 from ringfence.actors.serve.api import (
     IGNORED_HEADER,
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
-    error_body,
     ignored_fields,
 )
-from ringfence.actors.serve.auth import TENANT_SCOPE, Keys, RequireKey, open_paths, tenant_salt
 from ringfence.actors.serve.config import FrontEndSettings
-from ringfence.actors.serve.limits import LimitBody
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.openapi import install
 from ringfence.actors.serve.prompts import prompt_of

@@ -62,9 +62,9 @@ def main(args: argparse.Namespace) -> int:
             overrides.append(f"{setting}={json.dumps(value)}")
     # A server stopped by Ctrl-C or its orchestrator's SIGTERM did its job: exit 0.
     config = load_config(args.config, overrides)
-    from ringfence.actors.serve.auth import server_keys
+    from ringfence.actors.http.auth import server_keys
+    from ringfence.actors.http.tls import serve_tls
     from ringfence.actors.serve.config import ServerConfig
-    from ringfence.actors.serve.tls import serve_tls
 
     server = config.section("server")
     assert isinstance(server, ServerConfig)

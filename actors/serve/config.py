@@ -6,15 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from ringfence.actors.engine.config import EngineConfig
+from ringfence.actors.http.env import API_KEY_ENV
 from ringfence.actors.model.config import ModelConfig, ParallelConfig
 from ringfence.cache.config import CacheConfig
 from ringfence.runtime.config import setting
 from ringfence.runtime.secrets import secret
 from ringfence.sched.config import SchedConfig
-
-API_KEY_ENV = "RINGFENCE_API_KEY"  # vLLM's VLLM_API_KEY: keys, comma-separated
-# The key ringfence router presents to its instances (theirs, not its clients').
-INSTANCE_KEY_ENV = "RINGFENCE_INSTANCE_API_KEY"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ringfence.actors.http.load import Load, LoadWatch
 from ringfence.actors.protocol.client import (
     CLIENT_TO_ENGINE,
     Abort,
@@ -37,7 +38,6 @@ from ringfence.actors.protocol.client import (
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Gateway, Handoff, Lost
 from ringfence.actors.serve.health import Liveness
-from ringfence.actors.serve.load import Load, LoadWatch
 from ringfence.actors.serve.prompts import Prompter
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.control import InstanceControl
@@ -93,8 +93,8 @@ class FrontEnd(Actor):
         self.prompter = Prompter(config)
         self.inbox = self.local_inbox(HTTP, CLIENT_TO_ENGINE)
         settings = config.server
-        from ringfence.actors.serve import auth
-        from ringfence.actors.serve.tls import SERVE_NAMES, scheme, serve_tls
+        from ringfence.actors.http import auth
+        from ringfence.actors.http.tls import SERVE_NAMES, scheme, serve_tls
 
         keys = auth.server_keys(settings)  # a bad key file fails here
         tls = serve_tls(settings)  # and so does a bad certificate

@@ -26,8 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ringfence.actors.http.errors import ApiError
 from ringfence.actors.protocol.client import Abort, Rejected, Reservation, Reserve, Submit, Tokens
-from ringfence.actors.serve.api import ApiError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

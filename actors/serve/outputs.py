@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringfence.actors.http.errors import ApiError
 from ringfence.actors.protocol.client import Rejected, Tokens
-from ringfence.actors.serve.api import ApiError
 from ringfence.actors.serve.gateway import Lost, RequestStream
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.text import TextStream

@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from ringfence.actors.http.errors import ApiError
 from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError, find_template
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.identity import model_shape
 from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ringfence.actors.serve.api import (
-    ApiError,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,

@@ -31,14 +31,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ringfence.actors.http.auth import TENANT_SCOPE, tenant_salt
+from ringfence.actors.http.errors import ApiError
+from ringfence.actors.http.load import Load
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.protocol.client import Rejected, Reservation, Reserve, Submit, Tokens
-from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, CompletionRequest
-from ringfence.actors.serve.auth import TENANT_SCOPE, tenant_salt
+from ringfence.actors.serve.api import ChatCompletionRequest, CompletionRequest
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Lost, RequestStream
-from ringfence.actors.serve.load import Load
 from ringfence.actors.serve.prompts import prompt_of
 from ringfence.actors.serve.responses import events_card
 from ringfence.actors.serve.view import FrontEndView

@@ -13,7 +13,8 @@ import hashlib
 import secrets
 from typing import Any, cast
 
-from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, CompletionRequest
+from ringfence.actors.http.errors import ApiError
+from ringfence.actors.serve.api import ChatCompletionRequest, CompletionRequest
 from ringfence.actors.serve.prompts import Prompt
 from ringfence.sched.checks import RequestError
 from ringfence.sched.sampling import SamplingParams

@@ -16,8 +16,8 @@ import threading
 import uvicorn
 from starlette.types import ASGIApp
 
-from ringfence.actors.serve.deadlines import head_deadline
-from ringfence.actors.serve.tls import ListenerTls
+from ringfence.actors.http.deadlines import head_deadline
+from ringfence.actors.http.tls import ListenerTls
 
 GRACE_S = 1  # open connections get this long to finish when the server stops
 HEAD_TIMEOUT_S = 10.0  # server.header_timeout_s's default

@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ringfence.actors.http.errors import ApiError
 from ringfence.actors.model.grammars import problem
-from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, CompletionRequest
+from ringfence.actors.serve.api import ChatCompletionRequest, CompletionRequest
 from ringfence.sched.checks import RequestError
 from ringfence.sched.structured import ANY_JSON_OBJECT, StructuredOutput
 

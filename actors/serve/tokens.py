@@ -15,7 +15,8 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from ringfence.actors.serve.api import STRICT, ApiError, ChatMessage, ErrorResponse, TokenIds
+from ringfence.actors.http.errors import ApiError, ErrorResponse
+from ringfence.actors.serve.api import STRICT, ChatMessage, TokenIds
 from ringfence.actors.serve.prompts import Prompter
 
 

@@ -17,9 +17,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ringfence.actors.http.errors import ApiError
 from ringfence.actors.model.grammars import problem
 from ringfence.actors.model.tool_calls import Function, Parsed, ToolFormat, tool_format
-from ringfence.actors.serve.api import ApiError, ChatCompletionRequest, NamedToolChoice
+from ringfence.actors.serve.api import ChatCompletionRequest, NamedToolChoice
 from ringfence.sched.structured import StructuredOutput
 
 

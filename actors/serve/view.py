@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ringfence.actors.http.load import LoadWatch
 from ringfence.actors.protocol.client import Stats
 from ringfence.actors.serve.config import FrontEndSettings
 from ringfence.actors.serve.gateway import Gateway
 from ringfence.actors.serve.health import Liveness
-from ringfence.actors.serve.load import LoadWatch
 from ringfence.actors.serve.prompts import Prompter
 from ringfence.runtime.log import ActorLog
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from fake_instance import FakeInstance, Knobs
 
-from ringfence.actors.serve.tls import ListenerTls
+from ringfence.actors.http.tls import ListenerTls
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ from hashlib import blake2b
 
 import pytest
 
+from ringfence.actors.http.load import Load
 from ringfence.actors.router.cli import OVERLAP_WEIGHT, POLICY_CHOICES
 from ringfence.actors.router.instances import Identity, Instance
 from ringfence.actors.router.options import RouterOptions
 from ringfence.actors.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, Picker, Weights
-from ringfence.actors.serve.load import Load
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.kv_events import AllBlocksCleared, BlockStored
 from ringfence.cache.kv_index import KVIndex

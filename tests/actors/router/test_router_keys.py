@@ -10,10 +10,10 @@ import pytest
 from routing import routed, router_refusal
 from starlette.routing import Route
 
+from ringfence.actors.http.auth import Keys
 from ringfence.actors.router.app import build_app
 from ringfence.actors.router.instances import PoolRefused
 from ringfence.actors.router.options import RouterOptions
-from ringfence.actors.serve.auth import Keys
 
 CLIENT_KEY, INSTANCE_KEY = "sk-client-7f3a", "sk-instance-91c2"
 OPEN = {"/health", "/metrics"}

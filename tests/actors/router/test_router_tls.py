@@ -10,8 +10,8 @@ import pytest
 from certificates import Certificates, Pair, make_certificates
 from routing import ROUTER_START_S, routed, router_process, router_refusal
 
+from ringfence.actors.http.tls import ROUTER_NAMES, SERVE_NAMES, ListenerTls
 from ringfence.actors.router.instances import PoolRefused
-from ringfence.actors.serve.tls import ROUTER_NAMES, SERVE_NAMES, ListenerTls
 
 REQUEST = {"model": "fake", "prompt": "hi", "max_tokens": 2}
 

@@ -1,4 +1,4 @@
-"""API keys (actors/serve/auth.py): where they come from, how a key is checked, and the
+"""API keys (actors/http/auth.py): where they come from, how a key is checked, and the
 middleware's 401 in OpenAI's error body; a secret setting never reaches the run dir."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from ringfence.actors.serve.auth import (
+from ringfence.actors.http.auth import (
     Keys,
     RequireKey,
     exposed_without_key,
@@ -152,7 +152,7 @@ def test_a_key_files_tenant_names_group_keys_and_a_key_without_one_is_its_own(tm
 
 
 def test_the_salt_by_key_puts_the_tenant_before_the_clients_salt():
-    from ringfence.actors.serve.auth import tenant_salt
+    from ringfence.actors.http.auth import tenant_salt
 
     assert tenant_salt("team-a", None, salt_by_key=False) == ""
     assert tenant_salt("team-a", "s", salt_by_key=False) == "s"
@@ -164,7 +164,7 @@ def test_the_salt_by_key_puts_the_tenant_before_the_clients_salt():
 
 
 def test_the_middleware_hands_the_route_the_callers_tenant():
-    from ringfence.actors.serve.auth import TENANT_SCOPE
+    from ringfence.actors.http.auth import TENANT_SCOPE
 
     async def who(request):
         return PlainTextResponse(str(request.scope.get(TENANT_SCOPE)))

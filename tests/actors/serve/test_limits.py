@@ -1,4 +1,4 @@
-"""The body limit (actors/serve/limits.py): 413 in OpenAI's error body for a body over the
+"""The body limit (actors/http/limits.py): 413 in OpenAI's error body for a body over the
 limit, whether its Content-Length says so or it comes in chunks; the app reads no further."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from ringfence.actors.serve.limits import LimitBody
+from ringfence.actors.http.limits import LimitBody
 
 LIMIT = 2048
 

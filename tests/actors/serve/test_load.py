@@ -1,4 +1,4 @@
-"""``GET /ringfence/load``'s watch (``actors/serve/load.py``): readings numbered by change,
+"""``GET /ringfence/load``'s watch (``actors/http/load.py``): readings numbered by change,
 and the long poll that answers on the next change or at its deadline."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ringfence.actors.serve.load import Load, LoadWatch
+from ringfence.actors.http.load import Load, LoadWatch
 
 
 def test_readings_are_numbered_only_when_they_change():

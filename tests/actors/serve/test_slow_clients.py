@@ -17,8 +17,8 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from ringfence.actors.serve.auth import Keys, RequireKey
-from ringfence.actors.serve.limits import LimitBody
+from ringfence.actors.http.auth import Keys, RequireKey
+from ringfence.actors.http.limits import LimitBody
 from ringfence.actors.serve.server import HttpThread
 
 HEAD_S, BODY_S = 0.8, 0.8  # the deadlines under test

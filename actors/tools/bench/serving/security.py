@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringfence.actors.serve.config import API_KEY_ENV
+from ringfence.actors.http.env import API_KEY_ENV
 
 MODES = ("keys", "keys+tls")
 
