@@ -195,7 +195,7 @@ class Layer(NamedTuple):
 
 ACTOR_LAYERS: tuple[Layer, ...] = (
     Layer("sections", ("model.config", "executors.config", "engine.config", "serve.config",
-                       "events.config")),
+                       "events.config", "http.env")),
     Layer("schema", ("config",), over=("sections",)),  # the sections composed
     Layer("model", ("model",), over=("schema",)),  # shape, dtypes, weights, what it announces
     Layer("kv", ("kv",), over=("model",)),  # each tier's KV tensor, its layout, block copies
@@ -206,10 +206,12 @@ ACTOR_LAYERS: tuple[Layer, ...] = (
     Layer("launch", ("preflight", "device_defaults", "topology"), over=("protocol",)),
     Layer("events", ("events",), over=("schema",)),  # KV events on the wire, their publisher
     Layer("engine", ("engine",), over=("client", "launch", "events")),
-    Layer("serve", ("serve",), over=("engine",)),
-    Layer("router", ("router",), over=("serve",)),
+    # The HTTP edge serve and router share: errors, keys, TLS, limits and deadlines, load.
+    Layer("http", ("http",), over=("protocol",)),
+    Layer("serve", ("serve",), over=("engine", "http")),
+    Layer("router", ("router",), over=("http", "events")),  # never serve: the edge is shared
     Layer("replay", ("replay",), over=("engine",)),
-    Layer("tools", ("tools",), over=("executors", "router", "replay")),
+    Layer("tools", ("tools",), over=("executors", "serve", "router", "replay")),
 )  # fmt: skip
 ACTORS = "ringfence.actors"
 
@@ -409,12 +411,19 @@ def tree(tmp_path: Path, modules: dict[str, str]) -> Path:
             "ringfence.actors.tools.bench.e2e (tools), a layer above its own",
         ),
         (
+            {"actors/router/flow": "from ringfence.actors.serve.api import CompletionRequest\n",
+             "actors/serve/api": ""},
+            "actors/router/flow.py:1: ringfence.actors.router.flow (router) imports "
+            "ringfence.actors.serve.api (serve), a layer beside its own",
+        ),
+        (
             {"actors/gadgets/thing": ""},
             "actors/gadgets/thing.py: ringfence.actors.gadgets.thing has no layer in ACTOR_LAYERS",
         ),
     ],
     ids=["model-imports-kv-lazily", "protocol-imports-engine", "engine-imports-executors",
-         "schema-imports-an-actor", "product-imports-bench", "unplaced-subpackage"],
+         "schema-imports-an-actor", "product-imports-bench", "router-imports-serve",
+         "unplaced-subpackage"],
 )  # fmt: skip
 def test_an_import_that_runs_up_a_layer_is_named_with_its_file_and_line(tmp_path, modules, problem):
     assert upward_imports(tree(tmp_path, modules)) == [problem]
@@ -431,8 +440,9 @@ def test_imports_down_or_within_a_layer_and_a_section_under_the_schema_pass(tmp_
             "actors/engine/topology": "from ringfence.actors.client.slot import CLIENT\n",
             "actors/client/slot": "from ringfence.actors.protocol.client import Submit\n",
             "actors/protocol/client": "",
-            "actors/router/app": "from ringfence.actors.serve.api import ApiError\n",
-            "actors/serve/api": "from ringfence.sched.request import SamplingParams\n",
+            "actors/router/app": "from ringfence.actors.http.errors import ApiError\n",
+            "actors/serve/api": "from ringfence.actors.http.errors import ApiError\n",
+            "actors/http/errors": "from ringfence.sched.request import SamplingParams\n",
             "actors/tools/bench/e2e": "from ringfence.actors.replay.log import read\n",
             "actors/replay/log": "",
         },
