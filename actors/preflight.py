@@ -17,9 +17,9 @@ from pathlib import Path
 from ringfence.actors.config import Config
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.model.checkpoint import check_checkpoint
-from ringfence.actors.model.gguf_checkpoint import is_gguf
 from ringfence.actors.model.parallel import check_divisible
 from ringfence.actors.model.shape import PRESETS, ModelShape
+from ringfence.actors.text.gguf_metadata import is_gguf
 from ringfence.cache.fences import Tier
 
 SHM_DIR = "/dev/shm"  # where the CPU KV pools are created (POSIX shared memory)
@@ -60,8 +60,8 @@ def check_tokenizer(root: Path) -> None:
     """The checkpoint's tokenizer.json and the configs its special tokens come from parse,
     and its chat template (if it has one) compiles: ValueError naming the file otherwise.
     A checkpoint may have neither (token ids in, token ids out)."""
-    from ringfence.actors.model.chat import ChatTemplate, find_template
-    from ringfence.actors.model.tokenizer import load_tokenizer
+    from ringfence.actors.text.chat import ChatTemplate, find_template
+    from ringfence.actors.text.tokenizer import load_tokenizer
 
     load_tokenizer(root)
     if find_template(root)[0] is not None:

@@ -3,7 +3,7 @@
 :class:`StructuredOutput` is a field of :class:`~ringfence.sched.sampling.SamplingParams`,
 so it travels wherever they do: in the client's ``Submit``, a workload line, and once per
 sequence in the step plan's :class:`~ringfence.sched.ops.Opening`. The Worker compiles it
-(``ringfence.actors.model.grammars``) and masks the sequence's logits with it. Only its
+(``ringfence.actors.text.grammars``) and masks the sequence's logits with it. Only its
 shape is checked here; whether the schema, regex or grammar compiles is the backend's to
 say (the HTTP front end asks it before a request reaches the engine).
 

@@ -50,7 +50,7 @@ def smollm2() -> Path | None:
 
 def byte_tokens() -> list[str]:
     """The 256 byte tokens spelled in GPT-2's byte alphabet, in byte order."""
-    from ringfence.actors.model.gguf_tokenizer import byte_alphabet
+    from ringfence.actors.text.gguf_tokenizer import byte_alphabet
 
     return list(byte_alphabet().values())
 

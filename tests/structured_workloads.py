@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import orjson
 
-from ringfence.actors.model.tokenizer import EOS, ByteTokenizer
+from ringfence.actors.text.tokenizer import EOS, ByteTokenizer
 from ringfence.sched.structured import StructuredOutput
 
 SCHEMA: dict[str, Any] = {

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ringfence.actors.engine.config import EngineConfig
 from ringfence.actors.model.config import ModelConfig
-from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, model_tokenizer
 from ringfence.actors.protocol.client import Submit
+from ringfence.actors.text.tokenizer import ByteTokenizer, Tokenizer, model_tokenizer
 from ringfence.sched.request import Request, RequestError, SamplingParams
 from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
 
 if TYPE_CHECKING:
-    from ringfence.actors.model.chat import ChatTemplate
+    from ringfence.actors.text.chat import ChatTemplate
 
 Encode = Callable[[str], Sequence[int]]
 
@@ -68,7 +68,7 @@ def with_stops(
     """``params`` that also stop at ``stop_ids``, the model's end-of-sequence tokens (after
     the request's own, no repeats), unless they ask to ignore them. A structured output
     stops at ``eos`` when the model names no stop ids (the presets): its grammar allows
-    only that token once it is complete (``actors/model/grammars.py``)."""
+    only that token once it is complete (``actors/text/grammars.py``)."""
     if not stop_ids and params.structured is not None and eos is not None:
         stop_ids = (eos,)
     if not stop_ids or params.ignore_eos:
@@ -105,7 +105,7 @@ def check_structured(params: SamplingParams) -> None:
     request's structured output does not compile (so a bad one never reaches the Worker)."""
     if params.structured is None:
         return
-    from ringfence.actors.model.grammars import problem  # the backend, for these alone
+    from ringfence.actors.text.grammars import problem  # the backend, for these alone
 
     if said := problem(params.structured):
         raise RequestError(f"structured: {said}", field="structured")
@@ -177,7 +177,7 @@ class Intake:
         """A chat's ids: rendered by the checkpoint's chat template with the assistant's turn
         opened, then encoded (ChatTemplateError if there is no template or it refuses)."""
         # Imported here: jinja2 is for chats only, and the engine starts faster without it.
-        from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
+        from ringfence.actors.text.chat import ChatTemplate, ChatTemplateError
 
         template = self._template
         if template is None:

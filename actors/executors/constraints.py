@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from ringfence.actors.model.grammars import Grammars
+from ringfence.actors.text.grammars import Grammars
 
 MASK_TIMEOUT_S = 30.0  # a mask not filled by then is a hung backend: the step fails
 

@@ -34,9 +34,9 @@ import torch
 from ringfence.actors.executors.constraints import Constraints, MaskJob
 from ringfence.actors.executors.counts import DeviceCounts
 from ringfence.actors.executors.knobs import SeqKnobs, build_knobs
-from ringfence.actors.model.grammars import GrammarError, Grammars
 from ringfence.actors.model.sampler import sample_rows
 from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken
+from ringfence.actors.text.grammars import GrammarError, Grammars
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
 

@@ -44,7 +44,6 @@ from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler
 from ringfence.actors.executors.timing import StepTimer
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
-from ringfence.actors.model.grammars import model_grammars
 from ringfence.actors.model.loader import load_model
 from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.model.parallel import Group, Shard, join_group, rank_device, rendezvous_file
@@ -57,6 +56,7 @@ from ringfence.actors.protocol.worker import (
     StepStatus,
     WorkerReady,
 )
+from ringfence.actors.text.grammars import model_grammars
 from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
 from ringfence.sched.ops import StepOp

@@ -1,1 +1,1 @@
-"""The model: its shape and presets, the torch decoder, paged execution, checkpoints, tokenizers."""
+"""The model: its shape and presets, the torch decoder, paged execution, checkpoints."""

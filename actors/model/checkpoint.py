@@ -29,10 +29,10 @@ from ringfence.actors.model.families import FAMILIES, read_config
 from ringfence.actors.model.gguf_checkpoint import (
     check_gguf,
     gguf_fingerprint_id,
-    is_gguf,
     load_gguf,
 )
 from ringfence.actors.model.shape import ModelShape, expected_tensors
+from ringfence.actors.text.gguf_metadata import is_gguf
 
 if TYPE_CHECKING:  # torch is imported by what reads tensors, not by what reads configs
     import torch

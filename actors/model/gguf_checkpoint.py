@@ -14,7 +14,8 @@ transformers' the two halves of a head); :func:`unpermute` undoes that exactly a
 transformers' ``LlamaTensorProcessor._reverse_permute_weights`` does. A file without
 ``output.weight`` has tied embeddings. Under tensor parallelism a rank dequantizes each
 whole tensor and keeps its slice (``parallel.take_shard``), as it would of a safetensors
-tensor. Reading the metadata imports no torch; the reader is cached per file and process.
+tensor. The metadata and the cached reader are the text room's (``actors/text/gguf_metadata.py``):
+the tokenizer and the chat template read them without torch.
 """
 
 from __future__ import annotations
@@ -23,19 +24,19 @@ import functools
 import hashlib
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ringfence.actors.model.families import FAMILIES, shape_of
 from ringfence.actors.model.shape import ModelShape, expected_tensors
+from ringfence.actors.text.gguf_metadata import metadata, reader
 
 if TYPE_CHECKING:
     import torch
-    from gguf import GGUFReader, ReaderTensor
+    from gguf import ReaderTensor
 
     from ringfence.actors.model.decoder import Model
     from ringfence.actors.model.parallel import Group, Shard
 
-SUFFIX = ".gguf"
 # general.architecture -> the Hugging Face architecture whose layout the tensors map to.
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 # llama.cpp's tensor names -> the state-dict names of the Llama layout.
@@ -59,11 +60,6 @@ _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 _HASH_CHUNK = 1 << 20
 
 
-def is_gguf(path: str | Path) -> bool:
-    """Whether ``model.path`` names a GGUF file (by its suffix) rather than a directory."""
-    return Path(path).suffix.lower() == SUFFIX
-
-
 def hf_name(name: str) -> str | None:
     """The Llama state-dict name of llama.cpp tensor ``name`` (None: not a Llama tensor)."""
     if name in _GLOBAL_NAMES:
@@ -81,69 +77,6 @@ def gguf_name(name: str) -> str:
             return theirs
     _, _, index, rest = name.split(".", 3)  # model.layers.N.rest
     return f"blk.{index}.{next(k for k, v in _LAYER_NAMES.items() if v == rest)}"
-
-
-def _bounded_reader() -> type[GGUFReader]:
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-
-    class BoundedReader(GGUFReader):
-        """The package's reader, first checking that each tensor's bytes lie in the file:
-        on a truncated file its own error would name no tensor. Its memory map is kept as
-        a plain array view of the same pages: the reader slices it once or twice per
-        string of the vocabulary, and ``np.memmap``'s per-slice bookkeeping took more than
-        half of its parse time (2.7 s of SmolLM2's 49,152 tokens and 48,900 merges)."""
-
-        @property  # type: ignore[override]
-        def data(self) -> np.ndarray[Any, Any]:
-            return self._pages
-
-        @data.setter
-        def data(self, value: np.ndarray[Any, Any]) -> None:
-            self._pages = value.view(np.ndarray)
-
-        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-            for field in fields:
-                _, name, _, dims, raw_type, offset = field.parts
-                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
-                count = 1
-                for dim in dims.tolist():
-                    count *= int(dim)
-                begin = int(start_offs + offset[0])
-                end = begin + count * size // block
-                if end > len(self.data):
-                    raise ValueError(
-                        f"tensor {bytes(name).decode()!r}: its data [{begin}, {end}) runs past "
-                        f"the end of the file ({len(self.data)} bytes): truncated?"
-                    )
-            super()._build_tensors(start_offs, fields)
-
-    return BoundedReader
-
-
-@functools.lru_cache(maxsize=4)
-def _cached_reader(path: Path, size: int, mtime_ns: int) -> GGUFReader:
-    try:
-        return _bounded_reader()(path)
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"{path}: not a GGUF file the gguf package reads: {exc}") from None
-
-
-def reader(path: str | Path) -> GGUFReader:
-    """The ``gguf`` package's reader of the file (parsed once per process while the file
-    is unchanged); ValueError naming the file when it is not one, or is truncated."""
-    file = Path(path)
-    try:
-        stat = file.stat()
-    except OSError as exc:
-        raise ValueError(f"{file}: cannot read the GGUF file: {exc.strerror}") from None
-    return _cached_reader(file, stat.st_size, stat.st_mtime_ns)
-
-
-def metadata(path: str | Path, key: str, default: Any = None) -> Any:
-    """The value of metadata ``key`` (an int, float, bool, str or list), or ``default``."""
-    field = reader(path).get_field(key)
-    return default if field is None else field.contents()
 
 
 def _int(path: Path, key: str, default: int | None = None) -> int:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from ringfence.actors.model.checkpoint import checkpoint_fingerprint_id
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.families import read_config
-from ringfence.actors.model.gguf_checkpoint import gguf_shape, is_gguf
+from ringfence.actors.model.gguf_checkpoint import gguf_shape
 from ringfence.actors.model.shape import PRESETS, ModelShape
+from ringfence.actors.text.gguf_metadata import is_gguf
 
 
 def model_id(settings: ModelConfig) -> str:

@@ -13,7 +13,7 @@ from ringfence.actors.model.dtypes import torch_dtype
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.model.parallel import Group, Shard, rank_device
-from ringfence.actors.model.tokenizer import ByteTokenizer, special_ids
+from ringfence.actors.text.tokenizer import ByteTokenizer, special_ids
 
 
 class LoadedModel(NamedTuple):

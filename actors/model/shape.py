@@ -115,7 +115,7 @@ def expected_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 
 
 PRESETS: dict[str, ModelShape] = {
-    # Byte-level vocabulary: 256 bytes + bos, eos, pad (see actors/model/tokenizer.py).
+    # Byte-level vocabulary: 256 bytes + bos, eos, pad (see actors/text/tokenizer.py).
     "tiny": ModelShape(
         vocab_size=259, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128
     ),

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ringfence.actors.model.config import ModelConfig
-from ringfence.actors.model.grammars import GrammarError, Grammars, model_grammars
 from ringfence.actors.replay.findings import CheckResult, Violation
 from ringfence.actors.replay.records import Entry, RunLog
+from ringfence.actors.text.grammars import GrammarError, Grammars, model_grammars
 from ringfence.runtime.config import loads_config
 from ringfence.sched.sampling import SamplingParams
 from ringfence.sched.structured import StructuredOutput

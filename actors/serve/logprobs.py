@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ringfence.actors.model.tokenizer import NUM_BYTES, ByteTokenizer, Tokenizer
+from ringfence.actors.text.tokenizer import NUM_BYTES, ByteTokenizer, Tokenizer
 from ringfence.sched.sampling import LOGPROB_FLOOR, TokenLogprobs
 
 REPLACEMENT = "\ufffd"

@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ringfence.actors.http.errors import ApiError
-from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError, find_template
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.identity import model_shape
-from ringfence.actors.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ringfence.actors.serve.api import (
     ChatCompletionRequest,
     ChatMessage,
@@ -27,6 +25,8 @@ from ringfence.actors.serve.api import (
 from ringfence.actors.serve.config import ServerConfig
 from ringfence.actors.serve.structured import structured_output
 from ringfence.actors.serve.tools import ToolUse, tool_use
+from ringfence.actors.text.chat import ChatTemplate, ChatTemplateError, find_template
+from ringfence.actors.text.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ringfence.sched.config import SchedConfig, max_model_len
 from ringfence.sched.structured import StructuredOutput
 

@@ -5,7 +5,7 @@ not: here the output always follows it), vLLM's ``structured_outputs`` (``json``
 ``regex``, ``choice``, ``grammar``, ``json_object``) and vLLM's older top-level
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` all become one
 :class:`~ringfence.sched.structured.StructuredOutput`. At most one may be given. The
-grammar backend compiles it here once (``actors/model/grammars.py``; about 1.5 ms for a
+grammar backend compiles it here once (``actors/text/grammars.py``; about 1.5 ms for a
 nested schema, and kept by spec), so that a bad schema, regex or grammar is a 400 naming
 the field and carrying the backend's complaint before the request reaches the engine. The
 server does it on a thread with the rest of the request's prompt (``prompts.prompt_of``):
@@ -19,8 +19,8 @@ import json
 from typing import Any
 
 from ringfence.actors.http.errors import ApiError
-from ringfence.actors.model.grammars import problem
 from ringfence.actors.serve.api import ChatCompletionRequest, CompletionRequest
+from ringfence.actors.text.grammars import problem
 from ringfence.sched.checks import RequestError
 from ringfence.sched.structured import ANY_JSON_OBJECT, StructuredOutput
 

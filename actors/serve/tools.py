@@ -5,7 +5,7 @@ grammar where ``tool_choice`` asks for a call, and read back out of each answer.
 ``auto`` (the default with tools: the model may call), ``required`` (it calls one of them)
 or a named function (it calls that one). With ``parallel_tool_calls`` false an answer holds
 one call at most: what the model writes after its first is dropped. The format of a call is
-the one the model's chat template teaches (``actors/model/tool_calls.py``); a template that
+the one the model's chat template teaches (``actors/text/tool_calls.py``); a template that
 teaches none takes tools only with ``none``. ``required`` and a named function become the
 request's structured output (a grammar of one call), so they cannot be combined with
 another.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringfence.actors.http.errors import ApiError
-from ringfence.actors.model.grammars import problem
-from ringfence.actors.model.tool_calls import Function, Parsed, ToolFormat, tool_format
 from ringfence.actors.serve.api import ChatCompletionRequest, NamedToolChoice
+from ringfence.actors.text.grammars import problem
+from ringfence.actors.text.tool_calls import Function, Parsed, ToolFormat, tool_format
 from ringfence.sched.structured import StructuredOutput
 
 

@@ -32,10 +32,10 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ringfence.actors.model.gguf_checkpoint import is_gguf, metadata
-from ringfence.actors.model.gguf_tokenizer import gguf_special_tokens
-from ringfence.actors.model.special_tokens import TOKENIZER_CONFIG, read_json, token_entries
-from ringfence.actors.model.tokenizer import Tokenizer
+from ringfence.actors.text.gguf_metadata import is_gguf, metadata
+from ringfence.actors.text.gguf_tokenizer import gguf_special_tokens
+from ringfence.actors.text.special_tokens import TOKENIZER_CONFIG, read_json, token_entries
+from ringfence.actors.text.tokenizer import Tokenizer
 from ringfence.shm.errors import RingfenceError
 
 TEMPLATE_FILE = "chat_template.jinja"

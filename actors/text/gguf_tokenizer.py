@@ -12,7 +12,7 @@ pre-tokenizers that transformers leaves at GPT-2's split are accepted
 (``tokenizer.ggml.pre``); the others split text differently and are refused by name.
 
 Torch-free: the Engine tokenizes prompts. The metadata comes from the cached reader of
-``gguf_checkpoint.py``; ``tokenizer.load_tokenizer`` wraps what is built here, and
+``gguf_metadata.py``; ``tokenizer.load_tokenizer`` wraps what is built here, and
 ``chat.py`` reads the template (``tokenizer.chat_template``).
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ringfence.actors.model.gguf_checkpoint import metadata
-from ringfence.actors.model.special_tokens import SpecialTokens
+from ringfence.actors.text.gguf_metadata import metadata
+from ringfence.actors.text.special_tokens import SpecialTokens
 
 BYTE_LEVEL = "gpt2"  # tokenizer.ggml.model of a byte-level BPE vocabulary
 # tokenizer.ggml.pre values that split text as GPT-2 does (transformers sets no other split).

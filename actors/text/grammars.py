@@ -38,7 +38,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING, ClassVar
 
-from ringfence.actors.model.tokenizer import (
+from ringfence.actors.text.tokenizer import (
     NUM_BYTES,
     VOCAB_SIZE,
     ByteTokenizer,

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from ringfence.actors.model.gguf_checkpoint import is_gguf
-from ringfence.actors.model.gguf_tokenizer import build_tokenizer, gguf_special_tokens
-from ringfence.actors.model.special_tokens import (
+from ringfence.actors.text.gguf_metadata import is_gguf
+from ringfence.actors.text.gguf_tokenizer import build_tokenizer, gguf_special_tokens
+from ringfence.actors.text.special_tokens import (
     SpecialTokens,
     read_special_tokens,
     token_entries,

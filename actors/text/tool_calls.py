@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ringfence.actors.model.call_reader import CallReader, Layout
+from ringfence.actors.text.call_reader import CallReader, Layout
 
 COMPACT = {"whitespace_flexible": False}  # llguidance's JSON style inside a grammar
 

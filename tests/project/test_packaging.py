@@ -117,6 +117,9 @@ def imported_by(module: str) -> set[str]:
         ("ringfence.sched", {"torch", "posix_ipc", "multiprocess", "structlog"}),
         ("ringfence.shm", {"torch", "multiprocess", "orjson", "structlog"}),
         ("ringfence.runtime", {"torch"}),
+        # The text room: the Engine and the HTTP front end tokenize and template without torch;
+        # the tokenizers, gguf and llguidance packages load when a file or grammar needs them.
+        ("ringfence.actors.text", {"torch", "numpy", "gguf", "tokenizers", "llguidance"}),
     ],
 )
 def test_each_package_imports_only_what_the_dependency_direction_allows(package, forbidden):

@@ -33,7 +33,7 @@ from ringfence.sched.sampling import SamplingParams
 from ringfence.sched.structured import StructuredOutput
 
 if TYPE_CHECKING:
-    from ringfence.actors.model.grammars import Grammars
+    from ringfence.actors.text.grammars import Grammars
 
 STEPS = 20  # decode steps per timed round
 HISTORY = 256  # tokens each sequence has seen before the step

@@ -62,8 +62,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ringfence.actors.model.grammars import model_grammars
-from ringfence.actors.model.tokenizer import model_tokenizer
+from ringfence.actors.text.grammars import model_grammars
+from ringfence.actors.text.tokenizer import model_tokenizer
 from ringfence.actors.tools.bench.options import add_counts, resolve_counts, resolve_preset
 from ringfence.actors.tools.bench.sampling import sampling_costs
 from ringfence.actors.tools.bench.subject import Subject

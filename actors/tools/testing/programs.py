@@ -22,9 +22,9 @@ import torch
 from ringfence.actors.executors.sampling import Sampler
 from ringfence.actors.kv.copies import copy_blocks
 from ringfence.actors.model.decoder import Model
-from ringfence.actors.model.grammars import model_grammars
 from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.protocol.worker import SampledToken
+from ringfence.actors.text.grammars import model_grammars
 from ringfence.cache.fences import Fence, FenceTracker, Lane
 from ringfence.cache.ids import BlockHash, BlockId, Seq
 from ringfence.sched.ops import Op, Opening, Piece, StepOp, StoreOp, SwapOp

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from ringfence.actors.executors.sampling import Sampler
-from ringfence.actors.model.grammars import model_grammars
-from ringfence.actors.model.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
+from ringfence.actors.text.grammars import model_grammars
+from ringfence.actors.text.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import SamplingParams
 from ringfence.sched.structured import StructuredOutput

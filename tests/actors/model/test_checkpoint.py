@@ -19,7 +19,7 @@ from ringfence.actors.model.config import ModelConfig as ModelSettings
 from ringfence.actors.model.decoder import Model, ModelShape
 from ringfence.actors.model.loader import load_model
 from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
-from ringfence.actors.model.tokenizer import EOS, load_tokenizer
+from ringfence.actors.text.tokenizer import EOS, load_tokenizer
 
 TINY = ModelShape(
     vocab_size=300, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,

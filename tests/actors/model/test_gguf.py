@@ -37,11 +37,11 @@ from hf_reference import (
 from launching import QUICK, launched
 
 from ringfence.actors.config import Config
-from ringfence.actors.model.chat import ChatTemplate
 from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.loader import LoadedModel, load_model
-from ringfence.actors.model.tokenizer import CheckpointTokenizer, load_tokenizer
 from ringfence.actors.preflight import check_model
+from ringfence.actors.text.chat import ChatTemplate
+from ringfence.actors.text.tokenizer import CheckpointTokenizer, load_tokenizer
 from ringfence.actors.tools.testing.local import LocalRunner
 from ringfence.sched.workload import parse_workload
 

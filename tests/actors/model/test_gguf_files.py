@@ -21,8 +21,8 @@ from ringfence.actors.config import Config
 from ringfence.actors.model.checkpoint import checkpoint_fingerprint_id, load_checkpoint
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.model.gguf_checkpoint import unpermute
-from ringfence.actors.model.tokenizer import load_tokenizer
 from ringfence.actors.preflight import check_model
+from ringfence.actors.text.tokenizer import load_tokenizer
 
 gguf = pytest.importorskip("gguf", reason="writes GGUF files")
 

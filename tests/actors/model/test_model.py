@@ -16,7 +16,7 @@ from builders import piece
 from ringfence.actors.model.decoder import PRESETS, Model, kv_block_bytes, nucleus, sample
 from ringfence.actors.model.draws import uniform
 from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
-from ringfence.actors.model.tokenizer import BOS, EOS, PAD, ByteTokenizer
+from ringfence.actors.text.tokenizer import BOS, EOS, PAD, ByteTokenizer
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

@@ -19,8 +19,8 @@ from serving import Server, served
 
 from ringfence.actors.config import Config
 from ringfence.actors.model.loader import load_model
-from ringfence.actors.model.tokenizer import ByteTokenizer
 from ringfence.actors.serve.logprobs import TokenNames
+from ringfence.actors.text.tokenizer import ByteTokenizer
 
 MODEL = ("model.preset=tiny", "model.dtype=float64")
 PROMPT = [72, 105, 32, 226, 130, 172, 33, 10]  # "Hi €!\n": a three-byte character among them

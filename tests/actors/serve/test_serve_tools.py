@@ -19,8 +19,8 @@ import pytest
 from gguf_files import tiny_weights, write_tiny
 from serving import Server, served
 
-from ringfence.actors.model.tool_calls import FORMATS
 from ringfence.actors.serve.tools import ToolStream, ToolUse
+from ringfence.actors.text.tool_calls import FORMATS
 
 HERMES_TEMPLATE = (
     # The tools by name only: the model's context is 512 byte tokens.

@@ -1,4 +1,4 @@
-"""An answer's tool calls read as its text grows (actors/model/call_reader.py): whatever
+"""An answer's tool calls read as its text grows (actors/text/call_reader.py): whatever
 pieces the text comes in, the stream's events add up to the whole answer's parse; a call's
 arguments go out as they are written, not when the call ends; an answer without calls
 reads back exactly as written."""
@@ -10,8 +10,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringfence.actors.model.call_reader import Event, head
-from ringfence.actors.model.tool_calls import FORMATS, ToolFormat
+from ringfence.actors.text.call_reader import Event, head
+from ringfence.actors.text.tool_calls import FORMATS, ToolFormat
 
 HERMES, LLAMA = FORMATS["hermes"], FORMATS["llama3_json"]
 # Pieces of answers, well and badly formed: tags, a call's head, values with brackets,

@@ -16,10 +16,10 @@ import pytest
 from ringfence.actors.config import Config
 from ringfence.actors.engine.config import EngineConfig
 from ringfence.actors.engine.intake import Intake, check_workload
-from ringfence.actors.model.chat import ChatTemplate, ChatTemplateError
 from ringfence.actors.model.config import ModelConfig
-from ringfence.actors.model.tokenizer import load_tokenizer
 from ringfence.actors.protocol.client import Submit
+from ringfence.actors.text.chat import ChatTemplate, ChatTemplateError
+from ringfence.actors.text.tokenizer import load_tokenizer
 from ringfence.sched.request import RequestError, SamplingParams
 
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizer.json needs tokenizers")

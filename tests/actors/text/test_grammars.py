@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ringfence.actors.executors.constraints import Constraints, masked
-from ringfence.actors.model.grammars import GrammarError, Grammars, model_grammars, problem
-from ringfence.actors.model.tokenizer import EOS, VOCAB_SIZE
+from ringfence.actors.text.grammars import GrammarError, Grammars, model_grammars, problem
+from ringfence.actors.text.tokenizer import EOS, VOCAB_SIZE
 from ringfence.sched.checks import RequestError
 from ringfence.sched.structured import StructuredOutput
 

@@ -1,4 +1,4 @@
-"""Tool-call formats (actors/model/tool_calls.py): which a chat template teaches, how calls
+"""Tool-call formats (actors/text/tool_calls.py): which a chat template teaches, how calls
 read back out of an answer, and the grammar that forces a call accepting exactly the calls
 of the functions it names. How a stream reads them: test_call_reader.py."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from ringfence.actors.model.grammars import model_grammars
-from ringfence.actors.model.tokenizer import EOS, VOCAB_SIZE
-from ringfence.actors.model.tool_calls import (
+from ringfence.actors.text.grammars import model_grammars
+from ringfence.actors.text.tokenizer import EOS, VOCAB_SIZE
+from ringfence.actors.text.tool_calls import (
     FORMATS,
     Function,
     Parsed,
