@@ -197,7 +197,9 @@ ACTOR_LAYERS: tuple[Layer, ...] = (
     Layer("sections", ("model.config", "executors.config", "engine.config", "serve.config",
                        "events.config", "http.env")),
     Layer("schema", ("config",), over=("sections",)),  # the sections composed
-    Layer("model", ("model",), over=("schema",)),  # shape, dtypes, weights, what it announces
+    # Tokenizers, chat templates, grammars, tool calls: no torch (test_packaging checks).
+    Layer("text", ("text",)),
+    Layer("model", ("model",), over=("schema", "text")),  # shape, weights, what it announces
     Layer("kv", ("kv",), over=("model",)),  # each tier's KV tensor, its layout, block copies
     Layer("protocol", ("protocol",), over=("kv",)),  # every channel's messages, the lanes' counters
     Layer("executors", ("executors",), over=("protocol",)),  # the Worker, the Transfer lanes
