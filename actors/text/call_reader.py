@@ -24,8 +24,11 @@ Pure: no torch, no I/O.
 
 from __future__ import annotations
 
+import enum
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 Kind = Literal["content", "call", "arguments"]
@@ -171,17 +174,32 @@ def as_call(body: str) -> tuple[str, str] | None:
     return obj["name"], json.dumps(arguments, ensure_ascii=False)
 
 
+class Mode(enum.Enum):
+    """Where a :class:`CallReader` stands in the answer; each has one step (:data:`STEPS`)."""
+
+    TEXT = "text"  # content; a call starts at the layout's open tag
+    START = "start"  # calls start the answer: before the first
+    PLAIN = "plain"  # calls start the answer and it did not: all of it is content
+    HEAD = "head"  # a call's head, up to its arguments' first character
+    ARGUMENTS = "arguments"  # a call's arguments, sent as they come
+    TAIL = "tail"  # after a call's arguments, to its end
+    WHOLE = "whole"  # a block whose head reads otherwise, held to its end
+    DONE = "done"  # ``most`` calls read: the rest is dropped
+
+
+# A mode's step: True when it used some of the buffer and another step may follow.
+Step = Callable[["CallReader", list[Event], bool], bool]
+
+
 class CallReader:
     """One answer's text, fed in order: the events each piece adds (see the module
-    docstring). Modes: ``text`` (content; calls start at ``open``), ``start`` (calls start
-    the answer: before the first), ``plain`` (calls start the answer and it did not),
-    ``head``, ``arguments``, ``tail`` (after a call's arguments, to its end), ``whole``
-    (a block held to its end) and ``done`` (``most`` calls read: the rest is dropped)."""
+    docstring). It moves between the modes of :class:`Mode`, each read by its step in
+    :data:`STEPS`. Owned by one request's answer; ``feed`` mutates it."""
 
     def __init__(self, layout: Layout, most: int | None = None) -> None:
         self.layout = layout
         self.most = most  # the calls taken (None: all)
-        self.mode = "text" if layout.open is not None else "start"
+        self.mode = Mode.TEXT if layout.open is not None else Mode.START
         self.buffer = ""  # read, not yet decided
         self.spaces = ""  # whitespace held before what may be a call
         self.held = ""  # everything held since the answer's start (calls start the answer)
@@ -200,12 +218,9 @@ class CallReader:
             self._finish(events)
         return events
 
-    # One step: True when it used some of the buffer and another may follow.
-
     def _step(self, events: list[Event], last: bool) -> bool:
-        step = getattr(self, f"_{self.mode}")
-        ending = last and self.mode in ("head", "whole")  # a block cut short ends here
-        return (bool(self.buffer) or ending) and step(events, last)
+        ending = last and self.mode in (Mode.HEAD, Mode.WHOLE)  # a block cut short ends here
+        return (bool(self.buffer) or ending) and STEPS[self.mode](self, events, last)
 
     def _text(self, events: list[Event], last: bool) -> bool:
         tag = self.layout.open
@@ -217,7 +232,7 @@ class CallReader:
         self.buffer = self.buffer[cut:]
         if at < 0:
             return False
-        self.buffer, self.mode = self.buffer[len(tag) :], "head"
+        self.buffer, self.mode = self.buffer[len(tag) :], Mode.HEAD
         return True
 
     def _content(self, text: str, events: list[Event]) -> None:
@@ -238,9 +253,9 @@ class CallReader:
         if not rest:
             return False
         if rest.startswith("{"):
-            self.buffer, self.mode = rest, "head"
+            self.buffer, self.mode = rest, Mode.HEAD
             return True
-        self.mode, self.buffer = "plain", self.held
+        self.mode, self.buffer = Mode.PLAIN, self.held
         return True
 
     def _plain(self, events: list[Event], last: bool) -> bool:
@@ -254,12 +269,12 @@ class CallReader:
         if got == NEED and not last:
             return False
         if not isinstance(got, tuple):
-            self.mode = "whole"
+            self.mode = Mode.WHOLE
             return True
         start, name = got
         self.spaces = ""
         events.append(Event("call", name, self.calls))
-        self.buffer, self.mode, self.value = self.buffer[start:], "arguments", _Value()
+        self.buffer, self.mode, self.value = self.buffer[start:], Mode.ARGUMENTS, _Value()
         return True
 
     def _arguments(self, events: list[Event], last: bool) -> bool:
@@ -286,7 +301,7 @@ class CallReader:
         if not done:
             return False
         self.calls += 1
-        self.mode = "done" if self.calls == self.most else "tail"
+        self.mode = Mode.DONE if self.calls == self.most else Mode.TAIL
         return True
 
     def _tail(self, events: list[Event], last: bool) -> bool:
@@ -297,7 +312,7 @@ class CallReader:
             self.buffer = self.buffer[len(self.buffer) - keep :]
             return False
         self.buffer = self.buffer[at + len(end) :]
-        self.mode = "text" if self.layout.open is not None else "head"
+        self.mode = Mode.TEXT if self.layout.open is not None else Mode.HEAD
         return True
 
     def _whole(self, events: list[Event], last: bool) -> bool:
@@ -321,9 +336,9 @@ class CallReader:
             events.append(Event("content", content))
         self.buffer = self.buffer[after:]
         if self.calls == self.most:
-            self.mode = "done"
+            self.mode = Mode.DONE
         else:
-            self.mode = "text" if self.layout.open is not None else "plain"
+            self.mode = Mode.TEXT if self.layout.open is not None else Mode.PLAIN
         return True
 
     def _done(self, events: list[Event], last: bool) -> bool:
@@ -335,8 +350,28 @@ class CallReader:
         return None if self.most is None else self.most - self.calls
 
     def _finish(self, events: list[Event]) -> None:
-        if self.mode == "start" and self.held:
+        if self.mode == Mode.START and self.held:
             events.append(Event("content", self.held))
         if self.spaces and not self.calls:
             events.append(Event("content", self.spaces))
         self.buffer = self.spaces = ""
+
+
+def _steps(table: Mapping[Mode, Step]) -> Mapping[Mode, Step]:
+    """``table``, read-only; TypeError naming each mode it has no step for."""
+    if missing := [mode.name for mode in Mode if mode not in table]:
+        raise TypeError(f"CallReader: no step for the modes {missing}")
+    return MappingProxyType(dict(table))
+
+
+# Each mode's step, checked once, at import: a mode without one is a TypeError then.
+STEPS: Mapping[Mode, Step] = _steps({
+    Mode.TEXT: CallReader._text,
+    Mode.START: CallReader._start,
+    Mode.PLAIN: CallReader._plain,
+    Mode.HEAD: CallReader._head,
+    Mode.ARGUMENTS: CallReader._arguments,
+    Mode.TAIL: CallReader._tail,
+    Mode.WHOLE: CallReader._whole,
+    Mode.DONE: CallReader._done,
+})  # fmt: skip

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringfence.actors.text.call_reader import Event, head
+from ringfence.actors.text.call_reader import STEPS, CallReader, Event, Mode, _steps, head
 from ringfence.actors.text.tool_calls import FORMATS, ToolFormat
 
 HERMES, LLAMA = FORMATS["hermes"], FORMATS["llama3_json"]
@@ -121,3 +122,12 @@ def test_a_head_is_read_as_it_grows():
     assert head(call, keys) == (len(call) - 1, 'f"x')
     for wrong in ['{"nam!', '{"name": 5', '{"name": "f", "argz', "[", '{"name": "f"}']:
         assert head(wrong, keys) is None, wrong
+
+
+def test_every_mode_has_its_step_and_a_table_without_one_is_refused():
+    assert set(STEPS) == set(Mode)
+    short = {mode: step for mode, step in STEPS.items() if mode is not Mode.WHOLE}
+    with pytest.raises(TypeError, match=r"no step for the modes \['WHOLE'\]"):
+        _steps(short)
+    with pytest.raises(TypeError):
+        STEPS[Mode.WHOLE] = CallReader._done  # type: ignore[index]
