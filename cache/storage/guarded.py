@@ -34,14 +34,14 @@ from concurrent.futures import TimeoutError as AnswerLate
 from typing import Final
 
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage import (
+from ringfence.cache.storage.backend import (
     StorageBackend,
     StorageLog,
     StorageStats,
     StorageUnavailable,
-    stdlib_log,
 )
 from ringfence.cache.storage.blob import Buffer
+from ringfence.cache.storage.counters import stdlib_log
 
 BACKOFF_S: Final = 0.5  # the first retry after a failure
 BACKOFF_MAX_S: Final = 30.0  # the cap of the doubled back-off
@@ -135,18 +135,6 @@ class GuardedBackend:
         except AnswerLate:
             self._late = question
             raise
-
-    def wait_answer(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for a question still in the backend to end (it is then
-        settled by the next question); True if none is left in it."""
-        late = self._late
-        if late is None:
-            return True
-        try:
-            late.exception(timeout=timeout)
-        except AnswerLate:
-            return False
-        return True
 
     def _failed(self, error: BaseException, *, late: bool = False) -> None:
         # Timed after the failure: a question that waited out a timeout is not retried at once.

@@ -82,7 +82,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Final, NamedTuple, TypeVar
 
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage import Counters, StorageLog, StorageStats, StorageWriteFailed
+from ringfence.cache.storage.backend import StorageLog, StorageStats, StorageWriteFailed
 from ringfence.cache.storage.blob import (
     END_BYTES,
     Buffer,
@@ -96,6 +96,7 @@ from ringfence.cache.storage.blob import (
     verify,
 )
 from ringfence.cache.storage.blob_index import TMP_PREFIX, BlobIndex
+from ringfence.cache.storage.counters import Counters
 from ringfence.cache.storage.private_dir import DIR_MODE, FILE_MODE, make_private_dir
 from ringfence.cache.storage.seal import Seal
 

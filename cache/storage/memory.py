@@ -6,13 +6,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage import Counters, StorageLog, StorageStats
+from ringfence.cache.storage.backend import StorageLog, StorageStats
 from ringfence.cache.storage.blob import (
     Buffer,
     as_bytes_view,
     check_key,
     encode,
 )
+from ringfence.cache.storage.counters import Counters
 from ringfence.cache.storage.seal import Seal
 
 

@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage import StorageBackend, StorageLog, StorageStats
+from ringfence.cache.storage.backend import StorageBackend, StorageLog, StorageStats
 
 
 class RankLog:

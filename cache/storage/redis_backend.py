@@ -39,13 +39,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ringfence.cache.ids import BlockHash
-from ringfence.cache.storage import (
+from ringfence.cache.storage.backend import (
     DEFAULT_TIMEOUT_S,
-    Counters,
     StorageLog,
     StorageStats,
     StorageUnavailable,
-    stdlib_log,
 )
 from ringfence.cache.storage.blob import (
     Buffer,
@@ -53,6 +51,7 @@ from ringfence.cache.storage.blob import (
     check_key,
     encode,
 )
+from ringfence.cache.storage.counters import Counters, stdlib_log
 from ringfence.cache.storage.seal import Seal
 from ringfence.cache.storage.url import split_password
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final, Protocol
 
-from ringfence.cache.storage import DEFAULT_TIMEOUT_S, StorageBackend, StorageLog
+from ringfence.cache.storage.backend import DEFAULT_TIMEOUT_S, StorageBackend, StorageLog
 from ringfence.cache.storage.blob import check_key
 from ringfence.cache.storage.seal import Seal, load_seal
 from ringfence.cache.storage.url import password_of
