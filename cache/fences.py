@@ -76,7 +76,6 @@ class Tier(enum.StrEnum):
 _LANES = (Lane.STEP, Lane.SWAP, Lane.STORE)  # the order of the fields of Fence
 _LANE_INDEX = {lane: i for i, lane in enumerate(_LANES)}
 _TIERS = (Tier.DEVICE, Tier.HOST)  # the order of the per-tier records
-_TIER_INDEX = {tier: t for t, tier in enumerate(_TIERS)}
 # Per tier, each lane whose ops touch it, mapped to the other such lane. Steps never touch
 # host blocks and store ops never touch device blocks, so on each tier an op has exactly
 # one other lane to wait for, and the tier keeps a record for two lanes only.
@@ -103,10 +102,6 @@ class Fence:
         """The lanes this fence waits for, with their values; empty when it waits for none."""
         pairs = ((Lane.STEP, self.step), (Lane.SWAP, self.swap), (Lane.STORE, self.store))
         return {lane: seq for lane, seq in pairs if seq}
-
-    def is_satisfied(self, *, step_done: int, swap_done: int, store_done: int) -> bool:
-        """Whether watermarks with these values let the op run."""
-        return step_done >= self.step and swap_done >= self.swap and store_done >= self.store
 
 
 NO_WAIT = Fence()  # the fence of an op that waits for nothing
@@ -230,41 +225,6 @@ class FenceTracker:
         while kept and kept[0].seq < seq:
             kept.popleft()
         return kept.popleft() if kept and kept[0].seq == seq else None
-
-    def fence_for(
-        self,
-        lane: Lane,
-        *,
-        read_device: Collection[BlockId] = (),
-        write_device: Collection[BlockId] = (),
-        read_host: Collection[BlockId] = (),
-        write_host: Collection[BlockId] = (),
-    ) -> Fence:
-        """The fence that the next op of ``lane`` would get; mutates nothing.
-
-        Raises ``ValueError`` as :meth:`issue` does for tiers and block ids.
-        """
-        per_tier = ((read_device, write_device), (read_host, write_host))
-        return _as_fence(self._fence(_LANE_INDEX[lane], per_tier))
-
-    def last_issued(self, lane: Lane) -> Seq:
-        """The number of the last op issued in ``lane``; 0 before the first."""
-        return Seq(self._last_issued[_LANE_INDEX[lane]])
-
-    def reset_tier(self, tier: Tier) -> None:
-        """Forget which ops touched the blocks of ``tier``, as after a Worker restart.
-
-        Later ops of any lane then wait for no earlier op on account of those blocks.
-        That is safe only once no op issued before the reset can still touch the tier:
-        every lane has drained past its last op, or the epoch was bumped so that the
-        executors cancel every older op without touching its blocks. Lane numbers and
-        the monotone floor of each lane's fences are kept. Mutates the tier's record.
-        """
-        t = _TIER_INDEX[tier]
-        zeros = _zeros(self._num_blocks[t])
-        for last_write, last_access in self._records[t].values():
-            last_write[:] = zeros
-            last_access[:] = zeros
 
     def _fence(self, i: int, per_tier: _PerTier) -> list[int]:
         """The fence of an op of lane index ``i`` as a list by lane; checks, mutates nothing."""

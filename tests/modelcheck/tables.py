@@ -45,18 +45,17 @@ class Row:
 
 
 class RecordingTracker(FenceTracker):
-    """A FenceTracker that keeps a Row of every op it issues, and where a tier was reset."""
+    """A FenceTracker that keeps a Row of every op it issues."""
 
     __slots__ = ("resets", "rows")
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int) -> None:
         super().__init__(num_device_blocks, num_host_blocks)
         self.rows: list[Row] = []
-        self.resets: list[tuple[int, Tier]] = []  # (rows issued before it, the tier)
-
-    def reset_tier(self, tier: Tier) -> None:
-        super().reset_tier(tier)
-        self.resets.append((len(self.rows), tier))
+        # (rows issued before it, the tier): the tier resets the table and safety.py can
+        # express. None is recorded: at a Worker restart the scheduler keeps every block's
+        # record (the epochs cancel the older ops), so its fences stay on the safe side.
+        self.resets: list[tuple[int, Tier]] = []
 
     def issue(
         self,
