@@ -25,8 +25,16 @@ from ringfence.actors.executors.config import TransferConfig
 from ringfence.actors.model.config import ModelConfig, ParallelConfig
 from ringfence.actors.serve.config import ServerConfig
 from ringfence.cache.config import CacheConfig
-from ringfence.runtime.config import RunConfig
+from ringfence.runtime.config import RunConfig, RuntimeConfig, topology_setting
 from ringfence.sched.config import SchedConfig
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunSettings(RuntimeConfig):
+    """[runtime]: run dirs, logs, rings and the supervisor's clocks."""
+
+    # A run launches the engine's topology unless told otherwise; the runtime names none.
+    topology: str = topology_setting("ringfence.actors.engine:TOPOLOGY")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +48,7 @@ class Config(RunConfig):
         }
     )
 
+    runtime: RunSettings = dataclasses.field(default_factory=RunSettings)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     sched: SchedConfig = dataclasses.field(default_factory=SchedConfig)

@@ -66,7 +66,6 @@ Self = TypeVar("Self", bound="RunConfig")
 SCHEMA = "ringfence.actors.config:Config"
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _IMPORT = (rf"{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*", "an import path 'module:ATTRIBUTE'")
-_ENGINE = "ringfence.actors.engine:TOPOLOGY"  # by name: the runtime never imports actors
 
 
 def setting(default: T, doc: str, **rules: Any) -> T:
@@ -79,6 +78,16 @@ def setting(default: T, doc: str, **rules: Any) -> T:
     section's metadata once, whoever wrote it (:func:`_check_section`).
     """
     return dataclasses.field(default=default, metadata={"doc": doc, **rules})
+
+
+def topology_setting(default: str) -> str:
+    """The ``runtime.topology`` field with ``default``: a schema's section of ``[runtime]``
+    (a subclass of :class:`RuntimeConfig`) declares its own default with it."""
+    return setting(
+        default,
+        "actor topology to launch, 'module:ATTRIBUTE': a Topology, or a function of the config",
+        pattern=_IMPORT,
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,11 +103,9 @@ class RuntimeConfig:
         "block: an idle actor sleeps on its doorbell; poll: the legacy design's pollers, a "
         "1 ms sleep between looks at its inboxes and watermarks (a baseline to measure)",
     )
-    topology: str = setting(
-        _ENGINE,
-        "actor topology to launch, 'module:ATTRIBUTE': a Topology, or a function of the config",
-        pattern=_IMPORT,
-    )
+    # The run's schema gives the default (a subclass of this section): the runtime names
+    # no topology of the actors.
+    topology: str = topology_setting("")
     heartbeat_s: float = setting(0.5, "seconds between actor heartbeats", gt=0)
     heartbeat_timeout_s: float = setting(
         10.0,
