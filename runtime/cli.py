@@ -1,6 +1,10 @@
 """The ``ringfence`` command: ``launch``, ``serve``, ``router``, ``replay``, ``bench NAME``
 and ``clean``.
 
+``launch`` and ``clean`` are the runtime's own; every other command lives with the actors
+it runs, listed in their command table, which the runtime finds by import path
+(:mod:`ringfence.runtime.commands`) and whose modules it imports only when chosen.
+
 Every text argparse prints is plain words (no markup from the docstrings):
 ``tests/runtime/test_cli_help.py`` walks every command's ``--help``.
 """
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import orjson
 
+from ringfence.runtime.commands import CommandTable, command_table
 from ringfence.runtime.extras import missing_line
 from ringfence.runtime.imports import import_target
 from ringfence.shm import names
@@ -26,33 +31,6 @@ if TYPE_CHECKING:
 
 MANIFEST = "names.json"
 STOP_CODES = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM})  # a stop by a signal
-
-# Benchmarks by name -> module implementing ``add_arguments(parser)`` and ``main(args) -> int``.
-# Imported only when chosen, so the command starts fast and needs none of their extras.
-BENCHMARKS = {
-    "ring": "ringfence.actors.tools.bench.transport.ring",
-    "hop": "ringfence.actors.tools.bench.transport.hop",
-    "cache": "ringfence.actors.tools.bench.cache",
-    "worker": "ringfence.actors.tools.bench.worker",
-    "decode": "ringfence.actors.tools.bench.decode",
-    "transfer": "ringfence.actors.tools.bench.transfer",
-    "e2e": "ringfence.actors.tools.bench.e2e",
-    "tp": "ringfence.actors.tools.bench.tp",
-    "replay": "ringfence.actors.tools.bench.replay",
-    "faults": "ringfence.actors.tools.bench.faults.cli",
-    "serve": "ringfence.actors.tools.bench.serving.cli",
-    "pd": "ringfence.actors.tools.bench.serving.pd",
-    "route": "ringfence.actors.tools.bench.serving.route",
-    "router-latency": "ringfence.actors.tools.bench.serving.router_latency",
-}
-
-
-# The commands that live with the actors they run, by import path (the runtime never
-# imports ``ringfence.actors`` statically): each module has ``add_arguments`` and ``main``.
-REPLAY = "ringfence.actors.replay.cli"
-SERVE = "ringfence.actors.serve.cli"
-ROUTER = "ringfence.actors.router.cli"
-COMMAND_MODULES = {"replay": REPLAY, "serve": SERVE, "router": ROUTER}
 
 DESCRIPTION = (
     "ringfence: a KV-cache runtime for LLM serving, built as actors that talk through "
@@ -67,23 +45,6 @@ LAUNCH_DESCRIPTION = (
     "table; without it the instance serves clients until Ctrl-C. Exit status: 0 when the "
     "run ended normally, 2 for a bad config or command line, 1 when an actor failed."
 )
-# One plain line per benchmark, for ``ringfence bench --help`` and each one's own help.
-BENCH_HELP = {
-    "ring": "ringfence rings against multiprocessing queues and pipes",
-    "hop": "messages per second through a supervised actor hop against the bare ring",
-    "cache": "the cache's bookkeeping per block, and storage put/get against a plain write",
-    "worker": "prefill and decode speed of the paged model against transformers",
-    "decode": "a decode step of a launch, split, beside the forward, transformers and the roofline",
-    "transfer": "block copies between the tiers, and the transfer harness in fence vs sync mode",
-    "e2e": "whole runs side by side: fence vs sync, tiers on vs off, actors vs one loop",
-    "tp": "the same workload at tensor-parallel sizes 1 and 2: throughput and all-reduce time",
-    "replay": "the cost of trace logging, and how fast replay reads a run",
-    "faults": "the fault matrix: one real run per injected fault, and what survived it",
-    "serve": "load over HTTP against ringfence serve, beside the same requests through launch",
-    "pd": "prefill and decode instances behind the router against one instance doing both",
-    "route": "the router's policies side by side on a shared-prefix workload (cache-aware)",
-    "router-latency": "the latency the router adds to a request, before stubs that answer at once",
-}
 
 
 class _Command(Protocol):
@@ -158,12 +119,12 @@ def _module_fill(path: str) -> Callable[[argparse.ArgumentParser], None]:
     return fill
 
 
-def _bench_fill(name: str) -> Callable[[argparse.ArgumentParser], None]:
+def _bench_fill(path: str) -> Callable[[argparse.ArgumentParser], None]:
     def fill(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--json", type=Path, metavar="FILE", help="also write the figures as JSON"
         )
-        _command_module(BENCHMARKS[name]).add_arguments(parser)
+        _command_module(path).add_arguments(parser)
 
     return fill
 
@@ -187,29 +148,24 @@ def fill_all(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ringfence`` parser. It imports no command module: each command's arguments are
-    added when that command is chosen (:class:`_LazyCommands`)."""
+    added when that command is chosen (:class:`_LazyCommands`); the commands that live
+    with the actors come from their table (:func:`command_table`)."""
+    table = command_table()
     parser = argparse.ArgumentParser(prog="ringfence", description=DESCRIPTION)
     sub = _subcommands(parser, "command", "COMMAND")
 
     text = "run a benchmark against its baselines, side by side"
     bench = sub.add_parser("bench", help=text, description=f"{text.capitalize()}.")
     benches = _subcommands(bench, "bench", "NAME")
-    for name in BENCHMARKS:
-        benches.add_command(name, _bench_fill(name), help=BENCH_HELP[name])
+    for name, command in table.benchmarks.items():
+        benches.add_command(name, _bench_fill(command.module), help=command.help)
 
     text = "start a run: create its names, spawn and watch actors"
     launch = sub.add_command("launch", _launch_arguments, help=text)
     launch.description = LAUNCH_DESCRIPTION
-    text = "serve the OpenAI API over HTTP (completions, chat, models, health, metrics)"
-    sub.add_command("serve", _module_fill(SERVE), help=text)
-    text = "one OpenAI endpoint over prefill and decode instances (disaggregated serving)"
-    sub.add_command("router", _module_fill(ROUTER), help=text)
-    text = "check, explain and visualize a run from its logs (exit 1: a violation)"
-    replay = sub.add_command("replay", _module_fill(REPLAY), help=text)
-    replay.description = (
-        "Check a run from its logs alone: exit 0 when every protocol check holds, 1 with "
-        "the first violation and the events around it, 2 when the run dir cannot be read."
-    )
+    for name, command in table.commands.items():
+        chosen = sub.add_command(name, _module_fill(command.module), help=command.help)
+        chosen.description = command.description or chosen.description
     text = "remove the shared-memory names of dead runs"
     clean = sub.add_command("clean", _clean_arguments, help=text)
     clean.description = (
@@ -347,21 +303,15 @@ def _summary(run_dir: Path) -> None:
     """The summary table of a workload run (--workload or engine.workload)."""
     summary = run_dir / "summary.json"
     if summary.exists():
-        # The table lives with the engine's launch summary; the runtime imports it only by name.
-        table = import_target("ringfence.actors.engine.summary:format_summary")
+        # The table lives with the actors; the runtime imports it only by name.
+        table = import_target(command_table().launch_summary)
         print(table(orjson.loads(summary.read_bytes())))  # type: ignore[operator]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "bench":
-            return _command_module(BENCHMARKS[args.bench]).main(args)
-        if args.command == "launch":
-            return _launch(args)
-        if args.command in COMMAND_MODULES:
-            return _command_module(COMMAND_MODULES[args.command]).main(args)
-        return _clean(args)
+        return _run(command_table(), args)
     except ValueError as e:
         print(f"ringfence {args.command}: {e}", file=sys.stderr)
         return 2
@@ -371,6 +321,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ringfence {args.command}: {line}", file=sys.stderr)
         return 2
+
+
+def _run(table: CommandTable, args: argparse.Namespace) -> int:
+    """Run the command ``args`` chose: the runtime's own, or one of ``table``'s."""
+    if args.command == "bench":
+        return _command_module(table.benchmarks[args.bench].module).main(args)
+    if args.command == "launch":
+        return _launch(args)
+    if args.command in table.commands:
+        return _command_module(table.commands[args.command].module).main(args)
+    return _clean(args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The tools: what is built on the product to measure and test it. The product never
-imports a tool (``tests/project/test_imports.py`` checks it); runtime/cli.py names the
-benchmarks and actors/config.py the tools' config sections by import path only.
+imports a tool (``tests/project/test_imports.py`` checks it); actors/commands.py names
+the benchmarks and actors/config.py the tools' config sections by import path only.
 
 - ``bench/``: every ``ringfence bench NAME``, the launcher they share, plots, the fault
   matrix (``faults/``), the HTTP serving benchmarks (``serving/``) and the transport
@@ -11,7 +11,7 @@ benchmarks and actors/config.py the tools' config sections by import path only.
   the storage helpers (``storage.py``) and a throwaway redis-server (``redis_server.py``).
 
 A new benchmark is a module in actors/tools/bench/ with ``add_arguments`` and ``main``,
-plus one line in runtime/cli.py's ``BENCHMARKS`` and ``BENCH_HELP``. A new test helper is a
+plus one entry in actors/commands.py's table. A new test helper is a
 module in actors/tools/testing/; a tool with its own config section adds one line to
 actors/config.py's ``Config.TOOLS``.
 """

@@ -9,6 +9,7 @@ the command line imported a benchmark that needed a test extra.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from importlib import metadata
@@ -23,14 +24,16 @@ from plain_install import (
     ringfence,
 )
 
+from ringfence.actors import commands
 from ringfence.runtime import cli
+from ringfence.runtime.commands import Command
 from ringfence.runtime.extras import MODULE_EXTRAS
 from ringfence.shm import names
 
 COMMANDS = [
     (),
     *[(name,) for name in ("launch", "serve", "router", "replay", "clean", "bench")],
-    *[("bench", name) for name in cli.BENCHMARKS],
+    *[("bench", name) for name in commands.TABLE.benchmarks],
 ]
 # What `ringfence --help` and `ringfence clean` must not import: they answer at once.
 HEAVY = {"torch", "numpy", "fastapi", "uvicorn", "httpx", "tokenizers", "jinja2", "structlog"}
@@ -152,7 +155,10 @@ def bench_needing(tmp_path, monkeypatch):
         }[at]
         (tmp_path / f"bench_needing_{module}_{at}.py").write_text(body)
         monkeypatch.syspath_prepend(str(tmp_path))
-        monkeypatch.setitem(cli.BENCHMARKS, "ring", f"bench_needing_{module}_{at}")
+        ring = Command(module=f"bench_needing_{module}_{at}", help="a benchmark needing an extra")
+        table = commands.TABLE
+        benchmarks = {**table.benchmarks, "ring": ring}
+        monkeypatch.setattr(commands, "TABLE", dataclasses.replace(table, benchmarks=benchmarks))
 
     return make
 

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
+from ringfence.actors.commands import TABLE
 from ringfence.actors.tools.bench import launcher
 from ringfence.actors.tools.bench import replay as bench_replay
 from ringfence.actors.tools.bench.options import resolve_counts
@@ -78,7 +79,7 @@ def test_the_defaults_and_the_quick_counts() -> None:
     assert (args.rounds, args.large, args.keep, args.replays) == (5, 64, Path("/tmp/x"), 2)
     with pytest.raises(ValueError, match="--rounds 0"):
         resolve_counts(parse("--rounds", "0"), bench_replay.COUNTS)
-    assert cli.BENCHMARKS["replay"] == "ringfence.actors.tools.bench.replay"
+    assert TABLE.benchmarks["replay"].module == "ringfence.actors.tools.bench.replay"
 
 
 def test_the_two_sides_differ_only_in_the_log_level() -> None:
