@@ -214,6 +214,7 @@ ACTOR_LAYERS: tuple[Layer, ...] = (
     Layer("router", ("router",), over=("http", "events")),  # never serve: the edge is shared
     Layer("replay", ("replay",), over=("engine",)),
     Layer("tools", ("tools",), over=("executors", "serve", "router", "replay")),
+    Layer("commands", ("commands",)),  # every command's module by name; it imports none
 )  # fmt: skip
 ACTORS = "ringfence.actors"
 
@@ -548,3 +549,44 @@ def test_a_leaf_that_imports_the_whole_config_is_named_with_its_file_and_line(tm
         "actors/kv/layout.py:1: ringfence.actors.kv.layout imports the whole config "
         "(ringfence.actors.config); take the sections it reads",
     ]
+
+
+# --- The runtime names the actors by two import paths ------------------------------------------
+
+# The run's config schema and the actors' command table: how the runtime reaches the actors
+# (a topology is a config value, whose default the schema gives).
+RUNTIME_NAMES = ("ringfence.actors.commands:TABLE", "ringfence.actors.config:Config")
+
+
+def actor_paths_in_runtime(root: Path) -> list[str]:
+    """Each string in the code of ``runtime/`` (docstrings aside) that names something
+    under ``ringfence.actors``, as ``file:line: text``."""
+    found = []
+    for path in sorted((root / "runtime").rglob("*.py")):
+        module = ast.parse(path.read_text(), filename=str(path))
+        documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(module)
+            if isinstance(node, documented) and node.body and isinstance(node.body[0], ast.Expr)
+        }
+        found += [
+            f"{path.relative_to(root)}:{node.lineno}: {node.value}"
+            for node in ast.walk(module)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and "ringfence.actors" in node.value
+            and id(node) not in docstrings
+        ]
+    return found
+
+
+def test_the_runtime_names_only_the_command_table_and_the_config_schema():
+    named = actor_paths_in_runtime(ROOT)
+    assert sorted(line.split(": ", 1)[1] for line in named) == list(RUNTIME_NAMES), named
+
+
+def test_a_runtime_module_that_names_an_actor_module_is_named_with_its_file_and_line(tmp_path):
+    text = '"""Runs ``ringfence.actors.serve.cli``."""\n\nSERVE = "ringfence.actors.serve.cli"\n'
+    root = tree(tmp_path, {"runtime/cli": text})
+    assert actor_paths_in_runtime(root) == ["runtime/cli.py:3: ringfence.actors.serve.cli"]
