@@ -379,13 +379,6 @@ class Registry:
         self._by_tag[tag] = self._by_cls[cls] = entry
         return cls
 
-    def cls_for(self, tag: int) -> type:
-        """The class registered under ``tag``; ProtocolError if there is none."""
-        entry = self._by_tag.get(tag)
-        if entry is None:
-            raise ProtocolError(f"{self.name}: unknown tag {tag}", tag=tag)
-        return entry.cls
-
     def tag_of(self, cls: type) -> int:
         """The wire tag ``cls`` is registered under; KeyError if it is not registered here."""
         entry = self._by_cls.get(cls)
