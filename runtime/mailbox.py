@@ -301,9 +301,6 @@ class Mailbox:
         self.inboxes.append(inbox)
         return inbox
 
-    def add_outbox(self, outbox: Outbox) -> None:
-        self.outboxes[outbox.peer] = outbox
-
     def _ready(self) -> bool:
         return self._woken or any(inbox.pending() for inbox in self.inboxes)
 

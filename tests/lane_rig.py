@@ -74,7 +74,7 @@ def start_executor(
     ops = mailbox.add_local_inbox("engine-0", inbox)
     replies_box = Mailbox(ConditionWaiter())
     answers = replies_box.add_local_inbox(f"{name}-{rank}", replies)
-    mailbox.add_outbox(LocalOutbox("engine-0", answers))
+    mailbox.outboxes["engine-0"] = LocalOutbox("engine-0", answers)
     log_path = log_dir / f"{name}-{rank}.jsonl"
     driver = Driver(
         actor_cls,

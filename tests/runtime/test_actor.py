@@ -185,7 +185,7 @@ class Rig:
         inboxes = {}
         for peer in peers:
             inboxes[peer] = Mailbox(ConditionWaiter()).add_local_inbox("x-0", PROTO)
-            self.driver.mailbox.add_outbox(LocalOutbox(peer, inboxes[peer]))
+            self.driver.mailbox.outboxes[peer] = LocalOutbox(peer, inboxes[peer])
         return inboxes
 
 
@@ -214,7 +214,7 @@ def make_rig(tmp_path) -> Iterator[Callable[..., Rig]]:
         if ring:
             mailbox.inboxes.append(RingInbox("host", ring.reader, PROTO))
         replies = Mailbox(ConditionWaiter()).add_local_inbox("x-0", PROTO)
-        mailbox.add_outbox(LocalOutbox("host", replies))
+        mailbox.outboxes["host"] = LocalOutbox("host", replies)
         log = ActorLog(tmp_path / "x-0.jsonl", actor="x", rank=0, epoch=0, level=level)
         kwargs = {"mailbox": mailbox, "runtime": runtime, "log": log, "control": control}
         drivers.append(Driver(actor_cls, name="x", rank=0, **kwargs))
@@ -777,7 +777,7 @@ class Forwarder(Recorder):
 def test_a_handler_blocked_downstream_gets_its_message_again_and_nothing_is_lost(make_rig, error):
     rig = make_rig(Forwarder)
     down = Mailbox(ConditionWaiter()).add_local_inbox("x-0", PROTO)
-    rig.driver.mailbox.add_outbox(BlockedOutbox("down", down, [error]))
+    rig.driver.mailbox.outboxes["down"] = BlockedOutbox("down", down, [error])
     rig.post(Item(n=1), Item(n=2))
     poll_until(rig.driver, lambda: len(down._queue) == 2)
     assert drain(down) == [Item(n=1), Item(n=2)]
@@ -795,7 +795,9 @@ def test_a_handler_blocked_downstream_gets_its_message_again_and_nothing_is_lost
 def test_a_timer_whose_handler_is_blocked_downstream_fires_again(make_rig):
     rig = make_rig(Forwarder)
     down = Mailbox(ConditionWaiter()).add_local_inbox("x-0", PROTO)
-    rig.driver.mailbox.add_outbox(BlockedOutbox("down", down, [RingFull("full"), RingFull("full")]))
+    rig.driver.mailbox.outboxes["down"] = BlockedOutbox(
+        "down", down, [RingFull("full"), RingFull("full")]
+    )
     rig.driver.start()
     rig.driver.schedule(0.0, Item(n=5))
     poll_until(rig.driver, lambda: bool(down._queue))
