@@ -184,11 +184,6 @@ class ActorLog:
         }
         self._writer.debug(orjson.dumps(line, default=_fallback))
 
-    def rebind(self, **context: Any) -> None:
-        """Replace bound context fields (e.g. ``epoch`` after a cache reset) for later lines."""
-        self._logger = self._logger.bind(**context)
-        self._bind_methods()
-
     def flush(self) -> None:
         """Write buffered trace lines now (the driver calls this before it sleeps)."""
         self._writer.flush()

@@ -154,17 +154,6 @@ def test_an_unknown_level_is_a_value_error_naming_the_config_key(tmp_path, level
     assert list(tmp_path.iterdir()) == []
 
 
-def test_rebind_changes_the_epoch_of_later_lines_only(tmp_path):
-    log = make_log(tmp_path, epoch=0)
-    log.info("a.before")
-    log.rebind(epoch=3)
-    log.info("b.after")
-    log.close()
-    lines = read_lines(log)
-    assert [(x["event"], x["epoch"]) for x in lines] == [("a.before", 0), ("b.after", 3)]
-    assert list(lines[1])[:7] == COMMON7
-
-
 def test_close_is_idempotent_and_lines_after_it_are_dropped(tmp_path):
     log = make_log(tmp_path, level="trace")
     log.info("a.open")
