@@ -28,14 +28,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ringfence.runtime.codec import (
-    INT_MAX,
-    INT_MIN,
     TAG_MAX,
     VERSION_MAX,
     Registry,
     make_kind,
     split_kind,
 )
+from ringfence.runtime.converters import INT_MAX, INT_MIN
 from ringfence.runtime.messages import RESERVED_TAG, RUNTIME
 from ringfence.shm.errors import ProtocolError
 

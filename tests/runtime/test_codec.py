@@ -12,14 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringfence.runtime.codec import (
-    INT_MAX,
-    INT_MIN,
     TAG_SHIFT,
     Registry,
     make_kind,
     message,
     split_kind,
 )
+from ringfence.runtime.converters import INT_MAX, INT_MIN
 from ringfence.shm.errors import ProtocolError
 
 # Hypothesis prints a reproduction blob with any failure, which stands in for the seed.
