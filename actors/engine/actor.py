@@ -7,7 +7,7 @@ and its client of the storage tier (:mod:`.storage`), then runs a loop made of m
 
 - requests arrive from a workload (``engine.workload``: timers at their ``arrival_s``) or
   from clients (:class:`ClientHub`), and become the scheduler's requests (:mod:`.intake`;
-  the handlers in :mod:`.requests_in`);
+  the handlers in :mod:`.requests_in`, an object the engine holds);
 - whenever the step lane has room (one step in flight, or two with
   ``sched.steps_in_flight = 2``), :meth:`Scheduler.schedule` gives the next ops; the
   ledger (:mod:`.ledger`) sends them in issue order to every rank while the lane has
@@ -49,7 +49,7 @@ from typing import Any
 from ringfence.actors.engine.begin import begin_scheduler
 from ringfence.actors.engine.clients import ClientHub
 from ringfence.actors.engine.config import EngineSettings
-from ringfence.actors.engine.disaggregation import HandOverDesk
+from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.kv_events import KVEventsOut
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
@@ -59,23 +59,24 @@ from ringfence.actors.engine.requests_in import Arrive, RequestsIn
 from ringfence.actors.engine.roster import EXECUTORS, Roster
 from ringfence.actors.engine.stats import count_bytes, counters_of, no_stats, stats_of
 from ringfence.actors.model.info import ModelInfo
-from ringfence.actors.protocol.client import Stats
+from ringfence.actors.protocol.client import Abort, Hello, Reserve, Stats, Submit
 from ringfence.actors.protocol.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
 from ringfence.actors.protocol.worker import StepResult, WorkerReady
 from ringfence.cache.fences import Lane
 from ringfence.cache.storage.ranks import AllRanks
-from ringfence.runtime.actor import handles
+from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.sched.scheduler import Scheduler
 from ringfence.sched.workload import returning_turns
 from ringfence.shm.errors import ProtocolError
 
 
-class Engine(RequestsIn):
+class Engine(Actor):
     """See the module docstring. Its handlers only route: each concern has its module; the
-    handlers of requests coming in are :class:`RequestsIn`'s."""
+    requests coming in are handled by the :class:`RequestsIn` it holds (``requests``), which
+    calls back through :class:`~ringfence.actors.engine.requests_in.EngineSide`."""
 
     config_section = EngineSettings  # only the sections it reads
     tick_s = 0.5
@@ -106,6 +107,15 @@ class Engine(RequestsIn):
         self.desk = HandOverDesk(  # prefill/decode instances' hand-over
             config.engine, self.clients, self.outputs, self.log, self.schedule, now=self.now
         )
+        self.requests = RequestsIn(
+            self,
+            intake=self.intake,
+            outputs=self.outputs,
+            clients=self.clients,
+            desk=self.desk,
+            log=self.log,
+            schedule=self.schedule,
+        )
         self.scheduler: Scheduler | None = None
         self.kv_out: KVEventsOut | None = None  # KV events, once the scheduler began
         self.storage: AllRanks | None = None  # every rank's presence, from the first begin
@@ -134,7 +144,40 @@ class Engine(RequestsIn):
             self.storage.close()
 
     def now(self) -> float:
+        """Seconds since the engine's clock started (a workload's arrivals count from it)."""
         return time.perf_counter() - self.clock0
+
+    # Requests coming in: each handler one line, into the RequestsIn the engine holds.
+
+    @handles(Arrive)
+    def on_arrive(self, msg: Arrive) -> None:
+        self.requests.arrive()
+
+    @handles(Hello)
+    def on_hello(self, msg: Hello) -> None:
+        self.requests.hello(self._peer(), msg)
+
+    @handles(Submit)
+    def on_submit(self, msg: Submit) -> None:
+        self.requests.submit(self._peer(), msg)
+
+    @handles(Reserve)
+    def on_reserve(self, msg: Reserve) -> None:
+        self.requests.reserve(self._peer(), msg)
+
+    @handles(Expire)
+    def on_expire(self, msg: Expire) -> None:
+        self.requests.expire(msg)
+
+    @handles(Abort)
+    def on_abort(self, msg: Abort) -> None:
+        self.requests.abort(self._peer(), msg)
+
+    def _peer(self) -> str:
+        """The client instance whose message is being handled."""
+        delivery = self.ctx.services.current
+        assert delivery is not None
+        return delivery.peer
 
     # Startup and restarts of the executors.
 
@@ -199,7 +242,7 @@ class Engine(RequestsIn):
         if msg.incarnation <= self.reset_generation:  # a later rank of the same generation
             self.send(f"swap-{msg.rank}", self.tiers[msg.rank])
             self.log.info("engine.rank_rejoined", worker_rank=msg.rank, waiting=self.regrouping)
-            self._kick()
+            self.kick()
             return
         self.reset_generation = msg.incarnation
         if self.log.tracing:
@@ -215,7 +258,7 @@ class Engine(RequestsIn):
             waiting=self.regrouping,
         )
         self.send(f"swap-{msg.rank}", self.tiers[msg.rank])  # before any op of the new epoch
-        self._kick()
+        self.kick()
 
     def _maybe_begin(self) -> None:
         """Begin once every executor answered this engine's Resync (and the worker's model is
@@ -258,11 +301,11 @@ class Engine(RequestsIn):
             if engine.progress:
                 self.outputs.start_progress(len(self.intake.workload))
             self.clock0 = time.perf_counter()
-            self.on_arrive(Arrive())
+            self.requests.arrive()
 
     # Issuing.
 
-    def _kick(self) -> None:
+    def kick(self) -> None:
         """Schedule steps while the step lane has room (``sched.steps_in_flight``: with 2,
         step N+1 is planned as soon as N is issued, so the Worker finds it in its ring
         when N ends), then send what has credit."""
@@ -280,7 +323,7 @@ class Engine(RequestsIn):
                 if not any(op.lane is Lane.STEP for op in ops):
                     break  # nothing more to plan until a result or a completion comes
             self.ledger.pump()
-        self._flush()
+        self.flush()
         self._maybe_end()
 
     # Results and completions.
@@ -314,7 +357,7 @@ class Engine(RequestsIn):
         for request in failed:
             error = f"step {done.number} {done.status}: {done.error}"
             self.outputs.finished(request.request_id, error)
-        self._kick()
+        self.kick()
 
     @handles(OpDone)
     def on_op(self, msg: OpDone) -> None:
@@ -335,7 +378,7 @@ class Engine(RequestsIn):
         if lane is Lane.STORE and self.scheduler is not None:
             # After the write's outcome is applied: a failed one is not counted as stored.
             self.desk.settle(self.ledger.completed(Lane.STORE), self.scheduler)
-        self._kick()
+        self.kick()
 
     def _settle(self, lane: Lane, rank: int, report: StepResult | OpDone) -> Outcome | None:
         """The ledger's outcome of one rank's report (None: nothing to apply yet, or ever)."""
@@ -351,13 +394,14 @@ class Engine(RequestsIn):
     @handles(Tick)
     def on_tick(self, msg: Tick) -> None:
         for key in self.clients.stuck_or_dead():
-            self._abort(key, "the client is gone or does not read its outputs")
+            self.requests.end(key, "the client is gone or does not read its outputs")
         if self.clients.watching():
             self.clients.post_stats(self.stats())
         self.outputs.show_progress()
-        self._kick()  # flushes the Stats too
+        self.kick()  # flushes the Stats too
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send what is queued for the clients (and the KV events), scheduling nothing."""
         if self.kv_out is not None:
             self.kv_out.flush()
         if (s := self.scheduler) is not None:

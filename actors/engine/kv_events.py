@@ -6,7 +6,7 @@ pieces tell (``Scheduler(kv_events=...)``), and an
 :class:`~ringfence.actors.events.publisher.EventPublisher` bound to ``events.endpoint``
 and ``events.replay_endpoint``. Its first batch clears every tier (this engine knows
 nothing that was cached before it); after every round of the engine's work (``flush``,
-from ``Engine._flush``) the events since the last one go out as one batch in
+from ``Engine.flush``) the events since the last one go out as one batch in
 ``events.layout``. The endpoints bound are reported in every Stats (``events``), which is
 how ``ringfence serve`` advertises them on ``/v1/models``.
 
