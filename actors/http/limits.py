@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ringfence.actors.http.errors import error_body, send_error
 
 CLOSE = [(b"connection", b"close")]
+MAX_N = 128  # choices per request at most (its ``n``): OpenAI's bound (each one engine request)
 
 
 def too_large(limit: int) -> bytes:

@@ -24,12 +24,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ringfence.actors.http.errors import ApiError
+from ringfence.actors.http.limits import MAX_N
 from ringfence.sched.checks import MAX_SALT_CHARS
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 Seed = Annotated[int, Field(ge=0, lt=1 << 63)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # sched.sampling.MAX_LOGPROBS
-MAX_N = 128  # choices per request at most: OpenAI's bound (each is one engine request)
 Stop = str | list[str] | None
 
 
