@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "names.json"
 STOP_CODES = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM})  # a stop by a signal
+REQUEST_ERRORS = 1  # launch's exit status when a request of its workload ended in error
 
 DESCRIPTION = (
     "ringfence: a KV-cache runtime for LLM serving, built as actors that talk through "
@@ -42,8 +43,10 @@ LAUNCH_DESCRIPTION = (
     "Start a run: create its shared-memory names, spawn the actors (engine, worker, "
     "transfer lanes) and watch them. With --workload the engine runs those requests to the "
     "end, writes outputs.jsonl and summary.json into the run dir and prints a summary "
-    "table; without it the instance serves clients until Ctrl-C. Exit status: 0 when the "
-    "run ended normally, 2 for a bad config or command line, 1 when an actor failed."
+    "table, and under it each kind of error with its count and the setting to change; "
+    "without it the instance serves clients until Ctrl-C. Exit status: 0 when the run ended "
+    "normally, 2 for a bad config or command line, 1 when an actor failed or a request of "
+    "the workload ended in error."
 )
 
 
@@ -254,13 +257,15 @@ def supervise(
     run_dir: Path | None,
     *,
     signal_is_success: bool = False,
-    after: Callable[[Path], None] | None = None,
+    after: Callable[[Path], int] | None = None,
 ) -> int:
     """Run a supervisor on ``config`` to its end, telling the terminal as ``ringfence
     COMMAND``: the run's dir, what ended it (an actor's failure on stderr), its exit status.
 
-    ``after(run_dir)`` prints what the run left (launch: its summary). With
-    ``signal_is_success`` a stop by SIGINT/SIGTERM exits 0 rather than 128 + the signal.
+    ``after(run_dir)`` prints what the run left (launch: its summary) and returns the exit
+    status that calls for (launch: 1 when a request ended in error), which a run that ended
+    normally takes. With ``signal_is_success`` a stop by SIGINT/SIGTERM exits 0 rather than
+    128 + the signal.
     """
     from ringfence.runtime.secrets import export_secrets
     from ringfence.runtime.supervisor import Supervisor
@@ -277,7 +282,8 @@ def supervise(
     if signal_is_success and code in STOP_CODES and not supervisor.failure:
         code = 0
     if after is not None:
-        after(supervisor.run_dir)
+        verdict = after(supervisor.run_dir)  # printed however the run ended
+        code = code or verdict
     if supervisor.failure:  # what ended the run: the actor, its error, where it was raised
         sys.stdout.flush()  # the run's own lines first, on a terminal that shows both
         head, *rest = supervisor.failure
@@ -299,13 +305,18 @@ def _launch(args: argparse.Namespace) -> int:
     return supervise("launch", load_config(args.config, overrides), args.run_dir, after=_summary)
 
 
-def _summary(run_dir: Path) -> None:
-    """The summary table of a workload run (--workload or engine.workload)."""
-    summary = run_dir / "summary.json"
-    if summary.exists():
-        # The table lives with the actors; the runtime imports it only by name.
-        table = import_target(command_table().launch_summary)
-        print(table(orjson.loads(summary.read_bytes())))  # type: ignore[operator]
+def _summary(run_dir: Path) -> int:
+    """Print the summary table of a workload run (--workload or engine.workload), the
+    errors under it; 1 when a request ended in error (:data:`REQUEST_ERRORS`), else 0."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return 0
+    summary = orjson.loads(path.read_bytes())
+    # The table lives with the actors; the runtime imports it only by name.
+    table = import_target(command_table().launch_summary)
+    print(table(summary))  # type: ignore[operator]
+    errors = summary.get("requests", {}).get("errors") if isinstance(summary, dict) else None
+    return REQUEST_ERRORS if errors else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from typing import IO, Any
 import orjson
 
 from ringfence.actors.engine.percentiles import percentile, stats
+from ringfence.actors.engine.run_errors import error_lines, group_errors
 from ringfence.sched.request import TIERS, FinishReason
 
 OUTPUTS_FILE = "outputs.jsonl"
@@ -112,10 +113,13 @@ def summarize(
 ) -> dict[str, Any]:
     """The summary of a run (the content of ``summary.json``).
 
-    Token counts cover every record, aborted ones included; TTFT and TPOT are over the
-    records that have them, and ``ttft_by_turn`` splits TTFT into first and returning
-    turns (``requests`` counts the records with a TTFT). Rates and hit rates are None
-    when their denominator is 0.
+    Token counts cover every record, aborted ones included; throughput counts only what
+    was computed: the requests that ended without an error (a refused prompt never ran,
+    a failed request's work is lost), so a run of refusals has 0 tokens per second.
+    ``error_kinds`` groups the errors by kind (:func:`.run_errors.group_errors`). TTFT
+    and TPOT are over the records that have them, and ``ttft_by_turn`` splits TTFT into
+    first and returning turns (``requests`` counts the records with a TTFT). Rates and
+    hit rates are None when their denominator is 0.
     ``engine`` (the engine's own counters, opaque here) is copied under ``"engine"``.
     """
     if duration_s < 0:
@@ -128,6 +132,9 @@ def summarize(
         tier: (count / prompt_tokens if prompt_tokens else None) for tier, count in cached.items()
     }
     hit_rate["total"] = sum(cached.values()) / prompt_tokens if prompt_tokens else None
+    computed = [r for r in records if not r.error]
+    computed_output = sum(len(r.token_ids) for r in computed)
+    computed_tokens = sum(r.prompt_tokens for r in computed) + computed_output
     return {
         "requests": {
             "total": len(records),
@@ -138,9 +145,9 @@ def summarize(
         "tokens": {"prompt": prompt_tokens, "output": output_tokens},
         "duration_s": duration_s,
         "throughput": {
-            "output_tokens_per_s": _rate(output_tokens, duration_s),
-            "total_tokens_per_s": _rate(prompt_tokens + output_tokens, duration_s),
-            "requests_per_s": _rate(len(records), duration_s),
+            "output_tokens_per_s": _rate(computed_output, duration_s),
+            "total_tokens_per_s": _rate(computed_tokens, duration_s),
+            "requests_per_s": _rate(len(computed), duration_s),
         },
         "ttft_s": stats([t for r in records if (t := r.ttft_s) is not None]),
         "tpot_s": stats([t for r in records if (t := r.tpot_s) is not None]),
@@ -153,6 +160,7 @@ def summarize(
         "cached_tokens": cached,
         "hit_rate": hit_rate,
         "engine": dict(engine),
+        "error_kinds": group_errors(records),
     }
 
 
@@ -210,7 +218,8 @@ def _turn(stats: object) -> str:
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
-    """A fixed-width table of a summary, for the terminal; missing figures print as ``-``."""
+    """A fixed-width table of a summary, for the terminal; missing figures print as ``-``.
+    Under it, one line per kind of error (:func:`.run_errors.error_lines`), if any."""
 
     def section(key: str) -> Mapping[str, Any]:
         value = summary.get(key)
@@ -272,7 +281,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         ("bytes moved", ", ".join(f"{k} {_num(v, '.1f', 1 / _MIB)} MiB" for k, v in moved) or "-")
     )
     width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {text}" for label, text in rows)
+    table = [f"{label:<{width}}  {text}" for label, text in rows]
+    return "\n".join(table + error_lines(summary.get("error_kinds")))
 
 
 class Progress:

@@ -4,7 +4,8 @@ One launched run (module scope: every test here reads it) of a short ``synthetic
 (2 users, 4 rounds) with pools too small to keep a user's history, beside one request
 whose prompt plus max_tokens is past ``sched.max_model_len`` but within the model's
 positions: the returning turns find their history on host and in storage, the long
-request alone is refused, and the others run to their end.
+request alone is refused (named under the table; the run exits 1), and the others run to
+their end.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import orjson
 import pytest
-from engine_runs import MODEL, finished
+from engine_runs import MODEL, replayed, results
 from launching import QUICK, launched
 
 from ringfence.actors.config import Config
@@ -63,7 +64,10 @@ def chat_run(tmp_path_factory) -> tuple[dict[str, dict[str, Any]], dict[str, Any
     tmp = tmp_path_factory.mktemp("chat")
     write_workload(tmp / "chat.jsonl")
     with launched(tmp, *SETS, f"engine.workload={tmp / 'chat.jsonl'}") as run:
-        outputs, summary = finished(run)
+        # The refused request is an error of the run: launch exits 1 once the rest are done.
+        assert run.wait(180) == 1, run.tail()
+        replayed(run.run_dir)
+        outputs, summary = results(run.run_dir)
         printed = run.stdout()
     return {o["id"]: o for o in outputs}, summary, printed
 
@@ -86,6 +90,19 @@ def test_a_request_past_sched_max_model_len_is_refused_alone_naming_the_key_and_
     assert refused["finish_reason"] == "abort" and refused["token_ids"] == []
     assert "is 2046 tokens, more than max_model_len 2040 (sched.max_model_len" in refused["error"]
     assert summary["requests"] == {"total": CHAT + 1, "finished": CHAT, "aborted": 1, "errors": 1}
+
+
+def test_the_refusal_is_named_under_the_table_and_only_the_chat_counts_as_throughput(chat_run):
+    outputs, summary, printed = chat_run
+    assert printed.splitlines()[-2] == (
+        "1 request refused: a prompt of 2,030 tokens plus max_tokens 16 is 2,046 tokens, "
+        "more than max_model_len 2,040 (sched.max_model_len)"
+    )
+    chat = [o for i, o in outputs.items() if i != "too-long"]
+    computed = sum(o["prompt_tokens"] + len(o["token_ids"]) for o in chat)
+    rate = summary["throughput"]["total_tokens_per_s"]
+    assert rate == pytest.approx(computed / summary["duration_s"])
+    assert summary["throughput"]["requests_per_s"] == pytest.approx(CHAT / summary["duration_s"])
 
 
 def test_beside_the_refused_request_every_chat_turn_runs_to_its_max_tokens(chat_run):

@@ -162,10 +162,11 @@ def test_summarize_counts_requests_tokens_rates_latencies_and_hits():
     assert summary["requests"] == {"total": 4, "finished": 2, "aborted": 2, "errors": 1}
     assert summary["tokens"] == {"prompt": 80, "output": 9}
     assert summary["duration_s"] == 2.0
+    # Throughput counts the requests that ended without an error: a, b and d (c's work is lost).
     assert summary["throughput"] == {
-        "output_tokens_per_s": 4.5,
-        "total_tokens_per_s": 44.5,
-        "requests_per_s": 2.0,
+        "output_tokens_per_s": 4.0,
+        "total_tokens_per_s": 40.0,
+        "requests_per_s": 1.5,
     }
     # TTFT of a, b, c: 0.1, 0.3, 0.5 (d has no token); TPOT of a, b: 0.1, 0.1.
     ttft = summary["ttft_s"]
@@ -238,7 +239,7 @@ def test_format_summary_shows_the_key_figures():
     assert rows["requests"] == "4 total, 2 finished, 2 aborted, 1 errors"
     assert rows["tokens"] == "80 prompt, 9 output"
     assert rows["duration"] == "2.000 s"
-    assert rows["throughput"] == "4.5 output tok/s, 44.5 total tok/s, 2.00 req/s"
+    assert rows["throughput"] == "4.0 output tok/s, 40.0 total tok/s, 1.50 req/s"
     assert rows["TTFT"] == "p50 300.0 ms, p99 496.0 ms"
     assert rows["TPOT"] == "p50 100.0 ms, p99 100.0 ms"
     assert rows["TTFT turns"] == (
@@ -247,6 +248,7 @@ def test_format_summary_shows_the_key_figures():
     assert rows["cache hits"] == "device 16 (20.0%), host 8 (10.0%), storage 4 (5.0%)"
     assert rows["preemptions"] == "recompute 3, swap 1"
     assert rows["bytes moved"] == "swap_in 3.0 MiB, swap_out 0.5 MiB"
+    assert text.splitlines()[-1] == "1 request failed: worker 0 died"  # c's, under the table
 
 
 def test_format_summary_aligns_its_labels_and_survives_missing_figures():
