@@ -2,7 +2,7 @@
 
 The Worker's ranks share a torch.distributed process group that dies with any member,
 and a device KV name and a rendezvous that two generations must never hold at once. So
-when one rank of such an actor fails, the supervisor (supervisor.py) does, in order:
+when one rank of such an actor fails, the supervisor's restarts (restarts.py) do, in order:
 
 1. the restart policy of the actor, applied to the group as one: its restart count is
    the group's (every rank's ``restarts`` is that count), ``max_restarts`` bounds it and

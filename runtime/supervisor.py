@@ -12,15 +12,12 @@ A run, in order:
    wait, with a deadline, for each one (and each external one) to report ready;
    an ``attach = "optional"`` instance (a client slot, see topology.py) is only
    awaited: it may attach at any time, or never;
-4. watch: a child's exit (its process sentinel), a stale heartbeat (the child is
-   killed) and the restart policy; a shutdown request from an actor; SIGINT/SIGTERM.
-   An instance whose start raised before it ever reported ready is not restarted (it
-   would meet the same error again): its failure ends the run at once (one that was
-   late, or killed, is restarted as before). A failed child
-   leaves a failure record (failure.py); the supervisor logs it with the exit and
-   keeps the one that ended the run in :attr:`Supervisor.failure` for the command.
-   The ranks of a ``restart_together`` actor fail and restart as one group: the others
-   are killed and every rank spawned again once all old ones have exited (groups.py);
+4. watch: a child's exit (its process sentinel), a stale heartbeat or a missed ready
+   deadline (the child is killed); a shutdown request from an actor; SIGINT/SIGTERM.
+   What follows a fault (a restart alone or with its group, after a backoff, or giving
+   up and ending the run) is restarts.py's. A failed child leaves a failure record
+   (failure.py); the supervisor logs it with the exit and keeps the one that ended the
+   run in :attr:`Supervisor.failure` for the command;
 5. stop: a Stop on each actor's control ring in topology order, each awaited within
    the stop deadline (an attached optional instance is sent Stop, not awaited: its
    host process stops when it next polls), then SIGKILL for what is left; unlink
@@ -47,21 +44,23 @@ import multiprocess
 
 from ringfence.runtime import child
 from ringfence.runtime.config import RunConfig
-from ringfence.runtime.failure import Failure, describe_exit, read_failure
-from ringfence.runtime.groups import KILL_REAP_S, Groups, ranks_of
+from ringfence.runtime.failure import read_failure
 from ringfence.runtime.log import ActorLog, log_path
 from ringfence.runtime.messages import RUNTIME, Stop
+from ringfence.runtime.restarts import EXIT_FAILED, Restarts, attached
 from ringfence.runtime.run import Run, Slot, create_run, prepare, write_actors
 from ringfence.runtime.topology import SUPERVISOR
 from ringfence.shm import names
-from ringfence.shm.liveness import ProcessStamp
 
-EXIT_FAILED = 1
 REAP_TIMEOUT_S = 5.0  # a child whose sentinel fired is past its last Python code
 
 
 class Supervisor:
-    """Runs one launch. Main thread only (it installs signal handlers for its duration)."""
+    """Runs one launch. Main thread only (it installs signal handlers for its duration).
+
+    The lifecycle of the run and its children (create, start, watch, stop, reap); it is
+    the :class:`~ringfence.runtime.restarts.Lifecycle` its :class:`Restarts` act through.
+    """
 
     def __init__(self, config: RunConfig, run_dir: Path | None = None) -> None:
         # Nothing exists yet: a topology, config or preflight error leaves nothing behind.
@@ -77,7 +76,7 @@ class Supervisor:
         self.failure: list[str] = []
         self._context = multiprocess.get_context("spawn")
         self._by_sentinel: dict[int, Slot] = {}
-        self._groups = Groups(self.topology)
+        self._restarts = Restarts(self.config, self.topology, self)
 
     # Setup and teardown.
 
@@ -117,7 +116,7 @@ class Supervisor:
             )
             try:
                 for slot in run.slots:
-                    self._start(run, slot, waker)
+                    self.start(run, slot, waker)
                 self._supervise(run, waker)
                 self._stop_all(run, waker)
             except BaseException as e:
@@ -139,7 +138,9 @@ class Supervisor:
 
     # Starting and watching.
 
-    def _start(self, run: Run, slot: Slot, waker: Any) -> None:
+    def start(self, run: Run, slot: Slot, waker: Any) -> None:
+        """Spawn ``slot``'s child under its next incarnation (an external one: await its
+        next attach), with a ready deadline; ``waker`` watches the child's sentinel."""
         now = time.monotonic()
         slot.state, slot.started_at = "starting", now
         slot.deadline = now + self.config.runtime.ready_timeout_s
@@ -188,7 +189,7 @@ class Supervisor:
                 wake.append(s.deadline)  # math.inf for a rank of a group restart
             elif s.state == "ready":
                 wake.append(s.beat_at + timeout)
-        return min(*wake, *self._groups.wakes(run.slots))
+        return min(*wake, *self._restarts.wakes(run.slots))
 
     def _supervise(self, run: Run, waker: Any) -> None:
         while True:
@@ -208,7 +209,8 @@ class Supervisor:
     def stop_reason(self) -> str | None:
         return self._stop_reason
 
-    def _begin_stop(self, reason: str, exit_code: int) -> None:
+    def begin_stop(self, reason: str, exit_code: int) -> None:
+        """End the run for ``reason``; the first reason and its exit status win."""
         if self._stop_reason is None:
             self._stop_reason = reason
             self.exit_code = exit_code
@@ -218,7 +220,7 @@ class Supervisor:
         for signum in signals:
             name = signal.Signals(signum).name
             self.log.info("run.signal", signal=name)
-            self._begin_stop(f"signal {name}", 128 + signum)
+            self.begin_stop(f"signal {name}", 128 + signum)
         self._reap_fired(run, fired)
         now = time.monotonic()
         for slot in run.slots:
@@ -239,15 +241,15 @@ class Supervisor:
                 write_actors(self.run_dir, run)
             if ctl.shutdown.value() > slot.shutdowns:
                 slot.shutdowns = ctl.shutdown.value()
-                self._begin_stop(f"shutdown requested by {slot.entry.id}", 0)
+                self.begin_stop(f"shutdown requested by {slot.entry.id}", 0)
             if slot.state == "ready":
-                self._check_heartbeat(run, slot, now)
+                self._restarts.check_heartbeat(run, slot, now)
             elif slot.state == "starting" and now > slot.deadline:
-                self._late(run, slot)
+                self._restarts.late(slot)
             elif slot.state == "restarting" and now >= slot.deadline and self._stop_reason is None:
-                self._start(run, slot, waker)
+                self.start(run, slot, waker)
         if self._stop_reason is None:
-            self._respawn_groups(run, waker, now)
+            self._restarts.respawn_groups(run, waker, now)
         # Optional slots wait for attaches forever: only the required actors keep a run alive.
         required = [s for s in run.slots if s.entry.attach == "required"]
         if (
@@ -255,51 +257,9 @@ class Supervisor:
             and required
             and not any(s.live or s.state == "restarting" for s in required)
         ):
-            self._begin_stop("every actor exited", 0)
+            self.begin_stop("every actor exited", 0)
 
-    def _check_heartbeat(self, run: Run, slot: Slot, now: float) -> None:
-        ctl = slot.control
-        if slot.entry.placement == "external" and (
-            ctl.exited.value() >= slot.incarnation or not _alive(ctl.ready.writer())
-        ):
-            clean = ctl.exited.value() >= slot.incarnation
-            self.log.info(
-                "actor.detach", instance=slot.entry.id, instance_pid=slot.pid, clean=clean
-            )
-            self._start(run, slot, None)  # wait for the next attach
-            return
-        beat = ctl.heartbeat.value()
-        if beat != slot.beat:
-            slot.beat, slot.beat_at = beat, now
-            return
-        age = now - slot.beat_at
-        if age <= self.config.runtime.heartbeat_timeout_s:
-            return
-        self.log.warning(
-            "actor.hung",
-            instance=slot.entry.id,
-            instance_pid=slot.pid,
-            heartbeat_age_s=round(age, 3),
-        )
-        if slot.entry.placement == "external":
-            slot.beat_at = now  # not ours to kill; warn once per timeout
-        else:
-            self._kill(slot, "heartbeat stale")
-            slot.state = "killing"  # no more checks: its exit comes through the waker
-
-    def _late(self, run: Run, slot: Slot) -> None:
-        timeout = self.config.runtime.ready_timeout_s
-        self.log.error(
-            "actor.late", instance=slot.entry.id, instance_pid=slot.pid, ready_timeout_s=timeout
-        )
-        if slot.entry.placement == "external":
-            slot.state = "failed"
-            self._begin_stop(f"{slot.entry.id} did not attach within {timeout}s", EXIT_FAILED)
-        else:
-            self._kill(slot, "not ready in time")
-            slot.state = "killing"
-
-    def _kill(self, slot: Slot, reason: str) -> None:
+    def kill(self, slot: Slot, reason: str) -> None:
         """SIGKILL a child this supervisor spawned, by its own pid; its exit is collected later."""
         if slot.proc is not None and slot.proc.is_alive() and slot.pid is not None:
             self.log.warning(
@@ -344,80 +304,8 @@ class Supervisor:
         elif clean:
             slot.state = "exited"
         else:
-            self._failed(run, slot, failure)
+            self._restarts.failed(run, slot, failure)
         write_actors(self.run_dir, run)
-
-    def _failed(self, run: Run, slot: Slot, failure: Failure | None) -> None:
-        policy = self.config.actor(slot.entry.name)
-        # A start that raised would raise again; one cut short (late, killed) may yet succeed.
-        start_raised = failure is not None and not slot.ever_ready
-        if policy.restart == "never" or slot.restarts >= policy.max_restarts or start_raised:
-            slot.state = "failed"
-            self.log.error(
-                "actor.gave_up",
-                instance=slot.entry.id,
-                restarts=slot.restarts,
-                restart=policy.restart,
-                ever_ready=slot.ever_ready,
-            )
-            if failure is not None:
-                self.failure = failure.lines()
-            else:
-                said = describe_exit(slot.entry.id, slot.exitcode)
-                self.failure = [f"{said} ({slot.kill_reason})" if slot.kill_reason else said]
-            self._begin_stop(f"{slot.entry.id} failed", EXIT_FAILED)
-            return
-        backoff = min(policy.backoff_s * 2**slot.restarts, policy.backoff_max_s)
-        if self._groups.together(slot):
-            self._restart_group(run, slot, backoff)
-            return
-        slot.restarts += 1
-        slot.state, slot.deadline = "restarting", time.monotonic() + backoff
-        epoch = run.control[0]
-        epoch.advance(epoch.value() + 1)
-        self.log.info(
-            "actor.restart",
-            instance=slot.entry.id,
-            restarts=slot.restarts,
-            backoff_s=backoff,
-            new_epoch=epoch.value(),
-        )
-
-    def _restart_group(self, run: Run, slot: Slot, backoff: float) -> None:
-        """``slot``, a rank of a restart_together actor, failed: kill the other ranks and
-        respawn every rank once all have exited (groups.py). One event, one epoch bump."""
-        running = self._groups.begin(run.slots, slot, backoff=backoff, now=time.monotonic())
-        epoch = run.control[0]
-        epoch.advance(epoch.value() + 1)
-        self.log.info(
-            "actor.group_restart",
-            group=slot.entry.name,
-            instance=slot.entry.id,
-            siblings=[s.entry.id for s in ranks_of(run.slots, slot.entry.name) if s is not slot],
-            killed=[s.entry.id for s in running],
-            restarts=slot.restarts,
-            backoff_s=backoff,
-            new_epoch=epoch.value(),
-        )
-        for sibling in running:
-            self._kill(sibling, f"group restart: {slot.entry.id} failed")
-
-    def _respawn_groups(self, run: Run, waker: Any, now: float) -> None:
-        """Spawn every group whose old ranks have all exited and whose backoff has passed,
-        all ranks under one incarnation; stop the run if a killed rank outlived its kill."""
-        ready, stuck = self._groups.due(run.slots, now)
-        for ranks in ready:
-            for rank in ranks:
-                self._start(run, rank, waker)
-            incarnations = {rank.incarnation for rank in ranks}
-            assert len(incarnations) == 1, f"a group spawned under {incarnations}"
-        if stuck:
-            ids, group = [s.entry.id for s in stuck], stuck[0].entry.name
-            self.log.error(
-                "actor.group_stuck", group=group, instances=ids, reap_timeout_s=KILL_REAP_S
-            )
-            self.failure = [f"{', '.join(ids)} still alive {KILL_REAP_S}s after SIGKILL"]
-            self._begin_stop(f"group {group} could not restart", EXIT_FAILED)
 
     # Stopping.
 
@@ -444,7 +332,7 @@ class Supervisor:
         for slot in run.slots:
             if slot.state in ("starting", "restarting"):
                 slot.state = "stopped"
-            self._kill(slot, cut_short if slot.state == "ready" and cut_short else "run stopped")
+            self.kill(slot, cut_short if slot.state == "ready" and cut_short else "run stopped")
         for slot in run.slots:  # what was killed: collected here, so the record is complete
             if slot.proc is not None:
                 self._by_sentinel.pop(slot.proc.sentinel, None)
@@ -461,7 +349,7 @@ class Supervisor:
                 s.proc is None
                 if s.entry.placement == "spawn"
                 else s.control.exited.value() >= s.incarnation
-                or not _alive(s.control.ready.writer())
+                or not attached(s.control.ready.writer())
                 for s in group
             )
 
@@ -491,11 +379,7 @@ class Supervisor:
         """Last step on every exit path: no child of this run outlives the supervisor."""
         for slot in run.slots:
             if slot.proc is not None:
-                self._kill(slot, "supervisor exiting")
+                self.kill(slot, "supervisor exiting")
                 slot.proc.join(REAP_TIMEOUT_S)
                 slot.exitcode = slot.proc.exitcode
                 slot.proc = None  # not closed: the waker may still hold its sentinel
-
-
-def _alive(stamp: ProcessStamp | None) -> bool:
-    return stamp is not None and stamp.is_alive()
