@@ -11,12 +11,10 @@ The loop, in the thread that calls :meth:`Driver.run` (or :meth:`Driver.poll`)::
         nothing to do: sleep on the mailbox until a message, the next timer or beat
     on_stop; mark exited; close the mailbox
 
-This is the only place with a catch-all ``except``: a handler that raises is
-logged (``msg.failed``), answered with :class:`~ringfence.runtime.messages.Failed`
-when the sender expects a reply (its class sets ``expects_reply = True``) or the
-frame could not be decoded at all, and reported to ``on_failure``; the actor lives
-on. A ring frame that is malformed or out of sequence is answered and logged the same
-way and skipped (``RingInbox.read``). What escapes ``on_failure`` or ``on_start`` ends
+A handler that raises is logged, answered when its sender expects a reply, and
+reported to ``on_failure``; the actor lives on (dispatch.py holds that one catch-all
+``except``). A ring frame that is malformed or out of sequence is answered and logged the
+same way and skipped (``RingInbox.read``). What escapes ``on_failure`` or ``on_start`` ends
 the instance with an error (the supervisor then applies the restart policy).
 
 Delivery is at least once: a message whose handler was cut short by a crash is
@@ -26,8 +24,6 @@ sequence numbers their messages carry.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,17 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ringfence.runtime.actor import Actor, ActorContext
+from ringfence.runtime.dispatch import Dispatcher
 from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox, PollWaiter
-from ringfence.runtime.messages import Failed, Tick
+from ringfence.runtime.messages import Tick
 from ringfence.runtime.routes import Routes
+from ringfence.runtime.timers import Timers
 from ringfence.shm.doorbell import Doorbell
-from ringfence.shm.errors import (
-    ActorDead,
-    ProtocolError,
-    RingfenceError,
-    RingFull,
-    WaitTimeout,
-)
+from ringfence.shm.errors import ProtocolError
 
 if TYPE_CHECKING:
     from ringfence.runtime.codec import Registry
@@ -56,25 +48,6 @@ if TYPE_CHECKING:
     from ringfence.shm.liveness import ProcessStamp
 
 BATCH = 64  # messages taken from one inbox before looking at the others
-# Raised from a handler, these mean "downstream is full or its process is down", not "this
-# message is bad": the message is handed over again (after the other inboxes had a turn)
-# rather than failed, so backpressure and a peer's restart lose nothing. Handlers are
-# idempotent by their sequence numbers, so the part of the work already done is redone
-# harmlessly.
-# A full ring downstream, a dead peer, or a wait for another actor's watermark that ran
-# past its deadline: not the message's fault, so it is handed over again later.
-BLOCKED = (RingFull, ActorDead, WaitTimeout)
-REPLY_TIMEOUT_S = 1.0  # how long an error reply may wait for room
-ERROR_CHARS = 2000  # an error's text in a Failed reply and a msg.failed line is cut to this
-
-
-def error_text(error: BaseException) -> str:
-    """``str(error)``, cut to ``ERROR_CHARS``: an error about a peer's frame may quote the
-    frame, which can be as long as the ring allows, and the reply must fit the peer's ring."""
-    text = str(error)
-    if len(text) <= ERROR_CHARS:
-        return text
-    return f"{text[: ERROR_CHARS - 40]}... ({len(text)} characters in all)"
 
 
 class Driver:
@@ -133,16 +106,16 @@ class Driver:
         )
         self.routes = Routes(self.ctx.instance, mailbox.outboxes, log)
         self.actor = actor_cls(self.ctx)
-        self._table = {t: getattr(self.actor, m) for t, m in actor_cls.handlers.items()}
-        self._timers: list[tuple[float, int, object]] = []
-        self._timer_ids = itertools.count()
-        self._ticks = 0
+        self.dispatcher = Dispatcher(
+            instance=self.ctx.instance,
+            actor=self.actor,
+            table={t: getattr(self.actor, m) for t, m in actor_cls.handlers.items()},
+            outboxes=mailbox.outboxes,
+            log=log,
+        )
+        self.timers = Timers(self.ctx.instance, actor_cls.tick_s)
         self._next_beat = 0.0
         self._ready_cpu_s = time.process_time()
-        self._current: Delivery | None = None
-        self.handled = 0  # messages handed to a handler (failed ones included)
-        self.failures = 0  # handlers that raised, and frames that could not be decoded
-        self.deferred = 0  # messages handed over again because a send or wait was blocked
         self.started = False
         self.stop_reason: str | None = None
         self.closed = False
@@ -150,11 +123,26 @@ class Driver:
         self.failed_in: str | None = None  # where it did: "on_start", "loop" or "on_stop"
         self._thread: threading.Thread | None = None
 
+    @property
+    def handled(self) -> int:
+        """Messages handed to a handler (failed ones included)."""
+        return self.dispatcher.handled
+
+    @property
+    def failures(self) -> int:
+        """Handlers that raised, and frames that could not be decoded."""
+        return self.dispatcher.failures
+
+    @property
+    def deferred(self) -> int:
+        """Messages handed over again because a send or wait was blocked."""
+        return self.dispatcher.deferred
+
     # Services offered to the actor (see actor.Services).
 
     @property
     def current(self) -> Delivery | None:
-        return self._current
+        return self.dispatcher.current
 
     def peers(self, role: str) -> list[str]:
         return self.routes.peers(role)
@@ -175,9 +163,9 @@ class Driver:
         return self.routes.send_all_many(role, msgs, timeout)
 
     def schedule(self, delay_s: float, msg: object) -> None:
-        if type(msg) not in self._table:
+        if not self.dispatcher.handles(type(msg)):
             raise ProtocolError(f"{self.ctx.instance}: no handler for {type(msg).__name__}")
-        heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._timer_ids), msg))
+        self.timers.add(time.monotonic() + delay_s, msg)
 
     def stop(self, reason: str) -> None:
         """Stop after the current message (any thread). The first reason given is kept."""
@@ -336,16 +324,18 @@ class Driver:
     def _turn(self, timeout: float) -> int:
         handled = self._drain()
         now = time.monotonic()
-        if self._timers and self._timers[0][0] <= now:
-            handled += self._fire_timers(now)
+        due = self.timers.next_due()
+        if due is not None and due <= now:
+            handled += self.timers.fire(now, self.dispatcher.dispatch, self._stopping)
             now = time.monotonic()  # a timer's handler may have waited on a full ring
         if now >= self._next_beat:
             self._beat(now)
         if handled or self.stop_reason is not None:
             return handled
         wake_at = min(self._next_beat, now + timeout)
-        if self._timers:
-            wake_at = min(wake_at, self._timers[0][0])
+        due = self.timers.next_due()
+        if due is not None:
+            wake_at = min(wake_at, due)
         if wake_at > now:
             self.log.flush()  # buffered trace lines reach the file before we go idle
             self.mailbox.wait(wake_at - now)
@@ -359,7 +349,7 @@ class Driver:
                 if delivery is None:
                     break
                 handled += 1
-                if not self._dispatch(delivery):
+                if not self.dispatcher.dispatch(delivery):
                     inbox.redeliver(delivery)  # blocked downstream: this inbox waits its turn
                     break
                 inbox.commit()  # after the handler: a crash before here redoes the message
@@ -370,89 +360,8 @@ class Driver:
                     self._beat(now)
         return handled
 
-    def _dispatch(self, delivery: Delivery) -> bool:
-        """Hand one message to its handler. False: it must be handed over again later."""
-        self.handled += 1
-        msg = delivery.msg
-        if msg is None:
-            assert delivery.error is not None
-            self._failed(delivery, delivery.error)
-            return True
-        if self.log.tracing:
-            self.log.trace(
-                "msg.recv", peer=delivery.peer, seq=delivery.seq, type=type(msg).__name__
-            )
-        self._current = delivery
-        try:
-            handler = self._table.get(type(msg))
-            if handler is None:
-                raise ProtocolError(f"{self.ctx.instance}: no handler for {type(msg).__name__}")
-            handler(msg)
-        except BLOCKED as e:  # blocked on a peer: not this message's fault
-            self.deferred += 1
-            self.log.warning(
-                "msg.deferred",
-                peer=delivery.peer,
-                seq=delivery.seq,
-                type=type(msg).__name__,
-                error=type(e).__name__,
-                message=str(e),
-            )
-            return False
-        except Exception as e:  # the one catch-all: a failed handler becomes a reply and a log
-            self._failed(delivery, e)
-        finally:
-            self._current = None
-        return True
-
-    def _failed(self, delivery: Delivery, error: Exception) -> None:
-        self.failures += 1
-        msg = delivery.msg
-        type_name = type(msg).__name__ if msg is not None else _undecoded(error)
-        replied = False
-        wants_reply = msg is None or getattr(type(msg), "expects_reply", False)
-        outbox = self.mailbox.outboxes.get(delivery.peer)
-        text = error_text(error)
-        if wants_reply and outbox is not None and not isinstance(msg, Failed):
-            reply = Failed(
-                seq=delivery.seq, type=type_name, error=type(error).__name__, message=text
-            )
-            try:
-                outbox.send(reply, REPLY_TIMEOUT_S)
-                replied = True
-            except (RingfenceError, ValueError) as e:  # ring full, peer gone, reply too big
-                self.log.warning(
-                    "msg.reply_lost", peer=delivery.peer, seq=delivery.seq, error=repr(e)
-                )
-        self.log.error(
-            "msg.failed",
-            peer=delivery.peer,
-            seq=delivery.seq,
-            type=type_name,
-            error=type(error).__name__,
-            message=text,
-            replied=replied,
-            exc_info=error if msg is not None else None,
-        )
-        self.actor.on_failure(error, delivery)
-
-    def _fire_timers(self, now: float) -> int:
-        fired = 0
-        tick_s = type(self.actor).tick_s
-        while self._timers and self._timers[0][0] <= now and self.stop_reason is None:
-            due, _, msg = heapq.heappop(self._timers)
-            if isinstance(msg, Tick):
-                assert tick_s is not None
-                self._ticks += 1
-                msg = Tick(n=self._ticks, late_s=now - due)
-                following = due + tick_s if due + tick_s > now else now + tick_s  # skip missed
-                heapq.heappush(self._timers, (following, next(self._timer_ids), msg))
-            fired += 1
-            if not self._dispatch(Delivery(self.ctx.instance, 0, msg, None)):
-                if not isinstance(msg, Tick):  # the next tick comes anyway
-                    heapq.heappush(self._timers, (now, next(self._timer_ids), msg))
-                break
-        return fired
+    def _stopping(self) -> bool:
+        return self.stop_reason is not None
 
     def _beat(self, now: float) -> None:
         self._next_beat = now + self.runtime.heartbeat_s
@@ -470,8 +379,3 @@ class Driver:
         self.error, self.failed_in = error, where
         exc: Any = error if isinstance(error, Exception) else None
         self.log.error("actor.failed", where=where, error=repr(error), exc_info=exc)
-
-
-def _undecoded(error: Exception) -> str:
-    tag = getattr(error, "tag", None)
-    return f"tag {tag}" if tag is not None else "undecodable"

@@ -32,7 +32,7 @@ from ringfence.actors.protocol.client import (
 from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.codec import Registry, make_kind, message
 from ringfence.runtime.config import load_config
-from ringfence.runtime.driver import ERROR_CHARS, error_text
+from ringfence.runtime.dispatch import ERROR_CHARS, error_text
 from ringfence.runtime.mailbox import Mailbox
 from ringfence.runtime.messages import RUNTIME, Failed, Stop
 from ringfence.shm import names
