@@ -6,7 +6,8 @@ live:
 - :mod:`.backend`: the contract every backend keeps (:class:`StorageBackend`, its duties
   in the module docstring), :class:`StorageStats`, :class:`StorageLog` (where a backend
   reports) and the errors, :class:`StorageUnavailable` and :class:`StorageWriteFailed`.
-- :mod:`.blob`: a stored value's byte layout and checks; :mod:`.seal`: the storage secret.
+- :mod:`.blob`: a stored value's byte layout and checks; :mod:`.seal`: the storage secret,
+  whose public identifier names its blobs' key space in a shared tier.
 - :mod:`.counters`: the counters and the corrupt-blob report every backend shares.
 - :mod:`.registry`: the backends by name (``cache.storage.backend``) and
   :func:`~.registry.open_storage`, the one way a run opens its tier.

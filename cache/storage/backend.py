@@ -15,11 +15,20 @@ against all of them:
   short, corrupt, from another fingerprint or (with the secret) not sealed by it reads as
   a miss, is counted and reported (``storage.corrupt``, ``storage.forged``) and deleted:
   never returned as data.
-- **One key space per fingerprint.** Backends of two fingerprints sharing one directory
-  or server store the same key side by side; each sees only its own blocks, and bounds,
-  evicts and counts only those. The ranks of one instance, which store their shards of a
-  block under its key and each its own fingerprint, never collide
-  (:class:`~.ranks.AllRanks` asks all of them).
+- **One key space per fingerprint and storage secret.** Backends of two fingerprints, or of
+  two secrets (:func:`~.seal.namespace`: the secret's public identifier, or none), sharing
+  one directory or server store the same key side by side, and each reads only its own.
+  The ranks of one instance, which store their shards of a block under its key and each its
+  own fingerprint, never collide (:class:`~.ranks.AllRanks` asks all of them).
+- **Never destroy what you cannot verify.** A reader deletes a blob that fails its checks
+  only in its own key space, where such a blob is a forgery or damage; it never reads, and
+  so never deletes, another secret's blob, which it cannot tell from a forgery. A key
+  rotation (instances of the old secret beside those of the new) thus loses no block that
+  its holder can still read.
+- **Eviction is the tier's.** A bounded tier evicts every key space by one rule, none
+  exempt, so the key space of a secret no instance holds any more ages out: ``local`` by
+  least recent use over all the key spaces of a fingerprint, ``redis`` by the server's
+  ``maxmemory-policy``, ``memory`` holds one key space.
 - **Faults are never data.** A read that fails (an I/O error, a server gone) is a miss or
   raises; a write that fails raises :class:`StorageWriteFailed` (local) or
   :class:`StorageUnavailable` (redis) after removing what it left half-written,

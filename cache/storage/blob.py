@@ -41,10 +41,11 @@ The tag is kept whole (32 bytes): 24 more bytes a block cost nothing. The tag co
 trailer's fields, so a blob moved to another key, fingerprint or length does not verify.
 
 A keyed blob keeps its CRC-32, so a reader without the secret (one that trusts its tier)
-still reads it, checked as a plain one; a reader with the secret takes only keyed blobs
-whose tag verifies: a plain blob, or a keyed one whose tag does not verify (another secret,
-a forgery, a flipped byte), is ``forged``. It does not check the CRC-32: the tag covers
-every byte the CRC does. Writing with a secret thus costs a CRC and a tag.
+still reads it, checked as a plain one (in a shared tier it meets none: a secret's blobs are
+kept in that secret's key space, :func:`~.seal.namespace`); a reader with the secret takes
+only keyed blobs whose tag verifies: a plain blob, or a keyed one whose tag does not
+verify (another secret, a forgery, a flipped byte), is ``forged``. It does not check the
+CRC-32: the tag covers every byte the CRC does. Writing with a secret thus costs a CRC and a tag.
 
 Every check raises :class:`CorruptBlock` naming the key and the reason; callers turn
 it into a miss and a logged error, never into data.

@@ -1,20 +1,21 @@
 """The ``local`` backend: one file per block in a directory that processes may share.
 
-Layout under the root directory::
+Layout under the root directory (<fp>: the writer's fingerprint in hex; <k0>: the key's
+first byte in hex, so no directory holds more than 1/256 of the blocks)::
 
-    <root>/<fp>/<k0>/<key hex>              a stored blob (see blob.py); <fp> = the
-                                            writer's fingerprint in hex; <k0> = the key's
-                                            first byte in hex, so no directory holds
-                                            more than 1/256 of the blocks
-    <root>/<fp>/<k0>/.tmp-<pid>-<random>    a blob being written by process <pid>
+    <root>/<fp>/<k0>/<key hex>          a plain blob (see blob.py; no storage secret)
+    <root>/<fp>/s<id>/<k0>/<key hex>    a blob sealed with the storage secret whose public
+                                        identifier is <id> (seal.py)
+    .../<k0>/.tmp-<pid>-<random>        a blob being written by process <pid>
 
-Each fingerprint has its own key space, ``<root>/<fp>`` (the backend's ``directory``):
-the ranks of one instance store their shards of a block under one key, each under
-its own fingerprint (DESIGN.md "Ranks"), and so do models that happen to share a
-root. A backend sees only its fingerprint's directory: its index, its ``max_bytes``
-bound, its eviction and its stats are that directory's, never another's.
-Blocks left directly under ``<root>/<k0>`` by the layout before this one are never
-read (misses), nor removed.
+Each fingerprint and each storage secret (or none) has its own key space, the backend's
+``directory``: the ranks of one instance store their shards of a block under one key, each
+under its own fingerprint (DESIGN.md "Ranks"), and so do models sharing a root; instances
+holding different secrets (a misconfigured one, both sides of a key rotation) store the same
+key side by side. A backend reads only its key space, so it never deletes a blob it cannot
+verify because another secret sealed it. Sealed blobs written before the secret named the
+directory (right under ``<root>/<fp>/<k0>``) are not found by a reader with the secret;
+blocks left directly under ``<root>/<k0>`` by an older layout are never read, nor removed.
 
 A block is written to a temp file in its final directory, flushed with
 ``fdatasync``, and renamed over its final name with ``os.replace``, which is atomic:
@@ -38,11 +39,14 @@ Eviction, by least recent use: each process keeps an index of the blocks it know
 hit also set the file's mtime to ``time.time_ns()``, so a scan of the directory,
 which orders by mtime, reproduces every process's uses in one order. The index is
 built by a scan on open and rebuilt by one whenever this process has written
-``max_bytes / 8`` since the last, so it learns of other processes' blocks; it then
-evicts its oldest blocks while its total exceeds ``max_bytes``. The fingerprint's
-directory may thus exceed ``max_bytes`` by about ``max_bytes / 8`` per writing
-process between scans; the root holds up to ``max_bytes`` per fingerprint. A block
-that another process evicted is a miss here and leaves the index.
+``max_bytes / 8`` since the last, so it learns of other processes' blocks. The bound is
+the fingerprint's, all its key spaces together: a scan also lists the other key spaces
+under ``<root>/<fp>`` (:class:`~.blob_index.ForeignBlobs`), and the backend evicts the
+oldest blob of any of them while their total exceeds ``max_bytes``, so the key space of a
+secret no instance holds any more ages out by the one rule. The fingerprint's directory
+may thus exceed ``max_bytes`` by about ``max_bytes / 8`` per writing process between scans.
+A block that another process evicted is a miss here and leaves the index; another key
+space's block that was used since the scan is not evicted.
 A corrupt blob is deleted when found; if another process had just renamed a good
 copy over it, that copy goes too, which costs a miss, never wrong data.
 
@@ -95,10 +99,10 @@ from ringfence.cache.storage.blob import (
     trailer,
     verify,
 )
-from ringfence.cache.storage.blob_index import TMP_PREFIX, BlobIndex
+from ringfence.cache.storage.blob_index import TMP_PREFIX, BlobIndex, ForeignBlobs
 from ringfence.cache.storage.counters import Counters
 from ringfence.cache.storage.private_dir import DIR_MODE, FILE_MODE, make_private_dir
-from ringfence.cache.storage.seal import Seal
+from ringfence.cache.storage.seal import Seal, namespace
 
 RESCAN_FRACTION: Final = 8  # rescan after writing max_bytes / RESCAN_FRACTION
 _O_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -123,8 +127,8 @@ class _Loaded(NamedTuple):
 
 
 class LocalBackend:
-    """Blocks as files under ``root``, in the directory of ``fingerprint``; see the module
-    docstring for layout and eviction.
+    """Blocks as files under ``root``, in the key space of ``fingerprint`` and ``seal``; see
+    the module docstring for layout and eviction.
 
     Owner: one thread. A call with several blocks does their file I/O and checksums
     on up to ``num_threads`` pool threads (both release the GIL), so flushes overlap
@@ -151,17 +155,21 @@ class LocalBackend:
         self.root = os.fspath(root)
         self.fingerprint = fingerprint
         self.seal = seal  # the storage secret's MAC: blobs are keyed and must verify
-        self.directory = os.path.join(self.root, fingerprint.hex())  # this key space
+        fp_dir = os.path.join(self.root, fingerprint.hex())
+        self.fingerprint_dir = fp_dir  # every key space of the fingerprint
+        space = namespace(seal)  # "": the plain key space is the fingerprint's directory itself
+        self.directory = os.path.join(fp_dir, space) if space else fp_dir  # this key space
         self.max_bytes = max_bytes  # 0: no bound
         self.fsync = fsync
         self._num_threads = num_threads
         self._pool: ThreadPoolExecutor | None = None
         self._counters = Counters(self.name, log)
         self._index = BlobIndex()  # what the directory holds, least recently used first
+        self._foreign = ForeignBlobs()  # the fingerprint's other key spaces, oldest first
         self._written_since_scan = 0
         self._last_stamp = 0
         self._closed = False
-        for directory in (self.root, self.directory):
+        for directory in dict.fromkeys((self.root, self.fingerprint_dir, self.directory)):
             make_private_dir(directory)
         self.rescan()
         self._bound()
@@ -181,10 +189,10 @@ class LocalBackend:
         results = self._map(self._store, views)
         written = 0
         failed = [stored for stored in results if stored.failed is not None]
-        for (key, _, _), stored in zip(views, results, strict=True):
+        for (key, _, stamp), stored in zip(views, results, strict=True):
             if stored.failed is not None:
                 continue
-            self._index.remember(key, stored.size)
+            self._index.remember(key, stored.size, stamp)
             if stored.written:
                 self._written_since_scan += stored.size
                 written += 1
@@ -233,9 +241,11 @@ class LocalBackend:
             self._pool = None
 
     def rescan(self) -> None:
-        """Rebuild the index from this fingerprint's directory, and remove temp files of
-        dead processes there (other fingerprints' directories are not looked at)."""
+        """Rebuild the index from this key space's directory and the list of the
+        fingerprint's other key spaces, and remove temp files of dead processes in them
+        (other fingerprints' directories are not looked at)."""
         self._index = BlobIndex.scan(self.directory)
+        self._foreign = ForeignBlobs.scan(self.fingerprint_dir, own=self.directory)
         self._written_since_scan = 0
 
     def _store(self, item: tuple[BlockHash, memoryview, int]) -> _Stored:
@@ -311,10 +321,7 @@ class LocalBackend:
     def _make_room(self, num_bytes: int) -> None:
         """Evict least recently used blocks of at least ``num_bytes`` in all (a full disk)."""
         freed = 0
-        while freed < num_bytes and (oldest := self._index.oldest()) is not None:
-            key, size = oldest
-            self._unlink(key)
-            self._counters.evictions += 1
+        while freed < num_bytes and (size := self._evict_oldest()) is not None:
             freed += size
 
     def _write_blob(self, fd: int, view: memoryview, tail: bytes) -> None:
@@ -334,8 +341,9 @@ class LocalBackend:
         """Load each key (into its buffer, if it has one), then count, index and report."""
         for key, _ in items:
             check_key(key)
-        loaded = self._map(self._load, [(key, dest, self._stamp()) for key, dest in items])
-        for (key, _), got in zip(items, loaded, strict=True):
+        stamped = [(key, dest, self._stamp()) for key, dest in items]
+        loaded = self._map(self._load, stamped)
+        for (key, _, stamp), got in zip(stamped, loaded, strict=True):
             if got.error is not None:
                 self._counters.report(got.error)
                 self._unlink(key)
@@ -346,7 +354,7 @@ class LocalBackend:
                 )
             if got.hit:
                 self._counters.hits += 1
-                self._index.remember(key, got.size)
+                self._index.remember(key, got.size, stamp)
             else:
                 self._counters.misses += 1
                 self._index.forget(key)
@@ -409,11 +417,25 @@ class LocalBackend:
         return True
 
     def _bound(self) -> None:
-        while self.max_bytes and self._index.num_bytes > self.max_bytes:
-            oldest = self._index.oldest()
-            assert oldest is not None  # bytes are held, so blobs are
-            self._unlink(oldest[0])
+        """Evict while the fingerprint's key spaces together hold more than ``max_bytes``."""
+        while self.max_bytes and self._index.num_bytes + self._foreign.num_bytes > self.max_bytes:
+            if self._evict_oldest() is None:
+                break  # nothing left to evict (unreachable: bytes are held, so blobs are)
+
+    def _evict_oldest(self) -> int | None:
+        """Evict the least recently used blob of any of the fingerprint's key spaces (one
+        rule for all, so none is exempt); its bytes, or None when none is known."""
+        own, other = self._index.oldest(), self._foreign.oldest()
+        if other is not None and (own is None or other.stamp <= own.stamp):
+            if not self._foreign.evict_oldest():
+                return 0  # used since the scan, or gone: nothing freed, and it leaves the list
             self._counters.evictions += 1
+            return other.size
+        if own is None or own.key is None:
+            return None
+        self._unlink(own.key)
+        self._counters.evictions += 1
+        return own.size
 
     def _check_open(self) -> None:
         if self._closed:

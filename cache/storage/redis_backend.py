@@ -1,8 +1,17 @@
 """The ``redis`` backend: blobs in a Redis server that instances on several machines share.
 
-Each block is one string value (a blob, see blob.py) under the key
-``rf:<fingerprint hex>:<key hex>``, so instances of different models can share a
-server without meeting each other's blocks. Every call is one round trip per chunk
+Each block is one string value (a blob, see blob.py) under a key that names its key space::
+
+    rf:<fingerprint hex>:<key hex>              a plain blob (no storage secret)
+    rf:s<secret id>:<fingerprint hex>:<key hex> a blob sealed with the storage secret whose
+                                                public identifier is <secret id> (seal.py)
+
+so instances of different models, and instances holding different secrets, share a server
+without meeting each other's blocks: a reader never reads, and so never deletes, a blob of
+another key space (a key rotation loses nothing that the old secret's holders can still
+read), and the old secret's keys age out by the server's eviction, as any other. Sealed
+blobs written before the secret named the key (under ``rf:<fingerprint hex>:``) are not
+found by a reader with the secret. Every call is one round trip per chunk
 of keys (a non-transactional pipeline): ``SET .. NX`` to put (a key already stored
 holds the same bytes, so it is left alone), ``GET`` to get, ``EXISTS`` for the
 longest prefix, ``UNLINK`` to delete (the server frees memory off its main thread).
@@ -10,7 +19,7 @@ A value is written by one command, so readers never see part of one.
 
 Capacity is the server's job, not this client's: give the server ``maxmemory`` and
 ``maxmemory-policy allkeys-lru``; ``max_bytes`` is not enforced here and
-``evictions`` stays 0. ``stats()`` counts this fingerprint's blocks and bytes with a
+``evictions`` stays 0. ``stats()`` counts this key space's blocks and bytes with a
 ``SCAN``: it costs time in the number of keys, so keep it off the hot path.
 
 redis is imported when a backend is constructed, never when this module is, so the
@@ -52,7 +61,7 @@ from ringfence.cache.storage.blob import (
     encode,
 )
 from ringfence.cache.storage.counters import Counters, stdlib_log
-from ringfence.cache.storage.seal import Seal
+from ringfence.cache.storage.seal import Seal, namespace
 from ringfence.cache.storage.url import split_password
 
 if TYPE_CHECKING:
@@ -66,7 +75,10 @@ T = TypeVar("T")
 
 
 class RedisBackend:
-    """Blocks of one fingerprint in a Redis server. Owner: one thread (one connection pool)."""
+    """Blocks of one fingerprint and one storage secret (or none) in a Redis server.
+
+    Owner: one thread (one connection pool).
+    """
 
     name = "redis"
 
@@ -88,7 +100,9 @@ class RedisBackend:
         check_key(fingerprint, "fingerprint")
         self.fingerprint = fingerprint
         self.seal = seal  # the storage secret's MAC: blobs are keyed and must verify
-        self.prefix = b"rf:" + fingerprint.hex().encode() + b":"  # of every key of this backend
+        space = namespace(seal)
+        # Of every key of this backend: its secret's key space, then its fingerprint's.
+        self.prefix = f"rf:{space}{':' if space else ''}{fingerprint.hex()}:".encode()
         self._errors: tuple[type[Exception], ...] = (
             redis.exceptions.ConnectionError,
             redis.exceptions.TimeoutError,

@@ -17,6 +17,12 @@ Two keys are derived from the secret, each a keyed BLAKE2b of it under its own l
 neither tells anything of the other nor of the secret: the MAC key, and :attr:`Seal.id`, a
 16-byte identifier that instances publish (``/ringfence/instance``) so the router can check
 that they hold the same secret without any of them revealing it.
+
+The identifier also names the blobs' key space in a shared tier (:func:`namespace`): instances
+with different secrets never read, and so never delete, each other's blobs. A reader cannot
+tell a forgery from a good block sealed by another secret; it must not destroy either, and
+with a key space of its own it never meets one. Within its own key space, a blob that does not
+verify is a forgery or damage, and is removed.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Final
 from ringfence.shm.errors import ConfigError
 
 SECRET_ENV: Final = "RINGFENCE_STORAGE_SECRET"
+NAMESPACE_PREFIX: Final = "s"  # a sealed key space's name: s<the secret's identifier>
 TAG_BYTES: Final = 32  # HMAC-SHA256's digest, whole
 _MAC_LABEL: Final = b"ringfence block mac"
 _ID_LABEL: Final = b"ringfence storage secret id"
@@ -63,6 +70,13 @@ class Seal:
     def verifies(self, payload: bytes | bytearray | memoryview, fields: bytes, tag: bytes) -> bool:
         """Whether ``tag`` is the tag of ``payload`` and ``fields`` (compared in constant time)."""
         return hmac.compare_digest(self.tag(payload, fields), tag)
+
+
+def namespace(seal: Seal | None) -> str:
+    """The key space of the blobs sealed by ``seal`` in a shared tier: ``s<id>`` (the
+    secret's public identifier, so nothing of the secret); ``""`` without a secret, the key
+    space of plain blobs, laid out as before namespaces existed."""
+    return "" if seal is None else f"{NAMESPACE_PREFIX}{seal.id}"
 
 
 def _derive(secret: bytes) -> bytes:

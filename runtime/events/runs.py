@@ -93,13 +93,18 @@ RUN_EVENTS: Final[dict[str, Event]] = {
     # The storage tier (ringfence.cache.storage), through the log of the actor whose client
     # it is: the store lane's (reads and writes) or the engine's (presence questions).
     "storage.corrupt": event(
-        "error", "backend key reason", "a stored block failed its checks: a miss, deleted"
+        "error",
+        "backend key reason",
+        "a stored block of the reader's own key space (its fingerprint and storage secret) "
+        "failed its checks: a miss, deleted; another secret's blocks are never read",
     ),
     "storage.forged": event(
         "error",
         "backend key count",
-        "with cache.storage.secret set, a stored block's tag did not verify (or it had none): a "
-        "miss, deleted; at most one event per 10 s per client, `count` forged since the last",
+        "with cache.storage.secret set, a stored block of the reader's own key space (its "
+        "secret's) whose tag did not verify (or it had none): a forgery or damage, a miss, "
+        "deleted (another secret's blocks are never read, so never deleted); at most one "
+        "event per 10 s per client, `count` forged since the last (stats().forged counts all)",
     ),
     "storage.read_failed": event(
         "error", "backend key error", "reading a stored block raised an OSError: a miss, kept"

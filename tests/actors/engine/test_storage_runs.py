@@ -320,3 +320,42 @@ def test_a_run_with_a_storage_secret_misses_a_forged_block_and_writes_neither_se
         data = path.read_bytes()
         assert SECRET.encode() not in data, path
         assert PASSWORD.encode() not in data, path
+
+
+def test_an_instance_with_another_secret_leaves_a_shared_tier_whole_for_the_first_secret(tmp_path):
+    """Three instances over one redis tier (issue 49): A (in process, secret S1) fills it; B,
+    launched with another secret, finds none of A's blocks, meets no forgery and deletes
+    nothing; C, launched with S1, takes A's blocks from the tier. Tokens exact in both."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not on PATH (scripts/test installs it as root)")
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis") as url:
+        tier = (*RUN, "cache.storage.backend=redis", f"cache.storage.url={url}")
+        config = Config.load(None, (*tier, f"cache.storage.secret={SECRET}"))
+        runner = LocalRunner(config)
+        runner.run(load_workload("synthetic:multiturn", requests=REQUESTS), arrivals=False)
+        blocks = {k: bytes(t.numpy().data) for k, t in runner.machine.storage.items()}
+        keys = sorted(blocks)
+        store = RedisBackend(url, fingerprint=namespace(config), seal=Seal(SECRET.encode()))
+        try:
+            assert store.put_many(blocks.items()) == len(blocks) > 0  # A
+            other = (*tier, "cache.storage.secret=another-tier-secret-41d7")
+            with launched(tmp_path, *other, run_dir=tmp_path / "b") as b:  # B
+                finished(b)
+            assert tokens_of(b.run_dir) == expected_tokens()
+            assert store_events(b, "storage.forged") == store_events(b, "storage.corrupt") == []
+            assert results(b.run_dir)[1]["cached_tokens"]["storage"] == 0
+            back = store.get_many(keys)
+            print(f"blocks of A's {len(keys)} a client with A's secret reads after B: "
+                  f"{sum(p is not None for p in back)}")  # fmt: skip
+            assert back == [blocks[k] for k in keys]
+            ours = (*tier, f"cache.storage.secret={SECRET}")
+            with launched(tmp_path, *ours, run_dir=tmp_path / "c") as c:  # C
+                finished(c)
+            assert tokens_of(c.run_dir) == expected_tokens()
+            cached = results(c.run_dir)[1]["cached_tokens"]["storage"]
+            print(f"prompt tokens C took from the tier: {cached}")
+            assert cached >= BLOCK_SIZE
+            assert store_events(c, "storage.forged") == []
+        finally:
+            store.close()
