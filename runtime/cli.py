@@ -232,6 +232,14 @@ def _clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _debug_settings() -> list[str]:
+    """The run's settings that exist to measure or debug (``config_tables.DEBUG``)."""
+    from ringfence.runtime.config import schema
+    from ringfence.runtime.config_tables import debug_settings
+
+    return debug_settings(schema())
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config``, ``--set`` and ``--run-dir``: what every command that starts a run takes."""
     parser.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
@@ -241,7 +249,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         dest="overrides",
-        help="override one config key, e.g. runtime.log_level=trace (repeatable)",
+        help="override one config key, e.g. runtime.log_level=trace (repeatable). To measure "
+        f"or debug only, never for a production run: {', '.join(_debug_settings())}",
     )
     parser.add_argument(
         "--run-dir",

@@ -73,9 +73,11 @@ def setting(default: T, doc: str, **rules: Any) -> T:
 
     Rules (``config_tables.RULES``): ``ge``, ``gt``, ``le`` (bounds), ``multiple_of``, ``pattern``
     (``(regex, description)``, matched in full) and ``above`` (a sibling field this value
-    must exceed). A package that may not import the runtime (the cache, the scheduler)
-    declares its fields with its own two-line copy of this; the loader checks every
-    section's metadata once, whoever wrote it (:func:`_check_section`).
+    must exceed). ``debug`` (a tuple of values, empty for any but the default) marks a
+    setting that exists to measure or debug (``config_tables.DEBUG``). A package that may
+    not import the runtime (the cache, the scheduler) declares its fields with its own
+    two-line copy of this; the loader checks every section's metadata once, whoever wrote
+    it (:func:`_check_section`).
     """
     return dataclasses.field(default=default, metadata={"doc": doc, **rules})
 
@@ -102,6 +104,7 @@ class RuntimeConfig:
         "block",
         "block: an idle actor sleeps on its doorbell; poll: the legacy design's pollers, a "
         "1 ms sleep between looks at its inboxes and watermarks (a baseline to measure)",
+        debug=("poll",),
     )
     # The run's schema gives the default (a subclass of this section): the runtime names
     # no topology of the actors.

@@ -20,7 +20,7 @@ import re
 import reprlib
 import tomllib
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ringfence.runtime.imports import import_target
@@ -39,6 +39,11 @@ SECRET = "secret"
 # A field whose metadata holds ``EXPLICIT`` is bookkeeping of the loader (the keys the
 # layers wrote, ``RunConfig.explicit``), never a TOML key: not read, not written.
 EXPLICIT = "explicit"
+# A field whose metadata holds ``DEBUG`` exists to measure or debug (a baseline, an injected
+# delay, a check turned off), never for a production run: the values that do (a tuple of
+# them as --set writes them; empty: any but the default). Its doc in a written config and
+# ``--set``'s help say so (:func:`debug_note`, :func:`debug_settings`).
+DEBUG = "debug"
 _INT64 = (-(2**63), 2**63 - 1)  # TOML integers are signed 64-bit
 _BOUNDS = (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="))
 _EXPECTED = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
@@ -171,7 +176,7 @@ def _check_section(cls: type) -> None:
             continue
         if "doc" not in f.metadata:
             raise TypeError(f"{cls.__name__}.{f.name}: a config field needs setting(..., doc)")
-        if unknown := f.metadata.keys() - RULES - {"doc", SECRET}:
+        if unknown := f.metadata.keys() - RULES - {"doc", SECRET, DEBUG}:
             raise TypeError(f"{cls.__name__}.{f.name}: unknown setting rules {sorted(unknown)}")
     for path in _tools(cls).values():
         _check_section(section_class(path))
@@ -315,6 +320,28 @@ def _doc(cls: type) -> str:
     return cls.__doc__ or cls.__name__
 
 
+def debug_note(values: Sequence[str]) -> str:
+    """The mark of a :data:`DEBUG` setting: ``[to measure or debug: lock, sync]``."""
+    return f"[to measure or debug{': ' if values else ''}{', '.join(values)}]"
+
+
+def debug_settings(cls: type, key: str = "") -> list[str]:
+    """Every :data:`DEBUG` setting of section ``cls`` and the sections in it (the tools'
+    aside), in their order: its dotted key, then the values that measure or debug."""
+    found = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _bookkeeping(f) or typing.get_origin(tp) is Mapping:
+            continue  # no key of the table, or [actors.<name>] (whose policies have none)
+        if dataclasses.is_dataclass(tp):
+            found += debug_settings(typing.cast(type, tp), _join(key, f.name))
+        elif DEBUG in f.metadata:
+            values = f.metadata[DEBUG]
+            found.append(_join(key, f.name) + (f" ({', '.join(values)})" if values else ""))
+    return found
+
+
 def dump_table(obj: Any, key: str, lines: list[str]) -> None:
     # TOML puts a table's own keys before any sub-table header, so scalars go first.
     for f in dataclasses.fields(obj):
@@ -324,7 +351,10 @@ def dump_table(obj: Any, key: str, lines: list[str]) -> None:
         if not (dataclasses.is_dataclass(value) or isinstance(value, Mapping)):
             if f.metadata.get(SECRET):
                 value = type(value)()  # redacted: the actors read it from the environment
-            lines += [f"# {f.metadata['doc']}", f"{_dump_key(f.name)} = {_dump_value(value)}"]
+            doc = f.metadata["doc"]
+            if DEBUG in f.metadata:
+                doc = f"{doc} {debug_note(f.metadata[DEBUG])}"
+            lines += [f"# {doc}", f"{_dump_key(f.name)} = {_dump_value(value)}"]
     for name, value, doc in _subtables(obj):
         sub = _join(key, _dump_key(name))
         lines += ["", f"# {doc}"]

@@ -25,13 +25,16 @@ class TransferConfig:
         "fence (asynchronous, ordered by fences), or the baselines sync (an op held until "
         "what it waits for is complete) and lock (fences plus the legacy design's lock "
         "around every step and every copy)",
+        debug=("sync", "lock"),
     )
     lock_timeout_s: float = setting(
         30.0, "mode lock: seconds an executor waits for the lock before its op fails", gt=0
     )
-    chaos_delay_ms: float = setting(0.0, "random delay per transfer op, in ms (debug)", ge=0)
+    chaos_delay_ms: float = setting(
+        0.0, "random delay per transfer op, in ms (debug)", ge=0, debug=()
+    )
     skip_fences: bool = setting(
-        False, "debug only: executors do not wait for fences (tests show they catch it)"
+        False, "debug only: executors do not wait for fences (tests show they catch it)", debug=()
     )
 
 
