@@ -3,7 +3,7 @@ is built with: that section, the tiers' pools and policies, and the model's limi
 
 ``SchedConfig`` is the TOML table (``runtime.config`` loads and checks it from each
 field's metadata); ``TierConfig`` and ``SchedulerConfig`` are what the engine derives
-from the run's config and the model it serves (``actors/engine/sched_settings.py``).
+from the run's config and the model it serves (``actors/engine/begin.py``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class SchedulerConfig:
     # storage and the request held until they are (sched/handovers.py).
     handover: bool = False
     # Steps planned ahead of their inputs: sched.steps_in_flight, or 1 where that cannot
-    # hold (actors/engine/sched_settings.py): a prefill instance writes a finishing
+    # hold (actors/engine/begin.py): a prefill instance writes a finishing
     # request's blocks at its last token, which must not have a decode after it; under
     # tensor parallelism only rank 0 samples, so the other ranks lack the token a step
     # planned ahead takes as its input.

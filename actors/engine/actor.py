@@ -1,8 +1,8 @@
 """The Engine actor: drives the scheduler, issues its ops to the lanes, applies what comes back.
 
 The engine owns every number of the protocol. It waits until the Worker and both Transfer
-lanes of every rank have answered its ``Resync`` (:mod:`.roster`), builds the
-:class:`Scheduler` (which needs the model's identity and limits, :mod:`.sched_settings`)
+lanes of every rank have answered its ``Resync`` (:mod:`.begin`), builds the
+:class:`Scheduler` (which needs the model's identity and limits, :mod:`.begin`)
 and its client of the storage tier (:mod:`.storage`), then runs a loop made of messages only:
 
 - requests arrive from a workload (``engine.workload``: timers at their ``arrival_s``) or
@@ -46,17 +46,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ringfence.actors.engine.begin import begin_scheduler
+from ringfence.actors.engine.begin import EXECUTORS, Roster, begin_scheduler
 from ringfence.actors.engine.clients import ClientHub
 from ringfence.actors.engine.config import EngineSettings
 from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.kv_events import KVEventsOut
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
-from ringfence.actors.engine.logprobs import emitted_logprobs, file_prompt_logprobs
-from ringfence.actors.engine.outputs import Outputs
+from ringfence.actors.engine.outputs import Outputs, emitted_logprobs, file_prompt_logprobs
 from ringfence.actors.engine.requests_in import Arrive, RequestsIn
-from ringfence.actors.engine.roster import EXECUTORS, Roster
 from ringfence.actors.engine.stats import count_bytes, counters_of, no_stats, stats_of
 from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.client import Abort, Hello, Reserve, Stats, Submit

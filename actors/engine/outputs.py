@@ -5,19 +5,26 @@ ends with its finish reason; a workload's request becomes a :class:`RequestRecor
 run report (``outputs.jsonl``), with the workload's progress on the terminal. Times are
 seconds on the engine's clock (the one the caller gives).
 
+Log probabilities travel with the tokens: the Worker reports each sampled token's with the
+token, and a prompt's piece by piece (``StepResult.prompt_logprobs``); the engine files the
+prompt's on the request, by position (a recomputed prompt reports them again: the first
+stays), and sends them all with the request's first token (:func:`file_prompt_logprobs`,
+:func:`emitted_logprobs`).
+
 Owned by the Engine actor; writes only the run report, when asked.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ringfence.actors.engine.clients import ClientHub, RequestKey
 from ringfence.actors.engine.summary import Progress, RequestRecord, summarize, write_run_report
+from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.request import Request
 from ringfence.sched.sampling import TokenLogprobs
@@ -144,3 +151,35 @@ class Outputs:
         write_run_report(run_dir, records, summary)
         self.close()
         return summary
+
+
+def file_prompt_logprobs(
+    found: Iterable[PromptLogprobs],
+    emitted: Sequence[Emitted],
+    request_of: Callable[[int], Request | None],
+) -> None:
+    """File a step's prompt log probabilities on the requests that asked for them (call
+    before the step's tokens are sent: the first Tokens carries them)."""
+    # A request that finished on its first token has left the scheduler already.
+    ended = {e.seq_id: e.request for e in emitted}
+    for piece in found:
+        request = ended.get(piece.seq_id) or request_of(piece.seq_id)
+        if request is not None and request.prompt_logprobs is not None:
+            for offset, entry in enumerate(piece.entries):
+                request.prompt_logprobs.setdefault(piece.start + offset, entry)
+
+
+def emitted_logprobs(
+    e: Emitted, sampled: Mapping[int, SampledToken]
+) -> tuple[tuple[TokenLogprobs, ...], tuple[TokenLogprobs, ...]]:
+    """The token's log probabilities, and on the request's first token its prompt's, each
+    only when the request asked (then the prompt's are sent and forgotten)."""
+    token: tuple[TokenLogprobs, ...] = ()
+    if e.request.params.logprobs is not None:
+        t = sampled[e.seq_id]
+        token = (TokenLogprobs(token_id=t.token_id, logprob=t.logprob, rank=t.rank, top=t.top),)
+    prompt: tuple[TokenLogprobs, ...] = ()
+    if e.request.prompt_logprobs is not None:  # its first token: the prompt is done
+        prompt = tuple(v for _, v in sorted(e.request.prompt_logprobs.items()))
+        e.request.prompt_logprobs = None
+    return token, prompt

@@ -29,9 +29,9 @@ from typing import Any
 
 import orjson
 
+from ringfence.actors.engine.begin import sched_config
 from ringfence.actors.engine.config import EngineSettings
 from ringfence.actors.engine.ledger import access_fields, issue_fields
-from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.replay.records import Entry, RunLog
 from ringfence.cache.fences import Lane
 from ringfence.cache.ids import BlockHash

@@ -139,7 +139,7 @@ def test_the_supervisor_and_the_engine_import_no_torch(tmp_path) -> None:
         "import sys\n"
         "import ringfence.runtime.cli, ringfence.runtime.supervisor\n"
         "import ringfence.actors.engine.actor, ringfence.actors.engine.checks\n"
-        "import ringfence.actors.engine.sched_settings, ringfence.actors.engine.storage\n"
+        "import ringfence.actors.engine.begin, ringfence.actors.engine.storage\n"
         "import ringfence.actors.engine.summary\n"
         "from ringfence.runtime.imports import import_target\n"
         "import_target('ringfence.actors.engine:TOPOLOGY')\n"

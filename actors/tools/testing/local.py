@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from ringfence.actors.config import Config
+from ringfence.actors.engine.begin import sched_config
 from ringfence.actors.engine.intake import make_request
-from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.engine.summary import RequestRecord
 from ringfence.actors.model.dtypes import torch_dtype
 from ringfence.actors.model.loader import LoadedModel, load_model

@@ -19,7 +19,7 @@ from engine_runs import MODEL, replayed, results
 from launching import QUICK, launched
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.sched_settings import sched_config
+from ringfence.actors.engine.begin import sched_config
 from ringfence.runtime import cli
 from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ringfence.actors.config import Config
+from ringfence.actors.engine.begin import sched_config
 from ringfence.actors.engine.clients import ClientHub
 from ringfence.actors.engine.disaggregation import HandOverDesk
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.outputs import Outputs
 from ringfence.actors.engine.requests_in import EngineSide, RequestsIn
-from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.engine.stats import no_stats
 from ringfence.actors.protocol.client import Abort, Hello, Rejected, Stats, Submit, Tokens
 from ringfence.runtime.log import ActorLog

@@ -6,8 +6,8 @@ import pytest
 from launching import ringfence
 
 from ringfence.actors.config import Config
+from ringfence.actors.engine.begin import sched_config
 from ringfence.actors.engine.checks import check_role
-from ringfence.actors.engine.sched_settings import sched_config
 
 
 def config(*sets: str) -> Config:

@@ -21,7 +21,7 @@ from random_workloads import TIERS as SMALL_TIERS
 from random_workloads import reference as plain_tokens
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.sched_settings import sched_config
+from ringfence.actors.engine.begin import sched_config
 from ringfence.actors.replay.log import read_run
 
 

@@ -12,8 +12,8 @@ import dataclasses
 from pathlib import Path
 
 from ringfence.actors.config import Config
+from ringfence.actors.engine.begin import sched_config
 from ringfence.actors.engine.ledger import Ledger, Outcome
-from ringfence.actors.engine.sched_settings import sched_config
 from ringfence.actors.engine.storage import open_all_ranks
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.config import ParallelConfig
