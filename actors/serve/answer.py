@@ -7,7 +7,14 @@ against ``server.max_pending``: a request whose choices do not all fit is refuse
 
 A whole answer waits for every choice; a stream interleaves the choices' chunks as their
 tokens come, each chunk naming its choice's ``index``. ``usage`` counts the prompt once
-and the output tokens of every choice. Event-loop thread only.
+and the output tokens of every choice; the metrics count the prompt once too.
+
+Through prefill and decode instances each choice is a claim of its own (a reservation holds
+one request's room), which ``ringfence router`` sends with ``n`` 1 and the choice's index
+(``choice``, from ``X-Ringfence-Choice``): that answer's one choice is sampled with the
+seed of that index, numbered so, asks the prompt's log probabilities as a first choice does
+(the router's merged answer shows them with every choice, as here), and counts no prompt
+tokens in the metrics unless it is the first. Event-loop thread only.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -35,8 +42,13 @@ from ringfence.actors.serve.logprobs import (
 from ringfence.actors.serve.metrics import Metrics
 from ringfence.actors.serve.outputs import Delta, Generation, Usage
 from ringfence.actors.serve.prompts import Prompt
-from ringfence.actors.serve.sampling import asked_prompt_logprobs, output_logprobs, sampling_params
-from ringfence.actors.serve.tools import ToolStream, message_fields
+from ringfence.actors.serve.sampling import (
+    asked_prompt_logprobs,
+    choice_seed,
+    output_logprobs,
+    sampling_params,
+)
+from ringfence.actors.serve.tools import ToolStream, answer_decoder, message_fields
 from ringfence.actors.serve.view import FrontEndView
 from ringfence.sched.sampling import TokenLogprobs
 
@@ -67,6 +79,7 @@ class Answer:
         timeout_s: float,
         reservation: str = "",
         cache_salt: str = "",
+        choice: int = 0,
     ) -> None:
         self.body = body
         self.prompt = prompt
@@ -80,25 +93,30 @@ class Answer:
         self.echo = isinstance(body, CompletionRequest) and body.echo
         self.prompt_text = prompter.decode(prompt.token_ids) if self.echo else ""
         self.offsets = [0] * body.n  # each choice's text offset so far (completions)
+        self.first_index = choice  # the index of this answer's first choice in the request
         if reservation and body.n > 1:
             # A reservation holds blocks for one request; it is claimed once.
             raise ApiError("n: a request through a prefill/decode pair takes n = 1 only, got "
                            f"{body.n}", param="n")  # fmt: skip
         self.generations: list[Generation] = []
+        decoder = answer_decoder(prompter.tokenizer, prompt.tools)
         try:
             for index in range(body.n):
+                params = sampling_params(body, prompt, prompter.vocab_size, index)
+                if choice:  # a further choice claimed alone: its seed, the prompt's logprobs
+                    params = replace(params, seed=choice_seed(body.seed, choice))
                 submit = Submit(
                     request_id=self.id if index == 0 else f"{self.id}-{index}",
                     prompt_token_ids=prompt.token_ids,
-                    params=sampling_params(body, prompt, prompter.vocab_size, index),
+                    params=params,
                     reservation_id=reservation,
                     cache_salt=cache_salt,
                 )
                 stream = frontend.gateway.open(submit)  # 429 / 503 here, before any output
                 self.generations.append(Generation(
-                    stream, prompt_tokens=len(prompt.token_ids), decode=prompter.decode,
+                    stream, prompt_tokens=len(prompt.token_ids), decode=decoder,
                     stop=stop_strings(body.stop), metrics=metrics, timeout_s=timeout_s,
-                    drop_output=prompt.max_tokens == 0,
+                    drop_output=prompt.max_tokens == 0, count_prompt=index + choice == 0,
                 ))  # fmt: skip
         except ApiError:
             self.close()
@@ -182,7 +200,7 @@ class Answer:
         choices = []
         for index, out in enumerate(outputs):
             choice: dict[str, Any] = {
-                "index": index,
+                "index": index + self.first_index,
                 "text": self.prompt_text + out.text,
                 "logprobs": self._completion_logprobs(index, out.logprobs, first=True),
                 "finish_reason": out.finish,
@@ -209,7 +227,7 @@ class Answer:
                 message = {"role": "assistant", **message_fields(parsed)}
                 finish = "tool_calls" if parsed.calls and finish == "stop" else finish
             choice: dict[str, Any] = {
-                "index": index,
+                "index": index + self.first_index,
                 "message": message,
                 "logprobs": self._chat_logprobs(out.logprobs),
                 "finish_reason": finish,
@@ -327,7 +345,7 @@ class Answer:
             head = self._chunk(
                 "chat.completion.chunk", self._choice(index, None, {"delta": opening})
             )
-            if index == 0 and self.body.return_token_ids:
+            if index + self.first_index == 0 and self.body.return_token_ids:
                 head["prompt_token_ids"] = list(self.prompt.token_ids)
             yield head
         tools = self.prompt.tools
@@ -346,12 +364,17 @@ class Answer:
                     if stream is not None and stream.called and delta.finish_reason == "stop":
                         choice["finish_reason"] = "tool_calls"
                 chunk = self._chunk("chat.completion.chunk", choice)
-                if first and i == 0 and index == 0 and self.body.prompt_logprobs is not None:
+                if (
+                    first
+                    and i == 0
+                    and index + self.first_index == 0
+                    and self.body.prompt_logprobs is not None
+                ):
                     chunk["prompt_logprobs"] = self._prompt_logprobs()
                 yield chunk
 
     def _choice(self, index: int, delta: Delta | None, fields: dict[str, Any]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, **fields, "logprobs": None}
+        choice: dict[str, Any] = {"index": index + self.first_index, **fields, "logprobs": None}
         choice["finish_reason"] = delta.finish_reason if delta is not None else None
         if self.body.return_token_ids:
             choice["token_ids"] = list(delta.token_ids) if delta is not None else []

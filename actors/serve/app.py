@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from ringfence.actors.http.auth import TENANT_SCOPE, Keys, RequireKey, open_paths, tenant_salt
 from ringfence.actors.http.errors import ApiError, ErrorResponse, error_body
-from ringfence.actors.http.limits import LimitBody
+from ringfence.actors.http.limits import MAX_N, LimitBody
 from ringfence.actors.kv.layout import block_fingerprint
 from ringfence.actors.model.identity import model_id
 from ringfence.actors.serve.answer import Answer
@@ -146,7 +146,8 @@ def build_app(
             reservation = claimed(request, role)
             answer = Answer(frontend, body, prompt, kind="cmpl", metrics=metrics,
                             timeout_s=timeout_s, reservation=reservation,
-                            cache_salt=salt_of(request, body.cache_salt))  # fmt: skip
+                            cache_salt=salt_of(request, body.cache_salt),
+                            choice=claimed_choice(request, reservation, body.n))  # fmt: skip
             if body.stream:
                 return answer.sse(answer.completion_chunks)
             return JSONResponse(await answer.whole(request, answer.completion_body))
@@ -164,7 +165,8 @@ def build_app(
             reservation = claimed(request, role)
             answer = Answer(frontend, body, prompt, kind="chatcmpl", metrics=metrics,
                             timeout_s=timeout_s, reservation=reservation,
-                            cache_salt=salt_of(request, body.cache_salt))  # fmt: skip
+                            cache_salt=salt_of(request, body.cache_salt),
+                            choice=claimed_choice(request, reservation, body.n))  # fmt: skip
             if body.stream:
                 return answer.sse(answer.chat_chunks)
             return JSONResponse(await answer.whole(request, answer.chat_body))
@@ -199,6 +201,7 @@ async def ignoring(
 
 
 RESERVATION_HEADER = "X-Ringfence-Reservation"
+CHOICE_HEADER = "X-Ringfence-Choice"  # with a claim: the choice of an n > 1 request it is
 CLAIM_HEADER: dict[str, Any] = {
     "parameters": [
         {
@@ -207,7 +210,15 @@ CLAIM_HEADER: dict[str, Any] = {
             "required": False,
             "schema": {"type": "string"},
             "description": "a decode instance's reservation this request claims (the router's)",
-        }
+        },
+        {
+            "name": CHOICE_HEADER,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 0, "maximum": MAX_N - 1},
+            "description": "with a claim: the index of the choice of an n > 1 request that "
+            "it runs (the router claims each choice alone, with n = 1)",
+        },
     ]
 }
 
@@ -231,6 +242,22 @@ def claimed(request: Request, role: str) -> str:
             code="wrong_role",
         )
     return reservation
+
+
+def claimed_choice(request: Request, reservation: str, n: int) -> int:
+    """The choice index a claim runs (0 without ``CHOICE_HEADER``); ApiError 400 naming
+    the header where it is not an index below MAX_N, comes without a reservation, or with
+    ``n`` > 1 (a claimed choice is one)."""
+    said = request.headers.get(CHOICE_HEADER)
+    if said is None:
+        return 0
+    if not reservation:
+        raise ApiError(f"{CHOICE_HEADER}: only a claim ({RESERVATION_HEADER}) names a choice")
+    if not said.isdigit() or int(said) >= MAX_N:
+        raise ApiError(f"{CHOICE_HEADER}: {said!r} is not a choice index below {MAX_N}")
+    if n != 1:
+        raise ApiError(f"{CHOICE_HEADER}: a claimed choice takes n = 1, got {n}", param="n")
+    return int(said)
 
 
 def handle_errors(app: FastAPI, metrics: Metrics) -> None:

@@ -5,6 +5,12 @@ turning the engine's token messages into :class:`Delta` s (new text, new token i
 the finish reason on the last one), applying stop strings, recording the request's
 latencies and token counts in the metrics, and ending the request in the engine when its
 client stops reading (:meth:`Generation.close`, from a ``finally``).
+
+Under stop strings a token's log probabilities go out with its text, not before: text that
+could begin a stop string is held back, and so are its tokens' log probabilities, so that
+a stop string's tokens, cut from the text, never reach the client in the log
+probabilities either (``TextStream.tokens_released``). A request's prompt tokens are
+counted in the metrics by its first choice alone (``count_prompt``).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class Generation:
         metrics: Metrics,
         timeout_s: float,
         drop_output: bool = False,
+        count_prompt: bool = True,
     ) -> None:
         self.stream = stream
         # max_tokens 0 (echo): the engine runs one token, which the answer leaves out.
@@ -75,6 +82,12 @@ class Generation:
         self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         self.usage = Usage(prompt_tokens)
         self.text = TextStream(decode, stop)
+        # Under stop strings: every output token's log probabilities so far, and how many
+        # went out (those of the tokens whose text did).
+        self._follow_text = any(stop)
+        self._logprobs: list[TokenLogprobs] = []
+        self._logprobs_out = 0
+        self._count_prompt = count_prompt  # False for a request's further choices
         self._metrics = metrics
         self._timeout_s = timeout_s
         self._last_token_at: float | None = None
@@ -137,9 +150,24 @@ class Generation:
                                kind="service_unavailable")  # fmt: skip
         if finish is not None:
             self._end(finish)
-        if not text and not ids and finish is None:
+        if self._follow_text:
+            logprobs = self._with_text(logprobs, final=finish is not None)
+        if not text and not ids and not logprobs and finish is None:
             return None
         return Delta(text, tuple(ids), finish, tuple(logprobs))
+
+    def _with_text(
+        self, logprobs: Sequence[TokenLogprobs], *, final: bool
+    ) -> tuple[TokenLogprobs, ...]:
+        """The log probabilities whose tokens' text went out by now (see the module
+        docstring): all that are left at the end, but never a stop string's."""
+        self._logprobs.extend(logprobs)
+        upto = self.text.tokens_released()
+        if final and not self.text.stopped:
+            upto = len(self._logprobs)
+        out = tuple(self._logprobs[self._logprobs_out : upto])
+        self._logprobs_out = max(upto, self._logprobs_out)
+        return out
 
     def _observe(self, count: int) -> None:
         if not count:
@@ -161,8 +189,9 @@ class Generation:
         self.finish_reason = reason
         m = self._metrics
         m.finished.labels(reason=reason).inc()
-        m.prompt_tokens.inc(self.usage.prompt_tokens)
-        for tier, count in self.usage.cached.items():
-            m.cached_tokens.labels(tier=tier).inc(count)
+        if self._count_prompt:  # once a request, as its usage counts it
+            m.prompt_tokens.inc(self.usage.prompt_tokens)
+            for tier, count in self.usage.cached.items():
+                m.cached_tokens.labels(tier=tier).inc(count)
         if self._last_token_at is not None:
             m.e2e.observe(self._last_token_at - self.stream.opened)

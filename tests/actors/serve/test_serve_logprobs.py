@@ -214,3 +214,54 @@ def test_each_streamed_choice_echoes_the_prompt_with_its_logprobs_once(server):
         assert all(
             math.isclose(a, b, abs_tol=1e-9) for a, b in zip(values[1:], theirs[1:], strict=True)
         )
+
+
+def stop_inside(text: str) -> str:
+    """A character of ``text`` first found past its start, and whole (not U+FFFD, which
+    stands for bytes of no character: the tiny model's output has many): a stop string."""
+    for k in range(1, len(text)):
+        if text[k] != "\ufffd" and text.find(text[k]) == k:
+            return text[k]
+    raise AssertionError(f"no stop string to cut {text!r} with")
+
+
+def test_a_stop_strings_tokens_are_cut_from_the_logprobs_as_from_the_text(server):
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True}  # fmt: skip
+    free = server.post("/v1/completions", body).json()["choices"][0]
+    stop = stop_inside(free["text"])
+    cut = {**body, "stop": [stop]}
+    whole = server.post("/v1/completions", cut).json()["choices"][0]
+    text = free["text"][: free["text"].find(stop)]
+    assert whole["text"] == text and whole["finish_reason"] == "stop"
+    kept = len(whole["logprobs"]["token_logprobs"])
+    assert ByteTokenizer().decode(free["token_ids"][:kept]) == text  # not one token more
+    assert whole["logprobs"]["token_logprobs"] == free["logprobs"]["token_logprobs"][:kept]
+    chunks = [c["choices"][0] for c in sse(server, "/v1/completions", cut)]
+    streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+    assert "".join(c["text"] for c in chunks) == text and streamed == whole["logprobs"][
+        "token_logprobs"
+    ]
+    chat = {"messages": CHAT, "max_tokens": 16, "temperature": 0, "logprobs": True}
+    said = server.post("/v1/chat/completions", chat).json()["choices"][0]
+    stop = stop_inside(said["message"]["content"])
+    cut_chat = server.post("/v1/chat/completions", {**chat, "stop": stop}).json()["choices"][0]
+    content = cut_chat["message"]["content"]
+    assert content == said["message"]["content"][: said["message"]["content"].find(stop)]
+    tokens = cut_chat["logprobs"]["content"]
+    assert bytes(b for t in tokens for b in t["bytes"]).decode(errors="replace") == content
+
+
+def prompt_tokens_counted(server: Server) -> float:
+    with server.http() as http:
+        text = http.get("/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("ringfence_prompt_tokens_total "))
+    return float(line.split()[1])
+
+
+def test_the_prompt_tokens_counter_counts_a_request_of_two_choices_once(server):
+    before = prompt_tokens_counted(server)
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 1.0, "seed": 5, "n": 2}
+    answer = server.post("/v1/completions", body).json()
+    assert answer["usage"]["prompt_tokens"] == len(PROMPT) and len(answer["choices"]) == 2
+    assert prompt_tokens_counted(server) - before == len(PROMPT)

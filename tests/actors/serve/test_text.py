@@ -70,3 +70,36 @@ def test_nothing_is_released_after_the_stop(hold):
     stream = TextStream(BYTES.decode, stop=hold)
     stream.add(list(b"xx" + hold[0].encode()))
     assert stream.add(list(b"more")) == "" and stream.finish() == ""
+
+
+def test_the_tokens_released_are_those_whose_text_went_out_never_a_stop_strings():
+    stream = TextStream(BYTES.decode, stop=["STOP"])
+    assert stream.add(list(b"hello S")) == "hell" and stream.tokens_released() == 4
+    assert stream.add(list(b"TO")) == "o " and stream.tokens_released() == 6  # "STO" held
+    assert stream.add(list(b"P and more")) == "" and stream.stopped
+    assert stream.tokens_released() == 6  # "STOP" and what came after it: none
+
+
+def test_the_tokens_of_a_character_are_released_with_it_whole():
+    stream = TextStream(BYTES.decode)
+    stream.add([0xC3])  # half of "é"
+    assert stream.tokens_released() == 0
+    stream.add([0xA9, 0x21])
+    assert stream.text == "é!" and stream.tokens_released() == 3
+
+
+@given(
+    text=st.text(max_size=40),
+    cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=8),
+    stop=st.sampled_from([[], ["zz"], ["\n", "é"], ["abc"], ["é!"]]),
+)
+def test_the_tokens_released_make_the_text_released_at_every_point(text, cuts, stop):
+    ids = list(text.encode())
+    bounds = sorted({0, len(ids), *(c % (len(ids) + 1) for c in cuts)})
+    stream = TextStream(BYTES.decode, stop=stop)
+    for a, b in itertools.pairwise(bounds):
+        stream.add(ids[a:b])
+        made = BYTES.decode(ids[: stream.tokens_released()])
+        assert stream.text.startswith(made)  # never a token whose text is still held back
+    stream.finish()
+    assert BYTES.decode(ids[: stream.tokens_released()]) == stream.text
