@@ -45,22 +45,15 @@ A prefill instance (``SchedulerConfig.handover``) writes every full block of a f
 request to storage (:mod:`sched.handovers`); a decode instance admits requests by
 reservation (:meth:`reserve`, :mod:`ringfence.sched.reservations`). DESIGN.md "Instances".
 
-When the Worker restarts, :meth:`reset_device` takes the device tier as lost: every op
-in flight as failed, every running request back to waiting with its tokens so far, to
-be computed again from host, storage or scratch.
-
-When a step fails (it raised, or read KV that a failed copy spoiled and got non-finite
-logits), what it wrote holds NaN (``actors/executors/transfer.py``), and so does every copy made
-of it since: each sequence of the step loses every cached copy of its blocks, on device
-and host, and goes back to waiting with its tokens so far (a ``retry`` decision). A
-request whose steps failed more than :data:`STEP_RETRIES` times without a token
-between them is aborted. A step
-``rejected`` as malformed aborts its requests at once: running it again would not help.
+The live sequences and their waiting and running queues are
+:class:`ringfence.sched.queues.Queues`. What a failed step, a failed swap-out and a lost
+device tier (a Worker restart, :meth:`reset_device`) do is
+:class:`ringfence.sched.faults.Faults`'s: a failed step's sequences are computed again, up
+to :data:`STEP_RETRIES` times without a token between them, then aborted.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping
 
 from ringfence.cache.fences import Access, Lane
@@ -70,10 +63,12 @@ from ringfence.cache.prefix_index import StoragePresence
 from ringfence.sched.admission import Admission
 from ringfence.sched.blocks import BlockManager
 from ringfence.sched.config import SchedulerConfig
+from ringfence.sched.faults import Faults
 from ringfence.sched.handovers import HandOvers
 from ringfence.sched.in_flight import StepsInFlight, check_tokens, follows
 from ringfence.sched.ops import Op, Piece, StepOp, SwapOp
 from ringfence.sched.pieces import PieceMaker
+from ringfence.sched.queues import Queues
 from ringfence.sched.request import Request, RequestError, RequestState
 from ringfence.sched.reservations import Refusal, Reservation, Reservations
 from ringfence.sched.sequence import (
@@ -112,15 +107,23 @@ class Scheduler:
         self._bs = config.tiers.block_size
         self._pieces = PieceMaker(self._bs, config.namespace, kv_events)
         self._admission = Admission(config, self.blocks, self._pieces, self.counters, self._journal)
-        self._seqs: dict[int, Sequence] = {}
-        self._by_id: dict[str, Sequence] = {}
-        self._waiting: deque[Sequence] = deque()  # waiting, prefetching and preempted
-        self._running: list[Sequence] = []  # in admission order
-        self._next_seq = 0
+        self.queues = Queues()
         self._in_flight = StepsInFlight(config.steps_in_flight)
         self._busy: frozenset[int] = frozenset()  # sequences of the steps in flight (schedule)
         self.reservations = Reservations(self._bs, config.sched.reserve_blocks)
         self.handovers = HandOvers(self.blocks, self._pieces, self._bs)  # handover only
+        self._faults = Faults(
+            queues=self.queues,
+            blocks=self.blocks,
+            admission=self._admission,
+            in_flight=self._in_flight,
+            journal=self._journal,
+            counters=self.counters,
+            requeue=self._requeue,
+            abort=self.abort,
+            cancel=lambda lane, number: self.on_transfer(lane, number, "cancelled"),
+            step_retries=STEP_RETRIES,
+        )
 
     # Requests.
 
@@ -132,7 +135,7 @@ class Scheduler:
         fit) or than the whole device pool; or if ``reservation`` is given and is not live
         or not for this request (field "reservation"). A live one is taken: its room is now
         the request's."""
-        if request.request_id in self._by_id:
+        if request.request_id in self.queues.by_id:
             raise RequestError(f"request id {request.request_id!r} is already live", field="id")
         self._check(request.request_id, request.prompt_token_ids, request.params.max_tokens)
         if reservation:
@@ -147,12 +150,7 @@ class Scheduler:
                 ) from None
             except ValueError as e:
                 raise RequestError(str(e), field="reservation") from None
-        seq = Sequence(self._next_seq, request)
-        self._next_seq += 1
-        self._seqs[seq.seq_id] = seq
-        self._by_id[request.request_id] = seq
-        self._waiting.append(seq)
-        return seq.seq_id
+        return self.queues.add(request).seq_id
 
     def _check(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> None:
         """RequestError if a request of ``prompt`` and ``max_tokens`` can never run."""
@@ -183,37 +181,34 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Abort a live request, releasing its blocks; None if it is not live."""
-        seq = self._by_id.get(request_id)
+        seq = self.queues.by_id.get(request_id)
         if seq is None:
             return None
         seq.request.abort()
         self._release(seq)
-        if seq in self._running:
-            self._running.remove(seq)
-        elif seq in self._waiting:
-            self._waiting.remove(seq)
+        self.queues.leave(seq)
         return seq.request
 
     def request_of(self, seq_id: int) -> Request | None:
         """The live request of sequence ``seq_id`` (None once it ended)."""
-        seq = self._seqs.get(seq_id)
+        seq = self.queues.seqs.get(seq_id)
         return seq.request if seq is not None else None
 
     def request(self, request_id: str) -> Request | None:
-        seq = self._by_id.get(request_id)
+        seq = self.queues.by_id.get(request_id)
         return seq.request if seq is not None else None
 
     @property
     def num_live(self) -> int:
-        return len(self._by_id)
+        return len(self.queues.by_id)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.queues.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.queues.waiting)
 
     # Prefill and decode instances (DESIGN.md "Instances").
 
@@ -233,7 +228,7 @@ class Scheduler:
             return Refusal(str(e), retry=False)
         lives = (
             (s.request.num_prompt_tokens, s.request.params.max_tokens, len(s.blocks))
-            for s in self._seqs.values()
+            for s in self.queues.seqs.values()
         )
         return self.reservations.grant(
             reservation_id,
@@ -262,12 +257,13 @@ class Scheduler:
         budget = self.config.sched.max_batched_tokens
         pieces: list[Piece] = []
         scheduled: set[int] = set()
-        decoding = [s for s in self._running if self._wanted(s) == 1 or follows(s, behind)]
-        prefilling = [s for s in self._running if self._wanted(s) > 1]
+        running = self.queues.running
+        decoding = [s for s in running if self._wanted(s) == 1 or follows(s, behind)]
+        prefilling = [s for s in running if self._wanted(s) > 1]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
-            if seq not in self._running:  # preempted for an earlier one in this loop
+            if seq not in running:  # preempted for an earlier one in this loop
                 continue
             if self._wanted(seq) == 0:  # its input is the token the step behind samples
                 piece = self._grow_pending(seq, behind, scheduled)
@@ -277,10 +273,10 @@ class Scheduler:
                 pieces.append(piece)
                 scheduled.add(seq.seq_id)
                 budget -= len(piece.token_ids)
-        budget = self._admission.admit(self._waiting, self._running, budget, pieces, scheduled)
+        budget = self._admission.admit(self.queues.waiting, running, budget, pieces, scheduled)
         if pieces:
             step = self.blocks.issue_step(pieces, self._pieces.take_closed())
-            self._in_flight.issued(step, self._seqs)
+            self._in_flight.issued(step, self.queues.seqs)
             self.counters.steps += 1
             self.counters.batched_tokens += self.config.sched.max_batched_tokens - budget
         self._pieces.key_filled(self.blocks)  # after the step: see ringfence.sched.pieces
@@ -325,14 +321,7 @@ class Scheduler:
             if new is not None:
                 seq.blocks.extend(new)
                 break
-            victim = next(
-                (
-                    s
-                    for s in reversed(self._running)
-                    if s.seq_id not in scheduled and s.seq_id not in self._busy
-                ),
-                None,
-            )
+            victim = self.queues.newest_running(sparing=scheduled | self._busy)
             if victim is None:
                 return False
             self._preempt(victim)
@@ -381,25 +370,10 @@ class Scheduler:
         if op is None:  # void: a failed step before it (sched/in_flight.py)
             return [], []
         if status != "ok":
-            failed = []
-            for piece in op.pieces:
-                seq = self._seqs.get(piece.seq_id)
-                if seq is None or seq.request.state is not RequestState.RUNNING:
-                    continue
-                # What the step wrote is spoiled, and so is every copy made of it since.
-                self.blocks.forget_copies(seq.blocks, seq.keys)
-                seq.failed_steps += 1
-                if status == "failed" and seq.failed_steps <= STEP_RETRIES:
-                    self._journal.record("retry", seq, computed=seq.request.num_computed_tokens)
-                    self._requeue(seq)
-                    self.counters.retries += 1
-                else:
-                    failed.append(self.abort(seq.request.request_id))
-            self._void_next()
-            return [], [r for r in failed if r is not None]
+            return [], self._faults.step_failed(op, status)
         emitted = []
         for seq_id, token in outputs:
-            seq = self._seqs.get(seq_id)
+            seq = self.queues.seqs.get(seq_id)
             if seq is None or seq.request.state is not RequestState.RUNNING:
                 continue  # aborted while the step ran (or finished: a dropped token)
             seq.failed_steps = 0  # a token came: the retries are for failures in a row
@@ -410,7 +384,8 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq)
             emitted.append(Emitted(seq.request, (token,), reason is not None, seq.seq_id))
-        check_tokens(op, self._seqs)  # a decode in flight must not wait for a token never sent
+        # A decode in flight must not wait for a token never sent.
+        check_tokens(op, self.queues.seqs)
         self._pieces.key_filled(self.blocks)  # the blocks pending decodes fill (issued)
         return emitted, []
 
@@ -423,23 +398,8 @@ class Scheduler:
         seq.sampled_by, seq.pending_in = seq.pending_in, 0
         self._pieces.queue_keys(seq, r.all_token_ids, r.num_computed_tokens // self._bs)
 
-    def _void_next(self) -> None:
-        """A step failed with the next one in flight: that one may take tokens the failed
-        one never sampled (the Worker fails it then), so it is void (its result will be
-        dropped), and every sequence of it still running is computed again, copies of its
-        blocks forgotten (what it writes may be spoiled, as a failed step's)."""
-        for op in self._in_flight.void_rest():
-            for piece in op.pieces:
-                seq = self._seqs.get(piece.seq_id)
-                if seq is None or seq.request.state is not RequestState.RUNNING:
-                    continue
-                self.blocks.forget_copies(seq.blocks, seq.keys)
-                self._journal.record("retry", seq, computed=seq.request.num_computed_tokens)
-                self._requeue(seq)
-                self.counters.retries += 1
-
     def _finish(self, seq: Sequence) -> None:
-        self._running.remove(seq)
+        self.queues.running.remove(seq)
         if self.config.handover:
             self.handovers.write(seq)  # its blocks are read before they are freed (fenced)
         self._release(seq)
@@ -451,8 +411,7 @@ class Scheduler:
             seq.blocks = []
         self.blocks.release_host(seq.take_holds())
         self._admission.drop_prefetch(seq)
-        self._seqs.pop(seq.seq_id, None)
-        self._by_id.pop(seq.request.request_id, None)
+        self.queues.forget(seq)
         self._pieces.close(seq)  # the Worker may keep its Opening, even from before a preemption
 
     def on_transfer(self, lane: Lane, op: int, status: str, missing: Iterable[int] = ()) -> None:
@@ -462,49 +421,16 @@ class Scheduler:
         if lane is Lane.STORE and op in self._admission.prefetches:
             self._admission.prefetched(op, status, set(missing))
         elif status != "ok" and isinstance(done, SwapOp) and done.direction == "out":
-            self._lost_host_copies({BlockId(b) for b in done.host_blocks})
-
-    def _lost_host_copies(self, blocks: set[BlockId]) -> None:
-        """Host blocks a failed swap-out was to fill hold nothing: a swap-preempted request
-        holding any of them gives up its host copies and is computed again instead."""
-        for seq in self._waiting:
-            tail = seq.tail.host_block if seq.tail is not None else None
-            if tail in blocks or blocks.intersection(seq.held):
-                self.blocks.release_host(seq.take_holds())
+            self._faults.lost_host_copies({BlockId(b) for b in done.host_blocks})
 
     # Faults.
 
     def reset_device(self) -> list[Request]:
-        """The device tier was reset (the Worker restarted): its blocks hold nothing now.
-
-        Every op in flight counts as failed: its executor cancels it as stale (see
-        ``ringfence.actors.executors.lanes``), and its completion, of the old epoch, is not applied
-        (the caller drops it). So the step's tokens are never applied, swap-outs' host
-        copies are forgotten, and a prefetching request waits to be admitted again. Every
-        running request loses its device blocks and goes back to waiting, its output so
-        far kept: it is computed again (from host, storage or scratch) and seeded sampling
-        gives the same next tokens. Returns the requests sent back, oldest first.
-
-        Numbers and fences go on: a new op on a block an old op touched still waits for
-        that op's watermark, which the old op's cancellation advances.
-        """
-        self._in_flight.clear()
-        for lane, number in list(self.blocks.issuer.inflight):
-            seq = self._admission.prefetches.get(number) if lane is Lane.STORE else None
-            if seq is None:
-                self.on_transfer(lane, number, "cancelled")
-                continue
-            self.blocks.completed(lane, number, "cancelled")
-            # Not a storage failure (storage may be used again): no storage_until.
-            self._admission.drop_prefetch(seq)
-            seq.request.transition(RequestState.WAITING)
-        requeued = sorted(self._running, key=lambda s: s.seq_id)
-        for seq in requeued:
-            self._journal.record("reset", seq, computed=seq.request.num_computed_tokens)
-            self._requeue(seq)
-        self.blocks.reset_device()
-        self.counters.resets += 1
-        return [seq.request for seq in requeued]
+        """The device tier was reset (the Worker restarted): every op in flight counts as
+        failed and every running request goes back to waiting, its output so far kept
+        (:meth:`ringfence.sched.faults.Faults.reset_device`). Returns the requests sent
+        back, oldest first."""
+        return self._faults.reset_device()
 
     def _requeue(self, seq: Sequence) -> None:
         """Take a running sequence off the device (blocks freed, nothing computed) and put
@@ -515,12 +441,7 @@ class Scheduler:
         seq.sampled_by = seq.pending_in = 0  # a token of a step in flight is not applied
         seq.request.num_computed_tokens = 0
         seq.request.transition(RequestState.PREEMPTED)
-        self._running.remove(seq)
-        # The queue stays in arrival (seq id) order: it goes before every later request.
-        index = 0
-        while index < len(self._waiting) and self._waiting[index].seq_id < seq.seq_id:
-            index += 1
-        self._waiting.insert(index, seq)
+        self.queues.back_to_waiting(seq)  # before every later arrival
 
     @property
     def step_in_flight(self) -> StepOp | None:
@@ -541,4 +462,4 @@ class Scheduler:
     def idle(self) -> bool:
         """No live request and no op issued outside a round (a hand-over's writes): nothing
         to schedule until one arrives."""
-        return not self._by_id and not self.blocks.issuer.has_ops
+        return not self.queues.by_id and not self.blocks.issuer.has_ops

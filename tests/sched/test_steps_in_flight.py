@@ -305,7 +305,7 @@ def test_a_pending_decode_keys_the_block_it_fills_once_its_token_is_applied() ->
     lane.add(make_request("a", [5, 6, 7], max_tokens=3))
     lane.schedule()
     lane.schedule()  # fills position 3: the first block is full
-    seq = lane.sched._seqs[0]
+    seq = lane.sched.queues.seqs[0]
     assert seq.num_keyed == 0
     lane.apply()
     assert seq.num_keyed == 1 and len(seq.keys) == 1
