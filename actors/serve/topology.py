@@ -1,4 +1,4 @@
-"""The topology of ``ringfence serve``: the engine's (``actors/engine/topology.py``) plus the
+"""The topology of ``ringfence serve``: the engine's (``actors/engine/launch.py``) plus the
 ``frontend`` actor, the HTTP server, on its own pair of rings to the engine.
 
 The front end stops first (the supervisor stops actors in topology order): it answers the
@@ -25,9 +25,9 @@ TOPOLOGY = FencedTopology(
     before=(FRONTEND_ACTOR, CLIENT_ACTOR),
     channels=(*FRONTEND_CHANNELS, *CLIENT_CHANNELS),
     preflight=(
-        "ringfence.actors.engine.checks:check_limits",
-        "ringfence.actors.engine.checks:check_role",
-        "ringfence.actors.engine.checks:check_storage",
+        "ringfence.actors.engine.launch:check_limits",
+        "ringfence.actors.engine.launch:check_role",
+        "ringfence.actors.engine.launch:check_storage",
         f"{__name__}:check_server",
     ),
 )

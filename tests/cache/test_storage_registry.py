@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ringfence.actors.config import Config
-from ringfence.actors.engine.checks import check_role, check_storage
+from ringfence.actors.engine.launch import check_role, check_storage
 from ringfence.cache.config import Backend as BackendName
 from ringfence.cache.config import StorageConfig
 from ringfence.cache.storage import StorageBackend, StorageLog

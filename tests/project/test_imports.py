@@ -440,7 +440,7 @@ def test_imports_down_or_within_a_layer_and_a_section_under_the_schema_pass(tmp_
             "actors/model/shape": "from ringfence.actors.config import Config\n",
             "actors/config": "from ringfence.actors.engine.config import EngineConfig\n",
             "actors/engine/config": "",
-            "actors/engine/topology": "from ringfence.actors.client.slot import CLIENT\n",
+            "actors/engine/launch": "from ringfence.actors.client.slot import CLIENT\n",
             "actors/client/slot": "from ringfence.actors.protocol.client import Submit\n",
             "actors/protocol/client": "",
             "actors/router/app": "from ringfence.actors.http.errors import ApiError\n",
@@ -504,7 +504,7 @@ CONFIG = "ringfence.actors.config"
 CONFIG_ROOT = (
     "ringfence.actors.preflight",  # check_model
     "ringfence.actors.device_defaults",  # resolve_device_defaults
-    "ringfence.actors.engine.checks",  # check_limits, check_role, check_storage
+    "ringfence.actors.engine.launch",  # check_limits, check_role, check_storage
     "ringfence.actors.serve.topology",  # check_server, beside the topology that names it
 )
 
@@ -538,7 +538,7 @@ def test_a_leaf_that_imports_the_whole_config_is_named_with_its_file_and_line(tm
             "actors/config": "from ringfence.actors.engine.config import EngineConfig\n",
             "actors/kv/layout": "from ringfence.actors.config import Config\n",
             "actors/engine/intake": "def f():\n    from ringfence.actors import config\n",
-            "actors/engine/checks": "from ringfence.actors.config import Config\n",
+            "actors/engine/launch": "from ringfence.actors.config import Config\n",
             "actors/tools/testing/local": "from ringfence.actors.config import Config\n",
             "actors/engine/config": "",
         },

@@ -138,7 +138,7 @@ def test_the_supervisor_and_the_engine_import_no_torch(tmp_path) -> None:
     code = (
         "import sys\n"
         "import ringfence.runtime.cli, ringfence.runtime.supervisor\n"
-        "import ringfence.actors.engine.actor, ringfence.actors.engine.checks\n"
+        "import ringfence.actors.engine.actor, ringfence.actors.engine.launch\n"
         "import ringfence.actors.engine.begin, ringfence.actors.engine.storage\n"
         "import ringfence.actors.engine.summary\n"
         "from ringfence.runtime.imports import import_target\n"

@@ -7,7 +7,7 @@ from launching import ringfence
 
 from ringfence.actors.config import Config
 from ringfence.actors.engine.begin import sched_config
-from ringfence.actors.engine.checks import check_role
+from ringfence.actors.engine.launch import check_role
 
 
 def config(*sets: str) -> Config:

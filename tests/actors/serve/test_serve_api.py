@@ -172,7 +172,7 @@ def test_launch_gives_the_same_greedy_tokens_for_the_same_requests(server, tmp_p
     ]
     workload = tmp_path / "requests.jsonl"
     workload.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
-    sets = ("runtime.topology=ringfence.actors.engine.topology:TOPOLOGY", "model.preset=tiny",
+    sets = ("runtime.topology=ringfence.actors.engine.launch:TOPOLOGY", "model.preset=tiny",
             f"engine.workload={workload}", f"sched.max_model_len={MAX_MODEL_LEN}")  # fmt: skip
     with launched(tmp_path, *sets) as launch:
         assert launch.wait(120) == 0, launch.stderr()

@@ -1,18 +1,37 @@
-"""The engine's launch checks: what the runtime runs before a run exists (the topology's
-``preflight``, by import path), each a ValueError naming the keys at fault.
+"""The engine's launch: the default topology of a run (``runtime.topology``, as
+``ringfence.actors.engine:TOPOLOGY``) and the checks the runtime runs before a run exists
+(the topology's ``preflight``, by import path), each a ValueError naming the keys at fault.
 
-The storage backend's checks read its registry entry
+The topology is the Engine, the Worker, both Transfer lanes and the client slots. The
+storage backend's checks read its registry entry
 (:data:`ringfence.cache.storage.registry.BACKENDS`), never its name.
 """
 
 from __future__ import annotations
 
+from ringfence.actors.client.client import CLIENT_ACTOR, CLIENT_CHANNELS
 from ringfence.actors.config import Config
 from ringfence.actors.model.identity import model_shape
+from ringfence.actors.topology import FencedTopology
 from ringfence.cache.storage.registry import BACKENDS, backend
 from ringfence.cache.storage.seal import load_seal
 from ringfence.runtime.extras import require
 from ringfence.sched.config import max_model_len
+
+# Clients stop first (not waited for), then the engine, then the executors.
+# The engine reads engine.workload and sched.max_model_len: a line it could not read, or a
+# limit past the model's positions, is refused before the run.
+TOPOLOGY = FencedTopology(
+    engine="ringfence.actors.engine.actor:Engine",
+    before=(CLIENT_ACTOR,),
+    channels=CLIENT_CHANNELS,
+    preflight=(
+        "ringfence.actors.engine.intake:check_workload",
+        "ringfence.actors.engine.launch:check_limits",
+        "ringfence.actors.engine.launch:check_role",
+        "ringfence.actors.engine.launch:check_storage",
+    ),
+)
 
 
 def check_limits(config: Config) -> None:
