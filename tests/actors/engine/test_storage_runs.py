@@ -36,6 +36,7 @@ from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage.blob import decode, encode
 from ringfence.cache.storage.local import LocalBackend
 from ringfence.cache.storage.redis_backend import RedisBackend
+from ringfence.cache.storage.registry import open_backend
 from ringfence.cache.storage.seal import Seal
 
 REQUESTS = 4  # the first chat's four turns
@@ -322,21 +323,42 @@ def test_a_run_with_a_storage_secret_misses_a_forged_block_and_writes_neither_se
         assert PASSWORD.encode() not in data, path
 
 
-def test_an_instance_with_another_secret_leaves_a_shared_tier_whole_for_the_first_secret(tmp_path):
-    """Three instances over one redis tier (issue 49): A (in process, secret S1) fills it; B,
-    launched with another secret, finds none of A's blocks, meets no forgery and deletes
-    nothing; C, launched with S1, takes A's blocks from the tier. Tokens exact in both."""
+@contextlib.contextmanager
+def shared_tier(kind: str, tmp_path: Path) -> Iterator[tuple[str, ...]]:
+    """The settings of one tier that several instances share: a redis server (stopped on
+    exit) or a local directory."""
+    if kind == "local":
+        yield ("cache.storage.backend=local", f"cache.storage.path={tmp_path / 'shared'}")
+        return
     if REDIS_SERVER is None:
         pytest.skip("redis-server is not on PATH (scripts/test installs it as root)")
     (tmp_path / "redis").mkdir()
     with redis_server(tmp_path / "redis") as url:
-        tier = (*RUN, "cache.storage.backend=redis", f"cache.storage.url={url}")
+        yield ("cache.storage.backend=redis", f"cache.storage.url={url}")
+
+
+# Slow: the local directory's form; CI runs the redis one (both: tests/cache, client level).
+@pytest.mark.parametrize("kind", ["redis", pytest.param("local", marks=pytest.mark.slow)])
+def test_an_instance_with_another_secret_leaves_a_shared_tier_whole_for_the_first_secret(
+    tmp_path, kind
+):
+    """Three instances over one tier (issue 49): A (in process, secret S1) fills it; B,
+    launched with another secret, finds none of A's blocks, meets no forgery and deletes
+    nothing; C, launched with S1, takes A's blocks from the tier. Tokens exact in both.
+
+    B takes nothing from the tier though it writes through: its four turns arrive at once,
+    before any is written. So C's storage hits are A's blocks."""
+    with shared_tier(kind, tmp_path) as where:
+        tier = (*RUN, *where)
         config = Config.load(None, (*tier, f"cache.storage.secret={SECRET}"))
         runner = LocalRunner(config)
         runner.run(load_workload("synthetic:multiturn", requests=REQUESTS), arrivals=False)
         blocks = {k: bytes(t.numpy().data) for k, t in runner.machine.storage.items()}
         keys = sorted(blocks)
-        store = RedisBackend(url, fingerprint=namespace(config), seal=Seal(SECRET.encode()))
+        place = {"url": config.cache.storage.url, "path": config.cache.storage.path}
+        store = open_backend(
+            kind, fingerprint=namespace(config), seal=Seal(SECRET.encode()), **place
+        )
         try:
             assert store.put_many(blocks.items()) == len(blocks) > 0  # A
             other = (*tier, "cache.storage.secret=another-tier-secret-41d7")
