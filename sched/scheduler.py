@@ -22,13 +22,7 @@ A step (continuous batching with chunked prefill):
 
 When a running sequence needs a block and none is free, the newest admitted running
 sequence not yet in this step is preempted (possibly the sequence itself), by the
-configured policy:
-
-- ``recompute``: its blocks are freed; the full ones stay cached on device until reused;
-- ``swap``: its computed blocks are copied to the host tier, where it holds them, and
-  it resumes by swapping them back in;
-- ``save``: its full blocks are written to storage (through staging host blocks), and
-  it resumes from there by prefetch; the partial last block is recomputed.
+configured policy (recompute, swap or save): :class:`ringfence.sched.preemption.Preemption`.
 
 Preempted requests go back to the head of the waiting queue, oldest first. A step's
 KV counts as computed when the step is issued ("free at issue, fence at use"): the
@@ -66,8 +60,10 @@ from ringfence.sched.config import SchedulerConfig
 from ringfence.sched.faults import Faults
 from ringfence.sched.handovers import HandOvers
 from ringfence.sched.in_flight import StepsInFlight, check_tokens, follows
+from ringfence.sched.limits import check_fits
 from ringfence.sched.ops import Op, Piece, StepOp, SwapOp
 from ringfence.sched.pieces import PieceMaker
+from ringfence.sched.preemption import Preemption
 from ringfence.sched.queues import Queues
 from ringfence.sched.request import Request, RequestError, RequestState
 from ringfence.sched.reservations import Refusal, Reservation, Reservations
@@ -77,7 +73,6 @@ from ringfence.sched.sequence import (
     Emitted,
     Journal,
     Sequence,
-    Tail,
 )
 
 STEP_RETRIES = 3  # failed steps in a row a request is computed again after; one more aborts
@@ -108,6 +103,14 @@ class Scheduler:
         self._pieces = PieceMaker(self._bs, config.namespace, kv_events)
         self._admission = Admission(config, self.blocks, self._pieces, self.counters, self._journal)
         self.queues = Queues()
+        self._preemption = Preemption(
+            config,
+            blocks=self.blocks,
+            pieces=self._pieces,
+            queues=self.queues,
+            journal=self._journal,
+            counters=self.counters,
+        )
         self._in_flight = StepsInFlight(config.steps_in_flight)
         self._busy: frozenset[int] = frozenset()  # sequences of the steps in flight (schedule)
         self.reservations = Reservations(self._bs, config.sched.reserve_blocks)
@@ -119,7 +122,7 @@ class Scheduler:
             in_flight=self._in_flight,
             journal=self._journal,
             counters=self.counters,
-            requeue=self._requeue,
+            requeue=self._preemption.requeue,
             abort=self.abort,
             cancel=lambda lane, number: self.on_transfer(lane, number, "cancelled"),
             step_retries=STEP_RETRIES,
@@ -137,7 +140,9 @@ class Scheduler:
         the request's."""
         if request.request_id in self.queues.by_id:
             raise RequestError(f"request id {request.request_id!r} is already live", field="id")
-        self._check(request.request_id, request.prompt_token_ids, request.params.max_tokens)
+        check_fits(
+            self.config, request.request_id, request.prompt_token_ids, request.params.max_tokens
+        )
         if reservation:
             try:
                 self.reservations.claim(
@@ -151,33 +156,6 @@ class Scheduler:
             except ValueError as e:
                 raise RequestError(str(e), field="reservation") from None
         return self.queues.add(request).seq_id
-
-    def _check(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> None:
-        """RequestError if a request of ``prompt`` and ``max_tokens`` can never run."""
-        vocab = self.config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:  # the Worker would refuse the whole step that held it
-            raise RequestError(
-                f"request {request_id!r}: prompt token {bad} is outside the model's "
-                f"vocabulary of {vocab}",
-                field="prompt_token_ids",
-            )
-        longest = len(prompt) + max_tokens
-        if longest > self.config.max_model_len:
-            raise RequestError(
-                f"request {request_id!r}: prompt ({len(prompt)} tokens) "
-                f"plus max_tokens ({max_tokens}) is {longest} tokens, more than "
-                f"max_model_len {self.config.max_model_len} (sched.max_model_len, by default "
-                "the model's positions)",
-                field="max_tokens",
-            )
-        if -(-longest // self._bs) > self.config.tiers.device_blocks:
-            raise RequestError(
-                f"request {request_id!r}: {longest} tokens need "
-                f"{-(-longest // self._bs)} blocks, the device pool has "
-                f"{self.config.tiers.device_blocks}",
-                field="max_tokens",
-            )
 
     def abort(self, request_id: str) -> Request | None:
         """Abort a live request, releasing its blocks; None if it is not live."""
@@ -223,7 +201,7 @@ class Scheduler:
         (:mod:`ringfence.sched.reservations`): a request that can never run is refused for
         good, one that does not fit now with ``retry``."""
         try:
-            self._check(reservation_id, prompt_token_ids, max_tokens)
+            check_fits(self.config, reservation_id, prompt_token_ids, max_tokens)
         except RequestError as e:
             return Refusal(str(e), retry=False)
         lives = (
@@ -300,63 +278,16 @@ class Scheduler:
         """A piece of ``count`` tokens for a running sequence, allocating its blocks,
         preempting newer sequences if it must (None if the blocks cannot be had)."""
         start = seq.request.num_computed_tokens
-        if not self._room(seq, start + count, scheduled):
+        if not self._preemption.room(seq, start + count, scheduled, self._busy):
             return None
         return self._pieces.make(seq, count)
 
     def _grow_pending(self, seq: Sequence, behind: int, scheduled: set[int]) -> Piece | None:
         """The decode of the token step ``behind`` samples for the sequence (module doc),
         its block allocated as for any decode (None if it cannot be had)."""
-        if not self._room(seq, seq.request.num_tokens + 1, scheduled):
+        if not self._preemption.room(seq, seq.request.num_tokens + 1, scheduled, self._busy):
             return None
         return self._pieces.make_pending(seq, behind)
-
-    def _room(self, seq: Sequence, end: int, scheduled: set[int]) -> bool:
-        """Blocks for the sequence's positions up to ``end``, preempting the newest running
-        sequence in neither this step nor one in flight while none are free. False if
-        there is none to preempt, or the sequence itself was."""
-        need = -(-end // self._bs) - len(seq.blocks)
-        while need > 0:
-            new = self.blocks.allocate_device(need)
-            if new is not None:
-                seq.blocks.extend(new)
-                break
-            victim = self.queues.newest_running(sparing=scheduled | self._busy)
-            if victim is None:
-                return False
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        return True
-
-    # Preemption.
-
-    def _preempt(self, seq: Sequence) -> None:
-        r = seq.request
-        policy = self.config.sched.preemption
-        if r.params.prompt_logprobs is not None:
-            policy = "recompute"  # it resumes from its first token: see admission._start
-        computed = r.num_computed_tokens
-        used = -(-computed // self._bs)
-        full = computed // self._bs
-        keys = self._pieces.keys(seq, r.all_token_ids, full)
-        if policy == "swap" and used:
-            host = self.blocks.allocate_host(used)
-            if host is None:
-                policy = "recompute"  # no room on host: recompute instead (counted as such)
-            else:
-                self.blocks.swap_out(seq.blocks[:used], host, "preempt")
-                # Findable at once, before the copy is done: a swap-in of them is issued
-                # after this swap-out on the same lane, which runs its ops in order.
-                seq.held = self.blocks.hold_on_host(host[:full], keys)
-                seq.tail = None
-                if used > full:
-                    seq.tail = Tail(host[full], full, computed - full * self._bs)
-        elif policy == "save" and full and not self.blocks.save(seq.blocks[:full], keys, "preempt"):
-            policy = "recompute"
-        self.counters.preemptions[policy] += 1
-        self._journal.record("preempt", seq, policy=policy, computed=computed)
-        self._requeue(seq)
 
     # Results and completions.
 
@@ -431,17 +362,6 @@ class Scheduler:
         (:meth:`ringfence.sched.faults.Faults.reset_device`). Returns the requests sent
         back, oldest first."""
         return self._faults.reset_device()
-
-    def _requeue(self, seq: Sequence) -> None:
-        """Take a running sequence off the device (blocks freed, nothing computed) and put
-        it back in the waiting queue in arrival order."""
-        self.blocks.free_device(seq.blocks)
-        seq.blocks, seq.num_keyed = [], 0
-        seq.opened = False  # its next piece opens it again, from wherever it resumes
-        seq.sampled_by = seq.pending_in = 0  # a token of a step in flight is not applied
-        seq.request.num_computed_tokens = 0
-        seq.request.transition(RequestState.PREEMPTED)
-        self.queues.back_to_waiting(seq)  # before every later arrival
 
     @property
     def step_in_flight(self) -> StepOp | None:
