@@ -355,9 +355,13 @@ def test_an_instance_with_another_secret_leaves_a_shared_tier_whole_for_the_firs
         runner.run(load_workload("synthetic:multiturn", requests=REQUESTS), arrivals=False)
         blocks = {k: bytes(t.numpy().data) for k, t in runner.machine.storage.items()}
         keys = sorted(blocks)
-        place = {"url": config.cache.storage.url, "path": config.cache.storage.path}
+        settings = config.cache.storage
         store = open_backend(
-            kind, fingerprint=namespace(config), seal=Seal(SECRET.encode()), **place
+            kind,
+            fingerprint=namespace(config),
+            path=settings.path,
+            url=settings.url,
+            seal=Seal(SECRET.encode()),
         )
         try:
             assert store.put_many(blocks.items()) == len(blocks) > 0  # A
