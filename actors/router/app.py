@@ -28,6 +28,7 @@ from starlette.routing import Route
 from ringfence.actors.http.auth import TENANT_SCOPE, RequireKey, open_paths, tenant_salt
 from ringfence.actors.http.errors import ApiError, error_body
 from ringfence.actors.http.limits import LimitBody
+from ringfence.actors.router.choices import Choices, choices_of
 from ringfence.actors.router.flow import Handover, Relayed
 from ringfence.actors.router.forward import INSTANCE_HEADER, Forward
 from ringfence.actors.router.instances import Instance
@@ -141,7 +142,9 @@ async def route(router: Router, kind: str, request: Request) -> Response:
         raise
     if router.options.salt_by_key:
         raw = salted(body, request.scope.get(TENANT_SCOPE)) or raw
-    run: type[Handover | Forward] = Forward if router.aggregated else Handover
+    run: type[Handover | Forward | Choices] = Forward if router.aggregated else Handover
+    if not router.aggregated and choices_of(body) > 1:
+        run = Choices  # a claim a choice (choices.py)
     handover = run(router, kind, raw, body, f"rtr-{uuid.uuid4().hex}")
     work = asyncio.ensure_future(answer_of(handover))
     gone = asyncio.ensure_future(_disconnected(request))
@@ -172,8 +175,10 @@ async def route(router: Router, kind: str, request: Request) -> Response:
     return response
 
 
-async def answer_of(handover: Handover | Forward) -> Response:
+async def answer_of(handover: Handover | Forward | Choices) -> Response:
     """The client's answer: the claim's event stream (not begun), or its whole JSON."""
+    if isinstance(handover, Choices):
+        return await handover.answer()
     upstream = await handover.run()
     if is_event_stream(upstream):
         return EventRelay(handover, upstream)

@@ -47,6 +47,7 @@ from ringfence.cache.ids import BlockHash
 from ringfence.shm.errors import RingfenceError
 
 RESERVATION_HEADER = "X-Ringfence-Reservation"
+CHOICE_HEADER = "X-Ringfence-Choice"  # the choice of an n > 1 request a claim runs
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 RESERVE_CALL_S = 5.0  # one reserve call (the reserve deadline bounds it too)
 # Between two bytes of a claim's answer: a plain answer's first byte comes when the whole
@@ -116,13 +117,15 @@ class Handover:
     relay, then :meth:`finish` once (also after a failure or a cancellation)."""
 
     def __init__(
-        self, router: Router, kind: str, body: bytes, request: dict[str, Any], request_id: str
-    ) -> None:
+        self, router: Router, kind: str, body: bytes, request: dict[str, Any], request_id: str,
+        *, choice: int = 0,
+    ) -> None:  # fmt: skip
         self.router = router
         self.kind = kind
         self.body = body  # the client's body as sent
         self.request = request  # ... and parsed (once, on arrival)
         self.id = request_id
+        self.choice = choice  # of an n > 1 request, each choice claimed alone (choices.py)
         self.started = time.monotonic()
         self.upstream: Stream | None = None  # the claim's answer being relayed
         self.held: list[Instance] = []  # decode instances this request counts in flight on
@@ -132,14 +135,21 @@ class Handover:
 
     # The run.
 
-    async def run(self) -> Stream:
-        """The claim's answer (status 200, body unread), once reserved and prefilled.
+    async def run(self, *, prefill: bool = True, prefer: Instance | None = None) -> Stream:
+        """The claim's answer (status 200, body unread), once reserved (on ``prefer``
+        first, else the one :meth:`cached_decode` picks) and prefilled (unless ``prefill``
+        is False: a later choice of a request whose first one prefilled the prompt).
 
         Raises ApiError (503: no room in time; 502: the decode instance failed before its
         answer began) or Relayed (an instance's own error answer, for the client as is).
         """
-        reservation = await self.reserve(prefer=await self.cached_decode())
-        await self.prefill(reservation)
+        reservation = await self.reserve(prefer=prefer or await self.cached_decode())
+        if prefill:
+            await self.prefill(reservation)
+        return await self.claimed(reservation)
+
+    async def claimed(self, reservation: Reservation) -> Stream:
+        """The answer to the claim of ``reservation``, reserving again while it expired."""
         for _ in range(self.router.options.max_claims):
             answer = await self.claim(reservation)
             if answer is not None:
@@ -339,11 +349,14 @@ class Handover:
         instance, router = reservation.instance, self.router
         self.trace["claims"] += 1
         self._claimed_at = time.monotonic()
+        headers = {**JSON, RESERVATION_HEADER: reservation.id}
+        if self.choice:
+            headers[CHOICE_HEADER] = str(self.choice)
         try:
             answer = await router.client.open(
                 instance.url + PATHS[self.kind],
                 self.body,
-                headers={**JSON, RESERVATION_HEADER: reservation.id},
+                headers=headers,
                 connect_s=CLAIM_CONNECT_S,
                 read_s=CLAIM_READ_S,
             )
@@ -374,9 +387,10 @@ class Handover:
         """The error of a decode instance that failed mid-request (logged here)."""
         return decode_lost(self.router, self.id, self.trace["decode"], error, "decode instance")
 
-    async def finish(self, outcome: str, status: int) -> None:
-        """Close the upstream answer, stop counting the request in flight, count and log
-        its outcome. Idempotent: the first call counts."""
+    async def finish(self, outcome: str, status: int, *, counted: bool = True) -> None:
+        """Close the upstream answer, stop counting the request in flight, count (unless
+        not ``counted``: a request's later choice) and log its outcome. Idempotent: the
+        first call counts."""
         if self._finished:
             return
         self._finished = True
@@ -384,7 +398,8 @@ class Handover:
             await self.upstream.aclose()  # mid-stream: the decode instance aborts it
         while self.held:
             self._release(self.held[-1])
-        self.router.metrics.requests.labels(outcome=outcome).inc()
+        if counted:
+            self.router.metrics.requests.labels(outcome=outcome).inc()
         total, trace = round(time.monotonic() - self.started, 6), self.trace
         self.router.log.info(
             "router.answered", request=self.id, kind=self.kind, outcome=outcome, status=status,

@@ -10,6 +10,7 @@ and the last two kill an instance.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -32,6 +33,7 @@ from structured_workloads import SCHEMA
 
 from ringfence.actors.engine.intake import load_workload
 from ringfence.actors.router.keys import keys_of
+from ringfence.actors.text.tokenizer import ByteTokenizer
 from ringfence.actors.tools.bench.serving.handover import read_handover
 
 TTL_S = 3.0  # the decode instance's reservation_ttl_s
@@ -159,6 +161,105 @@ def test_a_streamed_chat_through_the_router_equals_the_both_instance(pd: Pd, rig
     assert usage is not None and usage.prompt_tokens_details is not None
     cached_tokens = usage.prompt_tokens_details.cached_tokens or 0
     assert cached_tokens >= full_blocks(range(usage.prompt_tokens))
+
+
+def sse_chunks(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed answer's chunks (it must end in [DONE])."""
+    with httpx.Client(base_url=url, timeout=120.0, trust_env=False) as client:
+        answer = client.post(path, json={**body, "stream": True})
+    assert answer.status_code == 200, answer.text
+    events = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    return [orjson.loads(event) for event in events[:-1]]
+
+
+def prompt_tokens_counted(url: str) -> float:
+    with httpx.Client(base_url=url, timeout=30.0, trust_env=False) as client:
+        text = client.get("/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("ringfence_prompt_tokens_total "))
+    return float(line.split()[1])
+
+
+def same_logprobs(a: list[float | None], b: list[float | None]) -> bool:
+    """float64 log probabilities of a prompt computed in other chunks: equal to 1e-9."""
+    return len(a) == len(b) and all(
+        x == y if x is None or y is None else math.isclose(x, y, abs_tol=1e-9)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_n_2_seeded_choices_with_logprobs_through_the_router_equal_the_both_instances(
+    pd: Pd, rig: Rig
+):
+    prompt = fresh_prompt(49, 3 * 16 + 7)
+    ask = {"n": 2, "temperature": 1.0, "seed": 49, "logprobs": 2}
+    counted = prompt_tokens_counted(pd.decode.url)
+    ok = rig.metric("ringfence_router_requests_total", outcome="ok")
+    expected = completion(pd.both.url, prompt, 8, **ask)
+    answer = completion(rig.url, prompt, 8, **ask)
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    for mine, theirs in zip(answer["choices"], expected["choices"], strict=True):
+        assert mine["token_ids"] == theirs["token_ids"] and mine["text"] == theirs["text"]
+        assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+        assert same_logprobs(
+            mine["logprobs"]["token_logprobs"], theirs["logprobs"]["token_logprobs"]
+        )
+    assert answer["choices"][0]["token_ids"] != answer["choices"][1]["token_ids"]
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), 16)
+    # One request: the prompt counted once on the decode instance, the request once here.
+    assert prompt_tokens_counted(pd.decode.url) - counted == len(prompt)
+    assert rig.metric("ringfence_router_requests_total", outcome="ok") - ok == 1
+    body = {"prompt": list(prompt), "max_tokens": 8, **ask,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks = sse_chunks(rig.url, "/v1/completions", body)
+    assert len({c["id"] for c in chunks}) == 1
+    for index, theirs in enumerate(expected["choices"]):
+        mine = [
+            c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index
+        ]
+        assert "".join(c["text"] for c in mine) == theirs["text"]
+    assert [c["usage"]["completion_tokens"] for c in chunks if not c["choices"]] == [16]
+
+
+def test_n_2_chat_choices_with_top_logprobs_through_the_router_equal_the_both_instances(
+    pd: Pd, rig: Rig
+):
+    body = {"messages": [{"role": "user", "content": "Two answers, please. " * 4}],
+            "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 7, "logprobs": True,
+            "top_logprobs": 3}  # fmt: skip
+    expected = pd.both.post("/v1/chat/completions", body).json()
+    answer = rig.post("/v1/chat/completions", body)
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    assert [c["message"] for c in choices] == [c["message"] for c in expected["choices"]]
+    for mine, theirs in zip(choices, expected["choices"], strict=True):
+        got, want = mine["logprobs"]["content"], theirs["logprobs"]["content"]
+        assert [t["token"] for t in got] == [t["token"] for t in want]
+        assert [[a["token"] for a in t["top_logprobs"]] for t in got] == [
+            [a["token"] for a in t["top_logprobs"]] for t in want
+        ]
+    chunks = sse_chunks(rig.url, "/v1/chat/completions", body)
+    for index, theirs in enumerate(expected["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert (
+            "".join(c["delta"].get("content") or "" for c in mine) == theirs["message"]["content"]
+        )
+
+
+def test_a_stop_strings_tokens_are_cut_from_the_logprobs_through_the_router(pd: Pd, rig: Rig):
+    prompt = fresh_prompt(50, 2 * 16 + 3)
+    free = completion(pd.both.url, prompt, 16, logprobs=1)["choices"][0]
+    stop = next(ch for k, ch in enumerate(free["text"])
+                if k and ch != "\ufffd" and free["text"].find(ch) == k)  # fmt: skip
+    text = free["text"][: free["text"].find(stop)]
+    for url in (pd.both.url, rig.url):  # the instance itself, and through the router
+        cut = completion(url, prompt, 16, logprobs=1, stop=[stop])["choices"][0]
+        assert cut["text"] == text and cut["finish_reason"] == "stop"
+        kept = cut["logprobs"]["token_logprobs"]
+        assert ByteTokenizer().decode(free["token_ids"][: len(kept)]) == text, url
+        assert same_logprobs(kept, free["logprobs"]["token_logprobs"][: len(kept)])
 
 
 def test_a_prompt_the_decode_instance_holds_already_is_not_prefilled_again(pd: Pd, rig: Rig):
