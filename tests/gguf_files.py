@@ -89,12 +89,14 @@ def write_tiny(
     drop: tuple[str, ...] = (),
     replace: dict[str, Any] | None = None,
     template: str = TEMPLATE,
+    controls: tuple[str, ...] = CONTROL_TOKENS,
 ) -> Path:
     """``weights`` (Llama names, numpy) written to ``file`` as llama.cpp writes a GGUF file:
     metadata, a byte-level vocabulary of TINY's 259 tokens, a chat template, and the
     tensors (matrices as Q8_0 when ``quantized``, else float32). ``drop`` leaves out
     tensors and ``replace`` swaps in other arrays, both by llama.cpp's names; ``template``
-    replaces the chat template."""
+    replaces the chat template; ``controls`` the control tokens after the 256 bytes (as many
+    as ``shape``'s vocabulary has room for)."""
     import gguf
     import numpy as np
 
@@ -110,8 +112,8 @@ def write_tiny(
     writer.add_layer_norm_rms_eps(shape.norm_eps)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list([*byte_tokens(), *CONTROL_TOKENS])
-    writer.add_token_types([1] * 256 + [3] * len(CONTROL_TOKENS))
+    writer.add_token_list([*byte_tokens(), *controls])
+    writer.add_token_types([1] * 256 + [3] * len(controls))
     writer.add_token_merges([])
     writer.add_bos_token_id(257)
     writer.add_eos_token_id(258)

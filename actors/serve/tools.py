@@ -1,26 +1,42 @@
-"""A chat request's tools (issue 38): checked, offered to the chat template, forced by a
-grammar where ``tool_choice`` asks for a call, and read back out of each answer.
+"""A chat request's tools (issues 38 and 49): checked, offered to the chat template, forced
+by a grammar where ``tool_choice`` asks for a call, and read back out of each answer.
 
 ``tool_choice`` is ``none`` (the tools are shown to the template, no call is read out),
 ``auto`` (the default with tools: the model may call), ``required`` (it calls one of them)
 or a named function (it calls that one). With ``parallel_tool_calls`` false an answer holds
-one call at most: what the model writes after its first is dropped. The format of a call is
-the one the model's chat template teaches (``actors/text/tool_calls.py``); a template that
-teaches none takes tools only with ``none``. ``required`` and a named function become the
-request's structured output (a grammar of one call), so they cannot be combined with
-another.
+one call at most: what the model writes after its first is dropped.
+
+``auto`` reads calls in the format the model's chat template teaches
+(``actors/text/tool_calls.py``). A template that teaches none has no format to read: the
+answer is its text, as with ``none``. vLLM refuses ``auto`` unless the server was started
+with a ``--tool-call-parser``; here the parser is the template's, and a model without one
+answers as it would without tools (the openai SDK's tool loop sends ``auto`` by default).
+
+``required`` and a named function work on any model: they become the request's structured
+output (so they cannot be combined with another), a grammar of the template's own call
+form where it has one (Hermes, Llama 3 JSON), else vLLM's JSON forms: a list of
+``{"name", "arguments"}`` calls for ``required``, the function's arguments for a named one.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ringfence.actors.http.errors import ApiError
 from ringfence.actors.serve.api import ChatCompletionRequest, NamedToolChoice
 from ringfence.actors.text.grammars import problem
-from ringfence.actors.text.tool_calls import Function, Parsed, ToolFormat, tool_format
+from ringfence.actors.text.tokenizer import Tokenizer
+from ringfence.actors.text.tool_calls import (
+    JSON_CALLS,
+    Function,
+    NamedArguments,
+    Parsed,
+    ToolFormat,
+    tool_format,
+)
 from ringfence.sched.structured import StructuredOutput
 
 
@@ -28,7 +44,8 @@ from ringfence.sched.structured import StructuredOutput
 class ToolUse:
     """How one chat request uses its tools."""
 
-    format: ToolFormat | None  # None: tool_choice none (no call is read out)
+    # None: no call is read out (tool_choice none; auto where the template teaches no format)
+    format: ToolFormat | None
     tools: tuple[dict[str, Any], ...]  # as the template sees them (OpenAI's tool objects)
     forced: StructuredOutput | None  # the grammar of one call (required, named)
     most: int | None = None  # the calls read out (parallel_tool_calls false: 1; None: all)
@@ -57,13 +74,8 @@ def tool_use(body: ChatCompletionRequest, template_source: str | None) -> ToolUs
     if choice == "none":
         return ToolUse(format=None, tools=tools, forced=None)
     fmt = tool_format(template_source)
-    if fmt is None:
-        raise ApiError(
-            "tools: this model's chat template teaches no tool-call format (it writes "
-            "neither <tool_call> nor <|python_tag|>): give tool_choice none",
-            param="tools",
-        )
     forced = None
+    most = 1 if body.parallel_tool_calls is False else None
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             field = "tool_choice.function.name"
@@ -77,12 +89,44 @@ def tool_use(body: ChatCompletionRequest, template_source: str | None) -> ToolUs
                 if said := problem(spec):
                     field = f"tools.{i}.function.parameters"
                     raise ApiError(f"{field}: {said}", param=field)
-        forced = StructuredOutput(kind="grammar", source=fmt.grammar(functions))
+        source = fmt.grammar(functions, most) if fmt is not None else None
+        if source is None:  # the template has no call form of its own: vLLM's JSON forms
+            json_form = (
+                NamedArguments(choice.function.name)
+                if isinstance(choice, NamedToolChoice)
+                else JSON_CALLS
+            )
+            fmt, source = json_form, json_form.grammar(functions, most)
+        forced = StructuredOutput(kind="grammar", source=source)
         if said := problem(forced):
             raise ApiError(f"tool_choice: the call's grammar does not compile: {said}",
                            param="tool_choice")  # fmt: skip
-    most = 1 if body.parallel_tool_calls is False else None
     return ToolUse(format=fmt, tools=tools, forced=forced, most=most)
+
+
+def answer_decoder(tokenizer: Tokenizer, use: ToolUse | None) -> Callable[[Iterable[int]], str]:
+    """How an answer's tokens become its text: special tokens skipped, as always, but for
+    the one the tool format's reader must see (Mistral's ``[TOOL_CALLS]``), written as its
+    text where the vocabulary holds it as one token (vLLM keeps every special token of a
+    tool request for the same reader)."""
+    keep = use.format.keep if use is not None and use.format is not None else None
+    ids = tokenizer.encode(keep) if keep else []
+    if keep is None or len(ids) != 1:  # no such token: its text is the plain text already
+        return tokenizer.decode
+    [kept] = ids
+
+    def decode(token_ids: Iterable[int]) -> str:
+        pieces: list[str] = []
+        run: list[int] = []
+        for token in token_ids:
+            if token == kept:
+                pieces += [tokenizer.decode(run), keep]
+                run = []
+            else:
+                run.append(token)
+        return "".join([*pieces, tokenizer.decode(run)])
+
+    return decode
 
 
 def _said(choice: object) -> str:

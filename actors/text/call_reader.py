@@ -12,6 +12,9 @@ the arguments written so far: they may not be valid JSON, as OpenAI's documentat
 With ``most`` calls (OpenAI's ``parallel_tool_calls: false`` is one), what follows the last
 call the reader takes is dropped, whether more calls or text.
 
+Calls in a JSON list (Mistral's, after its tag; the JSON form that forces calls on any
+model) open with the layout's ``lead`` ``[`` and are parted by its ``separator`` ``,``.
+
 A block whose head reads otherwise (keys in another order, say) is held whole and parsed
 as JSON when it ends: a call (its arguments re-serialized) or, when it is none, content.
 
@@ -29,7 +32,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, Protocol
 
 Kind = Literal["content", "call", "arguments"]
 NEED = "need"  # the text so far may still become what is looked for
@@ -54,6 +57,14 @@ class Event:
     kind: Kind
     text: str
     index: int = 0  # the call's place among the answer's calls (calls and arguments)
+
+
+class Reader(Protocol):
+    """One answer's text read as it grows (a :class:`CallReader`, or a form of its own)."""
+
+    def feed(self, text: str, last: bool = False) -> list[Event]:
+        """The events ``text`` (the answer's next piece; ``last``: its final one) adds."""
+        ...
 
 
 def head(text: str, keys: tuple[str, ...]) -> tuple[int, str] | str | None:
@@ -203,6 +214,7 @@ class CallReader:
         self.buffer = ""  # read, not yet decided
         self.spaces = ""  # whitespace held before what may be a call
         self.held = ""  # everything held since the answer's start (calls start the answer)
+        self.opening = ""  # between a tag and its list's first head: content if no call
         self.calls = 0
         self.value = _Value()
 
@@ -232,7 +244,8 @@ class CallReader:
         self.buffer = self.buffer[cut:]
         if at < 0:
             return False
-        self.buffer, self.mode = self.buffer[len(tag) :], Mode.HEAD
+        after = Mode.START if self.layout.lead else Mode.HEAD  # a list of calls opens first
+        self.buffer, self.mode = self.buffer[len(tag) :], after
         return True
 
     def _content(self, text: str, events: list[Event]) -> None:
@@ -253,9 +266,12 @@ class CallReader:
         if not rest:
             return False
         if rest.startswith("{"):
+            self.opening = self.buffer[: len(self.buffer) - len(rest)]
             self.buffer, self.mode = rest, Mode.HEAD
-            return True
-        self.mode, self.buffer = Mode.PLAIN, self.held
+        elif self.layout.open is not None:  # not calls after the tag: held whole, content
+            self.mode = Mode.WHOLE
+        else:
+            self.mode, self.buffer = Mode.PLAIN, self.held
         return True
 
     def _plain(self, events: list[Event], last: bool) -> bool:
@@ -272,7 +288,7 @@ class CallReader:
             self.mode = Mode.WHOLE
             return True
         start, name = got
-        self.spaces = ""
+        self.spaces = self.opening = ""
         events.append(Event("call", name, self.calls))
         self.buffer, self.mode, self.value = self.buffer[start:], Mode.ARGUMENTS, _Value()
         return True
@@ -312,7 +328,8 @@ class CallReader:
             self.buffer = self.buffer[len(self.buffer) - keep :]
             return False
         self.buffer = self.buffer[at + len(end) :]
-        self.mode = Mode.TEXT if self.layout.open is not None else Mode.HEAD
+        # Past a call's closing tag comes text; past a separator, the next call.
+        self.mode = Mode.TEXT if self.layout.close is not None else Mode.HEAD
         return True
 
     def _whole(self, events: list[Event], last: bool) -> bool:
@@ -322,16 +339,15 @@ class CallReader:
             return False
         body = self.buffer if at < 0 else self.buffer[:at]
         after = len(self.buffer) if at < 0 else at + len(close or "")
-        parts = body.split(self.layout.separator) if self.layout.separator else [body]
-        calls = [as_call(part) for part in parts]
-        if all(calls):
-            for name, arguments in [c for c in calls if c is not None][: self._room()]:
+        calls = self._calls_of(body)
+        if calls is not None:
+            for name, arguments in calls[: self._room()]:
                 events.append(Event("call", name, self.calls))
                 events.append(Event("arguments", arguments, self.calls))
                 self.calls += 1
             self.spaces = ""
         elif self.layout.open is not None:  # not a call after all: the block is content
-            self._content(self.layout.open + self.buffer[:after], events)
+            self._content(self.layout.open + self.opening + self.buffer[:after], events)
         elif content := self.held if not self.calls else body.strip(" \t\r\n"):
             events.append(Event("content", content))
         self.buffer = self.buffer[after:]
@@ -340,6 +356,20 @@ class CallReader:
         else:
             self.mode = Mode.TEXT if self.layout.open is not None else Mode.PLAIN
         return True
+
+    def _calls_of(self, body: str) -> list[tuple[str, str]] | None:
+        """The calls a block held whole holds, or None when it is not all calls."""
+        if self.layout.lead == "[":  # calls in a JSON list, its bracket read or not
+            text = body.strip(" \t\r\n")
+            try:
+                items = json.loads(text if text.startswith("[") else "[" + text)
+            except ValueError:
+                return None
+            parts = [json.dumps(i) for i in items] if isinstance(items, list) else [""]
+        else:
+            parts = body.split(self.layout.separator) if self.layout.separator else [body]
+        calls = [as_call(part) for part in parts]
+        return [c for c in calls if c is not None] if calls and all(calls) else None
 
     def _done(self, events: list[Event], last: bool) -> bool:
         self.buffer = ""
@@ -350,7 +380,9 @@ class CallReader:
         return None if self.most is None else self.most - self.calls
 
     def _finish(self, events: list[Event]) -> None:
-        if self.mode == Mode.START and self.held:
+        if self.mode == Mode.START and self.layout.open is not None:  # a tag, then no list
+            self._content(self.layout.open + self.buffer, events)
+        elif self.mode == Mode.START and self.held:
             events.append(Event("content", self.held))
         if self.spaces and not self.calls:
             events.append(Event("content", self.spaces))

@@ -1,13 +1,17 @@
-"""Tools on chat completions (issue 38) through ``ringfence serve`` and the openai SDK.
+"""Tools on chat completions (issues 38 and 49) through ``ringfence serve`` and the openai SDK.
 
 The model is a tiny GGUF file (random weights, a byte-level vocabulary) whose chat template
 teaches the Hermes format (``<tool_call>``), as Qwen's does: so ``tool_choice`` required
-and named are the grammar's doing, and ``auto`` reads back whatever the model wrote. The
-presets' plain template teaches no format: tools are refused there but with ``none``.
+and named are the grammar's doing, and ``auto`` reads back whatever the model wrote. Other
+files teach Llama 3's JSON, Mistral's ``[TOOL_CALLS]`` list (a control token of its own)
+and the pythonic list; ``auto`` is shown reading each by a structured output that makes the
+random model write a call. The presets' plain template teaches no format: ``auto`` answers
+text there, ``required`` and a named function are forced to vLLM's JSON forms.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,10 +20,11 @@ from typing import Any
 
 import jsonschema
 import pytest
-from gguf_files import tiny_weights, write_tiny
+from gguf_files import CONTROL_TOKENS, TINY, tiny_weights, write_tiny
 from serving import Server, served
 
-from ringfence.actors.serve.tools import ToolStream, ToolUse
+from ringfence.actors.serve.tools import ToolStream, ToolUse, answer_decoder
+from ringfence.actors.text.tokenizer import load_tokenizer
 from ringfence.actors.text.tool_calls import FORMATS
 
 HERMES_TEMPLATE = (
@@ -43,6 +48,25 @@ LLAMA3_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nEnvironment: ipython\n<tools>"
     "{%- for tool in tools %}{{ tool.function.name }} {% endfor %}</tools>\n"
     'Answer with {"name": ..., "parameters": ...}<|im_end|>\n{%- endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Mistral's shape, cut short: calls as a JSON list after [TOOL_CALLS], a control token.
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{% for tool in tools %}{{ tool.function.name }} "
+    "{% endfor %}[/AVAILABLE_TOOLS]{% endif %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS]["
+    '{%- for c in m.tool_calls %}{"name": "{{ c.function.name }}", "arguments": '
+    "{{ c.function.arguments }}}{% if not loop.last %}, {% endif %}{% endfor %}]"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+    "{%- else %}[INST]{{ m.content }}[/INST]{% endif %}{%- endfor %}"
+)
+TOOL_CALLS_ID = 259  # the Mistral file's control token after the three of TINY
+MISTRAL_CONTROLS = (*CONTROL_TOKENS, "[TOOL_CALLS]")
+# Llama 3.2's pythonic template's shape, cut short.
+PYTHONIC_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools: {% for tool in tools %}{{ tool.function.name }} "
+    "{% endfor %}\nCall as [func_name1(params_name1=params_value1)]<|im_end|>\n{%- endif %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
     "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -84,6 +108,23 @@ def server(tmp_path_factory) -> Iterator[Server]:
 def llama3_server(tmp_path_factory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("tools-llama3")
     with tiny_served(tmp, "llama3", 39, LLAMA3_TEMPLATE) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mistral_server(tmp_path_factory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("tools-mistral")
+    shape = dataclasses.replace(TINY, vocab_size=TOOL_CALLS_ID + 1)
+    file = write_tiny(tmp / "mistral.gguf", tiny_weights(40, shape), shape=shape,
+                      template=MISTRAL_TEMPLATE, controls=MISTRAL_CONTROLS)  # fmt: skip
+    with served(tmp, f"model.path={file}", "model.dtype=float32") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pythonic_server(tmp_path_factory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("tools-pythonic")
+    with tiny_served(tmp, "pythonic", 41, PYTHONIC_TEMPLATE) as server:
         yield server
 
 
@@ -223,13 +264,94 @@ def test_a_tool_request_it_cannot_honour_is_a_400_naming_the_field(server, body,
     assert error["param"] == param and said in error["message"], error
 
 
-def test_a_template_without_a_tool_format_takes_tools_only_with_none(tiny_server):
-    body = {"messages": ASK, "max_tokens": 2, "tools": TOOLS}
-    refused = tiny_server.post("/v1/chat/completions", body)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
-    assert "teaches no tool-call format" in refused.json()["error"]["message"]
-    taken = tiny_server.post("/v1/chat/completions", {**body, "tool_choice": "none"})
-    assert taken.status_code == 200, taken.text
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def forced_whole_and_streamed(server: Server, choice: Any, seed: int) -> Any:
+    """The one call ``choice`` forces (one at most: parallel_tool_calls false), checked, and
+    the same request streamed adding up to it."""
+    whole = chat(server, tools=TOOLS, tool_choice=choice, seed=seed, parallel_tool_calls=False)
+    answer = whole.choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None, answer
+    [call] = answer.message.tool_calls
+    check_call(call)
+    if isinstance(choice, dict):
+        assert call.function.name == choice["function"]["name"]
+    chunks = chat(server, tools=TOOLS, tool_choice=choice, seed=seed, stream=True,
+                  parallel_tool_calls=False)  # fmt: skip
+    assert calls_of([c.choices[0].delta for c in chunks if c.choices]) == [
+        {"name": call.function.name, "arguments": call.function.arguments}
+    ]
+    return call
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED_WEATHER], ids=["required", "named"])
+def test_a_template_without_a_tool_format_is_forced_to_the_json_forms(tiny_server, choice):
+    forced_whole_and_streamed(tiny_server, choice, seed=3)
+
+
+def test_auto_on_a_template_without_a_tool_format_answers_the_text_none_would(tiny_server):
+    body = {"messages": ASK, "max_tokens": 8, "temperature": 1.0, "seed": 4, "tools": TOOLS}
+    auto = tiny_server.post("/v1/chat/completions", body)
+    assert auto.status_code == 200, auto.text
+    [choice] = auto.json()["choices"]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] != "tool_calls"
+    none = tiny_server.post("/v1/chat/completions", {**body, "tool_choice": "none"}).json()
+    assert choice["message"]["content"] == none["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED_WEATHER], ids=["required", "named"])
+def test_a_mistral_template_is_forced_to_its_json_list_without_the_tag(mistral_server, choice):
+    forced_whole_and_streamed(mistral_server, choice, seed=7)
+
+
+def test_auto_reads_a_mistral_call_after_its_control_token_kept_in_the_text(mistral_server):
+    # The random model is made to write the control token itself, then a call.
+    writes = {"grammar": f'start: <[{TOOL_CALLS_ID}]> "[{{\\"name\\":\\"get_time\\",'
+                         '\\"arguments\\":{}}]"'}  # fmt: skip
+    answer = chat(mistral_server, tools=TOOLS, seed=1, extra_body={"structured_outputs": writes})
+    [call] = answer.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_time", "{}")
+    assert answer.choices[0].finish_reason == "tool_calls"
+    chunks = chat(mistral_server, tools=TOOLS, seed=1, stream=True,
+                  extra_body={"structured_outputs": writes})  # fmt: skip
+    assert calls_of([c.choices[0].delta for c in chunks if c.choices]) == [
+        {"name": "get_time", "arguments": "{}"}
+    ]
+    # Without tools the control token is skipped, as every special token is.
+    plain = chat(mistral_server, seed=1, extra_body={"structured_outputs": writes})
+    assert plain.choices[0].message.content == '[{"name":"get_time","arguments":{}}]'
+
+
+def test_the_decoder_keeps_the_formats_token_only_for_the_format_that_reads_it(tmp_path):
+    shape = dataclasses.replace(TINY, vocab_size=TOOL_CALLS_ID + 1)
+    file = write_tiny(tmp_path / "m.gguf", tiny_weights(1, shape), shape=shape,
+                      controls=MISTRAL_CONTROLS)  # fmt: skip
+    tokenizer = load_tokenizer(file)
+    assert tokenizer is not None
+    ids = [*b"Hi ", TOOL_CALLS_ID, *b"[]", 256]  # 256: <|endoftext|>, skipped always
+    mistral = ToolUse(format=FORMATS["mistral"], tools=(), forced=None)
+    assert answer_decoder(tokenizer, mistral)(ids) == "Hi [TOOL_CALLS][]"
+    hermes = ToolUse(format=FORMATS["hermes"], tools=(), forced=None)
+    for use in (hermes, None):
+        assert answer_decoder(tokenizer, use)(ids) == "Hi []"
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED_WEATHER], ids=["required", "named"])
+def test_a_pythonic_template_is_forced_to_the_json_forms(pythonic_server, choice):
+    forced_whole_and_streamed(pythonic_server, choice, seed=8)
+
+
+def test_auto_reads_a_pythonic_call_list_with_ast(pythonic_server):
+    writes = {"regex": r'\[get_weather\(city="(Rome|Oslo)", days=[1-7]\)\]'}
+    answer = chat(pythonic_server, tools=TOOLS, seed=2, extra_body={"structured_outputs": writes})
+    [call] = answer.choices[0].message.tool_calls
+    check_call(call)
+    chunks = chat(pythonic_server, tools=TOOLS, seed=2, stream=True,
+                  extra_body={"structured_outputs": writes})  # fmt: skip
+    assert calls_of([c.choices[0].delta for c in chunks if c.choices]) == [
+        {"name": call.function.name, "arguments": call.function.arguments}
+    ]
 
 
 def test_a_stream_sends_content_then_each_calls_start_and_arguments_as_they_come():

@@ -15,6 +15,7 @@ from ringfence.actors.text.call_reader import STEPS, CallReader, Event, Mode, _s
 from ringfence.actors.text.tool_calls import FORMATS, ToolFormat
 
 HERMES, LLAMA = FORMATS["hermes"], FORMATS["llama3_json"]
+MISTRAL, PYTHONIC, JSON_CALLS = FORMATS["mistral"], FORMATS["pythonic"], FORMATS["json"]
 # Pieces of answers, well and badly formed: tags, a call's head, values with brackets,
 # escapes and tags inside strings, and bare text.
 HERMES_PIECES = [
@@ -26,6 +27,12 @@ HERMES_PIECES = [
 LLAMA_PIECES = [
     " ", "\n", "<|python_tag|>", "<|py", "Hello", "{", "}", ";", '"name"', ":",
     '{"name": "f", "parameters": ', '{"a": "x;y", "b": [1]}', ', "parameters": ', '"g"',
+]  # fmt: skip
+
+LIST_PIECES = [
+    " ", "\n", "Sure.", "[TOOL_CALLS]", "[TOOL", "[", "]", ",", "{", "}", '"name"', ":",
+    '{"name": "f", "arguments": ', '{"name":"g","arguments":', '{"a": "x,]y", "b": [1]}',
+    '{"arguments": {}, "name": "h"}', "get_time()", 'f(a="],")', "<|python_start|>", "(",
 ]  # fmt: skip
 
 
@@ -82,6 +89,21 @@ def test_a_stream_in_any_pieces_adds_up_to_the_whole_answers_parse(hermes, llama
         ]
 
 
+@settings(max_examples=300, deadline=None)
+@given(pieces=answers(LIST_PIECES))
+def test_the_list_forms_stream_in_any_pieces_as_the_whole_answer_parses(pieces):
+    text = "".join(pieces)
+    for fmt in (MISTRAL, JSON_CALLS, PYTHONIC):
+        for most in (None, 1):
+            parsed = fmt.parse(text, most)
+            content, calls = fold(streamed(fmt, pieces, most))
+            assert (content or None, calls) == (
+                parsed.content or None, [[c.name, c.arguments] for c in parsed.calls]
+            ), fmt.name  # fmt: skip
+            if not calls:
+                assert content == text, fmt.name
+
+
 def test_a_calls_arguments_go_out_as_they_are_written():
     reader = HERMES.reader()
     sent = reader.feed('Sure. <tool_call>\n{"name": "get_weather", "argu')
@@ -126,7 +148,7 @@ def test_a_head_is_read_as_it_grows():
 
 def test_every_mode_has_its_step_and_a_table_without_one_is_refused():
     assert set(STEPS) == set(Mode)
-    short = {mode: step for mode, step in STEPS.items() if mode is not Mode.WHOLE}
+    short: dict[Mode, Any] = {m: step for m, step in STEPS.items() if m is not Mode.WHOLE}
     with pytest.raises(TypeError, match=r"no step for the modes \['WHOLE'\]"):
         _steps(short)
     with pytest.raises(TypeError):

@@ -12,7 +12,9 @@ from ringfence.actors.text.grammars import model_grammars
 from ringfence.actors.text.tokenizer import EOS, VOCAB_SIZE
 from ringfence.actors.text.tool_calls import (
     FORMATS,
+    JSON_CALLS,
     Function,
+    NamedArguments,
     Parsed,
     ToolCall,
     tool_format,
@@ -26,12 +28,17 @@ WEATHER = Function(
 )  # fmt: skip
 TIME = Function(name="get_time", parameters={})
 HERMES, LLAMA = FORMATS["hermes"], FORMATS["llama3_json"]
+MISTRAL, PYTHONIC = FORMATS["mistral"], FORMATS["pythonic"]
 
 
 def test_the_format_is_the_one_the_template_writes():
     assert tool_format("{% if tools %}<tool_call>{% endif %}") is HERMES
     assert tool_format("{{- '<|python_tag|>' }}") is LLAMA
     assert tool_format("{% if m.role == 'ipython' %}{% endif %}") is LLAMA
+    assert tool_format("{{- '[TOOL_CALLS]' + tool_calls|tojson }}") is MISTRAL
+    pythonic = "[func_name1(params_name1=params_value1), func_name2(params)] ipython"
+    assert tool_format(pythonic) is PYTHONIC
+    assert tool_format("{{- '<|python_start|>' }}{% if m.role == 'ipython' %}") is PYTHONIC
     assert tool_format("{{ messages }}") is None and tool_format(None) is None
 
 
@@ -65,6 +72,95 @@ def test_llama3_calls_read_back_with_or_without_the_python_tag():
     assert [c.name for c in LLAMA.parse(two).calls] == ["get_time", "get_weather"]
     assert LLAMA.parse("{ is not a call").calls == ()
     assert LLAMA.parse("Hello").content == "Hello"
+
+
+def test_mistral_calls_are_a_list_after_its_tag_with_the_text_before_them():
+    text = (
+        'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+        '{"name": "get_time", "arguments": {}}]'
+    )
+    assert MISTRAL.parse(text) == Parsed(
+        content="Checking.",
+        calls=(ToolCall(name="get_weather", arguments='{"city": "Rome"}'),
+               ToolCall(name="get_time", arguments="{}")),
+    )  # fmt: skip
+    assert MISTRAL.keep == "[TOOL_CALLS]"
+    swapped = '[TOOL_CALLS][{"arguments": {"days": 2}, "name": "f"}]'
+    assert MISTRAL.parse(swapped).calls == (ToolCall(name="f", arguments='{"days": 2}'),)
+    for not_calls in ["[TOOL_CALLS] none here", "[TOOL_CALLS][1, 2]", "no tag [{}]"]:
+        assert MISTRAL.parse(not_calls) == Parsed(content=not_calls, calls=()), not_calls
+
+
+def test_pythonic_calls_are_read_with_ast_never_run(tmp_path):
+    text = '[get_weather(city="Rome", days=2), get_time()]'
+    assert PYTHONIC.parse(text).calls == (
+        ToolCall(name="get_weather", arguments='{"city": "Rome", "days": 2}'),
+        ToolCall(name="get_time", arguments="{}"),
+    )
+    tagged = '<|python_start|>[f(a=[1, None], b={"k": True})]<|python_end|>'
+    assert PYTHONIC.parse(tagged).calls == (
+        ToolCall(name="f", arguments='{"a": [1, null], "b": {"k": true}}'),
+    )
+    assert [c.name for c in PYTHONIC.parse(text, most=1).calls] == ["get_weather"]
+    mark = tmp_path / "ran"
+    for not_calls in [
+        f"[__import__('pathlib').Path({str(mark)!r}).touch()]",  # not a plain name's call
+        f"[open(file={str(mark)!r}, mode=print('x'))]",  # an argument that is no literal
+        "[f(1)]", "[1, 2]", "Rome is sunny.", "[f(a=1)", "  [f(a={1, 2})]",
+    ]:  # fmt: skip
+        assert PYTHONIC.parse(not_calls) == Parsed(content=not_calls, calls=()), not_calls
+    assert not mark.exists()
+
+
+def test_a_pythonic_list_streams_its_calls_once_it_closes():
+    reader = PYTHONIC.reader()
+    assert reader.feed(" [get_time(), get_weather(city=") == []
+    assert [e.kind for e in reader.feed('"Rome")]')] == ["call", "arguments", "call", "arguments"]
+    assert reader.feed(" and more", last=True) == []
+    text = PYTHONIC.reader()  # not a list first: content as it comes
+    sent = [*text.feed("Hello [x"), *text.feed("]", last=True)]
+    assert [e.text for e in sent] == ["Hello [x", "]"]
+
+
+def test_the_json_forms_read_back_the_calls_the_grammar_forces():
+    two = '[{"name":"get_time","arguments":{}},{"name":"get_weather","arguments":{"city":"Rome"}}]'
+    assert JSON_CALLS.parse(two).calls == (
+        ToolCall(name="get_time", arguments="{}"),
+        ToolCall(name="get_weather", arguments='{"city":"Rome"}'),
+    )
+    named = NamedArguments("get_weather")
+    assert named.parse('{"city":"Rome"}') == Parsed(
+        content=None, calls=(ToolCall(name="get_weather", arguments='{"city":"Rome"}'),)
+    )
+
+
+def test_the_json_lists_grammar_takes_calls_of_the_named_functions_only():
+    fmt = JSON_CALLS
+    grammars = model_grammars("", VOCAB_SIZE)
+    spec = StructuredOutput(kind="grammar", source=fmt.grammar([WEATHER, TIME]))
+    good = [{"name": "get_weather", "arguments": {"city": "Rome"}},
+            {"name": "get_time", "arguments": {}}]  # fmt: skip
+    bad = [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "rm", "arguments": {}}]
+    cases = [(good[:1], True), (good, True), *(([b], False) for b in bad), ([], False)]
+    for calls, allowed in cases:
+        text = "[" + ",".join(json.dumps(c, separators=(",", ":")) for c in calls) + "]"
+        matcher = grammars.matcher(spec)
+        ok = matcher.consume_tokens(list(text.encode())) and matcher.consume_token(EOS)
+        assert ok == allowed, (text, matcher.get_error())
+        if ok:
+            assert [c.name for c in fmt.parse(text).calls] == [c["name"] for c in calls]
+
+
+def test_a_named_functions_grammar_takes_its_arguments_only():
+    grammars = model_grammars("", VOCAB_SIZE)
+    spec = StructuredOutput(kind="grammar", source=NamedArguments("get_weather").grammar([WEATHER]))
+    for text, allowed in [('{"city":"Rome"}', True), ('{"city":"Oslo"}', False),
+                          ('{"name":"get_weather"}', False)]:  # fmt: skip
+        matcher = grammars.matcher(spec)
+        ok = matcher.consume_tokens(list(text.encode())) and matcher.consume_token(EOS)
+        assert ok == allowed, (text, matcher.get_error())
+    for fmt in (PYTHONIC, MISTRAL):  # forced through the JSON forms instead
+        assert fmt.grammar([WEATHER]) is None
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA], ids=lambda f: f.name)
