@@ -7,6 +7,13 @@ conversation so far (the earlier messages and stand-in answers) and a new messag
 turns of one index arrive before the next index's, at Poisson times of ``--rate``
 requests per second. Greedy, so every policy must give every request the same tokens.
 
+``--case`` names a workload: ``light`` (the default: 4 groups behind 12-block system
+prompts, 3 users, 3 turns, 2 requests a second), ``saturation`` (6 groups behind 24-block
+prompts, 3 users, 3 turns, 6 a second: the instances' queues grow) and ``flood`` (one hot
+24-block prompt shared by 16 users, 2 turns, 8 a second: a cache-aware router that sends
+every request where the prefix is queues them all on one instance unless it spills). Each
+workload option given overrides the case's.
+
 With ``--direct N``, the first ``N`` users of each group are another client's: they send
 straight to one instance (group ``g``'s to instance ``g mod instances``), never through the
 router. What they leave cached there only the instances' KV events tell the router; the
@@ -48,6 +55,13 @@ from ringfence.actors.tools.bench.serving.pd import START_S, STOP_S, started_tog
 from ringfence.actors.tools.bench.serving.stats import Timeline, poisson_arrivals
 
 POLICIES = ("round_robin", "least_loaded", "approximate", "cache")
+WORKLOAD = ("groups", "users", "turns", "system_blocks", "rate")
+# The named workloads (see the module docstring): the values of WORKLOAD's options.
+CASES: dict[str, dict[str, float]] = {
+    "light": {"groups": 4, "users": 3, "turns": 3, "system_blocks": 12, "rate": 2.0},
+    "saturation": {"groups": 6, "users": 3, "turns": 3, "system_blocks": 24, "rate": 6.0},
+    "flood": {"groups": 1, "users": 16, "turns": 2, "system_blocks": 24, "rate": 8.0},
+}
 DEFAULT_SETTINGS = ("model.preset=small", "events.enabled=true")
 BLOCK = 16  # tokens a block: cache.block_size's default
 VOCAB = 250  # token ids drawn from 1..VOCAB (inside every preset's vocabulary)
@@ -59,14 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies", default=",".join(POLICIES), help=f"comma-separated ({','.join(POLICIES)})"
     )
-    parser.add_argument("--groups", type=int, default=4, help="system prompts (4)")
-    parser.add_argument("--users", type=int, default=3, help="users per group (3)")
-    parser.add_argument("--turns", type=int, default=3, help="turns per user (3)")
     parser.add_argument(
-        "--system-blocks", type=int, default=12, help="blocks of each system prompt (12)"
+        "--case", choices=sorted(CASES), default="light",
+        help="the workload: light, saturation or flood (light; see the options below)",
+    )  # fmt: skip
+    parser.add_argument("--groups", type=int, help="system prompts (the case's; light: 4)")
+    parser.add_argument("--users", type=int, help="users per group (the case's; light: 3)")
+    parser.add_argument("--turns", type=int, help="turns per user (the case's; light: 3)")
+    parser.add_argument(
+        "--system-blocks", type=int, help="blocks of each system prompt (the case's; light: 12)"
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens a turn (16)")
-    parser.add_argument("--rate", type=float, default=2.0, help="requests per second (2)")
+    parser.add_argument("--rate", type=float, help="requests per second (the case's; light: 2)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of every policy (1)")
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds one policy's load may run (600)"
@@ -214,6 +232,7 @@ def report(policies: Sequence[str], rounds: list[dict[str, dict[str, Any]]]) -> 
             "leaked_names": [n for f in each for n in f["leaked_names"]],
         }
     ratios: dict[str, float | None] = {}
+    spread: dict[str, list[float | None]] = {}  # each round's ratio: how far they agree
     if "cache" in by_policy:
         for other in ("round_robin", "approximate"):
             if other in by_policy:
@@ -222,7 +241,14 @@ def report(policies: Sequence[str], rounds: list[dict[str, dict[str, Any]]]) -> 
                 ratios[f"throughput cache/{other}"] = _ratio(
                     mine["output_tokens_per_s"], theirs["output_tokens_per_s"]
                 )
-    return {"policies": by_policy, "ratios": ratios}
+                each = [(r[other]["figures"], r["cache"]["figures"]) for r in rounds]
+                spread[f"ttft_p90 {other}/cache"] = [
+                    _ratio(o["ttft_p90_s"], c["ttft_p90_s"]) for o, c in each
+                ]
+                spread[f"throughput cache/{other}"] = [
+                    _ratio(c["output_tokens_per_s"], o["output_tokens_per_s"]) for o, c in each
+                ]
+    return {"policies": by_policy, "ratios": ratios, "rounds": spread}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -248,16 +274,29 @@ def table(result: dict[str, Any]) -> str:
             f"{'yes' if f['same_tokens'] else 'NO'}"
         )
     for name, value in result["ratios"].items():
-        lines.append(f"  {name}: {'n/a' if value is None else f'{value:.2f}x'}")
+        rounds = result.get("rounds", {}).get(name, [])
+        each = ", ".join("n/a" if v is None else f"{v:.2f}x" for v in rounds)
+        by_round = f" (rounds: {each})" if len(rounds) > 1 else ""
+        lines.append(f"  {name}: {'n/a' if value is None else f'{value:.2f}x'}{by_round}")
     lines.append("  (milliseconds; the median over rounds; cached share: of prompt tokens)")
     return "\n".join(lines)
 
 
+def workload(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload's options: the case's, each one given on the command line instead."""
+    case = CASES[args.case]
+    chosen = {k: case[k] if getattr(args, k) is None else getattr(args, k) for k in WORKLOAD}
+    return {k: float(v) if k == "rate" else int(v) for k, v in chosen.items()}
+
+
 def main(args: argparse.Namespace) -> int:
+    args = argparse.Namespace(**(vars(args) | workload(args)))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise ValueError(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+    if not args.rate > 0:
+        raise ValueError("--rate must be > 0")
     for flag in ("instances", "groups", "users", "turns", "system_blocks", "max_tokens", "rounds"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
@@ -303,13 +342,15 @@ def main(args: argparse.Namespace) -> int:
         "settings": settings,
         "instances": args.instances,
         "requests": len(requests),
-        "workload": {k: getattr(args, k) for k in
-                     ("groups", "users", "turns", "system_blocks", "max_tokens", "rate")},
+        "case": args.case,
+        "workload": {k: getattr(args, k) for k in (*WORKLOAD, "max_tokens")},
         "overlap_weight": args.overlap_weight,
         "direct": args.direct,
         **report(policies, rounds),
         "wall_s": round(time.perf_counter() - began, 3),
     }  # fmt: skip
+    shape = ", ".join(f"{k} {v:g}" for k, v in result["workload"].items())
+    print(f"case {args.case} ({shape}; {len(requests)} requests)")
     print(table(result))
     plot = plot_path(args, "bench-route.png")
     _plot(plot, result)

@@ -76,23 +76,48 @@ def test_a_bad_option_is_named():
         route.main(args)
 
 
-# The bench's quick form, in CI: four tiny instances and two routers, about 25 s on 2 CPUs.
-def test_the_quick_form_routes_on_real_instances_with_the_same_tokens_everywhere(tmp_path: Path):
+# The bench's quick form, in CI: two tiny instances a policy, about 25 s on 2 CPUs for the
+# light case; the saturation case (54 requests, 6 a second) about twice that.
+QUICK = {
+    "light": ["--groups", "2", "--users", "2", "--turns", "2", "--system-blocks", "4",
+              "--rate", "20"],
+    "saturation": ["--case", "saturation"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "requests"), [("light", 8), ("saturation", 54)])
+def test_the_quick_form_routes_on_real_instances_with_the_same_tokens_everywhere(
+    tmp_path: Path, case: str, requests: int
+):
     out = tmp_path / "route.json"
     status = cli.main([
-        "bench", "route", "--instances", "2", "--policies", "round_robin,cache", "--groups", "2",
-        "--users", "2", "--turns", "2", "--system-blocks", "4", "--max-tokens", "4",
-        "--rate", "20", "--set", "model.preset=tiny", "--json", str(out),
+        "bench", "route", "--instances", "2", "--policies", "round_robin,cache",
+        *QUICK[case], "--max-tokens", "4", "--set", "model.preset=tiny", "--json", str(out),
         "--plot", str(tmp_path / "route.png"),
     ])  # fmt: skip
     result = orjson.loads(out.read_bytes())
     assert status == 0, result
+    assert result["requests"] == requests
     for policy in ("round_robin", "cache"):
         figures = result["policies"][policy]
         assert figures["failed"] == 0 and figures["same_tokens"] and not figures["leaked_names"]
-        assert sum(figures["per_instance"].values()) == 8
-    assert result["policies"]["round_robin"]["per_instance"] == {"i0": 4, "i1": 4}
+        assert sum(figures["per_instance"].values()) == requests
+    half = requests // 2
+    assert result["policies"]["round_robin"]["per_instance"] == {"i0": half, "i1": half}
     assert (tmp_path / "route.png").exists()
+
+
+def test_a_case_names_a_workload_and_each_option_given_overrides_its_value():
+    parser = argparse.ArgumentParser()
+    route.add_arguments(parser)
+    light = {"groups": 4, "users": 3, "turns": 3, "system_blocks": 12, "rate": 2.0}
+    assert route.workload(parser.parse_args([])) == light
+    saturation = route.workload(parser.parse_args(["--case", "saturation"]))
+    assert saturation == {"groups": 6, "users": 3, "turns": 3, "system_blocks": 24, "rate": 6.0}
+    flood = route.workload(parser.parse_args(["--case", "flood", "--users", "4"]))
+    assert flood == {"groups": 1, "users": 4, "turns": 2, "system_blocks": 24, "rate": 8.0}
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parser.parse_args(["--case", "heavy"])
 
 
 def test_the_direct_users_of_each_group_go_to_their_groups_instance():
