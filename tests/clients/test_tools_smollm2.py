@@ -4,16 +4,24 @@ Instruct served by ``ringfence serve`` (tests/clients/conftest.py), through the 
 ``required`` and a named function are forced by the grammar to vLLM's JSON forms (a list of
 calls; the named function's arguments) and read back into ``tool_calls``, whole or
 streamed; ``auto`` has no format to read and answers text, so the SDK's tool loop runs.
+The tool loop and the stream helper also run through ``ringfence router`` (in this process:
+tests/routing.py) over the package's instance, and over a prefill and a decode instance of
+the same file sharing a tier (``--prefill/--decode``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
 import pytest
-from serving import Server
+from client_runs import model_file
+from routing import routed_urls
+from serving import Server, served, started
 
 pytest.importorskip("openai", reason="the client under test (the test extra installs openai)")
 
@@ -37,7 +45,51 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Rome for three days?"}]
 
 
-def chat(server: Server, **body: Any) -> Any:
+@pytest.fixture(scope="module")
+def router_url(smollm2_server: Server) -> Iterator[str]:
+    """``ringfence router --instance`` over the package's instance."""
+    with routed_urls([], [], instances=(smollm2_server.url,)) as rig:
+        yield rig.url
+
+
+@pytest.fixture(scope="module")
+def pd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``ringfence router --prefill P --decode D``: two instances of the file, one tier."""
+    tmp = tmp_path_factory.mktemp("tools-pd")
+    sets = (f"model.path={model_file()}", "model.dtype=float32",
+            "cache.storage.backend=local", f"cache.storage.path={tmp / 'tier'}")  # fmt: skip
+    for name in ("prefill", "decode"):
+        (tmp / name).mkdir()
+    with contextlib.ExitStack() as stack:
+        prefill, decode = started(stack, [
+            served(tmp / "prefill", *sets, "engine.role=prefill"),
+            served(tmp / "decode", *sets, "engine.role=decode", "sched.preemption=save"),
+        ])  # fmt: skip
+        with routed_urls([prefill.url], [decode.url]) as rig:
+            yield rig.url
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the SDK is pointed: an instance or a router."""
+
+    url: str
+
+    def client(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+@pytest.fixture(params=["direct", "router", "pd"])
+def via(request: pytest.FixtureRequest) -> Endpoint:
+    """The package's instance, or a router in front of it or of a prefill/decode pair."""
+    if request.param == "direct":
+        return Endpoint(request.getfixturevalue("smollm2_server").url)
+    return Endpoint(request.getfixturevalue(f"{request.param}_url"))
+
+
+def chat(server: Server | Endpoint, **body: Any) -> Any:
     return server.client(timeout=240).chat.completions.create(  # type: ignore[call-overload]
         model=None,  # the served one
         messages=body.pop("messages", ASK),
@@ -85,12 +137,12 @@ def test_auto_answers_text_where_the_template_teaches_no_format(smollm2_server: 
     assert plain.choices[0].message.content == choice.message.content  # read as none reads it
 
 
-def test_the_sdks_stream_helper_assembles_the_forced_calls(smollm2_server: Server) -> None:
+def test_the_sdks_stream_helper_assembles_the_forced_calls(via: Endpoint) -> None:
     # One call at most: the grammar's list then holds one (the model would go on calling).
     for choice_asked in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        whole = chat(smollm2_server, tool_choice=choice_asked, seed=6, parallel_tool_calls=False)
+        whole = chat(via, tool_choice=choice_asked, seed=6, parallel_tool_calls=False)
         expected = whole.choices[0].message.tool_calls
-        with smollm2_server.client(timeout=240).chat.completions.stream(
+        with via.client(timeout=240).chat.completions.stream(
             model=whole.model, messages=ASK,  # type: ignore[arg-type]
             max_tokens=MAX_TOKENS, temperature=1.0, seed=6,
             tools=TOOLS, tool_choice=choice_asked, parallel_tool_calls=False,  # type: ignore[arg-type]
@@ -107,17 +159,15 @@ def test_the_sdks_stream_helper_assembles_the_forced_calls(smollm2_server: Serve
         assert final.choices[0].finish_reason == "tool_calls"
 
 
-def test_the_sdks_tool_loop_calls_then_answers_from_the_tools_result(
-    smollm2_server: Server,
-) -> None:
-    first = chat(smollm2_server, tool_choice="required", seed=2)
+def test_the_sdks_tool_loop_calls_then_answers_from_the_tools_result(via: Endpoint) -> None:
+    first = chat(via, tool_choice="required", seed=2)
     message = first.choices[0].message
     messages: list[Any] = [*ASK, message.model_dump(exclude_none=True)]
     for call in message.tool_calls:
         check_call(call)
         result = {"forecast": "sun", "for": json.loads(call.function.arguments)}
         messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
-    second = chat(smollm2_server, messages=messages, seed=2)  # auto, as the SDK's loop sends
+    second = chat(via, messages=messages, seed=2)  # auto, as the SDK's loop sends
     choice = second.choices[0]
     print(f"answered: {choice.message.content!r}")
     assert not choice.message.tool_calls and choice.message.content
