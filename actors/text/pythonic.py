@@ -15,6 +15,7 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import ast
+import enum
 import json
 
 from ringfence.actors.text.call_reader import Event
@@ -46,6 +47,14 @@ def calls_of(text: str) -> list[tuple[str, str]] | None:
     return calls
 
 
+class Stage(enum.Enum):
+    """Where a :class:`PythonicReader` stands in the answer."""
+
+    START = "start"  # undecided: the answer may still open a list of calls
+    CONTENT = "content"  # not calls: the rest passes through as content
+    DONE = "done"  # the calls were read: the rest is dropped
+
+
 class PythonicReader:
     """One answer's text, fed in order (a :class:`~.call_reader.Reader`). Owned by one
     answer; ``feed`` mutates it. ``most``: the calls taken (None: all)."""
@@ -53,12 +62,12 @@ class PythonicReader:
     def __init__(self, most: int | None = None) -> None:
         self.most = most
         self.held = ""  # the answer so far, while it may be a list of calls
-        self.mode = "start"  # start: undecided; content: passes through; done: calls read
+        self.stage = Stage.START
 
     def feed(self, text: str, last: bool = False) -> list[Event]:
-        if self.mode == "content":
+        if self.stage is Stage.CONTENT:
             return [Event("content", text)] if text else []
-        if self.mode == "done":
+        if self.stage is Stage.DONE:
             return []
         self.held += text
         body = self.held.lstrip(SPACE)
@@ -68,7 +77,7 @@ class PythonicReader:
         if body.startswith("["):
             list_text = body.split(END, 1)[0]
             if list_text.rstrip(SPACE).endswith("]") and (calls := calls_of(list_text)):
-                self.mode = "done"
+                self.stage = Stage.DONE
                 return [
                     event
                     for index, (name, arguments) in enumerate(calls[: self.most])
@@ -78,6 +87,6 @@ class PythonicReader:
 
     def _content(self) -> list[Event]:
         """The held text as content; the rest of the answer passes through."""
-        self.mode = "content"
+        self.stage = Stage.CONTENT
         held, self.held = self.held, ""
         return [Event("content", held)] if held else []
