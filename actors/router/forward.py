@@ -9,7 +9,8 @@
    policy routes around it and forgets what it held) and the next choice is tried.
 
 The answer carries ``X-Ringfence-Instance``: the instance that served it. The request
-counts as in flight on its instance until its answer's relay ends.
+counts as in flight on its instance until its answer's relay ends, and as not begun (its
+prefill ahead of later prompts there: ``Instance.ahead_blocks``) until its first byte.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Forward:
         self.upstream: Stream | None = None
         self.choice: Choice | None = None
         self.first_byte_s: float | None = None
+        self._ahead: Choice | None = None  # routed and not begun: counted in its ahead_blocks
         self._sent_at = 0.0
         self._finished = False
 
@@ -83,6 +85,7 @@ class Forward:
                 tried.append(instance)
                 continue
             self.picker.routed(choice, keys)
+            self._queue(choice)
             if answer.status != 200:
                 raise Relayed(answer, await answer.read())
             self.upstream = answer
@@ -97,6 +100,24 @@ class Forward:
 
     def first_byte(self) -> None:
         self.first_byte_s = round(time.monotonic() - self._sent_at, 6)
+        self._begun()
+
+    def _queue(self, choice: Choice) -> None:
+        """Count the request's prefill ahead of later prompts on its instance."""
+        self._ahead = choice
+        choice.instance.unstarted += 1
+        choice.instance.ahead_blocks += choice.need
+
+    def _begun(self) -> None:
+        """Its first byte came (or it ended): its prefill is no longer ahead."""
+        choice, self._ahead = self._ahead, None
+        if choice is not None:
+            instance = choice.instance
+            instance.unstarted -= 1
+            # Sums of floats drift: none left, none ahead.
+            instance.ahead_blocks = max(instance.ahead_blocks - choice.need, 0.0)
+            if not instance.unstarted:
+                instance.ahead_blocks = 0.0
 
     def decode_failed(self, error: str) -> ApiError:
         where = self.choice.instance.url if self.choice else None
@@ -107,6 +128,7 @@ class Forward:
         if self._finished:
             return
         self._finished = True
+        self._begun()
         if self.upstream is not None:
             await self.upstream.aclose()
         choice = self.choice

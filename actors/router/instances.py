@@ -91,6 +91,11 @@ class Instance:
         self.in_flight = 0  # requests of this router on it: reserved/prefilling to answered
         self.load: Load | None = None  # its own word (GET /ringfence/load), when followed
         self.in_flight_at_load = 0  # in_flight when that word came
+        # This router's requests sent here and not begun (no first byte yet): how many, and
+        # the prefill they need here in blocks (what they missed), the queue ahead of the next.
+        self.unstarted = 0
+        self.ahead_blocks = 0.0
+        self.unstarted_at_load = 0  # unstarted when that word came
 
     def __repr__(self) -> str:
         return f"Instance({self.role} {self.url}, in_flight={self.in_flight})"

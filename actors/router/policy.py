@@ -40,7 +40,18 @@ instance's word. Blocks in use are not load by themselves: a hot prefix shared b
 request there is held once, and costs the next request nothing.
 
 A hot prefix held by one instance draws requests there only until its queue costs more
-than recomputing the prefix elsewhere.
+than recomputing the prefix elsewhere. The queue that delays a first token is the prefill
+ahead of it, so the choice then spills (:meth:`Picker.spill`) where the prefill to do before
+this prompt's first token is least, once the chosen instance's is more than another's::
+
+    ahead(i) = the need of the router's requests there not begun (no first byte yet)
+               + max(waiting(i) - unstarted_then(i), 0) * mean_need
+    spill to j when ahead(best) > 0 and ahead(best) + need(best) > ahead(j) + need(j)
+
+that is, when the prefill queued ahead on the holder costs more than its hit saves (the
+prompt's need elsewhere less its need there). ``mean_need`` is the mean prefill the routed
+requests needed where they went; the other clients' waiting requests are counted at it. A
+request answered whole (not streamed) counts as not begun until its answer came.
 
 The keys are the engine's (``cache/block_hash.py``, namespaced by the instances' shared
 fingerprint). Owned by the router's event loop.
@@ -92,6 +103,12 @@ class Choice:
     instance: Instance
     cached: float = 0.0
     prompt_blocks: int = 0
+    spilled: bool = False  # the cost function's choice had more prefill queued (spill)
+
+    @property
+    def need(self) -> float:
+        """The prefill the prompt needs there, in blocks."""
+        return max(self.prompt_blocks - self.cached, 0.0)
 
 
 class Picker:
@@ -113,6 +130,7 @@ class Picker:
         self._cursor = 0
         self._sent: OrderedDict[BlockHash, str] = OrderedDict()  # approximate: LRU of keys
         self._blocks_routed = 0
+        self._need_routed = 0.0
         self._routed = 0
         self.down: set[str] = set()  # instances routed around (found dead)
 
@@ -128,6 +146,18 @@ class Picker:
         word, own = instance.load, instance.in_flight
         others = 0 if word is None else word.running + word.waiting - instance.in_flight_at_load
         return (own + max(others, 0)) * self.mean_blocks()
+
+    def mean_need(self) -> float:
+        """The mean prefill the routed requests needed where they went (blocks, >= 1)."""
+        return max(self._need_routed / self._routed, 1.0) if self._routed else 1.0
+
+    def ahead(self, instance: Instance) -> float:
+        """The prefill queued on ``instance`` before a new prompt's, in blocks (see the
+        module docstring): this router's requests not begun, exactly, and the other
+        clients' waiting ones at the mean need."""
+        word = instance.load
+        others = 0 if word is None else max(word.waiting - instance.unstarted_at_load, 0)
+        return instance.ahead_blocks + others * self.mean_need()
 
     @staticmethod
     def short(instance: Instance, need: float) -> float:
@@ -156,14 +186,28 @@ class Picker:
                 cost = w.overlap * need + load + self.short(instance, need)
                 costs.append((cost, load, cached, instance))
             _, _, cached, best = min(costs, key=lambda c: (c[0], -c[2], c[1]))
-            choice = Choice(best, cached, len(keys))
+            choice = self.spill(Choice(best, cached, len(keys)), [(c[3], c[2]) for c in costs])
         self._cursor = (self.instances.index(choice.instance) + 1) % len(self.instances)
         return choice
+
+    def spill(self, choice: Choice, held: Sequence[tuple[Instance, float]]) -> Choice:
+        """``choice``, or where the prefill to do before the prompt's first token is least
+        when ``choice.instance`` has prefill queued and more to do (the module docstring);
+        ``held``: each instance and the weighted blocks of the prompt it holds."""
+        ahead = self.ahead(choice.instance)
+        if ahead <= 0:
+            return choice
+        todo = {i: self.ahead(i) + max(choice.prompt_blocks - c, 0.0) for i, c in held}
+        least, cached = min(held, key=lambda h: (todo[h[0]], -h[1]))
+        if todo[least] >= todo[choice.instance]:
+            return choice
+        return Choice(least, cached, choice.prompt_blocks, spilled=True)
 
     def routed(self, choice: Choice, keys: Sequence[BlockHash]) -> None:
         """A request of ``keys`` was sent to ``choice.instance`` (``approximate`` remembers)."""
         self._routed += 1
         self._blocks_routed += len(keys)
+        self._need_routed += choice.need
         if self.policy != "approximate" or not keys or self.index is None:
             return
         name = choice.instance.url

@@ -122,6 +122,7 @@ class Router:
                     seq = int(body["seq"])
                     instance.load = Load(**{k: int(body.get(k, 0)) for k in LOAD_FIELDS})
                     instance.in_flight_at_load = instance.in_flight
+                    instance.unstarted_at_load = instance.unstarted
                     wait = FIRST_WAIT_S
                     continue
                 instance.load = None  # not serving now (an error answer)

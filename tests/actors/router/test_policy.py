@@ -11,7 +11,13 @@ from ringfence.actors.http.load import Load
 from ringfence.actors.router.cli import OVERLAP_WEIGHT, POLICY_CHOICES
 from ringfence.actors.router.instances import Identity, Instance
 from ringfence.actors.router.options import RouterOptions
-from ringfence.actors.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, Picker, Weights
+from ringfence.actors.router.policy import (
+    DEFAULT_OVERLAP_WEIGHT,
+    POLICIES,
+    Choice,
+    Picker,
+    Weights,
+)
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.kv_events import AllBlocksCleared, BlockStored
 from ringfence.cache.kv_index import KVIndex
@@ -85,6 +91,53 @@ def test_a_flood_on_a_hot_prefix_piles_on_its_holder_only_as_far_as_the_load_ter
     others = max(served.count(b), served.count(c))
     assert others <= served.count(a) <= others + overlap * 8 / mean + 1, served
     assert min(served.count(b), served.count(c)) >= 9  # the rest spread evenly
+
+
+def queue(picker: Picker, ks: list[BlockHash]) -> Choice:
+    """Choose for ``ks`` and count it in flight and not begun there (before its first byte,
+    as the router counts it)."""
+    choice = picker.choose(ks)
+    assert choice is not None
+    picker.routed(choice, ks)
+    choice.instance.in_flight += 1
+    choice.instance.unstarted += 1
+    choice.instance.ahead_blocks += choice.need
+    return choice
+
+
+def test_a_hot_prefix_spills_once_the_prefill_queued_on_its_holder_costs_more_than_its_hit():
+    a, b, c = instances()
+    index = KVIndex()
+    # A weight that keeps the cost function on the holder: only the spill moves the flood.
+    picker = Picker("cache", [a, b, c], index, Weights(overlap=8.0))
+    hot = keys(7, 10)
+    store(index, a.url, hot[:8])  # a holds 8 of the prompt's 10 blocks: it needs 2, others 10
+    choices = [queue(picker, hot) for _ in range(6)]
+    # a takes prompts while the prefill ahead there and the prompt's own (2 each) is no more
+    # than the 10 blocks elsewhere: 0, 2, 4, 6, 8 blocks ahead; at 10 the sixth spills.
+    assert [ch.instance for ch in choices[:5]] == [a] * 5 and not any(
+        ch.spilled for ch in choices[:5]
+    )
+    assert choices[5].spilled and choices[5].instance in (b, c) and choices[5].cached == 0.0
+    assert a.ahead_blocks == 10.0
+    # Once a's requests began (their first tokens came), only the decoding is left there.
+    a.unstarted, a.ahead_blocks = 0, 0.0
+    assert queue(picker, hot).instance is a
+
+
+def test_other_clients_waiting_requests_count_as_prefill_ahead_at_the_mean_need():
+    a, b = instances(2)
+    index = KVIndex()
+    picker = Picker("cache", [a, b], index, Weights(overlap=8.0))
+    hot = keys(8, 10)
+    store(index, a.url, hot[:8])
+    assert queue(picker, hot).instance is a  # mean need 2 from now on
+    a.load = Load(waiting=5, free_blocks=100, total_blocks=100)  # its own 1 among them
+    a.unstarted_at_load = 1
+    # Ahead on a: its own 2, and 4 of other clients at 2 = 10; with its 2: 12 > 10 on b.
+    assert picker.ahead(a) == 10.0
+    choice = queue(picker, hot)
+    assert choice.spilled and choice.instance is b
 
 
 def test_the_instances_own_word_counts_requests_this_router_did_not_send():
