@@ -16,7 +16,8 @@ none            nothing                                  drop it: the key is for
 A copy down is skipped when the lower tier already holds the key (keys name
 content, so equal keys are equal bytes). Eviction is lazy (see block_pool.py): it
 happens when an allocation reuses the block, so a write-back copy reads the block
-just before it is overwritten; the fence rule orders the two (DESIGN.md, I2/I3).
+just before it is overwritten; the fence rule orders the two (I2 and I3 of
+docs/design.md, "Invariants I1-I4").
 """
 
 from __future__ import annotations

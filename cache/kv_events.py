@@ -1,6 +1,6 @@
 """KV events: what the cache of one instance holds, as changes a router can follow.
 
-DESIGN.md "KV events and routing". The scheduler's pools report every key they gain or
+docs/design.md, "KV events and routing". The scheduler's pools report every key they gain or
 lose (:class:`~ringfence.cache.block_pool.BlockPool`'s ``on_key``), the block manager
 reports the blocks storage holds once a write-back completed, and a device tier reset
 (a Worker restart) clears the device tier at once. :class:`KVEventJournal` collects them

@@ -1,6 +1,6 @@
 """Which instances hold which blocks, on which tier: a router's index, fed by KV events.
 
-DESIGN.md "KV events and routing". A router follows every instance's KV events
+docs/design.md, "KV events and routing". A router follows every instance's KV events
 (``cache/kv_events.py``, received in vLLM's wire format) and keeps, per block key, a mask
 of the (instance, medium) pairs that announced it. For a prompt's keys (hashed as the
 engine hashes them), :meth:`KVIndex.overlap` tells each instance's longest cached prefix

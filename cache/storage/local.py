@@ -10,12 +10,13 @@ first byte in hex, so no directory holds more than 1/256 of the blocks)::
 
 Each fingerprint and each storage secret (or none) has its own key space, the backend's
 ``directory``: the ranks of one instance store their shards of a block under one key, each
-under its own fingerprint (DESIGN.md "Ranks"), and so do models sharing a root; instances
-holding different secrets (a misconfigured one, both sides of a key rotation) store the same
-key side by side. A backend reads only its key space, so it never deletes a blob it cannot
-verify because another secret sealed it. Sealed blobs written before the secret named the
-directory (right under ``<root>/<fp>/<k0>``) are not found by a reader with the secret;
-blocks left directly under ``<root>/<k0>`` by an older layout are never read, nor removed.
+under its own fingerprint (docs/design.md, "Ranks (tensor parallelism)"), and so do models
+sharing a root; instances holding different secrets (a misconfigured one, both sides of a
+key rotation) store the same key side by side. A backend reads only its key space, so it
+never deletes a blob it cannot verify because another secret sealed it. Sealed blobs written
+before the secret named the directory (right under ``<root>/<fp>/<k0>``) are not found by a
+reader with the secret; blocks left directly under ``<root>/<k0>`` by an older layout are
+never read, nor removed.
 
 A block is written to a temp file in its final directory, flushed with
 ``fdatasync``, and renamed over its final name with ``os.replace``, which is atomic:

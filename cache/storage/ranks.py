@@ -1,5 +1,5 @@
 """The storage tier as the engine sees it over every rank: a block is present only where
-every rank's shard of it is (DESIGN.md "Ranks").
+every rank's shard of it is (docs/design.md, "Ranks (tensor parallelism)").
 
 With ``parallel.tp_size`` = N, rank r's store lane writes its shard of a block under the
 block's key and rank r's fingerprint, so each rank has a key space of its own (local: a

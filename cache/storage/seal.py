@@ -1,6 +1,6 @@
 """The storage secret: the key that seals each stored block, and its public identifier.
 
-A shared tier is not trusted (DESIGN.md "Trust"): anyone who can write to the Redis server
+A shared tier is not trusted (docs/design.md, "Trust"): anyone who can write to the Redis server
 or the directory can store a blob under a real key with a correct CRC-32. With
 ``cache.storage.secret`` set, every blob carries an HMAC-SHA256 tag under a key derived from
 the secret (blob.py's keyed layout), and a reader holding the secret takes no blob whose tag
