@@ -11,7 +11,7 @@ swap-out that overwrites it; the swap-out of an evicted device block before the
 swap-in or step that overwrites it; a write-through before nothing that could
 overwrite its source, since the source is in use.
 
-Demotion (DESIGN.md "Blocks and tiers", ``ringfence.cache.demotion``): a device block
+Demotion (docs/design.md, "Blocks and tiers", ``ringfence.cache.demotion``): a device block
 leaves to the host tier when there is one, else to storage through the staging
 blocks of the host tensor; a host block leaves to storage. ``stored`` remembers the
 keys this instance has sent to storage, so it never writes one twice, and counts

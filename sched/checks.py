@@ -30,7 +30,7 @@ def check_token_ids(field: str, value: object, *, allow_empty: bool = True) -> t
     """A tuple copy of ``value``, a list or tuple of non-negative ints; RequestError otherwise.
 
     The copy keeps the caller's list out of the request: token lists are copied,
-    never shared and mutated (DESIGN.md, "Blocks and tiers").
+    never shared and mutated (docs/design.md, "Blocks and tiers").
     """
     if not isinstance(value, list | tuple):
         raise RequestError(

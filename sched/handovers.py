@@ -1,5 +1,6 @@
-"""A prefill instance's hand-overs (DESIGN.md "Instances"): a finished request's full blocks
-written to storage for a decode instance, and how many of them are durable once written.
+"""A prefill instance's hand-overs: a finished request's full blocks written to storage for
+a decode instance, and how many of them are durable once written (docs/design.md,
+"Instances (prefill/decode disaggregation)").
 
 :class:`HandOvers` issues the writes when the scheduler finishes a request with
 ``handover`` on (through the block manager's staging, so they are fenced after the step

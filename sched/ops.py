@@ -9,7 +9,7 @@ sequence's ``SamplingParams``, and content keys as ``bytes`` (written as hex on 
 
 The order of a scheduler's op list is the issue order: the fences were computed in it,
 and the sequential execution of the list in that order is what every correct
-execution of the protocol equals (DESIGN.md, "Sequence numbers, watermarks, fences").
+execution of the protocol equals (docs/design.md, "Sequence numbers, watermarks, fences").
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Decode-side reservations: room promised to a request before its prefill runs elsewhere.
 
 A decode instance (``engine.role = "decode"``) takes requests only by reservation
-(DESIGN.md "Instances"): the router asks it for room, then has the prompt prefilled on a
-prefill instance, then claims the room with the request. A reservation is granted only
-when the request's blocks fit beside the headroom kept for the growth of the requests
-the instance already has (``sched.reserve_blocks``), so a new request never makes a
-running one preempted, whatever arrives. An unclaimed reservation expires at the time the
-caller gave (the engine's timer); nothing else frees it.
+(docs/design.md, "Instances (prefill/decode disaggregation)"): the router asks it for room,
+then has the prompt prefilled on a prefill instance, then claims the room with the request.
+A reservation is granted only when the request's blocks fit beside the headroom kept for the
+growth of the requests the instance already has (``sched.reserve_blocks``), so a new request
+never makes a running one preempted, whatever arrives. An unclaimed reservation expires at
+the time the caller gave (the engine's timer); nothing else frees it.
 
 What a request is counted for:
 

@@ -37,7 +37,8 @@ them, and issues ops, through its methods only, never through its pools.
 
 A prefill instance (``SchedulerConfig.handover``) writes every full block of a finishing
 request to storage (:mod:`sched.handovers`); a decode instance admits requests by
-reservation (:meth:`reserve`, :mod:`ringfence.sched.reservations`). DESIGN.md "Instances".
+reservation (:meth:`reserve`, :mod:`ringfence.sched.reservations`). docs/design.md,
+"Instances (prefill/decode disaggregation)".
 
 The live sequences and their waiting and running queues are
 :class:`ringfence.sched.queues.Queues`. What a failed step, a failed swap-out and a lost
@@ -188,7 +189,7 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.queues.waiting)
 
-    # Prefill and decode instances (DESIGN.md "Instances").
+    # Prefill and decode instances (docs/design.md, "Instances (prefill/decode disaggregation)").
 
     def reserve(
         self,

@@ -105,9 +105,10 @@ class Emitted:
 @dataclass(frozen=True, slots=True)
 class HandOver:
     """A prefill instance's finished request whose full blocks are being written to storage
-    for a decode instance (DESIGN.md "Instances"): the engine holds its finish until the
-    store op ``mark`` is complete on every rank, then reports how many leading blocks are
-    durable (:meth:`ringfence.sched.handovers.HandOvers.stored_blocks`)."""
+    for a decode instance (docs/design.md, "Instances (prefill/decode disaggregation)"): the
+    engine holds its finish until the store op ``mark`` is complete on every rank, then
+    reports how many leading blocks are durable
+    (:meth:`ringfence.sched.handovers.HandOvers.stored_blocks`)."""
 
     request_id: str
     keys: tuple[BlockHash, ...]  # its full blocks' keys, in order

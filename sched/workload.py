@@ -4,8 +4,8 @@ A workload line is one JSON object with ``id``, exactly one of ``prompt`` (text)
 ``prompt_token_ids`` and ``messages`` (a chat: a list of objects with string ``role``
 and ``content``, rendered through the model's chat template by the engine), and optional
 ``arrival_s``, ``session`` and any field of ``SamplingParams`` (``max_tokens``,
-``temperature``, ``top_p``, ``seed``, ``stop_token_ids``, ``logprobs``...) (DESIGN.md,
-"Interfaces users and scripts rely on"). Parsing takes the lines
+``temperature``, ``top_p``, ``seed``, ``stop_token_ids``, ``logprobs``...) (docs/design.md,
+"Run dirs and workload files"). Parsing takes the lines
 the caller read: this package does no I/O. Synthetic workloads are pure functions of their
 name, seed and size, with token ids in 0..255, the byte tokenizer's range, so any model of
 this project can run them.
