@@ -160,8 +160,9 @@ class Client:
     def reserve(
         self, prompt_token_ids: Sequence[int], *, max_tokens: int = 16, timeout: float = 10.0
     ) -> Reservation:
-        """Ask a decode instance for room for a request (DESIGN.md "Instances"); its answer,
-        granted or not. TimeoutError without one in ``timeout`` s; ClientError as submit."""
+        """Ask a decode instance for room for a request; its answer, granted or not
+        (docs/design.md, "Instances (prefill/decode disaggregation)"). TimeoutError without
+        one in ``timeout`` s; ClientError as submit."""
         self._check_open()
         name, ids = f"rsv-{uuid.uuid4().hex}", tuple(prompt_token_ids)
         try:

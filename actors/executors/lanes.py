@@ -1,6 +1,6 @@
 """What every lane executor shares: its watermark, fence waits, lane order, completions.
 
-Three lanes run per rank (DESIGN.md "Sequence numbers, watermarks, fences"): ``step``
+Three lanes run per rank (docs/design.md, "Sequence numbers, watermarks, fences"): ``step``
 (the Worker), ``swap`` and ``store`` (the two Transfer lanes). Each is executed in
 issue order by exactly one actor, which publishes how far it got in the ``lanes``
 counter block of the run (its layout: ``actors/protocol/lanes.py``: step_done,

@@ -2,8 +2,8 @@
 
 Under tensor parallelism every rank runs every step plan, and a step's forward pass
 holds all-reduces: a rank that enters it waits inside the collective for all the
-others. Each rank waits only on its own rank's watermarks for the plan's fence (DESIGN.md
-"Ranks": shards of different ranks are disjoint memory), so the ranks reach the
+others. Each rank waits only on its own rank's watermarks for the plan's fence (docs/design.md,
+"Ranks (tensor parallelism)": shards of different ranks are disjoint memory), so the ranks reach the
 forward at different times; a rank whose swap lane is restarting may be seconds late,
 and one that finds the plan stale or malformed never enters it. A rank blocked in a
 collective cannot heartbeat, nor see that a peer will never come.

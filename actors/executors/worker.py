@@ -1,6 +1,6 @@
 """The Worker actor: runs the Engine's step plans on the model and the device KV tensor.
 
-One Worker per rank executes the step lane (DESIGN.md "Sequence numbers,
+One Worker per rank executes the step lane (docs/design.md, "Sequence numbers,
 watermarks, fences") strictly in order, ``s = 1, 2, ...``. For each plan it
 
 1. refuses a malformed plan before touching anything (unknown or repeated block id,
@@ -252,7 +252,8 @@ class Worker(LaneExecutor):
             )
             if self.shard.size > 1 and not isinstance(e, NonFiniteLogits):
                 # The peers are inside (or past) this step's collectives and cannot be told:
-                # the group goes down together and restarts (DESIGN.md "Ranks").
+                # the group goes down together and restarts (docs/design.md,
+                # "Ranks (tensor parallelism)").
                 raise
             self._finish(plan, "failed", error=f"{type(e).__name__}: {e}")
             return

@@ -6,7 +6,7 @@ it. On CPU the tensor lives in a named shared-memory segment of the run
 it is a device tensor exported by CUDA IPC. Either way the owner describes it with a
 :class:`KVHandle` (a plain message field) and a peer opens it with
 :func:`open_kv`. The layout is block-major, ``[num_blocks, layers, 2, block_size,
-kv_heads, head_dim]`` (DESIGN.md, "Blocks and tiers"), so one block is one
+kv_heads, head_dim]`` (docs/design.md, "Blocks and tiers"), so one block is one
 contiguous run of ``block_bytes`` bytes.
 
 The segment's name belongs to the run: the supervisor unlinks every name of the run

@@ -1,7 +1,7 @@
 """Paged execution: one mixed step of prefill chunks and decode tokens over a block-major KV tensor.
 
 The KV tensor is laid out ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``
-(DESIGN.md, "Blocks and tiers"): one block is one contiguous run of bytes holding every
+(docs/design.md, "Blocks and tiers"): one block is one contiguous run of bytes holding every
 layer's K (index 0) and V (index 1) for ``block_size`` consecutive positions. The token
 at position ``pos`` of a sequence lives in slot ``pos % block_size`` of block
 ``block_table[pos // block_size]``.

@@ -1,6 +1,6 @@
 """Tensor parallelism: which slice of each tensor a rank holds, and the group that joins them.
 
-Megatron-style (DESIGN.md "Ranks (tensor parallelism)"): q/k/v and gate/up are
+Megatron-style (docs/design.md, "Ranks (tensor parallelism)"): q/k/v and gate/up are
 column-parallel (each rank holds a contiguous run of the output rows: its heads, its
 share of the SwiGLU inner width), o and down are row-parallel (each rank holds the
 matching input columns) and are followed by an all-reduce that sums the ranks' partial

@@ -91,8 +91,8 @@ class Abort:
 @message(CLIENT_TO_ENGINE, tag=4)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reserve:
-    """Ask a decode instance for room for a request (DESIGN.md "Instances"); answered by a
-    :class:`Reservation` of the same ``reservation_id``."""
+    """Ask a decode instance for room for a request; answered by a :class:`Reservation` of
+    the same ``reservation_id`` (docs/design.md, "Instances (prefill/decode disaggregation)")."""
 
     expects_reply: ClassVar[bool] = True
     reservation_id: str  # unique among this client's live reservations and requests

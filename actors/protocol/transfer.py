@@ -3,7 +3,7 @@ engine -> store lane (``TO_STORE``), and back from either (``FROM_TRANSFER``).
 
 The ops are the scheduler's own :class:`~ringfence.sched.ops.SwapOp` and
 :class:`~ringfence.sched.ops.StoreOp`. Every op names its lane number (``t`` for swap,
-``u`` for store, DESIGN.md "Sequence numbers, watermarks, fences"), the issuer's epoch and
+``u`` for store, docs/design.md, "Sequence numbers, watermarks, fences"), the issuer's epoch and
 its fence; a completion is sent only once the lane's watermark covers the op. KV data
 never travels here, only block ids and content keys.
 """

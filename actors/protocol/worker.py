@@ -3,7 +3,7 @@
 ``TO_WORKER`` (engine -> worker) carries step plans, the scheduler's own
 :class:`~ringfence.sched.ops.StepOp` (one type from scheduler to wire to Worker);
 ``FROM_WORKER`` (worker -> engine) carries the worker's announcement and step results.
-Every message names its step number ``s`` (the step lane's sequence number, DESIGN.md
+Every message names its step number ``s`` (the step lane's sequence number, docs/design.md,
 "Sequence numbers, watermarks, fences") and the issuer's epoch, and a plan carries its
 fence: the worker touches no block before every watermark named in the fence has
 reached it. KV data never travels here, only block ids.
