@@ -20,9 +20,10 @@ and its client of the storage tier (:mod:`.storage`), then runs a loop made of m
   requests running or waiting changed, the clients that asked get the engine's
   :class:`Stats` (:mod:`.stats`; zeros with ``began`` False until the scheduler began);
 - a prefill or decode instance (``engine.role``) holds finishes until their blocks are
-  stored, or grants reservations (:mod:`.disaggregation`, DESIGN.md "Instances").
+  stored, or grants reservations (:mod:`.disaggregation`; docs/design.md,
+  "Instances (prefill/decode disaggregation)").
 
-Faults (DESIGN.md "Sequence numbers" on epochs and restarts):
+Faults (docs/design.md, "Epochs and restarts"):
 
 - the engine (re)starts by publishing its epoch as ``issuer_epoch`` of every rank (every op
   an engine before it issued is stale from then on and is cancelled, never run) and
@@ -202,9 +203,10 @@ class Engine(Actor):
 
     @property
     def regrouping(self) -> list[int]:
-        """The Worker ranks a restarted group still waits for (DESIGN.md "Ranks": the ranks
-        restart together, under one incarnation number): nothing is issued until every rank
-        of the new generation announced itself, so every rank gets every op of its epoch."""
+        """The Worker ranks a restarted group still waits for (docs/design.md,
+        "Ranks (tensor parallelism)": the ranks restart together, under one incarnation number):
+        nothing is issued until every rank of the new generation announced itself, so every
+        rank gets every op of its epoch."""
         return [
             rank
             for rank in range(self.ranks)
@@ -349,7 +351,8 @@ class Engine(Actor):
             self.outputs.emitted(
                 e, hold=self.scheduler.config.handover, logprobs=logprobs, prompt_logprobs=prompt
             )
-        if self.scheduler.config.handover:  # finishes wait for writes (DESIGN.md "Instances")
+        # Finishes wait for writes (docs/design.md, "Instances (prefill/decode disaggregation)").
+        if self.scheduler.config.handover:
             self.desk.hold(self.scheduler.handovers.take())
             self.desk.settle(self.ledger.completed(Lane.STORE), self.scheduler)
         for request in failed:

@@ -2,7 +2,7 @@
 answered its Resync.
 
 An engine begins only once every executor of every rank has answered its ``Resync``
-(DESIGN.md on epochs and restarts; :class:`Roster`): the answer's watermark covers every
+(docs/design.md, "Epochs and restarts"; :class:`Roster`): the answer's watermark covers every
 op an engine before it sent, so each lane's numbers go on after the largest of its ranks'
 answers. Afterwards an announcement with a new incarnation is a restart: a Worker's means a
 new device tier, a lane's that it redoes its op in flight from its ring.

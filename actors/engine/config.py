@@ -34,7 +34,8 @@ class EngineConfig:
     )
     role: Role = setting(
         "both",
-        'both, or one side of prefill/decode disaggregation (DESIGN.md "Instances"): '
+        "both, or one side of prefill/decode disaggregation "
+        '(docs/design.md, "Instances (prefill/decode disaggregation)"): '
         "prefill writes every finished request's blocks to the shared storage tier and "
         "answers once they are durable; decode takes requests only by reservation",
     )

@@ -1,13 +1,14 @@
 """The engine's side of prefill/decode disaggregation: reservations and held finishes.
 
-DESIGN.md "Instances". A decode instance (``engine.role = "decode"``) grants
-:class:`Reserve` requests from the scheduler's rule (:mod:`ringfence.sched.reservations`),
-answers each with a :class:`Reservation`, and expires the unclaimed ones on its own timer
-(an :class:`Expire` message, ``engine.reservation_ttl_s`` after the grant). A prefill
-instance (``"prefill"``) holds each finished request's finish until the store op that
-writes its last block (``HandOver.mark``) is complete on every rank, then ends it with
-the number of leading blocks storage holds: once the client hears the finish, those
-blocks are whole and visible to any instance on the same tier.
+docs/design.md, "Instances (prefill/decode disaggregation)". A decode instance
+(``engine.role = "decode"``) grants :class:`Reserve` requests from the scheduler's rule
+(:mod:`ringfence.sched.reservations`), answers each with a :class:`Reservation`, and expires
+the unclaimed ones on its own timer (an :class:`Expire` message,
+``engine.reservation_ttl_s`` after the grant). A prefill instance (``"prefill"``) holds each
+finished request's finish until the store op that writes its last block (``HandOver.mark``)
+is complete on every rank, then ends it with the number of leading blocks storage holds:
+once the client hears the finish, those blocks are whole and visible to any instance on the
+same tier.
 
 Owned by the Engine actor, called from its handlers; never blocks.
 """

@@ -1,13 +1,13 @@
 """The engine's issuing ledger: ops waiting for credit, ops in flight, completions counted.
 
-Per lane, the scheduler's ops wait here in issue order until the lane has credit; then
-each goes, stamped with the epoch it was issued in, to the lane's executor of every rank
-(DESIGN.md "Ranks"). Per (lane, rank) the ledger knows the last op completed, and per lane
-the last op sent: ops in flight at a rank are their difference, so a completion that a
-restarted executor repeats never frees a credit twice. An op is complete once every rank
-has reported it, each rank counted once; only then is its outcome handed to the
-scheduler: ``ok`` only if every rank's was, a prefetch's missing blocks the union of every
-rank's, and the sampled tokens of rank 0's step result.
+Per lane, the scheduler's ops wait here in issue order until the lane has credit; then each
+goes, stamped with the epoch it was issued in, to the lane's executor of every rank
+(docs/design.md, "Ranks (tensor parallelism)"). Per (lane, rank) the ledger knows the last
+op completed, and per lane the last op sent: ops in flight at a rank are their difference,
+so a completion that a restarted executor repeats never frees a credit twice. An op is
+complete once every rank has reported it, each rank counted once; only then is its outcome
+handed to the scheduler: ``ok`` only if every rank's was, a prefetch's missing blocks the
+union of every rank's, and the sampled tokens of rank 0's step result.
 
 In ``transfer.mode = "sync"`` an op is also held until every op its fence names is
 complete, and then sent with no fence: the legacy ordering, measured against the fences.

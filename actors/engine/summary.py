@@ -5,7 +5,7 @@ Pure and clock-free: times are given by the caller (seconds from the workload's 
 so the engine, the launcher and the benchmarks share one definition of TTFT, TPOT,
 throughput and hit rate. Standard library and orjson only.
 
-Files written into a run dir (see DESIGN.md, "Interfaces users and scripts rely on"):
+Files written into a run dir (see docs/design.md, "Run dirs and workload files"):
 
 * ``outputs.jsonl``: one line per request, in the order given: ``id``, ``prompt_tokens``,
   ``token_ids``, ``finish_reason``, ``error`` (only when there is one), ``ttft_s``,

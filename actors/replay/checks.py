@@ -4,11 +4,11 @@ Every check reads only what the actors logged (see ``log.py``), never the code's
 own bookkeeping, so a bug in the scheduler's fences is found as surely as a lane that
 ran without waiting:
 
-With ``parallel.tp_size`` = N every op goes to every rank (DESIGN.md "Ranks"): each
-rank's executor runs it on its own shard, waiting only on its own rank's watermarks, and
-the engine counts it complete once every rank reported it. So every check below that
-reads a completion reads each rank's, on its own: a completion at one rank never
-vouches for another, and each finding names the executor (``worker-1``, ``swap-0``).
+With ``parallel.tp_size`` = N every op goes to every rank (docs/design.md, "Ranks (tensor
+parallelism)"): each rank's executor runs it on its own shard, waiting only on its own
+rank's watermarks, and the engine counts it complete once every rank reported it. So every
+check below that reads a completion reads each rank's, on its own: a completion at one rank
+never vouches for another, and each finding names the executor (``worker-1``, ``swap-0``).
 
 - **I1-I4** (needs the engine's trace: ``op.issue`` with every block an op touches).
   Walking the ops in the scheduler's issue order, an independent per-block record of

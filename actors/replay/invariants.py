@@ -7,11 +7,11 @@ The op must have *seen* that op's lane watermark at or past it before it touched
 (``seen_*`` of its completion: else the violation really happened), and its fence must
 name it (else the run was lucky: the scheduler's fence is too weak). See ``checks.py``.
 
-With several ranks (DESIGN.md "Ranks") every rank runs every op on its own shard, and
-rank r's executor waits only on rank r's watermarks: the op's completion at rank r (its
-``seen_*``, logged by rank r's executor) must show rank r's lanes past the conflicting
-op. One rank's completion never vouches for another's. The fence is the engine's, one
-for every rank, so a fence too weak is one finding, not one per rank.
+With several ranks (docs/design.md, "Ranks (tensor parallelism)") every rank runs every op
+on its own shard, and rank r's executor waits only on rank r's watermarks: the op's
+completion at rank r (its ``seen_*``, logged by rank r's executor) must show rank r's lanes
+past the conflicting op. One rank's completion never vouches for another's. The fence is the
+engine's, one for every rank, so a fence too weak is one finding, not one per rank.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A run's logs for replay: every actor's JSON lines, read and merged in happens-before order.
 
-:func:`read_run` reads each ``<actor>-<rank>.jsonl`` of a run dir (DESIGN.md "Logs and
+:func:`read_run` reads each ``<actor>-<rank>.jsonl`` of a run dir (docs/design.md, "Logs and
 replay"; the events and fields are catalogued in ``runtime/events/``), skipping a
 partial last line (a process killed mid-write) or any line that is not a JSON object
 with a warning, and keeps only the last launch when the supervisor log shows several
@@ -12,8 +12,8 @@ all entries by the protocol's own happens-before:
 - program order within each file;
 - a ring message's ``msg.send`` before its ``msg.recv`` (same ring, same sequence number);
 - an op's ``op.issue`` before each rank's completion of it, and every rank's before the
-  engine applies it (DESIGN.md "Ranks": the engine counts an op complete once every rank
-  reported it);
+  engine applies it (docs/design.md, "Ranks (tensor parallelism)": the engine counts an op
+  complete once every rank reported it);
 - the completion of op ``n`` of lane L at rank r before the completion at rank r of any
   op whose executor saw L's watermark at ``n`` or more before it touched a block (rank
   r's executors wait only on rank r's watermarks).

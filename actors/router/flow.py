@@ -1,5 +1,6 @@
 """One request's run over the instances: reserve on a decode instance, prefill on a prefill
-instance, claim on the decode instance (the contract: DESIGN.md "Instances").
+instance, claim on the decode instance (the contract: docs/design.md,
+"Instances (prefill/decode disaggregation)").
 
 1. Reserve: the decode instance picked by load; on ``503 no_room`` (or one unreachable)
    the other decode instances, then a wait (Retry-After, at least the backoff that doubles

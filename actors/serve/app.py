@@ -174,7 +174,8 @@ def build_app(
         return await ignoring(frontend, body, request, run)
 
     install_token_api(app, prompter)
-    install_router_api(app, frontend, config)  # DESIGN.md "Instances"
+    # The routes of docs/design.md, "Instances (prefill/decode disaggregation)".
+    install_router_api(app, frontend, config)
     return app
 
 

@@ -1,4 +1,5 @@
-"""The API an instance offers ``ringfence router``: its routes (DESIGN.md "Instances").
+"""The API an instance offers ``ringfence router``: its routes (docs/design.md,
+"Instances (prefill/decode disaggregation)").
 
 - ``GET /ringfence/instance``: what the router pairs instances by (role, model, the
   storage fingerprints of every rank, the storage secret's identifier: a keyed hash that

@@ -14,8 +14,9 @@ streams a program with a few ops in flight per lane (credits) and collects
 every completion. Then, when ``harness.check`` is on, it interprets the same program
 sequentially in its own process (:func:`interpret`: one op at a time, in issue order,
 on copies of the tiers as they were before the program) and compares every step's
-tokens and logprobs and the final contents of every device and host block. By the
-argument in DESIGN.md, a correct protocol makes the two equal exactly.
+tokens and logprobs and the final contents of every device and host block. By the argument
+in docs/design.md, "Sequence numbers, watermarks, fences", a correct protocol makes the two
+equal exactly.
 
 ``transfer.mode = "sync"`` is the baseline design: the issuer holds an op until the
 completions of every op its fence names have arrived, then sends it with no fence.

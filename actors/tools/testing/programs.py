@@ -6,8 +6,9 @@ the freed device blocks to poison), swap-outs, swap-ins, write-backs and prefetc
 with the fence that :class:`ringfence.cache.FenceTracker` computes in issue order. Decode
 tokens are fixed in advance (teacher forcing), so a whole program is known before it runs.
 :func:`interpret` runs a program one op at a time, in issue order: by the argument in
-DESIGN.md, any correct execution of the protocol ends in exactly the same state.
-Used by the protocol harness (``harness.py``) and its tests.
+docs/design.md, "Sequence numbers, watermarks, fences", any correct execution of the
+protocol ends in exactly the same state. Used by the protocol harness (``harness.py``) and
+its tests.
 """
 
 from __future__ import annotations

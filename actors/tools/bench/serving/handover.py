@@ -1,6 +1,7 @@
 """What the prefill/decode hand-over cost, read from the logs of one disaggregated run.
 
-Three costs per block (DESIGN.md "Instances"), each from the lines that time it:
+Three costs per block (docs/design.md, "Instances (prefill/decode disaggregation)"), each from
+the lines that time it:
 
 * write: the prefill instance's store lanes, ``lane.done`` of direction ``write``: the
   copy of host blocks into the shared tier (``copy_ns``; ``wait_ns`` is the op's wait for
