@@ -1,5 +1,19 @@
-"""The docs: every relative link of every tracked Markdown file resolves, and README.md
-stays a README (short, and opening with the two commands).
+"""The docs: every relative link of every tracked Markdown file resolves, README.md stays a
+README (short, and opening with the two commands), every citation of the design in the code
+names one of its headings, and every path and symbol the design and the walk name exists.
+
+The design is ``docs/design.md``. Code cites it in one form only, the file and a heading
+exactly as written there, in double quotes, after a comma::
+
+    docs/design.md, "Ranks (tensor parallelism)"
+
+A citation may break across lines of a comment or docstring (the line break, its indent and
+a comment's ``#`` read as one space). Any other mention of ``design.md`` in the product's
+code (``DESIGN.md "Ranks"``, a heading that does not exist) fails the test. A path in
+backticks in ``docs/design.md`` or ``docs/request-walk.md`` that starts with a folder of the
+repository must exist, and each hop of the walk (``N. `path.py` `Symbol`: ...``) must name a
+function, class or method (``Class.method``) defined in that file, so neither page can go
+stale without a test failing.
 
 Only ``[text](target)`` links, images and ``[ref]: target`` definitions are links; a path
 in backticks is code, not a link, and nothing inside a code span or a fenced block is read.
@@ -185,3 +199,145 @@ def test_slugs_are_githubs():
         "gpu-check-scriptsdevice-check-torch-2110cu130-2026-11-27"
     )
     assert anchors("# A\n## A\n```\n# not a heading\n```\n## A\n") == {"a", "a-1", "a-2"}
+
+
+# --- The design and the walk: citations, paths and symbols -------------------------------------
+
+DESIGN = "docs/design.md"
+WALK = "docs/request-walk.md"
+PRODUCT = ("runtime", "actors", "shm", "cache", "sched")  # the five code folders
+FOLDERS = (*PRODUCT, "tests", "scripts", "docs")  # a backticked path starting so must exist
+_MENTION = re.compile(r"design\.md", re.IGNORECASE)
+_CITATION = re.compile(r'docs/design\.md, "([^"]+)"')
+_BREAK = re.compile(r"[ \t]*\n[ \t]*(?:#[ \t]*)?")  # a line break inside a comment or docstring
+_PATH = re.compile(rf"^(?:{'|'.join(FOLDERS)})/[\w./-]*$")
+_HOP = re.compile(r"^\d+\. `([^`]+)` `([^`]+)`:")
+
+
+def headings(text: str) -> set[str]:
+    """The text of every ATX heading of a Markdown file, as written."""
+    return {m.group(2) for _, line in prose_lines(text) if (m := _HEADING.match(line))}
+
+
+def bad_citations(root: Path, files: list[Path], names: set[str]) -> list[str]:
+    """``path:line: problem`` for every mention of ``design.md`` in ``files`` that is not a
+    citation of one of the headings ``names``."""
+    problems = []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for mention in _MENTION.finditer(text):
+            start = max(mention.start() - len("docs/"), 0)
+            window = _BREAK.sub(" ", text[start : mention.end() + 300])
+            line = text.count("\n", 0, mention.start()) + 1
+            where = f"{path.relative_to(root)}:{line}"
+            cited = _CITATION.match(window)
+            if cited is None:
+                rest = text[mention.start() :].partition("\n")[0]
+                shown = rest.partition(")")[0][:60].rstrip()  # the mention, on its own line
+                problems.append(f'{where}: {shown!r}: cite as {DESIGN}, "<a heading of it>"')
+            elif cited.group(1) not in names:
+                problems.append(f'{where}: {DESIGN} has no heading "{cited.group(1)}"')
+    return problems
+
+
+def product_sources(root: Path) -> list[Path]:
+    return sorted(p for folder in PRODUCT for p in (root / folder).rglob("*.py"))
+
+
+def missing_paths(root: Path, page: Path) -> list[str]:
+    """``page:line: path`` for every repository path in backticks on ``page`` that does not
+    exist."""
+    problems = []
+    for number, line in prose_lines(page.read_text(encoding="utf-8")):
+        for span in re.findall(r"`([^`]+)`", line):
+            if _PATH.match(span) and not (root / span).exists():
+                problems.append(f"{page.relative_to(root)}:{number}: {span}: no such path")
+    return problems
+
+
+def _defines(text: str, name: str) -> bool:
+    """Whether ``text`` defines a function, method or class ``name`` (at any depth)."""
+    pattern = rf"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+{re.escape(name)}\b"
+    return re.search(pattern, text, re.MULTILINE) is not None
+
+
+def missing_symbols(root: Path, page: Path) -> list[str]:
+    """``page:line: path Symbol`` for every hop of a walk whose symbol its file does not define."""
+    problems = []
+    for number, line in prose_lines(page.read_text(encoding="utf-8")):
+        hop = _HOP.match(line)
+        if hop is None:
+            continue
+        path, symbol = hop.groups()
+        source = root / path
+        text = source.read_text(encoding="utf-8") if source.is_file() else ""
+        undefined = [name for name in symbol.split(".") if not _defines(text, name)]
+        if undefined:
+            why = "no such file" if not text else f"defines no {undefined[0]}"
+            problems.append(f"{page.relative_to(root)}:{number}: {path} {symbol}: {why}")
+    return problems
+
+
+def test_every_citation_of_the_design_in_the_code_names_one_of_its_headings():
+    names = headings((ROOT / DESIGN).read_text(encoding="utf-8"))
+    problems = bad_citations(ROOT, product_sources(ROOT), names)
+    assert not problems, "citations of the design:\n" + "\n".join(problems)
+
+
+def test_the_code_cites_the_design():
+    cited = [p for p in product_sources(ROOT) if _MENTION.search(p.read_text(encoding="utf-8"))]
+    assert len(cited) >= 20, f"only {len(cited)} product modules cite {DESIGN}"
+
+
+def test_every_path_the_design_and_the_walk_name_exists():
+    problems = [*missing_paths(ROOT, ROOT / DESIGN), *missing_paths(ROOT, ROOT / WALK)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_hop_of_the_walk_names_a_symbol_its_file_defines():
+    walk = ROOT / WALK
+    assert len([line for _, line in prose_lines(walk.read_text()) if _HOP.match(line)]) >= 40
+    problems = missing_symbols(ROOT, walk)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_citation_not_in_the_form_or_of_no_heading_is_named_by_file_and_line(tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "a.py").write_text(
+        '"""Keys (docs/design.md, "Blocks and tiers"), ranks (docs/design.md, "Ranks\n'
+        '    (tensor parallelism)").\n"""\n'  # 1-3: both fine, the second across a line
+        "# fenced (docs/design.md,\n"  # 4
+        '#   "Invariants I1-I4")\n'  # 5: fine, across a comment's lines
+        'X = 1  # DESIGN.md "Ranks"\n'  # 6: the old form
+        '# see docs/design.md, "Instances"\n'  # 7: no such heading
+        "# the argument in design.md\n"  # 8: no heading at all
+    )
+    names = {"Blocks and tiers", "Ranks (tensor parallelism)", "Invariants I1-I4"}
+    assert bad_citations(tmp_path, [tmp_path / "cache" / "a.py"], names) == [
+        'cache/a.py:6: \'DESIGN.md "Ranks"\': cite as docs/design.md, "<a heading of it>"',
+        'cache/a.py:7: docs/design.md has no heading "Instances"',
+        "cache/a.py:8: 'design.md': cite as docs/design.md, \"<a heading of it>\"",
+    ]
+
+
+def test_a_walk_naming_a_missing_file_path_or_symbol_is_named_by_line(tmp_path):
+    (tmp_path / "sched").mkdir()
+    (tmp_path / "sched" / "s.py").write_text(
+        "class Scheduler:\n    def schedule(self):\n        async def inner(): ...\n"
+    )
+    page = tmp_path / "walk.md"
+    page.write_text(
+        "1. `sched/s.py` `Scheduler.schedule`: fine.\n"  # 1
+        "2. `sched/s.py` `inner`: fine, a nested function.\n"  # 2
+        "3. `sched/s.py` `Scheduler.add`: no such method.\n"  # 3
+        "4. `sched/gone.py` `Scheduler`: no such file.\n"  # 4
+        "See `sched/` and `runs/<id>/` (not a folder of the repository), `cache/x.py`.\n"  # 5
+    )
+    assert missing_symbols(tmp_path, page) == [
+        "walk.md:3: sched/s.py Scheduler.add: defines no add",
+        "walk.md:4: sched/gone.py Scheduler: no such file",
+    ]
+    assert missing_paths(tmp_path, page) == [
+        "walk.md:4: sched/gone.py: no such path",
+        "walk.md:5: cache/x.py: no such path",
+    ]
