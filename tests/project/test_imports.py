@@ -1,4 +1,4 @@
-"""DESIGN.md's dependency table, enforced between the project's own packages.
+"""docs/design.md, "The dependency table", enforced between the project's own packages.
 
 Every ``import`` and ``from ... import`` in the source (at any depth: an import inside a
 function is still a static import) is checked against the rules below. Import paths
