@@ -7,8 +7,9 @@ at both ends with consecutive sequence numbers. :meth:`Logs.op` runs one op star
 end (schedule, issue, plan message to every rank, each rank's completion and result
 message, application) before the next, so every executor sees every earlier op done at
 its rank unless a test says otherwise. ``Logs(ranks=2)`` runs two ranks of each
-executor (``worker-0``, ``worker-1``, ``swap-0``, ...; DESIGN.md "Ranks"). Tests then
-edit ``Logs.files`` (drop, repeat or change lines) before :meth:`Logs.write`.
+executor (``worker-0``, ``worker-1``, ``swap-0``, ...; docs/design.md,
+"Ranks (tensor parallelism)"). Tests then edit ``Logs.files`` (drop, repeat or change
+lines) before :meth:`Logs.write`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 /*
- * The prefill/decode hand-over as a Promela model (DESIGN.md "Instances"; actors/router,
- * actors/serve/router_api.py, actors/engine/disaggregation.py): for each of NREQ requests a
- * router reserves room on the decode instance, has the prefill instance compute the prompt and
+ * The prefill/decode hand-over as a Promela model (docs/design.md, "Instances (prefill/decode
+ * disaggregation)"; actors/router, actors/serve/router_api.py, actors/engine/disaggregation.py):
+ * for each of NREQ requests a router reserves room on the decode instance, has the prefill instance compute the prompt and
  * write its K blocks to the shared tier, then claims the reservation; the decode instance
  * prefetches the blocks (a miss is computed again) and streams.
  *

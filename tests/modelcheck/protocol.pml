@@ -1,7 +1,7 @@
 /*
- * The ringfence protocol as a Promela model (DESIGN.md "Sequence numbers, watermarks,
- * fences", "Ranks"): an engine issuing ops on three lanes with fences computed by the
- * rule of cache/fences.py, and per rank a Worker (the step lane) and two Transfer lanes
+ * The ringfence protocol as a Promela model (docs/design.md, "Sequence numbers, watermarks,
+ * fences", "Ranks (tensor parallelism)"): an engine issuing ops on three lanes with fences
+ * computed by the rule of cache/fences.py, and per rank a Worker (the step lane) and two Transfer lanes
  * (swap, store) that wait on watermarks, run in lane order and advance their watermark.
  *
  * What it holds (each bounded by a -D budget, see the defaults below):

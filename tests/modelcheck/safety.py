@@ -3,7 +3,7 @@
 F in table mode (tables.py) asserts that the model's fences equal cache/fences.py's on
 recorded ops: it fails safe changes too (a fence made stronger, the monotone floor
 dropped), and it is tied to the code at one point only. Here the recorded ops are judged
-directly by the question the protocol depends on (DESIGN.md "Sequence numbers,
+directly by the question the protocol depends on (docs/design.md, "Sequence numbers,
 watermarks, fences"): for every pair of ops of different lanes that touch a common block
 of a tier, at least one of them writing it, the later op's fence names the earlier op's
 lane at least at the earlier op's number (then the lane's FIFO and its watermark order

@@ -1,7 +1,7 @@
 """The scheduler, driven by a symbolic simulator of the three lanes.
 
 The simulator executes every op the scheduler issues in issue order (the sequential
-semantics of DESIGN.md "Sequence numbers, watermarks, fences") on symbolic blocks: a
+semantics of docs/design.md, "Sequence numbers, watermarks, fences") on symbolic blocks: a
 device or host block's contents map each slot to the token prefix whose KV it holds
 (the KV at position p depends on tokens 0..p), storage maps a key to such contents.
 A step checks that every position it reads holds exactly the KV of its own sequence

@@ -332,9 +332,10 @@ def test_a_swap_out_reads_device_blocks_only_after_the_step_watermark_reaches_it
 
 
 def test_a_lane_of_rank_1_waits_on_rank_1s_step_watermark_not_on_rank_0s(make_lane) -> None:
-    """DESIGN.md "Ranks": rank r's executors wait only on rank r's watermarks. Rank 0's
-    step 2 is done at once; rank 1's only later, after it wrote the blocks: a lane that read
-    rank 0's watermark would copy what rank 1's step 2 had not yet written."""
+    """docs/design.md, "Ranks (tensor parallelism)": rank r's executors wait only on rank
+    r's watermarks. Rank 0's step 2 is done at once; rank 1's only later, after it wrote the
+    blocks: a lane that read rank 0's watermark would copy what rank 1's step 2 had not yet
+    written."""
     rig = make_lane(SwapLane, rank=1)
     mine, other = rig.play(Lane.STEP), rig.play(Lane.STEP, rank=0)
     mine.advance(1)

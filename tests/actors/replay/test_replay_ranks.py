@@ -1,7 +1,7 @@
-"""``ringfence replay`` on a run with two ranks (DESIGN.md "Ranks"): every op goes to every
-rank, rank r's executor waits on rank r's watermarks alone, and the engine counts an op
-complete once every rank reported it. So each check reads each rank's completion on its
-own, and a finding names the executor it is about."""
+"""``ringfence replay`` on a run with two ranks (docs/design.md, "Ranks (tensor
+parallelism)"): every op goes to every rank, rank r's executor waits on rank r's watermarks
+alone, and the engine counts an op complete once every rank reported it. So each check reads
+each rank's completion on its own, and a finding names the executor it is about."""
 
 from __future__ import annotations
 

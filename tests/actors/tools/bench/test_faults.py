@@ -52,8 +52,9 @@ def test_repeated_kills_of_the_transfer_lanes_and_a_kill_of_the_worker_lose_no_r
 def test_at_tp_2_a_ranks_swap_lane_killed_twice_and_a_worker_rank_killed_once_lose_nothing(
     tmp_path,
 ):
-    """DESIGN.md "Ranks": the lane restarts alone and redoes its op; the killed Worker rank
-    takes its group down, both ranks restart together under a new tier epoch."""
+    """docs/design.md, "Ranks (tensor parallelism)": the lane restarts alone and redoes its
+    op; the killed Worker rank takes its group down, both ranks restart together under a new
+    tier epoch."""
     kill = (Kill("swap-1", 10), Kill("worker-1", 30), Kill("swap-1", 55))
     sets = (*PRESSURE, "parallel.tp_size=2")
     scenario = Scenario("tp2 rank lane and worker rank", "pressure", 4, sets, kill)
