@@ -239,9 +239,10 @@ def test_a_stop_strings_tokens_are_cut_from_the_logprobs_as_from_the_text(server
     assert whole["logprobs"]["token_logprobs"] == free["logprobs"]["token_logprobs"][:kept]
     chunks = [c["choices"][0] for c in sse(server, "/v1/completions", cut)]
     streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
-    assert "".join(c["text"] for c in chunks) == text and streamed == whole["logprobs"][
-        "token_logprobs"
-    ]
+    assert (
+        "".join(c["text"] for c in chunks) == text
+        and streamed == whole["logprobs"]["token_logprobs"]
+    )
     chat = {"messages": CHAT, "max_tokens": 16, "temperature": 0, "logprobs": True}
     said = server.post("/v1/chat/completions", chat).json()["choices"][0]
     stop = stop_inside(said["message"]["content"])
