@@ -81,7 +81,9 @@ class Endpoint:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
 
 
-@pytest.fixture(params=["direct", "router", "pd"])
+# The prefill/decode pair starts two more instances of the file (most of this module's
+# time): it runs with the slow soaks; CI keeps the instance and the router in front of it.
+@pytest.fixture(params=["direct", "router", pytest.param("pd", marks=pytest.mark.slow)])
 def via(request: pytest.FixtureRequest) -> Endpoint:
     """The package's instance, or a router in front of it or of a prefill/decode pair."""
     if request.param == "direct":
