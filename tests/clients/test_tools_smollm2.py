@@ -22,26 +22,11 @@ import pytest
 from client_runs import model_file
 from routing import routed_urls
 from serving import Server, served, started
+from tool_schemas import SCHEMAS, TOOLS
 
 pytest.importorskip("openai", reason="the client under test (the test extra installs openai)")
 
 MAX_TOKENS = 48
-WEATHER_ARGS = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The forecast",
-                                      "parameters": WEATHER_ARGS}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {}, "additionalProperties": False}}},
-]  # fmt: skip
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Rome for three days?"}]
 
 

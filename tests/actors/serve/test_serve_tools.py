@@ -22,6 +22,7 @@ import jsonschema
 import pytest
 from gguf_files import CONTROL_TOKENS, TINY, tiny_weights, write_tiny
 from serving import Server, served
+from tool_schemas import SCHEMAS, TOOLS
 
 from ringfence.actors.serve.tools import ToolStream, ToolUse, answer_decoder
 from ringfence.actors.text.tokenizer import load_tokenizer
@@ -70,21 +71,6 @@ PYTHONIC_TEMPLATE = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
     "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-WEATHER_ARGS = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The forecast",
-                                      "parameters": WEATHER_ARGS}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {}, "additionalProperties": False}}},
-]  # fmt: skip
 ASK = [{"role": "user", "content": "What is the weather in Rome?"}]
 MAX_TOKENS = 96
 
@@ -140,9 +126,8 @@ def chat(server: Server, **body: Any) -> Any:
 
 def check_call(call: Any) -> None:
     """A call of one of TOOLS, its arguments valid for the function's parameters."""
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     assert call.type == "function" and call.id.startswith("call_")
-    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
 def test_required_always_yields_a_call_for_every_choice_and_seed(server):
