@@ -20,7 +20,8 @@ from ringfence.actors.router.instances import Identity
 from ringfence.actors.serve.server import HttpThread
 from ringfence.actors.tools.bench.serving import stub_instance
 from ringfence.actors.tools.bench.serving.http1 import Answer, Connection
-from ringfence.actors.tools.bench.serving.stub_instance import BLOCK_SIZE, NAMESPACE, Blocks
+from ringfence.actors.tools.bench.serving.instance_api import BLOCK_SIZE, NAMESPACE
+from ringfence.actors.tools.bench.serving.stub_instance import Blocks
 from ringfence.cache.block_hash import block_keys
 from ringfence.cache.kv_events import BlockStored, KVEvent
 
