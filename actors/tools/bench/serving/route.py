@@ -27,6 +27,27 @@ the share of prompt tokens each tier served (the instances' own ``usage``), the 
 each instance got (the router's ``router.routed`` lines), and whether every request's
 tokens equal the first policy's; then ``cache`` against ``round_robin`` and against
 ``approximate`` as ratios (TTFT p90, throughput). JSON, and a PNG of the ratios.
+
+With ``--sim``, each instance is a simulated one (``sim_instance.py``: no model, a modelled
+engine with a prefix cache and step times) instead of a ``ringfence serve``: on a machine
+whose few cores the instances share, spreading requests over real instances is not
+spreading work, and the policies cannot be told apart. The report and JSON then say
+``"instances_kind": "sim"`` and give the cost model. Its default (:data:`SIM_MODEL`) is the
+simulated instance's own 1B-class scale with every time ten times longer (a 40 ms step,
+0.5 ms a prompt token, 0.5 ms a decoding sequence): a uniform scale of time changes no ratio
+between policies, and at the longer steps the router, the load client and the simulated
+instances, which share the CPUs, cost a few percent of a step instead of most of one.
+``--sim-set KEY=VALUE`` changes one field (``blocks=256``, ``step_ms=4``).
+
+Each case has a rate for the simulated instances (``sim_rate``), set on that model with
+the bench's own workload and three instances under round robin (each step modelled as the
+instance does it, no HTTP): ``light`` at 2 a second keeps each instance busy less than half
+the time (a request decodes for 16 steps, and at most two at once), its TTFT that of one
+prefill; ``saturation`` at 30 a second brings more uncached prefill than three instances
+compute (the mean TTFT of the last third of the requests is still about five steps, 0.55 s,
+against 0.1 s at 10 a second); ``flood`` at 60 a second is a hot prefix that one instance
+holding it cannot keep up with (every request sent to it: TTFT p50 0.3 s and growing with
+the rate, against 0.13 s spread over three). ``--rate`` overrides it as it does the case's.
 """
 
 from __future__ import annotations
@@ -52,16 +73,28 @@ from ringfence.actors.tools.bench.launcher import RunError
 from ringfence.actors.tools.bench.options import add_overrides, environment, plot_path
 from ringfence.actors.tools.bench.serving.client import LoadRequest
 from ringfence.actors.tools.bench.serving.pd import START_S, STOP_S, started_together
+from ringfence.actors.tools.bench.serving.sim_engine import CostModel
 from ringfence.actors.tools.bench.serving.stats import Timeline, poisson_arrivals
 
 POLICIES = ("round_robin", "least_loaded", "approximate", "cache")
 WORKLOAD = ("groups", "users", "turns", "system_blocks", "rate")
-# The named workloads (see the module docstring): the values of WORKLOAD's options.
+# The named workloads (see the module docstring): the values of WORKLOAD's options, and
+# the rate on simulated instances (--sim) instead of ``rate``.
 CASES: dict[str, dict[str, float]] = {
-    "light": {"groups": 4, "users": 3, "turns": 3, "system_blocks": 12, "rate": 2.0},
-    "saturation": {"groups": 6, "users": 3, "turns": 3, "system_blocks": 24, "rate": 6.0},
-    "flood": {"groups": 1, "users": 16, "turns": 2, "system_blocks": 24, "rate": 8.0},
-}
+    "light": {"groups": 4, "users": 3, "turns": 3, "system_blocks": 12, "rate": 2.0,
+              "sim_rate": 2.0},
+    "saturation": {"groups": 6, "users": 3, "turns": 3, "system_blocks": 24, "rate": 6.0,
+                   "sim_rate": 30.0},
+    "flood": {"groups": 1, "users": 16, "turns": 2, "system_blocks": 24, "rate": 8.0,
+              "sim_rate": 60.0},
+}  # fmt: skip
+SIM_TIME_SCALE = 10.0  # --sim: the simulated instance's default times, this many times longer
+_SCALED = CostModel()
+SIM_MODEL = CostModel(
+    step_ms=_SCALED.step_ms * SIM_TIME_SCALE,
+    prefill_ms_per_token=_SCALED.prefill_ms_per_token * SIM_TIME_SCALE,
+    decode_ms_per_seq=_SCALED.decode_ms_per_seq * SIM_TIME_SCALE,
+)
 DEFAULT_SETTINGS = ("model.preset=small", "events.enabled=true")
 BLOCK = 16  # tokens a block: cache.block_size's default
 VOCAB = 250  # token ids drawn from 1..VOCAB (inside every preset's vocabulary)
@@ -100,7 +133,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the routers' --overlap-weight (default: the router's, 4)",
     )  # fmt: skip
     parser.add_argument("--plot", type=Path, metavar="FILE", help="the PNG (bench-route.png)")
+    parser.add_argument(
+        "--sim", action="store_true",
+        help="simulated instances (sim_instance.py) instead of ringfence serve, at the case's "
+        "sim rate",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sim-set", action="append", default=[], metavar="KEY=VALUE",
+        help="a field of the simulated instances' cost model (repeatable; step_ms, "
+        "prefill_ms_per_token, decode_ms_per_seq, blocks, max_batched_tokens, max_num_seqs)",
+    )  # fmt: skip
     add_overrides(parser, ",".join(DEFAULT_SETTINGS))
+
+
+def sim_model(sets: Sequence[str]) -> CostModel:
+    """:data:`SIM_MODEL` with each ``KEY=VALUE`` of ``--sim-set`` applied; ValueError naming
+    a malformed one or an unknown key."""
+    values: dict[str, float | int] = SIM_MODEL.as_dict()
+    for item in sets:
+        key, sep, text = item.partition("=")
+        if not sep or key not in values:
+            raise ValueError(f"--sim-set {item!r}: KEY=VALUE with KEY one of {', '.join(values)}")
+        kind = type(values[key])
+        try:
+            values[key] = kind(text)
+        except ValueError:
+            raise ValueError(f"--sim-set {item!r}: {text!r} is not {kind.__name__}") from None
+    return CostModel(**values)  # type: ignore[arg-type]
 
 
 def shared_prefix_requests(
@@ -138,21 +197,29 @@ def direct_instance(request: LoadRequest, direct: int, count: int) -> int | None
 def policy_side(
     policy: str, requests: Sequence[LoadRequest], *, settings: Sequence[str], count: int,
     folder: Path, timeout: float, router_options: Sequence[str] = (), direct: int = 0,
+    sim: CostModel | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The requests through a router with ``policy`` over ``count`` fresh instances (those
-    of ``direct`` users straight to their instance)."""
+    of ``direct`` users straight to their instance): ``ringfence serve`` on ``settings``, or
+    simulated instances of ``sim``."""
     from ringfence.actors.tools.bench.serving.client import run_load_async, served_model
     from ringfence.actors.tools.bench.serving.handover import router_lines
-    from ringfence.actors.tools.bench.serving.server import Routed, Served
+    from ringfence.actors.tools.bench.serving.server import Routed, Served, Started
+    from ringfence.actors.tools.bench.serving.sim_instance import Sim
 
     threads = f"actors.worker.threads={max(1, (os.cpu_count() or 1) // count)}"
     sets = [threads, *settings]
+
+    def launch(n: int) -> Started:
+        if sim is not None:
+            return Sim(folder / f"i{n}.out", sim, start_timeout=START_S)
+        return Served(folder / f"i{n}", sets, start_timeout=START_S)
+
     with contextlib.ExitStack() as stack:
         instances = started_together(
             stack,
-            [lambda n=n: Served(folder / f"i{n}", sets, start_timeout=START_S)  # type: ignore[misc]
-             for n in range(count)],
-        )  # fmt: skip
+            [lambda n=n: launch(n) for n in range(count)],  # type: ignore[misc]
+        )
         options = ["--policy", policy, *router_options]
         for instance in instances:
             options += ["--instance", instance.url]
@@ -284,7 +351,7 @@ def table(result: dict[str, Any]) -> str:
 
 def workload(args: argparse.Namespace) -> dict[str, Any]:
     """The workload's options: the case's, each one given on the command line instead."""
-    case = CASES[args.case]
+    case = CASES[args.case] | ({"rate": CASES[args.case]["sim_rate"]} if args.sim else {})
     chosen = {k: case[k] if getattr(args, k) is None else getattr(args, k) for k in WORKLOAD}
     return {k: float(v) if k == "rate" else int(v) for k, v in chosen.items()}
 
@@ -305,6 +372,9 @@ def main(args: argparse.Namespace) -> int:
     if args.overlap_weight is not None and not args.overlap_weight >= 0:
         raise ValueError("--overlap-weight must be >= 0")
     settings = [*DEFAULT_SETTINGS, *args.overrides]
+    sim = sim_model(args.sim_set) if args.sim else None
+    if args.sim_set and sim is None:
+        raise ValueError("--sim-set is for simulated instances: give --sim")
     requests = shared_prefix_requests(
         groups=args.groups, users=args.users, turns=args.turns,
         system_blocks=args.system_blocks, max_tokens=args.max_tokens, rate=args.rate,
@@ -325,7 +395,7 @@ def main(args: argparse.Namespace) -> int:
                     found = policy_side(
                         policy, requests, settings=settings, count=args.instances,
                         folder=folder, timeout=args.timeout, router_options=router_options,
-                        direct=args.direct,
+                        direct=args.direct, sim=sim,
                     )  # fmt: skip
                     tokens = {t.id: t.token_ids for t in found["timelines"] if not t.error}
                     first_tokens = first_tokens or tokens
@@ -339,8 +409,10 @@ def main(args: argparse.Namespace) -> int:
         return 1
     result = {
         **environment(),
-        "settings": settings,
+        "settings": [] if sim else settings,
         "instances": args.instances,
+        "instances_kind": "serve" if sim is None else "sim",
+        "cost_model": None if sim is None else sim.as_dict(),
         "requests": len(requests),
         "case": args.case,
         "workload": {k: getattr(args, k) for k in (*WORKLOAD, "max_tokens")},
@@ -351,6 +423,8 @@ def main(args: argparse.Namespace) -> int:
     }  # fmt: skip
     shape = ", ".join(f"{k} {v:g}" for k, v in result["workload"].items())
     print(f"case {args.case} ({shape}; {len(requests)} requests)")
+    if sim is not None:
+        print("simulated instances: " + ", ".join(f"{k} {v:g}" for k, v in sim.as_dict().items()))
     print(table(result))
     plot = plot_path(args, "bench-route.png")
     _plot(plot, result)

@@ -129,3 +129,44 @@ def test_the_direct_users_of_each_group_go_to_their_groups_instance():
         f"g{g}-u0-t{t}": g % 3 for g in range(4) for t in range(2)
     }
     assert all(route.direct_instance(r, 0, 3) is None for r in requests)
+
+
+def test_simulated_instances_take_the_cases_sim_rate_and_a_cost_model_set_by_field():
+    parser = argparse.ArgumentParser()
+    route.add_arguments(parser)
+    assert route.workload(parser.parse_args(["--sim", "--case", "flood"]))["rate"] == 60.0
+    assert route.workload(parser.parse_args(["--sim", "--rate", "3"]))["rate"] == 3.0
+    model = route.sim_model(["blocks=64", "step_ms=4"])
+    assert (model.blocks, model.step_ms) == (64, 4.0)
+    assert model.prefill_ms_per_token == route.SIM_MODEL.prefill_ms_per_token
+    with pytest.raises(ValueError, match="KEY one of step_ms"):
+        route.sim_model(["tokens=3"])
+    with pytest.raises(ValueError, match="'x' is not int"):
+        route.sim_model(["blocks=x"])
+    with pytest.raises(ValueError, match="--sim-set is for simulated instances"):
+        route.main(parser.parse_args(["--sim-set", "blocks=64"]))
+
+
+def test_the_quick_form_on_simulated_instances_reports_them_with_the_same_tokens_everywhere(
+    tmp_path: Path,
+):
+    out = tmp_path / "route.json"
+    status = cli.main([
+        "bench", "route", "--sim", "--instances", "2", "--policies", "round_robin,cache",
+        *QUICK["light"], "--max-tokens", "4", "--sim-set", "step_ms=4",
+        "--sim-set", "prefill_ms_per_token=0.05", "--json", str(out),
+        "--plot", str(tmp_path / "route.png"),
+    ])  # fmt: skip
+    result = orjson.loads(out.read_bytes())
+    assert status == 0, result
+    assert result["instances_kind"] == "sim" and result["requests"] == 8
+    assert result["cost_model"] == route.SIM_MODEL.as_dict() | {
+        "step_ms": 4.0, "prefill_ms_per_token": 0.05,
+    }  # fmt: skip
+    for policy in ("round_robin", "cache"):
+        figures = result["policies"][policy]
+        assert figures["failed"] == 0 and figures["same_tokens"] and not figures["leaked_names"]
+        assert sum(figures["per_instance"].values()) == 8
+        assert figures["ttft_p90_s"] > 0 and figures["output_tokens_per_s"] > 0  # tokens came
+        assert 0 < figures["cached_share"]["device"] < 1  # the usage the sims give
+    assert result["policies"]["round_robin"]["per_instance"] == {"i0": 4, "i1": 4}
