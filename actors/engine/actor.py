@@ -1,9 +1,10 @@
 """The Engine actor: drives the scheduler, issues its ops to the lanes, applies what comes back.
 
-The engine owns every number of the protocol. It waits until the Worker and both Transfer
-lanes of every rank have answered its ``Resync`` (:mod:`.begin`), builds the
-:class:`Scheduler` (which needs the model's identity and limits, :mod:`.begin`)
-and its client of the storage tier (:mod:`.storage`), then runs a loop made of messages only:
+The engine owns every number of the protocol. It begins once the Worker and both Transfer
+lanes of every rank have answered its ``Resync`` (the :class:`Executors` it holds, which also
+handles their restarts: :mod:`.executors`), building the :class:`Scheduler` (which needs the
+model's identity and limits) and its client of the storage tier (:mod:`.begin`). Then it
+runs a loop made of messages only:
 
 - requests arrive from a workload (``engine.workload``: timers at their ``arrival_s``) or
   from clients (:class:`ClientHub`), and become the scheduler's requests (:mod:`.intake`;
@@ -23,19 +24,11 @@ and its client of the storage tier (:mod:`.storage`), then runs a loop made of m
   stored, or grants reservations (:mod:`.disaggregation`; docs/design.md,
   "Instances (prefill/decode disaggregation)").
 
-Faults (docs/design.md, "Epochs and restarts"):
-
-- the engine (re)starts by publishing its epoch as ``issuer_epoch`` of every rank (every op
-  an engine before it issued is stale from then on and is cancelled, never run) and
-  sending every executor a :class:`Resync`; it begins once all answered, numbering each
-  lane's ops after the watermarks the answers carry. A workload run then runs its
-  workload from the start (seeded sampling gives the same tokens); a client's requests in
-  flight end with an error on its side, and its next request says Hello again;
-- a Worker that restarts has a fresh device tier: the engine adopts its epoch,
-  :meth:`Scheduler.reset_device` sends every running request back to be computed again,
-  and the swap lane of its rank is told the new tier;
-- a Transfer lane that restarts redoes its op in flight from its ring and resends a
-  completion lost with it: nothing to do here but tell the swap lane the tier again.
+Faults (docs/design.md, "Epochs and restarts"): a restarted engine publishes its epoch and
+resyncs every executor (:meth:`Executors.resync`); a workload run then runs its workload from
+the start (seeded sampling gives the same tokens), and a client's requests in flight end with
+an error on its side (its next request says Hello again). A restarted Worker or lane is
+:mod:`.executors`' to handle.
 
 A workload run ends by writing ``outputs.jsonl`` and ``summary.json`` and asking for
 shutdown; at stop the engine waits (``engine.drain_timeout_s``) for the store lanes'
@@ -47,21 +40,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ringfence.actors.engine.begin import EXECUTORS, Roster, begin_scheduler
+from ringfence.actors.engine.begin import begin_scheduler
 from ringfence.actors.engine.clients import ClientHub
 from ringfence.actors.engine.config import EngineSettings
 from ringfence.actors.engine.disaggregation import Expire, HandOverDesk
+from ringfence.actors.engine.executors import Executors
 from ringfence.actors.engine.intake import Intake
 from ringfence.actors.engine.kv_events import KVEventsOut
 from ringfence.actors.engine.ledger import LANE_OF, Ledger, Outcome
 from ringfence.actors.engine.outputs import Outputs, emitted_logprobs, file_prompt_logprobs
 from ringfence.actors.engine.requests_in import Arrive, RequestsIn
 from ringfence.actors.engine.stats import count_bytes, counters_of, no_stats, stats_of
-from ringfence.actors.model.info import ModelInfo
 from ringfence.actors.protocol.client import Abort, Hello, Reserve, Stats, Submit
-from ringfence.actors.protocol.lanes import ISSUER_EPOCH, LANES, epoch_counter, lane_counter
-from ringfence.actors.protocol.resync import Resync
-from ringfence.actors.protocol.transfer import DeviceTier, LaneReady, OpDone
+from ringfence.actors.protocol.lanes import LANES, lane_counter
+from ringfence.actors.protocol.transfer import LaneReady, OpDone
 from ringfence.actors.protocol.worker import StepResult, WorkerReady
 from ringfence.cache.fences import Lane
 from ringfence.cache.storage.ranks import AllRanks
@@ -69,7 +61,6 @@ from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.sched.scheduler import Scheduler
 from ringfence.sched.workload import returning_turns
-from ringfence.shm.errors import ProtocolError
 
 
 class Engine(Actor):
@@ -85,7 +76,6 @@ class Engine(Actor):
         assert isinstance(config, EngineSettings)
         self.config = config
         self.ranks = config.parallel.tp_size
-        self.epoch = self.ctx.epoch  # stamped on every op; a Worker restart raises it
         self.clock0 = time.perf_counter()
         self.clients = ClientHub(
             lambda to, m: self.send(to, m, timeout=0),
@@ -93,7 +83,6 @@ class Engine(Actor):
             max_live=config.engine.max_requests_per_client,
             send_many=lambda to, ms: self.send_many(to, ms, timeout=0),
         )
-        self.roster = Roster(self.ctx.epoch, self.ranks)
         self.ledger = Ledger(
             self.ranks,
             sync=config.transfer.mode == "sync",
@@ -115,24 +104,22 @@ class Engine(Actor):
             log=self.log,
             schedule=self.schedule,
         )
+        self.executors = Executors(  # the Workers and lanes: their announcements and restarts
+            self,
+            epoch=self.ctx.epoch,
+            ranks=self.ranks,
+            ledger=self.ledger,
+            send=self.send,
+            log=self.log,
+        )
         self.scheduler: Scheduler | None = None
         self.kv_out: KVEventsOut | None = None  # KV events, once the scheduler began
         self.storage: AllRanks | None = None  # every rank's presence, from the first begin
-        self.model: ModelInfo | None = None
-        self.tiers: dict[int, DeviceTier] = {}  # rank -> the device tier its swap lane copies
-        self.worker_generation: dict[int, int] = {}  # rank -> its Worker's incarnation
-        self.reset_generation = 0  # the Worker incarnation the device tier was last reset for
         self.bytes: dict[str, int] = {}
         self.done = False
-        # Every op an engine before this one issued is stale from now on.
-        for rank in range(self.ranks):
-            issuer = epoch_counter(self.ctx.counters[LANES], rank, ISSUER_EPOCH)
-            issuer.claim()
-            issuer.advance(self.epoch)
         if self.ctx.incarnation > 1:
             self.log.warning("engine.restart", incarnation=self.ctx.incarnation)
-        for role in EXECUTORS:  # then ask each executor where its lane stands
-            self.send_all(role, Resync(epoch=self.ctx.epoch))
+        self.executors.resync(self.ctx.counters[LANES], self.send_all)
 
     def on_stop(self) -> None:
         self._drain_store()
@@ -178,95 +165,27 @@ class Engine(Actor):
         assert delivery is not None
         return delivery.peer
 
-    # Startup and restarts of the executors.
+    # The executors announcing themselves: each handler one line, into the Executors held.
 
     @handles(WorkerReady)
     def on_worker(self, msg: WorkerReady) -> None:
-        began = self.scheduler is not None
-        announced = self._announce("worker", msg.rank, msg.incarnation, msg.resync, msg.step_done)
-        if announced is None:
-            return
-        if began:  # a new Worker does not answer for the steps its predecessor finished
-            self.ledger.complete_up_to(Lane.STEP, msg.rank, msg.step_done)
-        if self.model is not None and msg.model.model_id != self.model.model_id:
-            raise ProtocolError(
-                f"the worker restarted with model {msg.model.model_id}, not {self.model.model_id}"
-            )
-        self.model = msg.model
-        self.epoch = max(self.epoch, msg.epoch)  # ops of the old tier are stale from here
-        self.tiers[msg.rank] = DeviceTier(epoch=self.epoch, kv=msg.kv)
-        self.worker_generation[msg.rank] = msg.incarnation
-        if not began:
-            self._maybe_begin()
-        elif announced.restarted:
-            self._reset_tier(msg)
-
-    @property
-    def regrouping(self) -> list[int]:
-        """The Worker ranks a restarted group still waits for (docs/design.md,
-        "Ranks (tensor parallelism)": the ranks restart together, under one incarnation number):
-        nothing is issued until every rank of the new generation announced itself, so every
-        rank gets every op of its epoch."""
-        return [
-            rank
-            for rank in range(self.ranks)
-            if self.worker_generation.get(rank, 0) < self.reset_generation
-        ]
+        self.executors.worker_ready(msg)
 
     @handles(LaneReady)
     def on_lane(self, msg: LaneReady) -> None:
-        announced = self._announce(msg.lane, msg.rank, msg.incarnation, msg.resync, msg.done)
-        if announced is None:
-            return
-        if self.scheduler is None:
-            self._maybe_begin()
-        elif announced.restarted:  # it redoes its op in flight from its ring, resends a report
-            instance = f"{msg.lane}-{msg.rank}"
-            self.log.warning("engine.lane_restart", lane=msg.lane, instance=instance, done=msg.done)
-            if msg.lane == "swap" and msg.rank in self.tiers:
-                self.send(f"swap-{msg.rank}", self.tiers[msg.rank])
+        self.executors.lane_ready(msg)
 
-    def _announce(self, role: str, rank: int, incarnation: int, resync: int, done: int) -> Any:
-        try:
-            return self.roster.announce(
-                role, rank, incarnation, resync, done, began=self.scheduler is not None
-            )
-        except ValueError as e:
-            raise ProtocolError(str(e)) from None
+    # Beginning and issuing.
 
-    def _reset_tier(self, msg: WorkerReady) -> None:
-        """A Worker restarted: its device tier is new, every op in flight is lost. Under
-        tensor parallelism the first rank of a new generation resets; the others' device
-        tiers are told to their swap lanes as they announce."""
-        assert self.scheduler is not None
-        if msg.incarnation <= self.reset_generation:  # a later rank of the same generation
-            self.send(f"swap-{msg.rank}", self.tiers[msg.rank])
-            self.log.info("engine.rank_rejoined", worker_rank=msg.rank, waiting=self.regrouping)
-            self.kick()
-            return
-        self.reset_generation = msg.incarnation
-        if self.log.tracing:
-            self.log.trace("sched.reset", tier_epoch=msg.epoch)
-        requeued = self.scheduler.reset_device()
-        self.log.warning(
-            "engine.tier_reset",
-            incarnation=msg.incarnation,
-            new_epoch=self.epoch,
-            step_done=msg.step_done,
-            requeued=[r.request_id for r in requeued],
-            worker_rank=msg.rank,
-            waiting=self.regrouping,
-        )
-        self.send(f"swap-{msg.rank}", self.tiers[msg.rank])  # before any op of the new epoch
-        self.kick()
-
-    def _maybe_begin(self) -> None:
+    def begin(self) -> None:
         """Begin once every executor answered this engine's Resync (and the worker's model is
         known): each lane's numbers go on after the watermarks it answered with."""
-        if self.scheduler is not None or not self.roster.all_synced() or self.model is None:
+        executors = self.executors
+        model = executors.model
+        if self.scheduler is not None or not executors.ready or model is None:
             return
         assert self.ctx.run_dir is not None
-        model, first = self.model, self.roster.first_numbers()
+        first = executors.roster.first_numbers()
         self.ledger.begin(first)
         try:
             begun = begin_scheduler(self.config, model, first, str(self.ctx.run_dir), self.log)
@@ -278,8 +197,7 @@ class Engine(Actor):
         self.scheduler, self.storage, self.kv_out = begun.scheduler, begun.storage, begun.kv_out
         if self.log.tracing:
             self.ledger.access_of = self.scheduler.take_access
-        for rank, tier in sorted(self.tiers.items()):
-            self.send(f"swap-{rank}", tier)
+        executors.tell_tiers()
         engine = self.config.engine
         self.log.info(
             "engine.ready",
@@ -303,17 +221,15 @@ class Engine(Actor):
             self.clock0 = time.perf_counter()
             self.requests.arrive()
 
-    # Issuing.
-
     def kick(self) -> None:
         """Schedule steps while the step lane has room (``sched.steps_in_flight``: with 2,
         step N+1 is planned as soon as N is issued, so the Worker finds it in its ring
         when N ends), then send what has credit."""
         scheduler = self.scheduler
-        if scheduler is not None and not self.done and not self.regrouping:
+        if scheduler is not None and not self.done and not self.executors.regrouping:
             while scheduler.can_schedule and not scheduler.idle:
                 ops = scheduler.schedule()
-                self.ledger.queue(ops, self.epoch)
+                self.ledger.queue(ops, self.executors.epoch)
                 if self.log.tracing:
                     self.log.trace(
                         "sched.schedule",
@@ -384,7 +300,7 @@ class Engine(Actor):
     def _settle(self, lane: Lane, rank: int, report: StepResult | OpDone) -> Outcome | None:
         """The ledger's outcome of one rank's report (None: nothing to apply yet, or ever)."""
         if self.scheduler is not None:
-            return self.ledger.settle(lane, rank, report, self.epoch)
+            return self.ledger.settle(lane, rank, report, self.executors.epoch)
         why = "before the engine began"
         number = report.step if isinstance(report, StepResult) else report.op
         self.log.warning("engine.stale", lane=str(lane), op=number, msg_epoch=report.epoch, why=why)

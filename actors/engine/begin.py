@@ -1,27 +1,20 @@
-"""The engine's beginning: who its executors are, and what it builds once all of them
-answered its Resync.
+"""The engine's beginning: what it builds once every executor answered its Resync
+(:mod:`.executors`).
 
-An engine begins only once every executor of every rank has answered its ``Resync``
-(docs/design.md, "Epochs and restarts"; :class:`Roster`): the answer's watermark covers every
-op an engine before it sent, so each lane's numbers go on after the largest of its ranks'
-answers. Afterwards an announcement with a new incarnation is a restart: a Worker's means a
-new device tier, a lane's that it redoes its op in flight from its ring.
-
-Then it builds (:func:`begin_scheduler`) every rank's storage client, the scheduler's
+It builds (:func:`begin_scheduler`) every rank's storage client, the scheduler's
 settings (:func:`sched_config`, checked against the model the Worker loaded; the in-process
 runner and replay's redrive build the same), the KV events' publisher when
 ``events.enabled``, and the scheduler itself, numbering each lane's ops after the
 watermarks the executors answered with.
 
-Engine thread; the roster is owned by the Engine actor (no I/O), and ``begin_scheduler`` is
-called once per engine incarnation (``Engine._maybe_begin``).
+Engine thread; ``begin_scheduler`` is called once per engine incarnation (``Engine.begin``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from ringfence.actors.engine.config import EngineConfig, EngineSettings
 from ringfence.actors.engine.kv_events import KVEventsOut
@@ -34,53 +27,6 @@ from ringfence.cache.storage.registry import NO_TIER
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.config import SchedConfig, SchedulerConfig, TierConfig, max_model_len
 from ringfence.sched.scheduler import Scheduler
-
-# Who the executors are.
-
-EXECUTORS = {"worker": Lane.STEP, "swap": Lane.SWAP, "store": Lane.STORE}
-
-
-class Announced(NamedTuple):
-    """An executor's announcement, as the engine takes it."""
-
-    restarted: bool  # a new incarnation of an executor the engine had already heard from
-
-
-class Roster:
-    """The executors of ``ranks`` ranks, as announced to the engine of ``epoch``: each
-    (role, rank)'s incarnation, and its Resync answer."""
-
-    def __init__(self, epoch: int, ranks: int) -> None:
-        self.epoch, self.ranks = epoch, ranks
-        self.incarnations: dict[tuple[str, int], int] = {}  # the incarnation last announced
-        self.synced: dict[tuple[str, int], int] = {}  # its watermark when it answered Resync
-
-    def announce(
-        self, role: str, rank: int, incarnation: int, resync: int, done: int, *, began: bool
-    ) -> Announced | None:
-        """Record an announcement; None if it answers another engine's Resync or comes from
-        a rank the run does not have (ValueError is for the caller's protocol error)."""
-        if not 0 <= rank < self.ranks:
-            raise ValueError(f"{role} rank {rank} announced; the run has {self.ranks} ranks")
-        if resync >= 0 and resync != self.epoch:
-            return None
-        if resync >= 0 and not began:
-            self.synced[(role, rank)] = done
-        known = self.incarnations.setdefault((role, rank), incarnation)
-        self.incarnations[(role, rank)] = incarnation
-        return Announced(restarted=known != incarnation)
-
-    def all_synced(self) -> bool:
-        """Whether every executor of every rank answered this engine's Resync."""
-        return len(self.synced) == len(EXECUTORS) * self.ranks
-
-    def first_numbers(self) -> dict[Lane, int]:
-        """Each lane's first op number: after the largest watermark its ranks answered."""
-        first = {}
-        for role, lane in EXECUTORS.items():
-            first[lane] = max(self.synced[(role, rank)] for rank in range(self.ranks)) + 1
-        return first
-
 
 # The scheduler's settings.
 

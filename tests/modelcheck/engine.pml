@@ -266,7 +266,7 @@ proctype engine() {
        resyncing = NR * NL;
        known() }
   /* A Resync answered; the Worker's answer says its tier. Once all answered, the new engine
-     tells every swap lane its tier before any op (Engine._maybe_begin). */
+     tells every swap lane its tier before any op (Executors.tell_tiers, from Engine.begin). */
   :: atomic { acks?i, st ->
        resyncing--;
        if :: i % NL == STEP -> egen[i / NL] = st :: else fi;

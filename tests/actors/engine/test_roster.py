@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringfence.actors.engine.begin import EXECUTORS, Roster
+from ringfence.actors.engine.executors import EXECUTORS, Roster
 from ringfence.cache.fences import Lane
 
 
