@@ -9,8 +9,9 @@
    policy routes around it and forgets what it held) and the next choice is tried.
 
 The answer carries ``X-Ringfence-Instance``: the instance that served it. The request
-counts as in flight on its instance until its answer's relay ends, and as not begun (its
-prefill ahead of later prompts there: ``Instance.ahead_blocks``) until its first byte.
+counts as in flight on its instance until its answer's relay ends (its prompt's keys with
+it: ``Picker.routed`` to ``Picker.ended``), and as not begun (its prefill ahead of later
+prompts there: ``Instance.ahead_blocks``) until its first byte.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Forward:
         self.choice: Choice | None = None
         self.first_byte_s: float | None = None
         self._ahead: Choice | None = None  # routed and not begun: counted in its ahead_blocks
+        self._keys: list[BlockHash] | None = None  # the keys routed with self.choice, till it ends
         self._sent_at = 0.0
         self._finished = False
 
@@ -85,6 +87,7 @@ class Forward:
                 tried.append(instance)
                 continue
             self.picker.routed(choice, keys)
+            self._keys = keys
             self._queue(choice)
             if answer.status != 200:
                 raise Relayed(answer, await answer.read())
@@ -134,6 +137,8 @@ class Forward:
         choice = self.choice
         if choice is not None:
             self.router.pool.release(choice.instance)
+            if self._keys is not None:
+                self.picker.ended(choice, self._keys)
         self.router.metrics.requests.labels(outcome=outcome).inc()
         self.router.log.info(
             "router.routed", request=self.id, kind=self.kind, outcome=outcome, status=status,

@@ -8,7 +8,8 @@ approximate | cache``.
   ``cache`` does, as if every block it sent there were still on the device. The baseline
   ``cache`` must beat.
 - ``cache``: the index of every instance's KV events (``cache/kv_index.py``): what each
-  one really holds, and on which medium.
+  one really holds, and on which medium; and the prompts this router has in flight there,
+  which it holds or is computing before any event says so (below).
 
 The cost function (the lowest cost wins; ties go to the most cached, then the least load,
 then in turn), after
@@ -23,7 +24,16 @@ Dynamo's KV router (``overlap_weight * prefill_blocks + decode_blocks``)::
 with ``P`` the prompt's full blocks; ``cached(i)`` the blocks of the instance's longest
 cached prefix of them, each weighted by where it is best found: ``device_weight`` (1.0: no
 work), ``host_weight`` (0.8: a swap-in) and ``storage_weight`` (0.5: a prefetch, then a
-swap-in), so ``need(i)`` is the prefill work it still needs, in blocks. ``load(i)`` is the
+swap-in), so ``need(i)`` is the prefill work it still needs, in blocks. Under ``cache`` it
+is the larger of what the index says and ``device_weight`` times the longest prefix of the
+prompt among the prompts of this router's requests in flight there (``flying(i)``): an
+instance publishes a block once the step that computed it ended, and under load that is
+seconds after the router sent the prompt; meanwhile the blocks are on its device or being
+computed, held by the running request (never evicted), and an engine that caches blocks as
+it allocates them (vLLM) gives them to the next prompt that shares them. Without this, a
+burst behind one new prefix, or a conversation's next turn sent before its last one began,
+is scored as a miss everywhere and spread by load alone, and each instance it reaches
+computes the prefix again. ``load(i)`` is the
 work queued there in the same unit: the mean prompt of the requests the router routed (in
 blocks, at least 1) times the requests there, counted from two sources:
 
@@ -59,7 +69,7 @@ fingerprint). Owned by the router's event loop.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -129,6 +139,9 @@ class Picker:
         self.index = index if policy == "cache" else KVIndex() if policy == "approximate" else None
         self._cursor = 0
         self._sent: OrderedDict[BlockHash, str] = OrderedDict()  # approximate: LRU of keys
+        # cache: the keys of the prompts in flight on each instance (by URL), with how many
+        # of those prompts hold each (flying(i) in the module docstring).
+        self._flying: dict[str, Counter[BlockHash]] = {}
         self._blocks_routed = 0
         self._need_routed = 0.0
         self._routed = 0
@@ -181,7 +194,10 @@ class Picker:
             w = self.weights
             costs = []
             for instance in ring:
-                cached = w.cached(found.get(instance.url, Overlap(0)))
+                cached = max(
+                    w.cached(found.get(instance.url, Overlap(0))),
+                    w.device * self.flying(instance, keys),
+                )
                 need, load = len(keys) - cached, self.load(instance)
                 cost = w.overlap * need + load + self.short(instance, need)
                 costs.append((cost, load, cached, instance))
@@ -189,6 +205,15 @@ class Picker:
             choice = self.spill(Choice(best, cached, len(keys)), [(c[3], c[2]) for c in costs])
         self._cursor = (self.instances.index(choice.instance) + 1) % len(self.instances)
         return choice
+
+    def flying(self, instance: Instance, keys: Sequence[BlockHash]) -> int:
+        """The longest prefix of ``keys`` among the prompts of this router's requests in
+        flight on ``instance`` (0 but under ``cache``). Keys chain, so a key held means its
+        whole prefix is."""
+        held = self._flying.get(instance.url)
+        if not held:
+            return 0
+        return next((n for n, key in enumerate(keys) if key not in held), len(keys))
 
     def spill(self, choice: Choice, held: Sequence[tuple[Instance, float]]) -> Choice:
         """``choice``, or where the prefill to do before the prompt's first token is least
@@ -208,9 +233,11 @@ class Picker:
         self._routed += 1
         self._blocks_routed += len(keys)
         self._need_routed += choice.need
+        name = choice.instance.url
+        if self.policy == "cache" and keys:
+            self._flying.setdefault(name, Counter()).update(keys)
         if self.policy != "approximate" or not keys or self.index is None:
             return
-        name = choice.instance.url
         for key in keys:
             before = self._sent.pop(key, None)
             if before is not None and before != name:
@@ -221,9 +248,23 @@ class Picker:
             key, owner = self._sent.popitem(last=False)
             self.index.apply(owner, BlockRemoved(keys=(key,), medium="GPU"))
 
+    def ended(self, choice: Choice, keys: Sequence[BlockHash]) -> None:
+        """A request :meth:`routed` with ``keys`` to ``choice.instance`` ended (answered,
+        failed or abandoned): its prompt no longer counts as in flight there."""
+        held = self._flying.get(choice.instance.url)
+        if not held:
+            return  # forgotten when the instance was marked down
+        for key in keys:
+            if held.get(key, 0) > 1:
+                held[key] -= 1
+            else:
+                held.pop(key, None)
+
     def mark_down(self, instance: Instance) -> None:
-        """Route around ``instance`` and forget what the index says it holds."""
+        """Route around ``instance`` and forget what the index says it holds, and what
+        this router sent it."""
         self.down.add(instance.url)
+        self._flying.pop(instance.url, None)
         if self.index is not None:
             self.index.clear(instance.url)
 

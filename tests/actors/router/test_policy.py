@@ -60,6 +60,48 @@ def test_a_prefix_held_by_one_instance_only_draws_its_prompts_there():
         assert picker.choose(keys(2, 8)).instance is c  # type: ignore[union-attr]
 
 
+def test_a_prompt_in_flight_counts_as_held_where_it_went_before_any_event_says_so():
+    a, b, c = instances()
+    picker = Picker("cache", [a, b, c], KVIndex())  # no event has come yet
+    first = keys(1, 8) + keys(2, 2)
+    assert send(picker, first) is a
+    # A next turn, or another user behind the same prefix: held on a, 8 of its 10 blocks,
+    # while the first is in flight there (an unknown prompt would go to b, the least loaded).
+    choice = picker.choose(keys(1, 8) + keys(3, 2))
+    assert choice is not None and (choice.instance, choice.cached) == (a, 8.0)
+    assert picker.choose(keys(9, 10)).instance is b  # type: ignore[union-attr]
+
+
+def test_a_prompt_no_longer_counts_as_held_once_its_request_ended_or_its_instance_is_down():
+    a, b = instances(2)
+    index = KVIndex()
+    picker = Picker("cache", [a, b], index)
+    prompt = keys(1, 10)
+    for _ in range(2):  # two requests of it in flight on a: it counts until both ended
+        choice = picker.choose(prompt)
+        assert choice is not None and choice.instance is a
+        picker.routed(choice, prompt)
+    picker.ended(Choice(a, 0.0, 10), prompt)
+    assert picker.choose(prompt).cached == 10.0  # type: ignore[union-attr]
+    picker.ended(Choice(a, 0.0, 10), prompt)
+    assert picker.choose(prompt).cached == 0.0  # type: ignore[union-attr]
+    store(index, a.url, prompt[:4])  # what a's events say stays
+    picker.routed(Choice(a, 4.0, 10), prompt)
+    assert picker.flying(a, prompt) == 10
+    picker.mark_down(a)
+    picker.mark_up(a)
+    assert picker.flying(a, prompt) == 0
+    picker.ended(Choice(a, 4.0, 10), prompt)  # the request that was there ends: no error
+    assert picker.flying(a, prompt) == 0
+
+
+def test_only_the_cache_policy_counts_prompts_in_flight():
+    a, b = instances(2)
+    picker = Picker("least_loaded", [a, b], None)
+    send(picker, keys(1, 10))
+    assert picker.flying(a, keys(1, 10)) == 0 == picker.flying(b, keys(1, 10))
+
+
 def test_the_medium_weighs_a_cached_prefix():
     a, b = instances(2)
     index = KVIndex()
@@ -105,14 +147,18 @@ def queue(picker: Picker, ks: list[BlockHash]) -> Choice:
     return choice
 
 
+def hot_prompt(n: int) -> list[BlockHash]:
+    """The ``n``-th prompt of a flood: the hot 8-block prefix, then 2 blocks of its own."""
+    return keys(7, 8) + keys(100 + n, 2)
+
+
 def test_a_hot_prefix_spills_once_the_prefill_queued_on_its_holder_costs_more_than_its_hit():
     a, b, c = instances()
     index = KVIndex()
     # A weight that keeps the cost function on the holder: only the spill moves the flood.
     picker = Picker("cache", [a, b, c], index, Weights(overlap=8.0))
-    hot = keys(7, 10)
-    store(index, a.url, hot[:8])  # a holds 8 of the prompt's 10 blocks: it needs 2, others 10
-    choices = [queue(picker, hot) for _ in range(6)]
+    store(index, a.url, keys(7, 8))  # a holds 8 of each prompt's 10 blocks: it needs 2
+    choices = [queue(picker, hot_prompt(n)) for n in range(6)]
     # a takes prompts while the prefill ahead there and the prompt's own (2 each) is no more
     # than the 10 blocks elsewhere: 0, 2, 4, 6, 8 blocks ahead; at 10 the sixth spills.
     assert [ch.instance for ch in choices[:5]] == [a] * 5 and not any(
@@ -122,21 +168,20 @@ def test_a_hot_prefix_spills_once_the_prefill_queued_on_its_holder_costs_more_th
     assert a.ahead_blocks == 10.0
     # Once a's requests began (their first tokens came), only the decoding is left there.
     a.unstarted, a.ahead_blocks = 0, 0.0
-    assert queue(picker, hot).instance is a
+    assert queue(picker, hot_prompt(6)).instance is a
 
 
 def test_other_clients_waiting_requests_count_as_prefill_ahead_at_the_mean_need():
     a, b = instances(2)
     index = KVIndex()
     picker = Picker("cache", [a, b], index, Weights(overlap=8.0))
-    hot = keys(8, 10)
-    store(index, a.url, hot[:8])
-    assert queue(picker, hot).instance is a  # mean need 2 from now on
+    store(index, a.url, keys(7, 8))
+    assert queue(picker, hot_prompt(0)).instance is a  # mean need 2 from now on
     a.load = Load(waiting=5, free_blocks=100, total_blocks=100)  # its own 1 among them
     a.unstarted_at_load = 1
     # Ahead on a: its own 2, and 4 of other clients at 2 = 10; with its 2: 12 > 10 on b.
     assert picker.ahead(a) == 10.0
-    choice = queue(picker, hot)
+    choice = queue(picker, hot_prompt(1))
     assert choice.spilled and choice.instance is b
 
 
