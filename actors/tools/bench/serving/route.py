@@ -41,9 +41,9 @@ instances, which share the CPUs, cost a few percent of a step instead of most of
 
 Each case has a rate for the simulated instances (``sim_rate``), set on that model with
 the bench's own workload and three instances under round robin (each step modelled as the
-instance does it, no HTTP): ``light`` at 2 a second keeps each instance busy less than half
-the time (a request decodes for 16 steps, and at most two at once), its TTFT that of one
-prefill; ``saturation`` at 30 a second brings more uncached prefill than three instances
+instance does it, no HTTP): ``light`` at 2 a second leaves each instance idle (no step
+running) more than half the time, and a request seldom finds another's prefill before its
+own; ``saturation`` at 30 a second brings more uncached prefill than three instances
 compute (the mean TTFT of the last third of the requests is still about five steps, 0.55 s,
 against 0.1 s at 10 a second); ``flood`` at 60 a second is a hot prefix that one instance
 holding it cannot keep up with (every request sent to it: TTFT p50 0.3 s and growing with
