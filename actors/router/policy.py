@@ -17,7 +17,7 @@ Dynamo's KV router (``overlap_weight * prefill_blocks + decode_blocks``)::
 
     cost(i) = overlap_weight * need(i) + load(i) + short(i)
     need(i) = P - cached(i)
-    load(i) = mean_blocks * (in_flight(i) + others(i))
+    load(i) = mean_need * (in_flight(i) + others(i))
     others(i) = max(running(i) + waiting(i) - in_flight_then(i), 0)
     short(i) = max(need(i) - free(i), 0)
 
@@ -33,9 +33,13 @@ computed, held by the running request (never evicted), and an engine that caches
 it allocates them (vLLM) gives them to the next prompt that shares them. Without this, a
 burst behind one new prefix, or a conversation's next turn sent before its last one began,
 is scored as a miss everywhere and spread by load alone, and each instance it reaches
-computes the prefix again. ``load(i)`` is the
-work queued there in the same unit: the mean prompt of the requests the router routed (in
-blocks, at least 1) times the requests there, counted from two sources:
+computes the prefix again. ``load(i)`` is the work the requests there put before a new one,
+in the same unit: ``mean_need``, the mean prefill the routed requests needed where they went
+(in blocks, at least 1), times the requests there. An engine batches continuously: a
+request there costs the next one's first token the prefill it needs, while its decode runs
+in the same steps as the next one's at a small cost a step; counted at its whole prompt, a
+few requests decoding on the instance that holds a prefix would outweigh a whole miss and
+send the prompt to recompute it elsewhere. The requests are counted from two sources:
 
 - ``in_flight(i)``, the router's own requests in flight there: exact and immediate;
 - ``others(i)``, the requests of other clients there, from the instance's own word
@@ -57,11 +61,16 @@ this prompt's first token is least, once the chosen instance's is more than anot
     ahead(i) = the need of the router's requests there not begun (no first byte yet)
                + max(waiting(i) - unstarted_then(i), 0) * mean_need
     spill to j when ahead(best) > 0 and ahead(best) + need(best) > ahead(j) + need(j)
+                and (ahead(j) = 0 or need(j) <= need(best))
 
 that is, when the prefill queued ahead on the holder costs more than its hit saves (the
-prompt's need elsewhere less its need there). ``mean_need`` is the mean prefill the routed
-requests needed where they went; the other clients' waiting requests are counted at it. A
-request answered whole (not streamed) counts as not begun until its answer came.
+prompt's need elsewhere less its need there), to an instance with no prefill queued or one
+that holds as much of the prompt. ``mean_need`` is the mean prefill the routed requests
+needed where they went; the other clients' waiting requests are counted at it. A request
+answered whole (not streamed) counts as not begun until its answer came. A spill that
+recomputes the prefix where prefill is queued only moves the queue: the recomputation delays
+every request queued behind it there, and all instances are busy (saturation), when total
+work decides throughput; an idle instance's capacity is free.
 
 The keys are the engine's (``cache/block_hash.py``, namespaced by the instances' shared
 fingerprint). Owned by the router's event loop.
@@ -80,10 +89,10 @@ from ringfence.cache.kv_events import BlockRemoved, BlockStored
 from ringfence.cache.kv_index import KVIndex, Overlap
 
 POLICIES: Final = ("round_robin", "least_loaded", "approximate", "cache")
-# A missed block costs its prefill; a queued request costs its whole run (prefill of what
-# it misses, then its decode), which the load term counts as one mean prompt. On `bench
-# route`'s workload TTFT p90 fell from 412 ms at weight 1 to 255 at 2 and 197-302 at 4,
-# and rose again at 8 (RESULTS.md).
+# A missed block costs its prefill to this request and, as work added, to those after it;
+# a request there costs the next one its mean need (the load term). On `bench route`'s
+# workload TTFT p90 fell from 412 ms at weight 1 to 255 at 2 and 197-302 at 4, and rose
+# again at 8 (RESULTS.md; measured when the load term counted the mean prompt).
 DEFAULT_OVERLAP_WEIGHT: Final = 4.0
 APPROXIMATE_BLOCKS: Final = 1 << 20  # blocks the approximate policy remembers, LRU
 
@@ -152,13 +161,15 @@ class Picker:
         return self.index is not None
 
     def mean_blocks(self) -> float:
+        """The mean prompt the router routed (blocks, >= 1)."""
         return max(self._blocks_routed / self._routed, 1.0) if self._routed else 1.0
 
     def load(self, instance: Instance) -> float:
-        """The work queued on ``instance``, in blocks (see the module docstring)."""
+        """The work the requests on ``instance`` put before a new one, in blocks: each at
+        the mean need (see the module docstring)."""
         word, own = instance.load, instance.in_flight
         others = 0 if word is None else word.running + word.waiting - instance.in_flight_at_load
-        return (own + max(others, 0)) * self.mean_blocks()
+        return (own + max(others, 0)) * self.mean_need()
 
     def mean_need(self) -> float:
         """The mean prefill the routed requests needed where they went (blocks, >= 1)."""
@@ -217,13 +228,19 @@ class Picker:
 
     def spill(self, choice: Choice, held: Sequence[tuple[Instance, float]]) -> Choice:
         """``choice``, or where the prefill to do before the prompt's first token is least
-        when ``choice.instance`` has prefill queued and more to do (the module docstring);
-        ``held``: each instance and the weighted blocks of the prompt it holds."""
+        when ``choice.instance`` has prefill queued and more to do, among the instances
+        with no prefill queued and those that need no more of the prompt (the module
+        docstring); ``held``: each instance and the weighted blocks of the prompt it holds."""
         ahead = self.ahead(choice.instance)
         if ahead <= 0:
             return choice
-        todo = {i: self.ahead(i) + max(choice.prompt_blocks - c, 0.0) for i, c in held}
-        least, cached = min(held, key=lambda h: (todo[h[0]], -h[1]))
+        queued = {i: self.ahead(i) for i, _ in held}
+        need = {i: max(choice.prompt_blocks - c, 0.0) for i, c in held}
+        todo = {i: queued[i] + need[i] for i, _ in held}
+        may = [h for h in held if queued[h[0]] <= 0 or need[h[0]] <= choice.need]
+        if not may:
+            return choice
+        least, cached = min(may, key=lambda h: (todo[h[0]], -h[1]))
         if todo[least] >= todo[choice.instance]:
             return choice
         return Choice(least, cached, choice.prompt_blocks, spilled=True)

@@ -124,15 +124,17 @@ def test_a_flood_on_a_hot_prefix_piles_on_its_holder_only_as_far_as_the_load_ter
     picker = Picker("cache", [a, b, c], index, Weights(overlap=overlap))
     hot = keys(7, 8)
     store(index, a.url, hot)
-    served = [send(picker, hot) for _ in range(30)]  # none finishes: the worst flood
-    # Each goes where overlap * need + in_flight * mean is least: the holder while its
+    served = [send(picker, hot) for _ in range(30)]  # none finishes nor begins: the worst
+    # Each goes where overlap * need + in_flight * mean_need is least: the holder while its
     # queue costs no more than recomputing the prefix (8 blocks) elsewhere (ties go to the
-    # most cached), so its queue runs ahead of the others' by overlap * 8 / mean + 1 at most.
-    mean = picker.mean_blocks()
-    assert mean == 8.0
+    # most cached), so its queue runs ahead of the others' by overlap * 8 / mean_need + 1 at
+    # most; an instance it then goes to holds the prefix too (in flight there), and fills
+    # as far. Every one needed nothing where it went: each counts as 1 block.
+    assert picker.mean_need() == 1.0
     others = max(served.count(b), served.count(c))
-    assert others <= served.count(a) <= others + overlap * 8 / mean + 1, served
-    assert min(served.count(b), served.count(c)) >= 9  # the rest spread evenly
+    assert served.count(a) <= others + overlap * 8 + 1
+    order = "".join("abc"[[a, b, c].index(i)] for i in served)
+    assert order == {1.0: "a" * 9 + "b" * 9 + "c" * 9 + "abc", 2.0: "a" * 17 + "b" * 13}[overlap]
 
 
 def queue(picker: Picker, ks: list[BlockHash]) -> Choice:
@@ -183,6 +185,47 @@ def test_other_clients_waiting_requests_count_as_prefill_ahead_at_the_mean_need(
     assert picker.ahead(a) == 10.0
     choice = queue(picker, hot_prompt(1))
     assert choice.spilled and choice.instance is b
+
+
+def test_requests_decoding_on_the_holder_cost_the_next_their_mean_need_not_their_prompt():
+    a, b = instances(2)
+    index = KVIndex()
+    picker = Picker("cache", [a, b], index)
+    store(index, a.url, keys(7, 8))
+    # Four users behind the prefix, each with 2 blocks of its own, all decoding on a.
+    assert [send(picker, hot_prompt(n)) for n in range(4)] == [a] * 4
+    assert (picker.mean_need(), picker.mean_blocks()) == (2.0, 10.0)
+    # The fifth: on a, 4 * 2 + 4 * 2 = 16 against 4 * 10 = 40 on b. Counted at their whole
+    # prompt (4 * 10 = 40), the four would have sent it to recompute the prefix on b.
+    choice = picker.choose(hot_prompt(4))
+    assert choice is not None and choice.instance is a and picker.load(a) == 8.0
+
+
+def test_a_spill_recomputes_the_prefix_only_where_no_prefill_is_queued():
+    a, b, c = instances()
+    index = KVIndex()
+    picker = Picker("cache", [a, b, c], index, Weights(overlap=8.0))
+    store(index, a.url, keys(7, 8))
+    a.in_flight, a.unstarted, a.ahead_blocks = 6, 6, 12.0  # 6 prompts not begun, 2 blocks each
+    b.in_flight, b.unstarted, b.ahead_blocks = 1, 1, 1.0
+    c.in_flight, c.unstarted, c.ahead_blocks = 1, 1, 2.0
+    # Before the prompt's first token: 12 + 2 on a, 1 + 10 on b, 2 + 10 on c. Both b and c
+    # have prefill queued: recomputing the prefix there would delay what queues behind it.
+    choice = picker.choose(hot_prompt(0))
+    assert choice is not None and choice.instance is a and not choice.spilled
+    c.in_flight, c.unstarted, c.ahead_blocks = 0, 0, 0.0  # c idle: 10 < 14, its capacity free
+    choice = picker.choose(hot_prompt(1))
+    assert choice is not None and choice.instance is c and choice.spilled
+    # An instance that holds as much of the prompt takes the spill whatever its queue.
+    a, b = instances(2)
+    index = KVIndex()
+    picker = Picker("cache", [a, b], index)
+    store(index, a.url, keys(7, 10))
+    store(index, b.url, keys(7, 10))
+    a.in_flight, a.unstarted, a.ahead_blocks = 6, 6, 12.0
+    b.in_flight, b.unstarted, b.ahead_blocks = 7, 1, 1.0
+    choice = picker.choose(keys(7, 10))  # the cost function's choice: a (6 < 7 in flight)
+    assert choice is not None and choice.instance is b and choice.spilled
 
 
 def test_the_instances_own_word_counts_requests_this_router_did_not_send():
