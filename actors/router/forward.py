@@ -9,9 +9,9 @@
    policy routes around it and forgets what it held) and the next choice is tried.
 
 The answer carries ``X-Ringfence-Instance``: the instance that served it. The request
-counts as in flight on its instance until its answer's relay ends (its prompt's keys with
-it: ``Picker.routed`` to ``Picker.ended``), and as not begun (its prefill ahead of later
-prompts there: ``Instance.ahead_blocks``) until its first byte.
+counts as in flight on its instance from the moment it is sent until its answer's relay
+ends (its prompt's keys with it: ``Picker.sent`` to ``Picker.ended``), and as not begun
+(its prefill ahead of later prompts there: ``Instance.ahead_blocks``) until its first byte.
 """
 
 from __future__ import annotations
@@ -75,20 +75,26 @@ class Forward:
             self.router.pool.acquire(instance)
             self.choice = choice
             self._sent_at = time.monotonic()
+            # Counted as sent (its prompt in flight there, its prefill ahead) before the
+            # answer's head comes back: requests chosen meanwhile must see it.
+            self.picker.sent(choice, keys)
+            self._keys = keys
+            self._queue(choice)
             try:
                 answer = await self.router.client.open(
                     f"{instance.url}{PATHS[self.kind]}", self.body, headers=JSON,
                     connect_s=CLAIM_CONNECT_S, read_s=CLAIM_READ_S,
                 )  # fmt: skip
             except TransportError as e:
+                self._begun()
+                self.picker.ended(choice, keys)
+                self._keys = None
                 self.router.pool.release(instance)
                 self.choice = None
                 self.router.lost(instance, self.id, repr(e))
                 tried.append(instance)
                 continue
             self.picker.routed(choice, keys)
-            self._keys = keys
-            self._queue(choice)
             if answer.status != 200:
                 raise Relayed(answer, await answer.read())
             self.upstream = answer

@@ -250,11 +250,9 @@ class Picker:
         self._routed += 1
         self._blocks_routed += len(keys)
         self._need_routed += choice.need
-        name = choice.instance.url
-        if self.policy == "cache" and keys:
-            self._flying.setdefault(name, Counter()).update(keys)
         if self.policy != "approximate" or not keys or self.index is None:
             return
+        name = choice.instance.url
         for key in keys:
             before = self._sent.pop(key, None)
             if before is not None and before != name:
@@ -265,9 +263,16 @@ class Picker:
             key, owner = self._sent.popitem(last=False)
             self.index.apply(owner, BlockRemoved(keys=(key,), medium="GPU"))
 
+    def sent(self, choice: Choice, keys: Sequence[BlockHash]) -> None:
+        """A request of ``keys`` is being sent to ``choice.instance``: under ``cache`` its
+        prompt counts as in flight there (``flying(i)``) until :meth:`ended`."""
+        if self.policy == "cache" and keys:
+            self._flying.setdefault(choice.instance.url, Counter()).update(keys)
+
     def ended(self, choice: Choice, keys: Sequence[BlockHash]) -> None:
-        """A request :meth:`routed` with ``keys`` to ``choice.instance`` ended (answered,
-        failed or abandoned): its prompt no longer counts as in flight there."""
+        """A request :meth:`sent` with ``keys`` to ``choice.instance`` ended (answered,
+        failed, abandoned, or never reached it): its prompt no longer counts as in flight
+        there."""
         held = self._flying.get(choice.instance.url)
         if not held:
             return  # forgotten when the instance was marked down

@@ -43,6 +43,7 @@ def send(picker: Picker, ks: list[BlockHash]) -> Instance:
     """Choose for ``ks`` and count it in flight there (as the router does until it ends)."""
     choice = picker.choose(ks)
     assert choice is not None
+    picker.sent(choice, ks)
     picker.routed(choice, ks)
     choice.instance.in_flight += 1
     return choice.instance
@@ -80,13 +81,13 @@ def test_a_prompt_no_longer_counts_as_held_once_its_request_ended_or_its_instanc
     for _ in range(2):  # two requests of it in flight on a: it counts until both ended
         choice = picker.choose(prompt)
         assert choice is not None and choice.instance is a
-        picker.routed(choice, prompt)
+        picker.sent(choice, prompt)
     picker.ended(Choice(a, 0.0, 10), prompt)
     assert picker.choose(prompt).cached == 10.0  # type: ignore[union-attr]
     picker.ended(Choice(a, 0.0, 10), prompt)
     assert picker.choose(prompt).cached == 0.0  # type: ignore[union-attr]
     store(index, a.url, prompt[:4])  # what a's events say stays
-    picker.routed(Choice(a, 4.0, 10), prompt)
+    picker.sent(Choice(a, 4.0, 10), prompt)
     assert picker.flying(a, prompt) == 10
     picker.mark_down(a)
     picker.mark_up(a)
@@ -142,6 +143,7 @@ def queue(picker: Picker, ks: list[BlockHash]) -> Choice:
     as the router counts it)."""
     choice = picker.choose(ks)
     assert choice is not None
+    picker.sent(choice, ks)
     picker.routed(choice, ks)
     choice.instance.in_flight += 1
     choice.instance.unstarted += 1
