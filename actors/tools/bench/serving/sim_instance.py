@@ -93,7 +93,10 @@ class Runner:
         self._task: asyncio.Task[None] | None = None
 
     def submit(self, prompt: list[int], max_tokens: int) -> tuple[SimRequest, asyncio.Queue[int]]:
-        """Queue a request; its tokens come on the queue returned (ValueError: refused)."""
+        """Queue a request; its tokens come on the queue returned (ValueError: refused).
+        A broken invariant that ended the engine's last run raises here again."""
+        if self._task is not None and self._task.done() and not self._task.cancelled():
+            self._task.result()
         request = self.engine.add(prompt, max_tokens)
         queue: asyncio.Queue[int] = asyncio.Queue()
         self._tokens[request.id] = queue
