@@ -26,7 +26,8 @@ cached prefix of them, each weighted by where it is best found: ``device_weight`
 work), ``host_weight`` (0.8: a swap-in) and ``storage_weight`` (0.5: a prefetch, then a
 swap-in), so ``need(i)`` is the prefill work it still needs, in blocks. Under ``cache`` it
 is the larger of what the index says and ``device_weight`` times the longest prefix of the
-prompt among the prompts of this router's requests in flight there (``flying(i)``): an
+prompt among the prompts of this router's requests in flight there, from the moment each
+is sent until it ends (``flying(i)``): an
 instance publishes a block once the step that computed it ended, and under load that is
 seconds after the router sent the prompt; meanwhile the blocks are on its device or being
 computed, held by the running request (never evicted), and an engine that caches blocks as
@@ -63,14 +64,15 @@ this prompt's first token is least, once the chosen instance's is more than anot
     spill to j when ahead(best) > 0 and ahead(best) + need(best) > ahead(j) + need(j)
                 and (ahead(j) = 0 or need(j) <= need(best))
 
-that is, when the prefill queued ahead on the holder costs more than its hit saves (the
-prompt's need elsewhere less its need there), to an instance with no prefill queued or one
-that holds as much of the prompt. ``mean_need`` is the mean prefill the routed requests
+(``j`` the least ``ahead(j) + need(j)`` of the instances that may take it), that is, when
+the prefill queued ahead on the holder costs more than its hit saves (the prompt's need
+elsewhere less its need there), to an instance with no prefill queued or one that holds as
+much of the prompt. ``mean_need`` is the mean prefill the routed requests
 needed where they went; the other clients' waiting requests are counted at it. A request
 answered whole (not streamed) counts as not begun until its answer came. A spill that
 recomputes the prefix where prefill is queued only moves the queue: the recomputation delays
-every request queued behind it there, and all instances are busy (saturation), when total
-work decides throughput; an idle instance's capacity is free.
+every request queued behind it there, and when every instance is busy (saturation) the total
+work decides the throughput; an idle instance's capacity is free.
 
 The keys are the engine's (``cache/block_hash.py``, namespaced by the instances' shared
 fingerprint). Owned by the router's event loop.
