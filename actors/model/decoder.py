@@ -122,7 +122,11 @@ class DecoderLayer(nn.Module):
 class Body(nn.Module):
     def __init__(self, c: ModelShape) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden)
+        # Built on the meta device and overwritten: an Embedding given its tensor skips its
+        # random init, whose meta kernel imports torch._dynamo (2-3 s of a Worker's start).
+        self.embed_tokens = nn.Embedding(
+            c.vocab_size, c.hidden, _weight=torch.empty(c.vocab_size, c.hidden)
+        )
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.layers))
         self.norm = RMSNorm(c.hidden)
 
@@ -167,7 +171,12 @@ class Model(nn.Module):
             self.model = Body(self.local)
             self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
-        self.to_empty(device="cpu")
+        # As to_empty(device="cpu"), without torch.empty_like of meta tensors: its reference
+        # kernel imports sympy (most of a second of a Worker's start). No buffer exists yet.
+        for module in self.modules():
+            for name, param in module.named_parameters(recurse=False):
+                empty = torch.empty(param.shape, dtype=param.dtype)
+                setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
         if seed is not None:
             self._init_weights(seed)
         if config.tie_embeddings:
