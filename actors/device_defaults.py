@@ -8,6 +8,7 @@ its note. On the CPU it returns the config untouched (today's defaults exactly).
 for each key no file or ``--set`` wrote (``RunConfig.explicit``):
 
 * ``sched.max_num_seqs`` 256 and ``sched.max_batched_tokens`` 8192 (vLLM's limits on a GPU);
+* ``runtime.start_method`` spawn (:func:`spawn_children`);
 * ``cache.device_blocks``: as many blocks as fit in ``cache.gpu_memory_utilization`` of
   the device's total memory (no more than is free now) once the weights, the CUDA
   contexts and the activations of the largest step are set aside (:func:`plan_memory`).
@@ -42,6 +43,7 @@ GIB: Final = 1 << 30
 GPU_BATCH: Final = {"sched.max_num_seqs": 256, "sched.max_batched_tokens": 8192}
 POOL_KEY: Final = "cache.device_blocks"
 UTILIZATION_KEY: Final = "cache.gpu_memory_utilization"
+START_KEY: Final = "runtime.start_method"
 # Each process of a rank that touches the device holds a CUDA context on it: the Worker and
 # its two lanes (which open the KV tensor by CUDA IPC). About 0.5 GiB each on a recent GPU.
 CONTEXT_BYTES: Final = 512 << 20
@@ -131,7 +133,27 @@ def resolve_device_defaults(config: RunConfig) -> Resolved:
         return Resolved(config)
     # The preflight's check first: a device that does not exist is named as it always was.
     check_device(model.device, model.dtype, config.parallel.tp_size)
-    return device_defaults(config, probe_devices(model.device, config.parallel.tp_size))
+    resolved = device_defaults(config, probe_devices(model.device, config.parallel.tp_size))
+    assert isinstance(resolved.config, Config)
+    return Resolved(spawn_children(resolved.config), resolved.notes)
+
+
+def spawn_children(config: Config) -> Config:
+    """``config`` with its children started by ``spawn`` (a run on CUDA): a fork server
+    that imported the Worker's modules asked torch about CUDA, and a child it forks cannot
+    use CUDA (``runtime/starter.py``). ValueError where ``runtime.start_method`` was set to
+    ``forkserver``."""
+    if config.runtime.start_method == "spawn":
+        return config
+    if START_KEY in config.explicit:
+        raise ValueError(
+            f"{START_KEY}: forkserver cannot start a Worker on {config.model.device} (its "
+            "server imported torch's CUDA checks, and a process forked after them cannot use "
+            "CUDA); set it to spawn, or leave it unset"
+        )
+    return dataclasses.replace(
+        config, runtime=dataclasses.replace(config.runtime, start_method="spawn")
+    )
 
 
 def device_defaults(config: Config, devices: Sequence[DeviceMemory]) -> Resolved:

@@ -37,6 +37,11 @@ def main(spec: ChildSpec) -> None:
     if spec.threads:  # before the actor's module (and torch) is imported by attach
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(spec.threads)
+        # Forked from the fork server (starter.py), torch is imported already: OpenMP read
+        # its variable then, so the count is set through torch (before any thread pool).
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(spec.threads)
     from ringfence.runtime.embed import attach
 
     try:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 import orjson
 
@@ -354,5 +355,20 @@ def _run(table: CommandTable, args: argparse.Namespace) -> int:
     return _clean(args)
 
 
+def console_main() -> NoReturn:
+    """The ``ringfence`` command: :func:`main` on the command line. A ``launch`` then leaves
+    by ``os._exit`` once its output is flushed: the run ended and closed everything it
+    opened (its children reaped, its names unlinked, the fork server stopped), and the
+    interpreter's teardown of torch and the model's modules, which the launch imported to
+    check the topology, takes about a second more (as each child leaves, ``child.py``)."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    if argv[:1] == ["launch"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -60,6 +60,7 @@ LogLevel = Literal["info", "trace"]
 Placement = Literal["spawn", "external"]
 Restart = Literal["never", "on-failure"]
 Wait = Literal["block", "poll"]
+StartMethod = Literal["forkserver", "spawn"]  # runtime/starter.py
 Self = TypeVar("Self", bound="RunConfig")
 
 # The schema of a whole run, by name: the runtime never imports the actors.
@@ -118,6 +119,11 @@ class RuntimeConfig:
     )
     ready_timeout_s: float = setting(60.0, "seconds the supervisor waits for ready actors", gt=0)
     stop_timeout_s: float = setting(10.0, "seconds an actor gets to stop before it is killed", gt=0)
+    start_method: StartMethod = setting(
+        "forkserver",
+        "forkserver: children fork from a server that imported their modules once; spawn: "
+        "each from a fresh interpreter (a run on CUDA uses spawn unless this is set)",
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

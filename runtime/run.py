@@ -98,13 +98,27 @@ class Prepared(NamedTuple):
 
 
 def prepare(config: RunConfig) -> Prepared:
-    """What the supervisor launches: the topology's defaults resolved (:func:`resolve_defaults`),
-    then its preflight checks run on the resolved config, then the topology checked."""
+    """What the supervisor launches: the topology's defaults resolved (:func:`resolve`),
+    then its preflight checks run on the resolved config, then the topology checked
+    (:func:`check`)."""
+    prepared = resolve(config)
+    check(prepared)
+    return prepared
+
+
+def resolve(config: RunConfig) -> Prepared:
+    """The topology ``runtime.topology`` names, and ``config`` with its defaults resolved
+    (:func:`resolve_defaults`); no actor's module is imported."""
     topology = _topology_of(config)
     config, notes = resolve_defaults(config, topology)
-    run_preflight(config, topology)
-    topology.check()
     return Prepared(config, topology, notes)
+
+
+def check(prepared: Prepared) -> None:
+    """The preflight checks on the resolved config, then the topology checked (which imports
+    every actor's module)."""
+    run_preflight(prepared.config, prepared.topology)
+    prepared.topology.check()
 
 
 def _topology_of(config: RunConfig) -> Topology:

@@ -8,7 +8,8 @@ A run, in order:
 2. take the run dir (cleaning what a dead earlier run left there), write the lease,
    the names manifest and the resolved config, then create every doorbell, ring and
    counter block the manifest names (run.py);
-3. spawn every ``placement = "spawn"`` instance with multiprocess (spawn context) and
+3. spawn every ``placement = "spawn"`` instance (forked from the fork server that imported
+   the actors' modules, or from a fresh interpreter: ``runtime.start_method``, starter.py) and
    wait, with a deadline, for each one (and each external one) to report ready;
    an ``attach = "optional"`` instance (a client slot, see topology.py) is only
    awaited: it may attach at any time, or never;
@@ -40,15 +41,14 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import multiprocess
-
 from ringfence.runtime import child
 from ringfence.runtime.config import RunConfig
 from ringfence.runtime.failure import read_failure
 from ringfence.runtime.log import ActorLog, log_path
 from ringfence.runtime.messages import RUNTIME, Stop
 from ringfence.runtime.restarts import EXIT_FAILED, Restarts, attached
-from ringfence.runtime.run import Run, Slot, create_run, prepare, write_actors
+from ringfence.runtime.run import Run, Slot, check, create_run, resolve, write_actors
+from ringfence.runtime.starter import Starter, modules_of
 from ringfence.runtime.topology import SUPERVISOR
 from ringfence.shm import names
 
@@ -63,8 +63,23 @@ class Supervisor:
     """
 
     def __init__(self, config: RunConfig, run_dir: Path | None = None) -> None:
-        # Nothing exists yet: a topology, config or preflight error leaves nothing behind.
-        self.config, self.topology, self.notes = prepare(config)  # the machine's defaults in
+        # Nothing exists yet: a topology, config or preflight error leaves nothing behind
+        # (the fork server, started first so that its imports overlap the checks, is stopped).
+        prepared = resolve(config)  # the machine's defaults in
+        self.config, self.topology, self.notes = prepared
+        self._starter = Starter(
+            self.config.runtime.start_method,
+            modules_of([actor.target for actor in self.topology.actors]),
+        )
+        try:
+            if self._starter.forks:  # in a fork of the server: its imports are not ours
+                timeout = self.config.runtime.ready_timeout_s
+                self._starter.call(check, (prepared,), timeout=timeout)
+            else:
+                check(prepared)
+        except BaseException:
+            self._starter.close()
+            raise
         self.run_id = names.new_run_id()
         self.run_dir = run_dir or Path(config.runtime.run_dir) / self.run_id
         # Replaced by the run's log once the run dir exists; until then lines go nowhere.
@@ -74,7 +89,6 @@ class Supervisor:
         # Why the run failed, in lines for the terminal: the failure record of the actor
         # that ended it, or how its process ended when it left none.
         self.failure: list[str] = []
-        self._context = multiprocess.get_context("spawn")
         self._by_sentinel: dict[int, Slot] = {}
         self._restarts = Restarts(self.config, self.topology, self)
 
@@ -102,6 +116,7 @@ class Supervisor:
 
         started = time.monotonic()
         with ExitStack() as stack:
+            stack.callback(self._starter.close)  # last: once every child was reaped
             run = self._create(stack)
             waker = Waker(run.bell)
             waker.start()
@@ -160,7 +175,7 @@ class Supervisor:
             slot.incarnation,
             threads=self.config.actor(slot.entry.name).threads,
         )
-        proc = self._context.Process(target=child.main, args=(spec,), name=f"rf-{slot.entry.id}")
+        proc = self._starter.process(child.main, (spec,), name=f"rf-{slot.entry.id}")
         proc.start()
         slot.proc, slot.pid, slot.exitcode = proc, proc.pid, None
         self._by_sentinel[proc.sentinel] = slot

@@ -69,7 +69,7 @@ def test_the_wheel_holds_ringfence_subpackages_and_no_top_level_ones(wheel):
     entry_points = zipfile.ZipFile(wheel).read(
         next(f for f in files if f.endswith("entry_points.txt"))
     )
-    assert b"ringfence = ringfence.runtime.cli:main" in entry_points
+    assert b"ringfence = ringfence.runtime.cli:console_main" in entry_points
 
 
 def test_an_installed_wheel_imports_from_site_packages_and_leaves_the_stdlib_sched_alone(

@@ -195,13 +195,15 @@ class Launch(Launched):
         return len(self.events("worker-0", "step.done"))
 
     def pid_of(self, instance: str) -> int:
-        """The live process of ``instance`` (from actors.json), checked to be this launch's."""
+        """The live process of ``instance`` (from actors.json), checked to be this launch's:
+        its child, or a child of its fork server (runtime/starter.py), itself its child."""
         if instance == SUPERVISOR:
             return self.proc.pid
         rows = orjson.loads((self.run_dir / "actors.json").read_bytes())
         row = next(r for r in rows if r["id"] == instance)
         pid = row.get("pid")
-        if pid is None or _parent(pid) != self.proc.pid:
+        parent = None if pid is None else _parent(pid)
+        if parent is None or self.proc.pid not in (parent, _parent(parent)):
             raise FaultError(f"{instance} (pid {pid}) is not a live child of this launch")
         return int(pid)
 
