@@ -188,7 +188,7 @@ class EngineFuzz(IssuerFuzz):
 
     def fuzz_epoch(self, k: int) -> int:
         # Not the engine's: what an executor answers a fuzzed op with is then stale as well.
-        epoch: int = self.epoch  # type: ignore[attr-defined]
+        epoch: int = self.executors.epoch  # type: ignore[attr-defined]
         return epoch + 1 + k
 
 
