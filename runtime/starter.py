@@ -19,6 +19,9 @@ is set (``actors/device_defaults.py``). A child's thread count (``actors.<name>.
 then set through torch, which was imported before the child could set OpenMP's variable
 (``child.py``).
 
+The server imports by the interpreter's own path (multiprocess passes it no other): a module
+only the supervisor's ``sys.path`` finds (a test's actor) is imported by each child instead.
+
 The server, and the resource tracker multiprocess starts beside it, are the supervisor's
 processes: :meth:`Starter.close` stops both and waits for their exit, so no process of a run
 outlives its supervisor (the tracker exits once every holder of its pipe closed it: the

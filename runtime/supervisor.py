@@ -47,7 +47,14 @@ from ringfence.runtime.failure import read_failure
 from ringfence.runtime.log import ActorLog, log_path
 from ringfence.runtime.messages import RUNTIME, Stop
 from ringfence.runtime.restarts import EXIT_FAILED, Restarts, attached
-from ringfence.runtime.run import Run, Slot, check, create_run, resolve, write_actors
+from ringfence.runtime.run import (
+    Run,
+    Slot,
+    create_run,
+    resolve,
+    run_preflight,
+    write_actors,
+)
 from ringfence.runtime.starter import Starter, modules_of
 from ringfence.runtime.topology import SUPERVISOR
 from ringfence.shm import names
@@ -72,11 +79,15 @@ class Supervisor:
             modules_of([actor.target for actor in self.topology.actors]),
         )
         try:
-            if self._starter.forks:  # in a fork of the server: its imports are not ours
+            # The preflight here (it reads files, not the actors' modules: a refused run is
+            # refused in a moment), then the topology's check, which imports every actor's
+            # module: in a fork of the server, whose imports are not this process's.
+            run_preflight(self.config, self.topology)
+            if self._starter.forks:
                 timeout = self.config.runtime.ready_timeout_s
-                self._starter.call(check, (prepared,), timeout=timeout)
+                self._starter.call(self.topology.check, (), timeout=timeout)
             else:
-                check(prepared)
+                self.topology.check()
         except BaseException:
             self._starter.close()
             raise
