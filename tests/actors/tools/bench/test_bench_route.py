@@ -85,7 +85,12 @@ QUICK = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("case", "requests"), [("light", 8), ("saturation", 54)])
+# The saturation case on real instances runs with the slow soaks: CI runs it on simulated
+# instances (below), where its queues are the sim's and not two shared cores'.
+@pytest.mark.parametrize(
+    ("case", "requests"),
+    [("light", 8), pytest.param("saturation", 54, marks=pytest.mark.slow)],
+)
 def test_the_quick_form_routes_on_real_instances_with_the_same_tokens_everywhere(
     tmp_path: Path, case: str, requests: int
 ):
@@ -147,26 +152,28 @@ def test_simulated_instances_take_the_cases_sim_rate_and_a_cost_model_set_by_fie
         route.main(parser.parse_args(["--sim-set", "blocks=64"]))
 
 
+@pytest.mark.parametrize(("case", "requests"), [("light", 8), ("saturation", 54)])
 def test_the_quick_form_on_simulated_instances_reports_them_with_the_same_tokens_everywhere(
-    tmp_path: Path,
+    tmp_path: Path, case: str, requests: int
 ):
     out = tmp_path / "route.json"
     status = cli.main([
         "bench", "route", "--sim", "--instances", "2", "--policies", "round_robin,cache",
-        *QUICK["light"], "--max-tokens", "4", "--sim-set", "step_ms=4",
+        *QUICK[case], "--max-tokens", "4", "--sim-set", "step_ms=4",
         "--sim-set", "prefill_ms_per_token=0.05", "--json", str(out),
         "--plot", str(tmp_path / "route.png"),
     ])  # fmt: skip
     result = orjson.loads(out.read_bytes())
     assert status == 0, result
-    assert result["instances_kind"] == "sim" and result["requests"] == 8
+    assert result["instances_kind"] == "sim" and result["requests"] == requests
     assert result["cost_model"] == route.SIM_MODEL.as_dict() | {
         "step_ms": 4.0, "prefill_ms_per_token": 0.05,
     }  # fmt: skip
     for policy in ("round_robin", "cache"):
         figures = result["policies"][policy]
         assert figures["failed"] == 0 and figures["same_tokens"] and not figures["leaked_names"]
-        assert sum(figures["per_instance"].values()) == 8
+        assert sum(figures["per_instance"].values()) == requests
         assert figures["ttft_p90_s"] > 0 and figures["output_tokens_per_s"] > 0  # tokens came
         assert 0 < figures["cached_share"]["device"] < 1  # the usage the sims give
-    assert result["policies"]["round_robin"]["per_instance"] == {"i0": 4, "i1": 4}
+    half = requests // 2
+    assert result["policies"]["round_robin"]["per_instance"] == {"i0": half, "i1": half}
