@@ -181,3 +181,14 @@ def test_the_supervisor_runs_the_config_with_the_devices_defaults(monkeypatch):
     assert prepared.notes and prepared.notes[0].startswith("defaults for cuda:0")
     on_cpu = prepare(Config.load(None, ["model.preset=small"]))
     assert probed == [("cuda", 1)] and on_cpu.notes == ()
+    # On CUDA the children start from fresh interpreters; on the CPU from the fork server.
+    assert prepared.config.runtime.start_method == "spawn"
+    assert on_cpu.config.runtime.start_method == "forkserver"
+
+
+def test_on_cuda_children_are_spawned_and_a_fork_server_asked_for_is_refused_by_name():
+    assert dd.spawn_children(gpu_config()).runtime.start_method == "spawn"
+    kept = gpu_config("runtime.start_method=spawn")
+    assert dd.spawn_children(kept) is kept
+    with pytest.raises(ValueError, match=r"^runtime\.start_method: forkserver cannot start"):
+        dd.spawn_children(gpu_config("runtime.start_method=forkserver"))
