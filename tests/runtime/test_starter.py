@@ -100,8 +100,10 @@ def test_an_unknown_start_method_is_refused_by_name():
         Starter("fork")  # type: ignore[arg-type]
 
 
-def test_a_launch_that_exited_left_no_process_of_its_own(tmp_path: Path):
-    with launched(tmp_path, "demo.messages=1000", *QUICK) as run:
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_launch_that_exited_left_no_process_of_its_own(tmp_path: Path, method: str):
+    sets = ("demo.messages=1000", f"runtime.start_method={method}", *QUICK)
+    with launched(tmp_path, *sets) as run:
         assert run.wait() == 0, run.tail()
         # The fork server and the tracker carried the launch's mark too: none is left.
         assert marked_pids(run.mark) == set()
