@@ -175,7 +175,7 @@ class Model(nn.Module):
         # kernel imports sympy (most of a second of a Worker's start). No buffer exists yet.
         for module in self.modules():
             for name, param in module.named_parameters(recurse=False):
-                empty = torch.empty(param.shape, dtype=param.dtype)
+                empty = torch.empty(param.shape, dtype=param.dtype, device="cpu")
                 setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
         if seed is not None:
             self._init_weights(seed)
