@@ -89,36 +89,21 @@ def load_topology(config: RunConfig, *, preflight: bool = False) -> Topology:
 
 
 class Prepared(NamedTuple):
-    """A run's config with the machine's defaults filled in, its checked topology, and the
-    notes saying which defaults were chosen and why."""
+    """A run's config with the machine's defaults filled in, its topology (not yet checked:
+    the supervisor checks it next), and the notes saying which defaults were chosen and why."""
 
     config: RunConfig
     topology: Topology
     notes: tuple[str, ...]
 
 
-def prepare(config: RunConfig) -> Prepared:
-    """What the supervisor launches: the topology's defaults resolved (:func:`resolve`),
-    then its preflight checks run on the resolved config, then the topology checked
-    (:func:`check`)."""
-    prepared = resolve(config)
-    check(prepared)
-    return prepared
-
-
 def resolve(config: RunConfig) -> Prepared:
-    """The topology ``runtime.topology`` names, and ``config`` with its defaults resolved
-    (:func:`resolve_defaults`); no actor's module is imported."""
+    """What the supervisor launches: the topology ``runtime.topology`` names, and ``config``
+    with its defaults resolved (:func:`resolve_defaults`); no actor's module is imported.
+    The supervisor then runs the preflight (:func:`run_preflight`) and the topology's check."""
     topology = _topology_of(config)
     config, notes = resolve_defaults(config, topology)
     return Prepared(config, topology, notes)
-
-
-def check(prepared: Prepared) -> None:
-    """The preflight checks on the resolved config, then the topology checked (which imports
-    every actor's module)."""
-    run_preflight(prepared.config, prepared.topology)
-    prepared.topology.check()
 
 
 def _topology_of(config: RunConfig) -> Topology:

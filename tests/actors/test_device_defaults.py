@@ -21,7 +21,7 @@ from ringfence.actors.device_defaults import (
 )
 from ringfence.actors.model.shape import PRESETS
 from ringfence.runtime.config import dump_config, loads_config
-from ringfence.runtime.run import prepare
+from ringfence.runtime.run import resolve
 
 H200 = DeviceMemory(
     device="cuda:0", name="NVIDIA H200", total_bytes=140 * GIB, free_bytes=139 * GIB
@@ -173,13 +173,13 @@ def test_the_supervisor_runs_the_config_with_the_devices_defaults(monkeypatch):
     monkeypatch.setattr(dd, "probe_devices", probe)
     monkeypatch.setattr(dd, "check_device", lambda *args: None)
     monkeypatch.setattr(preflight, "check_device", lambda *args: None)
-    prepared = prepare(gpu_config())
+    prepared = resolve(gpu_config())
     assert isinstance(prepared.config, Config)
     assert probed == [("cuda", 1)]
     assert prepared.config.sched.max_num_seqs == 256
     assert prepared.config.cache.device_blocks > 256
     assert prepared.notes and prepared.notes[0].startswith("defaults for cuda:0")
-    on_cpu = prepare(Config.load(None, ["model.preset=small"]))
+    on_cpu = resolve(Config.load(None, ["model.preset=small"]))
     assert probed == [("cuda", 1)] and on_cpu.notes == ()
     # On CUDA the children start from fresh interpreters; on the CPU from the fork server.
     assert prepared.config.runtime.start_method == "spawn"
