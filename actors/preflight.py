@@ -6,7 +6,7 @@ refuse in ``on_start`` is refused at once, as the command's one-line error (exit
 naming the file and the field or tensor at fault. :func:`check_model` reads only
 headers and JSON (the checkpoint's config.json and its safetensors headers, or a GGUF
 file's metadata and tensor headers; never a tensor's bytes) and imports torch only when
-``model.device`` is a CUDA device.
+``model.device`` is a CUDA device or ``transfer.copy`` is ``kernel``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def check_model(config: Config) -> None:
     config.json, architecture, shard files, tensor names, shapes and dtypes; its tokenizer
     and chat template), the KV heads
     against ``parallel.tp_size``, ``cache.block_size`` against the model's positions, the
-    KV pools against the room in /dev/shm, and ``model.dtype`` on ``model.device``."""
+    KV pools against the room in /dev/shm, ``model.dtype`` on ``model.device``, and
+    ``transfer.copy = "kernel"`` there."""
     shape = checkpoint_shape(config.model.path) if config.model.path else None
     if config.model.path:
         check_tokenizer(Path(config.model.path))
@@ -39,6 +40,8 @@ def check_model(config: Config) -> None:
     check_divisible(shape, config.parallel.tp_size)
     check_cache(config, shape)
     check_device(config.model.device, config.model.dtype, config.parallel.tp_size)
+    if config.transfer.copy == "kernel":
+        check_copy_kernel(config.model.device)
 
 
 def checkpoint_shape(path: str) -> ModelShape:
@@ -119,3 +122,14 @@ def check_device(device: str, dtype: str, ranks: int = 1) -> None:
         # Before compute capability 8.0 bfloat16 is only emulated, if at all.
         name = torch.cuda.get_device_name(index)
         raise ValueError(f"model.dtype: bfloat16 is not supported on {device} ({name})")
+
+
+def check_copy_kernel(device: str) -> None:
+    """``transfer.copy = "kernel"`` runs on ``model.device``: Triton is installed, and on the
+    CPU it runs in its interpreter. The swap lane's own rule (``kv/copies.py``), applied
+    before the lane exists; ValueError naming the setting."""
+    import torch
+
+    from ringfence.actors.kv.copies import resolve_copy
+
+    resolve_copy("kernel", torch.device(device))

@@ -14,6 +14,7 @@ from ringfence.runtime.config import setting
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
 
 TransferMode = Literal["fence", "sync", "lock"]
+BlockCopy = Literal["auto", "runs", "kernel"]  # actors/kv/copies.py
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,6 +27,13 @@ class TransferConfig:
         "what it waits for is complete) and lock (fences plus the legacy design's lock "
         "around every step and every copy)",
         debug=("sync", "lock"),
+    )
+    copy: BlockCopy = setting(
+        "auto",
+        "how the swap lane copies a swap's blocks: 'runs', one copy per run of consecutive "
+        "blocks; 'kernel', one Triton kernel launch for all of them (on CUDA it reads and "
+        "writes the host tier in place, mapped into the device's address space); 'auto' is "
+        "kernel on a CUDA device when Triton is installed, else runs",
     )
     lock_timeout_s: float = setting(
         30.0, "mode lock: seconds an executor waits for the lock before its op fails", gt=0
@@ -45,5 +53,5 @@ class LaneSettings:
 
     model: ModelConfig  # the Worker's weights and device; every lane's KV layout
     cache: CacheConfig  # the pools, their poisoning, the storage the store lane writes
-    transfer: TransferConfig  # the mode (lock: the legacy lock), chaos, skip_fences
+    transfer: TransferConfig  # the mode (lock: the legacy lock), the copy, chaos, skip_fences
     parallel: ParallelConfig  # the ranks: each lane's share of the KV heads
