@@ -18,7 +18,7 @@ import torch
 
 from ringfence.actors.executors.touches import Tier
 from ringfence.actors.executors.transfer import TransferLane
-from ringfence.actors.kv.copies import copy_blocks
+from ringfence.actors.kv.copies import HOST_MAPPED, copy_blocks, resolve_copy
 from ringfence.actors.kv.space import SharedKV, open_kv
 from ringfence.actors.protocol.transfer import TO_SWAP, DeviceTier
 from ringfence.cache.fences import Lane
@@ -99,14 +99,21 @@ class SwapLane(TransferLane):
         )
 
     def _use_cuda(self, device: torch.device) -> None:
-        """Pin the host tier (page-locked, registered with CUDA) and make the lane's stream."""
+        """Pin the host tier (page-locked, registered with CUDA; for the block kernel also
+        mapped into the device's address space), compile the kernel, make the lane's stream."""
+        kernel = resolve_copy(self.config.transfer.copy, device) == "kernel"
+        host = self.host_kv
         if not self.registered:
-            host = self.host_kv
-            nbytes = host.numel() * host.element_size()
-            code = _cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
+            nbytes, flags = host.numel() * host.element_size(), HOST_MAPPED if kernel else 0
+            with torch.cuda.device(device):  # the mapping's device: the one the kernel runs on
+                code = _cudart().cudaHostRegister(host.data_ptr(), nbytes, flags)
             if int(code) != 0:
                 raise RuntimeError(f"cudaHostRegister of the host KV tier failed: {code}")
             self.registered = True
+        if kernel:
+            from ringfence.actors.kv.block_kernel import compile_for  # imports Triton
+
+            compile_for(host, device)
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     @handles(SwapOp)
@@ -173,10 +180,11 @@ class SwapLane(TransferLane):
         if self.touches is not None:
             self.touches.read(src_tier, src_ids)
             self.touches.write(dst_tier, dst_ids)
+        method = resolve_copy(self.config.transfer.copy, self.device.kv.device)
         if self.stream is None:
-            return copy_blocks(src, src_ids, dst, dst_ids)
+            return copy_blocks(src, src_ids, dst, dst_ids, method=method)
         with torch.cuda.stream(self.stream):
-            copied = copy_blocks(src, src_ids, dst, dst_ids, non_blocking=True)
+            copied = copy_blocks(src, src_ids, dst, dst_ids, non_blocking=True, method=method)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self.stream)
         done.synchronize()  # the copies have landed before swap_done says so

@@ -33,6 +33,7 @@ from ringfence.actors.executors.swap import SwapLane
 from ringfence.actors.executors.transfer import TransferLane
 from ringfence.actors.kv.layout import block_fingerprint, kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv, open_kv
+from ringfence.actors.model.kernels import triton_available
 from ringfence.actors.protocol.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
 from ringfence.actors.protocol.transfer import (
     FROM_TRANSFER,
@@ -291,6 +292,39 @@ def test_a_swap_out_then_a_swap_in_copy_scattered_and_consecutive_blocks_bitwise
     untouched = [b for b in range(BLOCKS) if b not in in_dev]
     assert torch.equal(bits(dev)[untouched], dev_before[untouched])
     assert [e["op"] for e in rig.events("lane.done")] == [1, 2]
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed (the test extra)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton is compiled here, not interpreted")
+def test_with_the_block_kernel_a_swap_out_then_a_swap_in_copy_scattered_blocks_bitwise(
+    make_lane,
+) -> None:
+    """transfer.copy=kernel on the CPU: one launch in Triton's interpreter per swap."""
+    rig = make_lane(SwapLane, "transfer.copy=kernel")
+    dev, host = rig.device_kv, rig.host_kv
+    fill(dev, tuple(range(BLOCKS)), seed=1)
+    saved = dev[[3, 4, 5, 9]].clone()
+    host_before = bits(host)
+    done = rig.run(swap(1, "out", (3, 4, 5, 9), (7, 8, 2, 11)))
+    assert (done.status, done.blocks, done.bytes) == ("ok", 4, 4 * BLOCK_BYTES), done
+    assert same(host[[7, 8, 2, 11]], saved)
+    untouched = [b for b in range(BLOCKS) if b not in (7, 8, 2, 11)]
+    assert torch.equal(bits(host)[untouched], host_before[untouched])
+    done = rig.run(swap(2, "in", (12, 13, 0, 15), (7, 8, 2, 11)))
+    assert (done.status, done.blocks, done.bytes) == ("ok", 4, 4 * BLOCK_BYTES), done
+    assert same(dev[[12, 13, 0, 15]], saved)
+
+
+def test_the_block_kernel_where_it_cannot_run_fails_the_swap_naming_the_setting(
+    make_lane, monkeypatch
+) -> None:
+    """The launch's preflight refuses it first (actors/preflight.py); a lane that meets it
+    anyway fails each swap, spoiled, with the setting in the error."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rig = make_lane(SwapLane, "transfer.copy=kernel")
+    done = rig.run(swap(1, "out", (3,), (7,)))
+    assert done.status == "failed" and "transfer.copy is 'kernel'" in done.error, done
+    assert bool(torch.isnan(rig.host_kv[7]).all())
 
 
 # 2. I2: a swap-out reads a device block only after the step that wrote it.
