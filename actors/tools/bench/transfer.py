@@ -17,6 +17,12 @@ Two measurements in one run:
    * ``copy_blocks``: :func:`ringfence.actors.kv.copies.copy_blocks` over random,
      scattered block ids on both sides (the runtime's swap path, the headline figure);
    * ``copy_blocks_consecutive``: the same over one consecutive run of ids (one ``copy_``);
+   * ``copy_kernel``: ``copy_blocks(..., method="kernel")`` over the scattered ids: one
+     Triton launch for the batch (``actors/kv/block_kernel.py``), on CUDA reading or
+     writing the host tier in place through its mapping (the host tier registered as the
+     swap lane registers it for the kernel, ``copies.HOST_MAPPED``). Timed by default on
+     CUDA with Triton installed; on the CPU only with ``--kernel`` (Triton's interpreter
+     runs it there: a test of the method, not a figure);
    * ``index_select_copy``: ``torch.index_select(src, 0, idx)`` into a fresh tensor, then
      ``dst.index_copy_(0, idx, tmp)``;
    * ``index_select_out``: ``torch.index_select(src, 0, idx, out=staging)`` into a
@@ -26,7 +32,8 @@ Two measurements in one run:
    Small batches repeat the call on fresh ids until ``REP_BLOCKS`` blocks were copied.
    GB/s is 1e9 bytes a second of block data moved. The ratio copy_blocks / plain is
    reported for scattered and consecutive ids; the target is at least 0.7x for batches
-   of 64 blocks and more (scattered ids).
+   of 64 blocks and more (scattered ids). Where the kernel is timed, so is copy_kernel /
+   plain (``ratio_kernel``), its target 0.8x at 64 blocks and more (issue 47).
 
 2. Harness throughput (transfer_harness.py). The protocol harness (``...testing.harness:TOPOLOGY``)
    is launched twice as a real run (``ringfence launch`` in a temporary folder:
@@ -82,7 +89,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 TARGET_RATIO = 0.7
-TARGET_MIN_BLOCKS = 64  # the target applies to batches of this many blocks and more
+KERNEL_TARGET_RATIO = 0.8
+TARGET_MIN_BLOCKS = 64  # the targets apply to batches of this many blocks and more
 BATCHES = (1, 4, 16, 64, 256, 1024)
 QUICK_BATCHES = (1, 4, 16, 64)
 REP_BLOCKS = 256  # a timed sample copies at least this many blocks (small batches repeat)
@@ -97,6 +105,7 @@ METHODS = (
 # On a CUDA device, the runtime's own path and its ceiling: the index_select methods stage
 # through a tensor on one side, which is a CPU design question.
 CUDA_METHODS = METHODS[:3]
+KERNEL = "copy_kernel"  # the batched kernel: on CUDA with Triton, on the CPU when asked
 DIRECTIONS = ("h2d", "d2h")
 SEED = 0
 
@@ -121,6 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--skip-harness", action="store_true", help="only the bandwidth part (no launched runs)"
+    )
+    parser.add_argument(
+        "--kernel",
+        action="store_true",
+        help="time the batched copy kernel on the CPU too, in Triton's interpreter (slow: "
+        "a test of the method; on CUDA it is timed whenever Triton is installed)",
     )
     parser.add_argument(
         "--device",
@@ -175,6 +190,8 @@ class _Pools:
             elif method == "copy_blocks_consecutive":
                 a, b = src_ids[0], dst_ids[0]
                 copy_blocks(src, range(a, a + n), dst, range(b, b + n), non_blocking=self.cuda)
+            elif method == KERNEL:
+                copy_blocks(src, src_ids, dst, dst_ids, non_blocking=self.cuda, method="kernel")
             elif method == "index_select_copy":
                 s, d = torch.tensor(src_ids), torch.tensor(dst_ids)
                 dst.index_copy_(0, d, torch.index_select(src, 0, s))
@@ -201,18 +218,43 @@ def _draw(
         "plain": consecutive,
         "copy_blocks": scattered,
         "copy_blocks_consecutive": consecutive,
+        KERNEL: scattered,
         "index_select_copy": scattered,
         "index_select_out": scattered,
     }
 
 
+def bench_methods(device: str, kernel: bool) -> tuple[str, ...]:
+    """The methods timed on ``device``: the kernel where it runs at its own pace (CUDA with
+    Triton installed) or where ``kernel`` asks for it (ValueError naming --kernel where it
+    cannot run)."""
+    from ringfence.actors.model.kernels import triton_available
+
+    methods = METHODS if device == "cpu" else CUDA_METHODS
+    if kernel and not triton_available():
+        raise ValueError("--kernel: Triton is not installed (the test extra installs it)")
+    if kernel and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--kernel on the CPU: Triton runs there only with TRITON_INTERPRET=1")
+    if kernel or (device != "cpu" and triton_available()):
+        methods = (*methods, KERNEL)
+    return methods
+
+
 def bench_bandwidth(
-    preset: str, batches: Sequence[int], rounds: int, rep_blocks: int, device: str = "cpu"
+    preset: str,
+    batches: Sequence[int],
+    rounds: int,
+    rep_blocks: int,
+    device: str = "cpu",
+    *,
+    kernel: bool = False,
 ) -> dict[str, Any]:
-    """Median GB/s of every method, direction and batch size, and the copy_blocks ratios;
-    the device tier on ``device`` (on CUDA the host tier is pinned as the swap lane pins it)."""
+    """Median GB/s of every method, direction and batch size, and the copy_blocks and
+    kernel ratios; the device tier on ``device`` (on CUDA the host tier is pinned as the
+    swap lane pins it); the kernel timed as :func:`bench_methods` says."""
     import torch
 
+    from ringfence.actors.kv.copies import HOST_MAPPED
     from ringfence.actors.kv.space import KVLayout, create_kv
     from ringfence.actors.model.decoder import PRESETS
     from ringfence.shm import names
@@ -228,7 +270,7 @@ def bench_bandwidth(
         dtype=DTYPE,
     )
     run_id = names.new_run_id()
-    methods = METHODS if device == "cpu" else CUDA_METHODS
+    methods = bench_methods(device, kernel)
     seconds: dict[str, dict[int, dict[str, list[float]]]] = {
         d: {n: {m: [] for m in methods} for n in batches} for d in DIRECTIONS
     }
@@ -239,7 +281,9 @@ def bench_bandwidth(
             host = host_kv.kv
             if device != "cpu":
                 nbytes = host.numel() * host.element_size()
-                code = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)  # type: ignore[no-untyped-call]
+                flags = HOST_MAPPED if KERNEL in methods else 0
+                with torch.cuda.device(device):
+                    code = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, flags)  # type: ignore[no-untyped-call]
                 if int(code) != 0:
                     raise RuntimeError(f"cudaHostRegister of the host tensor failed: {code}")
                 pinned = True
@@ -265,25 +309,11 @@ def bench_bandwidth(
             host_kv.close()
     finally:
         names.clean_run(run_id)
-    rows = []
-    for direction in DIRECTIONS:
-        for n in batches:
-            nbytes = n * layout.block_bytes
-            gb_s = {
-                m: nbytes / statistics.median(s) / 1e9 for m, s in seconds[direction][n].items()
-            }
-            scattered = gb_s["copy_blocks"] / gb_s["plain"]
-            rows.append(
-                {
-                    "direction": direction,
-                    "blocks": n,
-                    "bytes": nbytes,
-                    "gb_s": gb_s,
-                    "ratio": scattered,
-                    "ratio_consecutive": gb_s["copy_blocks_consecutive"] / gb_s["plain"],
-                    "meets_target": scattered >= TARGET_RATIO if n >= TARGET_MIN_BLOCKS else None,
-                }
-            )
+    rows = [
+        _row(direction, n, n * layout.block_bytes, seconds[direction][n])
+        for direction in DIRECTIONS
+        for n in batches
+    ]
     return {
         "preset": preset,
         "dtype": DTYPE,
@@ -297,8 +327,30 @@ def bench_bandwidth(
         "methods": list(methods),
         "rows": rows,
         "target_ratio": TARGET_RATIO,
+        "kernel_target_ratio": KERNEL_TARGET_RATIO,
         "target_min_blocks": TARGET_MIN_BLOCKS,
     }
+
+
+def _row(direction: str, n: int, nbytes: int, seconds: dict[str, list[float]]) -> dict[str, Any]:
+    """One direction and batch size: each method's median GB/s, the ratios, the targets."""
+    gb_s = {m: nbytes / statistics.median(s) / 1e9 for m, s in seconds.items()}
+    scattered = gb_s["copy_blocks"] / gb_s["plain"]
+    judged = n >= TARGET_MIN_BLOCKS
+    row: dict[str, Any] = {
+        "direction": direction,
+        "blocks": n,
+        "bytes": nbytes,
+        "gb_s": gb_s,
+        "ratio": scattered,
+        "ratio_consecutive": gb_s["copy_blocks_consecutive"] / gb_s["plain"],
+        "meets_target": scattered >= TARGET_RATIO if judged else None,
+    }
+    if KERNEL in gb_s:
+        kernel = gb_s[KERNEL] / gb_s["plain"]
+        row["ratio_kernel"] = kernel
+        row["kernel_meets_target"] = kernel >= KERNEL_TARGET_RATIO if judged else None
+    return row
 
 
 # Report.
@@ -317,27 +369,28 @@ def _print(report: dict[str, Any]) -> None:
         "plain": "plain",
         "copy_blocks": "blocks",
         "copy_blocks_consecutive": "blk-consec",
+        KERNEL: "kernel",
         "index_select_copy": "isel+icopy",
         "index_select_out": "isel(out)",
     }
+    kernel = KERNEL in bw["methods"]
     head = "".join(f"{short[m]:>11}" for m in bw["methods"])
-    print(f"  {'dir':<4}{'blocks':>7}{head}{'ratio':>8}{'consec':>8}")
+    tail = f"{'kernel':>8}" if kernel else ""
+    print(f"  {'dir':<4}{'blocks':>7}{head}{'ratio':>8}{'consec':>8}{tail}")
     for row in bw["rows"]:
         cells = "".join(f"{row['gb_s'][m]:11.2f}" for m in bw["methods"])
+        last = f"{row['ratio_kernel']:7.2f}x" if kernel else ""
         print(
             f"  {row['direction']:<4}{row['blocks']:>7}{cells}"
-            f"{row['ratio']:7.2f}x{row['ratio_consecutive']:7.2f}x"
+            f"{row['ratio']:7.2f}x{row['ratio_consecutive']:7.2f}x{last}"
         )
-    print("  (ratio: copy_blocks scattered / plain; consec: copy_blocks consecutive / plain)")
-    judged = [r for r in bw["rows"] if r["meets_target"] is not None]
-    if judged:
-        worst = min(judged, key=lambda r: r["ratio"])
-        passed = all(r["meets_target"] for r in judged)
-        print(
-            f"{'PASS' if passed else 'FAIL'} copy_blocks >= {TARGET_RATIO}x plain for batches of "
-            f">= {TARGET_MIN_BLOCKS} blocks: lowest {worst['ratio']:.2f}x "
-            f"({worst['direction']}, {worst['blocks']} blocks)"
-        )
+    print(
+        "  (ratio: copy_blocks scattered / plain; consec: copy_blocks consecutive / plain"
+        + ("; kernel: copy_kernel scattered / plain)" if kernel else ")")
+    )
+    _verdict(bw["rows"], "copy_blocks", "ratio", "meets_target", TARGET_RATIO)
+    if kernel:
+        _verdict(bw["rows"], KERNEL, "ratio_kernel", "kernel_meets_target", KERNEL_TARGET_RATIO)
     h = report.get("harness")
     if h is not None:
         print(
@@ -353,6 +406,18 @@ def _print(report: dict[str, Any]) -> None:
             )
         print(f"  fence / sync: {h['ratio']:.2f}x")
     print("(targets are informational)")
+
+
+def _verdict(rows: list[dict[str, Any]], name: str, ratio: str, met: str, target: float) -> None:
+    judged = [r for r in rows if r[met] is not None]
+    if judged:
+        worst = min(judged, key=lambda r: r[ratio])
+        passed = all(r[met] for r in judged)
+        print(
+            f"{'PASS' if passed else 'FAIL'} {name} >= {target}x plain for batches of "
+            f">= {TARGET_MIN_BLOCKS} blocks: lowest {worst[ratio]:.2f}x "
+            f"({worst['direction']}, {worst['blocks']} blocks)"
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -373,6 +438,7 @@ def main(args: argparse.Namespace) -> int:
         counts["rounds"],
         QUICK_REP_BLOCKS if args.quick else REP_BLOCKS,
         args.device,
+        kernel=args.kernel,
     )
     report: dict[str, Any] = {
         "torch": torch.__version__,

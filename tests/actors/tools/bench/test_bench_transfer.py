@@ -10,6 +10,7 @@ import orjson
 import pytest
 import torch
 
+from ringfence.actors.model.kernels import triton_available
 from ringfence.actors.tools.bench import launcher
 from ringfence.actors.tools.bench import transfer as bench_transfer
 from ringfence.runtime import cli
@@ -28,6 +29,8 @@ def check_bandwidth(report: dict[str, Any], methods: tuple[str, ...] = bench_tra
         assert row["ratio"] > 0 and row["ratio_consecutive"] > 0
         judged = row["blocks"] >= bench_transfer.TARGET_MIN_BLOCKS
         assert isinstance(row["meets_target"], bool) if judged else row["meets_target"] is None
+        kernel = bench_transfer.KERNEL in methods
+        assert ("ratio_kernel" in row) == kernel and ("kernel_meets_target" in row) == kernel
     assert bandwidth["target_ratio"] == 0.7
 
 
@@ -51,8 +54,28 @@ def test_on_cuda_a_quick_transfer_bench_copies_to_and_from_the_device(tmp_path: 
     argv = ["bench", "transfer", "--quick", "--skip-harness", "--device", "cuda"]
     assert cli.main([*argv, "--json", str(path)]) == 0
     report = orjson.loads(path.read_bytes())
-    check_bandwidth(report, bench_transfer.CUDA_METHODS)
+    kernel = (bench_transfer.KERNEL,) if triton_available() else ()
+    check_bandwidth(report, (*bench_transfer.CUDA_METHODS, *kernel))
     assert report["bandwidth"]["device"] == torch.cuda.get_device_name()
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed (the test extra)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton is compiled here, not interpreted")
+def test_on_the_cpu_the_transfer_bench_times_the_block_kernel_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "transfer.json"
+    argv = ["bench", "transfer", "--quick", "--skip-harness", "--rounds", "1", "--kernel"]
+    assert cli.main([*argv, "--json", str(path)]) == 0
+    report = orjson.loads(path.read_bytes())
+    check_bandwidth(report, (*bench_transfer.METHODS, bench_transfer.KERNEL))
+    bandwidth = report["bandwidth"]
+    assert bandwidth["kernel_target_ratio"] == 0.8
+    for row in bandwidth["rows"]:
+        assert row["ratio_kernel"] > 0
+        judged = row["blocks"] >= bench_transfer.TARGET_MIN_BLOCKS
+        assert isinstance(row["kernel_meets_target"], bool) == judged
+    assert "copy_kernel >= 0.8x plain" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
