@@ -105,7 +105,7 @@ class ActorContext:
     rank: int
     run_id: str  # "" for an actor that runs outside any launched run (local tests)
     run_dir: Path | None
-    placement: str  # "spawn", "external" (attached by a host process) or "local"
+    placement: str  # "spawn", "external" (attached by a user's process), "hosted" or "local"
     incarnation: int  # 1 for the first start of this instance, +1 per restart or re-attach
     epoch: int  # the run epoch when this incarnation started (bumped on every restart)
     config: object | None  # the actor's own config (Actor.config_section: see config_of), or None

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 LogLevel = Literal["info", "trace"]
-Placement = Literal["spawn", "external"]
+Placement = Literal["spawn", "external", "hosted"]  # runtime/hosting.py: hosted
 Restart = Literal["never", "on-failure"]
 Wait = Literal["block", "poll"]
 StartMethod = Literal["forkserver", "spawn"]  # runtime/starter.py
@@ -130,7 +130,17 @@ class RuntimeConfig:
 class ActorPolicy:
     """[actors.<name>]: where one actor runs and how the supervisor restarts it."""
 
-    placement: Placement = setting("spawn", "spawn (by the supervisor) or external (embedded)")
+    placement: Placement = setting(
+        "spawn",
+        "spawn (by the supervisor), external (embedded by a user's process) or hosted (on a "
+        "thread of the process of the actor named by host, rank for rank, sharing its fate)",
+    )
+    host: str = setting(
+        "",
+        "placement hosted: the actor whose process runs this one (itself spawned, with as "
+        "many ranks)",
+        pattern=(r"([a-z][a-z0-9_]{0,31})?", "an actor's name"),
+    )
     restart: Restart = setting("on-failure", "never, or on-failure: restart after it dies")
     max_restarts: int = setting(3, "restarts before the supervisor gives up", ge=0)
     backoff_s: float = setting(0.5, "delay before a restart; doubles after each one", ge=0)

@@ -47,8 +47,9 @@ class InstanceEntry:
     rank: int
     index: int  # position in the control block (see control.py)
     target: str  # import path of the Actor subclass
-    placement: str  # "spawn" or "external" (always "external" for an optional actor)
+    placement: str  # "spawn", "external" (always for an optional actor) or "hosted"
     attach: Attach = "required"  # "optional": a slot processes attach to at will (topology.py)
+    host: str = ""  # placement "hosted": the instance whose process runs it (hosting.py)
     bell: str  # POSIX name of its doorbell
     inboxes: tuple[Endpoint, ...]  # the supervisor's control ring first
     outboxes: tuple[Endpoint, ...]
@@ -88,6 +89,7 @@ def build_manifest(
     topology: Topology,
     *,
     placements: Mapping[str, str],
+    hosts: Mapping[str, str] | None = None,
     ring_bytes: int,
     supervisor_pid: int,
     supervisor_start_ticks: int,
@@ -95,7 +97,10 @@ def build_manifest(
     """Name every object of a run of ``topology``. Pure: creates nothing.
 
     An optional actor's instances are placed "external" whatever ``placements`` says.
+    ``hosts`` names each hosted actor's host (runtime/hosting.py): rank r of one is hosted
+    by rank r of the other.
     """
+    hosts = hosts or {}
 
     def bell(inst: Instance) -> str:
         return names.posix_name(run_id, f"bell.{inst.obj}")
@@ -131,6 +136,7 @@ def build_manifest(
                 else placements.get(inst.name, "spawn")
             ),
             attach=topology.actor(inst.name).attach,
+            host=f"{hosts[inst.name]}-{inst.rank}" if inst.name in hosts else "",
             bell=bell(inst),
             inboxes=tuple(inboxes[inst]),
             outboxes=tuple(outboxes[inst]),

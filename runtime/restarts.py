@@ -3,9 +3,9 @@
 The faults, as the supervisor's watch loop finds them:
 
 - a child that stops beating its heartbeat for ``runtime.heartbeat_timeout_s`` is
-  SIGKILLed (one the supervisor spawned) or warned about once a timeout (an external
-  one: not ours to kill); an external one that exits or dies is detached and awaited
-  again;
+  SIGKILLed (one the supervisor spawned), or its host process is (a hosted one,
+  runtime/hosting.py), or it is warned about once a timeout (an external one: not ours to
+  kill); an external or hosted one that exits or dies is detached and awaited again;
 - a child not ready within ``runtime.ready_timeout_s`` is SIGKILLed; an external one
   that did not attach in time fails the run;
 - a child that exited with a failure is restarted under its actor's policy
@@ -75,7 +75,7 @@ class Restarts:
         """Look at a ready ``slot`` at ``now``: detach an external child that exited or died,
         take a new heartbeat, or act on a stale one (kill ours, warn about an external one)."""
         ctl = slot.control
-        if slot.entry.placement == "external" and (
+        if slot.entry.placement != "spawn" and (
             ctl.exited.value() >= slot.incarnation or not attached(ctl.ready.writer())
         ):
             clean = ctl.exited.value() >= slot.incarnation
@@ -97,7 +97,13 @@ class Restarts:
             instance_pid=slot.pid,
             heartbeat_age_s=round(age, 3),
         )
-        if slot.entry.placement == "external":
+        if slot.entry.placement == "hosted":  # its host's process is ours: kill that
+            host = next(s for s in run.slots if s.entry.id == slot.entry.host)
+            self._owner.kill(host, f"hosted {slot.entry.id}'s heartbeat stale")
+            if host.state == "ready":
+                host.state = "killing"  # as for its own stale beat: its exit comes through
+            slot.beat_at = now  # it detaches once that process is gone
+        elif slot.entry.placement == "external":
             slot.beat_at = now  # not ours to kill; warn once per timeout
         else:
             self._owner.kill(slot, "heartbeat stale")
@@ -105,12 +111,12 @@ class Restarts:
 
     def late(self, slot: Slot) -> None:
         """``slot`` missed its ready deadline: kill ours (its exit decides what follows); an
-        external one that never attached fails the run."""
+        external or hosted one that never attached fails the run."""
         timeout = self._config.runtime.ready_timeout_s
         self._log.error(
             "actor.late", instance=slot.entry.id, instance_pid=slot.pid, ready_timeout_s=timeout
         )
-        if slot.entry.placement == "external":
+        if slot.entry.placement != "spawn":
             slot.state = "failed"
             self._owner.begin_stop(f"{slot.entry.id} did not attach within {timeout}s", EXIT_FAILED)
         else:

@@ -18,6 +18,7 @@ import orjson
 from ringfence.runtime.config import RunConfig, check_actor_names, dump_config
 from ringfence.runtime.control import InstanceControl, control_count
 from ringfence.runtime.embed import CONFIG_FILE
+from ringfence.runtime.hosting import check_hosts, hosts_of
 from ringfence.runtime.imports import import_target
 from ringfence.runtime.manifest import (
     MANIFEST_FILE,
@@ -112,6 +113,7 @@ def _topology_of(config: RunConfig) -> Topology:
     if not isinstance(topology, Topology):
         raise ValueError(f"runtime.topology: {config.runtime.topology} is not a Topology")
     check_actor_names(config, [a.name for a in topology.actors], "config")
+    check_hosts(config, topology)
     return topology
 
 
@@ -171,6 +173,7 @@ def create_run(
         run_id,
         topology,
         placements=placements,
+        hosts=hosts_of(config, topology),
         ring_bytes=rt.ring_bytes,
         supervisor_pid=stamp.pid,
         supervisor_start_ticks=stamp.start_ticks,

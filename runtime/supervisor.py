@@ -10,7 +10,8 @@ A run, in order:
    counter block the manifest names (run.py);
 3. spawn every ``placement = "spawn"`` instance (forked from the fork server that imported
    the actors' modules, or from a fresh interpreter: ``runtime.start_method``, starter.py) and
-   wait, with a deadline, for each one (and each external one) to report ready;
+   wait, with a deadline, for each one (and each external or hosted one: hosting.py) to
+   report ready;
    an ``attach = "optional"`` instance (a client slot, see topology.py) is only
    awaited: it may attach at any time, or never;
 4. watch: a child's exit (its process sentinel), a stale heartbeat or a missed ready
@@ -172,7 +173,7 @@ class Supervisor:
         slot.deadline = now + self.config.runtime.ready_timeout_s
         if slot.entry.attach == "optional":
             slot.deadline = math.inf  # may attach at any time, or never
-        if slot.entry.placement == "external":
+        if slot.entry.placement != "spawn":  # external or hosted: attached, not spawned
             slot.incarnation = slot.control.ready.value() + 1
             self.log.info("actor.await", instance=slot.entry.id, incarnation=slot.incarnation)
             write_actors(self.run_dir, run)
@@ -254,7 +255,7 @@ class Supervisor:
             if slot.state == "starting" and ctl.ready.value() >= slot.incarnation:
                 slot.state, slot.beat, slot.beat_at = "ready", ctl.heartbeat.value(), now
                 slot.ever_ready = True
-                if slot.entry.placement == "external":
+                if slot.entry.placement != "spawn":  # external or hosted: attached, not spawned
                     writer = ctl.ready.writer()
                     slot.pid = writer.pid if writer else None
                 self.log.info(
@@ -384,7 +385,7 @@ class Supervisor:
             self._reap_fired(run, fired)
             finished = exited()  # not waker.pending: an exit not yet collected is no exit
             for slot in group:
-                if slot.entry.placement == "external" and slot.live and finished:
+                if slot.entry.placement != "spawn" and slot.live and finished:
                     slot.state = "stopped"
                     clean = slot.control.exited.value() >= slot.incarnation
                     self.log.info(

@@ -150,6 +150,29 @@ class GatedSink(Sink):
             self.request_shutdown("finish file found")
 
 
+BREAK_FILE = "break"  # BreakingSink's first incarnation fails once <run dir>/break exists
+
+
+class SinkBroke(RuntimeError):
+    """Raised by BreakingSink's tick, and re-raised by its on_failure: the instance ends."""
+
+
+class BreakingSink(GatedSink):
+    """The gated sink, except that its first incarnation fails (its loop raises, the instance
+    ends) at the first tick after <run dir>/BREAK_FILE exists; later ones run as the demo's."""
+
+    @handles(Tick)
+    def on_tick(self, msg: Tick) -> None:
+        run_dir = self.ctx.run_dir
+        if self.ctx.incarnation == 1 and run_dir is not None and (run_dir / BREAK_FILE).exists():
+            raise SinkBroke("fixture sink breaks as asked")
+        super().on_tick(msg)
+
+    def on_failure(self, error: Exception, delivery: object) -> None:
+        if isinstance(error, SinkBroke):
+            raise error
+
+
 class RoundRobinSource(Source):
     """The demo source, except that item n goes to instance relay-((n - 1) % RELAYS)."""
 
@@ -215,6 +238,7 @@ class MergingSink(Actor):
 
 
 SLOW_STOP_SINK = _swap("sink", f"{__name__}:SlowStopSink")
+BREAKING_SINK = _swap("sink", f"{__name__}:BreakingSink")
 GATED_SINK = _swap("sink", f"{__name__}:GatedSink")
 # source (1 rank) -> relay (RELAYS ranks) -> sink (1 rank), on the demo's channels.
 RANKED = Topology(
