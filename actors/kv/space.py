@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,12 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 LAYOUT_NAME = "block-major-v1"  # the Fingerprint's kv_layout of this layout
+
+# The KV tensors this process made and shared, by handle: a peer in the same process (a lane
+# hosted in the Worker's process, runtime/hosting.py) opens the tensor itself. CUDA cannot
+# open an IPC handle in the process that exported it, and on the CPU a second mapping of
+# the segment would only cost address space. Weak: the tensor lives as long as its owner's.
+_OWN: weakref.WeakValueDictionary[str, Tensor] = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,6 +157,7 @@ def create_kv(layout: KVLayout, device: str, *, shm_name: str = "") -> SharedKV:
             cuda_ipc=_export_cuda(tensor),
             owner_pid=os.getpid(),
         )
+        _OWN[_own_key(handle)] = tensor
         return SharedKV(tensor, handle)
     if dev.type != "cpu":
         raise ValueError(f"KV device {device!r} is neither cpu nor cuda")
@@ -158,12 +166,19 @@ def create_kv(layout: KVLayout, device: str, *, shm_name: str = "") -> SharedKV:
         return SharedKV(tensor, KVHandle(layout=layout, device="cpu", owner_pid=os.getpid()))
     _ensure_segment(shm_name, layout.nbytes)
     handle = KVHandle(layout=layout, device="cpu", shm=shm_name, owner_pid=os.getpid())
-    return SharedKV(_map(shm_name, layout), handle)
+    tensor = _map(shm_name, layout)
+    _OWN[_own_key(handle)] = tensor
+    return SharedKV(tensor, handle)
 
 
 def open_kv(handle: KVHandle) -> SharedKV:
-    """Open the KV tensor another process created (the Transfer actor's side)."""
+    """Open the KV tensor a peer created (the Transfer actor's side): the creator's own
+    tensor when it was made in this process and still lives, else through its shared name
+    or CUDA IPC export."""
     layout = handle.layout
+    own = _OWN.get(_own_key(handle)) if handle.owner_pid == os.getpid() else None
+    if own is not None and tuple(own.shape) == layout.shape and own.dtype == layout.torch_dtype:
+        return SharedKV(own, handle)
     if handle.cuda_ipc:
         tensor = _import_cuda(handle.cuda_ipc)
         if tuple(tensor.shape) != layout.shape or tensor.dtype != layout.torch_dtype:
@@ -182,6 +197,10 @@ def open_kv(handle: KVHandle) -> SharedKV:
             f"KV segment {handle.shm} has {size} bytes; the layout needs {layout.nbytes}"
         )
     return SharedKV(_map(handle.shm, layout), handle)
+
+
+def _own_key(handle: KVHandle) -> str:
+    return handle.cuda_ipc or handle.shm
 
 
 def _shm_file(name: str) -> Path:

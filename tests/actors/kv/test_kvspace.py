@@ -187,13 +187,29 @@ def test_one_block_is_one_contiguous_run_of_block_bytes_at_its_offset_in_the_seg
         sk.close()
 
 
-def test_writes_through_the_kv_are_seen_by_a_second_mapping_in_the_same_process(kv_name):
+def test_in_the_process_that_made_it_opening_the_handle_gives_the_creators_own_tensor(kv_name):
+    # A lane hosted in the Worker's process (runtime/hosting.py) opens the Worker's tensor.
     sk = create_kv(LAYOUT, "cpu", shm_name=kv_name)
     peer = open_kv(sk.handle)
     try:
         mine, theirs = sk.kv, peer.kv
-        assert mine.data_ptr() != theirs.data_ptr(), "open_kv should map the segment again"
+        assert mine.data_ptr() == theirs.data_ptr(), "the creator's tensor, not a new mapping"
         assert peer.handle == sk.handle
+        theirs[3].fill_(-2.5)
+        assert bool((mine[3] == -2.5).all())
+        del mine, theirs
+    finally:
+        peer.close()
+        sk.close()
+
+
+def test_writes_through_the_kv_are_seen_by_a_second_mapping_of_another_processs_handle(kv_name):
+    sk = create_kv(LAYOUT, "cpu", shm_name=kv_name)
+    handle = dataclasses.replace(sk.handle, owner_pid=sk.handle.owner_pid + 1)
+    peer = open_kv(handle)
+    try:
+        mine, theirs = sk.kv, peer.kv
+        assert mine.data_ptr() != theirs.data_ptr(), "open_kv should map the segment again"
         mine[1].copy_(pattern(LAYOUT, 1))
         assert torch.equal(theirs[1], pattern(LAYOUT, 1))
         theirs[3].fill_(-2.5)
@@ -202,6 +218,18 @@ def test_writes_through_the_kv_are_seen_by_a_second_mapping_in_the_same_process(
     finally:
         peer.close()
         sk.close()
+
+
+def test_once_the_creators_tensor_is_gone_its_handle_maps_the_segment_again(kv_name):
+    sk = create_kv(LAYOUT, "cpu", shm_name=kv_name)
+    sk.kv[2].copy_(pattern(LAYOUT, 2))
+    handle = sk.handle
+    sk.close()  # the last reference: the process holds the tensor no more
+    peer = open_kv(handle)
+    try:
+        assert torch.equal(peer.kv[2], pattern(LAYOUT, 2))
+    finally:
+        peer.close()
 
 
 def test_a_spawned_child_opens_the_handle_sees_the_parents_blocks_and_the_parent_sees_its_own(
@@ -499,6 +527,21 @@ def test_a_cuda_kv_is_a_device_tensor_exported_by_cuda_ipc_with_no_segment_name(
     finally:
         sk.close()
     assert names.list_names(run_id) == []
+
+
+@needs_cuda
+def test_a_cuda_handle_opened_in_the_process_that_made_it_is_its_own_tensor():
+    # CUDA cannot open an IPC handle in the process that exported it: a lane hosted in the
+    # Worker's process gets the Worker's tensor instead.
+    sk = create_kv(LAYOUT, "cuda")
+    peer = open_kv(sk.handle)
+    try:
+        assert peer.kv.data_ptr() == sk.kv.data_ptr()
+        peer.kv[1].fill_(3.0)
+        assert bool((sk.kv[1] == 3.0).all())
+    finally:
+        peer.close()
+        sk.close()
 
 
 @needs_cuda

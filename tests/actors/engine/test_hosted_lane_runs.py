@@ -1,0 +1,58 @@
+"""The swap lane hosted in the Worker's process (``actors.swap.placement = "hosted"``,
+``actors.swap.host = "worker"``): on a GPU its copies then share the Worker's CUDA context.
+
+The runs are the engine tests' (``tests/engine_runs.py``): the engine topology on a
+synthetic workload in float64, host and storage tiers on, chaos delays on every transfer op
+and poisoned freed blocks, traced, then checked by ``ringfence replay`` and re-driven. The
+swap lane is still its own lane: its own ring, watermark, log and incarnations, fenced as
+before; only its process is the Worker's.
+"""
+
+from __future__ import annotations
+
+from engine_runs import TIERS, finished, reference, replayed, results, workload_sets
+from launching import Launch, launched
+
+HOSTED_SWAP = ("actors.swap.placement=hosted", "actors.swap.host=worker")
+
+
+def started_in(run: Launch, instance: str) -> list[tuple[int, int, str]]:
+    """(incarnation, pid, placement) of each start of ``instance``, from its own log."""
+    return [
+        (e["incarnation"], e["pid"], e["placement"])
+        for e in run.events("actor.start", log=instance)
+    ]
+
+
+def swaps_done(run: Launch) -> int:
+    """Swap ops the swap lane completed ok, across its incarnations."""
+    return len(run.events("lane.done", log="swap-0", lane="swap", status="ok"))
+
+
+def test_a_hosted_swap_lane_under_chaos_and_poison_gives_the_plain_loops_tokens(tmp_path):
+    sets = workload_sets("pressure", *TIERS, "sched.preemption=swap", *HOSTED_SWAP)
+    with launched(tmp_path, *sets) as run:
+        outputs, summary = finished(run)  # replay's checks and --redrive hold
+        swaps = swaps_done(run)
+        (worker,) = started_in(run, "worker-0")
+        assert started_in(run, "swap-0") == [(1, worker[1], "hosted")]
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
+    engine = summary["engine"]
+    assert engine["preemptions"]["swap"] > 0, engine  # the pool really ran short
+    assert swaps > 0
+
+
+def test_a_kill_of_the_hosted_lanes_process_costs_recomputation_not_tokens(tmp_path):
+    sets = workload_sets("pressure", *TIERS, "sched.preemption=swap", *HOSTED_SWAP)
+    with launched(tmp_path, *sets) as run:
+        run.wait_for_event("lane.done", log="swap-0", lane="swap", timeout=120.0)
+        pid = run.kill_actor("swap-0")  # the Worker's process: both go, both come back
+        assert run.wait(180.0) == 0, run.tail()
+        starts = started_in(run, "swap-0")
+        workers = started_in(run, "worker-0")
+    assert [s[0] for s in starts] == [1, 2]
+    assert [s[1] for s in starts] == [w[1] for w in workers]
+    assert workers[0][1] == pid
+    replayed(run.run_dir, killed="worker-0")
+    outputs, _ = results(run.run_dir)
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
