@@ -37,7 +37,9 @@ RUN_EVENTS: Final[dict[str, Event]] = {
         "(runtime/failure.py) adds where (on_start, a handler, ...), at (the innermost "
         "frame, file:line in function) and error (type: message)",
     ),
-    "actor.detach": event("info", "instance instance_pid clean", "an external actor went away"),
+    "actor.detach": event(
+        "info", "instance instance_pid clean", "an external or hosted actor went away"
+    ),
     "actor.hung": event("warning", "instance instance_pid heartbeat_age_s", "heartbeat stale"),
     "actor.late": event("error", "instance instance_pid ready_timeout_s", "not ready in time"),
     "actor.kill": event("warning", "instance instance_pid reason", "SIGKILL sent to a child"),
