@@ -345,7 +345,8 @@ class BlockManager:
 
         An op that did not finish ok leaves nothing usable where it wrote: a swap-out's
         host copies and a swap-in's device blocks lose their keys, a write-back's keys are
-        no longer taken as stored (a prefetch's are the scheduler's to handle).
+        no longer taken as stored unless a later write of them is in flight (a prefetch's
+        are the scheduler's to handle).
         """
         op = self.issuer.completed(lane, number)
         if op is None:
@@ -361,7 +362,14 @@ class BlockManager:
             else:
                 self.forget(device=[BlockId(b) for b in op.device_blocks])
         elif op.direction == "write":
-            self.stored.keys.difference_update(op.keys)
+            # A later write of the same key, still in flight, may yet store it.
+            writing = {
+                key
+                for other in self.issuer.inflight.values()
+                if isinstance(other, StoreOp) and other.direction == "write"
+                for key in other.keys
+            }
+            self.stored.keys.difference_update(set(op.keys) - writing)
         return op
 
     def reset_device(self) -> None:
