@@ -8,6 +8,19 @@ the block manager (:mod:`sched.blocks`) relies on for every ordering it needs (i
 docstring says which). Transfer ops stay in ``inflight`` until their completion, and
 :class:`Moved` counts what they move.
 
+Swap-outs issued back to back for one reason are one op. A scheduling round that grows
+many sequences by a block evicts a block for each (write-back) or fills one for each
+(write-through); as separate ops, each costs the swap lane a message, a copy call and a
+completion, and each holds a credit of the lane. So a swap-out is gathered, not numbered,
+and the gathering is issued as one op (numbered and fenced then, its blocks in call order)
+as soon as anything else happens: another op of any lane or reason, a swap-out that names
+a block the gathering already names (a host block reused within the round must be
+written in call order, and an op writes each block once), :meth:`Issuer.take_ops`, or a
+question about what was issued. Nothing was issued between its parts, so the op sits in
+issue order exactly where each part would have, and its fence, the largest of the other
+lanes' numbers its blocks need, is the largest of the parts' fences: the protocol sees a
+sequence of consecutive swap-outs as the one op that does all of them, in order.
+
 Owned by one block manager; not thread-safe; no I/O.
 """
 
@@ -34,9 +47,22 @@ _NAMES = {("in", Lane.SWAP): "swap_in", ("out", Lane.SWAP): "swap_out"}
 _NAMES |= {("write", Lane.STORE): "write_back", ("read", Lane.STORE): "prefetch"}
 
 
+@dataclass(slots=True)
+class _Gathering:
+    """Swap-outs of one reason not yet issued (see the module docstring)."""
+
+    reason: Reason
+    device: list[BlockId] = field(default_factory=list)
+    host: list[BlockId] = field(default_factory=list)
+
+    def names_any(self, device: Sequence[BlockId], host: Sequence[BlockId]) -> bool:
+        return not (set(self.device).isdisjoint(device) and set(self.host).isdisjoint(host))
+
+
 class Issuer:
-    """See the module docstring. The engine reads ``inflight`` and ``moved``; the engine's
-    trace takes each op's declared sets from ``tracker`` (``keep_access``)."""
+    """See the module docstring. The engine reads ``inflight`` and ``moved`` (after
+    :meth:`take_ops`); the engine's trace takes each op's declared sets from ``tracker``
+    (``keep_access``)."""
 
     def __init__(
         self,
@@ -47,23 +73,50 @@ class Issuer:
         self.block_size = block_size
         self.tracker = tracker
         self.moved = Moved()
-        self.inflight: dict[tuple[Lane, int], SwapOp | StoreOp] = {}  # issued, not completed
+        self._inflight: dict[tuple[Lane, int], SwapOp | StoreOp] = {}  # issued, not completed
         self._out: list[Op] = []
         self._next = {lane: 1 for lane in Lane} | dict(first_numbers or {})
+        self._gathering: _Gathering | None = None
 
     def take_ops(self) -> list[Op]:
         """The ops issued since the last call, in issue order; clears the list."""
+        self.seal()
         out, self._out = self._out, []
         return out
 
     @property
     def has_ops(self) -> bool:
         """Whether ops were issued since the last :meth:`take_ops`."""
-        return bool(self._out)
+        return bool(self._out) or self._gathering is not None
+
+    @property
+    def inflight(self) -> dict[tuple[Lane, int], SwapOp | StoreOp]:
+        """The transfer ops issued and not yet completed, by (lane, number)."""
+        self.seal()
+        return self._inflight
 
     def last_number(self, lane: Lane) -> int:
         """The number of the last op issued on ``lane`` (0 before the first)."""
+        self.seal()
         return self._next[lane] - 1
+
+    def seal(self) -> None:
+        """Issue the swap-outs gathered so far as one op (see the module docstring)."""
+        gathering, self._gathering = self._gathering, None
+        if gathering is None:
+            return
+        seq = self._number(Lane.SWAP)
+        device, host = gathering.device, gathering.host
+        fence = self.tracker.issue(Lane.SWAP, seq, read_device=device, write_host=host)
+        op = SwapOp(
+            op=seq,
+            fence=fence,
+            direction="out",
+            device_blocks=tuple(device),
+            host_blocks=tuple(host),
+            reason=gathering.reason,
+        )
+        self._record(op, len(device))
 
     def _number(self, lane: Lane) -> Seq:
         seq = self._next[lane]
@@ -75,6 +128,7 @@ class Issuer:
     ) -> StepOp:
         """The step running ``pieces``: it reads every block of each piece's table up to the
         piece's end and writes those its tokens fall in, and writes the ``poison`` blocks."""
+        self.seal()
         reads: set[BlockId] = set(BlockId(b) for b in poison)
         writes: set[BlockId] = set(reads)
         bs = self.block_size
@@ -91,28 +145,41 @@ class Issuer:
 
     def swap(
         self, direction: str, device: Sequence[BlockId], host: Sequence[BlockId], reason: Reason
-    ) -> SwapOp:
-        """A swap-out (device blocks read, host blocks written) or swap-in (the reverse)."""
-        seq = self._number(Lane.SWAP)
+    ) -> None:
+        """A swap-out (device blocks read, host blocks written; gathered with the swap-outs
+        issued back to back for the same reason) or swap-in (the reverse)."""
+        if len(device) != len(host):
+            raise ValueError(f"{len(device)} device blocks but {len(host)} host blocks")
         if direction == "out":
-            fence = self.tracker.issue(Lane.SWAP, seq, read_device=device, write_host=host)
-        else:
-            fence = self.tracker.issue(Lane.SWAP, seq, read_host=host, write_device=device)
+            gathering = self._gathering
+            if gathering is not None and (
+                gathering.reason != reason or gathering.names_any(device, host)
+            ):
+                self.seal()
+                gathering = None
+            if gathering is None:
+                gathering = self._gathering = _Gathering(reason)
+            gathering.device.extend(device)
+            gathering.host.extend(host)
+            return
+        self.seal()
+        seq = self._number(Lane.SWAP)
+        fence = self.tracker.issue(Lane.SWAP, seq, read_host=host, write_device=device)
         op = SwapOp(
             op=seq,
             fence=fence,
-            direction="out" if direction == "out" else "in",
+            direction="in",
             device_blocks=tuple(device),
             host_blocks=tuple(host),
             reason=reason,
         )
         self._record(op, len(device))
-        return op
 
     def store(
         self, direction: str, host: Sequence[BlockId], keys: Sequence[BlockHash], reason: Reason
     ) -> StoreOp:
         """A write-back (host blocks read) or prefetch (host blocks written) of ``keys``."""
+        self.seal()
         seq = self._number(Lane.STORE)
         if direction == "write":
             fence = self.tracker.issue(Lane.STORE, seq, read_host=host)
@@ -134,9 +201,10 @@ class Issuer:
         name = _NAMES[(op.direction, op.lane)]
         self.moved.ops[name] += 1
         self.moved.blocks[name] += blocks
-        self.inflight[(op.lane, op.number)] = op
+        self._inflight[(op.lane, op.number)] = op
         self._out.append(op)
 
     def completed(self, lane: Lane, number: int) -> SwapOp | StoreOp | None:
         """The transfer op completed now, no longer in flight; None if it was not."""
-        return self.inflight.pop((lane, number), None)
+        self.seal()
+        return self._inflight.pop((lane, number), None)
