@@ -10,6 +10,7 @@ before; only its process is the Worker's.
 
 from __future__ import annotations
 
+import pytest
 from engine_runs import TIERS, finished, reference, replayed, results, workload_sets
 from launching import Launch, launched
 
@@ -42,6 +43,9 @@ def test_a_hosted_swap_lane_under_chaos_and_poison_gives_the_plain_loops_tokens(
     assert swaps > 0
 
 
+# CI runs the tp 2 kill below, which takes both ranks' hosted lanes down and back; the
+# fault matrix (`ringfence bench faults`) kills a hosted lane three times.
+@pytest.mark.slow
 def test_a_kill_of_the_hosted_lanes_process_costs_recomputation_not_tokens(tmp_path):
     sets = workload_sets("pressure", *TIERS, "sched.preemption=swap", *HOSTED_SWAP)
     with launched(tmp_path, *sets) as run:
@@ -54,5 +58,23 @@ def test_a_kill_of_the_hosted_lanes_process_costs_recomputation_not_tokens(tmp_p
     assert [s[1] for s in starts] == [w[1] for w in workers]
     assert workers[0][1] == pid
     replayed(run.run_dir, killed="worker-0")
+    outputs, _ = results(run.run_dir)
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
+
+
+def test_at_tp_2_a_killed_worker_rank_takes_both_hosted_lanes_along_and_loses_no_token(tmp_path):
+    # Rank 1's process dies with its hosted lane; the group restart kills rank 0's process and
+    # its lane too; every rank and lane comes back under one new generation.
+    sets = workload_sets(
+        "pressure", *TIERS, "sched.preemption=swap", "parallel.tp_size=2", *HOSTED_SWAP
+    )
+    with launched(tmp_path, *sets) as run:
+        run.wait_for_event("lane.done", log="swap-1", lane="swap", timeout=120.0)
+        run.kill_actor("worker-1")
+        assert run.wait(180.0) == 0, run.tail()
+        for rank in (0, 1):
+            lanes, workers = started_in(run, f"swap-{rank}"), started_in(run, f"worker-{rank}")
+            assert [s[0] for s in lanes] == [1, 2]
+            assert [s[1] for s in lanes] == [w[1] for w in workers]
     outputs, _ = results(run.run_dir)
     assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")

@@ -22,6 +22,9 @@ from ringfence.actors.tools.bench.faults.storage import (
 )
 
 TP2 = (*PRESSURE, "parallel.tp_size=2")
+# The swap lane on a thread of the Worker's process (runtime/hosting.py): killing it kills
+# that process, so the Worker restarts as often as the lane is killed.
+HOSTED = ("actors.swap.placement=hosted", "actors.swap.host=worker", "actors.worker.max_restarts=4")
 
 
 def matrix(quick: bool) -> list[Scenario]:
@@ -38,6 +41,21 @@ def matrix(quick: bool) -> list[Scenario]:
         # Tensor parallelism: a rank's lane restarts alone, a Worker rank takes its group down.
         Scenario("tp2 kill swap lane of rank 1", "pressure", n, TP2, kills("swap-1", *steps)),
         Scenario("tp2 kill worker rank 1", "pressure", n, TP2, kills("worker-1", *steps[:2])),
+        # The swap lane hosted by the Worker: a kill takes both down, and both come back.
+        Scenario(
+            "hosted swap lane: kill it",
+            "pressure",
+            n,
+            (*PRESSURE, *HOSTED),
+            kills("swap-0", *steps),
+        ),
+        Scenario(
+            "hosted tp2: kill rank 1's swap lane",
+            "pressure",
+            n,
+            (*TP2, *HOSTED),
+            kills("swap-1", *steps[:2]),
+        ),
         Scenario(
             "kill engine (restart never)",
             "pressure",
