@@ -44,6 +44,13 @@ class TransferConfig:
     skip_fences: bool = setting(
         False, "debug only: executors do not wait for fences (tests show they catch it)", debug=()
     )
+    profile: bool = setting(
+        False,
+        "debug: each executor's process records torch's profiler over its ops (on a GPU its "
+        "kernels and copies too) into <run dir>/profile-<actor>-<rank>.<incarnation>.json, "
+        "which ringfence replay --trace puts on the run's timeline",
+        debug=(),
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -36,10 +36,12 @@ would catch a missing fence.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import ClassVar
 
 from ringfence.actors.executors.config import LaneSettings
 from ringfence.actors.executors.legacy import LegacyLock, lock_path
+from ringfence.actors.executors.profiling import LaneProfile, profile_path
 from ringfence.actors.executors.touches import Touches
 from ringfence.actors.protocol.lanes import (
     ISSUER_EPOCH,
@@ -92,6 +94,11 @@ class LaneExecutor(Actor):
         self.last_op = 0
         self.touches: Touches | None = None  # the running op's, at trace level (touches.py)
         self.legacy: LegacyLock | None = None
+        self.profile: LaneProfile | None = None  # transfer.profile: started at the first op
+        run_dir = self.ctx.run_dir
+        if config.transfer.profile and run_dir is not None and self.ctx.placement != "hosted":
+            path = profile_path(run_dir, self.ctx.instance, self.ctx.incarnation)
+            self.profile = LaneProfile(path, cuda=config.model.device.startswith("cuda"))
         if config.transfer.mode == "lock":
             if self.ctx.run_dir is None:
                 raise RuntimeError("transfer.mode=lock needs a run dir for its lock file")
@@ -99,15 +106,26 @@ class LaneExecutor(Actor):
             self.legacy = LegacyLock(path, config.transfer.lock_timeout_s)
 
     def on_stop(self) -> None:
+        if self.profile is not None:
+            self.profile.stop()
         if self.legacy is not None:
             waited = self.legacy.wait_ns / 1e6
             self.log.info("legacy.lock", waits=self.legacy.waits, wait_ms=round(waited, 3))
             self.legacy.close()
             self.legacy = None
 
-    def exclusive(self) -> contextlib.AbstractContextManager[None]:
-        """The legacy lock held (``transfer.mode = lock``), else nothing."""
-        return contextlib.nullcontext() if self.legacy is None else self.legacy.held()
+    @contextlib.contextmanager
+    def executing(self, name: str) -> Iterator[None]:
+        """Around the work of op ``name`` (``step 12``, ``swap-out 4``: profiling.op_range):
+        the legacy lock held (``transfer.mode = lock``), and a profiler range
+        (``transfer.profile``, its profiler started before the first op)."""
+        profile = self.profile
+        if profile is not None and not profile.started:
+            profile.start()  # not before: a Worker's model load would fill it
+        ranged = contextlib.nullcontext() if profile is None else profile.range(name)
+        held = contextlib.nullcontext() if self.legacy is None else self.legacy.held()
+        with held, ranged:
+            yield
 
     def waiters(self) -> list[str]:
         """The instances that wait on this lane's watermark (rung after each advance): the

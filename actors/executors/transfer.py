@@ -41,6 +41,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
+from ringfence.actors.executors.profiling import op_range
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
 from ringfence.actors.protocol.resync import Resync
@@ -175,7 +176,7 @@ class TransferLane(LaneExecutor):
         waited = time.perf_counter_ns()
         self.begin_touches()
         try:
-            with self.exclusive():
+            with self.executing(op_range(self.lane_name, msg.op, msg.direction)):
                 fields = work()
         except Exception as e:  # storage down, a bad copy: the lane moves on, the engine is told
             spoiled = 0 if spoil is None else spoil()  # raising, the lane dies: see the doc

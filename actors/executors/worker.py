@@ -39,6 +39,7 @@ import torch
 
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.executors.pending import SampledTokens
+from ringfence.actors.executors.profiling import op_range
 from ringfence.actors.executors.ranks import StepGate
 from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler
 from ringfence.actors.executors.timing import StepTimer
@@ -234,7 +235,7 @@ class Worker(LaneExecutor):
         waited = time.perf_counter_ns()
         self.begin_touches()
         try:
-            with self.exclusive():
+            with self.executing(op_range("step", plan.step)):
                 plan = self.sampled.resolve(plan)  # the last step's tokens put in (pending.py)
                 outputs, prompt_logprobs = self._execute(plan)
         except Exception as e:  # it ran part way: the lane moves on, the engine is told

@@ -75,10 +75,22 @@ def main(args: argparse.Namespace) -> int:
         for line in lines:
             print(line, file=out)
     if args.trace:
+        from ringfence.actors.replay.profiles import profile_files, read_profile
         from ringfence.actors.replay.trace import write_trace
 
-        count = write_trace(log, args.trace)
-        print(f"trace: {count} events written to {args.trace} (open in ui.perfetto.dev)", file=out)
+        profiled = []
+        for path in profile_files(log.run_dir):
+            try:
+                profiled += read_profile(path)
+            except ValueError as e:  # a profile cut short by a kill: the rest still shows
+                print(f"warning: {e}", file=sys.stderr)
+        count = write_trace(log, args.trace, profiled)
+        with_profiles = f", {len(profiled)} from profiles" if profiled else ""
+        print(
+            f"trace: {count} events{with_profiles} written to {args.trace} (open in "
+            "ui.perfetto.dev)",
+            file=out,
+        )
     return code
 
 

@@ -15,7 +15,9 @@
 - on the engine, a "scheduler" thread with an instant per ``sched.schedule`` round and
   per ``op.issue``, and a "requests" async slice per request from arrive to finish;
 - on the supervisor, instants for the launch, spawns, exits, restarts and the end; any
-  other warning or error an actor logged is an instant on its "log" thread.
+  other warning or error an actor logged is an instant on its "log" thread;
+- with ``transfer.profile`` on, each executor's profiler trace (``profiles.py``) on its
+  process: its op ranges on an "ops" thread, and on a GPU each stream's kernels and copies.
 
 An op's slice ends at its completion's ``ts`` and begins ``wait_ns + exec_ns`` (a
 transfer's ``copy_ns``) earlier; on one lane a slice never starts before the previous one
@@ -26,6 +28,7 @@ microseconds from the earliest moment logged.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -34,6 +37,7 @@ from typing import Any, Final
 import orjson
 
 from ringfence.actors.replay.findings import op_name
+from ringfence.actors.replay.profiles import ProfiledSlice
 from ringfence.actors.replay.records import LANE_ACTORS, LANE_NAMES, Entry, Op, RunLog
 
 SUPERVISOR_EVENTS: Final = frozenset(
@@ -86,11 +90,13 @@ class _Tracks:
         return pid, tid
 
 
-def write_trace(log: RunLog, path: str | Path) -> int:
-    """Write ``log`` as a Chrome trace event file at ``path``; return the events written."""
+def write_trace(log: RunLog, path: str | Path, profiled: Sequence[ProfiledSlice] = ()) -> int:
+    """Write ``log`` (and the ``profiled`` slices of its executors' profiles) as a Chrome
+    trace event file at ``path``; return the events written."""
     tracks = _Tracks(list(log.sources))
     slices = _op_slices(log, tracks)
     stamps = [e.ts for e in log.history if e.ts > 0] + [s.start for s in slices]
+    stamps += [p.start for p in profiled]
     origin = min(stamps, default=0.0)
 
     def us(ts: float) -> float:
@@ -135,6 +141,10 @@ def write_trace(log: RunLog, path: str | Path) -> int:
             events.append(_event("i", name, "op", where, us(at.ts), s="t", args=_fields(at)))
     for entry in log.history:
         events.extend(_entry_events(entry, tracks, us(entry.ts)))
+    for p in profiled:
+        where = tracks.tid(p.source, p.track)
+        start, dur = us(p.start), round(p.duration * 1e6, 3)
+        events.append(_event("X", p.name, p.category, where, start, dur=dur, args=p.args))
     events = tracks.meta + events
     Path(path).write_bytes(orjson.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return len(events)
