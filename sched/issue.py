@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ringfence.cache.fences import FenceTracker, Lane
 from ringfence.cache.ids import BlockHash, BlockId, Seq
@@ -105,18 +106,7 @@ class Issuer:
         gathering, self._gathering = self._gathering, None
         if gathering is None:
             return
-        seq = self._number(Lane.SWAP)
-        device, host = gathering.device, gathering.host
-        fence = self.tracker.issue(Lane.SWAP, seq, read_device=device, write_host=host)
-        op = SwapOp(
-            op=seq,
-            fence=fence,
-            direction="out",
-            device_blocks=tuple(device),
-            host_blocks=tuple(host),
-            reason=gathering.reason,
-        )
-        self._record(op, len(device))
+        self._swap_op("out", gathering.device, gathering.host, gathering.reason)
 
     def _number(self, lane: Lane) -> Seq:
         seq = self._next[lane]
@@ -163,12 +153,26 @@ class Issuer:
             gathering.host.extend(host)
             return
         self.seal()
+        self._swap_op("in", device, host, reason)
+
+    def _swap_op(
+        self,
+        direction: Literal["in", "out"],
+        device: Sequence[BlockId],
+        host: Sequence[BlockId],
+        reason: Reason,
+    ) -> None:
+        """Number, fence and record one swap op (a swap-out reads the device blocks and
+        writes the host blocks, a swap-in the reverse)."""
         seq = self._number(Lane.SWAP)
-        fence = self.tracker.issue(Lane.SWAP, seq, read_host=host, write_device=device)
+        if direction == "out":
+            fence = self.tracker.issue(Lane.SWAP, seq, read_device=device, write_host=host)
+        else:
+            fence = self.tracker.issue(Lane.SWAP, seq, read_host=host, write_device=device)
         op = SwapOp(
             op=seq,
             fence=fence,
-            direction="in",
+            direction=direction,
             device_blocks=tuple(device),
             host_blocks=tuple(host),
             reason=reason,

@@ -9,12 +9,11 @@ copied from the wrong place, a chunk left out or a word rounded through a float 
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
+from hopper import compiled_for_hopper
 
 from ringfence.actors.config import Config
 from ringfence.actors.kv import copies
@@ -362,21 +361,6 @@ for pointer, words, chunk in (("*i64", 65536, 2048), ("*i32", 3, 4), ("*i16", 3,
 
 @needs_triton
 def test_the_kernel_compiles_for_a_hopper_gpu_with_16_byte_loads_even_without_one() -> None:
-    import triton
-    from packaging.version import Version
-
-    if Version(triton.__version__) < Version("3.3"):
-        pytest.skip(f"Triton {triton.__version__} compiles through another API")
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this Triton build has no NVIDIA backend")
-    run = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR_SM90],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
+    lines = compiled_for_hopper(COMPILE_FOR_SM90)
     assert [line.split()[:2] for line in lines] == [[p, "True"] for p in ("*i64", "*i32", "*i16")]
     assert lines[0] == "*i64 True True", "512 KiB blocks must move in 16-byte loads and stores"
