@@ -80,10 +80,11 @@ def _under(module: str, prefixes: tuple[str, ...]) -> bool:
     )
 
 
-def violations(root: Path) -> list[str]:
-    """What breaks the dependency table in the tree at ``root``, one line each."""
+def violations(root: Path, scanned: list[Import] | None = None) -> list[str]:
+    """What breaks the dependency table in the tree at ``root`` (``scanned``: its imports,
+    where already read), one line each."""
     found = []
-    for imp in imports(root):
+    for imp in imports(root) if scanned is None else scanned:
         package = imp.importer.split(".")[1]
         if not _under(imp.imported, ALLOWED[package]):
             found.append(f"{imp.where}: {package} may not import {imp.imported}")
@@ -92,8 +93,15 @@ def violations(root: Path) -> list[str]:
     return found
 
 
-def test_the_tree_keeps_the_dependency_table():
-    assert violations(ROOT) == []
+@pytest.fixture(scope="module")
+def tree_imports() -> list[Import]:
+    """``imports(ROOT)``: the tree read once for every test of this file that judges it (a
+    read parses every module of the five packages, seconds on two shared cores)."""
+    return imports(ROOT)
+
+
+def test_the_tree_keeps_the_dependency_table(tree_imports):
+    assert violations(ROOT, tree_imports) == []
 
 
 def test_every_tool_is_a_package_of_actors_in_the_tree():
@@ -101,8 +109,8 @@ def test_every_tool_is_a_package_of_actors_in_the_tree():
     assert [tool for tool in TOOLS if not is_module(ROOT, tool)] == []
 
 
-def test_the_scan_sees_the_imports_it_must_judge():
-    found = {(i.importer, i.imported) for i in imports(ROOT)}
+def test_the_scan_sees_the_imports_it_must_judge(tree_imports):
+    found = {(i.importer, i.imported) for i in tree_imports}
     assert ("ringfence.cache.block_pool", "ringfence.shm.errors") in found
     assert ("ringfence.actors.engine.actor", "ringfence.actors.engine.ledger") in found
     assert (
@@ -245,16 +253,17 @@ def layer_of(module: str, layers: tuple[Layer, ...] = ACTOR_LAYERS) -> str | Non
     return max(covering)[1] if covering else None
 
 
-def upward_imports(root: Path) -> list[str]:
+def upward_imports(root: Path, scanned: list[Import] | None = None) -> list[str]:
     """Each import inside ``ringfence.actors`` that goes to a layer not below its own, and
-    each module of ``actors/`` that no layer holds, one line each."""
+    each module of ``actors/`` that no layer holds, one line each (``scanned``: the tree's
+    imports, where already read)."""
     under = below()
     found = [
         f"{path.relative_to(root)}: {module} has no layer in ACTOR_LAYERS"
         for path in sorted((root / "actors").rglob("*.py"))
         if layer_of(module := module_of(path, root)) is None
     ]
-    for imp in imports(root):
+    for imp in imports(root) if scanned is None else scanned:
         if not (_under(imp.importer, (ACTORS,)) and _under(imp.imported, (ACTORS,))):
             continue
         own, other = layer_of(imp.importer), layer_of(imp.imported)
@@ -268,12 +277,13 @@ def upward_imports(root: Path) -> list[str]:
     return found
 
 
-def import_cycles(root: Path) -> list[str]:
+def import_cycles(root: Path, scanned: list[Import] | None = None) -> list[str]:
     """Each knot of modules that import each other in a circle (lazily, under
     ``TYPE_CHECKING`` or at the top: every import counts), named by one of its circles
-    with the file and line of each arrow."""
+    with the file and line of each arrow (``scanned``: the tree's imports, where already
+    read)."""
     edges: dict[str, dict[str, str]] = {}
-    for imp in imports(root):
+    for imp in imports(root) if scanned is None else scanned:
         if imp.importer != imp.imported:
             edges.setdefault(imp.importer, {}).setdefault(imp.imported, imp.where)
     found = []
@@ -350,12 +360,12 @@ def _shortest_way_back(edges: dict[str, dict[str, str]], start: str, knot: set[s
     raise AssertionError(f"{start} is in a knot but has no way back")
 
 
-def test_inside_actors_every_import_runs_down_the_layers():
-    assert upward_imports(ROOT) == []
+def test_inside_actors_every_import_runs_down_the_layers(tree_imports):
+    assert upward_imports(ROOT, tree_imports) == []
 
 
-def test_no_modules_import_each_other_in_a_circle():
-    assert import_cycles(ROOT) == []
+def test_no_modules_import_each_other_in_a_circle(tree_imports):
+    assert import_cycles(ROOT, tree_imports) == []
 
 
 def test_every_name_of_the_layer_order_is_a_subpackage_or_module_of_actors():
@@ -509,25 +519,25 @@ CONFIG_ROOT = (
 )
 
 
-def whole_config_imports(root: Path) -> list[str]:
+def whole_config_imports(root: Path, scanned: list[Import] | None = None) -> list[str]:
     """Each import of the run's whole schema by a module outside the composition root (and
-    not a tool), one line each."""
+    not a tool), one line each (``scanned``: the tree's imports, where already read)."""
     return [
         f"{imp.where}: {imp.importer} imports the whole config ({CONFIG}); "
         "take the sections it reads"
-        for imp in imports(root)
+        for imp in (imports(root) if scanned is None else scanned)
         if _under(imp.imported, (CONFIG,))
         and imp.importer not in CONFIG_ROOT
         and not _under(imp.importer, TOOLS)
     ]
 
 
-def test_only_the_composition_root_and_the_tools_import_the_whole_config():
-    assert whole_config_imports(ROOT) == []
+def test_only_the_composition_root_and_the_tools_import_the_whole_config(tree_imports):
+    assert whole_config_imports(ROOT, tree_imports) == []
 
 
-def test_each_module_of_the_composition_root_still_needs_the_whole_config():
-    importers = {imp.importer for imp in imports(ROOT) if imp.imported == CONFIG}
+def test_each_module_of_the_composition_root_still_needs_the_whole_config(tree_imports):
+    importers = {imp.importer for imp in tree_imports if imp.imported == CONFIG}
     assert sorted(set(CONFIG_ROOT) - importers) == []
 
 
