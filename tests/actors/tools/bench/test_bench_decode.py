@@ -145,22 +145,31 @@ def check_point(point: dict[str, Any], counts: dict[str, int]) -> None:
     assert point["transformers"]["how"] == "eager"  # the CPU: no compile
 
 
+# Each batch size is a launch of its own, then the forward alone and transformers' at that
+# size. CI runs the quick form at N = 4 alone (every side, every figure and the plot); the
+# quick form's own sizes (1 and 4: two launches, the table's two lines) run with -m slow.
+@pytest.mark.parametrize(
+    ("seqs", "sizes"),
+    [pytest.param(None, [1, 4], marks=pytest.mark.slow, id="quick-1-4"), ("4", [4])],
+)
 def test_the_quick_decode_bench_reports_every_side_at_each_batch_size(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], seqs: str | None, sizes: list[int]
 ) -> None:
     pytest.importorskip("transformers", reason="the baseline is transformers")
     pytest.importorskip("matplotlib", reason="--plot draws with matplotlib")
     path, png = tmp_path / "decode.json", tmp_path / "decode.png"
     argv = ["bench", "decode", "--quick", "--threads", "1", "--folder", str(tmp_path / "runs")]
+    argv += ["--seqs", seqs] if seqs else []
     assert cli.main([*argv, "--json", str(path), "--plot", str(png)]) == 0
     report = orjson.loads(path.read_bytes())
     assert report["model"]["preset"] == "tiny" and report["model"]["dtype"] == "float32"
     assert report["counts"] == {"prompt_tokens": 8, "output_tokens": 4, "forward_steps": 2}
-    assert [p["seqs"] for p in report["points"]] == [1, 4]
+    assert [p["seqs"] for p in report["points"]] == sizes
     assert report["copy_bandwidth_gb_s"] > 0 and report["log_level"] == "trace"
     for point in report["points"]:
         check_point(point, report["counts"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "copy bandwidth" in out and "roofline" in out
-    assert len([line for line in out.splitlines() if line.lstrip().startswith(("1 ", "4 "))]) == 2
+    rows = [line for line in out.splitlines() if line.lstrip().startswith(("1 ", "4 "))]
+    assert [int(line.split()[0]) for line in rows] == sizes
