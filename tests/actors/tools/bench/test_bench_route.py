@@ -85,31 +85,45 @@ QUICK = {
 }  # fmt: skip
 
 
-# The saturation case on real instances runs with the slow soaks: CI runs it on simulated
-# instances (below), where its queues are the sim's and not two shared cores'.
+# Each policy runs on two fresh instances behind a fresh router. CI runs the light case on
+# real instances with the cache policy alone (two instances, their KV events in the router's
+# index); both policies side by side (same tokens under each: in CI through the router,
+# test_route_runs.py's test_round_robin_takes_turns_and_every_policy_gives_the_same_greedy_tokens)
+# and the saturation case on real instances run with the slow soaks. CI runs every case and
+# both policies on simulated instances (below), where the queues are the sim's and not two
+# shared cores'.
 @pytest.mark.parametrize(
-    ("case", "requests"),
-    [("light", 8), pytest.param("saturation", 54, marks=pytest.mark.slow)],
+    ("case", "policies", "requests"),
+    [
+        ("light", ("cache",), 8),
+        pytest.param("light", ("round_robin", "cache"), 8, marks=pytest.mark.slow),
+        pytest.param("saturation", ("round_robin", "cache"), 54, marks=pytest.mark.slow),
+    ],
+    ids=["light-cache", "light-both", "saturation-both"],
 )
 def test_the_quick_form_routes_on_real_instances_with_the_same_tokens_everywhere(
-    tmp_path: Path, case: str, requests: int
+    tmp_path: Path, case: str, policies: tuple[str, ...], requests: int
 ):
     out = tmp_path / "route.json"
     status = cli.main([
-        "bench", "route", "--instances", "2", "--policies", "round_robin,cache",
+        "bench", "route", "--instances", "2", "--policies", ",".join(policies),
         *QUICK[case], "--max-tokens", "4", "--set", "model.preset=tiny", "--json", str(out),
         "--plot", str(tmp_path / "route.png"),
     ])  # fmt: skip
     result = orjson.loads(out.read_bytes())
     assert status == 0, result
-    assert result["requests"] == requests
-    for policy in ("round_robin", "cache"):
+    assert result["requests"] == requests and result["instances_kind"] == "serve"
+    assert sorted(result["policies"]) == sorted(policies)
+    for policy in policies:
         figures = result["policies"][policy]
         assert figures["failed"] == 0 and figures["same_tokens"] and not figures["leaked_names"]
         assert sum(figures["per_instance"].values()) == requests
-    half = requests // 2
-    assert result["policies"]["round_robin"]["per_instance"] == {"i0": half, "i1": half}
-    assert (tmp_path / "route.png").exists()
+        assert figures["ttft_p90_s"] > 0 and figures["output_tokens_per_s"] > 0  # tokens came
+    if "round_robin" in policies:
+        half = requests // 2
+        assert result["policies"]["round_robin"]["per_instance"] == {"i0": half, "i1": half}
+    # The plot is of the cache policy's ratios to the others: none with one policy.
+    assert (tmp_path / "route.png").exists() == (len(policies) > 1)
 
 
 def test_a_case_names_a_workload_and_each_option_given_overrides_its_value():
@@ -177,3 +191,4 @@ def test_the_quick_form_on_simulated_instances_reports_them_with_the_same_tokens
         assert 0 < figures["cached_share"]["device"] < 1  # the usage the sims give
     half = requests // 2
     assert result["policies"]["round_robin"]["per_instance"] == {"i0": half, "i1": half}
+    assert (tmp_path / "route.png").exists()
