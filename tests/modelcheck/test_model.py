@@ -126,7 +126,9 @@ POOLS = {"device_blocks": 8, "host_blocks": 8, "requests": 8}  # test_safety.py'
 def test_the_runner_exits_1_when_a_mutant_survives(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (m,) = [m for m in MUTANTS if m.flag == "MUT_NO_STEP_STORE"]
+    # An equivalent mutant of the smallest configuration (wake: 2 ops), its search seconds
+    # shorter than the 3-op ones': the runner's verdict is the point, not the model.
+    (m,) = [m for m in MUTANTS if m.flag == "MUT_LOST_WAKEUP"]
     survivor = type(m)(flag=m.flag, config=m.config, what=m.what)  # claimed to fail
     monkeypatch.setattr(run, "MUTANTS", (survivor,))
     assert run.main(["--only", m.flag, "--traces", "0", "--jobs", "1"]) == 1
