@@ -1,7 +1,9 @@
 """Clients of a launched run: connect by run dir, submit, stream, abort, and survive failures.
 
 Each run launches fixture_clients:CLIENTS (EchoEngine and CLIENT_SLOTS optional client
-slots); the clients connect from this process or from spawned ones.
+slots); the clients connect from this process or from spawned ones. The tests that only talk
+to the engine through clients share one run (``echo``); those that kill a client or the
+engine launch their own.
 """
 
 from __future__ import annotations
@@ -35,8 +37,18 @@ def echo_run(tmp_path: Path, *sets: str) -> Iterator[Launch]:
         assert names.list_names(run.run_id) == []
 
 
-def test_a_client_streams_the_tokens_of_a_request_in_order(tmp_path):
-    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
+    """One EchoEngine run for the tests below that only talk to it through clients of this
+    process or of a spawned one: each closes its clients (their slots are free again for the
+    next) and leaves the engine as it found it. A launch is most of such a test's time; the
+    tests that kill a client or the engine launch their own (:func:`echo_run`)."""
+    with echo_run(tmp_path_factory.mktemp("echo")) as run:
+        yield run
+
+
+def test_a_client_streams_the_tokens_of_a_request_in_order(echo):
+    with Client.connect(echo.run_dir) as client:
         assert client.instance == "client-0"
         request_id = client.submit([5, 6, 7], max_tokens=5, request_id="r1")
         assert request_id == "r1"
@@ -45,16 +57,16 @@ def test_a_client_streams_the_tokens_of_a_request_in_order(tmp_path):
             client.result("r1")
 
 
-def test_a_reservation_the_engine_refuses_is_answered_with_why_and_the_client_goes_on(tmp_path):
-    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+def test_a_reservation_the_engine_refuses_is_answered_with_why_and_the_client_goes_on(echo):
+    with Client.connect(echo.run_dir) as client:
         answer = client.reserve([1, 2, 3], max_tokens=4, timeout=WAIT_S)
         assert (answer.granted, answer.retry, answer.error) == (False, False, NO_RESERVATIONS)
         assert answer.incarnation > 0  # the hub answers the current incarnation
         assert list(client.stream(client.submit([4, 5], max_tokens=2), timeout=WAIT_S)) == [5, 4]
 
 
-def test_generate_returns_the_completion_with_cache_hits_and_ttft(tmp_path):
-    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+def test_generate_returns_the_completion_with_cache_hits_and_ttft(echo):
+    with Client.connect(echo.run_dir) as client:
         done = client.generate("ab", max_tokens=3, request_id="t", timeout=WAIT_S)
         assert done == Completion(
             request_id="t",
@@ -67,15 +79,15 @@ def test_generate_returns_the_completion_with_cache_hits_and_ttft(tmp_path):
         assert (stopped.token_ids, stopped.finish_reason) == ((3, 2, 1), "stop")
 
 
-def test_chat_sends_the_messages_for_the_engine_to_render(tmp_path):
-    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+def test_chat_sends_the_messages_for_the_engine_to_render(echo):
+    with Client.connect(echo.run_dir) as client:
         chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}]
         done = client.chat(chat, max_tokens=3, request_id="c", timeout=WAIT_S)
         assert (done.request_id, done.token_ids) == ("c", (ord("b"), ord("a"), ord("b")))
 
 
-def test_an_aborted_request_ends_with_abort_after_the_tokens_it_had(tmp_path):
-    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+def test_an_aborted_request_ends_with_abort_after_the_tokens_it_had(echo):
+    with Client.connect(echo.run_dir) as client:
         request_id = client.submit([1, 2], max_tokens=1_000_000)
         stream = client.stream(request_id, timeout=WAIT_S)
         first = [next(stream), next(stream), next(stream)]
@@ -85,8 +97,8 @@ def test_an_aborted_request_ends_with_abort_after_the_tokens_it_had(tmp_path):
         client.abort(request_id)  # after the end: nothing to do
 
 
-def test_a_rejected_request_and_a_failed_handler_raise_client_error(tmp_path):
-    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+def test_a_rejected_request_and_a_failed_handler_raise_client_error(echo):
+    with Client.connect(echo.run_dir) as client:
         refused = client.submit([1, REFUSED])
         with pytest.raises(ClientError, match=f"rejected: token {REFUSED} is refused"):
             client.result(refused, timeout=WAIT_S)
@@ -98,8 +110,8 @@ def test_a_rejected_request_and_a_failed_handler_raise_client_error(tmp_path):
         assert client.generate([4], max_tokens=2, timeout=WAIT_S).token_ids == (4, 4)
 
 
-def test_bad_parameters_are_refused_before_anything_is_sent(tmp_path):
-    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+def test_bad_parameters_are_refused_before_anything_is_sent(echo):
+    with Client.connect(echo.run_dir) as client:
         with pytest.raises(
             ValueError, match="exactly one of prompt_token_ids, prompt and messages"
         ):
@@ -122,43 +134,41 @@ def test_bad_parameters_are_refused_before_anything_is_sent(tmp_path):
             client.submit([2], request_id="same")
 
 
-def test_a_request_not_finished_by_its_deadline_raises_timeout_error(tmp_path):
-    with echo_run(tmp_path) as run, Client.connect(run.run_dir) as client:
+def test_a_request_not_finished_by_its_deadline_raises_timeout_error(echo):
+    with Client.connect(echo.run_dir) as client:
         request_id = client.submit([1], max_tokens=1_000_000)
         with pytest.raises(TimeoutError, match=r"did not finish within 0\.3s"):
             client.result(request_id, timeout=0.3)
 
 
-def test_two_clients_use_two_slots_and_the_same_request_id_independently(tmp_path):
-    with echo_run(tmp_path) as run:
-        with Client.connect(run.run_dir) as one, Client.connect(run.run_dir) as two:
-            assert (one.instance, two.instance) == ("client-0", "client-1")
-            one.submit([1, 2], request_id="x", max_tokens=4)
-            two.submit([3, 4], request_id="x", max_tokens=3)
-            assert two.result("x", timeout=WAIT_S).token_ids == (4, 3, 4)
-            assert one.result("x", timeout=WAIT_S).token_ids == (2, 1, 2, 1)
-        # Closed clients free their slots: the next connect takes slot 0 again.
-        with Client.connect(run.run_dir) as again:
-            assert again.instance == "client-0"
-            assert again.generate([9], max_tokens=1, timeout=WAIT_S).token_ids == (9,)
+def test_two_clients_use_two_slots_and_the_same_request_id_independently(echo):
+    with Client.connect(echo.run_dir) as one, Client.connect(echo.run_dir) as two:
+        assert (one.instance, two.instance) == ("client-0", "client-1")
+        one.submit([1, 2], request_id="x", max_tokens=4)
+        two.submit([3, 4], request_id="x", max_tokens=3)
+        assert two.result("x", timeout=WAIT_S).token_ids == (4, 3, 4)
+        assert one.result("x", timeout=WAIT_S).token_ids == (2, 1, 2, 1)
+    # Closed clients free their slots: the next connect takes slot 0 again.
+    with Client.connect(echo.run_dir) as again:
+        assert again.instance == "client-0"
+        assert again.generate([9], max_tokens=1, timeout=WAIT_S).token_ids == (9,)
 
 
-def test_connecting_when_every_slot_is_taken_is_a_clear_error(tmp_path):
-    with echo_run(tmp_path) as run, contextlib.ExitStack() as stack:
-        clients = [stack.enter_context(Client.connect(run.run_dir)) for _ in range(CLIENT_SLOTS)]
+def test_connecting_when_every_slot_is_taken_is_a_clear_error(echo):
+    with contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(Client.connect(echo.run_dir)) for _ in range(CLIENT_SLOTS)]
         assert [c.instance for c in clients] == [f"client-{r}" for r in range(CLIENT_SLOTS)]
         with pytest.raises(ClientError, match=f"all {CLIENT_SLOTS} client slots of run .* taken"):
-            Client.connect(run.run_dir)
+            Client.connect(echo.run_dir)
 
 
-def test_a_client_in_another_process_generates(tmp_path):
+def test_a_client_in_another_process_generates(echo, tmp_path):
     out = tmp_path / "out.txt"
-    with echo_run(tmp_path) as run:
-        child = peers.start(
-            peers_target("generate_in_child"), str(run.run_dir), [1, 2, 3], 4, str(out)
-        )
-        assert peers.finish(child, WAIT_S) == 0
-        assert out.read_text() == "client-0 3 2 1 3"
+    child = peers.start(
+        peers_target("generate_in_child"), str(echo.run_dir), [1, 2, 3], 4, str(out)
+    )
+    assert peers.finish(child, WAIT_S) == 0
+    assert out.read_text() == "client-0 3 2 1 3"
 
 
 def test_a_client_killed_mid_stream_is_seen_by_the_engine_and_its_slot_is_reused(tmp_path):
