@@ -61,12 +61,13 @@ def test_a_worker_killed_with_two_steps_in_flight_costs_recomputation_not_tokens
     assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
 
 
-def test_one_step_in_flight_is_the_default(tmp_path):
-    sets = workload_sets("pressure", "sched.preemption=recompute", requests=2)
-    with launched(tmp_path, *sets) as run:
-        outputs, _ = finished(run)
-    assert len(outputs) == 2
-    assert most_steps_in_flight(run.run_dir) == 1
+def test_one_step_in_flight_is_the_default(pressure_swap_run):
+    # The session's traced pressure run (tests/conftest.py), launched on the defaults but
+    # for its tiers and swap preemption: the same workload as above with one step in flight.
+    assert Config.load(None, []).sched.steps_in_flight == 1
+    outputs, _ = results(pressure_swap_run)
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
+    assert most_steps_in_flight(pressure_swap_run) == 1
 
 
 def test_two_steps_in_flight_keep_every_knobs_tokens(tmp_path):
