@@ -93,6 +93,7 @@ def verify(
     liveness: bool = False,
     fair: bool = True,
     optimize: bool = False,
+    breadth_first: bool = False,
     timeout: float = 3600.0,
 ) -> Result:
     """Verify ``model`` with ``defines``: safety (assertions, invalid end states), or with
@@ -100,7 +101,10 @@ def verify(
     when ``fair`` is False: then a process may be starved forever). Exhaustive,
     with states stored collapsed, or ``bitstate`` (a supertrace: a partial search).
     ``optimize``: compile pan with -O2 (seconds more to build, twice as fast a search: for
-    the large configurations), else -O0."""
+    the large configurations), else -O0. ``breadth_first`` (safety only): search level by
+    level (-DBFS), so the first error found is a shortest counterexample, found once the
+    levels above it are done rather than wherever the depth-first search first meets it; the
+    same states are searched where there is none."""
     path = prepare(folder, model)
     d = flags(defines)
     _run(["spin", *d, "-a", path.name], folder, timeout)
@@ -108,7 +112,9 @@ def verify(
     cc += ["-o", "pan", "pan.c"]
     cc.insert(3, "-DBITSTATE" if bitstate else "-DCOLLAPSE")
     if not liveness:
-        cc[3:3] = ["-DSAFETY", "-DNOCLAIM"]
+        cc[3:3] = ["-DSAFETY", "-DNOCLAIM", *(["-DBFS"] if breadth_first else [])]
+    elif breadth_first:
+        raise ValueError("a breadth-first search is of safety only")
     _run(cc, folder, timeout)
     pan = ["./pan", f"-m{DEPTH}", f"-w{BITSTATE_BITS if bitstate else HASH_BITS}"]
     if liveness:
