@@ -35,9 +35,25 @@ if importlib.util.find_spec("xdist") is not None:  # the test extra has it
         return Scheduling(config, log)
 
 
+SERIAL_MARK = "mark.serial"  # scripts/test runs the serial tests of the files that say it
+
+
+def unlisted_serial_files(items: list[pytest.Item]) -> list[str]:
+    """The files of the serial tests in ``items`` that do not say ``SERIAL_MARK``."""
+    files = {item.path for item in items if item.get_closest_marker("serial")}
+    return sorted(str(path) for path in files if SERIAL_MARK not in path.read_text())
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Collect the files of ``tests/suite_order.py`` first, in its order (a stable sort: the
-    tests inside a file, and every other file, keep their order)."""
+    """Refuse a serial test that scripts/test's serial run would not collect; then collect
+    the files of ``tests/suite_order.py`` first, in its order (a stable sort: the tests
+    inside a file, and every other file, keep their order)."""
+    if unlisted := unlisted_serial_files(items):
+        raise pytest.UsageError(
+            f"serial tests in files that do not say {SERIAL_MARK}, which scripts/test runs "
+            f"them from: {unlisted}"
+        )
     from suite_order import LONGEST_FIRST
 
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
