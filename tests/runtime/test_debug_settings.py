@@ -17,6 +17,7 @@ MARKED = [
     "transfer.mode (sync, lock)",
     "transfer.chaos_delay_ms",
     "transfer.skip_fences",
+    "transfer.profile",
 ]
 
 
@@ -45,7 +46,8 @@ def test_launch_and_serve_help_list_them_under_set():
         assert option.help is not None
         assert option.help.endswith(
             "To measure or debug only, never for a production run: runtime.wait (poll), "
-            "transfer.mode (sync, lock), transfer.chaos_delay_ms, transfer.skip_fences"
+            "transfer.mode (sync, lock), transfer.chaos_delay_ms, transfer.skip_fences, "
+            "transfer.profile"
         ), option.help
 
 
@@ -58,6 +60,7 @@ def test_a_written_config_ends_their_doc_with_the_mark():
         ("mode", "to measure or debug: sync, lock]"),
         ("chaos_delay_ms", "to measure or debug]"),
         ("skip_fences", "to measure or debug]"),
+        ("profile", "to measure or debug]"),
         ("wait", "to measure or debug: poll]"),
     ]
     assert load_config() == load_config().loads(dump_config(load_config()))  # still loads back
