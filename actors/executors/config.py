@@ -14,7 +14,7 @@ from ringfence.runtime.config import setting
 # ruff: noqa: RUF009 (setting() returns a dataclasses.field(), which ruff cannot see)
 
 TransferMode = Literal["fence", "sync", "lock"]
-BlockCopy = Literal["auto", "runs", "kernel"]  # actors/kv/copies.py
+BlockCopy = Literal["auto", "runs", "kernel"]  # resolved by actors/kv/copies.py
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,7 +27,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ringfence.actors.executors.config import BlockCopy
 from ringfence.actors.model.kernels import triton_available
 
 CopyMethod = Literal["runs", "kernel"]
@@ -37,10 +36,11 @@ CopyMethod = Literal["runs", "kernel"]
 HOST_MAPPED = 3
 
 
-def resolve_copy(choice: BlockCopy, device: torch.device) -> CopyMethod:
-    """The method ``transfer.copy`` means for a device tier on ``device``: ``auto`` is the
-    kernel on CUDA with Triton installed, else the runs; ``kernel`` without Triton, or on a
-    CPU outside Triton's interpreter, is a ValueError naming the setting."""
+def resolve_copy(choice: str, device: torch.device) -> CopyMethod:
+    """The method ``transfer.copy`` (``auto``, ``runs`` or ``kernel``) means for a device tier
+    on ``device``: ``auto`` is the kernel on CUDA with Triton installed, else the runs;
+    ``kernel`` without Triton, or on a CPU outside Triton's interpreter, is a ValueError
+    naming the setting, and so is any other value."""
     if choice == "runs":
         return "runs"
     if choice == "kernel":

@@ -265,6 +265,11 @@ def test_auto_copies_by_runs_on_a_cpu_and_runs_is_runs_everywhere() -> None:
     assert resolve_copy("runs", torch.device("cuda:0")) == "runs"
 
 
+def test_an_unknown_method_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ValueError, match=r"^transfer.copy must be auto, runs or kernel, got 'gat"):
+        resolve_copy("gather", torch.device("cpu"))
+
+
 def test_auto_is_the_kernel_on_cuda_only_where_triton_is_installed(monkeypatch) -> None:
     monkeypatch.setattr(copies, "triton_available", lambda: True)
     assert resolve_copy("auto", torch.device("cuda:0")) == "kernel"
