@@ -21,7 +21,8 @@ from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.protocol.client import Submit
 from ringfence.actors.text.tokenizer import ByteTokenizer, Tokenizer, model_tokenizer
 from ringfence.sched.request import Request, RequestError, SamplingParams
-from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
+from ringfence.sched.synthetic import synthetic
+from ringfence.sched.workload import WorkloadRequest, parse_workload
 
 if TYPE_CHECKING:
     from ringfence.actors.text.chat import ChatTemplate

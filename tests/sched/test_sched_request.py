@@ -307,7 +307,7 @@ def test_states_and_finish_reasons_are_the_strings_the_logs_and_outputs_use():
 
 def test_importing_ringfence_sched_pulls_in_no_torch_orjson_ipc_or_runtime():
     code = (
-        "import sys, ringfence.sched.request, ringfence.sched.workload\n"
+        "import sys, ringfence.sched.request, ringfence.sched.workload, ringfence.sched.synthetic\n"
         "print(' '.join(sorted(sys.modules)))"
     )
     # Run from the checkout's parent so the folder sched/ cannot shadow anything.
@@ -319,4 +319,4 @@ def test_importing_ringfence_sched_pulls_in_no_torch_orjson_ipc_or_runtime():
     tops = {name.split(".")[0] for name in loaded}
     assert tops & {"torch", "orjson", "posix_ipc", "multiprocess", "structlog", "numpy"} == set()
     assert not {m for m in loaded if m.startswith(("ringfence.runtime", "ringfence.actors"))}
-    assert "ringfence.sched.workload" in loaded
+    assert {"ringfence.sched.workload", "ringfence.sched.synthetic"} <= loaded

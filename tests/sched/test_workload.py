@@ -8,15 +8,13 @@ import json
 import pytest
 
 from ringfence.sched.request import RequestError, SamplingParams
-from ringfence.sched.workload import CHAT_SYSTEM_TOKENS as SYSTEM
+from ringfence.sched.synthetic import CHAT_SYSTEM_TOKENS as SYSTEM
+from ringfence.sched.synthetic import SYNTHETIC, describe, synthetic
 from ringfence.sched.workload import (
-    SYNTHETIC,
     WorkloadError,
     WorkloadRequest,
-    describe,
     parse_workload,
     returning_turns,
-    synthetic,
 )
 from ringfence.shm.errors import RingfenceError
 

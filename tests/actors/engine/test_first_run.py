@@ -21,7 +21,8 @@ from launching import QUICK, launched
 from ringfence.actors.config import Config
 from ringfence.actors.engine.begin import sched_config
 from ringfence.runtime import cli
-from ringfence.sched.workload import WorkloadRequest, parse_workload, synthetic
+from ringfence.sched.synthetic import synthetic
+from ringfence.sched.workload import WorkloadRequest, parse_workload
 
 MAX_MODEL_LEN = 2040  # the tiny preset has 2,048 positions
 CHAT = 8  # requests: 2 users, 4 rounds

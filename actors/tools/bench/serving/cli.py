@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace) -> tuple[list[float], list[str]]:
     """The rates and workloads; ValueError naming the option that is wrong."""
-    from ringfence.sched.workload import SYNTHETIC
+    from ringfence.sched.synthetic import SYNTHETIC
 
     rates = [parse_rate(part.strip()) for part in args.rates.split(",") if part.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -151,7 +151,7 @@ def load_requests(
     """The synthetic workload's first ``requests`` requests, in their order, with Poisson
     arrival times of ``rate`` in place of their own (None: their own), each asking for
     ``logprobs`` top log probabilities per output token (None: none)."""
-    from ringfence.sched.workload import synthetic
+    from ringfence.sched.synthetic import synthetic
 
     lines = synthetic(workload, requests=requests)
     if rate is None:

@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     """ValueError naming the option that is wrong."""
-    from ringfence.sched.workload import SYNTHETIC
+    from ringfence.sched.synthetic import SYNTHETIC
 
     if args.workload not in SYNTHETIC:
         raise ValueError(f"--workload: unknown {args.workload!r}; known: {', '.join(SYNTHETIC)}")
