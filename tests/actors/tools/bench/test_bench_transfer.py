@@ -11,25 +11,24 @@ import pytest
 import torch
 
 from ringfence.actors.model.kernels import triton_available
-from ringfence.actors.tools.bench import launcher
-from ringfence.actors.tools.bench import transfer as bench_transfer
+from ringfence.actors.tools.bench import launcher, transfer_bandwidth
 from ringfence.runtime import cli
 
 
-def check_bandwidth(report: dict[str, Any], methods: tuple[str, ...] = bench_transfer.METHODS):
+def check_bandwidth(report: dict[str, Any], methods: tuple[str, ...] = transfer_bandwidth.METHODS):
     bandwidth = report["bandwidth"]
     assert bandwidth["preset"] == "tiny" and bandwidth["block_bytes"] > 0
     assert bandwidth["methods"] == list(methods)
     rows = bandwidth["rows"]
-    expected = {(d, n) for d in ("h2d", "d2h") for n in bench_transfer.QUICK_BATCHES}
+    expected = {(d, n) for d in ("h2d", "d2h") for n in transfer_bandwidth.QUICK_BATCHES}
     assert {(r["direction"], r["blocks"]) for r in rows} == expected
     for row in rows:
         assert set(row["gb_s"]) == set(methods)
         assert all(gb_s > 0 for gb_s in row["gb_s"].values())
         assert row["ratio"] > 0 and row["ratio_consecutive"] > 0
-        judged = row["blocks"] >= bench_transfer.TARGET_MIN_BLOCKS
+        judged = row["blocks"] >= transfer_bandwidth.TARGET_MIN_BLOCKS
         assert isinstance(row["meets_target"], bool) if judged else row["meets_target"] is None
-        kernel = bench_transfer.KERNEL in methods
+        kernel = transfer_bandwidth.KERNEL in methods
         assert ("ratio_kernel" in row) == kernel and ("kernel_meets_target" in row) == kernel
     assert bandwidth["target_ratio"] == 0.7
 
@@ -54,8 +53,8 @@ def test_on_cuda_a_quick_transfer_bench_copies_to_and_from_the_device(tmp_path: 
     argv = ["bench", "transfer", "--quick", "--skip-harness", "--device", "cuda"]
     assert cli.main([*argv, "--json", str(path)]) == 0
     report = orjson.loads(path.read_bytes())
-    kernel = (bench_transfer.KERNEL,) if triton_available() else ()
-    check_bandwidth(report, (*bench_transfer.CUDA_METHODS, *kernel))
+    kernel = (transfer_bandwidth.KERNEL,) if triton_available() else ()
+    check_bandwidth(report, (*transfer_bandwidth.CUDA_METHODS, *kernel))
     assert report["bandwidth"]["device"] == torch.cuda.get_device_name()
 
 
@@ -68,12 +67,12 @@ def test_on_the_cpu_the_transfer_bench_times_the_block_kernel_only_when_asked(
     argv = ["bench", "transfer", "--quick", "--skip-harness", "--rounds", "1", "--kernel"]
     assert cli.main([*argv, "--json", str(path)]) == 0
     report = orjson.loads(path.read_bytes())
-    check_bandwidth(report, (*bench_transfer.METHODS, bench_transfer.KERNEL))
+    check_bandwidth(report, (*transfer_bandwidth.METHODS, transfer_bandwidth.KERNEL))
     bandwidth = report["bandwidth"]
     assert bandwidth["kernel_target_ratio"] == 0.8
     for row in bandwidth["rows"]:
         assert row["ratio_kernel"] > 0
-        judged = row["blocks"] >= bench_transfer.TARGET_MIN_BLOCKS
+        judged = row["blocks"] >= transfer_bandwidth.TARGET_MIN_BLOCKS
         assert isinstance(row["kernel_meets_target"], bool) == judged
     assert "copy_kernel >= 0.8x plain" in capsys.readouterr().out
 
