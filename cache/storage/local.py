@@ -1,12 +1,11 @@
 """The ``local`` backend: one file per block in a directory that processes may share.
 
 Layout under the root directory (<fp>: the writer's fingerprint in hex; <k0>: the key's
-first byte in hex, so no directory holds more than 1/256 of the blocks)::
+first byte in hex; the files themselves are blob_files.py's)::
 
     <root>/<fp>/<k0>/<key hex>          a plain blob (see blob.py; no storage secret)
     <root>/<fp>/s<id>/<k0>/<key hex>    a blob sealed with the storage secret whose public
                                         identifier is <id> (seal.py)
-    .../<k0>/.tmp-<pid>-<random>        a blob being written by process <pid>
 
 Each fingerprint and each storage secret (or none) has its own key space, the backend's
 ``directory``: the ranks of one instance store their shards of a block under one key, each
@@ -17,23 +16,6 @@ never deletes a blob it cannot verify because another secret sealed it. Sealed b
 before the secret named the directory (right under ``<root>/<fp>/<k0>``) are not found by a
 reader with the secret; blocks left directly under ``<root>/<k0>`` by an older layout are
 never read, nor removed.
-
-A block is written to a temp file in its final directory, flushed with
-``fdatasync``, and renamed over its final name with ``os.replace``, which is atomic:
-a reader sees no file or a whole one, and a writer killed at any point leaves at
-most a temp file, which every scan ignores and the scan of another process removes
-once ``<pid>`` is dead (the directory is assumed to be shared by processes of one
-machine). Two processes writing the same key both succeed; the later rename wins and
-either blob is whole. A file is never changed once visible, so a reader that opened
-it reads it whole even if it is replaced or evicted meanwhile.
-
-Durability: the file is flushed before the rename, so a block that is visible after
-a machine crash is whole; the directory is not flushed after the rename (one more
-flush per block), so a crash may forget recent blocks, which costs only misses.
-With ``fsync=False`` nothing is flushed: a crash may then leave a visible but torn
-file, which the checksum turns into a miss, so this is safe for a cache and runs at
-the speed of a plain write; the flush costs most of the write time on a disk
-(measured here: a plain write with an fsync per file ran at 0.4x of one without).
 
 Eviction, by least recent use: each process keeps an index of the blocks it knows
 (an ordered dict, least recently used first, with each blob's size). A put and a
@@ -51,80 +33,41 @@ space's block that was used since the scan is not evicted.
 A corrupt blob is deleted when found; if another process had just renamed a good
 copy over it, that copy goes too, which costs a miss, never wrong data.
 
-Faults: a block that cannot be written (a full disk or tmpfs, a quota, an I/O error,
-reported by the write, the flush, the close or the rename) leaves nothing visible:
-its temp file is removed. The other blocks of the put are written, then the put
-logs ``storage.write_failed`` and raises
+Faults: a block that cannot be written leaves nothing visible (blob_files.py). The other
+blocks of the put are written, then the put logs ``storage.write_failed`` and raises
 :class:`~ringfence.cache.storage.StorageWriteFailed`, so the store lane reports the
 write-back failed and the engine forgets its keys. On ``ENOSPC`` or ``EDQUOT`` the
 put first evicts least recently used blocks as large as the blocks that failed,
 so the next write-back finds room: a directory smaller than ``max_bytes`` keeps
 working as a cache instead of staying full. A read that raises an ``OSError`` (not a
-missing file) is a miss, logged ``storage.read_failed``; the file stays, since the
-error may pass. Recency stamps are best effort: a blob whose mtime cannot be set
-(another user's, a read-only mount) keeps its age.
+missing file) is a miss, logged ``storage.read_failed``.
 
-Permissions: the directory is one user's; blobs are created ``0600`` and a root or
-fingerprint directory anyone else may write to is refused at open
-(:mod:`.private_dir`).
-
-Reads with a storage secret (``seal``) take the same paths: a read into the caller's
-buffer reads the payload there and then checks its tag, so on a miss the buffer holds the
-refused bytes. The store lane's caller never uses such a buffer (the block is reported
-missing and recomputed; ``get_into``'s contract), so no unverified byte becomes KV, and a
-second buffer would cost every hit a copy.
+Permissions: the directory is one user's; a root or fingerprint directory anyone else may
+write to is refused at open (:mod:`.private_dir`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final, NamedTuple, TypeVar
+from typing import Final, TypeVar
 
 from ringfence.cache.ids import BlockHash
 from ringfence.cache.storage.backend import StorageLog, StorageStats, StorageWriteFailed
-from ringfence.cache.storage.blob import (
-    END_BYTES,
-    Buffer,
-    CorruptBlock,
-    as_bytes_view,
-    blob_size,
-    check_fits,
-    check_key,
-    read_trailer,
-    trailer,
-    verify,
-)
-from ringfence.cache.storage.blob_index import TMP_PREFIX, BlobIndex, ForeignBlobs
+from ringfence.cache.storage.blob import Buffer, as_bytes_view, check_key
+from ringfence.cache.storage.blob_files import BlobFiles, Loaded, Stored
+from ringfence.cache.storage.blob_index import BlobIndex, ForeignBlobs
 from ringfence.cache.storage.counters import Counters
-from ringfence.cache.storage.private_dir import DIR_MODE, FILE_MODE, make_private_dir
+from ringfence.cache.storage.private_dir import make_private_dir
 from ringfence.cache.storage.seal import Seal, namespace
 
 RESCAN_FRACTION: Final = 8  # rescan after writing max_bytes / RESCAN_FRACTION
-_O_CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-_O_READ: Final = os.O_RDONLY | os.O_CLOEXEC
 _FULL: Final = frozenset({errno.ENOSPC, errno.EDQUOT})  # errors that more room would cure
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class _Stored(NamedTuple):
-    size: int  # bytes of the blob stored under the key (failed: the bytes it needed)
-    written: bool  # False: it was already stored and only its recency was refreshed, or failed
-    failed: OSError | None = None  # why it could not be written (nothing of it is visible)
-
-
-class _Loaded(NamedTuple):
-    hit: bool  # a whole, valid blob was read
-    payload: bytes | None  # what was read, when read into no buffer of the caller's
-    size: int  # bytes of the blob, if there was one
-    error: CorruptBlock | None  # why a blob that exists was refused
-    io_error: OSError | None = None  # why a blob could not be read (not a missing file)
 
 
 class LocalBackend:
@@ -161,7 +104,8 @@ class LocalBackend:
         space = namespace(seal)  # "": the plain key space is the fingerprint's directory itself
         self.directory = os.path.join(fp_dir, space) if space else fp_dir  # this key space
         self.max_bytes = max_bytes  # 0: no bound
-        self.fsync = fsync
+        # Its blob files (tests replace it with files whose writes fail).
+        self.files = BlobFiles(self.directory, fingerprint=fingerprint, seal=seal, fsync=fsync)
         self._num_threads = num_threads
         self._pool: ThreadPoolExecutor | None = None
         self._counters = Counters(self.name, log)
@@ -177,8 +121,7 @@ class LocalBackend:
 
     def path_for(self, key: BlockHash) -> str:
         """The file a key is stored in under this fingerprint (whether or not it exists)."""
-        name = key.hex()
-        return os.path.join(self.directory, name[:2], name)
+        return self.files.path_for(key)
 
     def put_many(self, items: Iterable[tuple[BlockHash, Buffer]]) -> int:
         self._check_open()
@@ -187,7 +130,7 @@ class LocalBackend:
             check_key(key)
         # Stamped here, in order, so the mtimes keep the order of the items.
         views = [(key, view, self._stamp()) for key, view in jobs]
-        results = self._map(self._store, views)
+        results = self._map(self.files.store, views)
         written = 0
         failed = [stored for stored in results if stored.failed is not None]
         for (key, _, stamp), stored in zip(views, results, strict=True):
@@ -249,53 +192,7 @@ class LocalBackend:
         self._foreign = ForeignBlobs.scan(self.fingerprint_dir, own=self.directory)
         self._written_since_scan = 0
 
-    def _store(self, item: tuple[BlockHash, memoryview, int]) -> _Stored:
-        """Write one block with mtime ``stamp``, unless it is already stored; an ``OSError``
-        is returned in ``failed``, with nothing of the block visible.
-
-        Runs on pool threads: touches no state of ``self`` but its settings.
-        """
-        key, view, stamp = item
-        path = self.path_for(key)
-        size = blob_size(len(view), self.seal)
-        try:
-            try:
-                stored = os.stat(path).st_size
-                _touch(path, stamp)  # the same bytes are stored (content key): refresh recency
-                return _Stored(stored, written=False)
-            except FileNotFoundError:
-                pass
-            self._write_new(key, view, stamp, path)
-        except OSError as error:
-            return _Stored(size, written=False, failed=error)
-        return _Stored(size, written=True)
-
-    def _write_new(self, key: BlockHash, view: memoryview, stamp: int, path: str) -> None:
-        """Write a temp file, flush it and rename it to ``path``; on any error remove it."""
-        shard = os.path.dirname(path)
-        tmp = os.path.join(shard, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        tail = trailer(self.fingerprint, key, view, self.seal)
-        try:
-            fd = os.open(tmp, _O_CREATE, FILE_MODE)
-        except FileNotFoundError:
-            with contextlib.suppress(FileExistsError):  # another process made it meanwhile
-                os.mkdir(shard, DIR_MODE)
-            fd = os.open(tmp, _O_CREATE, FILE_MODE)
-        try:
-            try:
-                self._write_blob(fd, view, tail)
-                os.utime(fd, ns=(stamp, stamp))
-                if self.fsync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)  # may report a write error of its own (NFS): that fails it too
-            os.replace(tmp, path)  # the point where the block becomes visible, whole
-        except BaseException:
-            with contextlib.suppress(OSError):  # the first error is the one to report
-                os.unlink(tmp)
-            raise
-
-    def _fail_put(self, failed: list[_Stored], written: int) -> None:
+    def _fail_put(self, failed: list[Stored], written: int) -> None:
         """Count and log the blocks a put could not write, make room if the disk is full,
         and raise :class:`StorageWriteFailed`."""
         first = failed[0].failed
@@ -325,25 +222,12 @@ class LocalBackend:
         while freed < num_bytes and (size := self._evict_oldest()) is not None:
             freed += size
 
-    def _write_blob(self, fd: int, view: memoryview, tail: bytes) -> None:
-        """Write payload and trailer to the temp file (tests override it to stop half-way)."""
-        total = len(view) + len(tail)
-        done = os.writev(fd, (view, tail))
-        while done < total:  # a short write (disk nearly full): write the rest, or fail
-            rest: list[Buffer] = (
-                [view[done:], tail] if done < len(view) else [tail[done - len(view) :]]
-            )
-            more = os.writev(fd, rest)
-            if more == 0:  # no progress and no error: never loop on it
-                raise OSError(errno.ENOSPC, f"write of {total} bytes stopped at {done}")
-            done += more
-
-    def _load_many(self, items: list[tuple[BlockHash, memoryview | None]]) -> list[_Loaded]:
+    def _load_many(self, items: list[tuple[BlockHash, memoryview | None]]) -> list[Loaded]:
         """Load each key (into its buffer, if it has one), then count, index and report."""
         for key, _ in items:
             check_key(key)
         stamped = [(key, dest, self._stamp()) for key, dest in items]
-        loaded = self._map(self._load, stamped)
+        loaded = self._map(self.files.load, stamped)
         for (key, _, stamp), got in zip(stamped, loaded, strict=True):
             if got.error is not None:
                 self._counters.report(got.error)
@@ -361,41 +245,6 @@ class LocalBackend:
                 self._index.forget(key)
         return loaded
 
-    def _load(self, item: tuple[BlockHash, memoryview | None, int]) -> _Loaded:
-        """Read and check one block, and set its mtime to ``stamp`` if it is whole.
-
-        Reads the payload into ``dest`` if given, else into a new ``bytes``. Runs on
-        pool threads: touches no state of ``self`` but its settings.
-        """
-        key, dest, stamp = item
-        try:
-            fd = os.open(self.path_for(key), _O_READ)
-        except FileNotFoundError:
-            return _Loaded(False, None, 0, None)
-        except OSError as error:
-            return _Loaded(False, None, 0, None, error)
-        try:
-            size = os.fstat(fd).st_size
-            try:
-                end = os.pread(fd, min(size, END_BYTES), max(0, size - END_BYTES))
-                tail = read_trailer(self.fingerprint, key, end, size, self.seal)  # bounds the read
-                payload = None
-                if dest is None:
-                    payload = os.pread(fd, tail.length, 0)
-                    verify(key, tail, payload, self.seal)
-                else:
-                    check_fits(key, tail.length, dest)
-                    got = dest[: os.preadv(fd, [dest], 0)]  # a read cut short fails
-                    verify(key, tail, got, self.seal)
-            except CorruptBlock as error:
-                return _Loaded(False, None, size, error)
-            except OSError as error:
-                return _Loaded(False, None, 0, None, error)
-            _touch(fd, stamp)
-        finally:
-            os.close(fd)
-        return _Loaded(True, payload, size, None)
-
     def _map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
         """``fn`` over ``items``, on the pool when there are several (results in order)."""
         if self._num_threads <= 1 or len(items) <= 1:
@@ -411,11 +260,7 @@ class LocalBackend:
 
     def _unlink(self, key: BlockHash) -> bool:
         self._index.forget(key)
-        try:
-            os.unlink(self.path_for(key))
-        except FileNotFoundError:
-            return False
-        return True
+        return self.files.unlink(key)
 
     def _bound(self) -> None:
         """Evict while the fingerprint's key spaces together hold more than ``max_bytes``."""
@@ -441,10 +286,3 @@ class LocalBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("storage backend 'local' is closed")
-
-
-def _touch(target: str | int, stamp: int) -> None:
-    """Set a blob's mtime to ``stamp``, the recency every process's scan orders by."""
-    # Another user's file in a shared directory, or a read-only mount: it keeps its age.
-    with contextlib.suppress(OSError):
-        os.utime(target, ns=(stamp, stamp))

@@ -399,16 +399,17 @@ def reap(proc: subprocess.Popen[bytes]) -> None:
 
 STALLING_WRITER = """
 import os, sys
+from ringfence.cache.storage.blob_files import BlobFiles
 from ringfence.cache.storage.local import LocalBackend
 
-class Stalling(LocalBackend):
-    def _write_blob(self, fd, view, tail):
-        os.write(fd, view[: len(view) // 2])
-        print("torn", flush=True)
-        sys.stdin.read()  # blocks until the parent kills this process
+def stalling(self, fd, view, tail):
+    os.write(fd, view[: len(view) // 2])
+    print("torn", flush=True)
+    sys.stdin.read()  # blocks until the parent kills this process
 
+BlobFiles._write_blob = stalling  # this process only writes the one torn block
 root, fingerprint, key = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
-Stalling(root, fingerprint=fingerprint).put_many([(key, b"x" * (1 << 20))])
+LocalBackend(root, fingerprint=fingerprint).put_many([(key, b"x" * (1 << 20))])
 """
 
 

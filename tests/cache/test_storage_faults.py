@@ -43,6 +43,7 @@ from ringfence.cache.storage import (
     StorageWriteFailed,
 )
 from ringfence.cache.storage.blob import TRAILER, decode
+from ringfence.cache.storage.blob_files import BlobFiles
 from ringfence.cache.storage.blob_index import TMP_PREFIX
 from ringfence.cache.storage.guarded import GuardedBackend
 from ringfence.cache.storage.local import LocalBackend
@@ -337,11 +338,14 @@ def test_a_stopped_redis_fails_every_call_at_once_and_a_restart_on_its_port_serv
 # --- local: a full directory, failing writes and reads --------------------------------------
 
 
-class FailingWrites(LocalBackend):
-    """A local backend whose writes of the keys in ``failing`` stop half-way with ``errno``."""
+class FailingFiles(BlobFiles):
+    """The blob files of ``files``, but writes of the keys in ``failing`` stop half-way with
+    ``error``."""
 
-    def __init__(self, root: Path, *, failing: set[BlockHash], error: int, **kwargs) -> None:
-        super().__init__(root, fingerprint=FP, fsync=False, num_threads=1, **kwargs)
+    def __init__(self, files: BlobFiles, *, failing: set[BlockHash], error: int) -> None:
+        super().__init__(
+            files.directory, fingerprint=files.fingerprint, seal=files.seal, fsync=files.fsync
+        )
         self.failing = failing
         self.error = error
 
@@ -350,6 +354,14 @@ class FailingWrites(LocalBackend):
             os.write(fd, view[: len(view) // 2])  # a partial temp file, as a full disk leaves
             raise OSError(self.error, os.strerror(self.error))
         super()._write_blob(fd, view, tail)
+
+
+class FailingWrites(LocalBackend):
+    """A local backend whose writes of the keys in ``failing`` stop half-way with ``errno``."""
+
+    def __init__(self, root: Path, *, failing: set[BlockHash], error: int, **kwargs) -> None:
+        super().__init__(root, fingerprint=FP, fsync=False, num_threads=1, **kwargs)
+        self.files = FailingFiles(self.files, failing=failing, error=error)
 
 
 @pytest.mark.parametrize("error", [errno.ENOSPC, errno.EDQUOT, errno.EIO])
