@@ -12,7 +12,8 @@ live:
 - :mod:`.registry`: the backends by name (``cache.storage.backend``) and
   :func:`~.registry.open_storage`, the one way a run opens its tier.
 - The backends: ``local`` (:mod:`.local`: one file per block in a directory, bounded by
-  ``max_bytes`` with LRU eviction; several processes may share it), ``redis``
+  ``max_bytes`` with LRU eviction; several processes may share it; its files, each written
+  atomically and read checked, are :mod:`.blob_files`'), ``redis``
   (:mod:`.redis_backend`: a server that instances on several machines share; importing this
   package does not import redis), ``memory`` (:mod:`.memory`: a dict, for tests, through the
   same blob checks) and ``none`` (no tier: nothing is stored, every lookup misses).
