@@ -1,52 +1,39 @@
-"""The engine's side of its clients: who is attached, whose request is whose, output queues.
+"""The engine's side of its clients: who is attached, whose request is whose, who is lost.
 
 The Engine owns one :class:`ClientHub` and calls it from its handlers, in its own
 thread; the hub knows nothing about scheduling, and never blocks, sleeps or starts a
 thread. It turns a client's request id into an engine-wide :data:`RequestKey`
 (``"<peer>/<incarnation>/<request id>"``), queues each request's output for the
-client that owns it, and tells the engine which requests to abort because their
-client went away or stopped reading.
-
-Why queue at all: the engine must never wait for a client. A client process runs
-its actor only while its user waits for output, so its ring may be full for a
-long time; the hub keeps what the ring did not take, merging the tokens of one
-request into its queued message, and gives up on a client whose queue passes
-``max_queued`` messages.
-
-A client whose current Hello asked for them (``Hello.stats``) also gets the engine's
-:class:`Stats`: at most one is held per client, outside its queue and its
-``max_queued`` count, a newer one replacing it, and it goes once the client's queued
-output has gone (it is a snapshot: a stale one is worth nothing).
+client that owns it (in the client's :class:`~.outbox.Outbox`), and tells the engine
+which requests to abort because their client went away or stopped reading (its outbox
+passed ``max_queued`` messages).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import NamedTuple, NewType
 
+from ringfence.actors.engine.outbox import Flushed, Outbox, Queued
 from ringfence.actors.protocol.client import (
     FINISH_REASONS,
     Hello,
-    Rejected,
     Reservation,
     Stats,
     Submit,
-    Tokens,
     check_submit,
-    no_cached_tokens,
 )
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.sampling import TokenLogprobs
-from ringfence.shm.errors import ActorDead, RingfenceError, RingFull
+from ringfence.shm.errors import RingfenceError
 from ringfence.shm.liveness import ProcessStamp
 
 RequestKey = NewType("RequestKey", str)  # "<peer>/<incarnation>/<request id>", engine-wide
 STATS_MIN_S = 0.02  # between two Stats sent for a change of load (besides each tick's)
 MAX_QUEUED = 4096  # messages queued for one client before it is given up on
-MAX_MERGED_TOKENS = 4096  # a queued Tokens takes no more tokens than this (ring frame size)
 MAX_LIVE = (
     256  # unfinished requests of one client; more are refused (engine.max_requests_per_client)
 )
@@ -68,60 +55,15 @@ class _Owner(NamedTuple):
 
 
 @dataclass(slots=True)
-class _Out:
-    """One queued message, mutable while queued so later tokens of its request merge in."""
-
-    request_id: str
-    incarnation: int
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    error: str = ""
-    cached_tokens: dict[str, int] = field(default_factory=no_cached_tokens)
-    ttft_s: float = -1.0
-    stored_blocks: int = -1
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, if asked
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # the request's first Tokens, if asked
-    rejected: bool = False  # a Rejected (error) rather than a Tokens
-    code: str = ""  # a Rejected's code
-    reservation: Reservation | None = None  # a Reservation rather than either
-
-    def message(self) -> Tokens | Rejected | Reservation:
-        if self.reservation is not None:
-            return replace(self.reservation, incarnation=self.incarnation)
-        if self.rejected:
-            return Rejected(
-                request_id=self.request_id,
-                incarnation=self.incarnation,
-                error=self.error,
-                code=self.code,
-            )
-        return Tokens(
-            request_id=self.request_id,
-            incarnation=self.incarnation,
-            token_ids=tuple(self.token_ids),
-            logprobs=tuple(self.logprobs),
-            prompt_logprobs=self.prompt_logprobs,
-            finish_reason=self.finish_reason,
-            error=self.error,
-            cached_tokens=self.cached_tokens,
-            ttft_s=self.ttft_s,
-            stored_blocks=self.stored_blocks,
-        )
-
-
-@dataclass(slots=True)
 class _Client:
     """One client instance (slot) as the hub knows it: its latest incarnation."""
 
     incarnation: int
     stamp: ProcessStamp
+    outbox: Outbox  # its output the ring has not taken, and the Stats held for it
     live: dict[str, RequestKey] = field(default_factory=dict)  # request id -> key
-    queue: deque[_Out] = field(default_factory=deque)  # oldest first
-    open: dict[str, _Out] = field(default_factory=dict)  # request id -> its mergeable _Out
     lost: str = ""  # why its process was given up on ("" while it is served)
-    overflowed: bool = False  # more than max_queued messages queued since the last check
     wants_stats: bool = False  # its current Hello asked for Stats
-    stats: Stats | None = None  # the newest Stats not sent yet (never counted as queued)
 
 
 class ClientHub:
@@ -169,16 +111,14 @@ class ClientHub:
             old.stamp = stamp
             old.wants_stats = msg.stats
             if not msg.stats:
-                old.stats = None
+                old.outbox.stats = None
             return []
         if old is not None and msg.incarnation < old.incarnation:
             raise RequestRefused(
                 f"{peer}: Hello of incarnation {msg.incarnation} after {old.incarnation}"
             )
         orphans = self._drop(old) if old is not None else []
-        self._clients[peer] = _Client(
-            incarnation=msg.incarnation, stamp=stamp, wants_stats=msg.stats
-        )
+        self._clients[peer] = self._new_client(msg.incarnation, stamp, wants_stats=msg.stats)
         self._log.info(
             "client.hello",
             peer=peer,
@@ -231,11 +171,11 @@ class ClientHub:
         client = self._clients.get(peer)
         incarnation = 0 if client is None else client.incarnation  # 0: no Hello seen
         if client is None:
-            client = self._clients[peer] = _Client(incarnation=0, stamp=ProcessStamp(0, 0))
+            client = self._clients[peer] = self._new_client(0, ProcessStamp(0, 0))
         if not client.lost:
-            out = _Out(request_id=request_id, incarnation=incarnation, error=error, rejected=True)
+            out = Queued(request_id=request_id, incarnation=incarnation, error=error, rejected=True)
             out.code = code
-            self._queue(client, out)
+            client.outbox.put(out)
 
     def scoped(self, peer: str, name: str) -> str | None:
         """``name`` made engine-wide as a request key is (``<peer>/<incarnation>/<name>``);
@@ -249,9 +189,9 @@ class ClientHub:
         """Queue ``answer`` for ``peer``'s current incarnation (dropped if it is not served)."""
         client = self._clients.get(peer)
         if client is not None and not client.lost and client.incarnation:
-            out = _Out(request_id=answer.reservation_id, incarnation=client.incarnation)
+            out = Queued(request_id=answer.reservation_id, incarnation=client.incarnation)
             out.reservation = answer
-            self._queue(client, out)
+            client.outbox.put(out)
 
     # Output.
 
@@ -287,11 +227,7 @@ class ClientHub:
         if finish_reason:
             del self._owners[key]
             del client.live[owner.request_id]
-        out = client.open.get(owner.request_id)
-        if out is None or len(out.token_ids) + len(token_ids) > MAX_MERGED_TOKENS:
-            out = _Out(request_id=owner.request_id, incarnation=owner.incarnation)
-            self._queue(client, out)
-            client.open[owner.request_id] = out
+        out = client.outbox.tokens_of(owner.request_id, owner.incarnation, len(token_ids))
         out.token_ids.extend(token_ids)
         out.logprobs.extend(logprobs)
         if prompt_logprobs:
@@ -303,7 +239,7 @@ class ClientHub:
         if finish_reason:
             out.finish_reason, out.error = finish_reason, error
             out.stored_blocks = stored_blocks
-            del client.open[owner.request_id]
+            del client.outbox.open[owner.request_id]
 
     def watching(self, peer: str | None = None) -> bool:
         """Whether some served client (or ``peer``, if given) asked for Stats in its Hello."""
@@ -318,7 +254,7 @@ class ClientHub:
         """
         for name, client in self._clients.items():
             if (peer is None or name == peer) and client.wants_stats and not client.lost:
-                client.stats = replace(stats, incarnation=client.incarnation)
+                client.outbox.stats = replace(stats, incarnation=client.incarnation)
         if peer is None:
             self._posted = (stats.running, stats.waiting, time.monotonic())
 
@@ -340,55 +276,17 @@ class ClientHub:
         """
         sent = 0
         for peer, client in self._clients.items():
-            if self._send_many is not None and len(client.queue) + (client.stats is not None) > 1:
-                sent += self._flush_batch(peer, client)
-            while (client.queue or client.stats is not None) and not client.lost:
-                out = client.queue[0] if client.queue else None
-                try:
-                    self._send(peer, out.message() if out is not None else client.stats)
-                except RingFull:
-                    break
-                except ActorDead:
-                    client.lost = "its ring's reader is gone"
-                    client.stats = None
-                    break
-                sent += 1
-                if out is None:
-                    client.stats = None
-                    continue
-                client.queue.popleft()
-                if client.open.get(out.request_id) is out:
-                    del client.open[out.request_id]
+            if self._send_many is not None and client.outbox.held() > 1:
+                flushed = client.outbox.send_batch(partial(self._send_many, peer))
+                sent += self._sent(client, flushed)
+            if not client.lost:
+                flushed = client.outbox.send_each(partial(self._send, peer))
+                sent += self._sent(client, flushed)
         return sent
-
-    def _flush_batch(self, peer: str, client: _Client) -> int:
-        """Send what is queued for ``client`` (then its Stats) with one ``send_many``; how many
-        went. Those that did not stay queued, for the one-by-one loop."""
-        assert self._send_many is not None
-        outs = list(client.queue)
-        msgs: list[object] = [out.message() for out in outs]
-        if client.stats is not None:
-            msgs.append(client.stats)
-        try:
-            self._send_many(peer, msgs)
-            done = len(msgs)
-        except RingFull as e:
-            done = e.sent
-        except ActorDead:
-            client.lost = "its ring's reader is gone"
-            client.stats = None
-            return 0
-        for out in outs[:done]:
-            client.queue.popleft()
-            if client.open.get(out.request_id) is out:
-                del client.open[out.request_id]
-        if done > len(outs):
-            client.stats = None
-        return done
 
     def pending(self) -> bool:
         """True while some message (a Stats included) is held and not yet sent."""
-        return any(c.queue or c.stats is not None for c in self._clients.values())
+        return any(c.outbox.held() for c in self._clients.values())
 
     def stuck_or_dead(self) -> list[RequestKey]:
         """Keys of the live requests of clients that are gone or not reading; each once.
@@ -405,26 +303,38 @@ class ClientHub:
         for peer, client in self._clients.items():
             if not client.lost and client.incarnation and not client.stamp.is_alive():
                 client.lost = "its process is gone"
-                client.stats = None
-            if client.lost and (client.live or client.queue):
+                client.outbox.stats = None
+            if client.lost and (client.live or client.outbox.queue):
                 keys += self._give_up(peer, client, client.lost)
-            elif client.overflowed and not client.lost:
-                client.overflowed = False
+            elif client.outbox.overflowed and not client.lost:
+                client.outbox.overflowed = False
                 reason = f"its output was not read: more than {self._max_queued} messages queued"
                 owners = [self._owners[key] for key in client.live.values()]
                 keys += self._give_up(peer, client, reason)
                 for owner in owners:  # one final message per request: not held to max_queued
-                    out = _Out(request_id=owner.request_id, incarnation=owner.incarnation)
+                    out = Queued(request_id=owner.request_id, incarnation=owner.incarnation)
                     out.finish_reason, out.error = "abort", reason
-                    client.queue.append(out)
+                    client.outbox.queue.append(out)
         return keys
 
     # Internals.
 
-    def _queue(self, client: _Client, out: _Out) -> None:
-        client.queue.append(out)
-        if len(client.queue) > self._max_queued:
-            client.overflowed = True
+    def _new_client(
+        self, incarnation: int, stamp: ProcessStamp, *, wants_stats: bool = False
+    ) -> _Client:
+        return _Client(
+            incarnation=incarnation,
+            stamp=stamp,
+            outbox=Outbox(self._max_queued),
+            wants_stats=wants_stats,
+        )
+
+    def _sent(self, client: _Client, flushed: Flushed) -> int:
+        """How many ``flushed`` sent; a ring whose reader is gone loses its client."""
+        if flushed.gone:
+            client.lost = "its ring's reader is gone"
+            client.outbox.stats = None
+        return flushed.sent
 
     def _give_up(self, peer: str, client: _Client, reason: str) -> list[RequestKey]:
         keys = self._drop(client)
@@ -443,7 +353,5 @@ class ClientHub:
         for key in keys:
             del self._owners[key]
         client.live.clear()
-        client.queue.clear()
-        client.open.clear()
-        client.stats = None
+        client.outbox.clear()
         return keys
