@@ -18,7 +18,11 @@ instance, claim on the decode instance (the contract: docs/design.md,
    reservation is reserved again (the same instance preferred) and claimed again.
 
 The router counts a request in flight on its decode instance from the reserve call to the
-end of the answer's relay, and on its prefill instance during the prefill.
+end of the answer's relay, and on its prefill instance during the prefill. Under the cache
+policy its prompt counts in flight there over the same spans (``Picker.sent`` to
+``Picker.ended``), so the next request of its prefix, sent before any event says where its
+blocks are, is scored as cached where they are being computed; whether to skip the
+prefill is read from the events alone.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,7 @@ from ringfence.actors.http.errors import ApiError
 from ringfence.actors.router.instances import Instance
 from ringfence.actors.router.keys import keys_of, prompt_keys, salt_of
 from ringfence.actors.router.options import FIRST_BACKOFF_S
+from ringfence.actors.router.policy import Choice
 from ringfence.actors.router.state import Router
 from ringfence.actors.router.upstream import (
     JSON,
@@ -130,6 +136,9 @@ class Handover:
         self.started = time.monotonic()
         self.upstream: Stream | None = None  # the claim's answer being relayed
         self.held: list[Instance] = []  # decode instances this request counts in flight on
+        # The prompt's keys as the decode picker scored them (cache policy; set before the
+        # first reserve): its prompt counts in flight with them where it is held.
+        self.keys: list[BlockHash] = []
         self.trace: dict[str, Any] = {"retries": 0, "claims": 0, "decode": None, "prefill": None}
         self._claimed_at = 0.0
         self._finished = False
@@ -174,6 +183,7 @@ class Handover:
         choice = pick.choose(keys)
         if choice is None:
             return None
+        self.keys = keys
         self.trace["prompt_blocks"], self.trace["decode_cached"] = len(keys), choice.cached
         return choice.instance
 
@@ -213,8 +223,7 @@ class Handover:
         self, instance: Instance, payload: bytes, left: float
     ) -> Reservation | Refusal:
         """One reserve call; the request counts in flight on ``instance`` if it is granted."""
-        self.router.pool.acquire(instance)
-        self.held.append(instance)
+        self._hold(instance)
         try:
             answer = await self.router.client.post(
                 f"{instance.url}/ringfence/reserve",
@@ -277,6 +286,12 @@ class Handover:
         if instance is None:
             self._fell_back("no_instance", None, "no prefill instance", reservation)
             return
+        pick = router.pd.get("prefill")
+        # Its prompt counts in flight there until the prefill ends, however it ends: the
+        # next prompt of its prefix finds the blocks being computed there (policy.py).
+        flight: AbstractContextManager[object] = nullcontext()
+        if pick is not None:
+            flight = pick.flight(Choice(instance), keys)
         self.trace["prefill"] = instance.url
         timeout = router.options.prefill_deadline_s(reservation.ttl_s)
         start = time.monotonic()
@@ -286,7 +301,7 @@ class Handover:
         }
         if salt:  # keyed as the decode side will key them
             body["cache_salt"] = salt
-        with router.pool.busy(instance):
+        with router.pool.busy(instance), flight:
             try:
                 async with asyncio.timeout(timeout):  # the whole call, not each read
                     answer = await router.client.post(
@@ -315,7 +330,9 @@ class Handover:
 
     def _held_by_decode(self, reservation: Reservation, keys: list[BlockHash]) -> bool:
         """Under the cache policy (``keys``: the prompt's): the decode instance holds every
-        full block of the prompt already (on some tier), so no prefill is needed."""
+        full block of the prompt already (on some tier), so no prefill is needed. Only what
+        its events say counts, never a prompt in flight there (``Picker.flying``): that one's
+        blocks may not be stored yet, and the claim would compute them again."""
         index = self.router.index
         if not keys or index is None:
             return False
@@ -412,6 +429,18 @@ class Handover:
             prefill_skipped=trace.get("prefill_skipped", False),
         )  # fmt: skip
 
+    def _hold(self, instance: Instance) -> None:
+        """Count the request in flight on the decode ``instance`` (under the cache policy
+        its prompt too: ``Picker.sent``) until :meth:`_release`."""
+        self.router.pool.acquire(instance)
+        self.held.append(instance)
+        pick = self.router.pd.get("decode")
+        if pick is not None:
+            pick.sent(Choice(instance), self.keys)
+
     def _release(self, instance: Instance) -> None:
         self.held.remove(instance)
         self.router.pool.release(instance)
+        pick = self.router.pd.get("decode")
+        if pick is not None:
+            pick.ended(Choice(instance), self.keys)

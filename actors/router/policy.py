@@ -26,15 +26,17 @@ cached prefix of them, each weighted by where it is best found: ``device_weight`
 work), ``host_weight`` (0.8: a swap-in) and ``storage_weight`` (0.5: a prefetch, then a
 swap-in), so ``need(i)`` is the prefill work it still needs, in blocks. Under ``cache`` it
 is the larger of what the index says and ``device_weight`` times the longest prefix of the
-prompt among the prompts of this router's requests in flight there, from the moment each
-is sent until it ends (``flying(i)``): an
-instance publishes a block once the step that computed it ended, and under load that is
-seconds after the router sent the prompt; meanwhile the blocks are on its device or being
-computed, held by the running request (never evicted), and an engine that caches blocks as
-it allocates them (vLLM) gives them to the next prompt that shares them. Without this, a
-burst behind one new prefix, or a conversation's next turn sent before its last one began,
-is scored as a miss everywhere and spread by load alone, and each instance it reaches
-computes the prefix again. ``load(i)`` is the work the requests there put before a new one,
+prompt among the prompts of this router's requests in flight there, from the moment each is
+sent until it ends (``flying(i)``; over prefill and decode instances, ``flow.py``: on a
+decode instance from the reserve call to the end of the answer, on a prefill instance until
+its prefill ends): an instance publishes a block once the step that computed it ended, and
+under load that is seconds after the router sent the prompt; meanwhile the blocks are on
+its device or being computed, held by the running request (never evicted), and an engine
+that caches blocks as it allocates them (vLLM) gives them to the next prompt that shares
+them. Without this, a burst behind one new prefix, or a conversation's next turn sent
+before its last one began, is scored as a miss everywhere and spread by load alone, and
+each instance it reaches computes the prefix again. ``load(i)`` is the work the requests
+there put before a new one,
 in the same unit: ``mean_need``, the mean prefill the routed requests needed where they went
 (in blocks, at least 1), times the requests there. An engine batches continuously: a
 request there costs the next one's first token the prefill it needs, while its decode runs
@@ -81,7 +83,8 @@ fingerprint). Owned by the router's event loop.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final
 
@@ -270,6 +273,16 @@ class Picker:
         prompt counts as in flight there (``flying(i)``) until :meth:`ended`."""
         if self.policy == "cache" and keys:
             self._flying.setdefault(choice.instance.url, Counter()).update(keys)
+
+    @contextmanager
+    def flight(self, choice: Choice, keys: Sequence[BlockHash]) -> Iterator[Choice]:
+        """:meth:`sent` for the block, :meth:`ended` however it ends (answered, failed,
+        cancelled)."""
+        self.sent(choice, keys)
+        try:
+            yield choice
+        finally:
+            self.ended(choice, keys)
 
     def ended(self, choice: Choice, keys: Sequence[BlockHash]) -> None:
         """A request :meth:`sent` with ``keys`` to ``choice.instance`` ended (answered,
