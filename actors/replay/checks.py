@@ -133,13 +133,13 @@ def _lanes(log: RunLog, result: CheckResult) -> None:
             executors[op.lane, done.rank].append(done)
     for (lane, _), completions in sorted(executors.items()):
         completions.sort(key=lambda e: e.order)
-        expected, last_pid = 1, None
+        expected, last_life = 1, None
         seen: dict[int, Entry] = {}
         for done in completions:
             result.counts["lanes"] += 1
             number = int(done.get("op") if lane != "step" else done.get("step"))
             if number in seen:
-                if seen[number].pid == done.pid:
+                if seen[number].life == done.life:
                     result.violations.append(
                         Violation(
                             "lanes",
@@ -148,7 +148,7 @@ def _lanes(log: RunLog, result: CheckResult) -> None:
                         )
                     )
                 continue  # redone after a restart (its completion was not yet reported)
-            if number != expected and not (number < expected and done.pid != last_pid):
+            if number != expected and not (number < expected and done.life != last_life):
                 skipped = f"{expected}" if number == expected + 1 else f"{expected}-{number - 1}"
                 result.violations.append(
                     Violation(
@@ -159,14 +159,14 @@ def _lanes(log: RunLog, result: CheckResult) -> None:
                     )
                 )
             seen[number] = done
-            expected, last_pid = max(expected, number + 1), done.pid
+            expected, last_life = max(expected, number + 1), done.life
 
 
 def _rings(log: RunLog, result: CheckResult) -> None:
     for source, entries in log.sources.items():
         # A message whose handler was blocked on a peer is handed over again: received twice.
         deferred = {
-            (e.pid, str(e.get("peer")), e.get("seq")) for e in entries if e.event == "msg.deferred"
+            (e.life, str(e.get("peer")), e.get("seq")) for e in entries if e.event == "msg.deferred"
         }
         for event in ("msg.recv", "msg.send"):
             selected = (e for e in entries if e.event == event)
@@ -178,28 +178,28 @@ def _ring_order(
     entries: Iterable[Entry],
     event: str,
     result: CheckResult,
-    deferred: set[tuple[int, str, object]],
+    deferred: set[tuple[tuple[int, int], str, object]],
 ) -> None:
     """Sequence numbers on each ring seen from one end: +1 each time within an incarnation
     of the logging end (a restarted one may get its last message again, or have lost the
     last lines it logged), the same again after it was deferred; a client's ring starts
     again at 1 when a client takes the slot anew."""
-    last: dict[str, tuple[int, int, Entry]] = {}
+    last: dict[str, tuple[int, tuple[int, int], Entry]] = {}
     for entry in entries:
         seq, peer = int(entry.get("seq") or 0), str(entry.get("peer"))
         if seq == 0:  # a timer or a message to itself: not on a ring
             continue
         result.counts["rings"] += 1
         previous = last.get(peer)
-        last[peer] = (seq, entry.pid, entry)
+        last[peer] = (seq, entry.life, entry)
         expected = previous[0] + 1 if previous else 1
         if seq == expected:
             continue
-        restarted = previous is not None and previous[1] != entry.pid
+        restarted = previous is not None and previous[1] != entry.life
         client = peer.startswith("client-") or source.startswith("client-")
         if restarted or (client and seq == 1):
             continue
-        if previous is not None and seq == previous[0] and (entry.pid, peer, seq) in deferred:
+        if previous is not None and seq == previous[0] and (entry.life, peer, seq) in deferred:
             continue
         if previous is not None and seq < expected:
             what = f"sequence number {seq} again (after {previous[0]})"
@@ -212,11 +212,11 @@ def _ring_order(
 
 
 def _epochs(log: RunLog, result: CheckResult) -> None:
-    engine_epoch: dict[int, int] = {}  # engine pid -> its epoch now
+    engine_epoch: dict[tuple[int, int], int] = {}  # an engine's life -> its epoch now
     events = ("sched.step", "sched.transfer", "step.done", "engine.tier_reset")
     for entry in log.events(*events):
         if entry.event == "engine.tier_reset":
-            engine_epoch[entry.pid] = int(entry.get("new_epoch"))
+            engine_epoch[entry.life] = int(entry.get("new_epoch"))
             continue
         result.counts["epochs"] += 1
         if entry.event == "step.done":
@@ -232,7 +232,7 @@ def _epochs(log: RunLog, result: CheckResult) -> None:
                 )
             continue
         msg_epoch = entry.get("msg_epoch")
-        epoch = engine_epoch.get(entry.pid, entry.epoch)
+        epoch = engine_epoch.get(entry.life, entry.epoch)
         if msg_epoch is not None and int(msg_epoch) != epoch:
             lane = entry.get("lane") or "step"
             number = entry.get("op") or entry.get("step")
@@ -250,17 +250,17 @@ def _requests(log: RunLog, result: CheckResult) -> None:
     arrived: dict[str, Entry] = {}
     finished: dict[str, Entry] = {}
     lost: dict[str, int] = {}  # request -> pid of the engine it was in flight in when it died
-    engine_pid: int | None = None
+    engine_life: tuple[int, int] | None = None
     for entry in log.events("request.arrive", "request.finish"):
         request = str(entry.get("request"))
         result.counts["requests"] += 1
-        if entry.pid != engine_pid:
+        if entry.life != engine_life:
             # A new engine incarnation: what the last one left in flight died with it (a
             # workload's next engine runs it again, a client was told it is gone).
             lost |= {r: e.pid for r, e in arrived.items() if r not in finished}
             arrived.clear()
             finished.clear()
-            engine_pid = entry.pid
+            engine_life = entry.life
         lost.pop(request, None)
         if entry.event == "request.arrive":
             if request in arrived and request not in finished:
@@ -282,11 +282,11 @@ def _requests(log: RunLog, result: CheckResult) -> None:
         else:
             finished[request] = entry
     engine = log.sources.get("engine-0")
-    last_engine = engine[-1].pid if engine else None
+    last_engine = engine[-1].life if engine else None
     for request, entry in arrived.items():
         if request in finished:
             continue
-        if entry.pid != last_engine:
+        if entry.life != last_engine:
             lost[request] = entry.pid
         else:
             result.in_flight.append(f"request {request} (arrived, not finished)")

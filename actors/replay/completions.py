@@ -47,7 +47,9 @@ def check_ops(log: RunLog, result: CheckResult) -> None:
         if log.traced and op.issue is None and op.done:
             issuer = killed.get((op.lane, op.number))
             if issuer is not None:  # its op.issue was still buffered when the engine died
-                result.in_flight.append(f"{name} (executed; issued by engine pid {issuer}, killed)")
+                result.in_flight.append(
+                    f"{name} (executed; issued by engine pid {issuer[0]}, killed)"
+                )
             else:
                 result.violations.append(
                     Violation("ops", f"{name} was executed but never issued", (op.done[0],))
@@ -71,10 +73,10 @@ def check_ops(log: RunLog, result: CheckResult) -> None:
                 )
             _applied_after_reports(op, receipts, result)
         elif not op.stale:
-            issuer = op.issue.pid if op.issue is not None else killed.get((op.lane, op.number))
-            gone = [e for e in op.first_done().values() if e.pid in dead_executors]
+            issuer = op.issue.life if op.issue is not None else killed.get((op.lane, op.number))
+            gone = [e for e in op.first_done().values() if e.life in dead_executors]
             if issuer in dead:  # its engine died before the completion came back
-                why = f"not applied: engine pid {issuer}, which issued it, was killed"
+                why = f"not applied: engine pid {issuer[0]}, which issued it, was killed"
             elif gone:  # an executor died between completing it and its report arriving
                 who = f"{gone[0].source} pid {gone[0].pid}"
                 why = f"not applied: {who}, which completed it, was killed"
@@ -133,7 +135,7 @@ def _applied_after_reports(op: Op, receipts: dict[int, Entry] | None, result: Ch
     applied = op.applied[0]
     for done in op.first_done().values():
         receive = (receipts or {}).get(id(done))
-        if receive is None or receive.source != applied.source or receive.pid != applied.pid:
+        if receive is None or receive.source != applied.source or receive.life != applied.life:
             continue
         if receive.line > applied.line:
             result.violations.append(
@@ -160,7 +162,7 @@ def _report_receipts(log: RunLog) -> dict[int, Entry]:
                 pending is not None
                 and entry.event == "msg.send"
                 and str(entry.get("peer")).startswith("engine-")
-                and entry.pid == pending.pid
+                and entry.life == pending.life
             ):
                 receive = received.get(id(entry))
                 if receive is not None:
@@ -169,50 +171,53 @@ def _report_receipts(log: RunLog) -> dict[int, Entry]:
     return receipts
 
 
-def _dead_engines(log: RunLog) -> set[int]:
-    """The pids of the engines that died without stopping (no ``actor.stop`` in their log)
+Life = tuple[int, int]  # Entry.life: (pid, starts before it in that process)
+
+
+def _dead_engines(log: RunLog) -> set[Life]:
+    """The lives of the engines that died without stopping (no ``actor.stop`` in their log)
     while an engine after them went on."""
     engine = log.sources.get("engine-0", [])
-    pids = list(dict.fromkeys(e.pid for e in engine))
-    stopped = {e.pid for e in engine if e.event == "actor.stop"}
-    return {pid for pid in pids[:-1] if pid not in stopped}
+    lives = list(dict.fromkeys(e.life for e in engine))
+    stopped = {e.life for e in engine if e.event == "actor.stop"}
+    return {life for life in lives[:-1] if life not in stopped}
 
 
-def _dead_executors(log: RunLog) -> set[int]:
-    """The pids of the executors (Worker and lane ranks) that died without stopping while a
+def _dead_executors(log: RunLog) -> set[Life]:
+    """The lives of the executors (Worker and lane ranks) that died without stopping while a
     later incarnation of theirs went on: a report of theirs may never have reached the
     engine, which then recomputes (a restart ends every op in flight)."""
-    dead: set[int] = set()
+    dead: set[Life] = set()
     for source, entries in log.sources.items():
         if source.partition("-")[0] not in LANE_ACTORS.values():
             continue
-        pids = list(dict.fromkeys(e.pid for e in entries))
-        stopped = {e.pid for e in entries if e.event == "actor.stop"}
-        dead |= {pid for pid in pids[:-1] if pid not in stopped}
+        lives = list(dict.fromkeys(e.life for e in entries))
+        stopped = {e.life for e in entries if e.event == "actor.stop"}
+        dead |= {life for life in lives[:-1] if life not in stopped}
     return dead
 
 
-def _killed_engines(log: RunLog) -> dict[tuple[str, int], int]:
+def _killed_engines(log: RunLog) -> dict[tuple[str, int], Life]:
     """The ops a killed engine may have issued without its log saying so: (lane, number) ->
-    its pid. An engine's trace lines are buffered, and one killed (no ``actor.stop`` in
+    its life. An engine's trace lines are buffered, and one killed (no ``actor.stop`` in
     its log) takes the last of them along; those ops come after the last it logged
     issuing, and before the first an engine after it issued."""
     engine = log.sources.get("engine-0", [])
-    pids = list(dict.fromkeys(e.pid for e in engine))
-    stopped = {e.pid for e in engine if e.event == "actor.stop"}
-    issued: dict[int, dict[str, list[int]]] = {pid: {} for pid in pids}
+    lives = list(dict.fromkeys(e.life for e in engine))
+    stopped = {e.life for e in engine if e.event == "actor.stop"}
+    issued: dict[Life, dict[str, list[int]]] = {life: {} for life in lives}
     for op in log.ops.values():
-        if op.issue is not None and op.issue.pid in issued:
-            issued[op.issue.pid].setdefault(op.lane, []).append(op.number)
-    lost: dict[tuple[str, int], int] = {}
-    for i, pid in enumerate(pids):
-        if pid in stopped:
+        if op.issue is not None and op.issue.life in issued:
+            issued[op.issue.life].setdefault(op.lane, []).append(op.number)
+    lost: dict[tuple[str, int], Life] = {}
+    for i, life in enumerate(lives):
+        if life in stopped:
             continue
-        later = pids[i + 1] if i + 1 < len(pids) else None
+        later = lives[i + 1] if i + 1 < len(lives) else None
         for lane in LANE_NAMES:
-            start = max(issued[pid].get(lane, [0])) + 1
+            start = max(issued[life].get(lane, [0])) + 1
             end = min(issued[later].get(lane, [1 << 62])) if later is not None else 1 << 62
             for op in log.ops.values():
                 if op.lane == lane and start <= op.number < end and op.issue is None:
-                    lost[(lane, op.number)] = pid
+                    lost[(lane, op.number)] = life
     return lost

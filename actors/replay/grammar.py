@@ -42,8 +42,8 @@ def check_grammars(log: RunLog, result: CheckResult) -> None:
     if grammars is None:
         result.skipped.append("grammar (the run dir has no config.toml naming the model)")
         return
-    for pid in dict.fromkeys(e.pid for e in engine):
-        _incarnation([e for e in engine if e.pid == pid], grammars, result)
+    for life in dict.fromkeys(e.life for e in engine):
+        _incarnation([e for e in engine if e.life == life], grammars, result)
 
 
 def _grammars(run_dir: Path, engine: list[Entry]) -> Grammars | None:

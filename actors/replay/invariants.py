@@ -37,18 +37,18 @@ def check_invariants(log: RunLog, result: CheckResult) -> None:
     size = log.block_size
     writer: dict[tuple[str, int], dict[str, Op]] = defaultdict(dict)
     user: dict[tuple[str, int], dict[str, Op]] = defaultdict(dict)
-    ready = {e.pid: e for e in log.events("engine.ready")}
-    issuer: int | None = None
+    ready = {e.life: e for e in log.events("engine.ready")}
+    issuer: tuple[int, int] | None = None
     last: dict[str, Op] = {}  # per lane, the last op issued (by any engine)
     for key in log.issue_order:
         op = log.ops.get(key)
         if op is None or op.issue is None:
             continue
-        if op.issue.pid != issuer:
+        if op.issue.life != issuer:
             # A new engine began only once every executor had handled every op before
             # (its Resync answers: engine.ready's first_ops); nothing it issues can
             # conflict with those, so the record starts again. Check that it did.
-            issuer = op.issue.pid
+            issuer = op.issue.life
             _resynced(ready.get(issuer), last, result)
             writer.clear()
             user.clear()

@@ -105,13 +105,20 @@ def _read_file(path: Path, warnings: list[str]) -> list[Entry]:
     except orjson.JSONDecodeError:
         values = [_parse(path.name, n, raw, warnings) for n, raw in numbered]
     entries = []
+    pid, starts = None, 0  # the process writing now, and the starts it logged so far
     for (number, _), value in zip(numbered, values, strict=True):
         if value is None:
             continue
         if not isinstance(value, dict) or not isinstance(value.get("event"), str):
             warnings.append(f"{path.name}:{number}: not a log event (no 'event'), skipped")
             continue
-        entries.append(Entry(stem, number, value))
+        entry = Entry(stem, number, value)
+        if entry.pid != pid:
+            pid, starts = entry.pid, 0
+        if entry.event == "actor.start":
+            starts += 1
+        entry.life = (entry.pid, max(0, starts - 1))
+        entries.append(entry)
     return entries
 
 

@@ -30,6 +30,10 @@ class Entry:
     line: int  # 1-based line number in that file
     data: dict[str, Any]
     order: int = -1  # position in the merged history (set by read_run)
+    # Which life of its log's instance wrote it: (pid, n), n counting the instance's earlier
+    # starts in that same process (a hosted instance restarts on a thread of its host's:
+    # runtime/hosting.py). What the checks call an incarnation of the logging end.
+    life: tuple[int, int] = (0, 0)
     event: str = field(init=False)  # data["event"], read once (it is read everywhere)
     ts: float = field(init=False)  # data["ts"], 0.0 when missing
 

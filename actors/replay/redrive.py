@@ -112,9 +112,9 @@ def redrive(log: RunLog) -> Redrive:
     config = loads_config(config_file.read_text(), str(config_file)).sections(EngineSettings)
     state = _State(log, config)
     engine = log.sources.get("engine-0", [])
-    pids = list(dict.fromkeys(e.pid for e in engine))
-    for pid in pids:
-        calls = [e for e in engine if e.pid == pid]
+    lives = list(dict.fromkeys(e.life for e in engine))
+    for life in lives:
+        calls = [e for e in engine if e.life == life]
         state.begin([e for e in calls if e.event == "sched.storage"])
         for entry in calls:
             if entry.event not in CALLS:

@@ -149,6 +149,23 @@ def test_a_missing_completion_breaks_the_lane_and_the_op(unapplied, tmp_path):
         assert "[ops] the engine applied swap-in 1, which swap-0 never completed" in text
 
 
+@pytest.mark.parametrize("restarted", [True, False], ids=["restarted", "not restarted"])
+def test_a_lane_restarted_in_its_own_process_may_get_its_last_message_again(restarted, tmp_path):
+    # A hosted lane (runtime/hosting.py) restarts on a thread of the same process: its pid
+    # stays, and its log says where its next incarnation began.
+    logs = build(CLEAN)
+    lines = logs.files["swap-0"]
+    first = logs.find("swap-0", "msg.recv", peer=ENGINE, seq=1)
+    lines.insert(first + 1, dict(lines[first]))
+    if restarted:
+        start = {k: v for k, v in lines[first].items() if k not in ("peer", "seq")}
+        lines.insert(first + 1, {**start, "event": "actor.start", "incarnation": 2})
+        lines.insert(0, {**start, "event": "actor.start", "incarnation": 1})
+    _, result = replay(logs, tmp_path)
+    again = "[rings] swap-0 received from engine-0: sequence number 1 again (after 1)"
+    assert messages(result) == ([] if restarted else [again])
+
+
 def test_an_op_completed_twice_by_one_executor_breaks_its_lane(tmp_path):
     logs = build(CLEAN)
     done = logs.find("swap-0", "lane.done", op=1)
