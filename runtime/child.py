@@ -8,8 +8,10 @@ order of the shutdown; SIGTERM keeps its default (the process ends at once, whic
 the supervisor treats as a failure).
 
 The instances of the run placed on this one (``placement = "hosted"``, hosting.py) run on
-threads of this process, started before its own instance and stopped after it; a failure
-of one of them is this process's too: both records are written, and it exits 1.
+threads of this process, started before its own instance and stopped after it. One that
+fails is restarted on its thread as the supervisor decides; this process lives on. Only a
+guest it can no longer keep (the supervisor silent past every deadline) ends it: both
+records are written, and it exits 1.
 
 The process leaves by ``os._exit`` once the instance closed (its log flushed and closed,
 its mailbox and bells closed): the interpreter's own teardown of torch and the other
@@ -47,6 +49,7 @@ def main(spec: ChildSpec) -> None:
         if torch is not None:
             torch.set_num_threads(spec.threads)
     from ringfence.runtime.embed import attach
+    from ringfence.runtime.failure import record_failure
     from ringfence.runtime.hosting import Guest, Guests
 
     instance = f"{spec.name}-{spec.rank}"
@@ -54,36 +57,26 @@ def main(spec: ChildSpec) -> None:
         driver = attach(
             spec.run_dir, spec.name, spec.rank, placement="spawn", incarnation=spec.incarnation
         )
-        guests = Guests.attach(spec.run_dir, instance)
+        guests = Guests.open(spec.run_dir, instance)
     except Exception as e:
         print(f"ringfence: {instance} could not attach: {e}", file=sys.stderr)
-        _record(spec.run_dir, instance, spec.incarnation, "attach", e)
+        record_failure(spec.run_dir, instance, spec.incarnation, "attach", e)
         _leave(1)
 
-    def guest_failed(guest: Guest, where: str, error: BaseException) -> None:
-        # A hosted actor shares this process's fate (hosting.py): both records, then exit.
-        _record(spec.run_dir, guest.id, guest.incarnation, where, error)
-        _record(spec.run_dir, instance, spec.incarnation, f"its hosted {guest.id}'s {where}", error)
+    def guest_lost(guest: Guest, error: BaseException) -> None:
+        # The supervisor neither wanted the guest again nor stopped this host: end both.
+        where = f"hosting {guest.id}"
+        record_failure(spec.run_dir, instance, spec.incarnation, where, error)
         _leave(1)
 
-    guests.start(guest_failed)  # before the host's own start: they load nothing
+    guests.start(guest_lost)  # before the host's own start: they load nothing
     try:
         driver.run()
     except Exception as e:  # logged by the driver, with its traceback
-        _record(spec.run_dir, instance, spec.incarnation, driver.failed_in or "loop", e)
+        record_failure(spec.run_dir, instance, spec.incarnation, driver.failed_in or "loop", e)
         _leave(1)
     guests.stop(f"{instance} stopped", driver.runtime.stop_timeout_s)
     _leave(0)
-
-
-def _record(
-    run_dir: str, instance: str, incarnation: int, where: str, error: BaseException
-) -> None:
-    """Leave the failure record the supervisor reads; a run dir gone or full loses only it."""
-    from ringfence.runtime.failure import Failure, write_failure
-
-    with contextlib.suppress(OSError):
-        write_failure(run_dir, Failure.of(instance, incarnation, where, error))
 
 
 def _leave(status: int) -> NoReturn:

@@ -1,17 +1,22 @@
-"""The run's control block: the run epoch, and four watermarks per actor instance.
+"""The run's control block: the run epoch, and six watermarks per actor instance.
 
 One counter block (``/rf-<run>-control``) that the supervisor creates::
 
     counter 0              epoch       written by the supervisor: +1 on every restart
-    counter 1 + 4 i + 0    heartbeat   written by instance i every runtime.heartbeat_s
-    counter 1 + 4 i + 1    ready       instance i's incarnation once on_start returned
-    counter 1 + 4 i + 2    exited      instance i's incarnation once it closed cleanly
-    counter 1 + 4 i + 3    shutdown    +1 each time instance i asks to end the run
+    counter 1 + 6 i + 0    heartbeat   written by instance i every runtime.heartbeat_s
+    counter 1 + 6 i + 1    ready       instance i's incarnation once on_start returned
+    counter 1 + 6 i + 2    exited      instance i's incarnation once it closed cleanly
+    counter 1 + 6 i + 3    shutdown    +1 each time instance i asks to end the run
+    counter 1 + 6 i + 4    failed      a hosted instance's incarnation once it failed
+                                       (written by its host's process, hosting.py)
+    counter 1 + 6 i + 5    wanted      the incarnation of a hosted instance the
+                                       supervisor awaits next (written by the supervisor)
 
-Each counter has one writer (the instance, or the supervisor for the epoch), so it
-needs no lock; ``ready``, ``exited`` and ``shutdown`` ring the supervisor's doorbell
-when they move, the heartbeat does not (the supervisor reads it on its own timer).
-Incarnations only grow, so a restarted instance's ``ready`` and ``exited`` are told
+Each counter has one writer (the instance's process, or the supervisor for the epoch and
+``wanted``), so it needs no lock; ``ready``, ``exited``, ``shutdown`` and ``failed`` ring
+the supervisor's doorbell when they move, ``wanted`` rings the instance's own (its host
+waits on it while the instance is detached), the heartbeat rings none (the supervisor reads
+it on its own timer). Incarnations only grow, so a restarted instance's marks are told
 apart from its predecessor's by value.
 """
 
@@ -24,7 +29,7 @@ from ringfence.shm.counter import CounterBlock, Watermark
 from ringfence.shm.doorbell import Doorbell
 
 EPOCH = 0
-SLOTS = 4
+SLOTS = 6
 
 
 def control_count(num_instances: int) -> int:
@@ -40,6 +45,8 @@ class InstanceControl(NamedTuple):
     ready: Watermark
     exited: Watermark
     shutdown: Watermark
+    failed: Watermark
+    wanted: Watermark
 
     @classmethod
     def of(cls, block: CounterBlock, index: int) -> InstanceControl:
@@ -53,3 +60,8 @@ class InstanceControl(NamedTuple):
         self.ready.claim(notify=bells)
         self.exited.claim(notify=bells)
         self.shutdown.claim(notify=bells)
+
+    def next_incarnation(self) -> int:
+        """The incarnation after every one that reported ready or failed (an instance that
+        failed before it was ready never advanced ``ready``)."""
+        return max(self.ready.value(), self.failed.value()) + 1

@@ -16,6 +16,7 @@ The record is written whole (a sibling renamed over), so a reader never sees hal
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import traceback
 from dataclasses import asdict, dataclass
@@ -79,6 +80,15 @@ def write_failure(run_dir: str | Path, failure: Failure) -> None:
     path = failure_path(run_dir, failure.instance, failure.incarnation)
     path.parent.mkdir(exist_ok=True)
     write_atomic(path, orjson.dumps(asdict(failure)))
+
+
+def record_failure(
+    run_dir: str | Path, instance: str, incarnation: int, where: str, error: BaseException
+) -> None:
+    """Leave the record the supervisor reads, for the process that ran the instance; a run
+    dir gone or full loses only the record."""
+    with contextlib.suppress(OSError):
+        write_failure(run_dir, Failure.of(instance, incarnation, where, error))
 
 
 def read_failure(run_dir: str | Path, instance: str, incarnation: int) -> Failure | None:

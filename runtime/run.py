@@ -204,6 +204,7 @@ def create_run(
         writer = RingWriter(rings[0], wake=peer, space=bell)  # inboxes[0]: the control ring
         stack.callback(writer.close)
         inst = InstanceControl.of(control, entry.index)
+        inst.wanted.claim(notify=(peer,))  # a hosted instance's host waits on its own bell
         run.slots.append(Slot(entry=entry, control=inst, writer=writer))
     return run, stale
 

@@ -174,8 +174,10 @@ class Supervisor:
         if slot.entry.attach == "optional":
             slot.deadline = math.inf  # may attach at any time, or never
         if slot.entry.placement != "spawn":  # external or hosted: attached, not spawned
-            slot.incarnation = slot.control.ready.value() + 1
+            slot.incarnation = slot.control.next_incarnation()
             self.log.info("actor.await", instance=slot.entry.id, incarnation=slot.incarnation)
+            if slot.entry.placement == "hosted":  # its host attaches it once told (hosting.py)
+                slot.control.wanted.advance(slot.incarnation)
             write_actors(self.run_dir, run)
             return
         slot.incarnation += 1
@@ -205,7 +207,7 @@ class Supervisor:
         return [
             mark.value()
             for s in run.slots
-            for mark in (s.control.ready, s.control.exited, s.control.shutdown)
+            for mark in (s.control.ready, s.control.exited, s.control.shutdown, s.control.failed)
         ]
 
     def _next_deadline(self, run: Run) -> float:
@@ -266,6 +268,8 @@ class Supervisor:
                     startup_s=round(now - slot.started_at, 3),
                 )
                 write_actors(self.run_dir, run)
+            if slot.live and ctl.failed.value() >= slot.incarnation:  # a hosted one failed
+                self._guest_failed(run, slot)
             if ctl.shutdown.value() > slot.shutdowns:
                 slot.shutdowns = ctl.shutdown.value()
                 self.begin_stop(f"shutdown requested by {slot.entry.id}", 0)
@@ -334,6 +338,28 @@ class Supervisor:
             self._restarts.failed(run, slot, failure)
         write_actors(self.run_dir, run)
 
+    def _guest_failed(self, run: Run, slot: Slot) -> None:
+        """A hosted instance failed in its host's process, which lives on: recorded as a
+        child's exit is, then restarted alone under its own policy (its host attaches the
+        next incarnation once :meth:`start` marks it wanted)."""
+        failure = read_failure(self.run_dir, slot.entry.id, slot.incarnation)
+        self.log.info(
+            "actor.exit",
+            instance=slot.entry.id,
+            instance_pid=slot.pid,
+            exitcode=None,
+            incarnation=slot.incarnation,
+            clean=False,
+            where=None if failure is None else failure.where,
+            at=None if failure is None else failure.at,
+            error=None if failure is None else f"{failure.error}: {failure.message}",
+        )
+        if self._stop_reason is not None:
+            slot.state = "stopped"
+        else:
+            self._restarts.failed(run, slot, failure)
+        write_actors(self.run_dir, run)
+
     # Stopping.
 
     def _stop_all(self, run: Run, waker: Any) -> None:
@@ -376,6 +402,7 @@ class Supervisor:
                 s.proc is None
                 if s.entry.placement == "spawn"
                 else s.control.exited.value() >= s.incarnation
+                or s.control.failed.value() >= s.incarnation  # a hosted one, in its host
                 or not attached(s.control.ready.writer())
                 for s in group
             )

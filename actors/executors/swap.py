@@ -50,6 +50,7 @@ class SwapLane(TransferLane):
             self.device = None
         if self.registered and self.host is not None:
             _cudart().cudaHostUnregister(self.host_kv.data_ptr())
+            _PINNED.discard(self.host_kv.data_ptr())
             self.registered = False
         super().on_stop()
 
@@ -103,13 +104,14 @@ class SwapLane(TransferLane):
         mapped into the device's address space), compile the kernel, make the lane's stream."""
         kernel = resolve_copy(self.config.transfer.copy, device) == "kernel"
         host = self.host_kv
-        if not self.registered:
+        if not self.registered and host.data_ptr() not in _PINNED:
             nbytes, flags = host.numel() * host.element_size(), HOST_MAPPED if kernel else 0
             with torch.cuda.device(device):  # the mapping's device: the one the kernel runs on
                 code = _cudart().cudaHostRegister(host.data_ptr(), nbytes, flags)
             if int(code) != 0:
                 raise RuntimeError(f"cudaHostRegister of the host KV tier failed: {code}")
-            self.registered = True
+            _PINNED.add(host.data_ptr())
+        self.registered = True
         if kernel:
             from ringfence.actors.kv.block_kernel import compile_for  # imports Triton
 
@@ -189,6 +191,12 @@ class SwapLane(TransferLane):
             done.record(self.stream)
         done.synchronize()  # the copies have landed before swap_done says so
         return copied
+
+
+# The host tiers this process registered with CUDA, by address. A registration belongs to
+# the process: a hosted lane (runtime/hosting.py) that failed never ran on_stop, and its next
+# incarnation, on a thread of the same process, finds its mapping of the same segment there.
+_PINNED: set[int] = set()
 
 
 def _cudart() -> Any:

@@ -439,7 +439,15 @@ def test_a_control_block_hears_ready_a_beat_a_shutdown_request_and_a_clean_exit(
     assert rig.driver.run() == "bye"
     assert rig.actor.seen == ["start", Item(n=1), "stop"]
     values = {name: getattr(control, name).values for name in InstanceControl._fields}
-    assert values == {"epoch": [], "heartbeat": [1], "ready": [1], "exited": [1], "shutdown": [1]}
+    assert values == {
+        "epoch": [],
+        "heartbeat": [1],
+        "ready": [1],
+        "exited": [1],
+        "shutdown": [1],
+        "failed": [],  # a hosted one's host writes it (hosting.py), never the driver
+        "wanted": [],  # the supervisor's
+    }
 
 
 class Slow(Recorder):

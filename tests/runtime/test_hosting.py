@@ -99,11 +99,52 @@ def test_a_kill_of_the_host_process_restarts_both_and_every_item_arrives_once(tm
         assert run.events("actor.failed", log="sink-0") == []  # a gap would fail the sink
 
 
-def test_a_hosted_sink_that_fails_takes_its_host_down_and_both_come_back(tmp_path):
+def test_a_hosted_sink_that_fails_is_restarted_alone_in_its_hosts_process(tmp_path):
+    total = 20_000
+    sets = (
+        "runtime.topology=fixture_actors:BREAKING_SINK",
+        f"demo.messages={total}",
+        "actors.sink.backoff_s=0.1",
+        SHORT_SENDS,
+        *HOSTED_SINK,
+        *QUICK,
+    )
+    with launched(tmp_path, *sets) as run:
+        run.wait_ready()
+        with run.demo_counters() as demo:
+            run.wait_for_counter(demo, APPLIED, 2_000)
+            (run.run_dir / fixture_actors.BREAK_FILE).touch()
+            assert run.wait() == 0, run.tail()
+            assert demo[APPLIED].value() == total  # each item once, across the restart
+        # The host lived on: one incarnation, one process, no failure of its own.
+        assert story(run, "relay-0") == [("actor.spawn", 1), ("actor.ready", 1), ("actor.exit", 1)]
+        relay = pid_of_start(run, "relay-0", 1)
+        assert pid_of_start(run, "sink-0", 1) == pid_of_start(run, "sink-0", 2) == relay
+        assert not (run.run_dir / "failures" / "relay-0.1.json").exists()
+        guest = orjson.loads((run.run_dir / "failures" / "sink-0.1.json").read_bytes())
+        assert (guest["where"], guest["message"]) == ("loop", "fixture sink breaks as asked")
+        (exited,) = run.events("actor.exit", instance="sink-0")
+        assert (exited["incarnation"], exited["clean"], exited["where"]) == (1, False, "loop")
+        assert exited["error"] == "SinkBroke: fixture sink breaks as asked"
+        (restart,) = run.events("actor.restart", instance="sink-0")
+        assert restart["restarts"] == 1
+        assert story(run, "sink-0") == [
+            ("actor.await", 1),
+            ("actor.ready", 1),
+            ("actor.exit", 1),
+            ("actor.restart", None),
+            ("actor.await", 2),
+            ("actor.ready", 2),
+            ("actor.detach", None),
+        ]
+        assert run.actor("sink-0")["restarts"] == 1
+
+
+def test_a_hosted_sink_that_fails_with_no_restarts_left_ends_the_run_saying_why(tmp_path):
     sets = (
         "runtime.topology=fixture_actors:BREAKING_SINK",
         "demo.messages=0",
-        "actors.relay.backoff_s=0.1",
+        "actors.sink.restart=never",
         SHORT_SENDS,
         *HOSTED_SINK,
         *QUICK,
@@ -111,17 +152,14 @@ def test_a_hosted_sink_that_fails_takes_its_host_down_and_both_come_back(tmp_pat
     with launched(tmp_path, *sets) as run:
         run.wait_ready()
         (run.run_dir / fixture_actors.BREAK_FILE).touch()
-        run.wait_for_event("actor.ready", instance="sink-0", incarnation=2)
-        (run.run_dir / fixture_actors.FINISH_FILE).touch()
-        assert run.wait() == 0, run.tail()
-        (exited, *_) = run.events("actor.exit", instance="relay-0")
-        assert (exited["incarnation"], exited["exitcode"], exited["clean"]) == (1, 1, False)
-        host = orjson.loads((run.run_dir / "failures" / "relay-0.1.json").read_bytes())
-        guest = orjson.loads((run.run_dir / "failures" / "sink-0.1.json").read_bytes())
-        assert (host["where"], host["error"]) == ("its hosted sink-0's loop", "SinkBroke")
-        assert (guest["where"], guest["message"]) == ("loop", "fixture sink breaks as asked")
-        assert run.actor("relay-0")["restarts"] == 1
-        assert pid_of_start(run, "sink-0", 2) == pid_of_start(run, "relay-0", 2)
+        assert run.wait() == 1, run.tail()
+        (gave_up,) = run.events("actor.gave_up", instance="sink-0")
+        assert gave_up["restarts"] == 0
+        assert "sink-0 failed in loop: SinkBroke: fixture sink breaks as asked" in run.stderr()
+        # The host was stopped, not failed: it stopped its guest's thread and left clean.
+        (exited,) = run.events("actor.exit", instance="relay-0")
+        assert (exited["exitcode"], exited["clean"]) == (0, True)
+    assert names.list_names(run.run_id) == []
 
 
 def test_a_hung_hosted_sink_gets_its_host_killed_and_both_restarted(tmp_path):
@@ -189,6 +227,19 @@ def test_a_guest_with_other_ranks_than_its_host_is_refused():
     )
     with pytest.raises(ConfigError, match="1 ranks and its host relay 2") as raised:
         check_hosts(config(sink={"placement": "hosted", "host": "relay"}), ranked)
+    assert raised.value.key == "actors.sink.host"
+
+
+def test_a_guest_whose_ranks_restart_together_is_refused():
+    together = replace(
+        TOPOLOGY,
+        actors=tuple(
+            replace(a, ranks=2, restart_together=True) if a.name == "sink" else replace(a, ranks=2)
+            for a in TOPOLOGY.actors
+        ),
+    )
+    with pytest.raises(ConfigError, match="restart together") as raised:
+        check_hosts(config(sink={"placement": "hosted", "host": "relay"}), together)
     assert raised.value.key == "actors.sink.host"
 
 

@@ -23,7 +23,8 @@ from ringfence.actors.tools.bench.faults.storage import (
 
 TP2 = (*PRESSURE, "parallel.tp_size=2")
 # The swap lane on a thread of the Worker's process (runtime/hosting.py): killing it kills
-# that process, so the Worker restarts as often as the lane is killed.
+# that process, so the Worker restarts as often as the lane is killed (a lane that fails
+# restarts alone: tests/actors/engine/test_hosted_lane_runs.py).
 HOSTED = ("actors.swap.placement=hosted", "actors.swap.host=worker", "actors.worker.max_restarts=4")
 
 
