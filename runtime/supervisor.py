@@ -44,7 +44,7 @@ from typing import Any
 
 from ringfence.runtime import child
 from ringfence.runtime.config import RunConfig
-from ringfence.runtime.failure import read_failure
+from ringfence.runtime.failure import Failure, read_failure
 from ringfence.runtime.log import ActorLog, log_path
 from ringfence.runtime.messages import RUNTIME, Stop
 from ringfence.runtime.restarts import EXIT_FAILED, Restarts, attached
@@ -316,18 +316,7 @@ class Supervisor:
             slot.proc.close()
         slot.proc, slot.exitcode = None, code
         clean = code == 0 and slot.control.exited.value() >= slot.incarnation
-        failure = None if clean else read_failure(self.run_dir, slot.entry.id, slot.incarnation)
-        self.log.info(
-            "actor.exit",
-            instance=slot.entry.id,
-            instance_pid=slot.pid,
-            exitcode=code,
-            incarnation=slot.incarnation,
-            clean=clean,
-            where=None if failure is None else failure.where,
-            at=None if failure is None else failure.at,
-            error=None if failure is None else f"{failure.error}: {failure.message}",
-        )
+        failure = self._log_exit(slot, code, clean)
         if self._stop_reason is not None:
             slot.state = "stopped"
         elif slot.state == "restarting":
@@ -342,23 +331,29 @@ class Supervisor:
         """A hosted instance failed in its host's process, which lives on: recorded as a
         child's exit is, then restarted alone under its own policy (its host attaches the
         next incarnation once :meth:`start` marks it wanted)."""
-        failure = read_failure(self.run_dir, slot.entry.id, slot.incarnation)
-        self.log.info(
-            "actor.exit",
-            instance=slot.entry.id,
-            instance_pid=slot.pid,
-            exitcode=None,
-            incarnation=slot.incarnation,
-            clean=False,
-            where=None if failure is None else failure.where,
-            at=None if failure is None else failure.at,
-            error=None if failure is None else f"{failure.error}: {failure.message}",
-        )
+        failure = self._log_exit(slot, None, False)
         if self._stop_reason is not None:
             slot.state = "stopped"
         else:
             self._restarts.failed(run, slot, failure)
         write_actors(self.run_dir, run)
+
+    def _log_exit(self, slot: Slot, code: int | None, clean: bool) -> Failure | None:
+        """Log the end of ``slot``'s incarnation (``code``: its process's exit status, None
+        for a hosted one whose host lives on) with the record it left; return the record."""
+        failure = None if clean else read_failure(self.run_dir, slot.entry.id, slot.incarnation)
+        self.log.info(
+            "actor.exit",
+            instance=slot.entry.id,
+            instance_pid=slot.pid,
+            exitcode=code,
+            incarnation=slot.incarnation,
+            clean=clean,
+            where=None if failure is None else failure.where,
+            at=None if failure is None else failure.at,
+            error=None if failure is None else f"{failure.error}: {failure.message}",
+        )
+        return failure
 
     # Stopping.
 
