@@ -16,7 +16,7 @@ from ringfence.actors.config import Config
 from ringfence.actors.protocol.lanes import LANE_SLOTS, LANES
 from ringfence.runtime.actor import Actor, config_of
 from ringfence.runtime.codec import Registry
-from ringfence.runtime.control import InstanceControl
+from ringfence.runtime.control import InstanceControl, control_count
 from ringfence.runtime.driver import Driver
 from ringfence.runtime.log import ActorLog
 from ringfence.runtime.mailbox import ConditionWaiter, LocalInbox, LocalOutbox, Mailbox
@@ -67,7 +67,7 @@ def start_executor(
     """Start ``actor_cls`` as ``<name>-<rank>`` of run ``run_id`` (names: the caller cleans the
     run); the ``lanes`` block holds ranks 0..rank."""
     lanes = CounterBlock.create(names.posix_name(run_id, LANES), LANE_SLOTS * (rank + 1))
-    control = CounterBlock.create(names.posix_name(run_id, "control"), 6)
+    control = CounterBlock.create(names.posix_name(run_id, "control"), control_count(1))
     control[0].advance(epoch)
     waiter = ConditionWaiter()
     mailbox = Mailbox(waiter)
