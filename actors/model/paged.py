@@ -125,49 +125,54 @@ class PagedExecutor:
         self.touched: Touched | None = None
 
     def check(self, pieces: Sequence[Piece]) -> None:
-        """Refuse a step that would touch anything outside its pieces' own slots (ValueError)."""
+        """Refuse a step that would touch anything outside its pieces' own slots (ValueError).
+
+        It runs on the host before every step, in the time the device waits for the next
+        one, so whole tables are checked by the builtins (``min``, ``max``, ``set``), never
+        block by block in Python; a table that fails is then searched for the id to name.
+        """
         if not pieces:
             raise ValueError("a step needs at least one piece")
+        bs, num_blocks = self.block_size, self.num_blocks
+        max_position, vocab = self.model.config.max_position, self.model.config.vocab_size
         written: set[tuple[int, int]] = set()
         for i, piece in enumerate(pieces):
-            end = piece.start + len(piece.token_ids)
-            if not piece.token_ids:
+            tokens, table, start = piece.token_ids, piece.block_table, piece.start
+            end = start + len(tokens)
+            if not tokens:
                 raise ValueError(f"piece {i} has no token_ids")
-            if piece.start < 0:
-                raise ValueError(f"piece {i} has a negative start position {piece.start}")
-            if end > self.model.config.max_position:
+            if start < 0:
+                raise ValueError(f"piece {i} has a negative start position {start}")
+            if end > max_position:
                 raise ValueError(
-                    f"piece {i} reaches position {end - 1}, past max_position "
-                    f"{self.model.config.max_position}"
+                    f"piece {i} reaches position {end - 1}, past max_position {max_position}"
                 )
-            needed = -(-end // self.block_size)
-            if len(piece.block_table) < needed:
+            needed = -(-end // bs)
+            if len(table) < needed:
                 raise ValueError(
-                    f"block table of piece {i} has {len(piece.block_table)} blocks; positions "
-                    f"0..{end - 1} need {needed} at block_size {self.block_size}"
+                    f"block table of piece {i} has {len(table)} blocks; positions "
+                    f"0..{end - 1} need {needed} at block_size {bs}"
                 )
-            if len(piece.block_table) > self.num_blocks:
+            if len(table) > num_blocks:
                 raise ValueError(
-                    f"block table of piece {i} has {len(piece.block_table)} blocks, more than "
-                    f"the pool's {self.num_blocks}"
+                    f"block table of piece {i} has {len(table)} blocks, more than "
+                    f"the pool's {num_blocks}"
                 )
-            for block in piece.block_table:
-                if not 0 <= block < self.num_blocks:
-                    raise ValueError(
-                        f"block id {block} of piece {i} is outside the KV tensor's "
-                        f"{self.num_blocks} blocks"
-                    )
-            if len(set(piece.block_table)) != len(piece.block_table):
+            if min(table) < 0 or max(table) >= num_blocks:
+                block = next(b for b in table if not 0 <= b < num_blocks)
+                raise ValueError(
+                    f"block id {block} of piece {i} is outside the KV tensor's {num_blocks} blocks"
+                )
+            if len(set(table)) != len(table):
                 raise ValueError(f"block table of piece {i} names a block twice")
-            vocab = self.model.config.vocab_size
-            lo, hi = min(piece.token_ids), max(piece.token_ids)
+            lo, hi = min(tokens), max(tokens)
             if lo < 0 or hi >= vocab:
                 bad = lo if lo < 0 else hi
                 raise ValueError(
                     f"token id {bad} of piece {i} is outside the vocabulary of {vocab}"
                 )
-            for pos in range(piece.start, end):
-                slot = (piece.block_table[pos // self.block_size], pos % self.block_size)
+            for pos in range(start, end):
+                slot = (table[pos // bs], pos % bs)
                 if slot in written:
                     raise ValueError(f"piece {i} writes KV slot {slot} that another token writes")
                 written.add(slot)
