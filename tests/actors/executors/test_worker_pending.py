@@ -21,7 +21,7 @@ from test_worker import (  # type: ignore[import-not-found]  # the sibling modul
     reference,
 )
 
-from ringfence.actors.executors.pending import MissingToken, SampledTokens
+from ringfence.actors.executors.pending import MissingToken, SampledTokens, with_token
 from ringfence.cache.fences import Fence
 from ringfence.sched.ops import Piece, StepOp
 
@@ -54,6 +54,21 @@ def pending(seq: Seq, start: int, step: int) -> Piece:
 
 def plan(step: int, *pieces: Piece) -> StepOp:
     return StepOp(step=step, epoch=0, fence=Fence(), pieces=pieces)
+
+
+def test_a_piece_with_its_token_put_in_keeps_every_other_field_as_replace_would():
+    piece = Piece(
+        seq_id=9,
+        token_ids=(0,),
+        start=40,
+        block_table=(7, 3, 11),
+        sample=True,
+        opening=opened(12),
+        pending_from=5,
+    )
+    made = with_token(piece, 42)
+    assert made == replace(piece, token_ids=(42,), pending_from=0)
+    assert (made.token_ids, made.pending_from, made.opening) == ((42,), 0, piece.opening)
 
 
 def test_decodes_planned_ahead_take_the_tokens_the_step_before_sampled(make_rig, reference):
