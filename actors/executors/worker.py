@@ -299,7 +299,7 @@ class Worker(LaneExecutor):
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return (), ()
         if self.shard.rank > 0:  # rank 0 samples; the others write KV and join the all-reduces
-            self.executor.step_without_logits(plan.pieces)
+            self.executor.step_without_logits(plan.pieces, checked=True)  # see below
             self._touched()
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
@@ -307,7 +307,11 @@ class Worker(LaneExecutor):
         masks = self.sampler.start_masks(plan.pieces)  # filled beside the forward
         try:
             self.timer.mark()
-            out = self.executor.step(plan.pieces, whole=self.sampler.whole(plan.pieces))
+            # Checked once, before it ran (_problem): resolving its pending inputs put in
+            # only tokens this model sampled, which lie in its vocabulary.
+            out = self.executor.step(
+                plan.pieces, whole=self.sampler.whole(plan.pieces), checked=True
+            )
             self.timer.mark()
             self._touched()
             prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})

@@ -194,19 +194,26 @@ class PagedExecutor:
 
     @torch.inference_mode()
     def step(
-        self, pieces: Sequence[Piece], *, all_logits: bool = False, whole: Collection[int] = ()
+        self,
+        pieces: Sequence[Piece],
+        *,
+        all_logits: bool = False,
+        whole: Collection[int] = (),
+        checked: bool = False,
     ) -> StepOutput:
         """Run one step (see :meth:`hidden`) and return its logits: of each piece's last
         token, and of every token of the pieces whose indices are in ``whole`` (their
         prompt log probabilities; the LM head runs on those rows only). A decode-only step
         that asks for no more than the last logits replays a CUDA graph where there are
-        graphs (:class:`DecodeGraphs`)."""
+        graphs (:class:`DecodeGraphs`). ``checked``: the caller ran :meth:`check` on these
+        pieces already (the Worker does, to refuse a plan before it touches anything)."""
         if self.graphs is not None and not all_logits and not whole and self.graphs.fits(pieces):
-            self.check(pieces)
+            if not checked:
+                self.check(pieces)
             if self.record_touches:
                 self.touched = _touched(pieces, self.block_size)
             return StepOutput(self.graphs.logits(pieces), None)
-        x, last = self.hidden(pieces)
+        x, last = self.hidden(pieces, checked=checked)
         if all_logits:
             every = self.model.logits(x)
             return StepOutput(every[last], every)
@@ -220,20 +227,22 @@ class PagedExecutor:
         return StepOutput(self.model.logits(x[last]), None, rows)
 
     @torch.inference_mode()
-    def step_without_logits(self, pieces: Sequence[Piece]) -> None:
+    def step_without_logits(self, pieces: Sequence[Piece], *, checked: bool = False) -> None:
         """Run one step and skip the LM head: what a tensor-parallel rank other than 0 does
         (it writes its KV heads and takes part in the all-reduces; rank 0 samples)."""
-        self.hidden(pieces)
+        self.hidden(pieces, checked=checked)
 
-    def hidden(self, pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+    def hidden(self, pieces: Sequence[Piece], *, checked: bool = False) -> tuple[Tensor, Tensor]:
         """Run one step: write each token's K/V into its slot, attend causally; the final
         hidden states [T, hidden] and the row of each piece's last token.
 
         Linear layers run once over all tokens of the step; attention runs as the backend
         does it. Mutates ``kv`` (the slots of the pieces' positions only); reads nothing
-        else of it beyond each piece's positions 0..start+len-1.
+        else of it beyond each piece's positions 0..start+len-1 (:meth:`check`, unless the
+        caller says it ran it).
         """
-        self.check(pieces)
+        if not checked:
+            self.check(pieces)
         ix = self._index(pieces)
         if self.record_touches:
             self.touched = _touched(pieces, self.block_size)
