@@ -21,7 +21,11 @@ planning; none where the next step was issued first, as with ``sched.steps_in_fl
 bookkeeping around the forward. At the info level the engine's lines are absent: the step
 runs from one ``step.done`` to the next and ``engine`` and ``idle`` are one figure,
 ``between``. ``device_busy`` is the forward's share of the steady decode's wall time: on
-CUDA, how busy the GPU was kept.
+CUDA, how busy the GPU was kept. ``worker_cycle`` is the Worker's own view, at either log
+level: from one steady step's ``step.done`` to the next, over the next one's ``exec_ns``
+(its forward and sampling with their checks); 1.0 would be a Worker that never waits
+between steps, and it is the figure that two steps in flight should bring down (a step's
+issue-to-issue ``step`` overstates it when the next is issued early).
 """
 
 from __future__ import annotations
@@ -186,6 +190,14 @@ def step_split(
     parts = {key: mean_ms(key) for key in ("forward", "sampling", "engine", "idle")}
     steady_ns = sum(row["step"] or 0 for row in rows)
     forward_ns = sum(row["forward"] or 0 for row in rows)
+    # The Worker's cycle: each steady step's end to the next steady step's, over the next
+    # one's execution.
+    cycles = [
+        (done[step + 1]["mono_ns"] - line["mono_ns"], done[step + 1]["exec_ns"])
+        for step, line in done.items()
+        if step + 1 in done
+    ]
+    cycle_ns, exec_ns = sum(c for c, _ in cycles), sum(e for _, e in cycles)
     return {
         "steady_steps": len(rows),
         "step_ms": step_ms,
@@ -193,4 +205,10 @@ def step_split(
         "between_ms": step_ms - (parts["forward"] or 0.0) - (parts["sampling"] or 0.0),
         "forward_source": "forward_ns" if timed else "exec_ns",
         "device_busy": forward_ns / steady_ns if steady_ns > 0 else None,
+        "worker_cycle": {
+            "steps": len(cycles),
+            "cycle_ms": cycle_ns / len(cycles) * MS if cycles else None,
+            "exec_ms": exec_ns / len(cycles) * MS if cycles else None,
+            "over_exec": cycle_ns / exec_ns if exec_ns > 0 else None,
+        },
     }

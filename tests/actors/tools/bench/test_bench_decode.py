@@ -59,6 +59,11 @@ def test_a_steady_step_splits_into_forward_sampling_engine_and_idle_that_add_up_
     assert sum(parts.values()) == pytest.approx(split["step_ms"])
     assert split["between_ms"] == pytest.approx(3.0)
     assert split["device_busy"] == pytest.approx(11.0 / 20.0)
+    # The Worker's cycle: steps 2 -> 3 -> 4 ended 10 ms apart, each executing for 7 ms.
+    cycle = split["worker_cycle"]
+    assert cycle["steps"] == 2
+    assert (cycle["cycle_ms"], cycle["exec_ms"]) == (pytest.approx(10.0), pytest.approx(7.0))
+    assert cycle["over_exec"] == pytest.approx(10.0 / 7.0)
 
 
 def test_without_the_engines_lines_engine_and_idle_are_one_figure_and_exec_counts_as_forward():
