@@ -196,6 +196,18 @@ def _converter(tp: object, where: str, seen: frozenset[type]) -> Converter:
     )
 
 
+def holds_bytes(tp: object) -> bool:
+    """Whether ``bytes`` appears anywhere in the annotation ``tp`` (a dataclass: in any field,
+    at any depth): msgspec reads bytes as base64, where this codec writes hex."""
+    while isinstance(tp, NewType):
+        tp = tp.__supertype__
+    if tp is bytes:
+        return True
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return any(holds_bytes(hint) for hint in typing.get_type_hints(tp).values())
+    return any(holds_bytes(arg) for arg in typing.get_args(tp) if arg is not Ellipsis)
+
+
 def is_frozen(cls: type) -> bool:
     return bool(getattr(cls, "__dataclass_params__").frozen)  # noqa: B009 - not in typeshed
 

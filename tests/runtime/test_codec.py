@@ -474,6 +474,62 @@ def test_mutated_valid_objects_decode_or_raise_a_protocol_error(obj):
     assert_decodes_or_is_a_protocol_error(RICH_KIND, orjson.dumps(obj))
 
 
+# The fast way (msgspec, taken only for a frame this codec writes) against the converters
+
+SLOW = Registry("engine->worker", fast=False)
+SLOW.register(StepPlan, tag=1)
+SLOW.register(Rich, tag=2, version=3)
+
+
+def decoded_by(registry, kind, payload):
+    """What ``registry`` makes of a frame: the message, or the error's text and field."""
+    try:
+        return registry.decode(kind, payload)
+    except ProtocolError as e:
+        return ("error", str(e), e.field)
+
+
+def test_a_frame_this_codec_wrote_is_built_without_parsing_it_into_python_objects(monkeypatch):
+    msg = make_rich()
+    kind, payload = REG.encode(msg)
+    # The same fields in another order are valid too, but only the converters say so.
+    reordered = orjson.dumps(dict(reversed(orjson.loads(payload).items())))
+
+    def parsed(_payload):
+        raise AssertionError("the converters' way parsed the frame")
+
+    monkeypatch.setattr(orjson, "loads", parsed)
+    assert REG.decode(kind, payload) == msg
+    assert REG.decode(kind, memoryview(payload)) == msg
+    with pytest.raises(AssertionError, match="converters' way"):
+        REG.decode(kind, reordered)
+
+
+def test_frames_another_writer_wrote_decode_as_the_converters_read_them():
+    kind, payload = REG.encode(make_rich())
+    fields = orjson.loads(payload)
+    spaced = orjson.dumps(fields, option=orjson.OPT_INDENT_2)
+    backwards = orjson.dumps(dict(reversed(fields.items())))
+    whole = orjson.dumps(fields | {"ratio": 2})  # an int where a float goes
+    for frame in (spaced, backwards, whole):
+        assert REG.decode(kind, frame) == SLOW.decode(kind, frame)
+    assert REG.decode(kind, whole).ratio == 2.0
+
+
+@FAST
+@given(msg=rich_messages)
+def test_the_fast_way_and_the_converters_agree_on_every_valid_message(msg):
+    kind, payload = REG.encode(msg)
+    assert decoded_by(REG, kind, payload) == decoded_by(SLOW, kind, payload) == msg
+
+
+@FAST
+@given(obj=mutated_rich_objects() | st.dictionaries(rich_keys, json_values, max_size=16))
+def test_the_fast_way_and_the_converters_agree_on_every_mutated_frame(obj):
+    payload = orjson.dumps(obj)
+    assert decoded_by(REG, RICH_KIND, payload) == decoded_by(SLOW, RICH_KIND, payload)
+
+
 # Registration
 
 
