@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 from ringfence.cache.fences import FenceTracker, Lane
 from ringfence.cache.ids import BlockHash, BlockId, Seq
@@ -119,16 +119,23 @@ class Issuer:
         """The step running ``pieces``: it reads every block of each piece's table up to the
         piece's end and writes those its tokens fall in, and writes the ``poison`` blocks."""
         self.seal()
-        reads: set[BlockId] = set(BlockId(b) for b in poison)
-        writes: set[BlockId] = set(reads)
+        # Block ids as the tables hold them (BlockId is an int at run time): a set built
+        # from slices, not an id at a time, is most of this method at 256 pieces.
+        reads: set[int] = set(poison)
+        writes: set[int] = set(reads)
         bs = self.block_size
         for p in pieces:
-            table = p.block_table
-            end = p.start + len(p.token_ids)
-            reads.update(BlockId(b) for b in table[: -(-end // bs)])
-            writes.update(BlockId(b) for b in table[p.start // bs : -(-end // bs)])
+            table, start = p.block_table, p.start
+            last = -(-(start + len(p.token_ids)) // bs)
+            reads.update(table[:last])
+            writes.update(table[start // bs : last])
         step = self._number(Lane.STEP)
-        fence = self.tracker.issue(Lane.STEP, step, read_device=reads, write_device=writes)
+        fence = self.tracker.issue(
+            Lane.STEP,
+            step,
+            read_device=cast("set[BlockId]", reads),
+            write_device=cast("set[BlockId]", writes),
+        )
         op = StepOp(step=step, fence=fence, pieces=tuple(pieces), poison=poison, closed=closed)
         self._out.append(op)
         return op

@@ -237,17 +237,27 @@ class Scheduler:
         pieces: list[Piece] = []
         scheduled: set[int] = set()
         running = self.queues.running
-        decoding = [s for s in running if self._wanted(s) == 1 or follows(s, behind)]
-        prefilling = [s for s in running if self._wanted(s) > 1]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in running:  # each one's wanted once: this loop runs over every sequence
+            wanted = self._wanted(seq)
+            if wanted == 1 or follows(seq, behind):
+                decoding.append(seq)
+            if wanted > 1:
+                prefilling.append(seq)
         for seq in decoding + prefilling:
             if budget == 0:
                 break
-            if seq not in running:  # preempted for an earlier one in this loop
+            # Preempted for an earlier one in this loop: preemption takes a sequence out of
+            # running and makes it PREEMPTED, so its state says so without a search of the
+            # list (a third of this loop's time at 256 sequences).
+            if seq.request.state is not RequestState.RUNNING:
                 continue
-            if self._wanted(seq) == 0:  # its input is the token the step behind samples
+            wanted = self._wanted(seq)
+            if wanted == 0:  # its input is the token the step behind samples
                 piece = self._grow_pending(seq, behind, scheduled)
             else:
-                piece = self._grow(seq, min(self._wanted(seq), budget), scheduled)
+                piece = self._grow(seq, min(wanted, budget), scheduled)
             if piece is not None:
                 pieces.append(piece)
                 scheduled.add(seq.seq_id)
@@ -328,7 +338,9 @@ class Scheduler:
         r = seq.request
         r.num_computed_tokens += 1
         seq.sampled_by, seq.pending_in = seq.pending_in, 0
-        self._pieces.queue_keys(seq, r.all_token_ids, r.num_computed_tokens // self._bs)
+        full = r.num_computed_tokens // self._bs
+        if full > seq.num_keyed:  # a block filled: only then are its tokens read (a new tuple)
+            self._pieces.queue_keys(seq, r.all_token_ids, full)
 
     def _finish(self, seq: Sequence) -> None:
         self.queues.running.remove(seq)
