@@ -25,11 +25,16 @@ CUDA, how busy the GPU was kept. ``worker_cycle`` is the Worker's own view, at e
 level: from one steady step's ``step.done`` to the next, over the next one's ``exec_ns``
 (its forward and sampling with their checks); 1.0 would be a Worker that never waits
 between steps, and it is the figure that two steps in flight should bring down (a step's
-issue-to-issue ``step`` overstates it when the next is issued early).
+issue-to-issue ``step`` overstates it when the next is issued early). ``engine_turn`` (trace
+level) is the engine's own view: from a steady step's result received to the next step
+issued after it, whether or not that lies on the step's path. With two steps in flight it
+is hidden while it is shorter than the Worker's execution (``over_exec`` below 1); on a
+GPU, that is what keeps the device from waiting for the host at large batches.
 """
 
 from __future__ import annotations
 
+import bisect
 import random
 import statistics
 from collections.abc import Sequence
@@ -198,6 +203,15 @@ def step_split(
         if step + 1 in done
     ]
     cycle_ns, exec_ns = sum(c for c, _ in cycles), sum(e for _, e in cycles)
+    # The engine's turn: a steady step's result received to the next steady step issued.
+    by_time = sorted((ns, op) for op, ns in issued.items())
+    turns = []
+    for step in done:
+        if step in received:
+            i = bisect.bisect_right(by_time, (received[step], 1 << 62))
+            if i < len(by_time) and by_time[i][1] in done:
+                turns.append(by_time[i][0] - received[step])
+    turn_ns, turn_exec_ns = sum(turns), statistics.fmean(e["exec_ns"] for e in done.values())
     return {
         "steady_steps": len(rows),
         "step_ms": step_ms,
@@ -210,5 +224,10 @@ def step_split(
             "cycle_ms": cycle_ns / len(cycles) * MS if cycles else None,
             "exec_ms": exec_ns / len(cycles) * MS if cycles else None,
             "over_exec": cycle_ns / exec_ns if exec_ns > 0 else None,
+        },
+        "engine_turn": {
+            "steps": len(turns),
+            "turn_ms": turn_ns / len(turns) * MS if turns else None,
+            "over_exec": turn_ns / len(turns) / turn_exec_ns if turns and turn_exec_ns else None,
         },
     }

@@ -35,7 +35,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"copy bandwidth {report['copy_bandwidth_gb_s']:.1f} GB/s (read + write)")
     print(
         f"{'N':>4} {'tok/s':>9} {'TTFT50':>8} {'TPOT50':>8} {'TPOT90':>8} | {'step':>7} "
-        f"{'fwd':>7} {'sample':>7} {'engine':>7} {'idle':>7} {'busy':>5} {'cycle':>5} | "
+        f"{'fwd':>7} {'sample':>7} {'engine':>7} {'idle':>7} {'busy':>5} {'cycle':>5} "
+        f"{'turn':>6} | "
         f"{'fwd-only':>8} "
         f"{'hf':>7} {'floor':>7} | roofline: launch fwd hf"
     )
@@ -43,6 +44,7 @@ def print_report(report: dict[str, Any]) -> None:
         launch, step = point["launch"], point["launch"]["step"]
         parts = step["parts_ms"]
         busy, cycle = step["device_busy"], step["worker_cycle"]["over_exec"]
+        turn = step["engine_turn"]["turn_ms"]
         roof = point["roofline"]
         print(
             f"{point['seqs']:>4} {launch['output_tokens_per_s']:>9.1f} "
@@ -50,7 +52,7 @@ def print_report(report: dict[str, Any]) -> None:
             f"{_ms(launch['tpot_p90_ms']):>8} | {step['step_ms']:>7.2f} "
             + " ".join(f"{_ms(parts[p]):>7}" for p in PARTS)
             + f" {'n/a' if busy is None else f'{busy:.0%}':>5}"
-            + f" {'n/a' if cycle is None else f'{cycle:.2f}':>5} | "
+            + f" {'n/a' if cycle is None else f'{cycle:.2f}':>5} {_ms(turn):>6} | "
             f"{point['forward']['step_ms']:>8.2f} {point['transformers']['step_ms']:>7.2f} "
             f"{roof['floor_ms']['forward']:>7.3f} | {roof['launch']:.3f} {roof['forward']:.3f} "
             f"{roof['transformers']:.3f}"
@@ -59,7 +61,9 @@ def print_report(report: dict[str, Any]) -> None:
     print(
         "milliseconds per decode step; TTFT/TPOT in ms; busy: the forward's share of the "
         "steady decode; cycle: the Worker's step-to-step time over its execution (1.0: it "
-        f"never waits); hf: transformers on a static cache, {', '.join(hows)}; roofline: "
+        "never waits); turn: the engine's, from a result to the next step issued (two in "
+        "flight hide it while it is under fwd + sample); hf: transformers on a static "
+        f"cache, {', '.join(hows)}; roofline: "
         "floor / step (1.0 is the hardware's pace)"
     )
     if report["log_level"] == "info":

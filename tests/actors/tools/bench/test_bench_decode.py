@@ -64,6 +64,9 @@ def test_a_steady_step_splits_into_forward_sampling_engine_and_idle_that_add_up_
     assert cycle["steps"] == 2
     assert (cycle["cycle_ms"], cycle["exec_ms"]) == (pytest.approx(10.0), pytest.approx(7.0))
     assert cycle["over_exec"] == pytest.approx(10.0 / 7.0)
+    # The engine's turn: results of 2 and 3 at 19.5 and 29.5, steps 3 and 4 issued at 21, 30.
+    turn = split["engine_turn"]
+    assert turn == {"steps": 2, "turn_ms": pytest.approx(1.0), "over_exec": pytest.approx(1 / 7)}
 
 
 def test_without_the_engines_lines_engine_and_idle_are_one_figure_and_exec_counts_as_forward():
@@ -88,6 +91,18 @@ def test_a_step_issued_before_the_last_ones_result_puts_no_engine_time_on_its_pa
     assert split["steady_steps"] == 2 and split["step_ms"] == pytest.approx(10.0)
     assert split["parts_ms"]["engine"] == pytest.approx(0.0)
     assert split["parts_ms"]["idle"] == pytest.approx(4.0)
+
+
+def test_with_two_in_flight_the_engines_turn_runs_from_a_result_to_the_step_after_next():
+    # Step 4 is issued (22 ms) 2.5 ms after step 2's result; step 5 (31 ms) 1.5 ms after 3's.
+    worker = [worker_line(s, 10.0 * s, seqs=1, exec_ms=5.0) for s in (2, 3, 4, 5)]
+    engine = [*engine_lines(2, 2.0, 19.5), *engine_lines(3, 12.0, 29.5)]
+    engine += [*engine_lines(4, 22.0, 39.5), *engine_lines(5, 31.0, 49.5)]
+    turn = step_split(worker, engine, seqs=1)["engine_turn"]
+    assert turn["steps"] == 2
+    assert (turn["turn_ms"], turn["over_exec"]) == (pytest.approx(2.0), pytest.approx(0.4))
+    # A turn that ends in a step no steady one (the run's tail) is not counted.
+    assert step_split(worker[:3], engine, seqs=1)["engine_turn"]["steps"] == 1
 
 
 def test_a_run_with_no_step_where_every_sequence_decodes_is_refused():
