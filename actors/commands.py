@@ -50,6 +50,10 @@ _BENCHMARKS = {
         module=f"{_TOOLS}.cache",
         help="the cache's bookkeeping per block, and storage put/get against a plain write",
     ),
+    "sched": Command(
+        module=f"{_TOOLS}.sched",
+        help="the scheduler's host work per decode step, against the device step it must hide in",
+    ),
     "worker": Command(
         module=f"{_TOOLS}.worker",
         help="prefill and decode speed of the paged model against transformers",
