@@ -89,7 +89,8 @@ def measure(seqs: int, context: int, steps: int, in_flight: int, seed: int = 0) 
     issued: deque[StepOp] = deque()
     plans: list[float] = []
     applies: list[float] = []
-    for _ in range(steps + 4 * in_flight + 4 * (1 + context // 8192)):  # prefill, then decode
+    prefill = -(-seqs * context // sched.config.sched.max_batched_tokens)  # steps of it
+    for _ in range(prefill + steps + 4 * in_flight + 4):
         began = time.perf_counter()
         planned_steps = []
         while sched.can_schedule:
