@@ -199,6 +199,22 @@ class Request:
         self._num_computed_tokens = value
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens without KV yet: what the sequence could compute now."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self._num_computed_tokens
+
+    def computed_one(self) -> None:
+        """One more token counts as computed: the setter's rule, for the per-step path of two
+        steps in flight (the count is an int already; only the bound can be broken)."""
+        if self._num_computed_tokens >= self.num_tokens:
+            raise RequestError(
+                f"request {self.request_id!r}: num_computed_tokens must lie in "
+                f"0..{self.num_tokens}, got {self._num_computed_tokens + 1}",
+                field="num_computed_tokens",
+            )
+        self._num_computed_tokens += 1
+
+    @property
     def remaining_prefill(self) -> int:
         """Tokens to compute before the next token can be decoded one at a time.
 

@@ -283,7 +283,7 @@ class Scheduler:
 
     def _wanted(self, seq: Sequence) -> int:
         """Tokens the sequence could compute now: all known tokens without KV."""
-        return seq.request.num_tokens - seq.request.num_computed_tokens
+        return seq.request.num_uncomputed_tokens
 
     def _grow(self, seq: Sequence, count: int, scheduled: set[int]) -> Piece | None:
         """A piece of ``count`` tokens for a running sequence, allocating its blocks,
@@ -336,7 +336,7 @@ class Scheduler:
         flight: its KV counts as computed from now on, and a block it fills is keyed now
         (the step that fills it is issued: see ``sched.pieces``)."""
         r = seq.request
-        r.num_computed_tokens += 1
+        r.computed_one()
         seq.sampled_by, seq.pending_in = seq.pending_in, 0
         full = r.num_computed_tokens // self._bs
         if full > seq.num_keyed:  # a block filled: only then are its tokens read (a new tuple)

@@ -273,6 +273,18 @@ def test_num_computed_tokens_outside_0_to_num_tokens_raises_and_keeps_the_old_va
     assert request.num_computed_tokens == 2
 
 
+def test_one_more_computed_token_counts_up_to_num_tokens_and_no_further():
+    request = make_request((1, 2, 3, 4))
+    request.num_computed_tokens = 2
+    assert request.num_uncomputed_tokens == 2
+    request.computed_one()
+    request.computed_one()
+    assert (request.num_computed_tokens, request.num_uncomputed_tokens) == (4, 0)
+    with pytest.raises(RequestError, match=r"num_computed_tokens must lie in 0\.\.4, got 5"):
+        request.computed_one()
+    assert request.num_computed_tokens == 4
+
+
 @pytest.mark.parametrize("state", [S.WAITING, S.WAITING_FOR_PREFETCH, S.RUNNING, S.PREEMPTED])
 def test_abort_from_a_live_state_sets_aborted_and_the_abort_reason(state):
     request = make_request(state=state)
