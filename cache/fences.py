@@ -53,7 +53,7 @@ from array import array
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from ringfence.cache.ids import BlockId, Seq
 
@@ -75,7 +75,9 @@ class Tier(enum.StrEnum):
 
 _LANES = (Lane.STEP, Lane.SWAP, Lane.STORE)  # the order of the fields of Fence
 _LANE_INDEX = {lane: i for i, lane in enumerate(_LANES)}
+_STEP, _SWAP = 0, 1  # lane indexes
 _TIERS = (Tier.DEVICE, Tier.HOST)  # the order of the per-tier records
+_DEVICE = 0  # tier index
 # Per tier, each lane whose ops touch it, mapped to the other such lane. Steps never touch
 # host blocks and store ops never touch device blocks, so on each tier an op has exactly
 # one other lane to wait for, and the tier keeps a record for two lanes only.
@@ -137,6 +139,20 @@ class FenceTracker:
     for it and watermarks never go back) and makes a fence the whole precondition of its
     op, so an executor resuming at any op, or a reader of a trace, needs no earlier op.
 
+    A step reads every block of its sequences' tables, thousands at a large batch, and
+    consecutive steps read nearly the same blocks. Two records make a step cost time in
+    the blocks that changed since the previous step, not in all it reads; both are exact
+    (every fence equals the plain per-block rule's, ``tests/cache/test_fence_records.py``):
+
+    - the step lane's last access is stamped lazily: the last step's read set is kept
+      whole, and a block is stamped with that step's number only when a later step no
+      longer reads it (a set difference, in C). A block in the kept set was last read by
+      the last step; a swap-in that writes one waits for it.
+    - a step waits for the swap lane's last write of a block it reads only where that
+      write lies above the step lane's floor (the last step's fence on the swap lane):
+      the tracker keeps those blocks, a few after a swap-in and none in steady decode,
+      and looks them up in the step's read set, instead of looking up every block read.
+
     With ``keep_access`` (the engine's trace level) it also keeps each op's declared
     :class:`Access` until :meth:`take_access` takes it.
     """
@@ -148,6 +164,9 @@ class FenceTracker:
         "_previous",
         "_previous_fence",
         "_records",
+        "_step_reads",
+        "_step_reads_seq",
+        "_swap_writes",
     )
 
     def __init__(
@@ -172,6 +191,12 @@ class FenceTracker:
         self._access: tuple[deque[Access], ...] | None = (
             tuple(deque() for _ in _LANES) if keep_access else None
         )
+        # The last step's read set and number: its reads, not yet stamped (class docstring).
+        self._step_reads: frozenset[int] = frozenset()
+        self._step_reads_seq = 0
+        # Device block -> the swap op that last wrote it, where that lies above the step
+        # lane's floor on the swap lane; in issue order, so the oldest come first.
+        self._swap_writes: dict[int, int] = {}
 
     def issue(
         self,
@@ -195,6 +220,8 @@ class FenceTracker:
             raise ValueError(
                 f"{lane} op numbers must increase: got {seq} after {self._last_issued[i]}"
             )
+        if i == _STEP and not isinstance(read_device, frozenset):
+            read_device = frozenset(read_device)  # kept until the next step: never changed
         per_tier = ((read_device, write_device), (read_host, write_host))
         waits = self._fence(i, per_tier)
         # Recorded only now: every check above and in _fence passed, so nothing is half done.
@@ -205,11 +232,21 @@ class FenceTracker:
         for t, (reads, writes) in enumerate(per_tier):
             if reads or writes:
                 last_write, last_access = self._records[t][i]
-                for block in reads:
-                    last_access[block] = seq
+                if i == _STEP:
+                    self._keep_step_reads(seq, cast("frozenset[int]", reads), last_access)
+                else:
+                    for block in reads:
+                        last_access[block] = seq
                 for block in writes:
                     last_access[block] = seq
                     last_write[block] = seq
+                if i == _SWAP and t == _DEVICE:
+                    swap_writes = self._swap_writes
+                    for block in writes:  # moved to the end: the dict stays in issue order
+                        swap_writes.pop(block, None)
+                        swap_writes[block] = seq
+        if i == _STEP and self._swap_writes:
+            self._forget_swap_writes(waits[_SWAP])
         if self._access is not None:
             sets = (read_device, write_device, read_host, write_host)
             self._access[i].append(Access(seq, *(tuple(sorted(b)) for b in sets)))
@@ -226,6 +263,17 @@ class FenceTracker:
             kept.popleft()
         return kept.popleft() if kept and kept[0].seq == seq else None
 
+    def records(self, tier: Tier, lane: Lane) -> tuple[array[int], array[int]]:
+        """The last write and the last access of every ``tier`` block by ``lane``, indexed
+        by block id, with the stamps still pending written in (the class docstring)."""
+        t, i = _TIERS.index(tier), _LANE_INDEX[lane]
+        if t == _DEVICE and i == _STEP and self._step_reads:
+            last_access, seq = self._records[t][i][1], self._step_reads_seq
+            for block in self._step_reads:
+                last_access[block] = seq
+            self._step_reads = frozenset()
+        return self._records[t][i]
+
     def _fence(self, i: int, per_tier: _PerTier) -> list[int]:
         """The fence of an op of lane index ``i`` as a list by lane; checks, mutates nothing."""
         waits = list(self._previous[i])  # its own field is always 0
@@ -238,13 +286,64 @@ class FenceTracker:
             last_write, last_access = self._records[t][j]
             try:
                 # A read waits for the last write; a write waits for the last read or write.
-                waits[j] = _latest(last_write, reads, waits[j])
+                if t == _DEVICE and i == _STEP:
+                    waits[j] = self._step_reads_wait(cast("frozenset[int]", reads), waits[j])
+                else:
+                    waits[j] = _latest(last_write, reads, waits[j])
                 waits[j] = _latest(last_access, writes, waits[j])
+                if t == _DEVICE and i == _SWAP:
+                    waits[j] = self._last_step_reading(writes, waits[j])
             except IndexError:
                 n = self._num_blocks[t]
                 bad = sorted({b for b in (*reads, *writes) if not 0 <= b < n})
                 raise ValueError(f"{_TIERS[t]} block ids must lie in [0, {n}): got {bad}") from None
         return waits
+
+    def _step_reads_wait(self, reads: frozenset[int], floor: int) -> int:
+        """The swap lane's last write of the blocks a step reads, or ``floor`` (the step
+        lane's floor on the swap lane) where none lies above it; IndexError for a block id
+        out of range. Only the blocks the last step did not read are checked for range:
+        the others were checked then."""
+        n = self._num_blocks[_DEVICE]
+        for block in reads - self._step_reads:
+            if not 0 <= block < n:
+                raise IndexError(block)
+        latest = floor
+        for block, seq in self._swap_writes.items():
+            if seq > latest and block in reads:
+                latest = seq
+        return latest
+
+    def _last_step_reading(self, blocks: Collection[BlockId], floor: int) -> int:
+        """The last step's number where it read any of ``blocks``, else ``floor``: its
+        reads are kept whole, not yet stamped into the step lane's last access."""
+        last = self._step_reads_seq
+        if last > floor and not self._step_reads.isdisjoint(blocks):
+            return last
+        return floor
+
+    def _keep_step_reads(self, seq: int, reads: frozenset[int], last_access: array[int]) -> None:
+        """Keep step ``seq``'s read set, stamping the blocks the last step read and this
+        one does not with the last step's number (the class docstring)."""
+        last = self._step_reads_seq
+        for block in self._step_reads - reads:
+            last_access[block] = last
+        self._step_reads, self._step_reads_seq = reads, seq
+
+    def _forget_swap_writes(self, floor: int) -> None:
+        """Drop the swap writes at or below the step lane's new floor on the swap lane:
+        every later step's fence is at least that, so they can no longer raise it."""
+        swap_writes = self._swap_writes
+        if floor >= self._last_issued[_SWAP]:
+            swap_writes.clear()
+            return
+        covered = []
+        for block, seq in swap_writes.items():  # oldest first
+            if seq > floor:
+                break
+            covered.append(block)
+        for block in covered:
+            del swap_writes[block]
 
 
 def _latest(seqs: array[int], blocks: Collection[BlockId], floor: int) -> int:

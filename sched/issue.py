@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Literal, cast
 
 from ringfence.cache.fences import FenceTracker, Lane
@@ -119,21 +120,23 @@ class Issuer:
         """The step running ``pieces``: it reads every block of each piece's table up to the
         piece's end and writes those its tokens fall in, and writes the ``poison`` blocks."""
         self.seal()
-        # Block ids as the tables hold them (BlockId is an int at run time): a set built
-        # from slices, not an id at a time, is most of this method at 256 pieces.
-        reads: set[int] = set(poison)
-        writes: set[int] = set(reads)
+        # Block ids as the tables hold them (BlockId is an int at run time): sets built
+        # from slices, not an id at a time, are most of this method at 256 pieces. The
+        # reads are a frozenset: the tracker keeps them until the next step.
+        writes: set[int] = set(poison)
+        tables = []
         bs = self.block_size
         for p in pieces:
             table, start = p.block_table, p.start
             last = -(-(start + len(p.token_ids)) // bs)
-            reads.update(table[:last])
+            tables.append(table[:last])
             writes.update(table[start // bs : last])
+        reads = frozenset(chain(poison, *tables))
         step = self._number(Lane.STEP)
         fence = self.tracker.issue(
             Lane.STEP,
             step,
-            read_device=cast("set[BlockId]", reads),
+            read_device=cast("frozenset[BlockId]", reads),
             write_device=cast("set[BlockId]", writes),
         )
         op = StepOp(step=step, fence=fence, pieces=tuple(pieces), poison=poison, closed=closed)

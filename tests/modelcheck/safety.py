@@ -26,6 +26,7 @@ from ringfence.cache.fences import _OTHER_LANE, Lane, Tier, _latest, _PerTier  #
 _FIELD = {Lane.STEP: "step", Lane.SWAP: "swap", Lane.STORE: "store"}
 _INDEX = {Lane.STEP: 0, Lane.SWAP: 1, Lane.STORE: 2}
 _TIERS = (Tier.DEVICE, Tier.HOST)  # the order of _touches
+_LANES = (Lane.STEP, Lane.SWAP, Lane.STORE)  # the order of Fence's fields
 
 
 def _touches(row: Row) -> tuple[tuple[frozenset[int], frozenset[int]], ...]:
@@ -139,7 +140,7 @@ def _rule(
         if not reads and not writes:
             continue
         j = _OTHER_LANE[t][i]
-        last_write, last_access = tracker._records[t][j]
+        last_write, last_access = tracker.records(_TIERS[t], _LANES[j])
         waits[j] = _latest(last_write, reads, waits[j])
         weak = writes_on_write == (i, t)
         waits[j] = _latest(last_write if weak else last_access, writes, waits[j])
