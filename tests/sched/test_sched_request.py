@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ringfence.sched.checks import check_token_ids
 from ringfence.sched.request import (
     TRANSITIONS,
     FinishReason,
@@ -332,3 +333,35 @@ def test_importing_ringfence_sched_pulls_in_no_torch_orjson_ipc_or_runtime():
     assert tops & {"torch", "orjson", "posix_ipc", "multiprocess", "structlog", "numpy"} == set()
     assert not {m for m in loaded if m.startswith(("ringfence.runtime", "ringfence.actors"))}
     assert {"ringfence.sched.workload", "ringfence.sched.synthetic"} <= loaded
+
+
+class TokenKind(int):
+    """An int subclass (as an IntEnum member is): a token id, unlike a bool."""
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error"),
+    [
+        ([5, 0, 7], None),
+        ((5, TokenKind(3)), None),  # the checked-in-C way refuses it; the loop allows it
+        ([], None),
+        ([5, -1, 7], r"^p\[1\] must be a non-negative int token id, got -1$"),
+        ([5, 6, True], r"^p\[2\] must be a non-negative int token id, got True$"),
+        ([5.0, 6], r"^p\[0\] must be a non-negative int token id, got 5\.0$"),
+        ([5, "6"], r"^p\[1\] must be a non-negative int token id, got '6'$"),
+        ([2**70, -1], r"^p\[1\] must be a non-negative int token id, got -1$"),
+        ("56", r"^p must be a list of token ids, got str$"),
+    ],
+)
+def test_token_ids_are_checked_whole_and_a_bad_one_is_named_by_its_position(tokens, error):
+    if error is None:
+        got = check_token_ids("p", tokens)
+        assert got == tuple(tokens) and type(got) is tuple
+    else:
+        with pytest.raises(RequestError, match=error):
+            check_token_ids("p", tokens)
+
+
+def test_an_empty_token_list_is_refused_where_one_is_needed():
+    with pytest.raises(RequestError, match=r"^p must not be empty$"):
+        check_token_ids("p", [], allow_empty=False)
