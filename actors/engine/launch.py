@@ -9,14 +9,18 @@ storage backend's checks read its registry entry
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from ringfence.actors.client.client import CLIENT_ACTOR, CLIENT_CHANNELS
-from ringfence.actors.config import Config
+from ringfence.actors.engine.config import EngineConfig
+from ringfence.actors.model.config import ModelConfig
 from ringfence.actors.model.identity import model_shape
 from ringfence.actors.topology import FencedTopology
+from ringfence.cache.config import CacheConfig
 from ringfence.cache.storage.registry import BACKENDS, backend
 from ringfence.cache.storage.seal import load_seal
 from ringfence.runtime.extras import require
-from ringfence.sched.config import max_model_len
+from ringfence.sched.config import SchedConfig, max_model_len
 
 # Clients stop first (not waited for), then the engine, then the executors.
 # The engine reads engine.workload and sched.max_model_len: a line it could not read, or a
@@ -34,13 +38,27 @@ TOPOLOGY = FencedTopology(
 )
 
 
-def check_limits(config: Config) -> None:
+class LaunchSections(Protocol):
+    """The sections the launch checks read; the run's whole config, as the runtime gives it
+    to a preflight check."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def cache(self) -> CacheConfig: ...
+    @property
+    def sched(self) -> SchedConfig: ...
+    @property
+    def engine(self) -> EngineConfig: ...
+
+
+def check_limits(config: LaunchSections) -> None:
     """The launch's check of ``sched.max_model_len`` against the model the config names,
     before a run exists (ValueError naming the key; the runtime knows it only by name)."""
     max_model_len(config.sched, model_shape(config.model).max_position)
 
 
-def check_storage(config: Config) -> None:
+def check_storage(config: LaunchSections) -> None:
     """The launch's check that the storage backend's client library is installed (the
     engine and the store lanes import it in their own processes, where a missing one would
     be an actor's failure): MissingExtra naming the extra that installs it; and that the
@@ -52,7 +70,7 @@ def check_storage(config: Config) -> None:
         load_seal(config.cache.storage.secret, config.cache.storage.secret_file)
 
 
-def check_role(config: Config) -> None:
+def check_role(config: LaunchSections) -> None:
     """The launch's check of ``engine.role`` against the rest of the config (ValueError
     naming the keys): a prefill or decode instance shares KV through a storage tier that
     another instance can reach, and a decode instance preempts by ``save``."""

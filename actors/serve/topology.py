@@ -7,10 +7,15 @@ requests it holds before the engine that runs them goes away.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from ringfence.actors.client.client import CLIENT_ACTOR, CLIENT_CHANNELS
-from ringfence.actors.config import Config
+from ringfence.actors.engine.config import EngineConfig
+from ringfence.actors.model.config import ModelConfig
+from ringfence.actors.serve.config import ServerConfig
 from ringfence.actors.topology import FencedTopology
 from ringfence.runtime.topology import ActorSpec, ChannelSpec
+from ringfence.sched.config import SchedConfig
 
 FRONTEND = "frontend"
 _PROTO = "ringfence.actors.protocol.client"
@@ -33,7 +38,22 @@ TOPOLOGY = FencedTopology(
 )
 
 
-def check_server(config: Config) -> None:
+class ServeSections(Protocol):
+    """The sections ``ringfence serve``'s check reads: ``[engine]`` and ``[server]``, and
+    the prompts' (``PromptSections``: its tokenizer must load); the run's whole config, as
+    the runtime gives it."""
+
+    @property
+    def engine(self) -> EngineConfig: ...
+    @property
+    def server(self) -> ServerConfig: ...
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def sched(self) -> SchedConfig: ...
+
+
+def check_server(config: ServeSections) -> None:
     """``ringfence serve``'s checks before a run exists (ValueError naming the keys): the
     engine must accept every request the front end may hold, and it runs no workload."""
     if config.engine.workload:
@@ -48,6 +68,7 @@ def check_server(config: Config) -> None:
             "requests the engine takes from one client: raise the second or lower the first"
         )
     # The front end tokenizes prompts and renders chats itself: its tokenizer must load.
+    # Imported here: the supervisor imports this topology, and needs no tokenizer.
     from ringfence.actors.serve.prompts import Prompter
 
     Prompter(config)

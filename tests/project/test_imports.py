@@ -508,14 +508,14 @@ def test_a_knot_larger_than_its_named_circle_says_how_many_more(tmp_path):
 # it holds as a string, which is not an import). An actor declares the sections it reads
 # (``Actor.config_section``) and receives only those; every other module takes the sections it
 # reads, or any object that has them, so a leaf cannot grow a dependency on an unrelated key.
-# Only the composition root imports the whole: the launch checks, which judge the whole run
-# before it exists (the topologies name them), and the tools, which build configs.
+# Only the composition root imports the whole: the model's launch check, which reads the
+# checkpoint against every section that names a shape, the device defaults, which build a
+# new config from the whole, and the tools, which build configs. The topologies' other
+# launch checks take the sections they read, as everything else does.
 CONFIG = "ringfence.actors.config"
 CONFIG_ROOT = (
     "ringfence.actors.preflight",  # check_model
     "ringfence.actors.device_defaults",  # resolve_device_defaults
-    "ringfence.actors.engine.launch",  # check_limits, check_role, check_storage
-    "ringfence.actors.serve.topology",  # check_server, beside the topology that names it
 )
 
 
@@ -548,7 +548,7 @@ def test_a_leaf_that_imports_the_whole_config_is_named_with_its_file_and_line(tm
             "actors/config": "from ringfence.actors.engine.config import EngineConfig\n",
             "actors/kv/layout": "from ringfence.actors.config import Config\n",
             "actors/engine/intake": "def f():\n    from ringfence.actors import config\n",
-            "actors/engine/launch": "from ringfence.actors.config import Config\n",
+            "actors/preflight": "from ringfence.actors.config import Config\n",
             "actors/tools/testing/local": "from ringfence.actors.config import Config\n",
             "actors/engine/config": "",
         },
