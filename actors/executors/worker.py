@@ -350,6 +350,8 @@ class Worker(LaneExecutor):
         self.steps += 1
         self.sampled.keep(plan.step, ((t.seq_id, t.token_id) for t in outputs))
         self.sampler.close(plan.closed)  # whatever the status: forgetting is always safe
+        if self.executor is not None:
+            self.executor.forget(plan.closed)  # the tables its check kept
         self.log_touches(plan.step, plan.epoch)
         reduce_ns, reduces = self.group.take_reduce_ns()
         forward_ns, sample_ns = self.timer.take()

@@ -20,7 +20,7 @@ every path.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -29,6 +29,7 @@ from torch import Tensor
 from ringfence.actors.model.attention import BACKENDS, resolve_attention, run_layers
 from ringfence.actors.model.config import Attention
 from ringfence.actors.model.decoder import Model, ModelShape
+from ringfence.actors.model.step_check import StepChecker
 from ringfence.sched.ops import Piece
 
 if TYPE_CHECKING:
@@ -111,6 +112,13 @@ class PagedExecutor:
         self.kv = kv
         self.num_blocks = kv.shape[0]
         self.block_size = kv.shape[3]
+        shape = model.config
+        self.checker = StepChecker(
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_position=shape.max_position,
+            vocab=shape.vocab_size,
+        )
         self.backend_name = resolve_attention(attention, kv)
         self.backend = BACKENDS[self.backend_name](model, kv)
         self.graphs: DecodeGraphs | None = None
@@ -125,57 +133,13 @@ class PagedExecutor:
         self.touched: Touched | None = None
 
     def check(self, pieces: Sequence[Piece]) -> None:
-        """Refuse a step that would touch anything outside its pieces' own slots (ValueError).
+        """Refuse a step that would touch anything outside its pieces' own slots (ValueError;
+        ``actors/model/step_check.py``, which keeps the tables it found valid)."""
+        self.checker.check(pieces)
 
-        It runs on the host before every step, in the time the device waits for the next
-        one, so whole tables are checked by the builtins (``min``, ``max``, ``set``), never
-        block by block in Python; a table that fails is then searched for the id to name.
-        """
-        if not pieces:
-            raise ValueError("a step needs at least one piece")
-        bs, num_blocks = self.block_size, self.num_blocks
-        max_position, vocab = self.model.config.max_position, self.model.config.vocab_size
-        written: set[tuple[int, int]] = set()
-        for i, piece in enumerate(pieces):
-            tokens, table, start = piece.token_ids, piece.block_table, piece.start
-            end = start + len(tokens)
-            if not tokens:
-                raise ValueError(f"piece {i} has no token_ids")
-            if start < 0:
-                raise ValueError(f"piece {i} has a negative start position {start}")
-            if end > max_position:
-                raise ValueError(
-                    f"piece {i} reaches position {end - 1}, past max_position {max_position}"
-                )
-            needed = -(-end // bs)
-            if len(table) < needed:
-                raise ValueError(
-                    f"block table of piece {i} has {len(table)} blocks; positions "
-                    f"0..{end - 1} need {needed} at block_size {bs}"
-                )
-            if len(table) > num_blocks:
-                raise ValueError(
-                    f"block table of piece {i} has {len(table)} blocks, more than "
-                    f"the pool's {num_blocks}"
-                )
-            if min(table) < 0 or max(table) >= num_blocks:
-                block = next(b for b in table if not 0 <= b < num_blocks)
-                raise ValueError(
-                    f"block id {block} of piece {i} is outside the KV tensor's {num_blocks} blocks"
-                )
-            if len(set(table)) != len(table):
-                raise ValueError(f"block table of piece {i} names a block twice")
-            lo, hi = min(tokens), max(tokens)
-            if lo < 0 or hi >= vocab:
-                bad = lo if lo < 0 else hi
-                raise ValueError(
-                    f"token id {bad} of piece {i} is outside the vocabulary of {vocab}"
-                )
-            for pos in range(start, end):
-                slot = (table[pos // bs], pos % bs)
-                if slot in written:
-                    raise ValueError(f"piece {i} writes KV slot {slot} that another token writes")
-                written.add(slot)
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """The sequences ended: their kept tables are dropped (:class:`StepChecker`)."""
+        self.checker.forget(seq_ids)
 
     def _index(self, pieces: Sequence[Piece]) -> _StepIndex:
         """The step's shared index tensors, made on the KV tensor's device."""
