@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ringfence.actors.model.attention import run_layers
 from ringfence.actors.model.decoder import Model
-from ringfence.actors.model.kernels.backend import TritonStep
+from ringfence.actors.model.kernels.backend import TritonStep, table_rows
 from ringfence.actors.model.kernels.paged_attention import StepTensors, tile_rows
 from ringfence.sched.ops import Piece
 
@@ -95,10 +95,7 @@ class DecodeGraphs:
         bs, pad = self.block_size, bucket - len(pieces)
         ends = [p.start + 1 for p in pieces]
         width = max(-(-end // bs) for end in ends)
-        tables: list[int] = []
-        for p, end in zip(pieces, ends, strict=True):
-            table = p.block_table[: -(-end // bs)]
-            tables.extend((*table, *(0,) * (width - len(table))))
+        tables = table_rows(pieces, ends, bs, width, rows=bucket)
         # Padding rows: token 0 at position 0, slot -1 (no write), no context (no read).
         inputs = [
             [p.token_ids[0] for p in pieces] + [0] * pad,
@@ -108,7 +105,7 @@ class DecodeGraphs:
         ]
         self.inputs[:, :bucket].copy_(torch.tensor(inputs, dtype=torch.int32))
         # Only the columns this step reads: the kernel reads no entry past a context's end.
-        host = torch.tensor(tables + [0] * (pad * width), dtype=torch.int32)
+        host = torch.frombuffer(tables, dtype=torch.int32)
         self.tables[:bucket, :width].copy_(host.view(bucket, width))
 
     def _forward(self, bucket: int) -> Tensor:
