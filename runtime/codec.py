@@ -4,9 +4,10 @@ A frame's ``kind`` (u32) packs the message class's tag and protocol version as
 ``tag << TAG_SHIFT | version``; the payload is the orjson encoding of a JSON object
 with one key per dataclass field, nested dataclasses as objects and tuples as
 arrays, ``bytes`` as lowercase hex strings, keys in field declaration order. A
-:class:`Registry` holds the classes of one channel direction. Encoding relies on
-orjson's native dataclass support; decoding validates strictly with converter closures
-built once, at registration, from the field annotations (``runtime/converters.py``).
+:class:`Registry` holds the classes of one channel direction. Encoding is orjson's, each
+dataclass handed over as a dict of its fields (:func:`dumps`); decoding validates strictly
+with converter closures built once, at registration, from the field annotations
+(``runtime/converters.py``).
 Floats must be finite: orjson writes NaN as null.
 
 Decoding takes a fast way first, for a class with no ``bytes`` inside: msgspec builds the
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import reprlib
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import msgspec
 import orjson
@@ -45,6 +46,42 @@ TAG_MAX = 0xFFFF  # tags are 1..TAG_MAX; tag 0 is never valid
 VERSION_MAX = 0xFFFF  # versions are 1..VERSION_MAX
 
 T = TypeVar("T")
+
+
+def dumps(msg: object) -> bytes:
+    """``msg``'s payload: orjson's encoding of it, each dataclass as the object of its fields.
+
+    Byte for byte what orjson writes of a dataclass natively, but faster: orjson reads a
+    slotted dataclass (every message is one) field by field, about 1 us for a small one and
+    4x a dict's time, so a 64-token result took 0.1 ms. Here orjson hands each dataclass to
+    :func:`_as_json` instead, which builds the dict by a function written for its class.
+    """
+    return orjson.dumps(msg, default=_as_json, option=orjson.OPT_PASSTHROUGH_DATACLASS)
+
+
+def _as_json(obj: object) -> object:
+    """orjson's hook: a dataclass as a dict of its fields in declaration order (the builder
+    made once per class), ``bytes`` as hex; TypeError for anything else."""
+    as_dict = _AS_DICT.get(type(obj))
+    if as_dict is None:
+        if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+            return hex_default(obj)
+        as_dict = _AS_DICT[type(obj)] = _dict_builder(type(obj))
+    return as_dict(obj)
+
+
+def _dict_builder(cls: type) -> Callable[[object], dict[str, object]]:
+    """A function returning ``{"a": obj.a, "b": obj.b, ...}`` for ``cls``'s fields, written
+    out as dataclasses writes ``__init__`` (a dict display is 4x faster than any builder
+    from the names at run time). A field name is an identifier: nothing else is pasted."""
+    body = ", ".join(f"{f.name!r}: obj.{f.name}" for f in dataclasses.fields(cls))
+    namespace: dict[str, Any] = {}
+    exec(f"def as_dict(obj):\n    return {{{body}}}\n", namespace)
+    return cast("Callable[[object], dict[str, object]]", namespace["as_dict"])
+
+
+# Per dataclass, its dict builder: filled on first use (threads that race build the same).
+_AS_DICT: dict[type, Callable[[object], dict[str, object]]] = {}
 
 
 def make_kind(tag: int, version: int) -> int:
@@ -175,9 +212,7 @@ class Registry:
         if entry is None:
             raise ProtocolError(f"{self.name}: {type(msg).__name__} is not a registered message")
         try:
-            # Native output is byte-identical to dumping a dict of the fields, with no
-            # per-class code; a generated dict builder was faster only by ~0.6 us.
-            payload = orjson.dumps(msg, default=hex_default)
+            payload = dumps(msg)
         except orjson.JSONEncodeError as e:
             raise ProtocolError(f"{entry.where}: cannot encode: {e}", tag=entry.tag) from e
         if self._verify:
@@ -211,7 +246,7 @@ class Registry:
         if entry.fast is not None:
             try:
                 msg = entry.fast.decode(payload)
-                if orjson.dumps(msg, default=hex_default) == payload:
+                if dumps(msg) == payload:
                     return msg
             except (msgspec.MsgspecError, orjson.JSONEncodeError):
                 pass  # the converters say what is wrong, or accept what msgspec would not
