@@ -23,7 +23,13 @@ from typing import Any
 
 from ringfence.actors.http.env import INSTANCE_KEY_ENV
 from ringfence.actors.http.load import Load
-from ringfence.actors.router.upstream import TlsRefused, TransportError, Upstream, describe
+from ringfence.actors.router.upstream import (
+    CallTimeout,
+    TlsRefused,
+    TransportError,
+    Upstream,
+    describe,
+)
 from ringfence.shm.errors import RingfenceError
 
 ROLES = ("prefill", "decode", "both")  # both: an aggregated instance (--instance)
@@ -203,8 +209,12 @@ def secret_name(identity: Identity) -> str:
 
 async def identify(client: Upstream, url: str, deadline: float) -> Identity:
     """The identity of the instance at ``url``, asking again (waits doubling up to a second)
-    until it answers 200 or ``deadline`` (time.monotonic()) passes: StartTimeout then."""
+    until it answers 200 or ``deadline`` (time.monotonic()) passes: StartTimeout then,
+    naming the last try's failure. A try the deadline cut short names only that it ran out
+    of time, so an earlier try's failure (a refused connection, an HTTP error) is kept over it.
+    """
     wait = FIRST_WAIT_S
+    last = ""
     while True:
         left = deadline - time.monotonic()
         try:
@@ -226,7 +236,8 @@ async def identify(client: Upstream, url: str, deadline: float) -> Identity:
                 "else the system's trust store)"
             ) from e
         except TransportError as e:
-            last = describe(e)
+            if not (isinstance(e, CallTimeout) and left < IDENTIFY_CALL_S and last):
+                last = describe(e)
             if await client.closed_after_handshake(
                 url, timeout=max(min(IDENTIFY_CALL_S, left), 0.01)
             ):

@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import time
+from typing import cast
 
 import httpx
 import pytest
 from routing import ROUTER_START_S, routed, router_process, router_refusal
 
-from ringfence.actors.router.instances import Identity, PoolRefused, StartTimeout
+from ringfence.actors.router.instances import Identity, PoolRefused, StartTimeout, identify
 from ringfence.actors.router.options import RouterOptions
 from ringfence.actors.router.state import _differs, open_router
+from ringfence.actors.router.upstream import CallTimeout, ConnectError, Upstream
 
 
 def closed_port_url() -> str:
@@ -80,12 +83,36 @@ def test_an_instance_of_the_wrong_role_is_refused_naming_it(fakes, wrong):
 
 
 def test_an_instance_that_never_answers_fails_the_start_at_its_deadline(fakes):
+    # Long enough for a refused connection to come back well before it on a loaded machine
+    # (the last try, cut short by the deadline, must not hide it).
     prefill, nobody = fakes("p", role="prefill"), closed_port_url()
-    options = RouterOptions(prefill=(prefill.url,), decode=(nobody,), start_timeout_s=0.3)
+    options = RouterOptions(prefill=(prefill.url,), decode=(nobody,), start_timeout_s=2.0)
     with pytest.raises(StartTimeout) as late:
         asyncio.run(open_router(options))
     assert str(late.value).startswith(f"{nobody} did not answer /ringfence/instance in time")
     assert "ConnectError" in str(late.value)
+
+
+def test_a_try_the_start_deadline_cuts_short_does_not_hide_an_earlier_failure():
+    class Refusing:
+        """Refuses the first connection, then hangs until the call's own deadline."""
+
+        def __init__(self):
+            self.calls = 0
+
+        async def get(self, url, *, timeout):
+            self.calls += 1
+            if self.calls == 1:
+                raise ConnectError("Cannot connect to host: Connection refused")
+            raise CallTimeout(f"no answer in {timeout:.2f} s")
+
+        async def closed_after_handshake(self, url, *, timeout):
+            return False
+
+    with pytest.raises(StartTimeout) as late:
+        client = cast(Upstream, Refusing())  # the two calls identify makes
+        asyncio.run(identify(client, "http://127.0.0.1:9", time.monotonic() + 0.3))
+    assert "(last: ConnectError: Cannot connect to host: Connection refused)" in str(late.value)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
