@@ -1,5 +1,5 @@
 """Fixtures shared by every test: the shared-memory leak guard, a seeded RNG, and one
-launched engine run that several modules read."""
+launched engine run that several modules read; ``--typecheck`` (``tests/typecheck.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 
 from ringfence.actors.tools.testing.shm import leaked_names, shm_names
 from ringfence.shm import names
+
+pytest_plugins = ("typecheck",)  # --typecheck: mypy beside the session
 
 if importlib.util.find_spec("xdist") is not None:  # the test extra has it
 
