@@ -13,6 +13,12 @@ per sequence, the last table it found valid, and of a table that begins with it 
 the blocks after it (in range, and none named twice across the whole table): a tuple
 comparison in C instead of three passes over the table.
 
+The rules are checked over the whole step at once first (each a list built in C, then
+``min``, ``max`` or a ``set``: the starts, the ends, the tokens, every token's KV slot as one
+number), and the tables against the kept ones. Only a step that fails there, or holds a
+table that neither is a kept one nor grows one, is checked piece by piece, which names the
+first piece that breaks a rule (the same error whichever way a step was checked).
+
 What is kept is a fact about a tuple of block ids, not about the sequence: a table that
 begins with a tuple found valid is valid up to its end, whichever sequence sends it. So a
 kept entry can never make a wrong table pass, and forgetting one (a sequence's ``closed``,
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import add, gt, mul
 
 from ringfence.sched.ops import Piece
 
@@ -50,6 +58,55 @@ class StepChecker:
         """Refuse a step that would touch anything outside its pieces' own slots (ValueError)."""
         if not pieces:
             raise ValueError("a step needs at least one piece")
+        if not self._passes(pieces):
+            self._check_each(pieces)
+
+    def _passes(self, pieces: Sequence[Piece]) -> bool:
+        """Every rule over the whole step at once, in the builtins' time: True when each
+        holds (the tables kept as :meth:`_check_table` keeps them). False on anything else,
+        for :meth:`_check_each` to name the first piece that breaks one, in piece order (or
+        to find that they hold after all: a table that is neither kept nor grows a kept one)."""
+        bs = self.block_size
+        starts = [p.start for p in pieces]
+        counts = [len(p.token_ids) for p in pieces]
+        tables = [p.block_table for p in pieces]
+        if min(counts) == 0 or min(starts) < 0:
+            return False
+        ends = list(map(add, starts, counts))
+        if max(ends) > self.max_position:
+            return False
+        # (A table longer than the pool names a block twice or one outside it: found below.)
+        if any(map(gt, ends, map(mul, map(len, tables), repeat(bs)))):
+            return False  # a table short of its piece's last position
+        tokens = list(chain.from_iterable(p.token_ids for p in pieces))
+        if min(tokens) < 0 or max(tokens) >= self.vocab:
+            return False
+        # Each token's KV slot as one number (its block's id * bs + its offset), all distinct.
+        # An id outside the pool may make two numbers equal or not: its table fails below.
+        if max(counts) == 1:  # a decode step: one token a piece
+            slots = [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)]
+        else:
+            slots = [
+                t[pos // bs] * bs + pos % bs
+                for t, s, e in zip(tables, starts, ends, strict=True)
+                for pos in range(s, e)
+            ]
+        if len(set(slots)) != len(slots):
+            return False
+        valid = self._valid
+        for piece, table in zip(pieces, tables, strict=True):
+            kept = valid.get(piece.seq_id)
+            if kept is not None and table == kept.table:
+                continue  # most of a decode step: a tuple comparison in C
+            if kept is None:
+                if not self._keep_new(piece.seq_id, table):
+                    return False
+            elif not self._keeps(kept, table):
+                return False
+        return True
+
+    def _check_each(self, pieces: Sequence[Piece]) -> None:
+        """The rules piece by piece: the first piece that breaks one is named (ValueError)."""
         bs, num_blocks, max_position = self.block_size, self.num_blocks, self.max_position
         written: set[tuple[int, int]] = set()
         for i, piece in enumerate(pieces):
@@ -96,24 +153,43 @@ class StepChecker:
         """Piece ``i``'s table: its ids in the pool and none twice; only the blocks past the
         sequence's last valid table when it begins with that one (module docstring)."""
         valid = self._valid.get(seq_id)
-        if valid is not None:
-            known = len(valid.table)
-            if len(table) >= known and table[:known] == valid.table:
-                new = table[known:]
-                if new:
-                    self._check_ids(i, new)
-                    if len(set(new)) != len(new) or not valid.blocks.isdisjoint(new):
-                        raise ValueError(f"block table of piece {i} names a block twice")
-                    valid.blocks.update(new)
-                    valid.table = table
-                return
+        if valid is not None and self._keeps(valid, table):
+            return
+        # Where the table grows the kept one, the kept blocks are valid: the first id this
+        # names is one of the new blocks, as a check of the new blocks alone would name.
         self._check_ids(i, table)
+        if len(set(table)) != len(table):
+            raise ValueError(f"block table of piece {i} names a block twice")
+        self._keep_new(seq_id, table)
+
+    def _keeps(self, valid: _Valid, table: tuple[int, ...]) -> bool:
+        """Whether ``table`` is the kept one, or begins with it and adds only blocks in the
+        pool that neither it nor the kept one names (then it is kept instead)."""
+        known = len(valid.table)
+        if len(table) == known:
+            return table == valid.table
+        if len(table) < known or table[:known] != valid.table:
+            return False
+        new = table[known:]
+        if min(new) < 0 or max(new) >= self.num_blocks or len(set(new)) != len(new):
+            return False
+        if not valid.blocks.isdisjoint(new):
+            return False
+        valid.blocks.update(new)
+        valid.table = table
+        return True
+
+    def _keep_new(self, seq_id: int, table: tuple[int, ...]) -> bool:
+        """Keep ``table`` for ``seq_id`` if its ids are in the pool and none twice."""
+        if not table or min(table) < 0 or max(table) >= self.num_blocks:
+            return False
         blocks = set(table)
         if len(blocks) != len(table):
-            raise ValueError(f"block table of piece {i} names a block twice")
+            return False
         if len(self._valid) >= self.num_blocks and seq_id not in self._valid:
             self._valid.clear()  # more kept than blocks: ended ones never closed; costs a check
         self._valid[seq_id] = _Valid(table, blocks)
+        return True
 
     def _check_ids(self, i: int, blocks: tuple[int, ...]) -> None:
         num_blocks = self.num_blocks
