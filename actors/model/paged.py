@@ -45,10 +45,11 @@ class _StepIndex(NamedTuple):
 
 
 class Touched(NamedTuple):
-    """The device blocks one step indexed: gathered for attention, and scattered K/V into."""
+    """The device blocks one step indexed: gathered for attention, and scattered K/V into
+    (sets: the Worker adds them to its op's record, which sorts them once, to log them)."""
 
-    reads: list[int]
-    writes: list[int]
+    reads: set[int]
+    writes: set[int]
 
 
 class StepOutput(NamedTuple):
@@ -224,4 +225,4 @@ def _touched(pieces: Sequence[Piece], block_size: int) -> Touched:
         end = p.start + len(p.token_ids)
         reads.update(p.block_table[: -(-end // block_size)])
         writes.update(p.block_table[pos // block_size] for pos in range(p.start, end))
-    return Touched(sorted(reads), sorted(writes))
+    return Touched(reads, writes)
