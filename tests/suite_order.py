@@ -7,27 +7,41 @@ from __future__ import annotations
 # --no-loadscope-reorder), each worker taking the next file in collection order when it is
 # free. Longest first keeps the two busy to the end (a long file taken last is run alone
 # while the other worker idles), so these files, the longest in the suite (--durations=0 on
-# the 2-core machine, 2026-11-27: 100 down to 20 s each), are collected first, longest
+# the 2-core machine, 2026-11-29: every file of 10 s or more), are collected first, longest
 # first; the rest keep their order. A stale list costs balance, never a result.
 LONGEST_FIRST = (
-    "tests/clients/test_lm_eval.py",  # with the rest of tests/clients/: one unit, ~150 s
-    "tests/modelcheck/test_model.py",  # second: the first two both wait on hf_reference
-    "tests/actors/model/test_gguf.py",
-    "tests/actors/tools/bench/test_faults.py",
-    "tests/actors/serve/test_serve_faults.py",
-    "tests/actors/replay/test_replay_runs.py",
-    "tests/actors/router/test_pd_runs.py",
+    "tests/clients/test_lm_eval.py",  # with the rest of tests/clients/: one unit, ~140 s
+    "tests/modelcheck/test_model.py",  # ~105 s, on the other worker while the first builds
+    "tests/actors/model/test_gguf.py",  # the transformers reference, which this one waits on
     "tests/clients/test_guidellm.py",
     "tests/clients/test_openai_sdk.py",
-    "tests/actors/engine/test_tp_runs.py",
-    "tests/actors/model/test_families_launch.py",
     "tests/runtime/test_supervisor.py",
-    "tests/actors/tools/testing/test_harness.py",
-    "tests/actors/engine/test_engine.py",
+    "tests/actors/serve/test_serve_tools.py",
+    "tests/actors/router/test_pd_runs.py",
+    "tests/actors/router/test_route_runs.py",
     "tests/actors/tools/bench/test_bench_route.py",
-    "tests/actors/client/test_client.py",
+    "tests/actors/engine/test_structured_runs.py",
     "tests/runtime/test_embed.py",
+    "tests/actors/router/test_router_flow.py",
+    "tests/actors/engine/test_storage_runs.py",
+    "tests/actors/tools/bench/test_faults.py",
+    "tests/actors/replay/test_replay_runs.py",
+    "tests/actors/serve/test_serve_faults.py",
+    "tests/actors/tools/bench/test_bench_ring.py",
+    "tests/actors/engine/test_hosted_lane_runs.py",
+    "tests/actors/client/test_client_slots.py",
+    "tests/actors/router/test_pd_hosts.py",
+    "tests/actors/tools/bench/test_bench_e2e.py",
+    "tests/runtime/test_hosting.py",
+    "tests/actors/model/test_families_launch.py",
+    "tests/actors/engine/test_tp_runs.py",
+    "tests/actors/engine/test_engine_clients.py",
+    "tests/project/test_plain_install.py",
     "tests/actors/model/test_parallel.py",
+    "tests/actors/replay/test_replay_profiles.py",
+    "tests/actors/tools/bench/test_bench_serve.py",
+    "tests/actors/serve/test_serve_api.py",
+    "tests/actors/engine/test_steps_in_flight_runs.py",
 )
 
 # Folders whose files run as one unit on one worker (tests/conftest.py's scheduler), so
