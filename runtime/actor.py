@@ -93,6 +93,7 @@ class Services(Protocol):
     def current_epoch(self) -> int: ...
     def bell_of(self, instance: str) -> Waker | None: ...
     def local_inbox(self, peer: str, registry: Registry) -> LocalInbox: ...
+    def peek(self, peer: str) -> object | None: ...
     @property
     def current(self) -> Delivery | None: ...
 
@@ -293,6 +294,14 @@ class Actor:
         this process post to it, and each post wakes this actor like a ring frame does. Its
         messages are handled in this actor's thread, in order, by the usual handlers."""
         return self.ctx.services.local_inbox(peer, registry)
+
+    def peek(self, peer: str) -> object | None:
+        """The next message from instance ``peer`` ("engine-0", or an actor with one instance
+        here: "engine") if it has arrived, read ahead while this handler runs (None if none
+        has, or it could not be decoded). It is handed to its handler next from that peer,
+        as usual, and released only once that handler ran: for work a handler can do early,
+        such as checking the next step while the device runs this one."""
+        return self.ctx.services.peek(peer)
 
     @handles(Stop)
     def handle_stop(self, msg: Stop) -> None:

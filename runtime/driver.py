@@ -189,6 +189,15 @@ class Driver:
     def current_epoch(self) -> int:
         return self._control.epoch.value() if self._control is not None else self.ctx.epoch
 
+    def peek(self, peer: str) -> object | None:
+        inboxes = [i for i in self.mailbox.inboxes if i.peer == peer] or [
+            i for i in self.mailbox.inboxes if i.peer.rpartition("-")[0] == peer
+        ]
+        if len(inboxes) != 1:  # no such peer, or an actor of several instances here
+            return None
+        delivery = inboxes[0].peek()
+        return None if delivery is None else delivery.msg
+
     def bell_of(self, instance: str) -> Doorbell | None:
         bell = self._bells.get(instance)
         if bell is None and instance in self._bell_names:

@@ -32,7 +32,7 @@ from ringfence.runtime.codec import Registry
 from ringfence.runtime.messages import RESERVED_TAG, RUNTIME
 from ringfence.shm.errors import ProtocolError, RingFull
 from ringfence.shm.ring import framed_size
-from ringfence.shm.ring_reader import RingReader
+from ringfence.shm.ring_reader import Frame, RingReader
 from ringfence.shm.ring_writer import RingWriter
 
 
@@ -57,6 +57,7 @@ class Inbox(Protocol):
 
     def pending(self) -> bool: ...
     def read(self) -> Delivery | None: ...
+    def peek(self) -> Delivery | None: ...
     def commit(self) -> None: ...
     def redeliver(self, delivery: Delivery) -> None: ...
     def close(self) -> None: ...
@@ -75,13 +76,24 @@ def _encode(registry: Registry, msg: object) -> tuple[int, bytes]:
 
 
 class RingInbox:
-    """Frames from a shared-memory ring, decoded with the channel's registry."""
+    """Frames from a shared-memory ring, decoded with the channel's registry.
+
+    :meth:`peek` reads the next frame ahead, while the last one read is still being
+    handled, and holds it: the next :meth:`read` hands it out. :meth:`commit` releases
+    only up to the frame :meth:`read` handed out last, so a frame read ahead is never
+    released before its handler ran (a crash in between redelivers it).
+    """
 
     def __init__(self, peer: str, reader: RingReader, registry: Registry) -> None:
         self.peer = peer
         self.reader = reader
         self.registry = registry
-        self.pending = reader.pending
+        self._held: tuple[Delivery, Frame] | None = None  # read ahead by peek
+        self._last: Frame | None = None  # the frame of the delivery read() handed out last
+        self._refused = False  # read() skipped a refused frame, not yet committed
+
+    def pending(self) -> bool:
+        return self._held is not None or self.reader.pending()
 
     def read(self) -> Delivery | None:
         """The next frame decoded, or None.
@@ -90,14 +102,39 @@ class RingInbox:
         (``RingReader.skip``) and handed out undecoded, with the error: the producer's
         mistake costs the frame, never the reader.
         """
+        if self._held is not None:
+            (delivery, self._last), self._held = self._held, None
+            return delivery
+        read, self._last = self._read_frame()
+        self._refused = read is not None and self._last is None
+        return read
+
+    def peek(self) -> Delivery | None:
+        """The delivery the next :meth:`read` hands out, read ahead now (None if no frame is
+        published, or the next one is refused: :meth:`read` skips that one as usual; nor
+        past a refused frame not yet committed, which has no frame to commit up to)."""
+        if self._held is None and not self._refused:
+            try:
+                frame = self.reader.poll()
+            except ProtocolError:
+                return None  # the cursor stays put: read() refuses and skips it
+            if frame is None:
+                return None
+            self._held = (self._decoded(frame), frame)
+        return None if self._held is None else self._held[0]
+
+    def _read_frame(self) -> tuple[Delivery | None, Frame | None]:
         try:
             frame = self.reader.poll()
         except ProtocolError as e:
             skipped = self.reader.skip()
             error = ProtocolError(f"{e}; skipped {skipped.bytes} bytes")
-            return Delivery(self.peer, skipped.seq, None, error)
+            return Delivery(self.peer, skipped.seq, None, error), None
         if frame is None:
-            return None
+            return None, None
+        return self._decoded(frame), frame
+
+    def _decoded(self, frame: Frame) -> Delivery:
         registry = RUNTIME if frame.kind >> 16 >= RESERVED_TAG else self.registry
         try:
             msg = registry.decode(frame.kind, frame.payload)
@@ -106,10 +143,17 @@ class RingInbox:
         return Delivery(self.peer, frame.seq, msg, None)
 
     def commit(self) -> None:
-        self.reader.commit()
+        """Release every frame up to the one :meth:`read` handed out last (one skipped as
+        refused: everything read so far, as nothing is read ahead past a refused one)."""
+        if self._held is not None and self._last is not None:
+            self.reader.commit(self._last)
+        else:
+            self.reader.commit()
+        self._refused = False
 
     def redeliver(self, delivery: Delivery) -> None:
         """Read ``delivery`` (the last one read, not committed) again next time."""
+        self._held, self._refused = None, False  # read again from the committed tail
         self.reader.rewind()
 
     def close(self) -> None:
@@ -241,6 +285,14 @@ class LocalInbox:
     def read(self) -> Delivery | None:
         try:
             seq, msg = self._queue.popleft()
+        except IndexError:
+            return None
+        return Delivery(self.peer, seq, msg, None)
+
+    def peek(self) -> Delivery | None:
+        """The delivery the next :meth:`read` hands out, or None; it stays queued."""
+        try:
+            seq, msg = self._queue[0]
         except IndexError:
             return None
         return Delivery(self.peer, seq, msg, None)

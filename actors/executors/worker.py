@@ -38,6 +38,7 @@ import time
 import torch
 
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
+from ringfence.actors.executors.look_ahead import CheckAhead
 from ringfence.actors.executors.pending import SampledTokens
 from ringfence.actors.executors.profiling import op_range
 from ringfence.actors.executors.ranks import StepGate
@@ -100,6 +101,12 @@ class Worker(LaneExecutor):
         grammars = model_grammars(config.model.path, vocab_size) if rank == 0 else None
         self.sampler = Sampler(vocab_size, config.model.logprobs_mode, grammars, device=device)
         self.cuda = self.space.kv.device.type == "cuda"
+        look = config.model.look_ahead
+        self.ahead = (
+            CheckAhead(lambda: self.peek("engine"), self.executor.check)
+            if look == "on" or (look == "auto" and self.cuda)
+            else None
+        )  # look_ahead.py
         self.timer = StepTimer(self.space.kv.device)
         self.steps = 0
         self.sampled = SampledTokens()  # the last step's tokens, for plans made before them
@@ -281,6 +288,8 @@ class Worker(LaneExecutor):
         if problem := self.sampler.problem(plan.pieces):
             return problem
         if plan.pieces:
+            if self.ahead is not None and (verdict := self.ahead.verdict(plan)) is not None:
+                return verdict  # checked while the step before it ran (look_ahead.py)
             try:
                 self.executor.check(plan.pieces)
             except ValueError as e:
@@ -300,6 +309,8 @@ class Worker(LaneExecutor):
             return (), ()
         if self.shard.rank > 0:  # rank 0 samples; the others write KV and join the all-reduces
             self.executor.step_without_logits(plan.pieces, checked=True)  # see below
+            if self.ahead is not None:  # the next plan, while the device runs this one
+                self.ahead.check_next()
             self._touched()
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
@@ -313,6 +324,8 @@ class Worker(LaneExecutor):
                 plan.pieces, whole=self.sampler.whole(plan.pieces), checked=True
             )
             self.timer.mark()
+            if self.ahead is not None:  # the next plan, while the device runs this one
+                self.ahead.check_next()
             self._touched()
             prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
             # Sampled where the logits are; only the tokens and logprobs come back.
@@ -373,6 +386,7 @@ class Worker(LaneExecutor):
             reduces=reduces or None,
             forward_ns=forward_ns,
             sample_ns=sample_ns,
+            checked_ahead=self.ahead is not None and self.ahead.taken == plan.step,
             error=error or None,
         )
         result = StepResult(

@@ -19,6 +19,7 @@ Preset = Literal["tiny", "tiny-4kv", "small"]
 Dtype = Literal["float32", "bfloat16", "float64"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 Attention = Literal["auto", "torch", "triton"]  # actors/model/attention.py
+LookAhead = Literal["auto", "on", "off"]  # actors/executors/worker.py
 _DEVICE = (r"cpu|cuda(:[0-9]+)?", "'cpu', 'cuda' or 'cuda:N'")
 
 
@@ -51,6 +52,13 @@ class ModelConfig:
         True,
         "replay decode-only steps as CUDA graphs, one per batch-size bucket up to "
         "sched.max_num_seqs (on CUDA with the triton attention and parallel.tp_size 1 only)",
+    )
+    look_ahead: LookAhead = setting(
+        "auto",
+        "while a step runs on the device, the Worker reads and checks the next step's plan "
+        "if it has arrived (two steps in flight), so that its check does not hold the device "
+        "between steps; 'auto' is on for a CUDA device, whose steps run beside the host, and "
+        "off on the CPU, where the step is the host's own work",
     )
 
 

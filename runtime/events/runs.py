@@ -146,11 +146,12 @@ RUN_EVENTS: Final[dict[str, Event]] = {
     "step.done": event(
         "info",
         "step plan_epoch status fence_swap fence_store seen_swap seen_store pieces tokens poison "
-        "wait_ns exec_ns reduce_ns reduces forward_ns sample_ns error",
+        "wait_ns exec_ns reduce_ns reduces forward_ns sample_ns checked_ahead error",
         "step_done reached step; status ok, rejected (malformed, nothing touched) or cancelled "
         "(stale epoch); seen_* are the watermarks observed once the fence was reached; "
         "forward_ns and sample_ns split exec_ns (CUDA events on a GPU; None for a step that "
-        "failed part way)",
+        "failed part way); checked_ahead: its plan was checked while the step before it ran "
+        "(model.look_ahead)",
     ),
     "step.failed": event(
         "error",

@@ -33,7 +33,7 @@ from ringfence.runtime.mailbox import (
 )
 from ringfence.runtime.messages import Failed, Stop, Tick
 from ringfence.shm.errors import ActorDead, ProtocolError, RingFull
-from ringfence.shm.ring_reader import Batch
+from ringfence.shm.ring_reader import Batch, Frame, Skipped
 
 PROTO = Registry("host->x", verify=True)
 
@@ -620,6 +620,105 @@ def test_a_ring_frame_whose_handler_crashed_comes_again_after_a_restart(ring, ma
     ring.reader.rewind()
     assert not ring.reader.pending()  # the survivor committed it
     second.driver.close()
+
+
+class Peeker(Recorder):
+    """Records, while it handles each Item, the next message from the host read ahead."""
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.ahead: list[object | None] = []
+
+    @handles(Item, Ask)
+    def on_item(self, msg: Item | Ask) -> None:
+        self.ahead.append(self.peek("host"))
+        super().on_item(msg)
+
+
+def put_items(ring: RingPair, *ns: int) -> None:
+    for n in ns:
+        ring.writer.put(*PROTO.encode(Item(n=n)), timeout=1)
+
+
+def got(delivery: Delivery | None) -> Delivery:
+    assert delivery is not None
+    return delivery
+
+
+def test_a_frame_read_ahead_is_handed_out_next_and_released_only_after_its_own_turn(ring):
+    inbox = RingInbox("host", ring.reader, PROTO)
+    put_items(ring, 1, 2, 3)
+    first = got(inbox.read())
+    ahead = got(inbox.peek())
+    assert (first.msg, ahead.msg) == (Item(n=1), Item(n=2))
+    assert inbox.peek() is ahead  # read once: peeking again reads nothing more
+    inbox.commit()  # the first one's handler ran
+    # A crash now: the restarted reader starts from what was committed, so the frame read
+    # ahead comes again (committing everything read so far would lose it).
+    ring.reader.rewind()
+    again = RingInbox("host", ring.reader, PROTO)
+    assert [got(again.read()).msg for _ in range(2)] == [Item(n=2), Item(n=3)]
+
+
+def test_the_next_read_hands_out_what_was_read_ahead_and_a_redelivery_drops_it(ring):
+    inbox = RingInbox("host", ring.reader, PROTO)
+    put_items(ring, 1, 2, 3)
+    first = got(inbox.read())
+    ahead = got(inbox.peek())
+    assert inbox.pending()
+    assert inbox.read() is ahead
+    inbox.commit()
+    assert got(inbox.read()).msg == Item(n=3)
+    inbox.redeliver(first)  # blocked downstream: the uncommitted one comes again
+    assert got(inbox.peek()).msg == Item(n=3)
+    inbox.redeliver(first)  # what was read ahead is dropped with it, and read again
+    assert [got(inbox.read()).msg, inbox.read()] == [Item(n=3), None]
+
+
+def test_nothing_is_read_ahead_past_a_refused_frame_until_it_is_committed():
+    class Refusing:  # a reader whose next frame is malformed, then one good frame
+        def __init__(self) -> None:
+            self.refuse, self.given = True, False
+            self.commits: list[Any] = []
+
+        def poll(self) -> Any:
+            if self.refuse:
+                raise ProtocolError("ring r: sequence gap")
+            if self.given:
+                return None
+            self.given = True
+            kind, payload = PROTO.encode(Item(n=5))
+            return Frame(kind, 9, payload, 64)
+
+        def skip(self) -> Any:
+            self.refuse = False
+            return Skipped(0, 24)
+
+        def commit(self, frame: Any = None) -> None:
+            self.commits.append(frame)
+
+        def pending(self) -> bool:
+            return True
+
+    reader = Refusing()
+    inbox = RingInbox("host", reader, PROTO)  # type: ignore[arg-type]
+    assert inbox.peek() is None  # refused now: read() skips it, as it would have
+    refused = inbox.read()
+    assert refused is not None and refused.error is not None
+    assert inbox.peek() is None  # past it only once it is committed: no frame to stop at
+    inbox.commit()
+    assert reader.commits == [None]  # everything read so far: the refused frame
+    assert got(inbox.peek()).msg == Item(n=5)
+
+
+def test_an_actor_peeks_at_the_next_ring_message_and_each_is_handled_once_in_order(ring, make_rig):
+    rig = make_rig(Peeker, ring=ring)
+    put_items(ring, 1, 2, 3)
+    assert rig.driver.poll(0) == 3
+    ring.reader.rewind()
+    assert not ring.reader.pending()  # all three committed once handled
+    assert rig.actor.seen == ["start", Item(n=1), Item(n=2), Item(n=3)]
+    assert rig.actor.ahead == [Item(n=2), Item(n=3), None]
 
 
 # Timers.

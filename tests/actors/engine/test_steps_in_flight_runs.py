@@ -39,13 +39,21 @@ def most_steps_in_flight(run_dir) -> int:
 
 
 def test_two_steps_in_flight_under_chaos_and_poison_give_the_plain_loops_tokens(tmp_path):
-    sets = workload_sets("pressure", *TIERS, "sched.preemption=swap", "sched.steps_in_flight=2")
+    # The Worker checks the next plan while a step runs (model.look_ahead, on for a GPU),
+    # here on the CPU too: the plans it read ahead are handled in order, once each.
+    sets = workload_sets(
+        "pressure", *TIERS, "sched.preemption=swap", "sched.steps_in_flight=2",
+        "model.look_ahead=on",
+    )  # fmt: skip
     with launched(tmp_path, *sets) as run:
         outputs, summary = finished(run)  # replay's checks and --redrive hold
     assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
     engine = summary["engine"]
     assert sum(engine["preemptions"].values()) > 0, engine  # the pool really ran short
     assert most_steps_in_flight(run.run_dir) == 2
+    done = [e.data for e in read_run(run.run_dir).sources["worker-0"] if e.event == "step.done"]
+    ahead = [d for d in done if d["checked_ahead"]]
+    assert ahead and all(d["status"] == "ok" for d in ahead), len(done)
 
 
 def test_a_worker_killed_with_two_steps_in_flight_costs_recomputation_not_tokens(tmp_path):

@@ -459,6 +459,26 @@ def test_a_malformed_plan_is_rejected_naming_the_problem_and_touches_no_block(
     assert rig.result(2).status == "ok"
 
 
+def test_a_plan_checked_while_the_step_before_it_ran_is_refused_in_the_same_words(
+    make_rig,
+) -> None:
+    rig = make_rig("model.look_ahead=on")
+    # Step 1 waits for the swap lane, so step 2 is queued behind it before it runs: the
+    # Worker reads it ahead and checks it while step 1 runs (look_ahead.py).
+    rig.post(StepOp(step=1, epoch=0, fence=Fence(swap=SeqNo(1)), pieces=(PIECE,)))
+    bad = Piece(seq_id=1, token_ids=(999,), start=3, block_table=(0,), sample=True)
+    rig.post(StepOp(step=2, epoch=0, fence=Fence(), pieces=(bad,)))
+    rig.mark(Lane.SWAP).advance(1)
+    assert rig.result(1).status == "ok"
+    result = rig.result(2)
+    assert result.status == "rejected", result
+    assert result.error == "token id 999 of piece 0 is outside the vocabulary of 259"
+    done = [(d["step"], d["status"], d["checked_ahead"]) for d in rig.events("step.done")]
+    assert done == [(1, "ok", False), (2, "rejected", True)]
+    rig.post(StepOp(step=3, epoch=0, fence=Fence(), pieces=(replace(bad, token_ids=(4,)),)))
+    assert rig.result(3).status == "ok"  # and the lane goes on
+
+
 def test_a_step_out_of_lane_order_is_refused_and_the_watermark_stays(make_rig) -> None:
     rig = make_rig()
     rig.post(StepOp(step=2, epoch=0, fence=Fence(), pieces=(PIECE,)))
