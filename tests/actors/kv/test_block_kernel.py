@@ -247,7 +247,8 @@ def test_pairs_the_kernel_cannot_copy_are_refused_before_any_block_is_written(
 
 @needs_triton
 def test_copy_blocks_by_kernel_returns_the_bytes_the_runs_return(rng: random.Random) -> None:
-    src = random_bits(SHAPE, torch.bfloat16, rng.randrange(1 << 30))
+    # On the device the kernel runs on: a GPU's, or the CPU's under Triton's interpreter.
+    src = random_bits(SHAPE, torch.bfloat16, rng.randrange(1 << 30)).to(DEVICE)
     by_runs, by_kernel = torch.zeros_like(src), torch.zeros_like(src)
     ids = rng.sample(range(SHAPE[0]), 5)
     copied = copy_blocks(src, ids, by_runs, ids)
