@@ -13,23 +13,24 @@ that nothing waits for room. From its files:
 * the engine's trace lines (``runtime.log_level = trace``): ``op.issue`` of a step (when it
   was sent) and ``sched.step`` (when its result was received).
 
-A step of steady decode (every one of the ``seqs`` sequences decoding one token) lasts from
-its issue to the next one's, and is split into ``forward`` and ``sampling`` (the Worker's),
-``engine`` (from the result received to the next step issued: applying it, scheduling,
-planning; none where the next step was issued first, as with ``sched.steps_in_flight``
-2) and ``idle``, the rest: the rings both ways and the Worker's own checks and
-bookkeeping around the forward. At the info level the engine's lines are absent: the step
-runs from one ``step.done`` to the next and ``engine`` and ``idle`` are one figure,
-``between``. ``device_busy`` is the forward's share of the steady decode's wall time: on
-CUDA, how busy the GPU was kept. ``worker_cycle`` is the Worker's own view, at either log
-level: from one steady step's ``step.done`` to the next, over the next one's ``exec_ns``
+A step of steady decode (every one of the ``seqs`` sequences decoding one token, after a
+step that did too) lasts from the previous step's end to its own, as the Worker's
+``step.done`` lines time them, and is split into ``forward`` and ``sampling`` (the
+Worker's), ``engine`` (trace level: from the previous step's end to this step's issue, the
+time the Worker had no plan to run because the engine had not sent it; none with
+``sched.steps_in_flight`` 2 while the engine keeps ahead) and ``idle``, the rest: the rings
+both ways and the Worker's own checks and bookkeeping around the forward. At the info level
+the engine's lines are absent and ``engine`` and ``idle`` are one figure, ``between``.
+Timing a step end to end rather than issue to issue matters with two steps in flight: the
+first decode step is issued before the prefill ends, so its issue-to-issue span holds the
+prefill. ``device_busy`` is the forward's share of the steady decode's wall time: on CUDA,
+how busy the GPU was kept. ``worker_cycle`` is the same cycle over the step's ``exec_ns``
 (its forward and sampling with their checks); 1.0 would be a Worker that never waits
-between steps, and it is the figure that two steps in flight should bring down (a step's
-issue-to-issue ``step`` overstates it when the next is issued early). ``engine_turn`` (trace
-level) is the engine's own view: from a steady step's result received to the next step
-issued after it, whether or not that lies on the step's path. With two steps in flight it
-is hidden while it is shorter than the Worker's execution (``over_exec`` below 1); on a
-GPU, that is what keeps the device from waiting for the host at large batches.
+between steps. ``engine_turn`` (trace level) is the engine's own view: from a steady step's
+result received to the next step issued after it, whether or not that lies on the step's
+path. With two steps in flight it is hidden while it is shorter than the Worker's execution
+(``over_exec`` below 1); on a GPU, that is what keeps the device from waiting for the host
+at large batches.
 """
 
 from __future__ import annotations
@@ -152,7 +153,6 @@ def step_split(
         for e in worker
         if e["event"] == "step.done" and e["status"] == "ok" and e["pieces"] == e["tokens"] == seqs
     }
-    ended = {e["step"]: e["mono_ns"] for e in worker if e["event"] == "step.done"}
     issued: dict[int, int] = {}
     received: dict[int, int] = {}
     for e in engine or ():
@@ -163,25 +163,22 @@ def step_split(
     rows: list[dict[str, int | None]] = []
     timed = all(line.get("forward_ns") is not None for line in done.values())
     for step, line in sorted(done.items()):
+        if step - 1 not in done:
+            continue  # the first steady step: its cycle starts at a prefill's end
         # A Worker that times only the whole execution: it all counts as the forward.
         forward = line["forward_ns"] if timed else line["exec_ns"]
         sample = line["sample_ns"] if timed else None
-        row: dict[str, int | None] = {
-            "end": line["mono_ns"],
-            "forward": forward,
-            "sampling": sample,
-        }
-        if engine is None and step + 1 in ended:
-            row |= {"step": ended[step + 1] - ended[step], "engine": None, "idle": None}
-        elif engine is not None and {step, step + 1} <= issued.keys() and step in received:
-            # With two steps in flight the next one may be issued before this one's result
-            # came: then no engine time lies on the step's path.
-            cycle = issued[step + 1] - issued[step]
-            engine_ns = max(issued[step + 1] - received[step], 0)
-            idle = cycle - forward - (sample or 0) - engine_ns
-            row |= {"step": cycle, "engine": engine_ns, "idle": idle}
+        cycle = line["mono_ns"] - done[step - 1]["mono_ns"]
+        row: dict[str, int | None] = {"step": cycle, "exec": line["exec_ns"]}
+        row |= {"forward": forward, "sampling": sample}
+        if engine is None:
+            row |= {"engine": None, "idle": None}
+        elif step in issued:
+            # The Worker had no plan to run until the engine sent it.
+            engine_ns = min(max(issued[step] - done[step - 1]["mono_ns"], 0), cycle)
+            row |= {"engine": engine_ns, "idle": cycle - forward - (sample or 0) - engine_ns}
         else:
-            continue  # the last step: no next one to end it
+            continue  # an engine log that lacks the step's issue (a cut log)
         rows.append(row)
     if not rows:
         raise RunError(f"no steady decode step of {seqs} sequences in the run's logs")
@@ -195,14 +192,7 @@ def step_split(
     parts = {key: mean_ms(key) for key in ("forward", "sampling", "engine", "idle")}
     steady_ns = sum(row["step"] or 0 for row in rows)
     forward_ns = sum(row["forward"] or 0 for row in rows)
-    # The Worker's cycle: each steady step's end to the next steady step's, over the next
-    # one's execution.
-    cycles = [
-        (done[step + 1]["mono_ns"] - line["mono_ns"], done[step + 1]["exec_ns"])
-        for step, line in done.items()
-        if step + 1 in done
-    ]
-    cycle_ns, exec_ns = sum(c for c, _ in cycles), sum(e for _, e in cycles)
+    exec_ns = sum(row["exec"] or 0 for row in rows)
     # The engine's turn: a steady step's result received to the next steady step issued.
     by_time = sorted((ns, op) for op, ns in issued.items())
     turns = []
@@ -219,11 +209,11 @@ def step_split(
         "between_ms": step_ms - (parts["forward"] or 0.0) - (parts["sampling"] or 0.0),
         "forward_source": "forward_ns" if timed else "exec_ns",
         "device_busy": forward_ns / steady_ns if steady_ns > 0 else None,
-        "worker_cycle": {
-            "steps": len(cycles),
-            "cycle_ms": cycle_ns / len(cycles) * MS if cycles else None,
-            "exec_ms": exec_ns / len(cycles) * MS if cycles else None,
-            "over_exec": cycle_ns / exec_ns if exec_ns > 0 else None,
+        "worker_cycle": {  # the same steps over their execution
+            "steps": len(rows),
+            "cycle_ms": step_ms,
+            "exec_ms": exec_ns / len(rows) * MS,
+            "over_exec": steady_ns / exec_ns if exec_ns > 0 else None,
         },
         "engine_turn": {
             "steps": len(turns),

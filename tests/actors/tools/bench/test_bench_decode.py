@@ -36,12 +36,12 @@ def engine_lines(step: int, issued_ms: float, received_ms: float) -> list[dict[s
 
 
 def test_a_steady_step_splits_into_forward_sampling_engine_and_idle_that_add_up_to_it():
-    # Steps 2 and 3 decode both sequences; step 1 is the prefill (4 tokens), step 4 the last.
+    # Steps 2, 3 and 4 decode both sequences; step 1 is the prefill (4 tokens).
     worker = [
         {**worker_line(1, 9.0, seqs=2, exec_ms=8.0), "tokens": 4},
         worker_line(2, 19.0, seqs=2, exec_ms=7.0, forward=5.0, sample=1.0),
-        worker_line(3, 29.0, seqs=2, exec_ms=7.0, forward=6.0, sample=2.0),
-        worker_line(4, 39.0, seqs=2, exec_ms=7.0, forward=6.0, sample=2.0),
+        worker_line(3, 29.0, seqs=2, exec_ms=8.0, forward=6.0, sample=2.0),
+        worker_line(4, 39.0, seqs=2, exec_ms=8.5, forward=6.0, sample=1.5),
     ]
     engine = [
         *engine_lines(1, 0.0, 9.5),
@@ -51,22 +51,23 @@ def test_a_steady_step_splits_into_forward_sampling_engine_and_idle_that_add_up_
     ]
     worker[0] |= {"forward_ns": 7 * MS, "sample_ns": MS}
     split = step_split(worker, engine, seqs=2)
-    # Steps 2 and 3: cycles 11 and 9 ms; engine 21 - 19.5 = 1.5 and 30 - 29.5 = 0.5 ms.
+    # Steps 3 and 4 (step 2 follows the prefill): cycles 29 - 19 and 39 - 29 ms; the plans
+    # came 21 - 19 = 2 and 30 - 29 = 1 ms after the step before ended.
     assert split["steady_steps"] == 2 and split["forward_source"] == "forward_ns"
     assert split["step_ms"] == pytest.approx(10.0)
     parts = split["parts_ms"]
-    assert parts == pytest.approx({"forward": 5.5, "sampling": 1.5, "engine": 1.0, "idle": 2.0})
+    assert parts == pytest.approx({"forward": 6.0, "sampling": 1.75, "engine": 1.5, "idle": 0.75})
     assert sum(parts.values()) == pytest.approx(split["step_ms"])
-    assert split["between_ms"] == pytest.approx(3.0)
-    assert split["device_busy"] == pytest.approx(11.0 / 20.0)
-    # The Worker's cycle: steps 2 -> 3 -> 4 ended 10 ms apart, each executing for 7 ms.
+    assert split["between_ms"] == pytest.approx(2.25)
+    assert split["device_busy"] == pytest.approx(12.0 / 20.0)
+    # The Worker's cycle: the same steps over their execution.
     cycle = split["worker_cycle"]
     assert cycle["steps"] == 2
-    assert (cycle["cycle_ms"], cycle["exec_ms"]) == (pytest.approx(10.0), pytest.approx(7.0))
-    assert cycle["over_exec"] == pytest.approx(10.0 / 7.0)
+    assert (cycle["cycle_ms"], cycle["exec_ms"]) == (pytest.approx(10.0), pytest.approx(8.25))
+    assert cycle["over_exec"] == pytest.approx(10.0 / 8.25)
     # The engine's turn: results of 2 and 3 at 19.5 and 29.5, steps 3 and 4 issued at 21, 30.
     turn = split["engine_turn"]
-    assert turn == {"steps": 2, "turn_ms": pytest.approx(1.0), "over_exec": pytest.approx(1 / 7)}
+    assert turn["steps"] == 2 and turn["turn_ms"] == pytest.approx(1.0)
 
 
 def test_without_the_engines_lines_engine_and_idle_are_one_figure_and_exec_counts_as_forward():
@@ -81,16 +82,32 @@ def test_without_the_engines_lines_engine_and_idle_are_one_figure_and_exec_count
 
 
 def test_a_step_issued_before_the_last_ones_result_puts_no_engine_time_on_its_path():
-    # Two steps in flight: step 3 is issued (12 ms) before step 2's result comes (19.5 ms).
+    # Two steps in flight: step 3 is issued (12 ms) before step 2 ends (20 ms).
     worker = [
         worker_line(s, 10.0 * s, seqs=1, exec_ms=6.0, forward=5.0, sample=1.0) for s in (2, 3)
     ]
     engine = [*engine_lines(2, 2.0, 19.5), *engine_lines(3, 12.0, 29.5)]
-    engine.append({"event": "op.issue", "lane": "step", "op": 4, "mono_ns": 22 * MS})
     split = step_split(worker, engine, seqs=1)
-    assert split["steady_steps"] == 2 and split["step_ms"] == pytest.approx(10.0)
+    assert split["steady_steps"] == 1 and split["step_ms"] == pytest.approx(10.0)
     assert split["parts_ms"]["engine"] == pytest.approx(0.0)
     assert split["parts_ms"]["idle"] == pytest.approx(4.0)
+
+
+def test_with_two_in_flight_the_prefill_is_not_counted_in_the_first_decode_step():
+    # Step 2 is issued at 0.1 ms, beside the prefill (step 1, 100 ms); its issue-to-issue span
+    # (0.1 -> 101 ms) holds the prefill, but the decode runs a step every 5 ms.
+    worker = [{**worker_line(1, 100.0, seqs=2, exec_ms=99.0), "tokens": 64}]
+    worker += [worker_line(s, 100.0 + 5 * (s - 1), seqs=2, exec_ms=4.0) for s in (2, 3, 4, 5)]
+    engine = [*engine_lines(1, 0.0, 100.2), *engine_lines(2, 0.1, 105.2)]
+    for s in (3, 4, 5):  # issued 2 ms before the step ahead of it ends
+        engine += engine_lines(s, 88.0 + 5 * s, 95.2 + 5 * s)
+    split = step_split(worker, engine, seqs=2)
+    assert split["steady_steps"] == 3 and split["step_ms"] == pytest.approx(5.0)
+    assert split["parts_ms"]["engine"] == pytest.approx(0.0)
+    assert split["device_busy"] == pytest.approx(0.8)
+    assert split["worker_cycle"]["over_exec"] == pytest.approx(1.25)
+    # At the info level, the same steps.
+    assert step_split(worker, None, seqs=2)["step_ms"] == pytest.approx(5.0)
 
 
 def test_with_two_in_flight_the_engines_turn_runs_from_a_result_to_the_step_after_next():
