@@ -94,6 +94,7 @@ class Services(Protocol):
     def bell_of(self, instance: str) -> Waker | None: ...
     def local_inbox(self, peer: str, registry: Registry) -> LocalInbox: ...
     def peek(self, peer: str) -> object | None: ...
+    def own_bell(self) -> Waker: ...
     @property
     def current(self) -> Delivery | None: ...
 
@@ -302,6 +303,11 @@ class Actor:
         as usual, and released only once that handler ran: for work a handler can do early,
         such as checking the next step while the device runs this one."""
         return self.ctx.services.peek(peer)
+
+    def own_bell(self) -> Waker:
+        """This actor's own doorbell, for a thread of this process to wake it: a
+        :meth:`wait_until` in progress looks at its condition again."""
+        return self.ctx.services.own_bell()
 
     @handles(Stop)
     def handle_stop(self, msg: Stop) -> None:

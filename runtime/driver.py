@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ringfence.runtime.actor import Actor, ActorContext
 from ringfence.runtime.dispatch import Dispatcher
-from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox, PollWaiter
+from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox, PollWaiter, Waiter
 from ringfence.runtime.messages import Tick
 from ringfence.runtime.routes import Routes
 from ringfence.runtime.timers import Timers
@@ -197,6 +197,9 @@ class Driver:
             return None
         delivery = inboxes[0].peek()
         return None if delivery is None else delivery.msg
+
+    def own_bell(self) -> Waiter:
+        return self.mailbox.waiter
 
     def bell_of(self, instance: str) -> Doorbell | None:
         bell = self._bells.get(instance)

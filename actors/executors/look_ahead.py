@@ -6,12 +6,19 @@ host: the Worker has queued its kernels and waits for its tokens. The host's che
 next plan (``actors/model/step_check.py``: a millisecond of Python at 256 sequences) would
 otherwise run after the step is reported, while the device waits for the next one.
 
-So, once a step's kernels are queued, :meth:`CheckAhead.check_next` reads the next frame
-from the engine ahead (``Actor.peek``: it is decoded now, handed to its handler next as
-usual, and released only after that handler ran) and, if it is a plan, runs the step check
-on it and keeps the verdict. When that plan's turn comes, :meth:`CheckAhead.verdict` gives
-the kept verdict in place of the check, at the same point of the Worker's checks, so the
-order in which a bad plan's problems are named is unchanged.
+So, once a step's kernels are queued (its forward and its sampling),
+:meth:`CheckAhead.check_next` reads the next frame from the engine ahead (``Actor.peek``: it
+is decoded now, handed to its handler next as usual, and released only after that handler
+ran) and, if it is a plan, runs the step check on it and keeps the verdict. The frame is
+often not there yet when the kernels are queued: the engine's turn (about 0.75 ms on an
+H200's host) outlasts the queuing. So on CUDA the Worker waits for it, sleeping on its own
+doorbell, until the device has finished the step: the engine's frame rings that doorbell,
+and so does :class:`DeviceWatch`, a thread that waits for the step's CUDA event. Whichever
+comes first ends the wait; the device never waits for the look-ahead.
+
+When that plan's turn comes, :meth:`CheckAhead.verdict` gives the kept verdict in place of
+the check, at the same point of the Worker's checks, so the order in which a bad plan's
+problems are named is unchanged.
 
 The check's verdict depends on the plan and the pool alone: the tables the checker keeps
 are facts about tuples of ids (``step_check.py``), so no step run, sequence ended or table
@@ -22,29 +29,51 @@ its turn comes.
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from ringfence.sched.ops import Piece, StepOp
+from ringfence.shm.counter import Waker
+
+_IDLE_WAKE_S = 30.0  # the watch thread's wait for work has a deadline; waking idle is free
+
+
+class Completion(Protocol):
+    """What the watch waits for: a ``torch.cuda.Event`` recorded after a step's kernels."""
+
+    def synchronize(self) -> None: ...
 
 
 class CheckAhead:
     """The step check of the plan read ahead, kept until that plan's turn. Owned by the
     Worker's thread."""
 
-    __slots__ = ("_check", "_peek", "_plan", "_verdict", "checked", "taken")
+    __slots__ = ("_check", "_peek", "_plan", "_verdict", "_wait", "checked", "taken")
 
     def __init__(
-        self, peek: Callable[[], object | None], check: Callable[[Sequence[Piece]], None]
+        self,
+        peek: Callable[[], object | None],
+        check: Callable[[Sequence[Piece]], None],
+        wait: Callable[[Callable[[], bool]], bool] | None = None,
     ) -> None:
         self._peek = peek  # the next message from the engine, read ahead (or None)
         self._check = check  # the step check: raises ValueError naming what is wrong
+        # Sleeps on the actor's doorbell until the condition holds (False at its deadline).
+        self._wait = wait
         self._plan: StepOp | None = None
         self._verdict = ""
         self.checked = 0  # plans checked ahead
         self.taken: int | None = None  # the step of the last verdict given from ahead
 
-    def check_next(self) -> None:
-        """Check the next plan now if it has arrived (once: it may be peeked again)."""
+    def check_next(self, done: Callable[[], bool] | None = None) -> None:
+        """Check the next plan if it has arrived (once: it may be peeked again). Given
+        ``done`` (true once the device has finished the step that runs), first wait for the
+        next message until then."""
+        if done is not None and self._wait is not None:
+            self._wait(lambda: self._peek() is not None or done())
         plan = self._peek()
         if not isinstance(plan, StepOp) or not plan.pieces or plan is self._plan:
             return
@@ -63,3 +92,45 @@ class CheckAhead:
             return None
         self._plan, self.taken = None, plan.step
         return self._verdict
+
+
+class DeviceWatch:
+    """A thread that rings an actor's doorbell when the device work it is given completes,
+    so that the actor can sleep on its doorbell for a frame and the device at once (one
+    per Worker on CUDA; its thread alone calls ``synchronize``)."""
+
+    def __init__(self, bell: Waker) -> None:
+        self._bell = bell
+        self._jobs: queue.SimpleQueue[tuple[Completion, threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
+        name = "ringfence-device-watch"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, completion: Completion) -> Callable[[], bool]:
+        """Ring the doorbell once ``completion`` is reached; returns whether it is yet."""
+        reached = threading.Event()
+        self._jobs.put((completion, reached))
+        return reached.is_set
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread after the work it was given (its last wait is the device's)."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=_IDLE_WAKE_S)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            completion, reached = job
+            # The device's own wait: it has no deadline to give. An error is the device's,
+            # which the actor's own wait for the same work raises.
+            with contextlib.suppress(Exception):
+                completion.synchronize()
+            reached.set()
+            self._bell.ring()

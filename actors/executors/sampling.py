@@ -79,6 +79,17 @@ class SeqSampling:
         self.num_tokens += len(tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """A step's draw queued on the device (:meth:`Sampler.queue`), not yet read back."""
+
+    pieces: Sequence[Piece]
+    rows: list[int]  # the pieces that sample
+    states: list[SeqSampling]  # theirs, in that order
+    out: torch.Tensor  # ids, logprobs, ranks, non-finite flags, top logprobs (sample_rows)
+    top_k: int  # top logprobs a row
+
+
 class Sampler:
     """The open sequences of one Worker, by the scheduler's seq id."""
 
@@ -240,20 +251,22 @@ class Sampler:
         masked by its grammar (``masks`` from :meth:`start_masks`; computed here when not
         given). On CUDA the one copy of the results back waits for the stream."""
         if masks is not None:
-            return self._draw(pieces, last_logits, masks)
+            return self.collect(self.queue(pieces, last_logits, masks))
         masks = self.start_masks(pieces)
         try:
-            return self._draw(pieces, last_logits, masks)
+            return self.collect(self.queue(pieces, last_logits, masks))
         finally:
             if masks is not None:  # its fill reads the matchers: over before they move
                 masks.wait()
 
-    def _draw(
+    def queue(
         self, pieces: Sequence[Piece], last_logits: torch.Tensor, masks: MaskJob | None
-    ) -> tuple[SampledToken, ...]:
+    ) -> Draw | None:
+        """:meth:`sample`'s first half: the draw's tensor ops, queued on the device (run, on
+        the CPU), None when no piece asks for a token; :meth:`collect` reads them back."""
         rows = [i for i, p in enumerate(pieces) if p.sample]
         if not rows:
-            return ()
+            return None
         states = [self.seqs[pieces[i].seq_id] for i in rows]
         masked: list[tuple[int, int]] = []  # (row, row of the bitmask) of constrained rows
         for j, state in enumerate(states):
@@ -282,7 +295,16 @@ class Sampler:
             x, knobs, bits=bits, counts=counts, seen=seen,
             raw_logprobs=self.logprobs_mode == "raw_logprobs",
         )  # fmt: skip
-        found = out.cpu().tolist()  # the one copy back: ids, logprobs, ranks, flags, tops
+        return Draw(pieces, rows, states, out, top_k)
+
+    def collect(self, draw: Draw | None) -> tuple[SampledToken, ...]:
+        """:meth:`sample`'s second half: the tokens of a queued draw, in one copy back (on
+        CUDA it waits for the stream). NonFiniteLogits names a row whose logits were not
+        finite."""
+        if draw is None:
+            return ()
+        pieces, rows, states, top_k = draw.pieces, draw.rows, draw.states, draw.top_k
+        found = draw.out.cpu().tolist()  # the one copy back: ids, logprobs, ranks, flags, tops
         n = len(rows)
         for j in range(n):
             if found[3 * n + j]:

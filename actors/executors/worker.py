@@ -34,15 +34,16 @@ repeat, answered with the kept result when it is the last step, else dropped.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
-from ringfence.actors.executors.look_ahead import CheckAhead
+from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch
 from ringfence.actors.executors.pending import SampledTokens
 from ringfence.actors.executors.profiling import op_range
 from ringfence.actors.executors.ranks import StepGate
-from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler
+from ringfence.actors.executors.sampling import Draw, NonFiniteLogits, Sampler
 from ringfence.actors.executors.timing import StepTimer
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
@@ -103,10 +104,13 @@ class Worker(LaneExecutor):
         self.cuda = self.space.kv.device.type == "cuda"
         look = config.model.look_ahead
         self.ahead = (
-            CheckAhead(lambda: self.peek("engine"), self.executor.check)
+            CheckAhead(lambda: self.peek("engine"), self.executor.check, self.wait_until)
             if look == "on" or (look == "auto" and self.cuda)
             else None
         )  # look_ahead.py
+        # On CUDA the look-ahead waits for the next plan until the device is done: this
+        # thread rings the Worker's doorbell when it is.
+        self.watch = DeviceWatch(self.own_bell()) if self.ahead and self.cuda else None
         self.timer = StepTimer(self.space.kv.device)
         self.steps = 0
         self.sampled = SampledTokens()  # the last step's tokens, for plans made before them
@@ -182,6 +186,9 @@ class Worker(LaneExecutor):
 
     def on_stop(self) -> None:
         super().on_stop()
+        watch: DeviceWatch | None = getattr(self, "watch", None)  # None if on_start failed early
+        if watch is not None:
+            watch.close()
         self.executor = None
         if self.sampler.constraints is not None:
             self.sampler.constraints.close()  # the grammar masks' thread
@@ -309,8 +316,7 @@ class Worker(LaneExecutor):
             return (), ()
         if self.shard.rank > 0:  # rank 0 samples; the others write KV and join the all-reduces
             self.executor.step_without_logits(plan.pieces, checked=True)  # see below
-            if self.ahead is not None:  # the next plan, while the device runs this one
-                self.ahead.check_next()
+            self._look_ahead()
             self._touched()
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
@@ -324,19 +330,42 @@ class Worker(LaneExecutor):
                 plan.pieces, whole=self.sampler.whole(plan.pieces), checked=True
             )
             self.timer.mark()
-            if self.ahead is not None:  # the next plan, while the device runs this one
-                self.ahead.check_next()
             self._touched()
             prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
             # Sampled where the logits are; only the tokens and logprobs come back.
-            sampled = self.sampler.sample(plan.pieces, out.last_logits, masks)
-            self.timer.mark()
+            sampled = self._collect(self.sampler.queue(plan.pieces, out.last_logits, masks))
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return sampled, prompt
         finally:
             if masks is not None:  # the fill reads the matchers: done before a plan moves them
                 masks.wait()
+
+    def _collect(self, draw: Draw | None) -> tuple[SampledToken, ...]:
+        """The tokens of the step's draw (the timer's last mark taken at its end), with the
+        next plan checked ahead: on CUDA while the device computes them."""
+        if not self.cuda:
+            sampled = self.sampler.collect(draw)
+            self.timer.mark()
+            self._look_ahead()
+            return sampled
+        self.timer.mark()  # an event: the draw's end on the device
+        self._look_ahead()
+        return self.sampler.collect(draw)
+
+    def _look_ahead(self) -> None:
+        """Check the next plan, if it comes before the device is done (look_ahead.py)."""
+        if self.ahead is not None:
+            self.ahead.check_next(self._device_done())
+
+    def _device_done(self) -> Callable[[], bool] | None:
+        """On CUDA, whether the work queued so far on the stream is done, with the Worker's
+        doorbell rung when it is (look_ahead.py); None elsewhere, where it is done."""
+        if self.watch is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.kv.device))
+        return self.watch.watch(event)
 
     def _touched(self) -> None:
         """Add the blocks the model's step indexed to the op's touches (when tracing)."""
