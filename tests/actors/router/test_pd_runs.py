@@ -355,7 +355,9 @@ def test_replay_passes_on_the_prefill_and_decode_instances_run_dirs(pd: Pd):
 
 
 def test_the_prefill_instance_killed_mid_run_costs_recomputation_not_tokens(pd: Pd, rig: Rig):
-    batch = [fresh_prompt(200 + i, 150) for i in range(6)]
+    # 150 tokens a prompt: the prefill instance prefills three a step (512 tokens), so the
+    # kill after the first hand-over lands with most of the batch still to prefill.
+    batch = [fresh_prompt(200 + i, 150) for i in range(12)]
     fallbacks = _fallbacks(rig)
     with ThreadPoolExecutor(len(batch) + 1) as pool:
         expected = list(pool.map(lambda p: tokens(completion(pd.both.url, p, 10)), batch))
@@ -367,9 +369,11 @@ def test_the_prefill_instance_killed_mid_run_costs_recomputation_not_tokens(pd: 
         for stamp in [*pd.prefill.launch.child_stamps()]:
             _signal(stamp.pid, signal.SIGKILL)
         pd.prefill.launch.send_signal(signal.SIGKILL)
+        held = len(pd.prefill.engine_events("handover.hold")) - holds
         results = [a.result(120.0) for a in answers]
     assert [tokens(r) for r in results] == expected
-    assert _fallbacks(rig) > fallbacks
+    if held < len(batch):  # the prompts it had not handed over were computed again
+        assert _fallbacks(rig) > fallbacks, held
 
 
 def test_the_decode_instance_killed_ends_the_stream_with_an_error_at_the_router(pd: Pd, rig: Rig):
