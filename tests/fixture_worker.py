@@ -108,7 +108,7 @@ class ScriptedEngine(Actor):
         if msg.status != "ok":
             self.finish(f"step {msg.step} {msg.status}: {msg.error}")
             return
-        outputs = {out.seq_id: out for out in msg.outputs}
+        outputs = {out.seq_id: out for out in msg.sampled.tokens()}
         for piece in plan.pieces:
             seq = self.seqs[piece.seq_id]
             seq.done = piece.start + len(piece.token_ids)

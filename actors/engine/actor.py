@@ -253,7 +253,7 @@ class Engine(Actor):
             self.log.error(
                 "engine.step_failed", step=done.number, status=done.status, error=done.error
             )
-        outputs = [(t.seq_id, t.token_id) for t in done.outputs]
+        outputs = done.sampled.pairs()
         if self.log.tracing:
             self.log.trace(
                 "sched.step", step=done.number, msg_epoch=msg.epoch, status=done.status,
@@ -261,9 +261,9 @@ class Engine(Actor):
             )  # fmt: skip
         emitted, failed = self.scheduler.on_step(done.number, done.status, outputs)
         file_prompt_logprobs(done.prompt_logprobs, emitted, self.scheduler.request_of)
-        sampled = {t.seq_id: t for t in done.outputs}
+        rows = dict(zip(done.sampled.seq_ids, range(len(done.sampled)), strict=True))
         for e in emitted:
-            logprobs, prompt = emitted_logprobs(e, sampled)
+            logprobs, prompt = emitted_logprobs(e, done.sampled, rows)
             self.outputs.emitted(
                 e, hold=self.scheduler.config.handover, logprobs=logprobs, prompt_logprobs=prompt
             )

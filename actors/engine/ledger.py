@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from ringfence.actors.protocol.transfer import OpDone
-from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken, StepResult
+from ringfence.actors.protocol.worker import PromptLogprobs, Sampled, StepResult
 from ringfence.cache.fences import NO_WAIT, Access, Lane
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.ops import Op, StepOp, SwapOp
@@ -46,7 +46,7 @@ class Outcome(NamedTuple):
     status: str  # "ok" only if every rank's was
     error: str  # the first rank's error that is not empty
     missing: tuple[int, ...]  # a prefetch: positions any rank lacks
-    outputs: tuple[SampledToken, ...]  # a step: rank 0's sampled tokens
+    sampled: Sampled  # a step: rank 0's sampled tokens
     bytes: int  # summed over ranks
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # a step: rank 0's, when asked
 
@@ -250,13 +250,17 @@ def _combine(lane: Lane, number: int, reports: Mapping[int, Report]) -> Outcome:
         if isinstance(r, OpDone):
             missing.update(r.missing)
             moved += r.bytes
+    sampled = first.sampled if isinstance(first, StepResult) and 0 in reports else Sampled()
+    error = next((r.error for r in ranked if r.error), "")
+    if status == "ok" and (problem := sampled.problem()):  # a result it cannot read
+        status, error, sampled = "failed", f"rank 0's result: {problem}", Sampled()
     return Outcome(
         lane=lane,
         number=number,
         status=status,
-        error=next((r.error for r in ranked if r.error), ""),
+        error=error,
         missing=tuple(sorted(missing)),
-        outputs=first.outputs if isinstance(first, StepResult) and 0 in reports else (),
+        sampled=sampled,
         bytes=moved,
         prompt_logprobs=(
             first.prompt_logprobs if isinstance(first, StepResult) and 0 in reports else ()

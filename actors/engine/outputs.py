@@ -24,7 +24,7 @@ from typing import Any
 
 from ringfence.actors.engine.clients import ClientHub, RequestKey
 from ringfence.actors.engine.summary import Progress, RequestRecord, summarize, write_run_report
-from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken
+from ringfence.actors.protocol.worker import PromptLogprobs, Sampled
 from ringfence.runtime.log import ActorLog
 from ringfence.sched.request import Request
 from ringfence.sched.sampling import TokenLogprobs
@@ -170,14 +170,22 @@ def file_prompt_logprobs(
 
 
 def emitted_logprobs(
-    e: Emitted, sampled: Mapping[int, SampledToken]
+    e: Emitted, sampled: Sampled, rows: Mapping[int, int]
 ) -> tuple[tuple[TokenLogprobs, ...], tuple[TokenLogprobs, ...]]:
-    """The token's log probabilities, and on the request's first token its prompt's, each
-    only when the request asked (then the prompt's are sent and forgotten)."""
+    """The token's log probabilities (row ``rows[seq_id]`` of the step's ``sampled``), and on
+    the request's first token its prompt's, each only when the request asked (then the
+    prompt's are sent and forgotten)."""
     token: tuple[TokenLogprobs, ...] = ()
     if e.request.params.logprobs is not None:
-        t = sampled[e.seq_id]
-        token = (TokenLogprobs(token_id=t.token_id, logprob=t.logprob, rank=t.rank, top=t.top),)
+        row = rows[e.seq_id]
+        token = (
+            TokenLogprobs(
+                token_id=sampled.token_ids[row],
+                logprob=sampled.logprobs[row],
+                rank=sampled.ranks[row],
+                top=sampled.tops[row],
+            ),
+        )
     prompt: tuple[TokenLogprobs, ...] = ()
     if e.request.prompt_logprobs is not None:  # its first token: the prompt is done
         prompt = tuple(v for _, v in sorted(e.request.prompt_logprobs.items()))

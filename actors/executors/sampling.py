@@ -35,7 +35,7 @@ from ringfence.actors.executors.constraints import Constraints, MaskJob
 from ringfence.actors.executors.counts import DeviceCounts
 from ringfence.actors.executors.knobs import SeqKnobs, build_knobs
 from ringfence.actors.model.sampler import sample_rows
-from ringfence.actors.protocol.worker import PromptLogprobs, SampledToken
+from ringfence.actors.protocol.worker import PromptLogprobs, Sampled, SampledToken
 from ringfence.actors.text.grammars import GrammarError, Grammars
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
@@ -251,10 +251,10 @@ class Sampler:
         masked by its grammar (``masks`` from :meth:`start_masks`; computed here when not
         given). On CUDA the one copy of the results back waits for the stream."""
         if masks is not None:
-            return self.collect(self.queue(pieces, last_logits, masks))
+            return self.collect(self.queue(pieces, last_logits, masks)).tokens()
         masks = self.start_masks(pieces)
         try:
-            return self.collect(self.queue(pieces, last_logits, masks))
+            return self.collect(self.queue(pieces, last_logits, masks)).tokens()
         finally:
             if masks is not None:  # its fill reads the matchers: over before they move
                 masks.wait()
@@ -297,46 +297,42 @@ class Sampler:
         )  # fmt: skip
         return Draw(pieces, rows, states, out, top_k)
 
-    def collect(self, draw: Draw | None) -> tuple[SampledToken, ...]:
-        """:meth:`sample`'s second half: the tokens of a queued draw, in one copy back (on
-        CUDA it waits for the stream). NonFiniteLogits names a row whose logits were not
-        finite."""
+    def collect(self, draw: Draw | None) -> Sampled:
+        """:meth:`sample`'s second half: the tokens of a queued draw as columns, in one copy
+        back (on CUDA it waits for the stream). NonFiniteLogits names a row whose logits
+        were not finite."""
         if draw is None:
-            return ()
+            return Sampled()
         pieces, rows, states, top_k = draw.pieces, draw.rows, draw.states, draw.top_k
         found = draw.out.cpu().tolist()  # the one copy back: ids, logprobs, ranks, flags, tops
         n = len(rows)
-        for j in range(n):
-            if found[3 * n + j]:
-                raise NonFiniteLogits(
-                    f"the logits of sequence {pieces[rows[j]].seq_id} are not finite: the step "
-                    "read KV that was never written, was freed and poisoned (a missing "
-                    "fence?), or was spoiled by an op that failed"
-                )
-        tops = found[4 * n :]
-        outputs = []
+        if any(found[3 * n : 4 * n]):
+            j = next(j for j in range(n) if found[3 * n + j])
+            raise NonFiniteLogits(
+                f"the logits of sequence {pieces[rows[j]].seq_id} are not finite: the step "
+                "read KV that was never written, was freed and poisoned (a missing "
+                "fence?), or was spoiled by an op that failed"
+            )
+        chosen = [pieces[i] for i in rows]
+        tops: list[tuple[tuple[int, float], ...]] = [()] * n
+        values = found[4 * n :]
         t = 0  # the next row of the top logprobs
         for j, state in enumerate(states):
-            p = pieces[rows[j]]
-            top: tuple[tuple[int, float], ...] = ()
             if state.params.logprobs:
-                ids = tops[2 * t * top_k : (2 * t + 1) * top_k]
-                values = tops[(2 * t + 1) * top_k : (2 * t + 2) * top_k]
-                top = tuple(
-                    (int(i), max(v, LOGPROB_FLOOR)) for i, v in zip(ids, values, strict=True)
+                ids = values[2 * t * top_k : (2 * t + 1) * top_k]
+                logprobs = values[(2 * t + 1) * top_k : (2 * t + 2) * top_k]
+                tops[j] = tuple(
+                    (int(i), max(v, LOGPROB_FLOOR)) for i, v in zip(ids, logprobs, strict=True)
                 )[: state.params.logprobs]
                 t += 1
-            outputs.append(
-                SampledToken(
-                    seq_id=p.seq_id,
-                    position=p.start + len(p.token_ids),
-                    token_id=int(found[j]),
-                    logprob=max(found[n + j], LOGPROB_FLOOR),
-                    rank=int(found[2 * n + j]),
-                    top=top,
-                )
-            )
-        return tuple(outputs)
+        return Sampled(
+            seq_ids=tuple(p.seq_id for p in chosen),
+            positions=tuple(p.start + len(p.token_ids) for p in chosen),
+            token_ids=tuple(map(int, found[:n])),
+            logprobs=tuple(max(v, LOGPROB_FLOOR) for v in found[n : 2 * n]),
+            ranks=tuple(map(int, found[2 * n : 3 * n])),
+            tops=tuple(tops),
+        )
 
 
 def processed(

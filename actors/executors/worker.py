@@ -54,7 +54,7 @@ from ringfence.actors.protocol.lanes import LANES
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.worker import (
     PromptLogprobs,
-    SampledToken,
+    Sampled,
     StepResult,
     StepStatus,
     WorkerReady,
@@ -64,6 +64,8 @@ from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
 from ringfence.sched.ops import StepOp
 from ringfence.shm.names import posix_name
+
+NOTHING_SAMPLED = Sampled()
 
 
 class Worker(LaneExecutor):
@@ -303,7 +305,7 @@ class Worker(LaneExecutor):
                 return str(e)
         return ""
 
-    def _execute(self, plan: StepOp) -> tuple[tuple[SampledToken, ...], tuple[PromptLogprobs, ...]]:
+    def _execute(self, plan: StepOp) -> tuple[Sampled, tuple[PromptLogprobs, ...]]:
         """Run the plan: the sampled tokens (rank 0) and the prompt log probabilities asked."""
         assert self.space is not None and self.executor is not None
         self.space.poison(plan.poison)
@@ -313,14 +315,14 @@ class Worker(LaneExecutor):
         if not plan.pieces:
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
-            return (), ()
+            return Sampled(), ()
         if self.shard.rank > 0:  # rank 0 samples; the others write KV and join the all-reduces
             self.executor.step_without_logits(plan.pieces, checked=True)  # see below
             self._look_ahead()
             self._touched()
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
-            return (), ()
+            return Sampled(), ()
         masks = self.sampler.start_masks(plan.pieces)  # filled beside the forward
         try:
             self.timer.mark()
@@ -341,7 +343,7 @@ class Worker(LaneExecutor):
             if masks is not None:  # the fill reads the matchers: done before a plan moves them
                 masks.wait()
 
-    def _collect(self, draw: Draw | None) -> tuple[SampledToken, ...]:
+    def _collect(self, draw: Draw | None) -> Sampled:
         """The tokens of the step's draw (the timer's last mark taken at its end), with the
         next plan checked ahead: on CUDA while the device computes them."""
         if not self.cuda:
@@ -380,7 +382,7 @@ class Worker(LaneExecutor):
         plan: StepOp,
         status: StepStatus,
         *,
-        outputs: tuple[SampledToken, ...] = (),
+        outputs: Sampled = NOTHING_SAMPLED,
         prompt_logprobs: tuple[PromptLogprobs, ...] = (),
         error: str = "",
         wait_ns: int = 0,
@@ -390,7 +392,7 @@ class Worker(LaneExecutor):
     ) -> None:
         """Advance step_done past the plan, then report it."""
         self.steps += 1
-        self.sampled.keep(plan.step, ((t.seq_id, t.token_id) for t in outputs))
+        self.sampled.keep(plan.step, zip(outputs.seq_ids, outputs.token_ids, strict=True))
         self.sampler.close(plan.closed)  # whatever the status: forgetting is always safe
         if self.executor is not None:
             self.executor.forget(plan.closed)  # the tables its check kept
@@ -423,7 +425,7 @@ class Worker(LaneExecutor):
             epoch=plan.epoch,
             rank=self.ctx.rank,
             status=status,
-            outputs=outputs,
+            sampled=outputs,
             prompt_logprobs=prompt_logprobs,
             error=error,
             wait_ns=wait_ns,

@@ -203,7 +203,7 @@ class Harness(Actor):
     def on_step(self, msg: StepResult) -> None:
         if not self.expected(Lane.STEP, msg.step, msg.status):
             return
-        self.outputs[msg.step] = msg.outputs
+        self.outputs[msg.step] = msg.sampled.tokens()
         self.settle(Lane.STEP, msg.step, msg.status, msg.error)
 
     @handles(OpDone)

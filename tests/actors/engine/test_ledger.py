@@ -3,6 +3,7 @@ an op applied only once every rank reported it, and its outcome combined over th
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import orjson
@@ -10,7 +11,7 @@ import pytest
 
 from ringfence.actors.engine.ledger import CREDITS, Ledger
 from ringfence.actors.protocol.transfer import OpDone
-from ringfence.actors.protocol.worker import SampledToken, StepResult
+from ringfence.actors.protocol.worker import FROM_WORKER, Sampled, SampledToken, StepResult
 from ringfence.cache.fences import NO_WAIT, Fence, Lane
 from ringfence.cache.ids import BlockHash, Seq
 from ringfence.runtime.log import ActorLog
@@ -53,8 +54,8 @@ def swap(n: int, fence: Fence = NO_WAIT) -> SwapOp:
 
 
 def result(n: int, rank: int, status: str = "ok", epoch: int = 0, token: int = 7) -> StepResult:
-    outputs = (SampledToken(seq_id=1, position=1, token_id=token, logprob=0.0),)
-    return StepResult(step=n, epoch=epoch, rank=rank, status=status, outputs=outputs)  # type: ignore[arg-type]
+    sampled = Sampled.of([SampledToken(seq_id=1, position=1, token_id=token, logprob=0.0)])
+    return StepResult(step=n, epoch=epoch, rank=rank, status=status, sampled=sampled)  # type: ignore[arg-type]
 
 
 def done(lane: str, n: int, rank: int, status: str = "ok", missing: tuple[int, ...] = ()) -> OpDone:
@@ -77,8 +78,33 @@ def test_a_step_is_applied_only_when_every_rank_has_reported_it_with_rank_0s_tok
     assert ledger.in_flight(Lane.STEP) == 1  # rank 0 still runs it: no credit back yet
     outcome = ledger.settle(Lane.STEP, 0, result(1, 0, token=7), epoch_now=0)
     assert outcome is not None and outcome.status == "ok"
-    assert [t.token_id for t in outcome.outputs] == [7]
+    assert [t.token_id for t in outcome.sampled.tokens()] == [7]
     assert ledger.in_flight(Lane.STEP) == 0 and ledger.completed(Lane.STEP) == 1
+
+
+def test_a_result_whose_token_columns_differ_in_length_is_a_failed_step(tmp_path):
+    ledger, _, _ = make_ledger(tmp_path)
+    ledger.queue([step(1)], epoch=0)
+    ledger.pump()
+    assert ledger.settle(Lane.STEP, 1, result(1, 1), epoch_now=0) is None  # rank 1's
+    good = result(1, 0, token=7)
+    torn = dataclasses.replace(good.sampled, token_ids=(7, 8))
+    outcome = ledger.settle(Lane.STEP, 0, dataclasses.replace(good, sampled=torn), epoch_now=0)
+    assert outcome is not None and outcome.status == "failed" and len(outcome.sampled) == 0
+    assert "sampled columns of unequal lengths" in outcome.error
+    assert "'token_ids': 2" in outcome.error and "'seq_ids': 1" in outcome.error
+
+
+def test_the_sampled_columns_cross_the_wire_and_read_back_as_the_tokens_they_were():
+    tokens = [
+        SampledToken(seq_id=4, position=9, token_id=3, logprob=-0.25, rank=2, top=((3, -0.25),)),
+        SampledToken(seq_id=1, position=2, token_id=5, logprob=-1.5),
+    ]
+    sampled = Sampled.of(tokens)
+    assert sampled.tokens() == tuple(tokens) and sampled.problem() == ""
+    assert sampled.pairs() == [(4, 3), (1, 5)] and len(sampled) == 2
+    sent = StepResult(step=3, epoch=0, rank=0, status="ok", sampled=sampled)
+    assert FROM_WORKER.decode(*FROM_WORKER.encode(sent)) == sent
 
 
 def test_a_rank_that_reports_twice_is_counted_once(tmp_path):

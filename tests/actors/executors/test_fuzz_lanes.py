@@ -168,7 +168,8 @@ class LaneFuzzer:
         elif s.role in ("hole", "far", "next"):
             assert number_of(head) == s.number, (s.role, s.number, head)
             # The Worker cancels a stale plan before checking it; the copy lanes check first.
-            stale = self.stale_first and s.role == "next" and self.rig.actor.stale(s.outcome.epoch)
+            plan = s.outcome if self.stale_first and s.role == "next" else None
+            stale = isinstance(plan, StepOp) and self.rig.actor.stale(plan.epoch)
             assert head.status == ("cancelled" if stale else "rejected"), (s.role, head)
             if s.role == "next":
                 self.kept = head
@@ -235,7 +236,7 @@ def fuzz_the_worker(rig: RingRig, batches: list[list[tuple[Fuzz, str]]], referen
         blocks, make = probe_plan(probes)
         result = fuzzer.probe(make)
         assert isinstance(result, StepResult) and result.status == "ok", result
-        [out] = result.outputs
+        [out] = result.sampled.tokens()
         assert out.token_id == reference[0] and abs(out.logprob - reference[1]) < 1e-9
         others = [b for b in range(BLOCKS) if b not in blocks]
         assert same_bits(rig.actor.kv[others], before[others]), "a fuzzed frame touched a block"

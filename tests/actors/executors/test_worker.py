@@ -176,7 +176,7 @@ def run_program(rig: Rig, seqs: list[Seq], rng: random.Random, decode: int, step
         rig.post(StepOp(step=step, epoch=0, fence=Fence(), pieces=pieces))
         result = rig.result(step)
         assert result.status == "ok", result.error
-        by_id = {out.seq_id: out for out in result.outputs}
+        by_id = {out.seq_id: out for out in result.sampled.tokens()}
         for seq, piece in zip(active, pieces, strict=True):
             seq.done = piece.start + len(piece.token_ids)
             if piece.sample:
@@ -269,7 +269,7 @@ def test_a_step_reads_swapped_in_blocks_only_after_the_swap_watermark_reaches_it
     finally:
         swapper.join(WAIT_S)
     if fenced:
-        [out] = result.outputs
+        [out] = result.sampled.tokens()
         seq.generated.append(out.token_id)
         seq.logprobs.append(out.logprob)
         check_against_reference(reference, seq)
@@ -298,8 +298,8 @@ def test_a_fence_wait_past_its_deadline_defers_the_plan_and_runs_it_when_the_swa
     finally:
         swapper.join(WAIT_S)
     assert result.status == "ok" and result.wait_ns > 0
-    seq.generated.append(result.outputs[0].token_id)
-    seq.logprobs.append(result.outputs[0].logprob)
+    seq.generated.append(result.sampled.token_ids[0])
+    seq.logprobs.append(result.sampled.logprobs[0])
     check_against_reference(reference, seq)
     deferred = rig.events("msg.deferred")
     assert deferred and all(e["error"] == "WaitTimeout" for e in deferred)
@@ -321,7 +321,7 @@ def test_a_plan_whose_fence_is_not_reached_is_cancelled_once_its_engine_has_rest
     finally:
         bump.join(WAIT_S)
     assert result.status == "cancelled" and "epoch 0" in result.error
-    assert result.outputs == () and rig.mark(Lane.STEP).value() == 1
+    assert len(result.sampled) == 0 and rig.mark(Lane.STEP).value() == 1
     # The lane goes on with the next step.
     rig.post(StepOp(step=2, epoch=1, fence=Fence(), pieces=(piece,)))
     assert rig.result(2).status == "ok"
@@ -351,7 +351,7 @@ def test_poisoned_blocks_are_nan_and_the_outputs_of_other_sequences_do_not_chang
     piece = next_piece(kept, rng)
     plan = StepOp(step=step, epoch=0, fence=Fence(), pieces=(piece,), poison=tuple(doomed.blocks))
     rig.post(plan)
-    [out] = rig.result(step).outputs
+    [out] = rig.result(step).sampled.tokens()
     kept.generated.append(out.token_id)
     kept.logprobs.append(out.logprob)
     check_against_reference(reference, kept)
@@ -388,7 +388,7 @@ def test_a_step_that_raises_fills_the_blocks_it_wrote_with_nan_and_no_other(
     rig.post(StepOp(step=2, epoch=0, fence=Fence(), pieces=(piece,)))
     result = rig.result(2)
     assert result.status == "failed" and "broke after writing" in result.error, result
-    assert result.outputs == ()
+    assert len(result.sampled) == 0
     assert bool(torch.isnan(rig.kv[[5, 6]]).all()), "a failed step left KV that reads valid"
     others = [b for b in range(POOL) if b not in (5, 6)]
     assert torch.equal(bits(rig.kv)[others], before[others])
@@ -513,7 +513,7 @@ def test_sampled_tokens_are_reproducible_per_seed_and_position(make_rig) -> None
             for seed in range(6)
         )  # fmt: skip
         rig.post(StepOp(step=step, epoch=0, fence=Fence(), pieces=pieces))
-        picks.append(rig.result(step).outputs)
+        picks.append(rig.result(step).sampled.tokens())
     assert picks[0] == picks[1]
     assert len({out.token_id for out in picks[0]}) > 1, "every seed drew the same token"
 

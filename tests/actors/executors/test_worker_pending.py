@@ -80,7 +80,7 @@ def test_decodes_planned_ahead_take_the_tokens_the_step_before_sampled(make_rig,
     for step in (1, 2, 3):
         result = rig.result(step)
         assert result.status == "ok", result.error
-        by_id = {out.seq_id: out for out in result.outputs}
+        by_id = {out.seq_id: out for out in result.sampled.tokens()}
         for seq in seqs:
             seq.generated.append(by_id[seq.seq_id].token_id)
             seq.logprobs.append(by_id[seq.seq_id].logprob)
