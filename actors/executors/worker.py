@@ -98,6 +98,11 @@ class Worker(LaneExecutor):
             cuda_graphs=config.model.cuda_graphs,
         )
         self.executor.record_touches = self.log.tracing  # for op.touched (touches.py)
+        if self.executor.graphs is not None:  # so that no step waits for one (graphs.py)
+            began = time.perf_counter()
+            captured = self.executor.graphs.capture_all()
+            took = round(time.perf_counter() - began, 3)
+            self.log.info("worker.graphs", buckets=captured, capture_s=took)
         # A restart forgets every sequence: the engine opens them again (reset_device).
         vocab_size = self.model.config.vocab_size
         # Rank 0 alone samples, so it alone compiles grammars and keeps matchers.

@@ -8,7 +8,10 @@ and ``max_batch``), its inputs are copied into static buffers that the bucket's 
 and the graph is replayed; the real rows' logits are returned. Each bucket is captured on
 first use, after a warm-up run on a side stream (Triton compiles its kernels and cuBLAS
 makes its workspace on first use, which capture refuses), into one memory pool shared by
-the buckets. Prefill and mixed steps run eagerly.
+the buckets. The Worker captures every bucket when it starts (:meth:`DecodeGraphs.capture_all`,
+largest first, on padding rows alone), so that no step of a run waits for a capture: the
+first use of a bucket cost a decode step tens of milliseconds, and a run whose batch shrinks
+meets every bucket below its largest. Prefill and mixed steps run eagerly.
 
 Padding rows write nothing and read nothing: their slot is -1 (the store kernel skips it)
 and their context length 0 (the attention kernel visits no key); they run through the
@@ -90,6 +93,30 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b >= n)
         self._fill(pieces, bucket)
         return self._forward(bucket)[:n]
+
+    def capture_all(self) -> list[int]:
+        """Capture every bucket not captured yet, largest first (the pool is sized by the
+        first), on inputs of padding rows alone, which write and read no KV; the buckets
+        captured. CUDA only."""
+        done = []
+        for bucket in sorted(self.buckets, reverse=True):
+            if bucket not in self.captured:
+                self._pad(bucket)
+                self._capture(bucket)
+                done.append(bucket)
+        return done
+
+    def run_padding(self, bucket: int) -> Tensor:
+        """What a capture at start runs, eagerly on any device: ``bucket`` padding rows (how
+        it is checked without a GPU that they touch no KV)."""
+        self._pad(bucket)
+        return self._forward(bucket)
+
+    def _pad(self, bucket: int) -> None:
+        """Every row of ``bucket`` a padding row (see the module docstring)."""
+        self.inputs[:, :bucket] = 0
+        self.slots[:bucket] = -1
+        self.tables[:bucket] = 0
 
     def _fill(self, pieces: Sequence[Piece], bucket: int) -> None:
         bs, pad = self.block_size, bucket - len(pieces)

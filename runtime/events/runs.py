@@ -138,6 +138,12 @@ RUN_EVENTS: Final[dict[str, Event]] = {
         "the model (this rank's shard) is loaded and the device KV tensor is mapped; step_done "
         "it resumes from; group: the generation of the ranks' process group",
     ),
+    "worker.graphs": event(
+        "info",
+        "buckets capture_s",
+        "the decode step's CUDA graphs captured at start, one per batch-size bucket (largest "
+        "first), and the seconds it took",
+    ),
     "worker.group": event(
         "info",
         "tp_size generation backend join_s",

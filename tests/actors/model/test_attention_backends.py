@@ -257,3 +257,39 @@ def test_a_graphs_padded_bucket_computes_the_eager_steps_logits_and_writes_only_
     assert torch.equal(eager.kv.isnan(), after.isnan()), "padding wrote KV"
     assert torch.allclose(eager.kv, after, rtol=0, atol=1e-12, equal_nan=True)
     assert int(graphs.slots[3]) == -1 and int(graphs.seq_lens[3]) == 0
+
+
+@needs_triton
+def test_the_padding_rows_a_capture_at_start_runs_write_and_read_no_kv() -> None:
+    """What :meth:`DecodeGraphs.capture_all` runs, eagerly (on any device): a bucket of
+    padding rows leaves every bit of the KV as it was, NaN included, and reads none of it."""
+    from ringfence.actors.model.graphs import DecodeGraphs
+
+    model = model_of("tiny", torch.float64)
+    kv = executor(model, attention="triton").kv
+    kv.normal_()
+    kv[::3] = float("nan")  # poisoned blocks: a read of one shows in the logits
+    before = kv.clone()
+    graphs = DecodeGraphs(model, kv, max_batch=6)
+    for bucket in graphs.buckets:
+        logits = graphs.run_padding(bucket)
+        assert logits.shape[0] == bucket and bool(logits.isfinite().all()), bucket
+    assert torch.equal(kv.isnan(), before.isnan()) and torch.equal(
+        kv.nan_to_num(), before.nan_to_num()
+    ), "a padding row wrote KV"
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_every_bucket_is_captured_at_start_and_touches_no_kv() -> None:
+    model = cuda_model()
+    ex = executor(model, "cuda", attention="triton", cuda_graphs=True, max_batch=6)
+    assert ex.graphs is not None
+    ex.kv.normal_()
+    ex.kv[::2] = float("nan")
+    before = ex.kv.clone()
+    assert ex.graphs.capture_all() == [6, 4, 2, 1]
+    assert set(ex.graphs.captured) == {1, 2, 4, 6} and ex.graphs.capture_all() == []
+    torch.cuda.synchronize()
+    assert torch.equal(ex.kv.isnan(), before.isnan())
+    assert torch.equal(ex.kv.nan_to_num(), before.nan_to_num()), "a capture wrote KV"
