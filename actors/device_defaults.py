@@ -7,7 +7,10 @@ process exists, writes the config it returns to the run dir's ``config.toml`` an
 its note. On the CPU it returns the config untouched (today's defaults exactly). On CUDA,
 for each key no file or ``--set`` wrote (``RunConfig.explicit``):
 
-* ``sched.max_num_seqs`` 256 and ``sched.max_batched_tokens`` 8192 (vLLM's limits on a GPU);
+* ``sched.max_num_seqs`` 256 and ``sched.max_batched_tokens`` 8192 (vLLM's limits on a GPU),
+  and ``sched.steps_in_flight`` 2 (the engine plans a step while the one before runs: with
+  one, the device waits for the engine's turn every step; where a run cannot take two, the
+  scheduler runs one, ``sched/config.py``);
 * ``runtime.start_method`` spawn (:func:`spawn_children`);
 * ``cache.device_blocks``: as many blocks as fit in ``cache.gpu_memory_utilization`` of
   the device's total memory (no more than is free now) once the weights, the CUDA
@@ -40,7 +43,11 @@ from ringfence.runtime.config import RunConfig
 from ringfence.runtime.topology import Resolved
 
 GIB: Final = 1 << 30
-GPU_BATCH: Final = {"sched.max_num_seqs": 256, "sched.max_batched_tokens": 8192}
+GPU_SCHED: Final = {
+    "sched.max_num_seqs": 256,
+    "sched.max_batched_tokens": 8192,
+    "sched.steps_in_flight": 2,
+}
 POOL_KEY: Final = "cache.device_blocks"
 UTILIZATION_KEY: Final = "cache.gpu_memory_utilization"
 START_KEY: Final = "runtime.start_method"
@@ -163,7 +170,7 @@ def device_defaults(config: Config, devices: Sequence[DeviceMemory]) -> Resolved
     if config.model.device == "cpu":
         return Resolved(config)
     sched = config.sched
-    batch = {key: value for key, value in GPU_BATCH.items() if key not in config.explicit}
+    batch = {key: value for key, value in GPU_SCHED.items() if key not in config.explicit}
     if batch:
         limits: dict[str, Any] = {key.partition(".")[2]: value for key, value in batch.items()}
         sched = dataclasses.replace(sched, **limits)

@@ -48,7 +48,7 @@ class SchedConfig:
     steps_in_flight: int = setting(
         1,
         "step plans in flight on the step lane: 1 (plan after each result) or 2 (plan step "
-        "N+1 while step N runs; what a GPU wants)",
+        "N+1 while step N runs; on CUDA, unless set, 2)",
         ge=1,
         le=2,
     )

@@ -59,6 +59,7 @@ def test_on_cuda_the_batch_limits_are_a_gpu_servers_and_the_pool_fills_the_fract
     resolved = defaults(gpu_config(), [H200])
     config = resolved.config
     assert (config.sched.max_num_seqs, config.sched.max_batched_tokens) == (256, 8192)
+    assert config.sched.steps_in_flight == 2
     plan = plan_memory(config, PRESETS["small"], [H200])
     assert plan.budget == int(0.9 * H200.total_bytes)
     # The small preset: 20,980,224 parameters, tied, two bytes each in bfloat16; a block
@@ -72,6 +73,7 @@ def test_on_cuda_the_batch_limits_are_a_gpu_servers_and_the_pool_fills_the_fract
     assert note.startswith("defaults for cuda:0 (NVIDIA H200: 140.0 GiB, 139.0 GiB free): ")
     assert f"cache.device_blocks = {blocks} (" in note
     assert "sched.max_num_seqs = 256, sched.max_batched_tokens = 8192" in note
+    assert "sched.steps_in_flight = 2" in note
 
 
 def test_the_budget_is_what_is_free_when_that_is_less_than_the_fraction():
@@ -98,9 +100,12 @@ def test_the_rank_with_the_least_room_sizes_every_ranks_pool():
 
 
 def test_settings_given_explicitly_win_even_when_they_equal_the_cpu_defaults():
-    config = gpu_config("sched.max_num_seqs=16", "cache.device_blocks=1000")
+    config = gpu_config(
+        "sched.max_num_seqs=16", "cache.device_blocks=1000", "sched.steps_in_flight=1"
+    )
     resolved = defaults(config, [H200]).config
     assert resolved.sched.max_num_seqs == 16  # the CPU default, but written: kept
+    assert resolved.sched.steps_in_flight == 1
     assert resolved.cache.device_blocks == 1000
     assert resolved.sched.max_batched_tokens == 8192  # not written: the GPU's
 
