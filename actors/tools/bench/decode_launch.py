@@ -30,7 +30,8 @@ between steps. ``engine_turn`` (trace level) is the engine's own view: from a st
 result received to the next step issued after it, whether or not that lies on the step's
 path. With two steps in flight it is hidden while it is shorter than the Worker's execution
 (``over_exec`` below 1); on a GPU, that is what keeps the device from waiting for the host
-at large batches.
+at large batches. ``checked_ahead`` is the share of the steady steps whose plan the Worker
+checked while the step before it ran (``step.done``'s ``checked_ahead``).
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ def step_split(
         sample = line["sample_ns"] if timed else None
         cycle = line["mono_ns"] - done[step - 1]["mono_ns"]
         row: dict[str, int | None] = {"step": cycle, "exec": line["exec_ns"]}
+        row["ahead"] = int(bool(line.get("checked_ahead")))
         row |= {"forward": forward, "sampling": sample}
         if engine is None:
             row |= {"engine": None, "idle": None}
@@ -209,6 +211,8 @@ def step_split(
         "between_ms": step_ms - (parts["forward"] or 0.0) - (parts["sampling"] or 0.0),
         "forward_source": "forward_ns" if timed else "exec_ns",
         "device_busy": forward_ns / steady_ns if steady_ns > 0 else None,
+        # The steps whose plan the Worker checked while the step before ran (look_ahead.py).
+        "checked_ahead": sum(row["ahead"] or 0 for row in rows) / len(rows),
         "worker_cycle": {  # the same steps over their execution
             "steps": len(rows),
             "cycle_ms": step_ms,

@@ -50,7 +50,9 @@ def test_a_steady_step_splits_into_forward_sampling_engine_and_idle_that_add_up_
         *engine_lines(4, 30.0, 39.5),
     ]
     worker[0] |= {"forward_ns": 7 * MS, "sample_ns": MS}
+    worker[3]["checked_ahead"] = True  # step 4's plan was checked while step 3 ran
     split = step_split(worker, engine, seqs=2)
+    assert split["checked_ahead"] == pytest.approx(0.5)
     # Steps 3 and 4 (step 2 follows the prefill): cycles 29 - 19 and 39 - 29 ms; the plans
     # came 21 - 19 = 2 and 30 - 29 = 1 ms after the step before ended.
     assert split["steady_steps"] == 2 and split["forward_source"] == "forward_ns"
@@ -103,6 +105,7 @@ def test_with_two_in_flight_the_prefill_is_not_counted_in_the_first_decode_step(
         engine += engine_lines(s, 88.0 + 5 * s, 95.2 + 5 * s)
     split = step_split(worker, engine, seqs=2)
     assert split["steady_steps"] == 3 and split["step_ms"] == pytest.approx(5.0)
+    assert split["checked_ahead"] == 0.0
     assert split["parts_ms"]["engine"] == pytest.approx(0.0)
     assert split["device_busy"] == pytest.approx(0.8)
     assert split["worker_cycle"]["over_exec"] == pytest.approx(1.25)
