@@ -35,6 +35,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import torch
+
 from ringfence.sched.ops import Piece, StepOp
 from ringfence.shm.counter import Waker
 
@@ -113,6 +115,12 @@ class DeviceWatch:
         reached = threading.Event()
         self._jobs.put((completion, reached))
         return reached.is_set
+
+    def queued(self, device: torch.device) -> Callable[[], bool]:
+        """:meth:`watch` the work queued so far on ``device``'s current CUDA stream."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        return self.watch(event)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread after the work it was given (its last wait is the device's)."""

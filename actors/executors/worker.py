@@ -34,7 +34,6 @@ repeat, answered with the kept result when it is the last step, else dropped.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -363,16 +362,8 @@ class Worker(LaneExecutor):
     def _look_ahead(self) -> None:
         """Check the next plan, if it comes before the device is done (look_ahead.py)."""
         if self.ahead is not None:
-            self.ahead.check_next(self._device_done())
-
-    def _device_done(self) -> Callable[[], bool] | None:
-        """On CUDA, whether the work queued so far on the stream is done, with the Worker's
-        doorbell rung when it is (look_ahead.py); None elsewhere, where it is done."""
-        if self.watch is None:
-            return None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.kv.device))
-        return self.watch.watch(event)
+            done = self.watch.queued(self.kv.device) if self.watch is not None else None
+            self.ahead.check_next(done)  # no wait elsewhere: the step is done already
 
     def _touched(self) -> None:
         """Add the blocks the model's step indexed to the op's touches (when tracing)."""
