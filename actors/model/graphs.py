@@ -94,6 +94,7 @@ class DecodeGraphs:
         self._fill(pieces, bucket)
         return self._forward(bucket)[:n]
 
+    @torch.inference_mode()  # as a step's own capture ran: inside PagedExecutor.step
     def capture_all(self) -> list[int]:
         """Capture every bucket not captured yet, largest first (the pool is sized by the
         first), on inputs of padding rows alone, which write and read no KV; the buckets
@@ -106,6 +107,7 @@ class DecodeGraphs:
                 done.append(bucket)
         return done
 
+    @torch.inference_mode()
     def run_padding(self, bucket: int) -> Tensor:
         """What a capture at start runs, eagerly on any device: ``bucket`` padding rows (how
         it is checked without a GPU that they touch no KV)."""
