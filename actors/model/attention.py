@@ -102,8 +102,9 @@ def run_layers(model: Model, x: Tensor, positions: Tensor, attention: StepAttent
     """The hidden states after every layer of ``model``, from the embedded tokens x [T, hidden]
     at ``positions`` [T]; each layer writes its K/V and attends through ``attention``. What
     an eager step runs, and what a CUDA graph captures."""
+    rope = model.rope(positions)  # once a step, for every layer
     for layer in range(model.local.layers):
-        q, k, v = model.attention_inputs(layer, x, positions)
+        q, k, v = model.attention_inputs(layer, x, rope)
         # Write before reading: a piece's queries attend to its own new tokens too.
         attention.write(layer, k, v)
         x = model.finish_layer(layer, x, attention.attend(layer, q))

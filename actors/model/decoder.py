@@ -84,6 +84,14 @@ class QKV(NamedTuple):
     v: Tensor  # [T, kv_heads, head_dim]
 
 
+class Rope(NamedTuple):
+    """The rotary cos and sin of a step's positions, [T, 1, head_dim] each: gathered once a
+    step, not once a layer (on a GPU each gather is a kernel: 64 a step for 16 layers)."""
+
+    cos: Tensor
+    sin: Tensor
+
+
 class RMSNorm(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -230,12 +238,14 @@ class Model(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
         return weight * h.to(x.dtype)
 
-    def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+    def rope(self, positions: Tensor) -> Rope:
+        """The rotary tables at ``positions`` [T], for every layer's :meth:`attention_inputs`."""
+        return Rope(self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+
+    def _rope(self, x: Tensor, rope: Rope) -> Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * rope.cos + rotated * rope.sin
 
     def embed(self, token_ids: Tensor) -> Tensor:
         """Hidden states [T, hidden] of token ids [T]."""
@@ -245,8 +255,9 @@ class Model(nn.Module):
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         return F.embedding(token_ids, self.model.embed_tokens.weight)
 
-    def attention_inputs(self, index: int, x: Tensor, positions: Tensor) -> QKV:
-        """Layer ``index``'s queries, keys and values of hidden states x [T, hidden]."""
+    def attention_inputs(self, index: int, x: Tensor, rope: Rope) -> QKV:
+        """Layer ``index``'s queries, keys and values of hidden states x [T, hidden], rotated
+        by ``rope`` (:meth:`rope` of their positions)."""
         c = self.local
         layer = self.decoder_layers[index]
         h = self._rms_norm(x, layer.input_layernorm.weight)
@@ -257,7 +268,7 @@ class Model(nn.Module):
         if c.qk_norm:  # per head, over head_dim, before rotary
             q = self._rms_norm(q, att.q_norm.weight)
             k = self._rms_norm(k, att.k_norm.weight)
-        return QKV(self._rope(q, positions), self._rope(k, positions), v)
+        return QKV(self._rope(q, rope), self._rope(k, rope), v)
 
     def finish_layer(self, index: int, x: Tensor, attended: Tensor) -> Tensor:
         """The residual stream after layer ``index``, given its attention output [T, heads*dim]
@@ -286,9 +297,9 @@ class Model(nn.Module):
         mask = None  # plain causal attention, unless the window is shorter than the sequence
         if window is not None and window < length:
             mask = window_mask(positions, positions, window).to(self.rope_cos.device)
-        x = self.embed(token_ids)
+        x, rope = self.embed(token_ids), self.rope(positions)
         for index in range(self.config.layers):
-            q, k, v = self.attention_inputs(index, x, positions)
+            q, k, v = self.attention_inputs(index, x, rope)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 attn_mask=mask, is_causal=mask is None, enable_gqa=True,
