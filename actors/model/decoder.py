@@ -16,6 +16,7 @@ differs only in where attention reads its keys and values.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -173,6 +174,8 @@ class Model(nn.Module):
         self.config = config
         self.local = local_shape(config, shard.size)
         self.shard = shard
+        # The fused RMSNorm, where the paged executor runs Triton on a GPU (paged.py).
+        self.norm_kernel: Callable[[Tensor, Tensor, float], Tensor] | None = None
         self.group = group or (SINGLE if shard.size == 1 else Group(shard, None))
         self.dtype = dtype
         with torch.device("meta"):
@@ -233,6 +236,8 @@ class Model(nn.Module):
                 param.data.copy_(take_shard(name, drawn, self.shard))
 
     def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        if self.norm_kernel is not None:  # one kernel on the GPU (kernels/rms_norm.py)
+            return self.norm_kernel(x, weight, self.config.norm_eps)
         # Like Hugging Face: normalize in at least float32, scale in the model dtype.
         h = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)

@@ -122,6 +122,13 @@ class PagedExecutor:
         )
         self.backend_name = resolve_attention(attention, kv)
         self.backend = BACKENDS[self.backend_name](model, kv)
+        # One kernel a norm, not eight, where the step runs Triton on a GPU; the model's
+        # torch ops elsewhere (the executor made last for a model decides).
+        model.norm_kernel = None
+        if self.backend_name == "triton" and kv.device.type == "cuda" and kv.dtype != torch.float64:
+            from ringfence.actors.model.kernels.rms_norm import rms_norm  # imports Triton
+
+            model.norm_kernel = rms_norm
         self.graphs: DecodeGraphs | None = None
         graphable = kv.device.type == "cuda" and model.shard.size == 1
         if cuda_graphs and graphable and self.backend_name == "triton":
