@@ -174,8 +174,10 @@ class Model(nn.Module):
         self.config = config
         self.local = local_shape(config, shard.size)
         self.shard = shard
-        # The fused RMSNorm, where the paged executor runs Triton on a GPU (paged.py).
+        # The fused RMSNorm and rotary, where the paged executor runs Triton on a GPU
+        # (paged.py; kernels/rms_norm.py, kernels/rotary.py).
         self.norm_kernel: Callable[[Tensor, Tensor, float], Tensor] | None = None
+        self.rope_kernel: Callable[[Tensor, Rope], Tensor] | None = None
         self.group = group or (SINGLE if shard.size == 1 else Group(shard, None))
         self.dtype = dtype
         with torch.device("meta"):
@@ -248,6 +250,8 @@ class Model(nn.Module):
         return Rope(self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
 
     def _rope(self, x: Tensor, rope: Rope) -> Tensor:
+        if self.rope_kernel is not None:  # one kernel on the GPU (kernels/rotary.py)
+            return self.rope_kernel(x, rope)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * rope.cos + rotated * rope.sin

@@ -122,13 +122,14 @@ class PagedExecutor:
         )
         self.backend_name = resolve_attention(attention, kv)
         self.backend = BACKENDS[self.backend_name](model, kv)
-        # One kernel a norm, not eight, where the step runs Triton on a GPU; the model's
-        # torch ops elsewhere (the executor made last for a model decides).
-        model.norm_kernel = None
+        # One kernel a norm or a rotation, not eight or five, where the step runs Triton on a
+        # GPU; the model's torch ops elsewhere (the executor made last for a model decides).
+        model.norm_kernel = model.rope_kernel = None
         if self.backend_name == "triton" and kv.device.type == "cuda" and kv.dtype != torch.float64:
             from ringfence.actors.model.kernels.rms_norm import rms_norm  # imports Triton
+            from ringfence.actors.model.kernels.rotary import rotate
 
-            model.norm_kernel = rms_norm
+            model.norm_kernel, model.rope_kernel = rms_norm, rotate
         self.graphs: DecodeGraphs | None = None
         graphable = kv.device.type == "cuda" and model.shard.size == 1
         if cuda_graphs and graphable and self.backend_name == "triton":

@@ -1,10 +1,12 @@
-"""Triton kernels of the paged forward: attention that reads KV blocks where they lie, and
-the store of a step's new K/V into their slots.
+"""Triton kernels of the paged forward: attention that reads KV blocks where they lie, the
+store of a step's new K/V into their slots, and on a GPU the RMSNorm and the rotary embedding
+fused into one kernel each.
 
 Importing this package imports nothing heavy: ``triton_available`` looks for Triton without
-importing it, so a plain install (no Triton) keeps the torch attention path. Only
-``kernels/paged_attention.py`` imports Triton, and only the Triton backend
-(``kernels/backend.py``) imports that module.
+importing it, so a plain install (no Triton) keeps the torch attention path. Only the kernel
+modules import Triton: ``paged_attention.py`` through the Triton backend
+(``kernels/backend.py``), ``rms_norm.py`` and ``rotary.py`` through the paged executor on a
+GPU.
 
 Where no CUDA device is present, importing this package sets Triton's own
 ``TRITON_INTERPRET`` variable (unless the caller set it): the kernels then run in Triton's
