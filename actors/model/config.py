@@ -56,9 +56,9 @@ class ModelConfig:
     look_ahead: LookAhead = setting(
         "auto",
         "while a step runs on the device, the Worker reads and checks the next step's plan "
-        "if it has arrived (two steps in flight), so that its check does not hold the device "
-        "between steps; 'auto' is on for a CUDA device, whose steps run beside the host, and "
-        "off on the CPU, where the step is the host's own work",
+        "if it arrives before the device is done (two steps in flight), so that its check "
+        "does not hold the device between steps; 'auto' is on for a CUDA device, whose steps "
+        "run beside the host, and off on the CPU, where the step is the host's own work",
     )
 
 
