@@ -34,28 +34,27 @@ def judged(outcome: Outcome, *, completed: int) -> None:
     assert outcome.replay == "ok", outcome.replay
 
 
-def test_repeated_kills_of_the_transfer_lanes_and_a_kill_of_the_worker_lose_no_request_or_token(
-    tmp_path,
-):
-    kill = (
-        Kill("swap-0", 10),
-        Kill("store-0", 25),
-        Kill("worker-0", 40),
-        Kill("swap-0", 70),
-    )  # the worker killed twice, and every lane more often, is in the slow matrix below
+# Before each kill the runner waits for the last victim's restart (Launch.settle). A run goes
+# on without a lane until it needs one, so after a lane's kill it may reach its end before
+# the lane is back, and a later kill would find no run to land in: under load a lane's
+# restart took 3.2 s, and the whole run 3.5 s. A run cannot go on without its Worker, so
+# in CI a lane is killed only last, after the Worker's kill; the slow matrix below kills
+# each lane again and again.
+
+
+def test_a_kill_of_the_worker_and_then_of_the_store_lane_lose_no_request_or_token(tmp_path):
+    kill = (Kill("worker-0", 10), Kill("store-0", 25))
     scenario = Scenario("lanes and worker", "pressure", 4, PRESSURE, kill)
     outcome = run_scenario(scenario, tmp_path, timeout=240)
     assert outcome.injected == len(kill) and outcome.exit_code == 0
     judged(outcome, completed=4)
 
 
-def test_at_tp_2_a_ranks_swap_lane_killed_twice_and_a_worker_rank_killed_once_lose_nothing(
-    tmp_path,
-):
-    """docs/design.md, "Ranks (tensor parallelism)": the lane restarts alone and redoes its
-    op; the killed Worker rank takes its group down, both ranks restart together under a new
-    tier epoch."""
-    kill = (Kill("swap-1", 10), Kill("worker-1", 30), Kill("swap-1", 55))
+def test_at_tp_2_a_worker_rank_and_then_a_ranks_swap_lane_killed_lose_nothing(tmp_path):
+    """docs/design.md, "Ranks (tensor parallelism)": the killed Worker rank takes its group
+    down, both ranks restart together under a new tier epoch; the lane restarts alone and
+    redoes its op."""
+    kill = (Kill("worker-1", 10), Kill("swap-1", 30))
     sets = (*PRESSURE, "parallel.tp_size=2")
     scenario = Scenario("tp2 rank lane and worker rank", "pressure", 4, sets, kill)
     outcome = run_scenario(scenario, tmp_path, timeout=300)
