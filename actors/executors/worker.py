@@ -319,14 +319,14 @@ class Worker(LaneExecutor):
         if not plan.pieces:
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
-            return Sampled(), ()
+            return NOTHING_SAMPLED, ()
         if self.shard.rank > 0:  # rank 0 samples; the others write KV and join the all-reduces
             self.executor.step_without_logits(plan.pieces, checked=True)  # see below
             self._look_ahead()
             self._touched()
             if self.cuda:  # step_done covers the writes: done, not merely queued
                 torch.cuda.current_stream(self.kv.device).synchronize()
-            return Sampled(), ()
+            return NOTHING_SAMPLED, ()
         masks = self.sampler.start_masks(plan.pieces)  # filled beside the forward
         try:
             self.timer.mark()
