@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from ringfence.runtime.actor import Actor, ActorContext
 from ringfence.runtime.dispatch import Dispatcher
-from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox, PollWaiter, Waiter
+from ringfence.runtime.mailbox import Delivery, Inbox, LocalInbox, Mailbox, PollWaiter
 from ringfence.runtime.messages import Tick
-from ringfence.runtime.routes import Routes
+from ringfence.runtime.routes import Routes, one_instance
 from ringfence.runtime.timers import Timers
 from ringfence.shm.doorbell import Doorbell
 from ringfence.shm.errors import ProtocolError
@@ -90,6 +90,7 @@ class Driver:
         self._send_timeout = runtime.heartbeat_timeout_s / 2
         self._bell_names = dict(bells or {})  # instance id -> POSIX name of its doorbell
         self._bells: dict[str, Doorbell] = {}
+        self._peeked: dict[str, Inbox] = {}  # peek's name -> the inbox it reads ahead
         self.ctx = ActorContext(
             name=name,
             rank=rank,
@@ -190,16 +191,18 @@ class Driver:
         return self._control.epoch.value() if self._control is not None else self.ctx.epoch
 
     def peek(self, peer: str) -> object | None:
-        inboxes = [i for i in self.mailbox.inboxes if i.peer == peer] or [
-            i for i in self.mailbox.inboxes if i.peer.rpartition("-")[0] == peer
-        ]
-        if len(inboxes) != 1:  # no such peer, or an actor of several instances here
-            return None
-        delivery = inboxes[0].peek()
+        inbox = self._peeked.get(peer)  # looked up once: a wait's condition peeks often
+        if inbox is None:
+            by_peer = {i.peer: i for i in self.mailbox.inboxes}
+            name = one_instance(peer, by_peer)  # the rule sends follow (routes.py)
+            if name is None:  # no such peer, or an actor of several instances here
+                return None
+            inbox = self._peeked[peer] = by_peer[name]
+        delivery = inbox.peek()
         return None if delivery is None else delivery.msg
 
-    def own_bell(self) -> Waiter:
-        return self.mailbox.waiter
+    def own_bell(self) -> Mailbox:
+        return self.mailbox  # its ring() is wake(): from any thread, nothing once closed
 
     def bell_of(self, instance: str) -> Doorbell | None:
         bell = self._bells.get(instance)

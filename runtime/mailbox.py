@@ -370,6 +370,11 @@ class Mailbox:
         self._woken = True
         self.waiter.ring()
 
+    def ring(self) -> None:
+        """:meth:`wake`: a mailbox is the waker of its actor (``Actor.own_bell``), which a
+        ``wait_until`` in progress answers by looking at its condition again."""
+        self.wake()
+
     def close(self) -> None:
         """Close every endpoint and resource. Idempotent."""
         self._closed = True

@@ -7,10 +7,31 @@ here (``engine``); a role with several ranks is reached one rank at a time or al
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ringfence.runtime.log import ActorLog
 from ringfence.runtime.mailbox import Outbox, RingOutbox
+
+
+def instances(role: str, names: Iterable[str]) -> list[str]:
+    """The instances of actor ``role`` among ``names`` ("worker-1" is rank 1 of "worker"), in
+    rank order."""
+    ranks = {}
+    for peer in names:
+        name, _, rank = peer.rpartition("-")
+        if name == role and rank.isdigit():
+            ranks[peer] = int(rank)
+    return sorted(ranks, key=ranks.__getitem__)
+
+
+def one_instance(to: str, names: Iterable[str]) -> str | None:
+    """Instance ``to`` if it is among ``names``, else the one instance of actor ``to`` there;
+    None when there is none, or several (an actor of several ranks is never guessed)."""
+    names = list(names)
+    if to in names:
+        return to
+    named = instances(to, names)
+    return named[0] if len(named) == 1 else None
 
 
 class Routes:
@@ -48,12 +69,7 @@ class Routes:
 
     def peers(self, role: str) -> list[str]:
         """The instances of actor ``role`` this one has an outbox to, in rank order."""
-        ranks = {}
-        for peer in self.outboxes:
-            name, _, rank = peer.rpartition("-")
-            if name == role and rank.isdigit():
-                ranks[peer] = int(rank)
-        return sorted(ranks, key=ranks.__getitem__)
+        return instances(role, self.outboxes)
 
     def send(self, to: str, msg: object, timeout: float) -> int:
         """Send ``msg`` to ``to`` (see :meth:`route`); the transport seq."""

@@ -911,3 +911,16 @@ def test_a_timer_whose_handler_is_blocked_downstream_fires_again(make_rig):
     assert drain(down) == [Item(n=5)]
     assert rig.actor.seen == ["start", Item(n=5), Item(n=5), Item(n=5)]
     assert rig.driver.deferred == 2
+
+
+def test_a_peer_is_named_by_instance_or_by_an_actor_with_one_instance_never_guessed():
+    from ringfence.runtime.routes import instances, one_instance
+
+    assert instances("worker", ["worker-10", "store-0", "worker-2", "worker-x"]) == [
+        "worker-2",
+        "worker-10",
+    ]
+    assert one_instance("engine", ["engine-0", "supervisor-0"]) == "engine-0"
+    assert one_instance("worker-1", ["worker-0", "worker-1"]) == "worker-1"
+    assert one_instance("worker", ["worker-0", "worker-1"]) is None  # several ranks
+    assert one_instance("swap", ["swap-lane-0"]) is None  # another actor's instance
