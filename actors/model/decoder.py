@@ -28,8 +28,8 @@ from ringfence.actors.model.parallel import SINGLE, WHOLE, Group, Shard, local_s
 from ringfence.actors.model.shape import PRESETS, ModelShape, expected_tensors
 
 __all__ = [
-    "DTYPES", "PRESETS", "Model", "ModelShape", "Sampled", "draw", "inverse_frequencies",
-    "kv_block_bytes", "nucleus", "sample", "window_mask",
+    "DTYPES", "PRESETS", "Kernels", "Model", "ModelShape", "Sampled", "Stacked", "draw",
+    "inverse_frequencies", "kv_block_bytes", "nucleus", "sample", "window_mask",
 ]  # fmt: skip
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -91,6 +91,44 @@ class Rope(NamedTuple):
 
     cos: Tensor
     sin: Tensor
+
+
+class Kernels(NamedTuple):
+    """Fused kernels of the forward (``actors/model/kernels/``), which a paged executor gives
+    its model where the step runs Triton on a GPU (:meth:`Model.use_kernels`). Each does the
+    work of a few torch ops in one launch and rounds as they round."""
+
+    norm: Callable[[Tensor, Tensor, float], Tensor]  # rms_norm(x, weight, eps)
+    add_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # x + d, its norm
+    rotate: Callable[[Tensor, Rope], Tensor]  # x [T, heads, head_dim] rotated
+    rotate_qk: Callable[[Tensor, int, int, Rope], tuple[Tensor, Tensor]]  # in a qkv row, in place
+    silu_mul: Callable[[Tensor], Tensor]  # silu(gate) * up of [gate | up] rows
+
+
+class Stacked(NamedTuple):
+    """One layer's projections that read the same input, as rows of one weight each, for one
+    GEMM instead of three and two: the layer's q_proj, k_proj and v_proj weights (and biases)
+    are views of ``qkv`` and ``qkv_bias``, gate_proj's and up_proj's of ``gate_up``."""
+
+    qkv: Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: Tensor | None
+    gate_up: Tensor  # [2 * intermediate, hidden]
+
+
+def _stack(modules: list[nn.Module], name: str) -> Tensor | None:
+    """The modules' parameter ``name`` as rows of one new tensor, each module's parameter
+    then a view of its rows (the old tensors are freed); None where they have none."""
+    parts: list[Tensor | None] = [getattr(m, name) for m in modules]
+    if any(part is None for part in parts):
+        return None
+    whole = torch.cat([part.data for part in parts if part is not None])
+    start = 0
+    for module, part in zip(modules, parts, strict=True):
+        assert part is not None
+        rows = whole[start : start + part.shape[0]]
+        setattr(module, name, nn.Parameter(rows, requires_grad=False))
+        start += part.shape[0]
+    return whole
 
 
 class RMSNorm(nn.Module):
@@ -174,10 +212,10 @@ class Model(nn.Module):
         self.config = config
         self.local = local_shape(config, shard.size)
         self.shard = shard
-        # The fused RMSNorm and rotary, where the paged executor runs Triton on a GPU
-        # (paged.py; kernels/rms_norm.py, kernels/rotary.py).
-        self.norm_kernel: Callable[[Tensor, Tensor, float], Tensor] | None = None
-        self.rope_kernel: Callable[[Tensor, Rope], Tensor] | None = None
+        # The fused kernels and stacked projections, where the paged executor runs Triton on
+        # a GPU (use_kernels; paged.py).
+        self.kernels: Kernels | None = None
+        self.stacked: list[Stacked] | None = None
         self.group = group or (SINGLE if shard.size == 1 else Group(shard, None))
         self.dtype = dtype
         with torch.device("meta"):
@@ -237,9 +275,28 @@ class Model(nn.Module):
                 drawn = torch.randn(shape, generator=gen) * std
                 param.data.copy_(take_shard(name, drawn, self.shard))
 
+    def use_kernels(self, kernels: Kernels | None) -> None:
+        """Run the forward with ``kernels``, or with torch's ops (None). The first time, each
+        layer's projections are stacked (:class:`Stacked`): the parameters keep their names
+        and values as views of the stacked weights, so nothing else sees a change and no
+        memory is added. Call it once the model is on its device (``to`` would copy each view
+        apart). The numbers are the torch ops' up to a GEMM's rounding of a wider output."""
+        self.kernels = kernels
+        if kernels is None or self.stacked is not None:
+            return
+        stacked = []
+        for layer in self.decoder_layers:
+            att, mlp = layer.self_attn, layer.mlp
+            projections: list[nn.Module] = [att.q_proj, att.k_proj, att.v_proj]
+            qkv = _stack(projections, "weight")
+            gate_up = _stack([mlp.gate_proj, mlp.up_proj], "weight")
+            assert qkv is not None and gate_up is not None
+            stacked.append(Stacked(qkv, _stack(projections, "bias"), gate_up))
+        self.stacked = stacked
+
     def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        if self.norm_kernel is not None:  # one kernel on the GPU (kernels/rms_norm.py)
-            return self.norm_kernel(x, weight, self.config.norm_eps)
+        if self.kernels is not None:  # one kernel on the GPU (kernels/rms_norm.py)
+            return self.kernels.norm(x, weight, self.config.norm_eps)
         # Like Hugging Face: normalize in at least float32, scale in the model dtype.
         h = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.norm_eps)
@@ -250,8 +307,8 @@ class Model(nn.Module):
         return Rope(self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
 
     def _rope(self, x: Tensor, rope: Rope) -> Tensor:
-        if self.rope_kernel is not None:  # one kernel on the GPU (kernels/rotary.py)
-            return self.rope_kernel(x, rope)
+        if self.kernels is not None:  # one kernel on the GPU (kernels/rotary.py)
+            return self.kernels.rotate(x, rope)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * rope.cos + rotated * rope.sin
@@ -271,9 +328,22 @@ class Model(nn.Module):
         layer = self.decoder_layers[index]
         h = self._rms_norm(x, layer.input_layernorm.weight)
         att = layer.self_attn
-        q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(-1, c.heads, c.head_dim)
-        k = F.linear(h, att.k_proj.weight, att.k_proj.bias).view(-1, c.kv_heads, c.head_dim)
-        v = F.linear(h, att.v_proj.weight, att.v_proj.bias).view(-1, c.kv_heads, c.head_dim)
+        kv_width = c.kv_heads * c.head_dim
+        if self.kernels is not None and self.stacked is not None:
+            # One GEMM for q, k and v; without q/k norms, one launch rotating q and k in
+            # place (kernels/rotary.py).
+            stacked = self.stacked[index]
+            qkv = F.linear(h, stacked.qkv, stacked.qkv_bias)
+            v = qkv[:, qkv.shape[1] - kv_width :].view(-1, c.kv_heads, c.head_dim)
+            if not c.qk_norm:
+                return QKV(*self.kernels.rotate_qk(qkv, c.heads, c.kv_heads, rope), v)
+            q = qkv[:, : c.heads * c.head_dim].view(-1, c.heads, c.head_dim)
+            k = qkv[:, c.heads * c.head_dim : qkv.shape[1] - kv_width]
+            k = k.view(-1, c.kv_heads, c.head_dim)
+        else:
+            q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(-1, c.heads, c.head_dim)
+            k = F.linear(h, att.k_proj.weight, att.k_proj.bias).view(-1, c.kv_heads, c.head_dim)
+            v = F.linear(h, att.v_proj.weight, att.v_proj.bias).view(-1, c.kv_heads, c.head_dim)
         if c.qk_norm:  # per head, over head_dim, before rotary
             q = self._rms_norm(q, att.q_norm.weight)
             k = self._rms_norm(k, att.k_norm.weight)
@@ -285,10 +355,17 @@ class Model(nn.Module):
         layer = self.decoder_layers[index]
         o = layer.self_attn.o_proj
         projected = self.group.all_reduce(F.linear(attended, o.weight))
-        x = x + (projected if o.bias is None else projected + o.bias)
-        h = self._rms_norm(x, layer.post_attention_layernorm.weight)
-        mlp = layer.mlp
-        gated = F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight)
+        projected = projected if o.bias is None else projected + o.bias
+        norm, mlp = layer.post_attention_layernorm.weight, layer.mlp
+        if self.kernels is not None and self.stacked is not None:
+            # The add and the norm in one kernel, the gate and up in one GEMM, SiLU and the
+            # product in one kernel (kernels/rms_norm.py, kernels/activation.py).
+            x, h = self.kernels.add_norm(x, projected, norm, self.config.norm_eps)
+            gated = self.kernels.silu_mul(F.linear(h, self.stacked[index].gate_up))
+        else:
+            x = x + projected
+            h = self._rms_norm(x, norm)
+            gated = F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight)
         return x + self.group.all_reduce(F.linear(gated, mlp.down_proj.weight))
 
     def logits(self, x: Tensor) -> Tensor:

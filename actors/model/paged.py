@@ -122,14 +122,14 @@ class PagedExecutor:
         )
         self.backend_name = resolve_attention(attention, kv)
         self.backend = BACKENDS[self.backend_name](model, kv)
-        # One kernel a norm or a rotation, not eight or five, where the step runs Triton on a
-        # GPU; the model's torch ops elsewhere (the executor made last for a model decides).
-        model.norm_kernel = model.rope_kernel = None
+        # The fused kernels and stacked projections where the step runs Triton on a GPU (a
+        # layer's 17 kernels become 11); the model's torch ops elsewhere, so the CPU's
+        # numbers stay the reference's (the executor made last for a model decides).
+        model.use_kernels(None)
         if self.backend_name == "triton" and kv.device.type == "cuda" and kv.dtype != torch.float64:
-            from ringfence.actors.model.kernels.rms_norm import rms_norm  # imports Triton
-            from ringfence.actors.model.kernels.rotary import rotate
+            from ringfence.actors.model.kernels import fused  # imports Triton
 
-            model.norm_kernel, model.rope_kernel = rms_norm, rotate
+            model.use_kernels(fused())
         self.graphs: DecodeGraphs | None = None
         graphable = kv.device.type == "cuda" and model.shard.size == 1
         if cuda_graphs and graphable and self.backend_name == "triton":

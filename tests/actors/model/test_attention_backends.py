@@ -119,6 +119,28 @@ def test_triton_attention_gives_the_torch_attentions_logits_over_mixed_steps(
 
 
 @needs_triton
+@pytest.mark.parametrize("preset", ["tiny", "tiny-4kv"])
+def test_the_fused_kernels_give_the_triton_steps_logits_over_mixed_steps(
+    rng: random.Random, preset: str
+) -> None:
+    # What a GPU's step runs (Model.use_kernels: stacked projections, q and k rotated in
+    # place, their strided views stored and attended), in the interpreter, against the same
+    # Triton step on the model's torch ops.
+    from ringfence.actors.model.kernels import fused
+
+    model = Model(PRESETS[preset], torch.float32, 1).to(DEVICE)
+    steps = mixed_steps(rng, num_seqs=3, decodes=2)
+    tables, seed = tables_for(rng, 3), rng.randrange(1 << 30)
+    plain = run(executor(model, attention="triton"), steps, tables, seed)
+    ex = executor(model, attention="triton")
+    model.use_kernels(fused())  # as PagedExecutor does on a GPU
+    with_kernels = run(ex, steps, tables, seed)
+    for ours, theirs in zip(with_kernels, plain, strict=True):
+        assert bool(torch.isfinite(ours).all())
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
 def test_triton_attention_decodes_what_the_contiguous_forward_decodes(rng: random.Random) -> None:
     model = model_of("tiny", torch.float32)
     ex = executor(model, attention="triton")
