@@ -14,7 +14,9 @@ For each batch size N of ``--seqs`` (1, 8, 64, 256 on CUDA; 1, 8, 64 on the CPU)
 3. transformers on a static cache: compiled with ``reduce-overhead`` on CUDA, eager on the
    CPU (``decode_inproc.py`` says why);
 4. the roofline: the bytes a decode step reads (weights and the context's KV) over the
-   device's measured copy bandwidth, and each step's ratio to it (1.0 is the hardware's pace).
+   device's measured copy bandwidth, and each step's ratio to it (1.0 is the hardware's pace);
+5. where the forward's time goes: its kernels grouped by class from torch's profiler, per
+   step, and the GEMMs' time against the weights' floor (``decode_kernels.py``).
 
 The launches run first, while this process holds no device memory; then the model is
 loaded here once for the rest. The model is ``--model PATH`` (a checkpoint directory) or
@@ -115,6 +117,7 @@ def bench_decode(
     import torch
 
     from ringfence.actors.tools.bench import decode_inproc as inproc
+    from ringfence.actors.tools.bench.decode_kernels import profile_forward
     from ringfence.actors.tools.bench.subject import Subject
 
     cuda = args.device != "cpu"
@@ -183,6 +186,9 @@ def bench_decode(
         }
         point |= {"forward": {"step_ms": forward_ms}, "transformers": theirs}
         point["roofline"] = _roofline(floor, point)
+        kernels = profile_forward(model, hf, n, context)
+        kernels["weights_floor_ms"] = inproc.step_bytes(model, 0, 0) / bandwidth * 1e3
+        point["kernels"] = kernels
         save(report)
     return report
 

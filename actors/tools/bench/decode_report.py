@@ -68,6 +68,30 @@ def print_report(report: dict[str, Any]) -> None:
     )
     if report["log_level"] == "info":
         print("(at log level info the engine's lines are absent: engine and idle are one figure)")
+    print_kernels(report["points"])
+
+
+def print_kernels(points: list[dict[str, Any]]) -> None:
+    """A line a batch size: the forward's kernels a step by class (``decode_kernels.py``)."""
+    profiled = [point for point in points if point.get("kernels")]
+    if not profiled:
+        return
+    device = profiled[0]["kernels"]["device"]
+    what = "kernels (device time)" if device == "cuda" else "CPU ops (self time)"
+    print(f"where the forward's time goes, eager, per decode step: {what}, ms (count)")
+    for point in profiled:
+        kernels = point["kernels"]
+        classes = ", ".join(
+            f"{name} {figures['ms']:.3f} ({figures['count']:.0f})"
+            for name, figures in kernels["classes"].items()
+        )
+        gemm = kernels["classes"].get("gemm", {}).get("ms")
+        floor = kernels["weights_floor_ms"]
+        against = f"; gemm / weights' floor {gemm / floor:.1f}x" if gemm else ""
+        print(
+            f"{point['seqs']:>4}: {kernels['kernels']:.0f} in {kernels['kernel_ms']:.2f} ms "
+            f"(the forward alone {point['forward']['step_ms']:.2f}){against}: {classes}"
+        )
 
 
 def write_plot(path: str | os.PathLike[str], report: dict[str, Any]) -> None:

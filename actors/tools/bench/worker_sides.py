@@ -129,6 +129,7 @@ class Sides:
         parameters = inspect.signature(hf.forward).parameters
         self.cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self.paged_tokens: list[list[int]] = []  # the greedy tokens of the last decode
+        self._next: tuple[list[int], int] = ([], 0)  # the next decode's tokens and position
         self.hf_tokens: list[list[int]] = []
 
     def _cache(self) -> Any:
@@ -155,21 +156,34 @@ class Sides:
         return _timed(run, self.device)
 
     def paged_decode(self) -> float:
+        """Seconds of ``decode_steps`` decode steps after an untimed step over the contexts;
+        the greedy tokens are kept in ``paged_tokens``."""
+        self.paged_tokens = [self.paged_context()]
+        return self.paged_steps(self.n["decode_steps"])
+
+    def paged_context(self) -> list[int]:
+        """One step over every context (untimed): the first greedy tokens, from which
+        :meth:`paged_steps` decodes."""
         executor, tables, context = self.decode_executor, self.decode_tables, self.contexts
         pieces = [_piece(c, 0, t) for c, t in zip(context, tables, strict=True)]
-        tokens = _greedy(executor, pieces)
-        start = len(context[0])
-        generated = [tokens]
+        self._next = (_greedy(executor, pieces), len(context[0]))
+        return self._next[0]
+
+    def paged_steps(self, steps: int) -> float:
+        """Seconds of ``steps`` decode steps from where the last left off (its tables hold
+        ``decode_steps`` positions past the context); the tokens appended to ``paged_tokens``."""
+        executor, tables = self.decode_executor, self.decode_tables
+        tokens, start = self._next
 
         def run() -> None:
             nonlocal tokens
-            for pos in range(start, start + self.n["decode_steps"]):
+            for pos in range(start, start + steps):
                 pieces = [_piece([tok], pos, t) for tok, t in zip(tokens, tables, strict=True)]
                 tokens = _greedy(executor, pieces)
-                generated.append(tokens)
+                self.paged_tokens.append(tokens)
 
         seconds = _timed(run, self.device)
-        self.paged_tokens = generated
+        self._next = (tokens, start + steps)
         return seconds
 
     def hf_decode(self) -> float:

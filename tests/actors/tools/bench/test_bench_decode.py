@@ -183,6 +183,13 @@ def check_point(point: dict[str, Any], counts: dict[str, int]) -> None:
         roof["floor_ms"]["forward"] / point["transformers"]["step_ms"]
     )
     assert point["transformers"]["how"] == "eager"  # the CPU: no compile
+    kernels = point["kernels"]  # the forward's CPU ops, grouped (decode_kernels.py)
+    assert kernels["device"] == "cpu" and kernels["steps"] >= 1 and kernels["weights_floor_ms"] > 0
+    classes = kernels["classes"]
+    assert {"gemm", "attention", "kv store"} <= set(classes)  # every layer's matmuls and KV
+    assert classes["gemm"]["count"] > 0 and classes["attention"]["count"] > 0
+    assert kernels["kernel_ms"] == pytest.approx(sum(c["ms"] for c in classes.values()))
+    assert list(classes) == sorted(classes, key=lambda name: -classes[name]["ms"])
 
 
 # Each batch size is a launch of its own, then the forward alone and transformers' at that
@@ -210,6 +217,39 @@ def test_the_quick_decode_bench_reports_every_side_at_each_batch_size(
         check_point(point, report["counts"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
-    assert "copy bandwidth" in out and "roofline" in out
+    assert "copy bandwidth" in out and "roofline" in out and "where the forward's time goes" in out
     rows = [line for line in out.splitlines() if line.lstrip().startswith(("1 ", "4 "))]
     assert [int(line.split()[0]) for line in rows] == sizes
+
+
+def test_a_gpus_kernels_are_grouped_by_class_per_step_and_the_costliest_named():
+    from ringfence.actors.tools.bench.decode_kernels import group_kernels, kernel_class
+
+    rows = [  # (name, count, microseconds) over two steps, as a GPU's profile names them
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_coopB_TNT", 128, 1800.0),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", 2, 120.0),
+        ("_paged_attention", 32, 600.0),
+        ("_store_kv", 32, 40.0),
+        ("_add_rms_norm_rows", 32, 60.0),
+        ("_rms_norm_rows", 34, 70.0),
+        ("_rotate_rows", 32, 50.0),
+        ("_silu_mul_rows", 32, 64.0),
+        ("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", 34, 80.0),
+        ("Memcpy HtoD (Pageable -> Device)", 2, 10.0),
+        ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float>", 2, 6.0),
+    ]
+    assert kernel_class("cutlass_80_tensorop_bf16_s16816gemm") == "gemm"
+    assert kernel_class("some_new_kernel") == "other"
+    grouped = group_kernels(rows, steps=2)
+    classes = grouped["classes"]
+    assert list(classes)[:2] == ["gemm", "attention"]  # largest first
+    assert classes["gemm"] == pytest.approx({"count": 65.0, "ms": 0.96})
+    assert classes["norm"] == pytest.approx({"count": 33.0, "ms": 0.065})
+    assert (classes["rotary"]["count"], classes["activation"]["count"]) == (16.0, 16.0)
+    assert (classes["elementwise"]["count"], classes["copy"]["count"]) == (17.0, 1.0)
+    assert classes["index"]["count"] == 1.0 and classes["kv store"]["count"] == 16.0
+    assert grouped["kernels"] == pytest.approx(sum(count for _, count, _ in rows) / 2)
+    assert grouped["kernel_ms"] == pytest.approx(sum(us for _, _, us in rows) / 2e3)
+    costliest = [kernel["name"] for kernel in grouped["costliest"]]
+    assert costliest == [rows[0][0], "_paged_attention", rows[1][0], rows[8][0], "_rms_norm_rows"]
+    assert grouped["costliest"][0] == pytest.approx({"name": rows[0][0], "count": 64, "ms": 0.9})
