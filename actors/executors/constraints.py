@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
+from ringfence.actors.model.host import to_device
 from ringfence.actors.text.grammars import Grammars
 
 MASK_TIMEOUT_S = 30.0  # a mask not filled by then is a hung backend: the step fails
@@ -52,9 +53,7 @@ class MaskJob:
         sampler unpacks it there with shifts and one ``where`` (``model/sampler.py``
         ``masked_rows``)."""
         self.done.result(timeout=MASK_TIMEOUT_S)
-        if device.type == "cuda":
-            return self.bits.pin_memory().to(device, non_blocking=True)
-        return self.bits.to(device)
+        return to_device(self.bits, device)
 
     def apply(self, row: int, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (one row, any float dtype, on the CPU) with the row's forbidden tokens

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ringfence.actors.executors.knobs import to_device
+from ringfence.actors.model.host import to_device
 
 FIRST_SLOTS = 16  # slots of a new table (slot 0 included); doubled when full
 
@@ -75,7 +75,8 @@ class DeviceCounts:
         pairs = self._seen + self._output
         ids = to_device(torch.tensor(pairs, dtype=torch.int64).t().contiguous(), self.device)
         n = len(self._seen)
-        self.seen.index_put_((ids[0, :n], ids[1, :n]), torch.tensor(True, device=self.device))
+        true = torch.ones((), dtype=torch.bool, device=self.device)  # a fill, not a copy
+        self.seen.index_put_((ids[0, :n], ids[1, :n]), true)
         if len(pairs) > n:
             ones = torch.ones(len(pairs) - n, dtype=torch.int32, device=self.device)
             self.counts.index_put_((ids[0, n:], ids[1, n:]), ones, accumulate=True)

@@ -17,22 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from ringfence.actors.model.draws import as_int64
+from ringfence.actors.model.host import to_device
 from ringfence.actors.model.sampler import Knobs
 from ringfence.sched.sampling import SamplingParams
 
 NUM_FLOATS = 6  # temperature, top_p, min_p, repetition, frequency, presence
 NUM_INTS = 4  # seed, position, top_k, slot
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (a new CPU tensor) on ``device``: on CUDA copied from pinned memory without
-    waiting (torch's pinned allocator keeps the block until the copy is done); elsewhere
-    the same tensor."""
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

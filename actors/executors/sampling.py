@@ -34,6 +34,7 @@ import torch
 from ringfence.actors.executors.constraints import Constraints, MaskJob
 from ringfence.actors.executors.counts import DeviceCounts
 from ringfence.actors.executors.knobs import SeqKnobs, build_knobs
+from ringfence.actors.model.host import to_device
 from ringfence.actors.model.sampler import sample_rows
 from ringfence.actors.protocol.worker import PromptLogprobs, Sampled, SampledToken
 from ringfence.actors.text.grammars import GrammarError, Grammars
@@ -283,8 +284,8 @@ class Sampler:
             masked,
         )
         logits = last_logits.to(self.device)
-        if len(rows) < len(logits):
-            logits = logits[rows]
+        if len(rows) < len(logits):  # the rows' ids copied without waiting (a list would)
+            logits = logits.index_select(0, to_device(torch.tensor(rows), self.device))
         x = logits.to(torch.float64)
         bits = masks.bits_on(self.device) if masks is not None and masked else None
         counts = seen = None

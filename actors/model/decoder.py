@@ -313,10 +313,14 @@ class Model(nn.Module):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * rope.cos + rotated * rope.sin
 
-    def embed(self, token_ids: Tensor) -> Tensor:
-        """Hidden states [T, hidden] of token ids [T]."""
-        if token_ids.numel() and not (
-            int(token_ids.min()) >= 0 and int(token_ids.max()) < self.config.vocab_size
+    def embed(self, token_ids: Tensor, *, checked: bool = False) -> Tensor:
+        """Hidden states [T, hidden] of token ids [T]; ValueError for an id outside the
+        vocabulary, unless the caller ``checked`` them on the host already (the check reads
+        the ids back: on a GPU it waits for the device)."""
+        if (
+            not checked
+            and token_ids.numel()
+            and not (int(token_ids.min()) >= 0 and int(token_ids.max()) < self.config.vocab_size)
         ):
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         return F.embedding(token_ids, self.model.embed_tokens.weight)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ringfence.actors.model.attention import run_layers
 from ringfence.actors.model.decoder import Model
+from ringfence.actors.model.host import copy_in
 from ringfence.actors.model.kernels.backend import TritonStep, table_rows
 from ringfence.actors.model.kernels.paged_attention import StepTensors, tile_rows
 from ringfence.sched.ops import Piece
@@ -132,10 +133,11 @@ class DecodeGraphs:
             [p.block_table[p.start // bs] * bs + p.start % bs for p in pieces] + [-1] * pad,
             ends + [0] * pad,
         ]
-        self.inputs[:, :bucket].copy_(torch.tensor(inputs, dtype=torch.int32))
+        # Queued behind the step before's replay, which reads these buffers: never waited for.
+        copy_in(self.inputs[:, :bucket], torch.tensor(inputs, dtype=torch.int32))
         # Only the columns this step reads: the kernel reads no entry past a context's end.
         host = torch.frombuffer(tables, dtype=torch.int32)
-        self.tables[:bucket, :width].copy_(host.view(bucket, width))
+        copy_in(self.tables[:bucket, :width], host.view(bucket, width))
 
     def _forward(self, bucket: int) -> Tensor:
         """The bucket's forward over the static buffers: logits [bucket, vocab]."""

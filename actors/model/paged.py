@@ -29,6 +29,7 @@ from torch import Tensor
 from ringfence.actors.model.attention import BACKENDS, resolve_attention, run_layers
 from ringfence.actors.model.config import Attention
 from ringfence.actors.model.decoder import Model, ModelShape
+from ringfence.actors.model.host import to_device
 from ringfence.actors.model.step_check import StepChecker
 from ringfence.sched.ops import Piece
 
@@ -151,18 +152,20 @@ class PagedExecutor:
         self.checker.forget(seq_ids)
 
     def _index(self, pieces: Sequence[Piece]) -> _StepIndex:
-        """The step's shared index tensors, made on the KV tensor's device."""
-        dev = self.kv.device
+        """The step's shared index tensors, made on the KV tensor's device in one copy that
+        does not wait for the device (``host.py``)."""
         lengths = [len(p.token_ids) for p in pieces]
+        tokens = [t for p in pieces for t in p.token_ids]
         flat = [
             pos for p, n in zip(pieces, lengths, strict=True) for pos in range(p.start, p.start + n)
         ]
+        host = torch.tensor(tokens + flat + lengths, dtype=torch.long)
+        on = to_device(host, self.kv.device)
+        count = len(tokens)
         return _StepIndex(
-            token_ids=torch.tensor(
-                [t for p in pieces for t in p.token_ids], dtype=torch.long, device=dev
-            ),
-            positions=torch.tensor(flat, dtype=torch.long, device=dev),
-            last=torch.tensor(lengths, device=dev).cumsum(0) - 1,
+            token_ids=on[:count],
+            positions=on[count : 2 * count],
+            last=on[2 * count :].cumsum(0) - 1,
         )
 
     @torch.inference_mode()
@@ -220,7 +223,7 @@ class PagedExecutor:
         if self.record_touches:
             self.touched = _touched(pieces, self.block_size)
         attention = self.backend.prepare(pieces)
-        x = self.model.embed(ix.token_ids)
+        x = self.model.embed(ix.token_ids, checked=True)  # check() refused any id outside it
         return run_layers(self.model, x, ix.positions, attention), ix.last
 
 

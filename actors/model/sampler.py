@@ -100,7 +100,7 @@ def processed_rows(
         at = (knobs.bias_rows, knobs.bias_tokens)
         x.index_put_(at, x[at] + knobs.bias_values)
     if knobs.ban_rows.numel():
-        x.index_put_((knobs.ban_rows, knobs.ban_tokens), x.new_tensor(-torch.inf))
+        x.index_put_((knobs.ban_rows, knobs.ban_tokens), x.new_full((), -torch.inf))  # no copy
     if knobs.any_penalty and counts is not None and seen is not None:
         rp, fp, pp = knobs.repetition, knobs.frequency, knobs.presence
         if x.is_cuda if dense is None else dense:  # on CUDA a few passes cost less than a sync

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ringfence.actors.model.decoder import Model
+from ringfence.actors.model.host import to_device
 from ringfence.actors.model.kernels.paged_attention import (
     StepTensors,
     paged_attention,
@@ -65,7 +66,7 @@ def step_tensors(
     for part in parts[1:]:
         buffer.extend(part)
     host = torch.frombuffer(buffer, dtype=torch.int32)  # shares the array's memory
-    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    flat = to_device(host, device)  # pinned, then queued: the host does not wait (host.py)
     views = torch.split(flat, [len(part) for part in parts])
     return StepTensors(
         slots=views[0],

@@ -437,3 +437,46 @@ def test_the_dense_penalties_of_a_gpu_equal_the_sparse_ones_of_the_cpu() -> None
     sparse = processed_rows(x, knobs, counts, seen, dense=False)
     assert torch.equal(dense, sparse)
     assert not torch.equal(dense, x), "the penalties changed something"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the stream's waits")
+def test_on_cuda_a_steps_draw_is_queued_without_waiting_for_the_device() -> None:
+    """With two steps in flight the Worker queues a step's draw while the step before runs:
+    any copy of pageable memory to the GPU, or read of a device value, would make it wait for
+    that step's forward. torch's sync debug mode raises at each such wait."""
+    vocab, rows = 32_000, 16
+    rng = random.Random(7)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3,
+                       frequency_penalty=0.2, logit_bias=((5, 2.0),), min_tokens=9,
+                       stop_token_ids=(11,), logprobs=5, seed=4, max_tokens=99),
+    ]  # fmt: skip
+    sampler = Sampler(vocab, device="cuda")
+    histories = [[rng.randrange(vocab) for _ in range(PROMPT)] for _ in range(rows)]
+
+    def pieces_of(step: int) -> list[Piece]:
+        return [
+            Piece(seq_id=i, token_ids=(h[-1],), start=len(h) - 1 + step, block_table=(),
+                  sample=True, opening=None if step else Opening(
+                      params=params[i % len(params)], num_prompt_tokens=PROMPT,
+                      history=tuple(h[:-1])))
+            for i, h in enumerate(histories)
+        ]  # fmt: skip
+
+    logits = torch.randn(rows, vocab, device="cuda") * 3
+    for step in range(3):
+        pieces = pieces_of(step)
+        if step < 2:  # the opening, and one step for the allocators and kernels
+            sampler.advance(pieces)
+            sampler.collect(sampler.queue(pieces, logits, None))
+            continue
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            sampler.advance(pieces)
+            draw = sampler.queue(pieces, logits, None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert len(sampler.collect(draw).token_ids) == rows

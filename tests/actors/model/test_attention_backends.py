@@ -315,3 +315,31 @@ def test_on_cuda_every_bucket_is_captured_at_start_and_touches_no_kv() -> None:
     torch.cuda.synchronize()
     assert torch.equal(ex.kv.isnan(), before.isnan())
     assert torch.equal(ex.kv.nan_to_num(), before.nan_to_num()), "a capture wrote KV"
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_a_step_is_queued_without_waiting_for_the_device() -> None:
+    # With two steps in flight the Worker queues a step while the step before runs: a copy of
+    # pageable memory to the GPU, or a read of a device value (an id check), would make it
+    # wait for that step's forward. torch's sync debug mode raises at each such wait.
+    model = cuda_model()
+    ex = executor(model, "cuda", attention="triton", cuda_graphs=True, max_batch=4)
+    assert ex.graphs is not None
+    ex.graphs.capture_all()
+    tables = [[3, 9, 1, 20], [7, 2, 30, 11]]
+
+    def at(seq: int, tokens: list[int], start: int):
+        return piece(tokens, start, tables[seq][: -(-(start + len(tokens)) // BLOCK_SIZE)])
+
+    ex.step([at(0, [5, 6, 7, 8, 9], 0), at(1, [1, 2, 3], 0)])  # eager: kernels compiled
+    ex.step([at(0, [3], 5), at(1, [4], 3)])  # a replay
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        replayed = ex.step([at(0, [3], 6), at(1, [4], 4)])
+        eager = ex.step([at(0, [3, 4], 7), at(1, [5], 5)])  # a chunk and a decode
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(torch.isfinite(replayed.last_logits).all())
+    assert bool(torch.isfinite(eager.last_logits).all())
