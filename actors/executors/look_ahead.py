@@ -87,6 +87,10 @@ class CheckAhead:
         self._plan, self._verdict = plan, verdict
         self.checked += 1
 
+    def passed(self) -> StepOp | None:
+        """The plan read ahead whose check passed, not yet given (its verdict still is)."""
+        return self._plan if self._plan is not None and not self._verdict else None
+
     def verdict(self, plan: StepOp) -> str | None:
         """The verdict of ``plan`` if it was checked ahead ("" when it passed), else None
         (then the caller checks it); given once."""

@@ -34,12 +34,14 @@ repeat, answered with the kept result when it is the last step, else dropped.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
+from ringfence.actors.executors.constraints import MaskJob
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch
-from ringfence.actors.executors.pending import SampledTokens
+from ringfence.actors.executors.pending import MissingToken, SampledTokens
 from ringfence.actors.executors.profiling import op_range
 from ringfence.actors.executors.ranks import StepGate
 from ringfence.actors.executors.sampling import Draw, NonFiniteLogits, Sampler
@@ -47,7 +49,7 @@ from ringfence.actors.executors.timing import StepTimer
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
 from ringfence.actors.model.loader import load_model
-from ringfence.actors.model.paged import PagedExecutor
+from ringfence.actors.model.paged import PagedExecutor, StepOutput
 from ringfence.actors.model.parallel import Group, Shard, join_group, rank_device, rendezvous_file
 from ringfence.actors.protocol.lanes import LANES
 from ringfence.actors.protocol.resync import Resync
@@ -62,9 +64,39 @@ from ringfence.actors.text.grammars import model_grammars
 from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
 from ringfence.sched.ops import StepOp
+from ringfence.shm.errors import RingfenceError
 from ringfence.shm.names import posix_name
 
 NOTHING_SAMPLED = Sampled()
+
+
+class Launched(NamedTuple):
+    """A step whose kernels (its forward and its draw) are queued and whose tokens are not
+    collected yet; or the error its launch raised. Launched ahead (``model.launch_ahead``),
+    it also holds what its turn would have read: the watermarks seen and its clocks."""
+
+    plan: StepOp  # its pending inputs resolved
+    out: StepOutput | None = None
+    draw: Draw | None = None
+    masks: MaskJob | None = None
+    error: Exception | None = None
+    seen: dict[Lane, int] | None = None
+    started: int = 0
+    waited: int = 0
+
+
+class Settled(NamedTuple):
+    """A step's figures for its ``step.done`` line, taken as it ends."""
+
+    forward_ns: int | None
+    sample_ns: int | None
+    reduce_ns: int | None
+    reduces: int
+    checked_ahead: bool
+
+
+class StaleLaunch(RingfenceError):
+    """A step launched ahead whose epoch went stale before its turn: it ran, so it fails."""
 
 
 class Worker(LaneExecutor):
@@ -117,6 +149,22 @@ class Worker(LaneExecutor):
         # On CUDA the look-ahead waits for the next plan until the device is done: this
         # thread rings the Worker's doorbell when it is.
         self.watch = DeviceWatch(self.own_bell()) if self.ahead and self.cuda else None
+        launch = config.model.launch_ahead
+        self.launch_ahead = self.ahead is not None and (
+            launch == "on"
+            or (
+                launch == "auto"
+                and self.cuda
+                and self.shard.size == 1
+                and config.transfer.mode != "lock"
+            )
+        )
+        if launch == "on" and (self.shard.size > 1 or config.transfer.mode == "lock"):
+            raise ValueError(
+                "model.launch_ahead=on runs one rank only, and not under transfer.mode=lock "
+                "(its lock covers a step's device work whole)"
+            )
+        self.launched: Launched | None = None  # the next step, launched ahead (_launch_next)
         self.timer = StepTimer(self.space.kv.device)
         self.steps = 0
         self.sampled = SampledTokens()  # the last step's tokens, for plans made before them
@@ -232,6 +280,10 @@ class Worker(LaneExecutor):
                 ),
             )
             return
+        launched, self.launched = self.launched, None
+        if launched is not None:  # its kernels were queued as the step before it finished
+            self._land_ahead(plan, launched)
+            return
         # Stale first: a plan issued for the tier before this restart names sequences this
         # incarnation never opened, which would read as malformed; it is merely too old.
         if stale := self.stale(plan.epoch):
@@ -259,35 +311,114 @@ class Worker(LaneExecutor):
                 plan = self.sampled.resolve(plan)  # the last step's tokens put in (pending.py)
                 outputs, prompt_logprobs = self._execute(plan)
         except Exception as e:  # it ran part way: the lane moves on, the engine is told
-            # What it wrote is spoiled before step_done moves: a swap-out or write-back
-            # fenced on this step must not copy half-computed KV as if it were valid.
-            # Raising here, the Worker dies first and its restart resets the device tier.
-            assert self.space is not None and self.executor is not None
-            spoiled = written_blocks(plan, self.executor.block_size)
-            self.space.poison(spoiled)
-            self._touched()  # what the model's step indexed, if it got that far
-            if self.touches is not None:
-                self.touches.write("device", spoiled)
-            self.log.error(
-                "step.failed", step=plan.step, error=repr(e), spoiled=len(spoiled), exc_info=e
-            )
-            if self.shard.size > 1 and not isinstance(e, NonFiniteLogits):
-                # The peers are inside (or past) this step's collectives and cannot be told:
-                # the group goes down together and restarts (docs/design.md,
-                # "Ranks (tensor parallelism)").
-                raise
-            self._finish(plan, "failed", error=f"{type(e).__name__}: {e}")
+            self._fail(plan, e)
             return
-        self._finish(
+        self._succeed(plan, outputs, prompt_logprobs, seen, started, waited)
+
+    def _succeed(  # noqa: PLR0917
+        self,
+        plan: StepOp,
+        outputs: Sampled,
+        prompt_logprobs: tuple[PromptLogprobs, ...],
+        seen: dict[Lane, int],
+        started: int,
+        waited: int,
+        *,
+        ahead: bool = False,
+    ) -> None:
+        """Report a step that ran, queuing the next step's kernels first where it may
+        (:meth:`_launch_next`): the report and the next plan's turn then run beside it."""
+        exec_ns = time.perf_counter_ns() - waited
+        settled = self._settle(plan, outputs)
+        self._launch_next(plan)
+        self._report(
             plan,
             "ok",
+            settled,
             outputs=outputs,
             prompt_logprobs=prompt_logprobs,
             wait_ns=waited - started,
-            exec_ns=time.perf_counter_ns() - waited,
+            exec_ns=exec_ns,
             seen_swap=seen.get(Lane.SWAP),
             seen_store=seen.get(Lane.STORE),
+            launched_ahead=ahead,
         )
+
+    def _fail(self, plan: StepOp, e: Exception) -> None:
+        """A step that raised part way: what it was writing is spoiled, the engine told."""
+        # What it wrote is spoiled before step_done moves: a swap-out or write-back
+        # fenced on this step must not copy half-computed KV as if it were valid.
+        # Raising here, the Worker dies first and its restart resets the device tier.
+        assert self.space is not None and self.executor is not None
+        spoiled = written_blocks(plan, self.executor.block_size)
+        self.space.poison(spoiled)
+        self._touched()  # what the model's step indexed, if it got that far
+        if self.touches is not None:
+            self.touches.write("device", spoiled)
+        self.log.error(
+            "step.failed", step=plan.step, error=repr(e), spoiled=len(spoiled), exc_info=e
+        )
+        if self.shard.size > 1 and not isinstance(e, NonFiniteLogits):
+            # The peers are inside (or past) this step's collectives and cannot be told:
+            # the group goes down together and restarts (docs/design.md,
+            # "Ranks (tensor parallelism)").
+            raise e
+        self._finish(plan, "failed", error=f"{type(e).__name__}: {e}")
+
+    def _launch_next(self, finished: StepOp) -> None:
+        """Queue the kernels of the plan read ahead, if it is the next step, passed its
+        checks, and its fence is met already (nothing to wait for: a wait here would hold
+        the report of the step that it may be waiting on). Its tokens from ``finished`` are
+        on the host by now. A launch that raises fails that step at its turn."""
+        if not self.launch_ahead or self.ahead is None:
+            return
+        plan = self.ahead.passed()
+        if plan is None or plan.step != finished.step + 1 or self.stale(plan.epoch):
+            return
+        if not self.skip_fences and any(
+            self.marks[lane].value() < target for lane, target in plan.fence.waits().items()
+        ):
+            return
+        try:
+            resolved = self.sampled.resolve(plan)
+        except MissingToken:
+            return  # it fails at its turn, as any plan missing a token does
+        if self._problem(plan):  # rejected at its turn (the check ahead's verdict is given)
+            return
+        started = time.perf_counter_ns()
+        try:
+            seen = self.wait_fence(plan.step, plan.epoch, plan.fence)  # met: reads the marks
+        except Cancelled:
+            return
+        waited = time.perf_counter_ns()
+        self.begin_touches()
+        try:
+            with self.executing(op_range("step", plan.step)):
+                self.launched = self._launch(resolved)
+        except Exception as e:  # its turn fails it, as if it had raised there
+            self.launched = Launched(plan=resolved, error=e)
+        self.launched = self.launched._replace(seen=seen, started=started, waited=waited)
+
+    def _land_ahead(self, plan: StepOp, launched: Launched) -> None:
+        """The turn of a plan whose kernels were queued ahead: its tokens collected and the
+        step reported. Its checks, fence wait and inputs were done at the launch."""
+        if launched.plan.step != plan.step:  # the peeked frame is the one handed next
+            raise RuntimeError(f"step {launched.plan.step} was launched ahead of {plan.step}")
+        try:
+            with self.executing(op_range("step", plan.step)):
+                if launched.error is not None:
+                    raise launched.error
+                # Stale since its launch (the engine restarted): it ran, so it is spoiled.
+                if stale := self.stale(plan.epoch):
+                    self._land(launched)
+                    raise StaleLaunch(stale)
+                outputs, prompt_logprobs = self._land(launched)
+        except Exception as e:
+            self._fail(launched.plan, e)
+            return
+        started, waited = launched.started, launched.waited
+        seen = launched.seen or {}
+        self._succeed(launched.plan, outputs, prompt_logprobs, seen, started, waited, ahead=True)
 
     def _problem(self, plan: StepOp) -> str:
         """Why the plan must not run, or ""."""
@@ -311,22 +442,30 @@ class Worker(LaneExecutor):
 
     def _execute(self, plan: StepOp) -> tuple[Sampled, tuple[PromptLogprobs, ...]]:
         """Run the plan: the sampled tokens (rank 0) and the prompt log probabilities asked."""
-        assert self.space is not None and self.executor is not None
+        assert self.executor is not None
+        if not plan.pieces or self.shard.rank > 0:
+            self._poison_and_advance(plan)
+            if plan.pieces:  # rank 0 samples; the others write KV and join the all-reduces
+                self.executor.step_without_logits(plan.pieces, checked=True)  # see _launch
+                self._look_ahead()
+                self._touched()
+            if self.cuda:  # step_done covers the writes: done, not merely queued
+                torch.cuda.current_stream(self.kv.device).synchronize()
+            return NOTHING_SAMPLED, ()
+        return self._land(self._launch(plan))
+
+    def _poison_and_advance(self, plan: StepOp) -> None:
+        assert self.space is not None
         self.space.poison(plan.poison)
         if self.touches is not None:
             self.touches.write("device", plan.poison)
         self.sampler.advance(plan.pieces)
-        if not plan.pieces:
-            if self.cuda:  # step_done covers the writes: done, not merely queued
-                torch.cuda.current_stream(self.kv.device).synchronize()
-            return NOTHING_SAMPLED, ()
-        if self.shard.rank > 0:  # rank 0 samples; the others write KV and join the all-reduces
-            self.executor.step_without_logits(plan.pieces, checked=True)  # see below
-            self._look_ahead()
-            self._touched()
-            if self.cuda:  # step_done covers the writes: done, not merely queued
-                torch.cuda.current_stream(self.kv.device).synchronize()
-            return NOTHING_SAMPLED, ()
+
+    def _launch(self, plan: StepOp) -> Launched:
+        """Queue a step's kernels (rank 0, a plan with pieces): the poison, its forward and
+        its draw. On the CPU they run here."""
+        assert self.executor is not None
+        self._poison_and_advance(plan)
         masks = self.sampler.start_masks(plan.pieces)  # filled beside the forward
         try:
             self.timer.mark()
@@ -337,10 +476,23 @@ class Worker(LaneExecutor):
             )
             self.timer.mark()
             self._touched()
-            prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
             # Sampled where the logits are; only the tokens and logprobs come back.
-            sampled = self._collect(self.sampler.queue(plan.pieces, out.last_logits, masks))
-            if self.cuda:  # step_done covers the writes: done, not merely queued
+            draw = self.sampler.queue(plan.pieces, out.last_logits, masks)
+        except BaseException:
+            if masks is not None:  # the fill reads the matchers: done before a plan moves them
+                masks.wait()
+            raise
+        return Launched(plan, out, draw, masks)
+
+    def _land(self, launched: Launched) -> tuple[Sampled, tuple[PromptLogprobs, ...]]:
+        """A launched step's prompt log probabilities and tokens, once its device work is
+        done (step_done covers its writes: done, not merely queued)."""
+        plan, out, masks = launched.plan, launched.out, launched.masks
+        assert out is not None
+        try:
+            prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
+            sampled = self._collect(launched.draw)
+            if self.cuda:  # queued after it: nothing (the next is launched only after this)
                 torch.cuda.current_stream(self.kv.device).synchronize()
             return sampled, prompt
         finally:
@@ -373,20 +525,14 @@ class Worker(LaneExecutor):
             self.touches.read("device", touched.reads)
             self.touches.write("device", touched.writes)
 
-    def _finish(
-        self,
-        plan: StepOp,
-        status: StepStatus,
-        *,
-        outputs: Sampled = NOTHING_SAMPLED,
-        prompt_logprobs: tuple[PromptLogprobs, ...] = (),
-        error: str = "",
-        wait_ns: int = 0,
-        exec_ns: int = 0,
-        seen_swap: int | None = None,
-        seen_store: int | None = None,
-    ) -> None:
-        """Advance step_done past the plan, then report it."""
+    def _finish(self, plan: StepOp, status: StepStatus, *, error: str = "") -> None:
+        """Advance step_done past a plan that did not run whole, then report it."""
+        self._report(plan, status, self._settle(plan, NOTHING_SAMPLED), error=error)
+
+    def _settle(self, plan: StepOp, outputs: Sampled) -> Settled:
+        """What a step's end changes in the Worker, before anything of the next step: its
+        tokens kept for the next plan, its closed sequences forgotten, its touches logged
+        and its timings taken."""
         self.steps += 1
         self.sampled.keep(plan.step, zip(outputs.seq_ids, outputs.token_ids, strict=True))
         self.sampler.close(plan.closed)  # whatever the status: forgetting is always safe
@@ -395,6 +541,25 @@ class Worker(LaneExecutor):
         self.log_touches(plan.step, plan.epoch)
         reduce_ns, reduces = self.group.take_reduce_ns()
         forward_ns, sample_ns = self.timer.take()
+        checked = self.ahead is not None and self.ahead.taken == plan.step
+        return Settled(forward_ns, sample_ns, reduce_ns if reduces else None, reduces, checked)
+
+    def _report(
+        self,
+        plan: StepOp,
+        status: StepStatus,
+        settled: Settled,
+        *,
+        outputs: Sampled = NOTHING_SAMPLED,
+        prompt_logprobs: tuple[PromptLogprobs, ...] = (),
+        error: str = "",
+        wait_ns: int = 0,
+        exec_ns: int = 0,
+        seen_swap: int | None = None,
+        seen_store: int | None = None,
+        launched_ahead: bool = False,
+    ) -> None:
+        """Advance step_done past the plan, then report it."""
         self.log.info(
             "step.done",
             step=plan.step,
@@ -409,11 +574,12 @@ class Worker(LaneExecutor):
             poison=len(plan.poison),
             wait_ns=wait_ns,
             exec_ns=exec_ns,
-            reduce_ns=reduce_ns if reduces else None,
-            reduces=reduces or None,
-            forward_ns=forward_ns,
-            sample_ns=sample_ns,
-            checked_ahead=self.ahead is not None and self.ahead.taken == plan.step,
+            reduce_ns=settled.reduce_ns,
+            reduces=settled.reduces or None,
+            forward_ns=settled.forward_ns,
+            sample_ns=settled.sample_ns,
+            checked_ahead=settled.checked_ahead,
+            launched_ahead=launched_ahead or None,
             error=error or None,
         )
         result = StepResult(

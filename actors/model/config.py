@@ -60,6 +60,15 @@ class ModelConfig:
         "does not hold the device between steps; 'auto' is on for a CUDA device, whose steps "
         "run beside the host, and off on the CPU, where the step is the host's own work",
     )
+    launch_ahead: LookAhead = setting(
+        "auto",
+        "when the next step's plan was checked ahead and its fence is already met, the Worker "
+        "queues that step's kernels as soon as it has the step before's tokens, and only then "
+        "reports the step before, so that the report, the engine's frame and the plan's "
+        "turn run beside the next step on the device; 'auto' is on where the look-ahead is "
+        "on a CUDA device, with one rank and transfer.mode fence or sync (the lock's "
+        "exclusion covers a step's device work whole), off elsewhere",
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -40,10 +40,12 @@ def most_steps_in_flight(run_dir) -> int:
 
 def test_two_steps_in_flight_under_chaos_and_poison_give_the_plain_loops_tokens(tmp_path):
     # The Worker checks the next plan while a step runs (model.look_ahead, on for a GPU),
-    # here on the CPU too: the plans it read ahead are handled in order, once each.
+    # and launches it before it reports the step before where its fence is met
+    # (model.launch_ahead, on for a GPU), here on the CPU too: the plans it read ahead are
+    # handled in order, once each, and those launched ahead give the plain loop's tokens.
     sets = workload_sets(
         "pressure", *TIERS, "sched.preemption=swap", "sched.steps_in_flight=2",
-        "model.look_ahead=on",
+        "model.look_ahead=on", "model.launch_ahead=on",
     )  # fmt: skip
     with launched(tmp_path, *sets) as run:
         outputs, summary = finished(run)  # replay's checks and --redrive hold
@@ -54,6 +56,14 @@ def test_two_steps_in_flight_under_chaos_and_poison_give_the_plain_loops_tokens(
     done = [e.data for e in read_run(run.run_dir).sources["worker-0"] if e.event == "step.done"]
     ahead = [d for d in done if d["checked_ahead"]]
     assert ahead and all(d["status"] == "ok" for d in ahead), len(done)
+    launched_ahead = [d for d in done if d.get("launched_ahead")]
+    assert launched_ahead and all(d["checked_ahead"] for d in launched_ahead), len(done)
+    # A plan whose fence waits on a swap is never launched ahead: every one that was saw
+    # the watermarks its fence names reached at its launch.
+    for d in launched_ahead:
+        assert (d["seen_swap"] or 0) >= d["fence_swap"] and (d["seen_store"] or 0) >= d[
+            "fence_store"
+        ]
 
 
 def test_a_worker_killed_with_two_steps_in_flight_costs_recomputation_not_tokens(tmp_path):
