@@ -31,7 +31,10 @@ result received to the next step issued after it, whether or not that lies on th
 path. With two steps in flight it is hidden while it is shorter than the Worker's execution
 (``over_exec`` below 1); on a GPU, that is what keeps the device from waiting for the host
 at large batches. ``checked_ahead`` is the share of the steady steps whose plan the Worker
-checked while the step before it ran (``step.done``'s ``checked_ahead``).
+checked while the step before it ran (``step.done``'s ``checked_ahead``), ``launched_ahead``
+the share whose kernels it queued before it reported the step before (``model.launch_ahead``):
+such a step's execution began inside the step before's, so the cycle over the execution may
+fall below 1.
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ def step_split(
         cycle = line["mono_ns"] - done[step - 1]["mono_ns"]
         row: dict[str, int | None] = {"step": cycle, "exec": line["exec_ns"]}
         row["ahead"] = int(bool(line.get("checked_ahead")))
+        row["launched"] = int(bool(line.get("launched_ahead")))
         row |= {"forward": forward, "sampling": sample}
         if engine is None:
             row |= {"engine": None, "idle": None}
@@ -213,6 +217,8 @@ def step_split(
         "device_busy": forward_ns / steady_ns if steady_ns > 0 else None,
         # The steps whose plan the Worker checked while the step before ran (look_ahead.py).
         "checked_ahead": sum(row["ahead"] or 0 for row in rows) / len(rows),
+        # Those whose kernels it queued before it reported the step before (worker.py).
+        "launched_ahead": sum(row["launched"] or 0 for row in rows) / len(rows),
         "worker_cycle": {  # the same steps over their execution
             "steps": len(rows),
             "cycle_ms": step_ms,

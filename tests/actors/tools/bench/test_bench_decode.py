@@ -51,8 +51,10 @@ def test_a_steady_step_splits_into_forward_sampling_engine_and_idle_that_add_up_
     ]
     worker[0] |= {"forward_ns": 7 * MS, "sample_ns": MS}
     worker[3]["checked_ahead"] = True  # step 4's plan was checked while step 3 ran
+    worker[3]["launched_ahead"] = True  # and its kernels queued before step 3 was reported
     split = step_split(worker, engine, seqs=2)
     assert split["checked_ahead"] == pytest.approx(0.5)
+    assert split["launched_ahead"] == pytest.approx(0.5)
     # Steps 3 and 4 (step 2 follows the prefill): cycles 29 - 19 and 39 - 29 ms; the plans
     # came 21 - 19 = 2 and 30 - 29 = 1 ms after the step before ended.
     assert split["steady_steps"] == 2 and split["forward_source"] == "forward_ns"
