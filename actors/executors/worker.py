@@ -38,18 +38,17 @@ from typing import NamedTuple
 
 import torch
 
-from ringfence.actors.executors.constraints import MaskJob
+from ringfence.actors.executors.device_step import NOTHING_SAMPLED, DeviceStep, Launched
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch
 from ringfence.actors.executors.pending import MissingToken, SampledTokens
 from ringfence.actors.executors.profiling import op_range
 from ringfence.actors.executors.ranks import StepGate
-from ringfence.actors.executors.sampling import Draw, NonFiniteLogits, Sampler
-from ringfence.actors.executors.timing import StepTimer
+from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
 from ringfence.actors.model.loader import load_model
-from ringfence.actors.model.paged import PagedExecutor, StepOutput
+from ringfence.actors.model.paged import PagedExecutor
 from ringfence.actors.model.parallel import Group, Shard, join_group, rank_device, rendezvous_file
 from ringfence.actors.protocol.lanes import LANES
 from ringfence.actors.protocol.resync import Resync
@@ -66,23 +65,6 @@ from ringfence.runtime.actor import handles
 from ringfence.sched.ops import StepOp
 from ringfence.shm.errors import RingfenceError
 from ringfence.shm.names import posix_name
-
-NOTHING_SAMPLED = Sampled()
-
-
-class Launched(NamedTuple):
-    """A step whose kernels (its forward and its draw) are queued and whose tokens are not
-    collected yet; or the error its launch raised. Launched ahead (``model.launch_ahead``),
-    it also holds what its turn would have read: the watermarks seen and its clocks."""
-
-    plan: StepOp  # its pending inputs resolved
-    out: StepOutput | None = None
-    draw: Draw | None = None
-    masks: MaskJob | None = None
-    error: Exception | None = None
-    seen: dict[Lane, int] | None = None
-    started: int = 0
-    waited: int = 0
 
 
 class Settled(NamedTuple):
@@ -165,7 +147,7 @@ class Worker(LaneExecutor):
                 "(its lock covers a step's device work whole)"
             )
         self.launched: Launched | None = None  # the next step, launched ahead (_launch_next)
-        self.timer = StepTimer(self.space.kv.device)
+        self.device = DeviceStep(self.space, self.executor, self.sampler, self.ahead, self.watch)
         self.steps = 0
         self.sampled = SampledTokens()  # the last step's tokens, for plans made before them
         self.log.info(
@@ -309,7 +291,7 @@ class Worker(LaneExecutor):
         try:
             with self.executing(op_range("step", plan.step)):
                 plan = self.sampled.resolve(plan)  # the last step's tokens put in (pending.py)
-                outputs, prompt_logprobs = self._execute(plan)
+                outputs, prompt_logprobs = self.device.execute(plan, self.touches)
         except Exception as e:  # it ran part way: the lane moves on, the engine is told
             self._fail(plan, e)
             return
@@ -352,7 +334,7 @@ class Worker(LaneExecutor):
         assert self.space is not None and self.executor is not None
         spoiled = written_blocks(plan, self.executor.block_size)
         self.space.poison(spoiled)
-        self._touched()  # what the model's step indexed, if it got that far
+        self.device.touched(self.touches)  # what the model's step indexed, if it got that far
         if self.touches is not None:
             self.touches.write("device", spoiled)
         self.log.error(
@@ -394,7 +376,7 @@ class Worker(LaneExecutor):
         self.begin_touches()
         try:
             with self.executing(op_range("step", plan.step)):
-                self.launched = self._launch(resolved)
+                self.launched = self.device.launch(resolved, self.touches)
         except Exception as e:  # its turn fails it, as if it had raised there
             self.launched = Launched(plan=resolved, error=e)
         self.launched = self.launched._replace(seen=seen, started=started, waited=waited)
@@ -410,9 +392,9 @@ class Worker(LaneExecutor):
                     raise launched.error
                 # Stale since its launch (the engine restarted): it ran, so it is spoiled.
                 if stale := self.stale(plan.epoch):
-                    self._land(launched)
+                    self.device.land(launched)
                     raise StaleLaunch(stale)
-                outputs, prompt_logprobs = self._land(launched)
+                outputs, prompt_logprobs = self.device.land(launched)
         except Exception as e:
             self._fail(launched.plan, e)
             return
@@ -440,91 +422,6 @@ class Worker(LaneExecutor):
                 return str(e)
         return ""
 
-    def _execute(self, plan: StepOp) -> tuple[Sampled, tuple[PromptLogprobs, ...]]:
-        """Run the plan: the sampled tokens (rank 0) and the prompt log probabilities asked."""
-        assert self.executor is not None
-        if not plan.pieces or self.shard.rank > 0:
-            self._poison_and_advance(plan)
-            if plan.pieces:  # rank 0 samples; the others write KV and join the all-reduces
-                self.executor.step_without_logits(plan.pieces, checked=True)  # see _launch
-                self._look_ahead()
-                self._touched()
-            if self.cuda:  # step_done covers the writes: done, not merely queued
-                torch.cuda.current_stream(self.kv.device).synchronize()
-            return NOTHING_SAMPLED, ()
-        return self._land(self._launch(plan))
-
-    def _poison_and_advance(self, plan: StepOp) -> None:
-        assert self.space is not None
-        self.space.poison(plan.poison)
-        if self.touches is not None:
-            self.touches.write("device", plan.poison)
-        self.sampler.advance(plan.pieces)
-
-    def _launch(self, plan: StepOp) -> Launched:
-        """Queue a step's kernels (rank 0, a plan with pieces): the poison, its forward and
-        its draw. On the CPU they run here."""
-        assert self.executor is not None
-        self._poison_and_advance(plan)
-        masks = self.sampler.start_masks(plan.pieces)  # filled beside the forward
-        try:
-            self.timer.mark()
-            # Checked once, before it ran (_problem): resolving its pending inputs put in
-            # only tokens this model sampled, which lie in its vocabulary.
-            out = self.executor.step(
-                plan.pieces, whole=self.sampler.whole(plan.pieces), checked=True
-            )
-            self.timer.mark()
-            self._touched()
-            # Sampled where the logits are; only the tokens and logprobs come back.
-            draw = self.sampler.queue(plan.pieces, out.last_logits, masks)
-        except BaseException:
-            if masks is not None:  # the fill reads the matchers: done before a plan moves them
-                masks.wait()
-            raise
-        return Launched(plan, out, draw, masks)
-
-    def _land(self, launched: Launched) -> tuple[Sampled, tuple[PromptLogprobs, ...]]:
-        """A launched step's prompt log probabilities and tokens, once its device work is
-        done (step_done covers its writes: done, not merely queued)."""
-        plan, out, masks = launched.plan, launched.out, launched.masks
-        assert out is not None
-        try:
-            prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
-            sampled = self._collect(launched.draw)
-            if self.cuda:  # queued after it: nothing (the next is launched only after this)
-                torch.cuda.current_stream(self.kv.device).synchronize()
-            return sampled, prompt
-        finally:
-            if masks is not None:  # the fill reads the matchers: done before a plan moves them
-                masks.wait()
-
-    def _collect(self, draw: Draw | None) -> Sampled:
-        """The tokens of the step's draw (the timer's last mark taken at its end), with the
-        next plan checked ahead: on CUDA while the device computes them."""
-        if not self.cuda:
-            sampled = self.sampler.collect(draw)
-            self.timer.mark()
-            self._look_ahead()
-            return sampled
-        self.timer.mark()  # an event: the draw's end on the device
-        self._look_ahead()
-        return self.sampler.collect(draw)
-
-    def _look_ahead(self) -> None:
-        """Check the next plan, if it comes before the device is done (look_ahead.py)."""
-        if self.ahead is not None:
-            done = self.watch.queued(self.kv.device) if self.watch is not None else None
-            self.ahead.check_next(done)  # no wait elsewhere: the step is done already
-
-    def _touched(self) -> None:
-        """Add the blocks the model's step indexed to the op's touches (when tracing)."""
-        assert self.executor is not None
-        touched, self.executor.touched = self.executor.touched, None
-        if self.touches is not None and touched is not None:
-            self.touches.read("device", touched.reads)
-            self.touches.write("device", touched.writes)
-
     def _finish(self, plan: StepOp, status: StepStatus, *, error: str = "") -> None:
         """Advance step_done past a plan that did not run whole, then report it."""
         self._report(plan, status, self._settle(plan, NOTHING_SAMPLED), error=error)
@@ -540,7 +437,7 @@ class Worker(LaneExecutor):
             self.executor.forget(plan.closed)  # the tables its check kept
         self.log_touches(plan.step, plan.epoch)
         reduce_ns, reduces = self.group.take_reduce_ns()
-        forward_ns, sample_ns = self.timer.take()
+        forward_ns, sample_ns = self.device.timer.take()
         checked = self.ahead is not None and self.ahead.taken == plan.step
         return Settled(forward_ns, sample_ns, reduce_ns if reduces else None, reduces, checked)
 
