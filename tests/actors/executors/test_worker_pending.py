@@ -22,7 +22,9 @@ from test_worker import (  # type: ignore[import-not-found]  # the sibling modul
 )
 
 from ringfence.actors.executors.pending import MissingToken, SampledTokens, with_token
+from ringfence.actors.protocol.lanes import ISSUER_EPOCH, epoch_counter
 from ringfence.cache.fences import Fence
+from ringfence.cache.ids import Seq as SeqNo
 from ringfence.sched.ops import Piece, StepOp
 
 __all__ = ["make_rig", "reference"]  # the fixtures this module's tests take
@@ -127,3 +129,79 @@ def test_sampled_tokens_keep_only_the_last_step() -> None:
         tokens.resolve(plan(3, pending(seq, 5, 1)))
     whole = plan(3, prefill(seq))
     assert tokens.resolve(whole) is whole  # nothing pending: the plan as it came
+
+
+LAUNCH_AHEAD = ("model.look_ahead=on", "model.launch_ahead=on")  # auto: on a GPU only
+
+
+def launched_ahead(rig) -> dict[int, bool]:
+    return {e["step"]: bool(e.get("launched_ahead")) for e in rig.events("step.done")}
+
+
+def test_a_step_launched_ahead_takes_the_tokens_and_one_whose_fence_waits_is_not(
+    make_rig, reference
+):
+    rig = make_rig(*LAUNCH_AHEAD)
+    seqs = [Seq(0, PROMPT, [0, 1, 2]), Seq(1, [2, 7, 1, 8], [3, 4, 5])]
+    rig.post(plan(1, *(prefill(s) for s in seqs)))  # every plan in the ring at once
+    rig.post(plan(2, *(pending(s, len(s.prompt), 1) for s in seqs)))
+    waits = replace(plan(3, *(pending(s, len(s.prompt) + 1, 2) for s in seqs)), fence=Fence(
+        swap=SeqNo(1)
+    ))  # fmt: skip
+    rig.post(waits)
+    for step in (1, 2, 3):
+        if step == 3:
+            rig.swap_in(1)  # its fence: met only now, after step 2 was reported
+        result = rig.result(step)
+        assert result.status == "ok", result.error
+        by_id = {out.seq_id: out for out in result.sampled.tokens()}
+        for seq in seqs:
+            seq.generated.append(by_id[seq.seq_id].token_id)
+            seq.logprobs.append(by_id[seq.seq_id].logprob)
+    for seq in seqs:
+        check_against_reference(reference, seq)
+    # Step 2 was launched as step 1 ended; step 3 waited for its fence at its own turn.
+    assert launched_ahead(rig) == {1: False, 2: True, 3: False}
+
+
+def test_a_launch_ahead_that_raises_fails_its_step_at_its_turn_spoiling_its_writes(make_rig):
+    rig = make_rig(*LAUNCH_AHEAD)
+    seq = Seq(0, PROMPT, [0, 1])
+    step = rig.worker.device.executor.step
+
+    def breaks_at_the_decode(pieces, **kwargs):
+        if pieces[0].start == len(PROMPT):
+            raise RuntimeError("the device is gone")
+        return step(pieces, **kwargs)
+
+    rig.worker.device.executor.step = breaks_at_the_decode
+    rig.post(plan(1, prefill(seq)))
+    rig.post(plan(2, pending(seq, len(PROMPT), 1)))
+    assert rig.result(1).status == "ok"
+    result = rig.result(2)
+    assert result.status == "failed" and "the device is gone" in result.error
+    assert bool(rig.kv[1].isnan().all())  # position 5's block: spoiled, not half-written
+    assert launched_ahead(rig) == {1: False, 2: False}  # a failed step is not reported so
+
+
+def test_a_step_launched_ahead_whose_epoch_goes_stale_fails_spoiling_its_writes(make_rig):
+    rig = make_rig(*LAUNCH_AHEAD)
+    seq = Seq(0, PROMPT, [0, 1])
+    epoch = epoch_counter(rig.lanes, 0, ISSUER_EPOCH)
+    epoch.claim()
+    step = rig.worker.device.executor.step
+
+    def engine_restarts_meanwhile(pieces, **kwargs):
+        out = step(pieces, **kwargs)
+        if pieces[0].start == len(PROMPT):  # launched: an engine of epoch 1 starts
+            epoch.advance(1)
+        return out
+
+    rig.worker.device.executor.step = engine_restarts_meanwhile
+    rig.post(plan(1, prefill(seq)))
+    rig.post(plan(2, pending(seq, len(PROMPT), 1)))
+    assert rig.result(1).status == "ok"
+    result = rig.result(2)
+    assert result.status == "failed" and "StaleLaunch" in result.error
+    assert "issued before the engine restarted at epoch 1" in result.error
+    assert bool(rig.kv[1].isnan().all())  # it ran: what it wrote is spoiled
