@@ -76,6 +76,11 @@ CONFIGS = (
            defines={"NOPS": 3, "NH": 1, "STEPS": 2, "MAXFAIL": 1}, ci=True, ci_search=False,
            what="two steps in flight (sched.steps_in_flight = 2): a step may take the token "
            "of the step it follows, and an op fails"),
+    Config(name="launch", model=PROTOCOL,
+           defines={"NOPS": 3, "NH": 1, "STEPS": 2, "MAXFAIL": 1, "LAUNCH_AHEAD": True},
+           ci=True, ci_search=False,
+           what="two steps in flight, the Worker launching the next step before it reports "
+           "the one before (model.launch_ahead), and an op fails"),
     Config(name="handover", model=PD, ci=True,
            what="reserve, prefill, claim: prefill death, lateness, store crash, redis restart"),
     # Larger: every interleaving of 4 ops, all faults at once on 3.
@@ -92,6 +97,13 @@ CONFIGS = (
     Config(name="steps-worker", model=PROTOCOL,
            defines={"NOPS": 3, "STEPS": 2, "WORKER_RESTARTS": 1},
            what="two steps in flight and a Worker restart: both lost, the kept tokens with it"),
+    Config(name="launch-worker", model=PROTOCOL,
+           defines={"NOPS": 3, "STEPS": 2, "WORKER_RESTARTS": 1, "LAUNCH_AHEAD": True},
+           what="launch ahead and a Worker restart: the step launched ahead dies with it"),
+    Config(name="launch-engine", model=PROTOCOL,
+           defines={"NOPS": 3, "ND": 1, "NH": 1, "STEPS": 2, "ENGINE_RESTARTS": 1,
+                    "LAUNCH_AHEAD": True},
+           what="launch ahead and an engine restart: a step launched ahead goes stale and fails"),
     Config(name="steps-engine", model=PROTOCOL,
            defines={"NOPS": 3, "ND": 1, "NH": 1, "STEPS": 2, "ENGINE_RESTARTS": 1},
            what="two steps in flight and an engine restart, on one block a tier"),
@@ -158,6 +170,17 @@ MUTANTS = (
     Mutant(flag="MUT_PENDING_UNSPOILED", config="steps", caught_by=("R",),
            what="the Worker fails a step that lacks its token without spoiling what it "
            "writes: a swap-out fenced on it copies the block's older KV as its"),
+    Mutant(flag="MUT_LAUNCH_UNFENCED", config="launch", caught_by=("I1", "I3", "R"),
+           what="the Worker launches the next step ahead whether or not its fence is met"),
+    Mutant(flag="MUT_LAUNCH_AFTER_FAILURE", config="launch", caught_by=("P",),
+           what="the Worker launches the next step ahead after a step that failed, on the "
+           "tokens that step never sampled"),
+    Mutant(flag="MUT_LAUNCH_STALE_OK", config="launch-engine",
+           what="a step launched ahead whose epoch went stale before its turn is reported as "
+           "it ran, its writes kept",
+           equivalent="a restarted engine ignores every report of an older epoch and forgets "
+           "what each block holds: it never reads what that step wrote (the code fails and "
+           "spoils it all the same, so a pool under cache.poison_freed holds nothing stale)"),
     Mutant(flag="MUT_LOST_WAKEUP", config="wake",
            what="a waiter clears its doorbell after checking the watermarks (a ring in between "
            "is lost)",

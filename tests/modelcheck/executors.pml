@@ -113,8 +113,76 @@ inline fence_wait(r, k, me) {
 #define SPOIL SPOILED
 #endif
 
+#ifdef LAUNCH_AHEAD
+#ifdef MUT_LAUNCH_UNFENCED
+#define LAUNCH_FENCE_OK(r, k) true  /* launched whether or not its fence is met */
+#else
+#define LAUNCH_FENCE_OK(r, k) FENCE_OK(r, k)
+#endif
+#ifdef MUT_LAUNCH_AFTER_FAILURE
+#define LAUNCHES_AFTER(st) true  /* launched after a step that failed, on its tokens */
+#else
+#define LAUNCHES_AFTER(st) ((st) == OK)
+#endif
+/* Launch ahead (-DLAUNCH_AHEAD; model.launch_ahead, actors/executors/worker.py): once step op
+   k ran ok, before its watermark moves and its report goes, the Worker may run the next
+   step op of its ring, if nothing else comes before it there (a Resync would), its epoch
+   is current, its fence is met already (it does not wait) and its token is k's or known.
+   Its blocks are touched now (being computed); at its turn it is only collected: its
+   result written, or spoiled if it failed or its epoch went stale since. */
+inline launch_ahead(r, k) {
+  k2 = k + 1;
+  do
+  :: k2 < NOPS && olane[k2] != STEP -> k2++
+  :: else -> break
+  od;
+  if
+  :: LAUNCHES_AFTER(st) && st != CANCELLED && k2 < NOPS && !KILLED(r) ->
+     if
+     :: ring[c]??[eval(k2)] && !(ring[c]??[RESYNC]) && !STALE(r, k2) &&
+        LAUNCH_FENCE_OK(r, k2) && (opend[k2] == 0 || opend[k2] == k + 1) ->
+        order_check(r, k2);
+        lst = OK;
+        if
+        :: rdD[k2] ->
+           i = 0;
+           do
+           :: rdD[k2] & BIT(i) -> break
+           :: else -> i++
+           od;
+           v = dev[DI(r, g, i)]; read_check(r, k2, v);
+#ifndef MUT_NO_NAN_CHECK
+           if :: v == SPOILED -> lst = FAILED :: else fi
+#endif
+        :: else
+        fi;
+        if :: fails < MAXFAIL -> fails++; lst = FAILED :: skip fi;
+        if
+        :: lst == OK && rdD[k2] && v == SPOILED ->
+           printf("S violated on rank %d: step op %d succeeded on a spoiled block\n", r, k2);
+           assert(false)
+        :: else
+        fi;
+        if
+        :: lst == OK && opend[k2] != 0 && !sok[r * NOPS + opend[k2] - 1] ->
+           printf("P violated on rank %d: step op %d launched ahead on the token of step op %d, which did not run ok there\n", r, k2, opend[k2] - 1);
+           assert(false)
+        :: else
+        fi;
+        dev[DI(r, g, odev[k2])] = GARBAGE;  /* being computed until its turn */
+        la = k2 + 1
+     :: skip  /* not launched: its frame not read yet, or the choice not to */
+     fi
+  :: else
+  fi
+}
+#endif
+
 proctype worker(byte r) {
   byte k, g, st, v, i, j, c, w;
+#ifdef LAUNCH_AHEAD
+  byte k2, lst, la;  /* the step op launched ahead + 1 (0: none), its status */
+#endif
   c = r * NL + STEP;
 top:
   do
@@ -123,6 +191,21 @@ top:
      :: k == RESYNC -> ring[c]?k; acks!c, g  /* its WorkerReady: where it stands, its tier */
      :: k < NOPS && oseq[k] <= wm[c] -> ring[c]?k  /* done before a restart */
      :: else ->
+#ifdef LAUNCH_AHEAD
+        if
+        :: la == k + 1 ->  /* launched ahead: its turn collects it */
+           la = 0; st = lst;
+#ifndef MUT_LAUNCH_STALE_OK
+           if :: STALE(r, k) -> st = FAILED :: else fi;  /* it ran: stale since, it fails */
+#endif
+           if
+           :: st == OK -> dev[DI(r, g, odev[k])] = k + 1
+           :: else -> dev[DI(r, g, odev[k])] = SPOIL
+           fi;
+           goto finish
+        :: else
+        fi;
+#endif
 #ifdef WAKEUPS
         fence_wait(r, k, c);
 #else
@@ -201,6 +284,9 @@ finish:
 #if STEPS > 1
         if :: st == OK -> wlast[r] = k + 1; sok[r * NOPS + k] = 1 :: else -> wlast[r] = 0 fi;
 #endif
+#ifdef LAUNCH_AHEAD
+        launch_ahead(r, k);
+#endif
         fin[r * NOPS + k] = 1; wm[c] = oseq[k]; RING(c);
         rep!k, r, st, oep[k]; ring[c]?k
      fi
@@ -214,6 +300,9 @@ restart:
   wgen[r] = wkill; g = wgen[r];
 #if STEPS > 1
   wlast[r] = 0;  /* a new process keeps no tokens */
+#endif
+#ifdef LAUNCH_AHEAD
+  la = 0;  /* a step launched ahead died with the process */
 #endif
 #ifdef MUT_CANCEL_BEFORE_EPOCH
   do
