@@ -80,14 +80,18 @@ def test_decodes_planned_ahead_take_the_tokens_the_step_before_sampled(make_rig,
     rig.post(plan(2, *(pending(s, len(s.prompt), 1) for s in seqs)))
     rig.post(plan(3, *(pending(s, len(s.prompt) + 1, 2) for s in seqs)))
     for step in (1, 2, 3):
-        result = rig.result(step)
-        assert result.status == "ok", result.error
-        by_id = {out.seq_id: out for out in result.sampled.tokens()}
-        for seq in seqs:
-            seq.generated.append(by_id[seq.seq_id].token_id)
-            seq.logprobs.append(by_id[seq.seq_id].logprob)
+        take_tokens(rig.result(step), seqs)
     for seq in seqs:
         check_against_reference(reference, seq)
+
+
+def take_tokens(result, seqs: list[Seq]) -> None:
+    """Append an ok step's token and logprob to each of ``seqs``."""
+    assert result.status == "ok", result.error
+    by_id = {out.seq_id: out for out in result.sampled.tokens()}
+    for seq in seqs:
+        seq.generated.append(by_id[seq.seq_id].token_id)
+        seq.logprobs.append(by_id[seq.seq_id].logprob)
 
 
 def test_a_plan_naming_a_step_it_did_not_run_last_fails_saying_so(make_rig):
@@ -152,12 +156,7 @@ def test_a_step_launched_ahead_takes_the_tokens_and_one_whose_fence_waits_is_not
     for step in (1, 2, 3):
         if step == 3:
             rig.swap_in(1)  # its fence: met only now, after step 2 was reported
-        result = rig.result(step)
-        assert result.status == "ok", result.error
-        by_id = {out.seq_id: out for out in result.sampled.tokens()}
-        for seq in seqs:
-            seq.generated.append(by_id[seq.seq_id].token_id)
-            seq.logprobs.append(by_id[seq.seq_id].logprob)
+        take_tokens(rig.result(step), seqs)
     for seq in seqs:
         check_against_reference(reference, seq)
     # Step 2 was launched as step 1 ended; step 3 waited for its fence at its own turn.
