@@ -42,6 +42,32 @@ def check_model(config: Config) -> None:
     check_device(config.model.device, config.model.dtype, config.parallel.tp_size)
     if config.transfer.copy == "kernel":
         check_copy_kernel(config.model.device)
+    check_launch_ahead(config)
+
+
+def check_launch_ahead(config: Config) -> None:
+    """ValueError for ``model.launch_ahead = "on"`` where the Worker cannot launch ahead:
+    under tensor parallelism (a step's collectives hold every rank) or the legacy lock (its
+    exclusion covers a step's device work whole), or with the look-ahead off (it launches
+    the plans the look-ahead checked)."""
+    model = config.model
+    if model.launch_ahead != "on":
+        return
+    if config.parallel.tp_size > 1:
+        raise ValueError(
+            f"model.launch_ahead=on: the Worker launches ahead on one rank only, not at "
+            f"parallel.tp_size={config.parallel.tp_size} (set it to auto or off)"
+        )
+    if config.transfer.mode == "lock":
+        raise ValueError(
+            "model.launch_ahead=on: not under transfer.mode=lock, whose lock covers a step's "
+            "device work whole (set it to auto or off)"
+        )
+    if model.look_ahead == "off":
+        raise ValueError(
+            "model.launch_ahead=on: it launches the plans the look-ahead checked, and "
+            "model.look_ahead is off"
+        )
 
 
 def checkpoint_shape(path: str) -> ModelShape:

@@ -122,30 +122,22 @@ class Worker(LaneExecutor):
         grammars = model_grammars(config.model.path, vocab_size) if rank == 0 else None
         self.sampler = Sampler(vocab_size, config.model.logprobs_mode, grammars, device=device)
         self.cuda = self.space.kv.device.type == "cuda"
-        look = config.model.look_ahead
+        look, launch = config.model.look_ahead, config.model.launch_ahead
         self.ahead = (
             CheckAhead(lambda: self.peek("engine"), self.executor.check, self.wait_until)
-            if look == "on" or (look == "auto" and self.cuda)
+            if look == "on" or (look == "auto" and (self.cuda or launch == "on"))
             else None
-        )  # look_ahead.py
+        )  # look_ahead.py; launching ahead takes the plans it checked
         # On CUDA the look-ahead waits for the next plan until the device is done: this
         # thread rings the Worker's doorbell when it is.
         self.watch = DeviceWatch(self.own_bell()) if self.ahead and self.cuda else None
-        launch = config.model.launch_ahead
-        self.launch_ahead = self.ahead is not None and (
-            launch == "on"
-            or (
-                launch == "auto"
-                and self.cuda
-                and self.shard.size == 1
-                and config.transfer.mode != "lock"
-            )
+        # Off under tensor parallelism and the lock (actors/preflight.py refuses "on" there).
+        alone = self.shard.size == 1 and config.transfer.mode != "lock"
+        self.launch_ahead = (
+            self.ahead is not None
+            and alone
+            and (launch == "on" or (launch == "auto" and self.cuda))
         )
-        if launch == "on" and (self.shard.size > 1 or config.transfer.mode == "lock"):
-            raise ValueError(
-                "model.launch_ahead=on runs one rank only, and not under transfer.mode=lock "
-                "(its lock covers a step's device work whole)"
-            )
         self.launched: Launched | None = None  # the next step, launched ahead (_launch_next)
         self.device = DeviceStep(self.space, self.executor, self.sampler, self.ahead, self.watch)
         self.steps = 0

@@ -65,9 +65,11 @@ class ModelConfig:
         "when the next step's plan was checked ahead and its fence is already met, the Worker "
         "queues that step's kernels as soon as it has the step before's tokens, and only then "
         "reports the step before, so that the report, the engine's frame and the plan's "
-        "turn run beside the next step on the device; 'auto' is on where the look-ahead is "
-        "on a CUDA device, with one rank and transfer.mode fence or sync (the lock's "
-        "exclusion covers a step's device work whole), off elsewhere",
+        "turn run beside the next step on the device; 'auto' is on for a CUDA device with one "
+        "rank and transfer.mode fence or sync (the lock's exclusion covers a step's device "
+        "work whole), off elsewhere; 'on' turns the look-ahead on too (it is on the CPU "
+        "what a test runs: there the forward is the host's own work, and launching ahead "
+        "puts a whole forward before each report)",
     )
 
 

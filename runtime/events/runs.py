@@ -152,12 +152,14 @@ RUN_EVENTS: Final[dict[str, Event]] = {
     "step.done": event(
         "info",
         "step plan_epoch status fence_swap fence_store seen_swap seen_store pieces tokens poison "
-        "wait_ns exec_ns reduce_ns reduces forward_ns sample_ns checked_ahead error",
+        "wait_ns exec_ns reduce_ns reduces forward_ns sample_ns checked_ahead launched_ahead "
+        "error",
         "step_done reached step; status ok, rejected (malformed, nothing touched) or cancelled "
         "(stale epoch); seen_* are the watermarks observed once the fence was reached; "
         "forward_ns and sample_ns split exec_ns (CUDA events on a GPU; None for a step that "
         "failed part way); checked_ahead: its plan was checked while the step before it ran "
-        "(model.look_ahead)",
+        "(model.look_ahead); launched_ahead: its kernels were queued before the step before "
+        "it was reported (model.launch_ahead; its seen_* read then, its exec_ns from then)",
     ),
     "step.failed": event(
         "error",

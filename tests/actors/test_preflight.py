@@ -60,6 +60,18 @@ def test_kv_pools_larger_than_the_room_in_dev_shm_are_named():
         check_model(config("cache.device_blocks=1000000000"))
 
 
+def test_launching_ahead_where_the_worker_cannot_is_named():
+    on = "model.launch_ahead=on"
+    check_model(config(on))  # one rank, fences, the look-ahead on by it
+    with pytest.raises(ValueError, match=r"^model.launch_ahead=on: .* parallel.tp_size=2"):
+        check_model(config(on, "parallel.tp_size=2", "model.preset=tiny-4kv"))
+    with pytest.raises(ValueError, match=r"^model.launch_ahead=on: not under transfer.mode=lock"):
+        check_model(config(on, "transfer.mode=lock"))
+    with pytest.raises(ValueError, match=r"^model.launch_ahead=on: .* model.look_ahead is off"):
+        check_model(config(on, "model.look_ahead=off"))
+    check_model(config("parallel.tp_size=2", "model.preset=tiny-4kv", "transfer.mode=lock"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a CUDA device")
 def test_cuda_asked_for_on_a_host_without_it_is_named():
     with pytest.raises(ValueError, match=r"^model.device: 'cuda', but torch sees no CUDA device$"):
