@@ -154,6 +154,11 @@ class LaneExecutor(Actor):
         own = fence.waits().get(self.lane)
         return f"the fence of a {self.lane} op names its own lane ({own})" if own else ""
 
+    def fence_met(self, fence: Fence) -> bool:
+        """Whether every other lane's watermark has reached ``fence`` already (no wait)."""
+        waits = fence.waits().items()
+        return self.skip_fences or all(self.marks[lane].value() >= to for lane, to in waits)
+
     def wait_fence(self, op: int, epoch: int, fence: Fence) -> dict[Lane, int]:
         """Sleep until every other lane's watermark reaches ``fence``; the values then seen
         of every other lane.

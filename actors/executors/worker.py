@@ -349,9 +349,7 @@ class Worker(LaneExecutor):
         plan = self.ahead.passed()
         if plan is None or plan.step != finished.step + 1 or self.stale(plan.epoch):
             return
-        if not self.skip_fences and any(
-            self.marks[lane].value() < target for lane, target in plan.fence.waits().items()
-        ):
+        if not self.fence_met(plan.fence):
             return
         try:
             resolved = self.sampled.resolve(plan)
