@@ -62,6 +62,7 @@ from ringfence.actors.protocol.worker import (
 from ringfence.actors.text.grammars import model_grammars
 from ringfence.cache.fences import Lane, Tier
 from ringfence.runtime.actor import handles
+from ringfence.runtime.mailbox import Delivery
 from ringfence.sched.ops import StepOp
 from ringfence.shm.errors import RingfenceError
 from ringfence.shm.names import posix_name
@@ -79,6 +80,14 @@ class Settled(NamedTuple):
 
 class StaleLaunch(RingfenceError):
     """A step launched ahead whose epoch went stale before its turn: it ran, so it fails."""
+
+
+class GroupFailed(RingfenceError):
+    """A step failed inside (or past) its collectives under tensor parallelism. The peers
+    cannot be told, so this rank ends without answering: :meth:`Worker.on_failure`
+    re-raises it, and the driver takes the plan off its ring only after a handler that
+    returned. The supervisor restarts the group; the next generation finds the plan still
+    there, and cancels it as stale (docs/design.md, "Ranks (tensor parallelism)")."""
 
 
 class Worker(LaneExecutor):
@@ -230,6 +239,11 @@ class Worker(LaneExecutor):
         assert self.space is not None
         return self.space.kv
 
+    def on_failure(self, error: Exception, delivery: Delivery) -> None:
+        """A rank whose step failed in its collectives dies, its plan left on the ring."""
+        if isinstance(error, GroupFailed):
+            raise error
+
     @handles(StepOp)
     def on_plan(self, plan: StepOp) -> None:
         order = self.order(plan.step)
@@ -334,9 +348,11 @@ class Worker(LaneExecutor):
         )
         if self.shard.size > 1 and not isinstance(e, NonFiniteLogits):
             # The peers are inside (or past) this step's collectives and cannot be told:
-            # the group goes down together and restarts (docs/design.md,
-            # "Ranks (tensor parallelism)").
-            raise e
+            # the group goes down together and restarts. Answered or taken off the ring
+            # here, the plan would be lost to this rank's next generation, whose step_done
+            # would then never pass it (a swap fenced on it waited forever).
+            rank = f"rank {self.shard.rank} of {self.shard.size}"
+            raise GroupFailed(f"step {plan.step} failed at {rank}: {e!r}") from e
         self._finish(plan, "failed", error=f"{type(e).__name__}: {e}")
 
     def _launch_next(self, finished: StepOp) -> None:

@@ -23,7 +23,7 @@ from builders import opened
 from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.config import Config
-from ringfence.actors.executors.worker import Worker
+from ringfence.actors.executors.worker import GroupFailed, Worker
 from ringfence.actors.kv.space import open_kv
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.protocol.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
@@ -31,7 +31,7 @@ from ringfence.actors.protocol.worker import FROM_WORKER, TO_WORKER, StepResult,
 from ringfence.cache.fences import Fence, Lane
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.runtime.driver import Driver
-from ringfence.runtime.mailbox import LocalInbox, Mailbox
+from ringfence.runtime.mailbox import Delivery, LocalInbox, Mailbox
 from ringfence.sched.ops import Piece, StepOp
 from ringfence.shm import names
 from ringfence.shm.counter import CounterBlock, Watermark
@@ -536,3 +536,17 @@ def test_on_cuda_the_worker_shares_its_kv_by_ipc_and_gives_the_contiguous_forwar
     run_program(rig, seqs, rng, decode=4)
     for seq in seqs:
         check_against_reference(reference, seq)
+
+
+def test_a_rank_whose_step_failed_in_its_collectives_dies_and_leaves_its_plan_on_its_ring():
+    # Answered or committed, the plan would be lost to the group's next generation, whose
+    # step_done would never pass it: a swap fenced on that step waited forever (a tp-2 run
+    # whose Worker rank was killed hung so, once). Re-raised from on_failure, the driver
+    # ends the actor before it commits the frame (tests/runtime/test_actor.py: a frame
+    # whose handler crashed comes again after a restart).
+    worker = Worker.__new__(Worker)  # on_failure reads nothing of the instance
+    delivery = Delivery("engine-0", 3, None, None)
+    lost = GroupFailed("step 2 failed at rank 0 of 2: RuntimeError('Connection reset')")
+    with pytest.raises(GroupFailed):
+        worker.on_failure(lost, delivery)
+    worker.on_failure(ValueError("a plan refused"), delivery)  # any other failure: survived
