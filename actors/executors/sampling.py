@@ -9,7 +9,7 @@ state (a plan is refused or run alike on every rank); rank 0 samples.
 
 The counts live on the device the Worker samples on (``counts.py``: a slot per sequence
 with a penalty), and a step is sampled there by batched tensor ops (``model/sampler.py``,
-each knob of every row at once, with the one-row ``decoder.sample`` as its definition):
+each knob of every row at once, with the one-row ``reference_sampling.sample`` as its definition):
 only the sampled ids and the asked-for log probabilities come back to the host, in one
 copy. A step's parameters go the other way in one copy too (``knobs.py``).
 

@@ -1,4 +1,4 @@
-"""A decoder of the supported families in plain torch, with seeded random weights, and the sampler.
+"""A decoder of the supported families in plain torch, with seeded random weights.
 
 Parameter names are those of the Hugging Face state dicts (``model.embed_tokens.weight``,
 ``model.layers.N.self_attn.q_proj.weight`` and ``.bias`` where the shape has
@@ -23,13 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ringfence.actors.model.draws import uniform
 from ringfence.actors.model.parallel import SINGLE, WHOLE, Group, Shard, local_shape, take_shard
 from ringfence.actors.model.shape import PRESETS, ModelShape, expected_tensors
 
 __all__ = [
-    "DTYPES", "PRESETS", "Kernels", "Model", "ModelShape", "Sampled", "Stacked", "draw",
-    "inverse_frequencies", "kv_block_bytes", "nucleus", "sample", "window_mask",
+    "DTYPES", "PRESETS", "Kernels", "Model", "ModelShape", "Stacked", "inverse_frequencies",
+    "kv_block_bytes", "window_mask",
 ]  # fmt: skip
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -396,85 +395,3 @@ class Model(nn.Module):
             )  # fmt: skip
             x = self.finish_layer(index, x, out.transpose(0, 1).reshape(length, -1))
         return self.logits(x)
-
-
-class Sampled(NamedTuple):
-    token_id: int  # the chosen token
-    logprob: float  # log_softmax of the raw (unscaled) logits at token_id
-
-
-def sample(
-    logits: Tensor,
-    *,
-    temperature: float,
-    seed: int,
-    position: int,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-) -> Sampled:
-    """Pick a token from logits [vocab]: the one-row reference the batched sampler
-    (``actors/model/sampler.py``) must equal, token for token.
-
-    Greedy (the first maximum) at temperature 0, whatever ``top_p``. Otherwise, in float64:
-    the probabilities softmax(logits / temperature); ``min_p`` (> 0) zeroes those below
-    min_p times the most probable; ``top_k`` (> 0) keeps the k most probable (ties by the
-    lower id); below 1, ``top_p`` keeps the nucleus of what is left (:func:`nucleus`). Every
-    knob only zeroes probabilities, never rescales them (vLLM renormalises between them:
-    the same distribution, up to rounding), so the ranking is that of the softmax. The
-    draw is :func:`draw` with u(seed, position) (``draws.py``): the same on every device,
-    and a replayed step picks the same token. The reported logprob is always under the raw
-    logits (temperature 1), so it does not depend on the sampling settings. ValueError
-    naming the setting for a temperature below 0 or a top_p outside (0, 1].
-    """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    wide = logits.detach().to(device="cpu", dtype=torch.float64)
-    if temperature == 0:
-        token = int(torch.argmax(wide))
-    else:
-        probs = torch.softmax(wide / temperature, dim=-1)
-        if min_p > 0.0:
-            probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
-        if 0 < top_k < len(probs):
-            _, order = torch.sort(probs, descending=True, stable=True)
-            kept = torch.zeros_like(probs)
-            kept[order[:top_k]] = probs[order[:top_k]]
-            probs = kept
-        if top_p < 1.0:  # at 1 the distribution is left as it is
-            probs = nucleus(probs, top_p)
-        token = draw(probs, uniform(seed, position))
-    return Sampled(token, float(torch.log_softmax(wide, dim=-1)[token]))
-
-
-def nucleus(probs: Tensor, top_p: float) -> Tensor:
-    """``probs`` [vocab] (not necessarily summing to 1) with every token outside the
-    nucleus zeroed; the others keep their values.
-
-    The tokens are ranked by probability, ties by the lower id (a stable sort), and summed
-    in that order; a token is in the nucleus when the sum of those ranked above it is below
-    ``top_p`` times the whole sum (the last of those running sums), so the most probable
-    token always is, and the nucleus is the smallest set holding top_p of the mass.
-    """
-    ordered, order = torch.sort(probs, descending=True, stable=True)
-    running = torch.cumsum(ordered, dim=-1)
-    before = torch.cat((running.new_zeros(1), running[:-1]))  # 0 for the first, exactly
-    inside = order[before < top_p * running[-1]]
-    kept = torch.zeros_like(probs)
-    kept[inside] = probs[inside]
-    return kept
-
-
-def draw(weights: Tensor, u: float) -> int:
-    """Inverse-CDF in id order: the first id whose running sum of ``weights`` [vocab]
-    (non-negative, not all 0) exceeds u times the whole sum (the last running sum), or the
-    largest float64 below it where that product rounds up to the whole. A token of weight
-    0 is never drawn: the running sum does not rise at it."""
-    running = torch.cumsum(weights, dim=-1)
-    total = float(running[-1])
-    threshold = min(u * total, math.nextafter(total, 0.0))
-    return int(
-        torch.searchsorted(running, torch.tensor([threshold], dtype=running.dtype), right=True)
-    )

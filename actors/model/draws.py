@@ -1,8 +1,9 @@
 """The one uniform a seeded draw uses: u(seed, position) in [0, 1), the same on every device.
 
 A draw at temperature > 0 is inverse-CDF sampling in vocabulary-id order with ONE uniform
-per row (``decoder.sample`` defines it; ``sampler.py`` batches it). The uniform comes from
-a counter-based integer hash, so it needs no generator state and no host work per row:
+per row (``reference_sampling.sample`` defines it; ``sampler.py`` batches it). The uniform
+comes from a counter-based integer hash, so it needs no generator state and no host work
+per row:
 
     mix64(z)   = splitmix64's finaliser over 64-bit words (wrapping arithmetic):
                  z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB;

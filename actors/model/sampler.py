@@ -3,7 +3,7 @@
 One step's sampled rows are a ``[rows, vocab]`` float64 tensor and per-row parameter
 tensors (:class:`Knobs`, built on the host once per step and moved in one copy by
 ``actors/executors/knobs.py``); no Python loop runs over the rows here. The definition
-every op follows is the one-row reference, ``decoder.sample`` (temperature, min_p, top_k,
+every op follows is the one-row reference, ``reference_sampling.sample`` (temperature, min_p, top_k,
 top_p, then an inverse-CDF draw in id order with one uniform per row from ``draws.py``),
 and ``actors/executors/sampling.py``'s ``processed`` (logit_bias, the min_tokens mask, the
 penalties, in vLLM's order): on the CPU this module equals them bit for bit (the per-row
@@ -125,7 +125,7 @@ def _penalised(
 
 def choose(logits: Tensor, knobs: Knobs) -> Tensor:
     """The token [rows] int64 of each row of ``logits`` [rows, vocab] float64: the first
-    maximum at temperature 0, else ``decoder.sample``'s draw."""
+    maximum at temperature 0, else ``reference_sampling.sample``'s draw."""
     greedy = torch.argmax(logits, dim=-1)
     if not knobs.any_random:
         return greedy
@@ -150,7 +150,7 @@ def choose(logits: Tensor, knobs: Knobs) -> Tensor:
 def _top_k_top_p(probs: Tensor, knobs: Knobs) -> Tensor:
     """``probs`` with what top_k and top_p drop zeroed: a stable ranking of the row (ties
     by the lower id), of which top_k keeps a prefix and the nucleus a prefix of that, where
-    the mass ranked above a token is below top_p times the whole (``decoder.nucleus``).
+    the mass ranked above a token is below top_p times the whole (``reference_sampling.nucleus``).
 
     Where every ranked row has a top_k, only the first ``top_k_bound`` of the ranking are
     needed (:func:`stable_top`, no sort of the row); else one stable sort ranks it all. The

@@ -11,7 +11,7 @@ import torch
 from builders import opened
 
 from ringfence.actors.executors.sampling import Sampler, processed, token_logprobs
-from ringfence.actors.model.decoder import sample
+from ringfence.actors.model.reference_sampling import sample
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams
 

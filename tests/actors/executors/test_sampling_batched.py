@@ -1,8 +1,9 @@
 """The batched sampler (``model/sampler.py`` through the Worker's ``Sampler``) equals the
-one-row reference (``decoder.sample``, ``sampling.processed``, ``token_logprobs``), row by
-row, for every knob and their combinations: the exact token, rank and top ids, the
-logprobs to 1e-12. The uniform of a draw is the same in tensor ops and in Python ints, and
-the penalties' counts on the device are those counted on the host."""
+one-row reference (``reference_sampling.sample``, ``sampling.processed``,
+``token_logprobs``), row by row, for every knob and their combinations: the exact token,
+rank and top ids, the logprobs to 1e-12. The uniform of a draw is the same in tensor ops
+and in Python ints, and the penalties' counts on the device are those counted on the
+host."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from hypothesis import strategies as st
 from ringfence.actors.executors.constraints import MaskJob, masked
 from ringfence.actors.executors.knobs import build_knobs
 from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler, processed, token_logprobs
-from ringfence.actors.model.decoder import sample
 from ringfence.actors.model.draws import as_int64, uniform, uniforms
+from ringfence.actors.model.reference_sampling import sample
 from ringfence.actors.model.sampler import masked_rows, processed_rows
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import SamplingParams

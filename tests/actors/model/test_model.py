@@ -13,9 +13,10 @@ import pytest
 import torch
 from builders import piece
 
-from ringfence.actors.model.decoder import PRESETS, Model, kv_block_bytes, nucleus, sample
+from ringfence.actors.model.decoder import PRESETS, Model, kv_block_bytes
 from ringfence.actors.model.draws import uniform
 from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
+from ringfence.actors.model.reference_sampling import nucleus, sample
 from ringfence.actors.text.tokenizer import BOS, EOS, PAD, ByteTokenizer
 
 BLOCK_SIZE = 4
