@@ -152,7 +152,7 @@ class Launch(Launched):
     def __init__(self, run_dir: Path, sets: Sequence[str], *, timeout: float) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)  # watched before the launch writes in it
         super().__init__(run_dir, sets, timeout=timeout)
-        self.restarting: tuple[str, int] | None = None  # the last victim, its actor.ready count
+        self.restarting: tuple[str, int] | None = None  # the last victim, its incarnation
         self._read: dict[str, tuple[int, list[dict[str, Any]]]] = {}  # log: (bytes, lines)
         try:
             self.watch = FolderWatch([run_dir, run_dir.parent], self.proc.pid)
@@ -194,37 +194,50 @@ class Launch(Launched):
     def steps_done(self) -> int:
         return len(self.events("worker-0", "step.done"))
 
-    def pid_of(self, instance: str) -> int:
-        """The live process of ``instance`` (from actors.json), checked to be this launch's:
-        its child, or a child of its fork server (runtime/starter.py), itself its child."""
-        if instance == SUPERVISOR:
-            return self.proc.pid
+    def live_child(self, instance: str) -> tuple[int, int] | None:
+        """The live process of ``instance`` and its incarnation (from actors.json, which the
+        supervisor writes as it spawns one), if that process is this launch's: its child, or
+        a child of its fork server (runtime/starter.py), itself its child."""
         rows = orjson.loads((self.run_dir / "actors.json").read_bytes())
         row = next(r for r in rows if r["id"] == instance)
         pid = row.get("pid")
         parent = None if pid is None else _parent(pid)
         if parent is None or self.proc.pid not in (parent, _parent(parent)):
-            raise FaultError(f"{instance} (pid {pid}) is not a live child of this launch")
-        return int(pid)
+            return None
+        return int(pid), int(row["incarnation"])
 
-    def ready_count(self, instance: str) -> int:
-        return sum(1 for e in self.events(SUPERVISOR, "actor.ready") if e["instance"] == instance)
+    def ready_since(self, instance: str, incarnation: int) -> bool:
+        """Whether the supervisor saw an incarnation of ``instance`` after ``incarnation``
+        ready."""
+        readies = self.events(SUPERVISOR, "actor.ready")
+        return any(e["instance"] == instance and e["incarnation"] > incarnation for e in readies)
 
     def kill(self, kill: Kill) -> None:
+        """SIGKILL the victim once the Worker has done the kill's steps. The victim is the
+        live process actors.json names, not one the supervisor's log has called ready yet:
+        that line can come late under load (0.6 s once, while a 212-step run ended first)."""
         self.wait_for(f"step {kill.at_step}", lambda: self.steps_done() >= kill.at_step)
         if kill.instance != SUPERVISOR:
-            ready = self.ready_count(kill.instance)
-            self.wait_for(f"{kill.instance} ready", lambda: self.ready_count(kill.instance) > 0)
-            os.kill(self.pid_of(kill.instance), signal.SIGKILL)
-            self.restarting = (kill.instance, ready)
+            found: list[tuple[int, int]] = []
+
+            def live() -> bool:
+                child = self.live_child(kill.instance)
+                found[:] = [] if child is None else [child]
+                return child is not None
+
+            self.wait_for(f"a live {kill.instance}", live)
+            pid, incarnation = found[0]
+            os.kill(pid, signal.SIGKILL)
+            self.restarting = (kill.instance, incarnation)
         else:
             os.kill(self.proc.pid, signal.SIGKILL)
 
     def settle(self) -> None:
-        """Wait until the last victim is ready again: the next kill lands on a live process."""
+        """Wait until the last victim's next incarnation is ready: the next kill lands on a
+        live process."""
         if self.restarting is not None:
-            instance, before = self.restarting
-            self.wait_for(f"{instance} restarted", lambda: self.ready_count(instance) > before)
+            instance, killed = self.restarting
+            self.wait_for(f"{instance} restarted", lambda: self.ready_since(instance, killed))
             self.restarting = None
 
 
