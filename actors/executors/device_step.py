@@ -8,15 +8,18 @@ step's writes when the Worker reports it. Between the two the Worker may launch 
 step (``model.launch_ahead``, ``worker.py``): its kernels queue behind this step's, and its
 inputs are this step's tokens, on the host by then.
 
-Ranks above 0 and plans without pieces run in one call (:meth:`DeviceStep.execute`): the
-forward without logits, or nothing, then a wait for the device.
+:meth:`DeviceStep.open` makes the rank's device tier, its executor (the CUDA graphs
+captured) and its sampler. Ranks above 0 and plans without pieces run in one call
+(:meth:`DeviceStep.execute`): the forward without logits, or nothing, then a wait for the
+device.
 
 Owned by the Worker's actor thread; not thread-safe.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import time
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -25,11 +28,20 @@ from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch
 from ringfence.actors.executors.sampling import Draw, Sampler
 from ringfence.actors.executors.timing import StepTimer
 from ringfence.actors.executors.touches import Touches
-from ringfence.actors.kv.space import SharedKV
+from ringfence.actors.kv.layout import kv_layout
+from ringfence.actors.kv.space import SharedKV, create_kv
 from ringfence.actors.model.paged import PagedExecutor, StepOutput
+from ringfence.actors.model.parallel import rank_device
 from ringfence.actors.protocol.worker import PromptLogprobs, Sampled
-from ringfence.cache.fences import Lane
+from ringfence.actors.text.grammars import model_grammars
+from ringfence.cache.fences import Lane, Tier
 from ringfence.sched.ops import StepOp
+from ringfence.shm.names import posix_name
+
+if TYPE_CHECKING:
+    from ringfence.actors.executors.config import LaneSettings
+    from ringfence.actors.model.decoder import Model
+    from ringfence.runtime.log import ActorLog
 
 NOTHING_SAMPLED = Sampled()
 
@@ -50,22 +62,54 @@ class Launched(NamedTuple):
 
 
 class DeviceStep:
-    """The device side of one rank's steps: its KV space, its executor and its sampler."""
+    """The device side of one rank's steps: its KV space, its executor over it and its
+    sampler, made by :meth:`open` and released by :meth:`close`. The Worker gives it the
+    look-ahead (``ahead``, ``watch``) once it has made one over the executor's check."""
 
-    def __init__(
-        self,
-        space: SharedKV,
-        executor: PagedExecutor,
-        sampler: Sampler,
-        ahead: CheckAhead | None,
-        watch: DeviceWatch | None,
-    ) -> None:
+    def __init__(self, space: SharedKV, executor: PagedExecutor, sampler: Sampler) -> None:
         self.space, self.executor, self.sampler = space, executor, sampler
-        self.ahead, self.watch = ahead, watch
+        self.ahead: CheckAhead | None = None
+        self.watch: DeviceWatch | None = None
         self.device = space.kv.device
         self.cuda = self.device.type == "cuda"
         self.timer = StepTimer(self.device)
         self.rank = executor.model.shard.rank
+
+    @classmethod
+    def open(cls, config: LaneSettings, model: Model, run_id: str, log: ActorLog) -> DeviceStep:
+        """Rank ``model.shard.rank``'s device tier, new (a restart forgets every block and
+        every sequence: the engine opens them again), its CUDA graphs captured so that no
+        step waits for one (graphs.py), and the sampler (rank 0 alone compiles grammars)."""
+        rank = model.shard.rank
+        layout = kv_layout(config, Tier.DEVICE, model.config)
+        shm_name = posix_name(run_id, f"kv.device.{rank}") if run_id else ""
+        device = rank_device(config.model.device, rank)
+        space = create_kv(layout, device, shm_name=shm_name)
+        if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN
+            space.poison(range(layout.num_blocks))
+        executor = PagedExecutor(
+            model, space.kv, attention=config.model.attention, cuda_graphs=config.model.cuda_graphs
+        )
+        executor.record_touches = log.tracing  # for op.touched (touches.py)
+        if executor.graphs is not None:
+            began = time.perf_counter()
+            captured = executor.graphs.capture_all()
+            took = round(time.perf_counter() - began, 3)
+            log.info("worker.graphs", buckets=captured, capture_s=took)
+        vocab_size = model.config.vocab_size
+        grammars = model_grammars(config.model.path, vocab_size) if rank == 0 else None
+        sampler = Sampler(vocab_size, config.model.logprobs_mode, grammars, device=device)
+        return cls(space, executor, sampler)
+
+    def close(self) -> None:
+        """Stop the threads it runs (the device watch, the grammar masks') and drop the KV
+        space. Idempotent."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        if self.sampler.constraints is not None:
+            self.sampler.constraints.close()
+        self.space.close()
 
     def execute(
         self, plan: StepOp, touches: Touches | None

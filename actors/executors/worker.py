@@ -44,12 +44,9 @@ from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch
 from ringfence.actors.executors.pending import MissingToken, SampledTokens
 from ringfence.actors.executors.profiling import op_range
 from ringfence.actors.executors.ranks import StepGate
-from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler
-from ringfence.actors.kv.layout import kv_layout
-from ringfence.actors.kv.space import SharedKV, create_kv
+from ringfence.actors.executors.sampling import NonFiniteLogits
 from ringfence.actors.model.loader import load_model
-from ringfence.actors.model.paged import PagedExecutor
-from ringfence.actors.model.parallel import Group, Shard, join_group, rank_device, rendezvous_file
+from ringfence.actors.model.parallel import Group, Shard, join_group, rendezvous_file
 from ringfence.actors.protocol.lanes import LANES
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.worker import (
@@ -59,13 +56,11 @@ from ringfence.actors.protocol.worker import (
     StepStatus,
     WorkerReady,
 )
-from ringfence.actors.text.grammars import model_grammars
-from ringfence.cache.fences import Lane, Tier
+from ringfence.cache.fences import Lane
 from ringfence.runtime.actor import handles
 from ringfence.runtime.mailbox import Delivery
 from ringfence.sched.ops import StepOp
 from ringfence.shm.errors import RingfenceError
-from ringfence.shm.names import posix_name
 
 
 class Settled(NamedTuple):
@@ -107,57 +102,33 @@ class Worker(LaneExecutor):
         self.gate = self._step_gate() if self.shard.size > 1 else None
         self.group = self._join_group()
         self.model, self.info = load_model(config.model, shard=self.shard, group=self.group)
-        layout = kv_layout(config, Tier.DEVICE, self.model.config)
-        shm_name = posix_name(self.ctx.run_id, f"kv.device.{rank}") if self.ctx.run_id else ""
-        device = rank_device(config.model.device, rank)
-        self.space: SharedKV | None = create_kv(layout, device, shm_name=shm_name)
-        if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN
-            self.space.poison(range(layout.num_blocks))
-        self.executor: PagedExecutor | None = PagedExecutor(
-            self.model,
-            self.space.kv,
-            attention=config.model.attention,
-            cuda_graphs=config.model.cuda_graphs,
-        )
-        self.executor.record_touches = self.log.tracing  # for op.touched (touches.py)
-        if self.executor.graphs is not None:  # so that no step waits for one (graphs.py)
-            began = time.perf_counter()
-            captured = self.executor.graphs.capture_all()
-            took = round(time.perf_counter() - began, 3)
-            self.log.info("worker.graphs", buckets=captured, capture_s=took)
-        # A restart forgets every sequence: the engine opens them again (reset_device).
-        vocab_size = self.model.config.vocab_size
-        # Rank 0 alone samples, so it alone compiles grammars and keeps matchers.
-        grammars = model_grammars(config.model.path, vocab_size) if rank == 0 else None
-        self.sampler = Sampler(vocab_size, config.model.logprobs_mode, grammars, device=device)
-        self.cuda = self.space.kv.device.type == "cuda"
+        self.device = DeviceStep.open(config, self.model, self.ctx.run_id, self.log)
+        self.executor, self.sampler = self.device.executor, self.device.sampler
+        cuda = self.device.cuda
         look, launch = config.model.look_ahead, config.model.launch_ahead
-        self.ahead = (
+        self.ahead = self.device.ahead = (
             CheckAhead(lambda: self.peek("engine"), self.executor.check, self.wait_until)
-            if look == "on" or (look == "auto" and (self.cuda or launch == "on"))
+            if look == "on" or (look == "auto" and (cuda or launch == "on"))
             else None
         )  # look_ahead.py; launching ahead takes the plans it checked
         # On CUDA the look-ahead waits for the next plan until the device is done: this
         # thread rings the Worker's doorbell when it is.
-        self.watch = DeviceWatch(self.own_bell()) if self.ahead and self.cuda else None
+        self.device.watch = DeviceWatch(self.own_bell()) if self.ahead and cuda else None
         # Off under tensor parallelism and the lock (actors/preflight.py refuses "on" there).
         alone = self.shard.size == 1 and config.transfer.mode != "lock"
-        self.launch_ahead = (
-            self.ahead is not None
-            and alone
-            and (launch == "on" or (launch == "auto" and self.cuda))
-        )
+        wanted = launch == "on" or (launch == "auto" and cuda)
+        self.launch_ahead = self.ahead is not None and alone and wanted
         self.launched: Launched | None = None  # the next step, launched ahead (_launch_next)
-        self.device = DeviceStep(self.space, self.executor, self.sampler, self.ahead, self.watch)
         self.steps = 0
         self.sampled = SampledTokens()  # the last step's tokens, for plans made before them
+        space = self.device.space
         self.log.info(
             "worker.ready",
             model_id=self.info.model_id,
-            device=self.space.handle.device,
-            kv_shm=self.space.handle.shm,
-            num_blocks=layout.num_blocks,
-            block_bytes=layout.block_bytes,
+            device=space.handle.device,
+            kv_shm=space.handle.shm,
+            num_blocks=space.handle.layout.num_blocks,
+            block_bytes=space.handle.layout.block_bytes,
             step_done=self.done.value(),
             threads=torch.get_num_threads(),
             tp_size=self.shard.size,
@@ -203,7 +174,6 @@ class Worker(LaneExecutor):
 
     def announce(self, resync: int = -1) -> None:
         """Send WorkerReady: on start, and in answer to an engine's Resync."""
-        assert self.space is not None
         self.send(
             "engine",
             WorkerReady(
@@ -212,7 +182,7 @@ class Worker(LaneExecutor):
                 incarnation=self.ctx.incarnation,
                 step_done=self.done.value(),
                 model=self.info,
-                kv=self.space.handle,
+                kv=self.device.space.handle,
                 resync=resync,
             ),
         )
@@ -223,21 +193,14 @@ class Worker(LaneExecutor):
 
     def on_stop(self) -> None:
         super().on_stop()
-        watch: DeviceWatch | None = getattr(self, "watch", None)  # None if on_start failed early
-        if watch is not None:
-            watch.close()
-        self.executor = None
-        if self.sampler.constraints is not None:
-            self.sampler.constraints.close()  # the grammar masks' thread
-        if self.space is not None:
-            self.space.close()
-            self.space = None
+        device: DeviceStep | None = getattr(self, "device", None)  # None if on_start failed early
+        if device is not None:
+            device.close()
         self.group.close()
 
     @property
     def kv(self) -> torch.Tensor:
-        assert self.space is not None
-        return self.space.kv
+        return self.device.space.kv
 
     def on_failure(self, error: Exception, delivery: Delivery) -> None:
         """A rank whose step failed in its collectives dies, its plan left on the ring."""
@@ -337,9 +300,8 @@ class Worker(LaneExecutor):
         # What it wrote is spoiled before step_done moves: a swap-out or write-back
         # fenced on this step must not copy half-computed KV as if it were valid.
         # Raising here, the Worker dies first and its restart resets the device tier.
-        assert self.space is not None and self.executor is not None
         spoiled = written_blocks(plan, self.executor.block_size)
-        self.space.poison(spoiled)
+        self.device.space.poison(spoiled)
         self.device.touched(self.touches)  # what the model's step indexed, if it got that far
         if self.touches is not None:
             self.touches.write("device", spoiled)
@@ -410,7 +372,6 @@ class Worker(LaneExecutor):
 
     def _problem(self, plan: StepOp) -> str:
         """Why the plan must not run, or ""."""
-        assert self.executor is not None
         if self.fence_problem(plan.fence):
             return self.fence_problem(plan.fence)
         num_blocks = self.executor.num_blocks
@@ -439,8 +400,7 @@ class Worker(LaneExecutor):
         self.steps += 1
         self.sampled.keep(plan.step, zip(outputs.seq_ids, outputs.token_ids, strict=True))
         self.sampler.close(plan.closed)  # whatever the status: forgetting is always safe
-        if self.executor is not None:
-            self.executor.forget(plan.closed)  # the tables its check kept
+        self.executor.forget(plan.closed)  # the tables its check kept
         self.log_touches(plan.step, plan.epoch)
         reduce_ns, reduces = self.group.take_reduce_ns()
         forward_ns, sample_ns = self.device.timer.take()

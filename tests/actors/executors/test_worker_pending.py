@@ -163,21 +163,37 @@ def test_a_step_launched_ahead_takes_the_tokens_and_one_whose_fence_waits_is_not
     assert launched_ahead(rig) == {1: False, 2: True, 3: False}
 
 
-def test_a_launch_ahead_that_raises_fails_its_step_at_its_turn_spoiling_its_writes(make_rig):
-    rig = make_rig(*LAUNCH_AHEAD)
+def launched_decode(rig, then) -> tuple[object, list[int]]:
+    """Step 1 (a prefill) then step 2 (its decode, pending), both in the ring, on a rig that
+    launches ahead; ``then()`` runs right after step 2's forward is called. Step 2's result,
+    and step_done at that call: 0 when step 2 was launched before step 1 was reported."""
     seq = Seq(0, PROMPT, [0, 1])
     step = rig.worker.device.executor.step
+    done_at_decode: list[int] = []
 
-    def breaks_at_the_decode(pieces, **kwargs):
-        if pieces[0].start == len(PROMPT):
-            raise RuntimeError("the device is gone")
-        return step(pieces, **kwargs)
+    def wrapped(pieces, **kwargs):
+        if pieces[0].start != len(PROMPT):
+            return step(pieces, **kwargs)
+        done_at_decode.append(rig.worker.done.value())
+        out = step(pieces, **kwargs)
+        then()
+        return out
 
-    rig.worker.device.executor.step = breaks_at_the_decode
+    rig.worker.device.executor.step = wrapped
     rig.post(plan(1, prefill(seq)))
     rig.post(plan(2, pending(seq, len(PROMPT), 1)))
     assert rig.result(1).status == "ok"
-    result = rig.result(2)
+    return rig.result(2), done_at_decode
+
+
+def test_a_launch_ahead_that_raises_fails_its_step_at_its_turn_spoiling_its_writes(make_rig):
+    rig = make_rig(*LAUNCH_AHEAD)
+
+    def device_gone() -> None:
+        raise RuntimeError("the device is gone")
+
+    result, done_at_decode = launched_decode(rig, device_gone)
+    assert done_at_decode == [0]  # launched ahead: before step 1 was reported
     assert result.status == "failed" and "the device is gone" in result.error
     assert bool(rig.kv[1].isnan().all())  # position 5's block: spoiled, not half-written
     assert launched_ahead(rig) == {1: False, 2: False}  # a failed step is not reported so
@@ -185,22 +201,10 @@ def test_a_launch_ahead_that_raises_fails_its_step_at_its_turn_spoiling_its_writ
 
 def test_a_step_launched_ahead_whose_epoch_goes_stale_fails_spoiling_its_writes(make_rig):
     rig = make_rig(*LAUNCH_AHEAD)
-    seq = Seq(0, PROMPT, [0, 1])
     epoch = epoch_counter(rig.lanes, 0, ISSUER_EPOCH)
     epoch.claim()
-    step = rig.worker.device.executor.step
-
-    def engine_restarts_meanwhile(pieces, **kwargs):
-        out = step(pieces, **kwargs)
-        if pieces[0].start == len(PROMPT):  # launched: an engine of epoch 1 starts
-            epoch.advance(1)
-        return out
-
-    rig.worker.device.executor.step = engine_restarts_meanwhile
-    rig.post(plan(1, prefill(seq)))
-    rig.post(plan(2, pending(seq, len(PROMPT), 1)))
-    assert rig.result(1).status == "ok"
-    result = rig.result(2)
+    result, done_at_decode = launched_decode(rig, lambda: epoch.advance(1))  # a new engine
+    assert done_at_decode == [0]
     assert result.status == "failed" and "StaleLaunch" in result.error
     assert "issued before the engine restarted at epoch 1" in result.error
     assert bool(rig.kv[1].isnan().all())  # it ran: what it wrote is spoiled
