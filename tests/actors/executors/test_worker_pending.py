@@ -23,6 +23,7 @@ from test_worker import (  # type: ignore[import-not-found]  # the sibling modul
 
 from ringfence.actors.executors.pending import MissingToken, SampledTokens, with_token
 from ringfence.actors.protocol.lanes import ISSUER_EPOCH, epoch_counter
+from ringfence.actors.protocol.worker import StepResult
 from ringfence.cache.fences import Fence
 from ringfence.cache.ids import Seq as SeqNo
 from ringfence.sched.ops import Piece, StepOp
@@ -163,7 +164,7 @@ def test_a_step_launched_ahead_takes_the_tokens_and_one_whose_fence_waits_is_not
     assert launched_ahead(rig) == {1: False, 2: True, 3: False}
 
 
-def launched_decode(rig, then) -> tuple[object, list[int]]:
+def launched_decode(rig, then) -> tuple[StepResult, list[int]]:
     """Step 1 (a prefill) then step 2 (its decode, pending), both in the ring, on a rig that
     launches ahead; ``then()`` runs right after step 2's forward is called. Step 2's result,
     and step_done at that call: 0 when step 2 was launched before step 1 was reported."""
