@@ -46,27 +46,27 @@ def check_model(config: Config) -> None:
 
 
 def check_launch_ahead(config: Config) -> None:
-    """ValueError for ``model.launch_ahead = "on"`` where the Worker cannot launch ahead:
+    """ValueError for ``model.launch_ahead`` "on" or "late" where the Worker cannot launch ahead:
     under tensor parallelism (a step's collectives hold every rank) or the legacy lock (its
     exclusion covers a step's device work whole), or with the look-ahead off (it launches
     the plans the look-ahead checked)."""
     model = config.model
-    if model.launch_ahead != "on":
+    if model.launch_ahead not in ("on", "late"):
         return
+    named = f"model.launch_ahead={model.launch_ahead}"
     if config.parallel.tp_size > 1:
         raise ValueError(
-            f"model.launch_ahead=on: the Worker launches ahead on one rank only, not at "
+            f"{named}: the Worker launches ahead on one rank only, not at "
             f"parallel.tp_size={config.parallel.tp_size} (set it to auto or off)"
         )
     if config.transfer.mode == "lock":
         raise ValueError(
-            "model.launch_ahead=on: not under transfer.mode=lock, whose lock covers a step's "
+            f"{named}: not under transfer.mode=lock, whose lock covers a step's "
             "device work whole (set it to auto or off)"
         )
     if model.look_ahead == "off":
         raise ValueError(
-            "model.launch_ahead=on: it launches the plans the look-ahead checked, and "
-            "model.look_ahead is off"
+            f"{named}: it launches the plans the look-ahead checked, and model.look_ahead is off"
         )
 
 

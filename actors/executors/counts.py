@@ -4,8 +4,10 @@ A sequence whose ``SamplingParams`` has a penalty (``needs_counts``) holds a slo
 ``counts`` ([slots, vocab] int32, how often each token occurred in its output) and of
 ``seen`` ([slots, vocab] bool, each token of its prompt or output). Every piece's tokens are
 added by one scatter per plan (their ids copied to the device once); a step gathers the
-rows of the sequences it samples. Slot 0 is never handed out and stays empty: a row
-without penalties gathers it, so the batched penalty reads no count there.
+rows of the sequences it samples. A decode launched before the step that sampled its input
+was read back counts that token where it lies, on the device (:meth:`add_on_device`). Slot
+0 is never handed out and stays empty: a row without penalties gathers it, so the batched
+penalty reads no count there.
 
 Why on the device and not a Counter per sequence (as before): the penalties are tensor
 ops over the whole row, and building each step's rows on the host would cost a copy of
@@ -41,6 +43,9 @@ class DeviceCounts:
         # Added since the last flush: (slot, token) of every token, and of the output's.
         self._seen: list[tuple[int, int]] = []
         self._output: list[tuple[int, int]] = []
+        # And (slot, index) of output tokens still on the device, at ``_ids[index]``.
+        self._on_device: list[tuple[int, int]] = []
+        self._ids: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -68,8 +73,26 @@ class DeviceCounts:
         self._seen.extend((slot, t) for t in tokens)
         self._output.extend((slot, t) for t in tokens[first_output:])
 
+    def add_on_device(self, slot: int, ids: torch.Tensor, index: int) -> None:
+        """Count the output token ``ids[index]`` (on the device, not read back) in the slot.
+        Queued until :meth:`flush`; every such token of one flush is of the same ``ids``."""
+        if self._ids is not None and self._ids is not ids:
+            raise ValueError("tokens on the device from two tensors in one flush")
+        self._ids = ids
+        self._on_device.append((slot, index))
+
     def flush(self) -> None:
-        """Apply what :meth:`add` queued: one copy of the ids, one scatter per tensor."""
+        """Apply what :meth:`add` and :meth:`add_on_device` queued: one copy of the ids, one
+        scatter per tensor (and one of each for the tokens on the device)."""
+        if self._on_device and self._ids is not None:
+            host = torch.tensor(self._on_device, dtype=torch.int64).t().contiguous()
+            at = to_device(host, self.device)
+            slots, tokens = at[0], self._ids.index_select(0, at[1])
+            true = torch.ones((), dtype=torch.bool, device=self.device)
+            self.seen.index_put_((slots, tokens), true)
+            ones = torch.ones(len(self._on_device), dtype=torch.int32, device=self.device)
+            self.counts.index_put_((slots, tokens), ones, accumulate=True)
+        self._on_device, self._ids = [], None
         if not self._seen:
             return
         pairs = self._seen + self._output

@@ -4,9 +4,13 @@
 draw (on the CPU they run there and then). :meth:`DeviceStep.land` waits for them: the
 prompt log probabilities, then the tokens, collected once the device has finished, with the
 next plan checked ahead in between (``look_ahead.py``), so that ``step_done`` covers the
-step's writes when the Worker reports it. Between the two the Worker may launch the next
-step (``model.launch_ahead``, ``worker.py``): its kernels queue behind this step's, and its
-inputs are this step's tokens, on the host by then.
+step's writes when the Worker reports it. The Worker may launch the next step before this
+one is reported (``model.launch_ahead``, ``worker.py``): its kernels queue behind this
+step's. Launched in :meth:`DeviceStep.land`, once the look-ahead has checked it and before
+this step's tokens are read back, it takes its inputs from this step's draw on the device
+(``pending.py``), and the device goes from one step to the next without waiting for the
+host; launched after, from the tokens on the host. Landing a step waits for its own work
+alone (an event recorded after it), never for a step queued behind it.
 
 :meth:`DeviceStep.open` makes the rank's device tier, its executor (the CUDA graphs
 captured) and its sampler. Ranks above 0 and plans without pieces run in one call
@@ -19,6 +23,7 @@ Owned by the Worker's actor thread; not thread-safe.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -30,7 +35,7 @@ from ringfence.actors.executors.timing import StepTimer
 from ringfence.actors.executors.touches import Touches
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
-from ringfence.actors.model.paged import PagedExecutor, StepOutput
+from ringfence.actors.model.paged import DeviceInputs, PagedExecutor, StepOutput
 from ringfence.actors.model.parallel import rank_device
 from ringfence.actors.protocol.worker import PromptLogprobs, Sampled
 from ringfence.actors.text.grammars import model_grammars
@@ -51,14 +56,25 @@ class Launched(NamedTuple):
     collected yet; or the error its launch raised. Launched ahead (``model.launch_ahead``),
     it also holds what its turn would have read: the watermarks seen and its clocks."""
 
-    plan: StepOp  # its pending inputs resolved
+    plan: StepOp  # its pending inputs resolved, or on the device (``behind``)
     out: StepOutput | None = None
     draw: Draw | None = None
     masks: MaskJob | None = None
     error: Exception | None = None
+    done: torch.cuda.Event | None = None  # on CUDA: recorded after its kernels and its draw
     seen: dict[Lane, int] | None = None
     started: int = 0
     waited: int = 0
+    # Launched before the step before it was landed (that step's number; 0: after): it ran
+    # on what that step computed, its tokens included, so it fails if that step does.
+    behind: int = 0
+    marks: list[torch.cuda.Event | int] | None = None  # its StepTimer marks, taken so far
+    touches: Touches | None = None  # its record of the blocks it touched (trace level)
+
+
+# Called by :meth:`DeviceStep.land` once the next plan is checked ahead and before the
+# landing step's tokens are read: it may launch that plan, on this draw's tokens.
+LaunchNext = Callable[[Draw | None], None]
 
 
 class DeviceStep:
@@ -112,9 +128,10 @@ class DeviceStep:
         self.space.close()
 
     def execute(
-        self, plan: StepOp, touches: Touches | None
+        self, plan: StepOp, touches: Touches | None, launch_next: LaunchNext | None = None
     ) -> tuple[Sampled, tuple[PromptLogprobs, ...]]:
-        """Run the plan: the sampled tokens (rank 0) and the prompt log probabilities asked."""
+        """Run the plan: the sampled tokens (rank 0) and the prompt log probabilities asked
+        (``launch_next``: as :meth:`land` takes it)."""
         if not plan.pieces or self.rank > 0:
             self._poison_and_advance(plan, touches)
             if plan.pieces:  # rank 0 samples; the others write KV and join the all-reduces
@@ -123,19 +140,22 @@ class DeviceStep:
                 self.touched(touches)
             self._synchronize()
             return NOTHING_SAMPLED, ()
-        return self.land(self.launch(plan, touches))
+        return self.land(self.launch(plan, touches), launch_next)
 
-    def launch(self, plan: StepOp, touches: Touches | None) -> Launched:
+    def launch(
+        self, plan: StepOp, touches: Touches | None, inputs: DeviceInputs | None = None
+    ) -> Launched:
         """Queue a step's kernels (rank 0, a plan with pieces): the poison, its forward and
-        its draw. On the CPU they run here."""
-        self._poison_and_advance(plan, touches)
+        its draw. On the CPU they run here. ``inputs``: its pending decodes' tokens, on the
+        device (``pending.on_device``)."""
+        self._poison_and_advance(plan, touches, inputs)
         masks = self.sampler.start_masks(plan.pieces)  # filled beside the forward
         try:
             self.timer.mark()
-            # Checked once, before it ran (Worker._problem): resolving its pending inputs put
-            # in only tokens this model sampled, which lie in its vocabulary.
+            # Checked once, before it ran (Worker._problem): its pending inputs are tokens
+            # this model sampled, which lie in its vocabulary.
             out = self.executor.step(
-                plan.pieces, whole=self.sampler.whole(plan.pieces), checked=True
+                plan.pieces, whole=self.sampler.whole(plan.pieces), checked=True, inputs=inputs
             )
             self.timer.mark()
             self.touched(touches)
@@ -145,21 +165,35 @@ class DeviceStep:
             if masks is not None:  # the fill reads the matchers: done before a plan moves them
                 masks.wait()
             raise
-        return Launched(plan, out, draw, masks)
+        return Launched(plan, out, draw, masks, done=self._record())
 
-    def land(self, launched: Launched) -> tuple[Sampled, tuple[PromptLogprobs, ...]]:
+    def land(
+        self, launched: Launched, launch_next: LaunchNext | None = None
+    ) -> tuple[Sampled, tuple[PromptLogprobs, ...]]:
         """A launched step's prompt log probabilities and tokens, once its device work is
-        done (step_done covers its writes: done, not merely queued)."""
+        done (step_done covers its writes: done, not merely queued). ``launch_next`` is
+        called after the look-ahead, before the tokens are read (:data:`LaunchNext`)."""
         plan, out, masks = launched.plan, launched.out, launched.masks
         assert out is not None
         try:
             prompt = self.sampler.prompt_logprobs(plan.pieces, out.piece_logits or {})
-            sampled = self._collect(launched.draw)
-            self._synchronize()  # nothing is queued after it: the next launches after this
+            sampled = self._collect(launched.draw, launch_next)
+            if launched.done is not None:  # its own kernels, not those queued behind it
+                launched.done.synchronize()
             return sampled, prompt
         finally:
             if masks is not None:  # the fill reads the matchers: done before a plan moves them
                 masks.wait()
+
+    def wait(self, launched: Launched) -> None:
+        """Wait until a launched step's device work is done, reading none of it (a step that
+        fails at its turn: its writes are spoiled after, not under, its kernels)."""
+        try:
+            if launched.done is not None:
+                launched.done.synchronize()
+        finally:
+            if launched.masks is not None:
+                launched.masks.wait()
 
     def touched(self, touches: Touches | None) -> None:
         """Add the blocks the model's step indexed to the op's touches (when tracing)."""
@@ -168,23 +202,36 @@ class DeviceStep:
             touches.read("device", touched.reads)
             touches.write("device", touched.writes)
 
-    def _poison_and_advance(self, plan: StepOp, touches: Touches | None) -> None:
+    def _poison_and_advance(
+        self, plan: StepOp, touches: Touches | None, inputs: DeviceInputs | None = None
+    ) -> None:
         self.space.poison(plan.poison)
         if touches is not None:
             touches.write("device", plan.poison)
-        self.sampler.advance(plan.pieces)
+        self.sampler.advance(plan.pieces, inputs)
 
-    def _collect(self, draw: Draw | None) -> Sampled:
+    def _collect(self, draw: Draw | None, launch_next: LaunchNext | None = None) -> Sampled:
         """The tokens of the step's draw (the timer's last mark taken at its end), with the
-        next plan checked ahead: on CUDA while the device computes them."""
-        if not self.cuda:
+        next plan checked ahead (on CUDA while the device computes them) and, given
+        ``launch_next``, perhaps launched on this draw before its tokens are read."""
+        if not self.cuda and launch_next is None:
             sampled = self.sampler.collect(draw)
             self.timer.mark()
             self._look_ahead()
             return sampled
         self.timer.mark()  # an event: the draw's end on the device
         self._look_ahead()
+        if launch_next is not None:
+            launch_next(draw)
         return self.sampler.collect(draw)
+
+    def _record(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far (None on the CPU, where it has run)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def _look_ahead(self) -> None:
         """Check the next plan, if it comes before the device is done (look_ahead.py)."""

@@ -29,6 +29,7 @@ its turn comes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -53,7 +54,7 @@ class CheckAhead:
     """The step check of the plan read ahead, kept until that plan's turn. Owned by the
     Worker's thread."""
 
-    __slots__ = ("_check", "_peek", "_plan", "_verdict", "_wait", "checked", "taken")
+    __slots__ = ("_check", "_given", "_peek", "_plan", "_verdict", "_wait", "checked", "taken")
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class CheckAhead:
         self._verdict = ""
         self.checked = 0  # plans checked ahead
         self.taken: int | None = None  # the step of the last verdict given from ahead
+        self._given: collections.deque[int] = collections.deque(maxlen=4)  # the last few
 
     def check_next(self, done: Callable[[], bool] | None = None) -> None:
         """Check the next plan if it has arrived (once: it may be peeked again). Given
@@ -97,7 +99,13 @@ class CheckAhead:
         if plan is not self._plan:
             return None
         self._plan, self.taken = None, plan.step
+        self._given.append(plan.step)
         return self._verdict
+
+    def given(self, step: int) -> bool:
+        """Whether step ``step``'s verdict was given from ahead (one of the last few: a step
+        launched while the one before lands takes its verdict before that one ends)."""
+        return step in self._given
 
 
 class DeviceWatch:

@@ -14,10 +14,12 @@ store it under this step's keys (the model checker's ``MUT_PENDING_UNSPOILED``).
 scheduler, which learned that step N did not come back ``ok``, has already voided N+1
 (sched/scheduler.py).
 
-On a CPU the tokens are on the host when N ends; on a GPU the point of two in flight is
-to launch N+1 before N's tokens reach the host, which needs them kept on the device
-(an index into the last step's sampled ids) and N's copy to the host overlapped with
-N+1's launch: this module is where that buffer will live.
+On a GPU the point of two in flight is to queue N+1's kernels before N's tokens reach the
+host, so that the device never waits for the host between them (``model.launch_ahead``,
+``worker.py``). Such a launch takes its inputs where N's draw left them, on the device
+(:func:`on_device`: an index into N's sampled ids, gathered there), and the Worker reads N's
+tokens back afterwards, waiting for N's kernels alone. If N then fails, so does N+1, which
+ran on what N computed: its writes spoiled, as here.
 
 Owned by the Worker's actor thread; not thread-safe.
 """
@@ -26,9 +28,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
+import torch
+
+from ringfence.actors.model.host import to_device
+from ringfence.actors.model.paged import DeviceInputs
 from ringfence.sched.ops import Piece, StepOp
 from ringfence.shm.errors import RingfenceError
+
+if TYPE_CHECKING:
+    from ringfence.actors.executors.sampling import Draw
 
 # A piece with its token put in is built slot by slot, not by dataclasses.replace: that
 # costs 4.9 us a piece (fields() and __init__ on every call), this 1.9 us, and at 256
@@ -94,3 +104,26 @@ class SampledTokens:
                 )
             pieces.append(with_token(p, token))
         return replace(plan, pieces=tuple(pieces))
+
+
+def on_device(plan: StepOp, step: int, draw: Draw | None) -> DeviceInputs | None:
+    """The plan's pending inputs gathered from ``draw``, step ``step``'s (queued, perhaps
+    not run yet): one small copy of row ids and one gather, queued, never waited for. None
+    where a pending piece names another step or a sequence the draw has no row of (the
+    plan then waits for its turn, where :meth:`SampledTokens.resolve` names what it lacks),
+    and where the plan has no pending piece."""
+    chosen = [i for i, p in enumerate(plan.pieces) if p.pending_from]
+    if not chosen or draw is None:
+        return None
+    rows = {draw.pieces[r].seq_id: j for j, r in enumerate(draw.rows)}
+    found = []
+    for i in chosen:
+        piece = plan.pieces[i]
+        row = rows.get(piece.seq_id)
+        if piece.pending_from != step or row is None:
+            return None
+        found.append(row)
+    index = to_device(torch.tensor(found, dtype=torch.long), draw.out.device)
+    # The draw's first rows are its tokens, as float64 (exact below 2**53).
+    ids = draw.out.index_select(0, index).to(torch.int64)
+    return DeviceInputs(tuple(chosen), ids)

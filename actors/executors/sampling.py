@@ -34,7 +34,8 @@ import torch
 from ringfence.actors.executors.constraints import Constraints, MaskJob
 from ringfence.actors.executors.counts import DeviceCounts
 from ringfence.actors.executors.knobs import SeqKnobs, build_knobs
-from ringfence.actors.model.host import to_device
+from ringfence.actors.model.host import to_device, to_host
+from ringfence.actors.model.paged import DeviceInputs
 from ringfence.actors.model.sampler import sample_rows
 from ringfence.actors.protocol.worker import PromptLogprobs, Sampled, SampledToken
 from ringfence.actors.text.grammars import GrammarError, Grammars
@@ -79,6 +80,16 @@ class SeqSampling:
                     break
         self.num_tokens += len(tokens)
 
+    def observe_on_device(self, ids: torch.Tensor, index: int, counts: DeviceCounts | None) -> None:
+        """Count one output token still on the device, ``ids[index]`` (a decode launched
+        before the step that sampled its input was read back; a sequence with a matcher
+        needs its tokens on the host, so it is never launched so)."""
+        if self.matcher is not None:
+            raise RuntimeError("a sequence with a grammar needs its tokens on the host")
+        if self.slot and counts is not None:
+            counts.add_on_device(self.slot, ids, index)
+        self.num_tokens += 1
+
 
 @dataclass(frozen=True, slots=True)
 class Draw:
@@ -89,6 +100,8 @@ class Draw:
     states: list[SeqSampling]  # theirs, in that order
     out: torch.Tensor  # ids, logprobs, ranks, non-finite flags, top logprobs (sample_rows)
     top_k: int  # top logprobs a row
+    host: torch.Tensor  # ``out``'s copy on the host, landed once ``ready`` is reached
+    ready: torch.cuda.Event | None  # on CUDA: after the draw's kernels and the copy
 
 
 class Sampler:
@@ -201,11 +214,13 @@ class Sampler:
                 self.counts.release(state.slot)
             self.constrained.discard(seq_id)
 
-    def advance(self, pieces: Sequence[Piece]) -> None:
+    def advance(self, pieces: Sequence[Piece], tokens: DeviceInputs | None = None) -> None:
         """Open the sequences the pieces open (replacing what was kept: they start over) and
         count every piece's tokens (one copy to the device for the plan); call once per
-        plan, before sampling it."""
-        for p in pieces:
+        plan, before sampling it. ``tokens``: the inputs of those pieces that are still on
+        the device (their ``token_ids`` are placeholders), counted there."""
+        on_device = {piece: j for j, piece in enumerate(tokens.pieces)} if tokens else {}
+        for i, p in enumerate(pieces):
             if p.opening is not None:
                 self.close([p.seq_id])
                 opened = self.seqs[p.seq_id] = self._opened(p.opening)
@@ -213,7 +228,11 @@ class Sampler:
                     self.constrained.add(p.seq_id)
                 opened.observe(p.opening.history, self._counts)
                 opened.num_tokens = p.start
-            if (state := self.seqs.get(p.seq_id)) is not None:  # (an opening may come later)
+            if (state := self.seqs.get(p.seq_id)) is None:  # (an opening may come later)
+                continue
+            if tokens is not None and (index := on_device.get(i)) is not None:
+                state.observe_on_device(tokens.ids, index, self._counts)
+            else:
                 state.observe(p.token_ids, self._counts)
         if self._counts is not None:
             self._counts.flush()
@@ -296,16 +315,19 @@ class Sampler:
             x, knobs, bits=bits, counts=counts, seen=seen,
             raw_logprobs=self.logprobs_mode == "raw_logprobs",
         )  # fmt: skip
-        return Draw(pieces, rows, states, out, top_k)
+        host, ready = to_host(out)  # queued now; read by collect, behind this step alone
+        return Draw(pieces, rows, states, out, top_k, host, ready)
 
     def collect(self, draw: Draw | None) -> Sampled:
-        """:meth:`sample`'s second half: the tokens of a queued draw as columns, in one copy
-        back (on CUDA it waits for the stream). NonFiniteLogits names a row whose logits
-        were not finite."""
+        """:meth:`sample`'s second half: the tokens of a queued draw as columns, from its one
+        copy back (on CUDA it waits for that copy, not for kernels queued after it).
+        NonFiniteLogits names a row whose logits were not finite."""
         if draw is None:
             return Sampled()
         pieces, rows, states, top_k = draw.pieces, draw.rows, draw.states, draw.top_k
-        found = draw.out.cpu().tolist()  # the one copy back: ids, logprobs, ranks, flags, tops
+        if draw.ready is not None:
+            draw.ready.synchronize()
+        found = draw.host.tolist()  # ids, logprobs, ranks, flags, tops
         n = len(rows)
         if any(found[3 * n : 4 * n]):
             j = next(j for j in range(n) if found[3 * n + j])

@@ -32,6 +32,12 @@ class StepTimer:
         else:
             self._marks.append(time.perf_counter_ns())
 
+    def swap(self, marks: list[torch.cuda.Event | int]) -> list[torch.cuda.Event | int]:
+        """The marks since the last take, replaced by ``marks``: a step launched while
+        another lands keeps its own (``worker.py``)."""
+        taken, self._marks = self._marks, marks
+        return taken
+
     def take(self) -> tuple[int | None, int | None]:
         """(forward_ns, sample_ns) of the marks since the last take, which it forgets. Call
         after the step's final synchronize: on CUDA the events must have completed."""

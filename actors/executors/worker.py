@@ -38,14 +38,20 @@ from typing import NamedTuple
 
 import torch
 
-from ringfence.actors.executors.device_step import NOTHING_SAMPLED, DeviceStep, Launched
+from ringfence.actors.executors.device_step import (
+    NOTHING_SAMPLED,
+    DeviceStep,
+    Launched,
+    LaunchNext,
+)
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
 from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch
-from ringfence.actors.executors.pending import MissingToken, SampledTokens
+from ringfence.actors.executors.pending import MissingToken, SampledTokens, on_device
 from ringfence.actors.executors.profiling import op_range
 from ringfence.actors.executors.ranks import StepGate
-from ringfence.actors.executors.sampling import NonFiniteLogits
+from ringfence.actors.executors.sampling import Draw, NonFiniteLogits
 from ringfence.actors.model.loader import load_model
+from ringfence.actors.model.paged import DeviceInputs
 from ringfence.actors.model.parallel import Group, Shard, join_group, rendezvous_file
 from ringfence.actors.protocol.lanes import LANES
 from ringfence.actors.protocol.resync import Resync
@@ -77,6 +83,11 @@ class StaleLaunch(RingfenceError):
     """A step launched ahead whose epoch went stale before its turn: it ran, so it fails."""
 
 
+class LaunchedBehindFailure(RingfenceError):
+    """A step launched before the step before it was landed, which then failed: it ran on
+    what that step computed (its tokens, its KV), so it fails too, its writes spoiled."""
+
+
 class GroupFailed(RingfenceError):
     """A step failed inside (or past) its collectives under tensor parallelism. The peers
     cannot be told, so this rank ends without answering: :meth:`Worker.on_failure`
@@ -106,9 +117,10 @@ class Worker(LaneExecutor):
         self.executor, self.sampler = self.device.executor, self.device.sampler
         cuda = self.device.cuda
         look, launch = config.model.look_ahead, config.model.launch_ahead
+        forced = launch in ("on", "late")
         self.ahead = self.device.ahead = (
             CheckAhead(lambda: self.peek("engine"), self.executor.check, self.wait_until)
-            if look == "on" or (look == "auto" and (cuda or launch == "on"))
+            if look == "on" or (look == "auto" and (cuda or forced))
             else None
         )  # look_ahead.py; launching ahead takes the plans it checked
         # On CUDA the look-ahead waits for the next plan until the device is done: this
@@ -116,9 +128,12 @@ class Worker(LaneExecutor):
         self.device.watch = DeviceWatch(self.own_bell()) if self.ahead and cuda else None
         # Off under tensor parallelism and the lock (actors/preflight.py refuses "on" there).
         alone = self.shard.size == 1 and config.transfer.mode != "lock"
-        wanted = launch == "on" or (launch == "auto" and cuda)
+        wanted = forced or (launch == "auto" and cuda)
         self.launch_ahead = self.ahead is not None and alone and wanted
-        self.launched: Launched | None = None  # the next step, launched ahead (_launch_next)
+        self.launch_early = self.launch_ahead and launch != "late"  # (_launch_early)
+        self.launched: Launched | None = None  # the next step, launched ahead
+        self.ok_step = 0  # the last step that ran ok (what a step launched behind it needs)
+        self.forgotten = 0  # the last step whose closed sequences were forgotten
         self.steps = 0
         self.sampled = SampledTokens()  # the last step's tokens, for plans made before them
         space = self.device.space
@@ -260,7 +275,9 @@ class Worker(LaneExecutor):
         try:
             with self.executing(op_range("step", plan.step)):
                 plan = self.sampled.resolve(plan)  # the last step's tokens put in (pending.py)
-                outputs, prompt_logprobs = self.device.execute(plan, self.touches)
+                outputs, prompt_logprobs = self.device.execute(
+                    plan, self.touches, self._launcher(plan)
+                )
         except Exception as e:  # it ran part way: the lane moves on, the engine is told
             self._fail(plan, e)
             return
@@ -275,11 +292,12 @@ class Worker(LaneExecutor):
         started: int,
         waited: int,
         *,
-        ahead: bool = False,
+        ahead: str | None = None,
     ) -> None:
         """Report a step that ran, queuing the next step's kernels first where it may
         (:meth:`_launch_next`): the report and the next plan's turn then run beside it."""
         exec_ns = time.perf_counter_ns() - waited
+        self.ok_step = plan.step
         settled = self._settle(plan, outputs)
         self._launch_next(plan)
         self._report(
@@ -317,22 +335,58 @@ class Worker(LaneExecutor):
             raise GroupFailed(f"step {plan.step} failed at {rank}: {e!r}") from e
         self._finish(plan, "failed", error=f"{type(e).__name__}: {e}")
 
-    def _launch_next(self, finished: StepOp) -> None:
-        """Queue the kernels of the plan read ahead, if it is the next step, passed its
-        checks, and its fence is met already (nothing to wait for: a wait here would hold
-        the report of the step that it may be waiting on). Its tokens from ``finished`` are
-        on the host by now. A launch that raises fails that step at its turn."""
-        if not self.launch_ahead or self.ahead is None:
-            return
+    def _launchable(self, before: StepOp) -> StepOp | None:
+        """The plan read ahead, if it is the step after ``before``, passed its check, is of a
+        current epoch and its fence is met already (nothing to wait for: a wait here would
+        hold the report of the step that it may be waiting on); else None."""
+        if not self.launch_ahead or self.ahead is None or self.launched is not None:
+            return None
         plan = self.ahead.passed()
-        if plan is None or plan.step != finished.step + 1 or self.stale(plan.epoch):
+        if plan is None or plan.step != before.step + 1 or self.stale(plan.epoch):
+            return None
+        return plan if self.fence_met(plan.fence) else None
+
+    def _launcher(self, landing: StepOp) -> LaunchNext | None:
+        """What launches the next plan while ``landing``'s work is still on the device."""
+        if not self.launch_early:
+            return None
+        return lambda draw: self._launch_early(landing, draw)
+
+    def _launch_early(self, landing: StepOp, draw: Draw | None) -> None:
+        """Queue the next plan's kernels behind ``landing``'s before its tokens are read
+        back, its pending inputs gathered from ``draw`` on the device (pending.on_device),
+        so that the device goes from one step to the next without waiting for the host.
+        Not for a plan whose inputs name another step, nor while a grammar is open (its
+        matcher reads the tokens on the host): those wait for :meth:`_launch_next`."""
+        plan = self._launchable(landing)
+        if plan is None or self.sampler.constrained:
             return
-        if not self.fence_met(plan.fence):
+        inputs = on_device(plan, landing.step, draw)
+        if inputs is None and any(p.pending_from for p in plan.pieces):
+            return
+        # What landing's end forgets, forgotten first: the next plan may open such a
+        # sequence again, which forgetting it after would undo.
+        self._forget(landing)
+        self._launch(plan, plan, inputs, behind=landing.step)
+
+    def _launch_next(self, finished: StepOp) -> None:
+        """Queue the kernels of the plan read ahead (:meth:`_launchable`), its inputs from
+        ``finished``'s tokens, on the host by now. A launch that raises fails that step at
+        its turn."""
+        plan = self._launchable(finished)
+        if plan is None:
             return
         try:
             resolved = self.sampled.resolve(plan)
         except MissingToken:
             return  # it fails at its turn, as any plan missing a token does
+        self._launch(plan, resolved, None, behind=0)
+
+    def _launch(
+        self, plan: StepOp, ready: StepOp, inputs: DeviceInputs | None, *, behind: int
+    ) -> None:
+        """Launch ``plan`` ahead (as ``ready``: its pending inputs put in, or in ``inputs``),
+        keeping what its turn reads: its watermarks, clocks, timer marks and touches."""
         if self._problem(plan):  # rejected at its turn (the check ahead's verdict is given)
             return
         started = time.perf_counter_ns()
@@ -341,34 +395,53 @@ class Worker(LaneExecutor):
         except Cancelled:
             return
         waited = time.perf_counter_ns()
+        # The landing step's marks and touches are put back after: this step keeps its own.
+        marks, touches = self.device.timer.swap([]), self.touches
         self.begin_touches()
         try:
             with self.executing(op_range("step", plan.step)):
-                self.launched = self.device.launch(resolved, self.touches)
+                launched = self.device.launch(ready, self.touches, inputs)
         except Exception as e:  # its turn fails it, as if it had raised there
-            self.launched = Launched(plan=resolved, error=e)
-        self.launched = self.launched._replace(seen=seen, started=started, waited=waited)
+            launched = Launched(plan=ready, error=e)
+        self.launched = launched._replace(
+            seen=seen,
+            started=started,
+            waited=waited,
+            behind=behind,
+            marks=self.device.timer.swap(marks),
+            touches=self.touches,
+        )
+        self.touches = touches
 
     def _land_ahead(self, plan: StepOp, launched: Launched) -> None:
         """The turn of a plan whose kernels were queued ahead: its tokens collected and the
         step reported. Its checks, fence wait and inputs were done at the launch."""
         if launched.plan.step != plan.step:  # the peeked frame is the one handed next
             raise RuntimeError(f"step {launched.plan.step} was launched ahead of {plan.step}")
+        self.touches = launched.touches
+        self.device.timer.swap(launched.marks or [])
         try:
             with self.executing(op_range("step", plan.step)):
                 if launched.error is not None:
                     raise launched.error
+                if launched.behind and self.ok_step != launched.behind:
+                    self.device.wait(launched)  # it ran: done before its blocks are spoiled
+                    raise LaunchedBehindFailure(
+                        f"step {plan.step} was launched while step {launched.behind} was "
+                        f"on the device, and step {launched.behind} did not run ok"
+                    )
                 # Stale since its launch (the engine restarted): it ran, so it is spoiled.
                 if stale := self.stale(plan.epoch):
-                    self.device.land(launched)
+                    self.device.wait(launched)
                     raise StaleLaunch(stale)
-                outputs, prompt_logprobs = self.device.land(launched)
+                outputs, prompt_logprobs = self.device.land(launched, self._launcher(plan))
         except Exception as e:
             self._fail(launched.plan, e)
             return
         started, waited = launched.started, launched.waited
         seen = launched.seen or {}
-        self._succeed(launched.plan, outputs, prompt_logprobs, seen, started, waited, ahead=True)
+        ahead = "early" if launched.behind else "late"
+        self._succeed(launched.plan, outputs, prompt_logprobs, seen, started, waited, ahead=ahead)
 
     def _problem(self, plan: StepOp) -> str:
         """Why the plan must not run, or ""."""
@@ -399,13 +472,20 @@ class Worker(LaneExecutor):
         and its timings taken."""
         self.steps += 1
         self.sampled.keep(plan.step, zip(outputs.seq_ids, outputs.token_ids, strict=True))
-        self.sampler.close(plan.closed)  # whatever the status: forgetting is always safe
-        self.executor.forget(plan.closed)  # the tables its check kept
+        self._forget(plan)
         self.log_touches(plan.step, plan.epoch)
         reduce_ns, reduces = self.group.take_reduce_ns()
         forward_ns, sample_ns = self.device.timer.take()
-        checked = self.ahead is not None and self.ahead.taken == plan.step
+        checked = self.ahead is not None and self.ahead.given(plan.step)
         return Settled(forward_ns, sample_ns, reduce_ns if reduces else None, reduces, checked)
+
+    def _forget(self, plan: StepOp) -> None:
+        """Forget the plan's closed sequences, once: whatever the status, forgetting is
+        always safe, and a step launched early forgets them before the plan ends."""
+        if self.forgotten != plan.step:
+            self.sampler.close(plan.closed)
+            self.executor.forget(plan.closed)  # the tables its check kept
+            self.forgotten = plan.step
 
     def _report(
         self,
@@ -420,7 +500,7 @@ class Worker(LaneExecutor):
         exec_ns: int = 0,
         seen_swap: int | None = None,
         seen_store: int | None = None,
-        launched_ahead: bool = False,
+        launched_ahead: str | None = None,
     ) -> None:
         """Advance step_done past the plan, then report it."""
         self.log.info(
@@ -442,7 +522,7 @@ class Worker(LaneExecutor):
             forward_ns=settled.forward_ns,
             sample_ns=settled.sample_ns,
             checked_ahead=settled.checked_ahead,
-            launched_ahead=launched_ahead or None,
+            launched_ahead=launched_ahead,
             error=error or None,
         )
         result = StepResult(

@@ -20,6 +20,7 @@ Dtype = Literal["float32", "bfloat16", "float64"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 Attention = Literal["auto", "torch", "triton"]  # actors/model/attention.py
 LookAhead = Literal["auto", "on", "off"]  # actors/executors/worker.py
+LaunchAhead = Literal["auto", "on", "late", "off"]  # actors/executors/worker.py
 _DEVICE = (r"cpu|cuda(:[0-9]+)?", "'cpu', 'cuda' or 'cuda:N'")
 
 
@@ -60,16 +61,19 @@ class ModelConfig:
         "does not hold the device between steps; 'auto' is on for a CUDA device, whose steps "
         "run beside the host, and off on the CPU, where the step is the host's own work",
     )
-    launch_ahead: LookAhead = setting(
+    launch_ahead: LaunchAhead = setting(
         "auto",
         "when the next step's plan was checked ahead and its fence is already met, the Worker "
-        "queues that step's kernels as soon as it has the step before's tokens, and only then "
-        "reports the step before, so that the report, the engine's frame and the plan's "
-        "turn run beside the next step on the device; 'auto' is on for a CUDA device with one "
-        "rank and transfer.mode fence or sync (the lock's exclusion covers a step's device "
-        "work whole), off elsewhere; 'on' turns the look-ahead on too (it is on the CPU "
-        "what a test runs: there the forward is the host's own work, and launching ahead "
-        "puts a whole forward before each report)",
+        "queues that step's kernels before it reports the step before: 'on' as soon as the "
+        "look-ahead has checked it, its pending inputs taken from the step before's draw on "
+        "the device before its tokens are read back (if that step then fails, so does this "
+        "one), so the device goes from step to step without waiting for the host; 'late' "
+        "only once the step before's tokens are on the host; either way the report, the "
+        "engine's frame and the plan's turn run beside the next step on the device; 'auto' "
+        "is 'on' for a CUDA device with one rank and transfer.mode fence or sync (the lock's "
+        "exclusion covers a step's device work whole), off elsewhere; 'on' and 'late' turn "
+        "the look-ahead on too (on the CPU, what a test runs: there the forward is the "
+        "host's own work, and launching ahead puts a whole forward before each report)",
     )
 
 

@@ -25,7 +25,7 @@ allows (``max_position`` positions, or every block), so any decode step fits its
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +33,13 @@ from torch import Tensor
 
 from ringfence.actors.model.attention import run_layers
 from ringfence.actors.model.decoder import Model
-from ringfence.actors.model.host import copy_in
+from ringfence.actors.model.host import copy_in, to_device
 from ringfence.actors.model.kernels.backend import TritonStep, table_rows
 from ringfence.actors.model.kernels.paged_attention import StepTensors, tile_rows
 from ringfence.sched.ops import Piece
+
+if TYPE_CHECKING:
+    from ringfence.actors.model.paged import DeviceInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -77,22 +80,23 @@ class DecodeGraphs:
         """Whether a step is decode-only and within the largest bucket."""
         return len(pieces) <= self.buckets[-1] and all(len(p.token_ids) == 1 for p in pieces)
 
-    def logits(self, pieces: Sequence[Piece]) -> Tensor:
+    def logits(self, pieces: Sequence[Piece], inputs: DeviceInputs | None = None) -> Tensor:
         """The logits [len(pieces), vocab] of a step that :meth:`fits` (checked beforehand by
-        ``PagedExecutor.check``): its inputs copied in, its bucket's graph replayed (CUDA)."""
+        ``PagedExecutor.check``): its inputs copied in (``inputs``: the tokens of those pieces
+        that are on the device), its bucket's graph replayed (CUDA)."""
         n = len(pieces)
         bucket = next(b for b in self.buckets if b >= n)
-        self._fill(pieces, bucket)
+        self._fill(pieces, bucket, inputs)
         captured = self.captured.get(bucket) or self._capture(bucket)
         captured.graph.replay()
         return captured.logits[:n].clone()  # the next replay overwrites the graph's buffer
 
-    def run_eager(self, pieces: Sequence[Piece]) -> Tensor:
+    def run_eager(self, pieces: Sequence[Piece], inputs: DeviceInputs | None = None) -> Tensor:
         """What a replay of the step computes, run eagerly on any device: the same padded
         buffers, the same forward (how the padding is checked without a GPU)."""
         n = len(pieces)
         bucket = next(b for b in self.buckets if b >= n)
-        self._fill(pieces, bucket)
+        self._fill(pieces, bucket, inputs)
         return self._forward(bucket)[:n]
 
     @torch.inference_mode()  # as a step's own capture ran: inside PagedExecutor.step
@@ -121,23 +125,26 @@ class DecodeGraphs:
         self.slots[:bucket] = -1
         self.tables[:bucket] = 0
 
-    def _fill(self, pieces: Sequence[Piece], bucket: int) -> None:
+    def _fill(self, pieces: Sequence[Piece], bucket: int, inputs: DeviceInputs | None) -> None:
         bs, pad = self.block_size, bucket - len(pieces)
         ends = [p.start + 1 for p in pieces]
         width = max(-(-end // bs) for end in ends)
         tables = table_rows(pieces, ends, bs, width, rows=bucket)
         # Padding rows: token 0 at position 0, slot -1 (no write), no context (no read).
-        inputs = [
+        rows = [
             [p.token_ids[0] for p in pieces] + [0] * pad,
             [p.start for p in pieces] + [0] * pad,
             [p.block_table[p.start // bs] * bs + p.start % bs for p in pieces] + [-1] * pad,
             ends + [0] * pad,
         ]
         # Queued behind the step before's replay, which reads these buffers: never waited for.
-        copy_in(self.inputs[:, :bucket], torch.tensor(inputs, dtype=torch.int32))
+        copy_in(self.inputs[:, :bucket], torch.tensor(rows, dtype=torch.int32))
         # Only the columns this step reads: the kernel reads no entry past a context's end.
         host = torch.frombuffer(tables, dtype=torch.int32)
         copy_in(self.tables[:bucket, :width], host.view(bucket, width))
+        if inputs is not None:  # a row is its piece: their tokens put in on the device
+            index = to_device(torch.tensor(inputs.pieces, dtype=torch.long), self.kv.device)
+            self.token_ids.index_copy_(0, index, inputs.ids.to(torch.int32))
 
     def _forward(self, bucket: int) -> Tensor:
         """The bucket's forward over the static buffers: logits [bucket, vocab]."""

@@ -1,4 +1,4 @@
-"""Copies from the host to the device that never make the host wait for the device.
+"""Copies between the host and the device that never make the host wait for the device.
 
 On CUDA, torch's copy of a pageable CPU tensor to the GPU (``to(device)``, ``copy_``,
 ``torch.tensor(..., device=...)``) ends with a synchronization of the stream: the host waits
@@ -33,3 +33,19 @@ def copy_in(target: Tensor, host: Tensor) -> None:
         target.copy_(host.pin_memory(), non_blocking=True)
     else:
         target.copy_(host)
+
+
+def to_host(device: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """``device`` copied back to the host without making the host wait, and the event to
+    wait on before reading the copy (None: it is the tensor itself, on the CPU). On CUDA the
+    copy lands in pinned memory, queued behind the kernels that compute ``device``; the
+    event covers it and them, but not kernels queued after it (a next step launched before
+    this one's tokens are read: ``actors/executors/worker.py``). Waiting on the stream
+    instead would wait for those too."""
+    if device.device.type != "cuda":
+        return device, None
+    host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+    host.copy_(device, non_blocking=True)
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record(torch.cuda.current_stream(device.device))
+    return host, ready

@@ -20,6 +20,7 @@ every path.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -51,6 +52,15 @@ class Touched(NamedTuple):
 
     reads: set[int]
     writes: set[int]
+
+
+class DeviceInputs(NamedTuple):
+    """The one input token of some of a step's pieces, where the step before drew it: on the
+    device, not read back (their ``token_ids`` hold placeholders). A step launched so never
+    waits for the device between the two (``actors/executors/pending.py``)."""
+
+    pieces: tuple[int, ...]  # the pieces, by index in the step
+    ids: Tensor  # [len(pieces)] int64 on the step's device: their tokens, in that order
 
 
 class StepOutput(NamedTuple):
@@ -151,21 +161,28 @@ class PagedExecutor:
         """The sequences ended: their kept tables are dropped (:class:`StepChecker`)."""
         self.checker.forget(seq_ids)
 
-    def _index(self, pieces: Sequence[Piece]) -> _StepIndex:
+    def _index(self, pieces: Sequence[Piece], inputs: DeviceInputs | None) -> _StepIndex:
         """The step's shared index tensors, made on the KV tensor's device in one copy that
-        does not wait for the device (``host.py``)."""
+        does not wait for the device (``host.py``), the ``inputs`` on the device put in."""
         lengths = [len(p.token_ids) for p in pieces]
         tokens = [t for p in pieces for t in p.token_ids]
         flat = [
             pos for p, n in zip(pieces, lengths, strict=True) for pos in range(p.start, p.start + n)
         ]
-        host = torch.tensor(tokens + flat + lengths, dtype=torch.long)
+        rows: list[int] = []  # the row of each piece's one token that is on the device
+        if inputs is not None:
+            ends = list(itertools.accumulate(lengths))
+            rows = [ends[i] - 1 for i in inputs.pieces]
+        host = torch.tensor(tokens + flat + lengths + rows, dtype=torch.long)
         on = to_device(host, self.kv.device)
-        count = len(tokens)
+        count, num = len(tokens), len(pieces)
+        token_ids = on[:count]
+        if inputs is not None:
+            token_ids.index_copy_(0, on[2 * count + num :], inputs.ids)
         return _StepIndex(
-            token_ids=on[:count],
+            token_ids=token_ids,
             positions=on[count : 2 * count],
-            last=on[2 * count :].cumsum(0) - 1,
+            last=on[2 * count : 2 * count + num].cumsum(0) - 1,
         )
 
     @torch.inference_mode()
@@ -176,20 +193,23 @@ class PagedExecutor:
         all_logits: bool = False,
         whole: Collection[int] = (),
         checked: bool = False,
+        inputs: DeviceInputs | None = None,
     ) -> StepOutput:
         """Run one step (see :meth:`hidden`) and return its logits: of each piece's last
         token, and of every token of the pieces whose indices are in ``whole`` (their
         prompt log probabilities; the LM head runs on those rows only). A decode-only step
         that asks for no more than the last logits replays a CUDA graph where there are
         graphs (:class:`DecodeGraphs`). ``checked``: the caller ran :meth:`check` on these
-        pieces already (the Worker does, to refuse a plan before it touches anything)."""
+        pieces already (the Worker does, to refuse a plan before it touches anything).
+        ``inputs``: the one token of some pieces, still on the device (:class:`DeviceInputs`;
+        the pieces' own ``token_ids`` are then placeholders, checked as any token)."""
         if self.graphs is not None and not all_logits and not whole and self.graphs.fits(pieces):
             if not checked:
                 self.check(pieces)
             if self.record_touches:
                 self.touched = _touched(pieces, self.block_size)
-            return StepOutput(self.graphs.logits(pieces), None)
-        x, last = self.hidden(pieces, checked=checked)
+            return StepOutput(self.graphs.logits(pieces, inputs), None)
+        x, last = self.hidden(pieces, checked=checked, inputs=inputs)
         if all_logits:
             every = self.model.logits(x)
             return StepOutput(every[last], every)
@@ -208,7 +228,13 @@ class PagedExecutor:
         (it writes its KV heads and takes part in the all-reduces; rank 0 samples)."""
         self.hidden(pieces, checked=checked)
 
-    def hidden(self, pieces: Sequence[Piece], *, checked: bool = False) -> tuple[Tensor, Tensor]:
+    def hidden(
+        self,
+        pieces: Sequence[Piece],
+        *,
+        checked: bool = False,
+        inputs: DeviceInputs | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Run one step: write each token's K/V into its slot, attend causally; the final
         hidden states [T, hidden] and the row of each piece's last token.
 
@@ -219,7 +245,7 @@ class PagedExecutor:
         """
         if not checked:
             self.check(pieces)
-        ix = self._index(pieces)
+        ix = self._index(pieces, inputs)
         if self.record_touches:
             self.touched = _touched(pieces, self.block_size)
         attention = self.backend.prepare(pieces)

@@ -159,7 +159,9 @@ RUN_EVENTS: Final[dict[str, Event]] = {
         "forward_ns and sample_ns split exec_ns (CUDA events on a GPU; None for a step that "
         "failed part way); checked_ahead: its plan was checked while the step before it ran "
         "(model.look_ahead); launched_ahead: its kernels were queued before the step before "
-        "it was reported (model.launch_ahead; its seen_* read then, its exec_ns from then)",
+        "it was reported (model.launch_ahead; its seen_* read then, its exec_ns from then): "
+        "'early' before that step's tokens were read back (its inputs taken on the device), "
+        "'late' after",
     ),
     "step.failed": event(
         "error",

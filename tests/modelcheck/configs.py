@@ -172,9 +172,10 @@ MUTANTS = (
            "writes: a swap-out fenced on it copies the block's older KV as its"),
     Mutant(flag="MUT_LAUNCH_UNFENCED", config="launch", caught_by=("I1", "I3", "R"),
            what="the Worker launches the next step ahead whether or not its fence is met"),
-    Mutant(flag="MUT_LAUNCH_AFTER_FAILURE", config="launch", caught_by=("P",),
-           what="the Worker launches the next step ahead after a step that failed, on the "
-           "tokens that step never sampled"),
+    Mutant(flag="MUT_LAUNCH_BEHIND_UNSPOILED", config="launch", caught_by=("P", "R"),
+           what="a step launched behind one whose outcome was not known yet keeps its own "
+           "outcome when that one fails: it ran on a token never sampled, or on KV that was "
+           "garbage before it was spoiled"),
     Mutant(flag="MUT_LAUNCH_STALE_OK", config="launch-engine",
            what="a step launched ahead whose epoch went stale before its turn is reported as "
            "it ran, its writes kept",

@@ -119,17 +119,16 @@ inline fence_wait(r, k, me) {
 #else
 #define LAUNCH_FENCE_OK(r, k) FENCE_OK(r, k)
 #endif
-#ifdef MUT_LAUNCH_AFTER_FAILURE
-#define LAUNCHES_AFTER(st) true  /* launched after a step that failed, on its tokens */
-#else
-#define LAUNCHES_AFTER(st) ((st) == OK)
-#endif
 /* Launch ahead (-DLAUNCH_AHEAD; model.launch_ahead, actors/executors/worker.py): once step op
-   k ran ok, before its watermark moves and its report goes, the Worker may run the next
-   step op of its ring, if nothing else comes before it there (a Resync would), its epoch
-   is current, its fence is met already (it does not wait) and its token is k's or known.
-   Its blocks are touched now (being computed); at its turn it is only collected: its
-   result written, or spoiled if it failed or its epoch went stale since. */
+   k has run (its kernels queued, ``ran``), before its outcome is known, its watermark moves
+   and its report goes, the Worker may run the next step op of its ring, if nothing else
+   comes before it there (a Resync would), its epoch is current, its fence is met already
+   (it does not wait) and its token is k's or known. It runs after k on the device (one
+   stream), on what k computed: if k failed, it read k's block before k's spoiling (garbage,
+   not yet NaN) and took a token k never sampled, so it fails with k. Its blocks are touched
+   now (being computed); at its turn it is only collected: its result written, or spoiled if
+   it failed or its epoch went stale since. Launching only after k ran ok ('late') is the
+   case st == OK of this. */
 inline launch_ahead(r, k) {
   k2 = k + 1;
   do
@@ -137,12 +136,15 @@ inline launch_ahead(r, k) {
   :: else -> break
   od;
   if
-  :: LAUNCHES_AFTER(st) && st != CANCELLED && k2 < NOPS && !KILLED(r) ->
+  :: ran && k2 < NOPS && !KILLED(r) ->
      if
      :: ring[c]??[eval(k2)] && !(ring[c]??[RESYNC]) && !STALE(r, k2) &&
         LAUNCH_FENCE_OK(r, k2) && (opend[k2] == 0 || opend[k2] == k + 1) ->
         order_check(r, k2);
         lst = OK;
+#ifndef MUT_LAUNCH_BEHIND_UNSPOILED
+        if :: st != OK -> lst = FAILED :: else fi;  /* launched behind a step that failed */
+#endif
         if
         :: rdD[k2] ->
            i = 0;
@@ -150,7 +152,9 @@ inline launch_ahead(r, k) {
            :: rdD[k2] & BIT(i) -> break
            :: else -> i++
            od;
-           v = dev[DI(r, g, i)]; read_check(r, k2, v);
+           v = dev[DI(r, g, i)];
+           if :: st != OK && i == odev[k] -> v = GARBAGE :: else fi;  /* k's, unspoiled yet */
+           if :: lst == OK -> read_check(r, k2, v) :: else fi;  /* a failed one's is dropped */
 #ifndef MUT_NO_NAN_CHECK
            if :: v == SPOILED -> lst = FAILED :: else fi
 #endif
@@ -182,6 +186,7 @@ proctype worker(byte r) {
   byte k, g, st, v, i, j, c, w;
 #ifdef LAUNCH_AHEAD
   byte k2, lst, la;  /* the step op launched ahead + 1 (0: none), its status */
+  bit ran;  /* the step op at hand was run (its kernels queued): one may launch behind it */
 #endif
   c = r * NL + STEP;
 top:
@@ -192,9 +197,10 @@ top:
      :: k < NOPS && oseq[k] <= wm[c] -> ring[c]?k  /* done before a restart */
      :: else ->
 #ifdef LAUNCH_AHEAD
+        ran = 0;
         if
         :: la == k + 1 ->  /* launched ahead: its turn collects it */
-           la = 0; st = lst;
+           la = 0; st = lst; ran = 1;
 #ifndef MUT_LAUNCH_STALE_OK
            if :: STALE(r, k) -> st = FAILED :: else fi;  /* it ran: stale since, it fails */
 #endif
@@ -240,6 +246,9 @@ top:
 #endif
         :: else
         fi;
+#endif
+#ifdef LAUNCH_AHEAD
+        ran = (st == OK);  /* its kernels are queued: its outcome is known only later */
 #endif
         if
         :: rdD[k] && st == OK ->

@@ -32,7 +32,8 @@ path. With two steps in flight it is hidden while it is shorter than the Worker'
 (``over_exec`` below 1); on a GPU, that is what keeps the device from waiting for the host
 at large batches. ``checked_ahead`` is the share of the steady steps whose plan the Worker
 checked while the step before it ran (``step.done``'s ``checked_ahead``), ``launched_ahead``
-the share whose kernels it queued before it reported the step before (``model.launch_ahead``):
+the share whose kernels it queued before it reported the step before (``model.launch_ahead``),
+and ``launched_early`` those of them queued before the step before's tokens were read back:
 such a step's execution began inside the step before's, so the cycle over the execution may
 fall below 1.
 """
@@ -176,6 +177,7 @@ def step_split(
         row: dict[str, int | None] = {"step": cycle, "exec": line["exec_ns"]}
         row["ahead"] = int(bool(line.get("checked_ahead")))
         row["launched"] = int(bool(line.get("launched_ahead")))
+        row["early"] = int(line.get("launched_ahead") == "early")
         row |= {"forward": forward, "sampling": sample}
         if engine is None:
             row |= {"engine": None, "idle": None}
@@ -219,6 +221,8 @@ def step_split(
         "checked_ahead": sum(row["ahead"] or 0 for row in rows) / len(rows),
         # Those whose kernels it queued before it reported the step before (worker.py).
         "launched_ahead": sum(row["launched"] or 0 for row in rows) / len(rows),
+        # Of them, those queued before its tokens were read back, on them on the device.
+        "launched_early": sum(row["early"] or 0 for row in rows) / len(rows),
         "worker_cycle": {  # the same steps over their execution
             "steps": len(rows),
             "cycle_ms": step_ms,

@@ -42,7 +42,9 @@ def test_two_steps_in_flight_under_chaos_and_poison_give_the_plain_loops_tokens(
     # The Worker checks the next plan while a step runs (model.look_ahead, on for a GPU),
     # and launches it before it reports the step before where its fence is met
     # (model.launch_ahead, on for a GPU), here on the CPU too: the plans it read ahead are
-    # handled in order, once each, and those launched ahead give the plain loop's tokens.
+    # handled in order, once each, and those launched ahead give the plain loop's tokens,
+    # those launched early (before the step before's tokens were read back, their inputs
+    # taken from its draw on the device) among them.
     sets = workload_sets(
         "pressure", *TIERS, "sched.preemption=swap", "sched.steps_in_flight=2",
         "model.look_ahead=on", "model.launch_ahead=on",
@@ -58,6 +60,7 @@ def test_two_steps_in_flight_under_chaos_and_poison_give_the_plain_loops_tokens(
     assert ahead and all(d["status"] == "ok" for d in ahead), len(done)
     launched_ahead = [d for d in done if d.get("launched_ahead")]
     assert launched_ahead and all(d["checked_ahead"] for d in launched_ahead), len(done)
+    assert any(d["launched_ahead"] == "early" for d in launched_ahead), len(done)
     # A plan whose fence waits on a swap is never launched ahead: every one that was saw
     # the watermarks its fence names reached at its launch.
     for d in launched_ahead:
@@ -88,7 +91,14 @@ def test_one_step_in_flight_is_the_default(pressure_swap_run):
     assert most_steps_in_flight(pressure_swap_run) == 1
 
 
-def test_two_steps_in_flight_keep_every_knobs_tokens(tmp_path):
+@pytest.mark.parametrize(
+    "launch",
+    [(), ("model.look_ahead=on", "model.launch_ahead=on")],
+    ids=["at-each-turn", "launched-early"],
+)
+def test_two_steps_in_flight_keep_every_knobs_tokens(tmp_path, launch):
+    # Launched early (model.launch_ahead, a GPU's default; here on the CPU), a decode takes
+    # its input from the step before's draw on the device, and a penalty counts it there.
     prompts = ([5, 6, 7, 5, 6, 7, 5, 6, 7, 9], [40, 41, 40, 41, 40, 2])
     greedy = tmp_path / "greedy.jsonl"
     write_lines(greedy, [{"id": f"g{i}", "prompt_token_ids": p} for i, p in enumerate(prompts)])
@@ -107,13 +117,21 @@ def test_two_steps_in_flight_keep_every_knobs_tokens(tmp_path):
         ]
     workload = write_lines(tmp_path / "workload.jsonl", lines)
     sets = (*ENGINE, *SMALL_TIERS, f"engine.workload={workload}", "sched.steps_in_flight=2")
-    with inproc_run(tmp_path / "run", sets) as run:
+    with inproc_run(tmp_path / "run", (*sets, *launch)) as run:
         assert run.wait_shutdown(RUN_TIMEOUT_S), "the workload did not finish"
         assert run.failures() == {}
     got = outputs(tmp_path / "run")
+    if launch:
+        early = [e for e in worker_steps(tmp_path / "run") if e.get("launched_ahead") == "early"]
+        assert early, "no step was launched early"
     assert got == plain_tokens(workload)
     for i in range(len(prompts)):  # a stop ended it while its next decode was planned
         assert 3 <= len(got[f"stops{i}"]) <= 4 and got[f"stops{i}"][-1] == plain[f"g{i}"][3]
+
+
+def worker_steps(run_dir) -> list[dict[str, object]]:
+    """Worker 0's ``step.done`` lines."""
+    return [e.data for e in read_run(run_dir).sources["worker-0"] if e.event == "step.done"]
 
 
 def write_lines(path, lines):

@@ -22,6 +22,7 @@ from test_worker import (  # type: ignore[import-not-found]  # the sibling modul
 )
 
 from ringfence.actors.executors.pending import MissingToken, SampledTokens, with_token
+from ringfence.actors.executors.sampling import NonFiniteLogits
 from ringfence.actors.protocol.lanes import ISSUER_EPOCH, epoch_counter
 from ringfence.actors.protocol.worker import StepResult
 from ringfence.cache.fences import Fence
@@ -137,31 +138,48 @@ def test_sampled_tokens_keep_only_the_last_step() -> None:
 
 
 LAUNCH_AHEAD = ("model.look_ahead=on", "model.launch_ahead=on")  # auto: on a GPU only
+LAUNCH_LATE = ("model.look_ahead=on", "model.launch_ahead=late")
 
 
-def launched_ahead(rig) -> dict[int, bool]:
-    return {e["step"]: bool(e.get("launched_ahead")) for e in rig.events("step.done")}
+def launched_ahead(rig) -> dict[int, str | None]:
+    return {e["step"]: e.get("launched_ahead") for e in rig.events("step.done")}
 
 
+def post_together(rig, first: StepOp, *rest: StepOp) -> None:
+    """Put every plan in the ring before the first runs: it waits for swap op 1, which is
+    done only once the others are posted (so the look-ahead finds the second, by design
+    and not by timing)."""
+    rig.post(replace(first, fence=Fence(swap=SeqNo(1))))
+    for p in rest:
+        rig.post(p)
+    rig.swap_in(1)
+
+
+@pytest.mark.parametrize(("settings", "how"), [(LAUNCH_AHEAD, "early"), (LAUNCH_LATE, "late")])
 def test_a_step_launched_ahead_takes_the_tokens_and_one_whose_fence_waits_is_not(
-    make_rig, reference
+    make_rig, reference, settings, how
 ):
-    rig = make_rig(*LAUNCH_AHEAD)
+    # "early": step 2 is launched while step 1 lands, before step 1's tokens are read back,
+    # its inputs gathered from step 1's draw on the device; "late": once they are read.
+    rig = make_rig(*settings)
     seqs = [Seq(0, PROMPT, [0, 1, 2]), Seq(1, [2, 7, 1, 8], [3, 4, 5])]
-    rig.post(plan(1, *(prefill(s) for s in seqs)))  # every plan in the ring at once
-    rig.post(plan(2, *(pending(s, len(s.prompt), 1) for s in seqs)))
     waits = replace(plan(3, *(pending(s, len(s.prompt) + 1, 2) for s in seqs)), fence=Fence(
-        swap=SeqNo(1)
+        swap=SeqNo(2)
     ))  # fmt: skip
-    rig.post(waits)
+    post_together(
+        rig,
+        plan(1, *(prefill(s) for s in seqs)),
+        plan(2, *(pending(s, len(s.prompt), 1) for s in seqs)),
+        waits,
+    )
     for step in (1, 2, 3):
         if step == 3:
-            rig.swap_in(1)  # its fence: met only now, after step 2 was reported
+            rig.swap_in(2)  # its fence: met only now, after step 2 was reported
         take_tokens(rig.result(step), seqs)
     for seq in seqs:
         check_against_reference(reference, seq)
     # Step 2 was launched as step 1 ended; step 3 waited for its fence at its own turn.
-    assert launched_ahead(rig) == {1: False, 2: True, 3: False}
+    assert launched_ahead(rig) == {1: None, 2: how, 3: None}
 
 
 def launched_decode(rig, then) -> tuple[StepResult, list[int]]:
@@ -181,8 +199,7 @@ def launched_decode(rig, then) -> tuple[StepResult, list[int]]:
         return out
 
     rig.worker.device.executor.step = wrapped
-    rig.post(plan(1, prefill(seq)))
-    rig.post(plan(2, pending(seq, len(PROMPT), 1)))
+    post_together(rig, plan(1, prefill(seq)), plan(2, pending(seq, len(PROMPT), 1)))
     assert rig.result(1).status == "ok"
     return rig.result(2), done_at_decode
 
@@ -197,7 +214,7 @@ def test_a_launch_ahead_that_raises_fails_its_step_at_its_turn_spoiling_its_writ
     assert done_at_decode == [0]  # launched ahead: before step 1 was reported
     assert result.status == "failed" and "the device is gone" in result.error
     assert bool(rig.kv[1].isnan().all())  # position 5's block: spoiled, not half-written
-    assert launched_ahead(rig) == {1: False, 2: False}  # a failed step is not reported so
+    assert launched_ahead(rig) == {1: None, 2: None}  # a failed step is not reported so
 
 
 def test_a_step_launched_ahead_whose_epoch_goes_stale_fails_spoiling_its_writes(make_rig):
@@ -209,3 +226,55 @@ def test_a_step_launched_ahead_whose_epoch_goes_stale_fails_spoiling_its_writes(
     assert result.status == "failed" and "StaleLaunch" in result.error
     assert "issued before the engine restarted at epoch 1" in result.error
     assert bool(rig.kv[1].isnan().all())  # it ran: what it wrote is spoiled
+
+
+def test_a_step_launched_behind_one_that_then_fails_fails_too_spoiling_its_writes(make_rig):
+    # Step 2 is launched while step 1 lands, on step 1's draw on the device; step 1 then
+    # fails as its tokens are read (as non-finite logits would make it): step 2 ran on a
+    # token never sampled, so it fails at its turn and what it wrote is spoiled.
+    rig = make_rig(*LAUNCH_AHEAD)
+    seq = Seq(0, PROMPT, [0, 1])
+    sampler = rig.worker.device.sampler
+    collect = sampler.collect
+    launched_at_collect: list[bool] = []
+
+    def failing(draw):
+        if draw is not None and draw.pieces[0].start == 0:  # step 1's, the prefill's
+            launched_at_collect.append(rig.worker.launched is not None)
+            raise NonFiniteLogits("the logits of sequence 0 are not finite (made so)")
+        return collect(draw)
+
+    sampler.collect = failing
+    post_together(rig, plan(1, prefill(seq)), plan(2, pending(seq, len(PROMPT), 1)))
+    first = rig.result(1)
+    assert first.status == "failed" and "made so" in first.error
+    result = rig.result(2)
+    assert launched_at_collect == [True]  # step 2 was queued before step 1's tokens were read
+    assert result.status == "failed" and "LaunchedBehindFailure" in result.error
+    assert "launched while step 1 was on the device" in result.error
+    assert bool(rig.kv[1].isnan().all())  # position 5's block: spoiled, not kept as computed
+
+
+def test_a_sequence_closed_by_a_step_and_opened_by_the_next_launched_early_stays_open(
+    make_rig, reference
+):
+    # Step 2 closes sequence 1 and step 3 opens it again (a preemption and a readmission):
+    # step 3 is launched while step 2 lands, so step 2's end must not forget what step 3
+    # opened, or step 4's decode of it would find no sampling params.
+    rig = make_rig(*LAUNCH_AHEAD)
+    keep, gone = Seq(0, PROMPT, [0, 1, 2]), Seq(1, [2, 7, 1, 8], [3, 4, 5])
+    again = Seq(1, [2, 7, 1, 8], [3, 4, 5])  # its second life, from its prompt
+    post_together(
+        rig,
+        plan(1, prefill(keep), prefill(gone)),
+        replace(plan(2, pending(keep, len(PROMPT), 1)), closed=(1,)),
+        plan(3, pending(keep, len(PROMPT) + 1, 2), prefill(again)),
+        plan(4, pending(keep, len(PROMPT) + 2, 3), pending(again, len(again.prompt), 3)),
+    )
+    take_tokens(rig.result(1), [keep, gone])
+    take_tokens(rig.result(2), [keep])
+    take_tokens(rig.result(3), [keep, again])
+    take_tokens(rig.result(4), [keep, again])
+    for seq in (keep, again):
+        check_against_reference(reference, seq)
+    assert launched_ahead(rig) == {1: None, 2: "early", 3: "early", 4: "early"}

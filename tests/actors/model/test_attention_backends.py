@@ -19,7 +19,7 @@ from builders import piece
 from ringfence.actors.model import attention
 from ringfence.actors.model.decoder import PRESETS, Model
 from ringfence.actors.model.kernels import triton_available
-from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
+from ringfence.actors.model.paged import DeviceInputs, PagedExecutor, make_kv_cache
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -343,3 +343,67 @@ def test_on_cuda_a_step_is_queued_without_waiting_for_the_device() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert bool(torch.isfinite(replayed.last_logits).all())
     assert bool(torch.isfinite(eager.last_logits).all())
+
+
+def test_a_steps_inputs_on_the_device_give_the_logits_of_the_step_with_them_put_in(
+    rng: random.Random,
+) -> None:
+    """A step launched before the step before's tokens were read back takes some pieces'
+    one token from the device (``DeviceInputs``; their own ids are placeholders): the torch
+    backend over a mixed step (prefill chunks among the decodes, so the rows are the
+    pieces' last) computes what the same step with the tokens in the pieces does."""
+    model = model_of("tiny", torch.float64)
+    tables = tables_for(rng, 4)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 12))] for _ in tables]
+    prefills = [
+        piece(p, 0, t[: -(-len(p) // BLOCK_SIZE)])
+        for p, t in zip(prompts[:3], tables[:3], strict=True)
+    ]
+    steps = [executor(model), executor(model)]
+    for ex in steps:
+        ex.step(prefills)
+    tokens = [rng.randrange(1, 256) for _ in range(3)]
+    chunk = prompts[3]
+    mixed = [
+        piece([tokens[0]], len(prompts[0]), tables[0][: len(prompts[0]) // BLOCK_SIZE + 1]),
+        piece(chunk, 0, tables[3][: -(-len(chunk) // BLOCK_SIZE)]),
+        piece([tokens[1]], len(prompts[1]), tables[1][: len(prompts[1]) // BLOCK_SIZE + 1]),
+        piece([tokens[2]], len(prompts[2]), tables[2][: len(prompts[2]) // BLOCK_SIZE + 1]),
+    ]
+    expected = steps[0].step(mixed, all_logits=True).all_logits
+    blank = [dataclasses.replace(p, token_ids=(0,)) if i != 1 else p for i, p in enumerate(mixed)]
+    inputs = DeviceInputs((0, 2, 3), torch.tensor(tokens))
+    got = steps[1].step(blank, all_logits=True, inputs=inputs).all_logits
+    assert expected is not None and got is not None
+    assert torch.equal(got, expected)
+    assert torch.equal(steps[1].kv.isnan(), steps[0].kv.isnan())
+
+
+@needs_triton
+def test_a_graphs_inputs_on_the_device_give_the_logits_of_the_step_with_them_put_in(
+    rng: random.Random,
+) -> None:
+    """The same for a decode step replayed as a graph, run eagerly: its rows are its pieces."""
+    from ringfence.actors.model.graphs import DecodeGraphs
+
+    model = model_of("tiny", torch.float64)
+    eager = executor(model, attention="triton")
+    tables = tables_for(rng, 3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 12))] for _ in tables]
+    eager.step(
+        [piece(p, 0, t[: -(-len(p) // BLOCK_SIZE)]) for p, t in zip(prompts, tables, strict=True)]
+    )
+    tokens = [rng.randrange(1, 256) for _ in tables]
+    decodes = [
+        piece([token], len(p), t[: len(p) // BLOCK_SIZE + 1])
+        for token, p, t in zip(tokens, prompts, tables, strict=True)
+    ]
+    before = eager.kv.clone()
+    graphs = DecodeGraphs(model, eager.kv, max_batch=4)
+    expected = graphs.run_eager(decodes)
+    eager.kv.copy_(before)
+    blank = [dataclasses.replace(p, token_ids=(0,)) for p in decodes]
+    got = graphs.run_eager(blank, DeviceInputs((0, 2), torch.tensor([tokens[0], tokens[2]])))
+    wrong = graphs.run_eager(blank)  # its second row reads the placeholder: it differs
+    assert torch.equal(got[[0, 2]], expected[[0, 2]])
+    assert not torch.equal(wrong[1], expected[1]) and torch.equal(got[1], wrong[1])
