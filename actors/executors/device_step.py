@@ -242,3 +242,14 @@ class DeviceStep:
     def _synchronize(self) -> None:
         if self.cuda:  # step_done covers the writes: done, not merely queued
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def written_blocks(plan: StepOp, block_size: int) -> list[int]:
+    """The device blocks a plan's pieces write: those holding positions start ..
+    start + len - 1 of each (the blocks before them are only read)."""
+    written: set[int] = set()
+    for p in plan.pieces:
+        if p.token_ids:
+            first, last = p.start // block_size, (p.start + len(p.token_ids) - 1) // block_size
+            written.update(p.block_table[first : last + 1])
+    return sorted(written)

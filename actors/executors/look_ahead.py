@@ -34,7 +34,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -42,6 +42,23 @@ from ringfence.sched.ops import Piece, StepOp
 from ringfence.shm.counter import Waker
 
 _IDLE_WAKE_S = 30.0  # the watch thread's wait for work has a deadline; waking idle is free
+
+
+class WorkAhead(NamedTuple):
+    """What a Worker does ahead of a step's turn (``model.look_ahead``, ``launch_ahead``)."""
+
+    check: bool  # check the next plan while a step runs (CheckAhead)
+    launch: bool  # queue its kernels before the step before is reported (worker.py)
+    early: bool  # ... while that step lands, on its tokens on the device; else once read
+
+
+def choose_ahead(look: str, launch: str, cuda: bool, alone: bool) -> WorkAhead:
+    """The settings resolved: "auto" is on for a CUDA device, whose steps run beside the
+    host; launching needs the check, and one rank not under the lock (``alone``)."""
+    forced = launch in ("on", "late")
+    check = look == "on" or (look == "auto" and (cuda or forced))
+    launches = check and alone and (forced or (launch == "auto" and cuda))
+    return WorkAhead(check, launches, launches and launch != "late")
 
 
 class Completion(Protocol):

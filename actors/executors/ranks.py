@@ -1,4 +1,5 @@
-"""The step gate: the Worker ranks of one instance enter a step's collectives together.
+"""The Worker ranks of one instance: their process group, and the step gate by which they
+enter a step's collectives together.
 
 Under tensor parallelism every rank runs every step plan, and a step's forward pass
 holds all-reduces: a rank that enters it waits inside the collective for all the
@@ -25,12 +26,53 @@ is of the old epoch: every new rank cancels it as stale without committing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ringfence.actors.model.parallel import Group, Shard, join_group, rendezvous_file
 from ringfence.actors.protocol.lanes import gate_counter, lane_counter
 from ringfence.cache.fences import Lane
 from ringfence.shm.counter import CounterBlock, Waker
-from ringfence.shm.errors import WaitTimeout
+from ringfence.shm.errors import RingfenceError, WaitTimeout
+
+if TYPE_CHECKING:
+    from ringfence.runtime.log import ActorLog
+
+
+class GroupFailed(RingfenceError):
+    """A step failed inside (or past) its collectives under tensor parallelism. The peers
+    cannot be told, so this rank ends without answering: ``Worker.on_failure`` re-raises
+    it, and the driver takes the plan off its ring only after a handler that returned. The
+    supervisor restarts the group; the next generation finds the plan still there, and
+    cancels it as stale (docs/design.md, "Ranks (tensor parallelism)")."""
+
+
+def join_ranks(  # noqa: PLR0917
+    shard: Shard,
+    device: str,
+    run_dir: Path | None,
+    generation: int,
+    timeout_s: float,
+    log: ActorLog,
+) -> Group:
+    """The process group of an instance's Worker ranks (none for one rank): one rendezvous
+    file per generation (the ranks restart together, so they share the incarnation)."""
+    if shard.size == 1:
+        return Group(shard, None)
+    if run_dir is None:
+        raise RuntimeError(f"parallel.tp_size {shard.size} needs a run dir for the rendezvous")
+    began = time.perf_counter()
+    group = join_group(shard, device, rendezvous_file(run_dir, generation), timeout_s)
+    log.info(
+        "worker.group",
+        tp_size=shard.size,
+        generation=generation,
+        backend="nccl" if device.startswith("cuda") else "gloo",
+        join_s=round(time.perf_counter() - began, 3),
+    )
+    return group
 
 
 class StepGate:

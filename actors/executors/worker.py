@@ -43,16 +43,17 @@ from ringfence.actors.executors.device_step import (
     DeviceStep,
     Launched,
     LaunchNext,
+    written_blocks,
 )
 from ringfence.actors.executors.lanes import Cancelled, LaneExecutor
-from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch
+from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch, choose_ahead
 from ringfence.actors.executors.pending import MissingToken, SampledTokens, on_device
 from ringfence.actors.executors.profiling import op_range
-from ringfence.actors.executors.ranks import StepGate
+from ringfence.actors.executors.ranks import GroupFailed, StepGate, join_ranks
 from ringfence.actors.executors.sampling import Draw, NonFiniteLogits
 from ringfence.actors.model.loader import load_model
 from ringfence.actors.model.paged import DeviceInputs
-from ringfence.actors.model.parallel import Group, Shard, join_group, rendezvous_file
+from ringfence.actors.model.parallel import Shard
 from ringfence.actors.protocol.lanes import LANES
 from ringfence.actors.protocol.resync import Resync
 from ringfence.actors.protocol.worker import (
@@ -88,14 +89,6 @@ class LaunchedBehindFailure(RingfenceError):
     what that step computed (its tokens, its KV), so it fails too, its writes spoiled."""
 
 
-class GroupFailed(RingfenceError):
-    """A step failed inside (or past) its collectives under tensor parallelism. The peers
-    cannot be told, so this rank ends without answering: :meth:`Worker.on_failure`
-    re-raises it, and the driver takes the plan off its ring only after a handler that
-    returned. The supervisor restarts the group; the next generation finds the plan still
-    there, and cancels it as stale (docs/design.md, "Ranks (tensor parallelism)")."""
-
-
 class Worker(LaneExecutor):
     """The model and the device KV tensor of one rank; the step lane's only executor."""
 
@@ -111,26 +104,26 @@ class Worker(LaneExecutor):
         config, rank = self.config, self.ctx.rank
         self.shard = Shard(rank, config.parallel.tp_size)
         self.gate = self._step_gate() if self.shard.size > 1 else None
-        self.group = self._join_group()
+        device, ctx = self.config.model.device, self.ctx
+        self.group = join_ranks(
+            self.shard, device, ctx.run_dir, ctx.incarnation, ctx.runtime.ready_timeout_s, self.log
+        )
         self.model, self.info = load_model(config.model, shard=self.shard, group=self.group)
         self.device = DeviceStep.open(config, self.model, self.ctx.run_id, self.log)
         self.executor, self.sampler = self.device.executor, self.device.sampler
         cuda = self.device.cuda
-        look, launch = config.model.look_ahead, config.model.launch_ahead
-        forced = launch in ("on", "late")
+        # Launching ahead is off under tensor parallelism and the lock (preflight.py).
+        alone = self.shard.size == 1 and config.transfer.mode != "lock"
+        ahead = choose_ahead(config.model.look_ahead, config.model.launch_ahead, cuda, alone)
         self.ahead = self.device.ahead = (
             CheckAhead(lambda: self.peek("engine"), self.executor.check, self.wait_until)
-            if look == "on" or (look == "auto" and (cuda or forced))
+            if ahead.check
             else None
         )  # look_ahead.py; launching ahead takes the plans it checked
         # On CUDA the look-ahead waits for the next plan until the device is done: this
         # thread rings the Worker's doorbell when it is.
         self.device.watch = DeviceWatch(self.own_bell()) if self.ahead and cuda else None
-        # Off under tensor parallelism and the lock (actors/preflight.py refuses "on" there).
-        alone = self.shard.size == 1 and config.transfer.mode != "lock"
-        wanted = forced or (launch == "auto" and cuda)
-        self.launch_ahead = self.ahead is not None and alone and wanted
-        self.launch_early = self.launch_ahead and launch != "late"  # (_launch_early)
+        self.launch_ahead, self.launch_early = ahead.launch, ahead.early
         self.launched: Launched | None = None  # the next step, launched ahead
         self.ok_step = 0  # the last step that ran ok (what a step launched behind it needs)
         self.forgotten = 0  # the last step whose closed sequences were forgotten
@@ -163,29 +156,6 @@ class Worker(LaneExecutor):
         bells = [self.bell_of(f"worker-{p}") for p in range(size) if p != rank]
         peers = [bell for bell in bells if bell is not None]
         return StepGate(self.ctx.counters[LANES], rank, size, peers)
-
-    def _join_group(self) -> Group:
-        """The process group of this instance's Worker ranks: one rendezvous file per
-        generation (the ranks restart together, so they share the incarnation number)."""
-        if self.shard.size == 1:
-            return Group(self.shard, None)
-        if self.ctx.run_dir is None:
-            raise RuntimeError(
-                f"parallel.tp_size {self.shard.size} needs a run dir for the ranks' rendezvous"
-            )
-        store = rendezvous_file(self.ctx.run_dir, self.ctx.incarnation)
-        began = time.perf_counter()
-        group = join_group(
-            self.shard, self.config.model.device, store, self.ctx.runtime.ready_timeout_s
-        )
-        self.log.info(
-            "worker.group",
-            tp_size=self.shard.size,
-            generation=self.ctx.incarnation,
-            backend="nccl" if self.config.model.device.startswith("cuda") else "gloo",
-            join_s=round(time.perf_counter() - began, 3),
-        )
-        return group
 
     def announce(self, resync: int = -1) -> None:
         """Send WorkerReady: on start, and in answer to an engine's Resync."""
@@ -537,14 +507,3 @@ class Worker(LaneExecutor):
             exec_ns=exec_ns,
         )
         self.complete(plan.step, result)
-
-
-def written_blocks(plan: StepOp, block_size: int) -> list[int]:
-    """The device blocks a plan's pieces write: those holding positions start ..
-    start + len - 1 of each (the blocks before them are only read)."""
-    written: set[int] = set()
-    for p in plan.pieces:
-        if p.token_ids:
-            first, last = p.start // block_size, (p.start + len(p.token_ids) - 1) // block_size
-            written.update(p.block_table[first : last + 1])
-    return sorted(written)

@@ -60,14 +60,15 @@ def test_kv_pools_larger_than_the_room_in_dev_shm_are_named():
         check_model(config("cache.device_blocks=1000000000"))
 
 
-def test_launching_ahead_where_the_worker_cannot_is_named():
-    on = "model.launch_ahead=on"
+@pytest.mark.parametrize("how", ["on", "late"])
+def test_launching_ahead_where_the_worker_cannot_is_named(how):
+    on = f"model.launch_ahead={how}"
     check_model(config(on))  # one rank, fences, the look-ahead on by it
-    with pytest.raises(ValueError, match=r"^model.launch_ahead=on: .* parallel.tp_size=2"):
+    with pytest.raises(ValueError, match=rf"^{on}: .* parallel.tp_size=2"):
         check_model(config(on, "parallel.tp_size=2", "model.preset=tiny-4kv"))
-    with pytest.raises(ValueError, match=r"^model.launch_ahead=on: not under transfer.mode=lock"):
+    with pytest.raises(ValueError, match=rf"^{on}: not under transfer.mode=lock"):
         check_model(config(on, "transfer.mode=lock"))
-    with pytest.raises(ValueError, match=r"^model.launch_ahead=on: .* model.look_ahead is off"):
+    with pytest.raises(ValueError, match=rf"^{on}: .* model.look_ahead is off"):
         check_model(config(on, "model.look_ahead=off"))
     check_model(config("parallel.tp_size=2", "model.preset=tiny-4kv", "transfer.mode=lock"))
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 from builders import piece
 
-from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch
+from ringfence.actors.executors.look_ahead import CheckAhead, DeviceWatch, WorkAhead, choose_ahead
 from ringfence.actors.protocol.resync import Resync
 from ringfence.cache.fences import Fence
 from ringfence.runtime.mailbox import ConditionWaiter
@@ -151,3 +151,15 @@ def test_without_a_device_to_wait_for_the_look_ahead_only_peeks():
     rig.ahead = CheckAhead(lambda: rig.queue[0] if rig.queue else None, rig.check, bell.wait)
     rig.ahead.check_next()  # the CPU: the step is done when its kernels return
     assert bell.outcomes == [] and rig.calls == 0
+
+
+def test_what_a_worker_does_ahead_follows_the_settings_the_device_and_its_ranks():
+    # (look_ahead, launch_ahead, cuda, alone: one rank, not under the lock)
+    assert choose_ahead("auto", "auto", True, True) == WorkAhead(True, True, True)  # a GPU's
+    assert choose_ahead("auto", "auto", False, True) == WorkAhead(False, False, False)  # a CPU's
+    assert choose_ahead("auto", "auto", True, False) == WorkAhead(True, False, False)  # tp, lock
+    assert choose_ahead("auto", "late", True, True) == WorkAhead(True, True, False)
+    assert choose_ahead("auto", "on", False, True) == WorkAhead(True, True, True)  # tests on a CPU
+    assert choose_ahead("auto", "off", True, True) == WorkAhead(True, False, False)
+    assert choose_ahead("off", "auto", True, True) == WorkAhead(False, False, False)
+    assert choose_ahead("on", "auto", False, True) == WorkAhead(True, False, False)

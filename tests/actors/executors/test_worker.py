@@ -23,7 +23,8 @@ from builders import opened
 from lane_rig import WAIT_S, Executor, start_executor
 
 from ringfence.actors.config import Config
-from ringfence.actors.executors.worker import GroupFailed, Worker
+from ringfence.actors.executors.ranks import GroupFailed
+from ringfence.actors.executors.worker import Worker
 from ringfence.actors.kv.space import open_kv
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.protocol.lanes import ISSUER_EPOCH, TIER_EPOCH, epoch_counter, lane_counter
