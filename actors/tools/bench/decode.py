@@ -16,7 +16,11 @@ For each batch size N of ``--seqs`` (1, 8, 64, 256 on CUDA; 1, 8, 64 on the CPU)
 4. the roofline: the bytes a decode step reads (weights and the context's KV) over the
    device's measured copy bandwidth, and each step's ratio to it (1.0 is the hardware's pace);
 5. where the forward's time goes: its kernels grouped by class from torch's profiler, per
-   step, and the GEMMs' time against the weights' floor (``decode_kernels.py``).
+   step, and the GEMMs' time against the weights' floor (``decode_kernels.py``);
+6. with ``--vs KEY=VALUE``, the same launch again with that override too, beside the first
+   (at each N of ``--vs-seqs``, every N unless given): one setting against the default in
+   one run, as ``--vs model.launch_ahead=late`` weighs launching the next step on the
+   device's tokens against launching it on the host's.
 
 The launches run first, while this process holds no device memory; then the model is
 loaded here once for the rest. The model is ``--model PATH`` (a checkpoint directory) or
@@ -94,6 +98,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--folder", type=Path, help="where the run dirs go (a temporary folder)")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of the figures")
     add_overrides(parser, "the model's, the batch's and the pool's")
+    parser.add_argument(
+        "--vs",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="launch again with this override as well, beside the first (repeatable)",
+    )
+    parser.add_argument("--vs-seqs", help="the batch sizes of the --vs launches (every N)")
 
 
 def seqs_of(args: argparse.Namespace, cuda: bool) -> tuple[int, ...]:
@@ -116,10 +128,6 @@ def bench_decode(
     launch and each batch size's measurements, so a run cut short keeps what it measured."""
     import torch
 
-    from ringfence.actors.tools.bench import decode_inproc as inproc
-    from ringfence.actors.tools.bench.decode_kernels import profile_forward
-    from ringfence.actors.tools.bench.subject import Subject
-
     cuda = args.device != "cpu"
     counts = resolve_counts(args, COUNTS if cuda else CPU_COUNTS)
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -135,6 +143,7 @@ def bench_decode(
     model_set.append(f"actors.worker.threads={threads}")
     folder = args.folder or Path(tempfile.mkdtemp(prefix="ringfence-bench-decode-"))
     seqs = seqs_of(args, cuda)
+    vs_seqs = _vs_seqs(args, seqs, cuda)
     points: list[dict[str, Any]] = []
     report: dict[str, Any] = {
         "environment": environment(),
@@ -163,8 +172,46 @@ def bench_decode(
         )
         points.append({"seqs": n, "launch": launched})
         save(report)
+        for i, extra in enumerate(args.vs if n in vs_seqs else []):
+            given = [*model_set, *args.overrides, extra]
+            beside = launch_figures(
+                folder / f"vs-{i}", run, given, trace=trace, timeout=args.timeout, env=env
+            )
+            points[-1].setdefault("vs", {})[extra] = beside
+            save(report)
+    return _in_process(args, transformers, save, report, shape, preset, counts)
+
+
+def _vs_seqs(args: argparse.Namespace, seqs: tuple[int, ...], cuda: bool) -> tuple[int, ...]:
+    """The batch sizes of the ``--vs`` launches; ValueError naming a bad option."""
+    if bad := [kv for kv in args.vs if "=" not in kv]:
+        raise ValueError(f"--vs: {bad[0]!r} is not KEY=VALUE")
+    if args.vs_seqs is None:
+        return seqs
+    return seqs_of(argparse.Namespace(seqs=args.vs_seqs, quick=args.quick), cuda)
+
+
+def _in_process(  # noqa: PLR0917
+    args: argparse.Namespace,
+    transformers: Any,
+    save: Callable[[dict[str, Any]], None],
+    report: dict[str, Any],
+    shape: ModelShape,
+    preset: str | None,
+    counts: dict[str, int],
+) -> dict[str, Any]:
+    """The measurements in this process, after the launches: the forward alone,
+    transformers, the roofline and the kernels, at each point of ``report``."""
+    import torch
+
+    from ringfence.actors.tools.bench import decode_inproc as inproc
+    from ringfence.actors.tools.bench.decode_kernels import profile_forward
+    from ringfence.actors.tools.bench.subject import Subject
+
+    cuda = args.device != "cpu"
+    points = report["points"]
     subject = Subject(preset=preset) if preset else Subject(checkpoint=args.model)
-    model, hf = subject.load(getattr(torch, dtype), transformers, args.device)
+    model, hf = subject.load(getattr(torch, report["model"]["dtype"]), transformers, args.device)
     device = next(model.parameters()).device
     if cuda:
         report["device"] = torch.cuda.get_device_name(device)

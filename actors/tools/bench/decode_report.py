@@ -68,7 +68,23 @@ def print_report(report: dict[str, Any]) -> None:
     )
     if report["log_level"] == "info":
         print("(at log level info the engine's lines are absent: engine and idle are one figure)")
+    print_beside(report["points"])
     print_kernels(report["points"])
+
+
+def print_beside(points: list[dict[str, Any]]) -> None:
+    """A line for each ``--vs`` launch: its figures against the first launch's."""
+    for point in points:
+        for extra, launch in point.get("vs", {}).items():
+            step, base = launch["step"], point["launch"]["step"]
+            busy, ahead = step["device_busy"], step.get("launched_ahead")
+            print(
+                f"{point['seqs']:>4} with {extra}: {launch['output_tokens_per_s']:.1f} tok/s, "
+                f"TPOT50 {_ms(launch['tpot_p50_ms'])}, step {step['step_ms']:.2f} ms "
+                f"({step['step_ms'] / base['step_ms']:.2f}x the first), busy "
+                f"{'n/a' if busy is None else f'{busy:.0%}'}, launched ahead "
+                f"{'n/a' if ahead is None else f'{ahead:.0%}'}"
+            )
 
 
 def print_kernels(points: list[dict[str, Any]]) -> None:

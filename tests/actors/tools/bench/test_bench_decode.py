@@ -200,7 +200,7 @@ def check_point(point: dict[str, Any], counts: dict[str, int]) -> None:
 @pytest.mark.parametrize(
     ("seqs", "sizes"),
     [pytest.param(None, [1, 4], marks=pytest.mark.slow, id="quick-1-4"), ("4", [4])],
-)
+)  # and at N = 4 a --vs launch beside the first
 def test_the_quick_decode_bench_reports_every_side_at_each_batch_size(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], seqs: str | None, sizes: list[int]
 ) -> None:
@@ -209,6 +209,8 @@ def test_the_quick_decode_bench_reports_every_side_at_each_batch_size(
     path, png = tmp_path / "decode.json", tmp_path / "decode.png"
     argv = ["bench", "decode", "--quick", "--threads", "1", "--folder", str(tmp_path / "runs")]
     argv += ["--seqs", seqs] if seqs else []
+    vs = "sched.steps_in_flight=2"
+    argv += ["--vs", vs, "--vs-seqs", "4"]
     assert cli.main([*argv, "--json", str(path), "--plot", str(png)]) == 0
     report = orjson.loads(path.read_bytes())
     assert report["model"]["preset"] == "tiny" and report["model"]["dtype"] == "float32"
@@ -221,7 +223,19 @@ def test_the_quick_decode_bench_reports_every_side_at_each_batch_size(
     out = capsys.readouterr().out
     assert "copy bandwidth" in out and "roofline" in out and "where the forward's time goes" in out
     rows = [line for line in out.splitlines() if line.lstrip().startswith(("1 ", "4 "))]
-    assert [int(line.split()[0]) for line in rows] == sizes
+    assert [int(line.split()[0]) for line in rows if " with " not in line] == sizes
+    # The --vs launch: at N = 4 alone, its own run with the override as well, named beside.
+    assert [list(p.get("vs", {})) for p in report["points"]] == [
+        [vs] if p == 4 else [] for p in sizes
+    ]
+    beside = report["points"][-1]["vs"][vs]
+    assert beside["output_tokens"] == 4 * report["counts"]["output_tokens"]
+    assert "steps_in_flight = 2" in (Path(beside["run_dir"]) / "config.toml").read_text()
+    assert (
+        "steps_in_flight = 2"
+        not in (Path(report["points"][-1]["launch"]["run_dir"]) / "config.toml").read_text()
+    )
+    assert f"   4 with {vs}: " in out
 
 
 def test_a_gpus_kernels_are_grouped_by_class_per_step_and_the_costliest_named():
