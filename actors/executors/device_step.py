@@ -127,6 +127,25 @@ class DeviceStep:
             self.sampler.constraints.close()
         self.space.close()
 
+    def problem(self, plan: StepOp) -> str:
+        """Why this tier must not run the plan, or "" (changes nothing but the look-ahead's
+        kept verdict, given once): a poison id outside the pool, a piece the sampler cannot
+        sample, a table or token the step check refuses (checked ahead, or now)."""
+        num_blocks = self.executor.num_blocks
+        bad = [b for b in plan.poison if not 0 <= b < num_blocks]
+        if bad:
+            return f"poison block id {bad[0]} is outside the pool's {num_blocks} blocks"
+        if problem := self.sampler.problem(plan.pieces):
+            return problem
+        if plan.pieces:
+            if self.ahead is not None and (verdict := self.ahead.verdict(plan)) is not None:
+                return verdict  # checked while the step before it ran (look_ahead.py)
+            try:
+                self.executor.check(plan.pieces)
+            except ValueError as e:
+                return str(e)
+        return ""
+
     def execute(
         self, plan: StepOp, touches: Touches | None, launch_next: LaunchNext | None = None
     ) -> tuple[Sampled, tuple[PromptLogprobs, ...]]:

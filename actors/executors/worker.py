@@ -414,23 +414,8 @@ class Worker(LaneExecutor):
         self._succeed(launched.plan, outputs, prompt_logprobs, seen, started, waited, ahead=ahead)
 
     def _problem(self, plan: StepOp) -> str:
-        """Why the plan must not run, or ""."""
-        if self.fence_problem(plan.fence):
-            return self.fence_problem(plan.fence)
-        num_blocks = self.executor.num_blocks
-        bad = [b for b in plan.poison if not 0 <= b < num_blocks]
-        if bad:
-            return f"poison block id {bad[0]} is outside the pool's {num_blocks} blocks"
-        if problem := self.sampler.problem(plan.pieces):
-            return problem
-        if plan.pieces:
-            if self.ahead is not None and (verdict := self.ahead.verdict(plan)) is not None:
-                return verdict  # checked while the step before it ran (look_ahead.py)
-            try:
-                self.executor.check(plan.pieces)
-            except ValueError as e:
-                return str(e)
-        return ""
+        """Why the plan must not run, or "": its fence, then what the device tier says."""
+        return self.fence_problem(plan.fence) or self.device.problem(plan)
 
     def _finish(self, plan: StepOp, status: StepStatus, *, error: str = "") -> None:
         """Advance step_done past a plan that did not run whole, then report it."""
