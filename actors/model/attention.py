@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ringfence.actors.model.config import Attention
-from ringfence.actors.model.decoder import Model
+from ringfence.actors.model.decoder import Model, Residual
 from ringfence.actors.model.kernels import triton_available
 from ringfence.sched.ops import Piece
 
@@ -103,9 +103,11 @@ def run_layers(model: Model, x: Tensor, positions: Tensor, attention: StepAttent
     at ``positions`` [T]; each layer writes its K/V and attends through ``attention``. What
     an eager step runs, and what a CUDA graph captures."""
     rope = model.rope(positions)  # once a step, for every layer
+    stream: Tensor | Residual = x
     for layer in range(model.local.layers):
-        q, k, v = model.attention_inputs(layer, x, rope)
+        x, h = model.layer_input(layer, stream)  # the layer before's output added
+        q, k, v = model.attention_inputs(layer, h, rope)
         # Write before reading: a piece's queries attend to its own new tokens too.
         attention.write(layer, k, v)
-        x = model.finish_layer(layer, x, attention.attend(layer, q))
-    return x
+        stream = model.finish_layer(layer, x, attention.attend(layer, q))
+    return stream.whole() if isinstance(stream, Residual) else stream

@@ -104,6 +104,18 @@ class Kernels(NamedTuple):
     silu_mul: Callable[[Tensor], Tensor]  # silu(gate) * up of [gate | up] rows
 
 
+class Residual(NamedTuple):
+    """The residual stream after a layer, its MLP's output not added yet: the next layer's
+    input norm adds it (:meth:`Model.layer_input`), on the fused path in the same kernel
+    as the norm (a launch fewer a layer); after the last layer, :meth:`whole`."""
+
+    x: Tensor  # the stream after the layer's attention
+    pending: Tensor  # the layer's MLP output, to add to it
+
+    def whole(self) -> Tensor:
+        return self.x + self.pending
+
+
 class Stacked(NamedTuple):
     """One layer's projections that read the same input, as rows of one weight each, for one
     GEMM instead of three and two: the layer's q_proj, k_proj and v_proj weights (and biases)
@@ -324,12 +336,22 @@ class Model(nn.Module):
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         return F.embedding(token_ids, self.model.embed_tokens.weight)
 
-    def attention_inputs(self, index: int, x: Tensor, rope: Rope) -> QKV:
-        """Layer ``index``'s queries, keys and values of hidden states x [T, hidden], rotated
-        by ``rope`` (:meth:`rope` of their positions)."""
+    def layer_input(self, index: int, stream: Tensor | Residual) -> tuple[Tensor, Tensor]:
+        """The residual stream entering layer ``index`` (the layer before's output added, as a
+        :class:`Residual` leaves it) and its input norm, ``(x, h)``: on the fused path the
+        add and the norm are one kernel."""
+        weight = self.decoder_layers[index].input_layernorm.weight
+        if isinstance(stream, Residual):
+            if self.kernels is not None:
+                return self.kernels.add_norm(stream.x, stream.pending, weight, self.config.norm_eps)
+            stream = stream.whole()
+        return stream, self._rms_norm(stream, weight)
+
+    def attention_inputs(self, index: int, h: Tensor, rope: Rope) -> QKV:
+        """Layer ``index``'s queries, keys and values of its normed input h [T, hidden]
+        (:meth:`layer_input`), rotated by ``rope`` (:meth:`rope` of their positions)."""
         c = self.local
         layer = self.decoder_layers[index]
-        h = self._rms_norm(x, layer.input_layernorm.weight)
         att = layer.self_attn
         kv_width = c.kv_heads * c.head_dim
         if self.kernels is not None and self.stacked is not None:
@@ -352,9 +374,10 @@ class Model(nn.Module):
             k = self._rms_norm(k, att.k_norm.weight)
         return QKV(self._rope(q, rope), self._rope(k, rope), v)
 
-    def finish_layer(self, index: int, x: Tensor, attended: Tensor) -> Tensor:
-        """The residual stream after layer ``index``, given its attention output [T, heads*dim]
-        (this rank's heads): o and down are row-parallel, summed over the ranks."""
+    def finish_layer(self, index: int, x: Tensor, attended: Tensor) -> Residual:
+        """The residual stream after layer ``index``, given its stream x and its attention
+        output [T, heads*dim] (this rank's heads), its MLP's output not added yet
+        (:class:`Residual`): o and down are row-parallel, summed over the ranks."""
         layer = self.decoder_layers[index]
         o = layer.self_attn.o_proj
         projected = self.group.all_reduce(F.linear(attended, o.weight))
@@ -369,7 +392,7 @@ class Model(nn.Module):
             x = x + projected
             h = self._rms_norm(x, norm)
             gated = F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight)
-        return x + self.group.all_reduce(F.linear(gated, mlp.down_proj.weight))
+        return Residual(x, self.group.all_reduce(F.linear(gated, mlp.down_proj.weight)))
 
     def logits(self, x: Tensor) -> Tensor:
         """Final norm and LM head: logits [T, vocab] of hidden states [T, hidden]."""
@@ -386,12 +409,14 @@ class Model(nn.Module):
         mask = None  # plain causal attention, unless the window is shorter than the sequence
         if window is not None and window < length:
             mask = window_mask(positions, positions, window).to(self.rope_cos.device)
-        x, rope = self.embed(token_ids), self.rope(positions)
+        stream: Tensor | Residual = self.embed(token_ids)
+        rope = self.rope(positions)
         for index in range(self.config.layers):
-            q, k, v = self.attention_inputs(index, x, rope)
+            x, h = self.layer_input(index, stream)
+            q, k, v = self.attention_inputs(index, h, rope)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 attn_mask=mask, is_causal=mask is None, enable_gqa=True,
             )  # fmt: skip
-            x = self.finish_layer(index, x, out.transpose(0, 1).reshape(length, -1))
-        return self.logits(x)
+            stream = self.finish_layer(index, x, out.transpose(0, 1).reshape(length, -1))
+        return self.logits(stream.whole() if isinstance(stream, Residual) else stream)

@@ -134,7 +134,7 @@ class PagedExecutor:
         self.backend_name = resolve_attention(attention, kv)
         self.backend = BACKENDS[self.backend_name](model, kv)
         # The fused kernels and stacked projections where the step runs Triton on a GPU (a
-        # layer's 17 kernels become 11); the model's torch ops elsewhere, so the CPU's
+        # layer's 17 kernels become 10); the model's torch ops elsewhere, so the CPU's
         # numbers stay the reference's (the executor made last for a model decides).
         model.use_kernels(None)
         if self.backend_name == "triton" and kv.device.type == "cuda" and kv.dtype != torch.float64:
