@@ -11,6 +11,7 @@ import torch
 from builders import opened
 
 from ringfence.actors.executors.sampling import Sampler, processed, token_logprobs
+from ringfence.actors.model.paged import DeviceInputs
 from ringfence.actors.model.reference_sampling import sample
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams
@@ -123,6 +124,22 @@ def test_an_opened_sequence_counts_its_history_and_every_piece_then_is_forgotten
     assert slot in sampler.counts.free, "its slot is free again"
     assert sampler.seqs == {}
     assert "never opened" in sampler.problem([piece(1, [5], 5)])
+
+
+def test_tokens_still_on_the_device_are_counted_as_the_same_tokens_on_the_host() -> None:
+    # A decode launched before the step before was read back names its input on the device
+    # (DeviceInputs): the penalties' counts take it there, as they would from the host.
+    params = SamplingParams(presence_penalty=0.5, repetition_penalty=1.2)
+    opening = Opening(params=params, num_prompt_tokens=3, history=(1, 2))
+    host, device = Sampler(VOCAB), Sampler(VOCAB)
+    for sampler in (host, device):
+        sampler.advance([piece(1, [3, 4], 2, opening), piece(2, [5], 0, opened(1))])
+    host.advance([piece(1, [7], 4), piece(2, [6], 1)])
+    drawn = torch.tensor([9, 7])  # a draw's rows: sequence 1 took the second
+    device.advance([piece(1, [0], 4), piece(2, [6], 1)], DeviceInputs((0,), drawn[1:]))
+    assert device.counts_of(1) == host.counts_of(1) == ({4: 1, 7: 1}, {1, 2, 3, 4, 7})
+    assert device.seqs[1].num_tokens == host.seqs[1].num_tokens == 5
+    assert device.seqs[2].num_tokens == 2
 
 
 def test_a_plain_sequence_keeps_no_counts() -> None:

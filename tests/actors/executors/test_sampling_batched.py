@@ -22,6 +22,7 @@ from ringfence.actors.executors.constraints import MaskJob, masked
 from ringfence.actors.executors.knobs import build_knobs
 from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler, processed, token_logprobs
 from ringfence.actors.model.draws import as_int64, uniform, uniforms
+from ringfence.actors.model.paged import DeviceInputs
 from ringfence.actors.model.reference_sampling import sample
 from ringfence.actors.model.sampler import masked_rows, processed_rows
 from ringfence.sched.ops import Opening, Piece
@@ -467,17 +468,21 @@ def test_on_cuda_a_steps_draw_is_queued_without_waiting_for_the_device() -> None
         ]  # fmt: skip
 
     logits = torch.randn(rows, vocab, device="cuda") * 3
-    for step in range(3):
+    draw = None
+    for step in range(4):
         pieces = pieces_of(step)
         if step < 2:  # the opening, and one step for the allocators and kernels
             sampler.advance(pieces)
             sampler.collect(sampler.queue(pieces, logits, None))
             continue
+        # Step 3's inputs are step 2's draw on the device, not read back (penalties count them).
+        inputs = None if draw is None else DeviceInputs(tuple(range(rows)), draw.out[:rows].long())
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            sampler.advance(pieces)
-            draw = sampler.queue(pieces, logits, None)
+            sampler.advance(pieces, inputs)
+            queued = sampler.queue(pieces, logits, None)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert len(sampler.collect(draw).token_ids) == rows
+        assert len(sampler.collect(queued).token_ids) == rows
+        draw = queued

@@ -335,14 +335,18 @@ def test_on_cuda_a_step_is_queued_without_waiting_for_the_device() -> None:
     ex.step([at(0, [5, 6, 7, 8, 9], 0), at(1, [1, 2, 3], 0)])  # eager: kernels compiled
     ex.step([at(0, [3], 5), at(1, [4], 3)])  # a replay
     torch.cuda.synchronize()
+    # And with inputs on the device (a step launched before the last one's tokens were read).
+    drawn = torch.tensor([3, 4], device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
         replayed = ex.step([at(0, [3], 6), at(1, [4], 4)])
         eager = ex.step([at(0, [3, 4], 7), at(1, [5], 5)])  # a chunk and a decode
+        on_device = ex.step([at(0, [0], 9), at(1, [0], 6)], inputs=DeviceInputs((0, 1), drawn))
+        mixed = ex.step([at(0, [0], 10), at(1, [5, 6], 7)], inputs=DeviceInputs((0,), drawn[:1]))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert bool(torch.isfinite(replayed.last_logits).all())
-    assert bool(torch.isfinite(eager.last_logits).all())
+    for out in (replayed, eager, on_device, mixed):
+        assert bool(torch.isfinite(out.last_logits).all())
 
 
 def test_a_steps_inputs_on_the_device_give_the_logits_of_the_step_with_them_put_in(
