@@ -35,7 +35,8 @@ from ringfence.actors.executors.timing import StepTimer
 from ringfence.actors.executors.touches import Touches
 from ringfence.actors.kv.layout import kv_layout
 from ringfence.actors.kv.space import SharedKV, create_kv
-from ringfence.actors.model.paged import DeviceInputs, PagedExecutor, StepOutput
+from ringfence.actors.model.inputs import DeviceInputs
+from ringfence.actors.model.paged import PagedExecutor, StepOutput
 from ringfence.actors.model.parallel import rank_device
 from ringfence.actors.protocol.worker import PromptLogprobs, Sampled
 from ringfence.actors.text.grammars import model_grammars

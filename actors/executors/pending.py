@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ringfence.actors.model.host import to_device
-from ringfence.actors.model.paged import DeviceInputs
+from ringfence.actors.model.inputs import DeviceInputs
 from ringfence.sched.ops import Piece, StepOp
 from ringfence.shm.errors import RingfenceError
 

@@ -35,7 +35,7 @@ from ringfence.actors.executors.constraints import Constraints, MaskJob
 from ringfence.actors.executors.counts import DeviceCounts
 from ringfence.actors.executors.knobs import SeqKnobs, build_knobs
 from ringfence.actors.model.host import to_device, to_host
-from ringfence.actors.model.paged import DeviceInputs
+from ringfence.actors.model.inputs import DeviceInputs
 from ringfence.actors.model.sampler import sample_rows
 from ringfence.actors.protocol.worker import PromptLogprobs, Sampled, SampledToken
 from ringfence.actors.text.grammars import GrammarError, Grammars

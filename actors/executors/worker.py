@@ -51,8 +51,8 @@ from ringfence.actors.executors.pending import MissingToken, SampledTokens, on_d
 from ringfence.actors.executors.profiling import op_range
 from ringfence.actors.executors.ranks import GroupFailed, StepGate, join_ranks
 from ringfence.actors.executors.sampling import Draw, NonFiniteLogits
+from ringfence.actors.model.inputs import DeviceInputs
 from ringfence.actors.model.loader import load_model
-from ringfence.actors.model.paged import DeviceInputs
 from ringfence.actors.model.parallel import Shard
 from ringfence.actors.protocol.lanes import LANES
 from ringfence.actors.protocol.resync import Resync

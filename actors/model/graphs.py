@@ -39,7 +39,7 @@ from ringfence.actors.model.kernels.paged_attention import StepTensors, tile_row
 from ringfence.sched.ops import Piece
 
 if TYPE_CHECKING:
-    from ringfence.actors.model.paged import DeviceInputs
+    from ringfence.actors.model.inputs import DeviceInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

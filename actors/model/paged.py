@@ -31,6 +31,7 @@ from ringfence.actors.model.attention import BACKENDS, resolve_attention, run_la
 from ringfence.actors.model.config import Attention
 from ringfence.actors.model.decoder import Model, ModelShape
 from ringfence.actors.model.host import to_device
+from ringfence.actors.model.inputs import DeviceInputs
 from ringfence.actors.model.step_check import StepChecker
 from ringfence.sched.ops import Piece
 
@@ -52,15 +53,6 @@ class Touched(NamedTuple):
 
     reads: set[int]
     writes: set[int]
-
-
-class DeviceInputs(NamedTuple):
-    """The one input token of some of a step's pieces, where the step before drew it: on the
-    device, not read back (their ``token_ids`` hold placeholders). A step launched so never
-    waits for the device between the two (``actors/executors/pending.py``)."""
-
-    pieces: tuple[int, ...]  # the pieces, by index in the step
-    ids: Tensor  # [len(pieces)] int64 on the step's device: their tokens, in that order
 
 
 class StepOutput(NamedTuple):

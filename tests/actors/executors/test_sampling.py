@@ -11,7 +11,7 @@ import torch
 from builders import opened
 
 from ringfence.actors.executors.sampling import Sampler, processed, token_logprobs
-from ringfence.actors.model.paged import DeviceInputs
+from ringfence.actors.model.inputs import DeviceInputs
 from ringfence.actors.model.reference_sampling import sample
 from ringfence.sched.ops import Opening, Piece
 from ringfence.sched.sampling import LOGPROB_FLOOR, SamplingParams

@@ -22,7 +22,7 @@ from ringfence.actors.executors.constraints import MaskJob, masked
 from ringfence.actors.executors.knobs import build_knobs
 from ringfence.actors.executors.sampling import NonFiniteLogits, Sampler, processed, token_logprobs
 from ringfence.actors.model.draws import as_int64, uniform, uniforms
-from ringfence.actors.model.paged import DeviceInputs
+from ringfence.actors.model.inputs import DeviceInputs
 from ringfence.actors.model.reference_sampling import sample
 from ringfence.actors.model.sampler import masked_rows, processed_rows
 from ringfence.sched.ops import Opening, Piece

@@ -18,8 +18,9 @@ from builders import piece
 
 from ringfence.actors.model import attention
 from ringfence.actors.model.decoder import PRESETS, Model
+from ringfence.actors.model.inputs import DeviceInputs
 from ringfence.actors.model.kernels import triton_available
-from ringfence.actors.model.paged import DeviceInputs, PagedExecutor, make_kv_cache
+from ringfence.actors.model.paged import PagedExecutor, make_kv_cache
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
