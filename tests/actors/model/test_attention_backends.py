@@ -249,6 +249,21 @@ def test_on_cuda_a_replayed_graph_reads_the_kv_as_it_is_now() -> None:
     assert torch.allclose(replayed, expected, atol=1e-5, rtol=0)
 
 
+def prefilled(
+    rng: random.Random, num_seqs: int
+) -> tuple[Model, PagedExecutor, list[list[int]], list[list[int]]]:
+    """A float64 model's Triton executor with ``num_seqs`` random prompts prefilled: the
+    model, the executor, each sequence's table and prompt."""
+    model = model_of("tiny", torch.float64)
+    eager = executor(model, attention="triton")
+    tables = tables_for(rng, num_seqs)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 12))] for _ in tables]
+    eager.step(
+        [piece(p, 0, t[: -(-len(p) // BLOCK_SIZE)]) for p, t in zip(prompts, tables, strict=True)]
+    )
+    return model, eager, tables, prompts
+
+
 @needs_triton
 def test_a_graphs_padded_bucket_computes_the_eager_steps_logits_and_writes_only_its_slots(
     rng: random.Random,
@@ -256,13 +271,7 @@ def test_a_graphs_padded_bucket_computes_the_eager_steps_logits_and_writes_only_
     """What a replay computes, run eagerly (on any device): three decodes padded to bucket 4."""
     from ringfence.actors.model.graphs import DecodeGraphs
 
-    model = model_of("tiny", torch.float64)
-    eager = executor(model, attention="triton")
-    tables = tables_for(rng, 3)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 12))] for _ in tables]
-    eager.step(
-        [piece(p, 0, t[: -(-len(p) // BLOCK_SIZE)]) for p, t in zip(prompts, tables, strict=True)]
-    )
+    model, eager, tables, prompts = prefilled(rng, 3)
     decodes = [
         piece([rng.randrange(256)], len(p), t[: len(p) // BLOCK_SIZE + 1])
         for p, t in zip(prompts, tables, strict=True)
@@ -391,13 +400,7 @@ def test_a_graphs_inputs_on_the_device_give_the_logits_of_the_step_with_them_put
     """The same for a decode step replayed as a graph, run eagerly: its rows are its pieces."""
     from ringfence.actors.model.graphs import DecodeGraphs
 
-    model = model_of("tiny", torch.float64)
-    eager = executor(model, attention="triton")
-    tables = tables_for(rng, 3)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 12))] for _ in tables]
-    eager.step(
-        [piece(p, 0, t[: -(-len(p) // BLOCK_SIZE)]) for p, t in zip(prompts, tables, strict=True)]
-    )
+    model, eager, tables, prompts = prefilled(rng, 3)
     tokens = [rng.randrange(1, 256) for _ in tables]
     decodes = [
         piece([token], len(p), t[: len(p) // BLOCK_SIZE + 1])
