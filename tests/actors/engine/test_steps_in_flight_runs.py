@@ -69,8 +69,17 @@ def test_two_steps_in_flight_under_chaos_and_poison_give_the_plain_loops_tokens(
         ]
 
 
-def test_a_worker_killed_with_two_steps_in_flight_costs_recomputation_not_tokens(tmp_path):
-    sets = workload_sets("pressure", *TIERS, "sched.preemption=swap", "sched.steps_in_flight=2")
+@pytest.mark.parametrize(
+    "launch",
+    [(), ("model.look_ahead=on", "model.launch_ahead=on")],
+    ids=["at-each-turn", "launched-early"],
+)
+def test_a_worker_killed_with_two_steps_in_flight_costs_recomputation_not_tokens(tmp_path, launch):
+    # Launched early, a step may be on the device behind the one that runs when the Worker
+    # dies: both die with it, and the restarted Worker cancels their plans as stale.
+    sets = workload_sets(
+        "pressure", *TIERS, "sched.preemption=swap", "sched.steps_in_flight=2", *launch
+    )
     with launched(tmp_path, *sets) as run:
         run.wait_for_event("step.done", log="worker-0", step=30, timeout=120.0)
         run.kill_actor("worker-0")
@@ -80,6 +89,9 @@ def test_a_worker_killed_with_two_steps_in_flight_costs_recomputation_not_tokens
     replayed(run.run_dir, killed="worker-0")  # both steps in flight lost, none applied
     outputs, _ = results(run.run_dir)
     assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
+    if launch:
+        steps = worker_steps(run.run_dir)
+        assert any(d.get("launched_ahead") == "early" for d in steps), len(steps)
 
 
 def test_one_step_in_flight_is_the_default(pressure_swap_run):
