@@ -59,6 +59,23 @@ def test_a_hosted_swap_lane_under_chaos_and_poison_failing_once_gives_the_plain_
     assert swaps > 0
 
 
+def test_a_hosted_swap_lane_beside_steps_launched_early_gives_the_plain_loops_tokens(tmp_path):
+    # A GPU's defaults together: two steps in flight, the next launched while a step lands
+    # (on its tokens on the device), and the swap lane on a thread of the Worker's process,
+    # under chaos and poison.
+    sets = workload_sets(
+        "pressure", *TIERS, "sched.preemption=swap", *HOSTED_SWAP, "sched.steps_in_flight=2",
+        "model.look_ahead=on", "model.launch_ahead=on",
+    )  # fmt: skip
+    with launched(tmp_path, *sets) as run:
+        outputs, summary = finished(run)  # replay's checks and --redrive hold
+        swaps = swaps_done(run)
+        early = run.events("step.done", log="worker-0", launched_ahead="early")
+    assert {o["id"]: tuple(o["token_ids"]) for o in outputs} == reference("pressure")
+    assert summary["engine"]["preemptions"]["swap"] > 0 and swaps > 0
+    assert early, "no step was launched early"
+
+
 # CI runs the tp 2 kill below, which takes both ranks' hosted lanes down and back; the
 # fault matrix (`ringfence bench faults`) kills a hosted lane three times.
 @pytest.mark.slow
