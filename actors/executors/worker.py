@@ -18,6 +18,11 @@ watermarks, fences") strictly in order, ``s = 1, 2, ...``. For each plan it
 4. advances ``step_done`` (every step <= s finished, KV writes included) and only
    then sends the :class:`StepResult` with the step number and the plan's epoch.
 
+On a GPU the next plan's steps 1-3 may run before this step's 4 (``model.launch_ahead``):
+its kernels are queued while this step lands, checked ahead and with its fence already met,
+its pending tokens taken from this step's draw on the device; if this step then fails, so
+does that one, spoiled (:class:`LaunchedBehindFailure`). Only ``step_done`` moves later.
+
 A plan of a past epoch (lanes.py: issued before this Worker started, or by an engine
 that has restarted since) is cancelled, never run: watermark advanced past it, result
 ``cancelled``. A fence wait that runs past its deadline cancels a stale plan and
