@@ -84,7 +84,7 @@ class DeviceCounts:
     def flush(self) -> None:
         """Apply what :meth:`add` and :meth:`add_on_device` queued: one copy of the ids, one
         scatter per tensor (and one of each for the tokens on the device)."""
-        if self._on_device and self._ids is not None:
+        if self._on_device and self._ids is not None:  # (the one is set with the other)
             host = torch.tensor(self._on_device, dtype=torch.int64).t().contiguous()
             at = to_device(host, self.device)
             slots, tokens = at[0], self._ids.index_select(0, at[1])
@@ -92,7 +92,7 @@ class DeviceCounts:
             self.seen.index_put_((slots, tokens), true)
             ones = torch.ones(len(self._on_device), dtype=torch.int32, device=self.device)
             self.counts.index_put_((slots, tokens), ones, accumulate=True)
-        self._on_device, self._ids = [], None
+            self._on_device, self._ids = [], None
         if not self._seen:
             return
         pairs = self._seen + self._output
