@@ -105,7 +105,11 @@ class DeviceStep:
         if config.cache.poison_freed:  # nothing is valid yet: any read of it shows up as NaN
             space.poison(range(layout.num_blocks))
         executor = PagedExecutor(
-            model, space.kv, attention=config.model.attention, cuda_graphs=config.model.cuda_graphs
+            model,
+            space.kv,
+            attention=config.model.attention,
+            cuda_graphs=config.model.cuda_graphs,
+            attention_splits=config.model.attention_splits,
         )
         executor.record_touches = log.tracing  # for op.touched (touches.py)
         if executor.graphs is not None:

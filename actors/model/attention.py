@@ -79,20 +79,21 @@ def resolve_attention(choice: Attention, kv: Tensor) -> Backend:
     return "triton" if on_gpu and triton_available() else "torch"
 
 
-def _torch(model: Model, kv: Tensor) -> AttentionBackend:
+def _torch(model: Model, kv: Tensor, splits: int) -> AttentionBackend:
     from ringfence.actors.model.torch_attention import TorchAttention
 
-    return TorchAttention(model, kv)
+    return TorchAttention(model, kv)  # SDPA over gathered keys: nothing to split
 
 
-def _triton(model: Model, kv: Tensor) -> AttentionBackend:
+def _triton(model: Model, kv: Tensor, splits: int) -> AttentionBackend:
     from ringfence.actors.model.kernels.backend import TritonAttention
 
-    return TritonAttention(model, kv)
+    return TritonAttention(model, kv, splits=splits)
 
 
 # Imported on use: the Triton backend imports Triton (seconds), which a torch run never needs.
-BACKENDS: dict[Backend, Callable[[Model, Tensor], AttentionBackend]] = {
+# Each is made of the model, its KV and the most programs a decode's keys are split among.
+BACKENDS: dict[Backend, Callable[[Model, Tensor, int], AttentionBackend]] = {
     "torch": _torch,
     "triton": _triton,
 }

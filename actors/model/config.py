@@ -54,6 +54,15 @@ class ModelConfig:
         "replay decode-only steps as CUDA graphs, one per batch-size bucket up to "
         "sched.max_num_seqs (on CUDA with the triton attention and parallel.tp_size 1 only)",
     )
+    attention_splits: int = setting(
+        16,
+        "the most programs the triton attention shares a decode step's keys among, per "
+        "sequence and KV head, where a step has too few sequences to keep the GPU's "
+        "multiprocessors busy (one sequence of 8 KV heads is 8 programs): each reads its own "
+        "run of at least 256 keys, and their outputs are merged; 1 never splits",
+        ge=1,
+        le=64,
+    )
     look_ahead: LookAhead = setting(
         "auto",
         "while a step runs on the device, the Worker reads and checks the next step's plan "

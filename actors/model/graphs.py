@@ -36,6 +36,7 @@ from ringfence.actors.model.decoder import Model
 from ringfence.actors.model.host import copy_in, to_device
 from ringfence.actors.model.kernels.backend import TritonStep, table_rows
 from ringfence.actors.model.kernels.paged_attention import StepTensors, tile_rows
+from ringfence.actors.model.kernels.split_keys import MOST_SPLITS, SPLIT_KEYS, split_count
 from ringfence.sched.ops import Piece
 
 if TYPE_CHECKING:
@@ -57,8 +58,11 @@ class DecodeGraphs:
     the step's slots only, and the static buffers below.
     """
 
-    def __init__(self, model: Model, kv: Tensor, *, max_batch: int) -> None:
+    def __init__(
+        self, model: Model, kv: Tensor, *, max_batch: int, splits: int = MOST_SPLITS
+    ) -> None:
         self.model, self.kv = model, kv
+        self.most_splits = splits  # a bucket's keys shared out among at most this many programs
         self.block_size = bs = kv.shape[3]
         self.buckets = (*(b for b in BUCKETS if b < max_batch), max_batch)
         n, dev = self.buckets[-1], kv.device
@@ -148,6 +152,10 @@ class DecodeGraphs:
 
     def _forward(self, bucket: int) -> Tensor:
         """The bucket's forward over the static buffers: logits [bucket, vocab]."""
+        # Split as a context of the widest table would be: the kernel shares out a shorter
+        # one among fewer programs, so one capture serves every length (split_keys.py).
+        longest = self.width * self.block_size
+        programs = bucket * self.model.local.kv_heads
         tensors = StepTensors(
             slots=self.slots[:bucket],
             tables=self.tables[:bucket],
@@ -156,6 +164,8 @@ class DecodeGraphs:
             program_piece=self.program_piece[:bucket],
             program_first=self.program_first[:bucket],
             block_q=self.block_q,
+            splits=split_count(programs, longest, self.kv.device, self.most_splits),
+            split_keys=SPLIT_KEYS,
         )
         step = TritonStep(self.kv, tensors, self.model.config.sliding_window)
         # Not model.embed: it checks the ids on the host, a sync that capture refuses

@@ -87,7 +87,9 @@ class PagedExecutor:
     ``attention`` picks the backend (``resolve_attention``: ``auto``, ``torch``, ``triton``).
     ``cuda_graphs`` replays decode-only steps of up to ``max_batch`` pieces as CUDA graphs
     (:class:`DecodeGraphs`); it applies only on CUDA, with the Triton backend, on a single
-    rank, and is ignored elsewhere.
+    rank, and is ignored elsewhere. ``attention_splits`` is the most programs the Triton
+    backend shares a decode's keys among, per piece and KV head (``kernels/split_keys.py``;
+    1: never split).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class PagedExecutor:
         attention: Attention = "torch",
         cuda_graphs: bool = False,
         max_batch: int = 256,
+        attention_splits: int = 16,
     ) -> None:
         c = model.local  # this rank's heads (all of them on a single rank)
         if kv.dim() != 6 or (kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[5]) != (
@@ -124,7 +127,7 @@ class PagedExecutor:
             vocab=shape.vocab_size,
         )
         self.backend_name = resolve_attention(attention, kv)
-        self.backend = BACKENDS[self.backend_name](model, kv)
+        self.backend = BACKENDS[self.backend_name](model, kv, attention_splits)
         # The fused kernels and stacked projections where the step runs Triton on a GPU (a
         # layer's 17 kernels become 10); the model's torch ops elsewhere, so the CPU's
         # numbers stay the reference's (the executor made last for a model decides).
@@ -138,7 +141,7 @@ class PagedExecutor:
         if cuda_graphs and graphable and self.backend_name == "triton":
             from ringfence.actors.model.graphs import DecodeGraphs  # imports Triton
 
-            self.graphs = DecodeGraphs(model, kv, max_batch=max_batch)
+            self.graphs = DecodeGraphs(model, kv, max_batch=max_batch, splits=attention_splits)
         # Set by the Worker when tracing: each step then keeps ``touched``, the blocks its
         # pieces read and wrote (worked out on the host from the tables, only when asked).
         self.record_touches = False

@@ -23,28 +23,44 @@ from ringfence.actors.model.kernels.paged_attention import (
     store_kv,
     tile_rows,
 )
+from ringfence.actors.model.kernels.split_keys import (
+    MOST_SPLITS,
+    SPLIT_KEYS,
+    Partials,
+    acc_dtype,
+    split_count,
+)
 from ringfence.sched.ops import Piece
 
 
 class TritonAttention:
-    """Makes a step's :class:`TritonStep` over ``kv`` (block-major, this rank's heads)."""
+    """Makes a step's :class:`TritonStep` over ``kv`` (block-major, this rank's heads); a
+    decode-only step's keys are shared out among at most ``splits`` programs per piece and
+    KV head where the device has room for them (``split_keys.py``; 1: never)."""
 
-    def __init__(self, model: Model, kv: Tensor) -> None:
+    def __init__(self, model: Model, kv: Tensor, *, splits: int = MOST_SPLITS) -> None:
         self.group = model.local.heads // model.local.kv_heads
+        self.kv_heads = model.local.kv_heads
         self.window = model.config.sliding_window
         self.kv = kv
         self.block_size = kv.shape[3]
+        self.splits = splits
 
     def prepare(self, pieces: Sequence[Piece]) -> TritonStep:
-        return TritonStep(
-            self.kv, step_tensors(pieces, self.block_size, self.group, self.kv.device), self.window
-        )
+        tensors = step_tensors(pieces, self.block_size, self.group, self.kv.device)
+        if all(len(p.token_ids) == 1 for p in pieces):  # a decode-only step
+            longest = max(p.start + 1 for p in pieces)
+            programs = len(pieces) * self.kv_heads
+            splits = split_count(programs, longest, self.kv.device, self.splits)
+            tensors = tensors._replace(splits=splits, split_keys=SPLIT_KEYS)
+        return TritonStep(self.kv, tensors, self.window)
 
 
 def step_tensors(
     pieces: Sequence[Piece], block_size: int, group: int, device: torch.device
 ) -> StepTensors:
-    """The kernels' description of ``pieces`` (checked beforehand by ``PagedExecutor.check``)."""
+    """The kernels' description of ``pieces`` (checked beforehand by ``PagedExecutor.check``),
+    unsplit."""
     bs = block_size
     lengths = [len(p.token_ids) for p in pieces]
     ends = [p.start + n for p, n in zip(pieces, lengths, strict=True)]
@@ -101,12 +117,16 @@ class TritonStep:
 
     def __init__(self, kv: Tensor, tensors: StepTensors, window: int | None) -> None:
         self.kv, self.tensors, self.window = kv, tensors, window
+        self.partials: Partials | None = None  # a split step's shares, made by its first layer
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         store_kv(k, v, self.kv[:, layer, 0], self.kv[:, layer, 1], self.tensors.slots)
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
         out = torch.empty_like(q)
-        kv = self.kv
-        paged_attention(q, kv[:, layer, 0], kv[:, layer, 1], out, self.tensors, window=self.window)
+        kv, tensors = self.kv, self.tensors
+        if tensors.splits > 1 and self.partials is None:
+            self.partials = Partials.empty(q, tensors.splits, acc_dtype(kv.dtype))
+        k, v = kv[:, layer, 0], kv[:, layer, 1]
+        paged_attention(q, k, v, out, tensors, window=self.window, partials=self.partials)
         return out.view(q.shape[0], -1)

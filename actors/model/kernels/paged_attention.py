@@ -14,7 +14,9 @@ up to ``block_q`` query tokens of one piece and one KV head, and stacks the quer
 that KV head's group for those tokens as the rows of its tile (``block_q * group`` rows,
 padded to a power of two of at least 16, what ``tl.dot`` needs): a decode token of a
 grouped-query model still fills a tensor-core tile with its group's heads. Keys are visited
-``tile_n`` at a time with an online softmax in float32 (float64 for float64 KV).
+``tile_n`` at a time with an online softmax in float32 (float64 for float64 KV). A step
+with ``splits`` > 1 runs that many programs per (piece, KV head), each over its share of the
+keys, and merges them after (``split_keys.py``): a decode step of a few sequences.
 
 Only this module imports Triton. Where no CUDA device is present, the kernels run in Triton's
 interpreter on CPU tensors (``TRITON_INTERPRET``, set by ``actors/model/kernels/__init__.py``
@@ -47,6 +49,14 @@ if not torch.cuda.is_available():  # see the module docstring: Triton's interpre
 import triton  # after the variable above: Triton reads it at import
 import triton.language as tl
 
+from ringfence.actors.model.kernels.split_keys import (
+    Partials,
+    acc_dtype,
+    merge_splits,
+    share_of,
+    store_share,
+)
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRETED and type(tl.cdiv).__name__ != "InterpretedFunction":
     raise RuntimeError(
@@ -76,6 +86,10 @@ class StepTensors(NamedTuple):
     program_piece: Tensor  # [programs] int32: the piece of each program along grid axis 0
     program_first: Tensor  # [programs] int32: its first query token within the piece
     block_q: int  # query tokens per program
+    # Programs per (piece, KV head) along grid axis 2, each over its own share of the keys,
+    # merged after (``split_keys.py``); 1: one program reads every key, and no merge.
+    splits: int = 1
+    split_keys: int = 0  # the fewest keys a split takes: a short context uses fewer splits
 
 
 def tile_rows(group: int, longest: int) -> tuple[int, int]:
@@ -102,16 +116,32 @@ def _matmul(a, b, ACC: tl.constexpr, PRODUCTS: tl.constexpr):
     return c
 
 
+@triton.jit
+def _online_softmax(m_i, l_i, acc, scores, v, ACC: tl.constexpr, PRODUCTS: tl.constexpr):  # noqa: PLR0917
+    """The running max, sum and output of each row after one more tile of keys: their
+    ``scores`` (log2 units, -inf where unseen) and values ``v``."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A row that has seen no key yet keeps m = -inf; shift by 0 so no -inf - -inf = NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(scores - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, ACC, PRODUCTS)
+    return m_new, l_i, acc
+
+
 # A kernel takes every pointer, stride and size as an argument, and is one loop body.
 @triton.jit
 def _paged_attention(  # noqa: PLR0917
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, query_start_ptr, seq_lens_ptr,
-    program_piece_ptr, program_first_ptr, window,
+    program_piece_ptr, program_first_ptr, window, part_ptr, lse_ptr, split_keys,
     stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_table,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRODUCTS: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(1)
     piece = tl.load(program_piece_ptr + tl.program_id(0))
@@ -138,6 +168,8 @@ def _paged_attention(  # noqa: PLR0917
     # and nothing outside them is loaded: a free block or an unwritten slot may hold NaN.
     hi = tl.minimum(end - q_len + first + BLOCK_Q, end)
     lo = tl.maximum(end - q_len + first - window + 1, 0)
+    if SPLITS > 1:  # this program's share of them (split_keys.py)
+        lo, hi = share_of(lo, hi, split_keys, TILE, SPLITS)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.full([BLOCK_M], 0.0, ACC)
     acc = tl.full([BLOCK_M, HEAD_P], 0.0, ACC)
@@ -166,21 +198,20 @@ def _paged_attention(  # noqa: PLR0917
             & (keys[None, :] > position[:, None] - window)
         )
         scores = tl.where(seen, scores * SCALE, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A row that has seen no key yet keeps m = -inf; shift by 0 so no -inf - -inf = NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, ACC, PRODUCTS)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(m_i, l_i, acc, scores, v, ACC, PRODUCTS)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(
-        out_ptr + out_offsets + dims[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    if SPLITS > 1:  # the share's output and its log2-sum-exp, for the merge
+        store_share(
+            part_ptr, lse_ptr, out, m_i, l_i, q_start + token, head, row_ok, dims, dim_ok,
+            stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+        )  # fmt: skip
+    else:
+        out_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(
+            out_ptr + out_offsets + dims[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
 
 
 @triton.jit
@@ -236,22 +267,34 @@ def paged_attention(
     step: StepTensors,
     *,
     window: int | None,
+    partials: Partials | None = None,
 ) -> None:
     """Attend q ``[T, heads, head_dim]`` to each piece's keys through its block table, causal
     by position (and within ``window``), into out ``[T, heads, head_dim]`` (mutated; q's
-    dtype). Reads only positions ``0..seq_lens-1`` of each piece's blocks."""
+    dtype). Reads only positions ``0..seq_lens-1`` of each piece's blocks. With
+    ``step.splits`` > 1 each piece's keys are shared out among that many programs, whose
+    outputs land in ``partials`` (made here if None; ``split_keys.py``) and are merged."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // kv_heads
     block_m = max(16, triton.next_power_of_2(step.block_q * group))
     dtype = k_cache.dtype
     acc: Any = tl.float64 if dtype == torch.float64 else tl.float32
-    grid = (len(step.program_piece), kv_heads)
+    splits = step.splits
+    if splits > 1 and partials is None:
+        partials = Partials.empty(q, splits, acc_dtype(dtype))
+    part, lse = (partials.part, partials.lse) if partials is not None and splits > 1 else (out, out)
+    grid = (len(step.program_piece), kv_heads, splits)
     _paged_attention[grid](
         q, k_cache, v_cache, out, step.tables, step.query_start, step.seq_lens,
         step.program_piece, step.program_first, NO_WINDOW if window is None else window,
+        part, lse, step.split_keys,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), step.tables.stride(0),
+        *part.stride()[:3], *lse.stride()[:2],
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_P=max(16, triton.next_power_of_2(head_dim)),
         GROUP=group, BLOCK_Q=step.block_q, BLOCK_M=block_m, TILE=TILE_N,
         SCALE=head_dim**-0.5 * math.log2(math.e), ACC=acc, UPCAST=INTERPRETED,
-        PRODUCTS=_products(dtype),
+        PRODUCTS=_products(dtype), SPLITS=splits,
     )  # fmt: skip
+    if splits > 1:
+        assert partials is not None
+        merge_splits(partials, out)

@@ -119,6 +119,45 @@ def test_triton_attention_gives_the_torch_attentions_logits_over_mixed_steps(
         assert (ours - theirs).abs().max().item() < 1e-9
 
 
+def force_splits(monkeypatch, splits: int) -> None:
+    """Decode-only steps split as a GPU of few multiprocessors would split them (the CPU never
+    does: split_count is 1 there), in shares of one tile: every share boundary is met."""
+    from ringfence.actors.model import graphs
+    from ringfence.actors.model.kernels import backend
+
+    def count(programs: int, longest: int, device: torch.device, most: int) -> int:
+        return min(splits, most)
+
+    for module in (backend, graphs):
+        monkeypatch.setattr(module, "split_count", count)
+        monkeypatch.setattr(module, "SPLIT_KEYS", 1)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 5])
+def test_decodes_split_among_programs_give_the_torch_attentions_logits(
+    rng: random.Random, monkeypatch, window: int | None
+) -> None:
+    """Decode-only steps with their keys shared out among three programs (a mixed step
+    stays whole); ``attention_splits=1`` turns it off, and the shares are then not made."""
+    force_splits(monkeypatch, 3)
+    model = model_of("tiny-4kv", torch.float64, window)
+    # Prompts in chunks beside decodes, then decode-only steps whose contexts grow past the
+    # interpreter's 16-key tile: one share, then two hold keys, and the third none.
+    steps: list[Step] = [[(0, 0, 7), (1, 0, 4)], [(0, 7, 6), (1, 4, 1), (2, 0, 10)]]
+    steps += [[(0, 13 + i, 1), (1, 5 + i, 1), (2, 10 + i, 1)] for i in range(8)]
+    tables, seed = tables_for(rng, 3), rng.randrange(1 << 30)
+    reference = run(executor(model, attention="torch"), steps, tables, seed)
+    split = executor(model, attention="triton")
+    for ours, theirs in zip(run(split, steps, tables, seed), reference, strict=True):
+        assert bool(torch.isfinite(ours).all())
+        assert (ours - theirs).abs().max().item() < 1e-9
+    decode = [piece([1], 9, tables[0][:3])]
+    assert split.backend.prepare(decode).tensors.splits == 3
+    whole = executor(model, attention="triton", attention_splits=1)
+    assert whole.backend.prepare(decode).tensors.splits == 1
+
+
 @needs_triton
 @pytest.mark.parametrize("preset", ["tiny", "tiny-4kv"])
 def test_the_fused_kernels_give_the_triton_steps_logits_over_mixed_steps(
@@ -265,11 +304,15 @@ def prefilled(
 
 
 @needs_triton
+@pytest.mark.parametrize("splits", [1, 3])
 def test_a_graphs_padded_bucket_computes_the_eager_steps_logits_and_writes_only_its_slots(
-    rng: random.Random,
+    rng: random.Random, monkeypatch, splits: int
 ) -> None:
-    """What a replay computes, run eagerly (on any device): three decodes padded to bucket 4."""
+    """What a replay computes, run eagerly (on any device): three decodes padded to bucket 4,
+    their keys whole or shared out among three programs (the padding row's shares empty)."""
     from ringfence.actors.model.graphs import DecodeGraphs
+
+    force_splits(monkeypatch, splits)
 
     model, eager, tables, prompts = prefilled(rng, 3)
     decodes = [
@@ -292,10 +335,15 @@ def test_a_graphs_padded_bucket_computes_the_eager_steps_logits_and_writes_only_
 
 
 @needs_triton
-def test_the_padding_rows_a_capture_at_start_runs_write_and_read_no_kv() -> None:
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_padding_rows_a_capture_at_start_runs_write_and_read_no_kv(
+    monkeypatch, splits: int
+) -> None:
     """What :meth:`DecodeGraphs.capture_all` runs, eagerly (on any device): a bucket of
     padding rows leaves every bit of the KV as it was, NaN included, and reads none of it."""
     from ringfence.actors.model.graphs import DecodeGraphs
+
+    force_splits(monkeypatch, splits)
 
     model = model_of("tiny", torch.float64)
     kv = executor(model, attention="triton").kv

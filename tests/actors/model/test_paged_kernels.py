@@ -24,15 +24,17 @@ pytestmark = pytest.mark.skipif(
     not triton_available(), reason="Triton is not installed (the test extra installs it)"
 )
 if triton_available():
+    from ringfence.actors.model.kernels import split_keys
     from ringfence.actors.model.kernels.backend import step_tensors
     from ringfence.actors.model.kernels.paged_attention import (
+        TILE_N,
         StepTensors,
         paged_attention,
         store_kv,
     )
 
 BLOCK_SIZE = 4
-NUM_BLOCKS = 40
+NUM_BLOCKS = 80
 # bfloat16: on a GPU the softmax weights are rounded to bfloat16 before they meet V.
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,9 +101,12 @@ def reference(case: Case, window: int | None) -> torch.Tensor:
     return out
 
 
-def run_kernel(case: Case, window: int | None) -> torch.Tensor:
+def run_kernel(
+    case: Case, window: int | None, splits: int = 1, split_keys: int = 0
+) -> torch.Tensor:
     group = case.q.shape[1] // case.k_cache.shape[2]
     step = step_tensors(case.pieces, BLOCK_SIZE, group, DEVICE)
+    step = step._replace(splits=splits, split_keys=split_keys)
     out = torch.full_like(case.q, float("nan"))
     paged_attention(case.q, case.k_cache, case.v_cache, out, step, window=window)
     return out
@@ -173,6 +178,77 @@ def test_a_piece_with_no_context_reads_nothing_and_attends_to_zero(rng) -> None:
     assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
 
 
+# Decodes whose contexts span many tiles of the interpreter's 16 keys, and one that ends at
+# a tile's edge, one inside the first tile, one at the first key: shares full, partial, empty.
+LONG_DECODES = [(70, 1), (47, 1), (5, 1), (0, 1), (31, 1), (100, 1)]
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_keys_shared_out_among_programs_attend_as_the_reference(rng, splits: int) -> None:
+    """Each share's output and log-sum, merged, is the unsplit attention: for shares of one
+    tile (split_keys 1 rounds up to a tile) and of two, decodes and a mixed step."""
+    for spans, group in ((LONG_DECODES, 4), (MIXED, 2)):
+        case = make_case(rng, spans, group=group)
+        expected = reference(case, None)
+        for split_keys in (1, 2 * TILE_N):
+            out = run_kernel(case, None, splits=splits, split_keys=split_keys)
+            assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_split_keys_keep_the_dtype_exactness(rng, dtype: torch.dtype) -> None:
+    case = make_case(rng, LONG_DECODES, dtype=dtype)
+    assert_close(run_kernel(case, None, splits=4, split_keys=1), reference(case, None), dtype)
+
+
+@pytest.mark.parametrize("window", [3, 20, 40])
+def test_split_keys_share_out_only_the_window(rng, window: int) -> None:
+    """The shares run from the window's first key: a window that starts inside a tile, and
+    one that leaves whole shares with nothing to see."""
+    case = make_case(rng, LONG_DECODES, group=2)
+    expected = reference(case, window)
+    assert_close(run_kernel(case, window, splits=5, split_keys=1), expected, torch.float32)
+
+
+def test_a_split_step_with_no_context_leaves_zero(rng) -> None:
+    """A captured graph's padding row under splits: every share is empty, the merge 0."""
+    case = make_case(rng, [(40, 1), (0, 1)])
+    real = step_tensors(case.pieces, BLOCK_SIZE, 2, DEVICE)
+    lens = torch.tensor([41, 0], dtype=torch.int32, device=DEVICE)
+    padded = real._replace(seq_lens=lens, splits=3, split_keys=1)
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention(case.q, case.k_cache, case.v_cache, out, padded, window=None)
+    assert_close(out[:1], reference(case, None)[:1], torch.float32)
+    assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
+
+
+def test_the_shares_are_the_merge_s_only_input(rng) -> None:
+    """A mutant merge that drops the last share's weight gives another output: the test
+    above would see a merge that ignored a share (the shares really differ)."""
+    case = make_case(rng, [(70, 1)], group=4)
+    step = step_tensors(case.pieces, BLOCK_SIZE, 4, DEVICE)._replace(splits=3, split_keys=1)
+    partials = split_keys.Partials.empty(case.q, 3, torch.float32)
+    out = torch.empty_like(case.q)
+    paged_attention(case.q, case.k_cache, case.v_cache, out, step, window=None, partials=partials)
+    assert bool(torch.isfinite(partials.lse).all()), "three shares of 71 keys: none empty"
+    partials.lse[:, :, 2] = float("-inf")
+    dropped = torch.empty_like(case.q)
+    split_keys.merge_splits(partials, dropped)
+    assert not torch.allclose(dropped, out, atol=1e-3)
+
+
+def test_split_count_fills_the_multiprocessors_and_no_more(monkeypatch) -> None:
+    monkeypatch.setattr(split_keys, "_multiprocessors", lambda index: 132)
+    count = split_keys.split_count
+    cuda = torch.device("cuda", 0)
+    assert count(8, 32768, torch.device("cpu")) == 1, "the interpreter runs programs in turn"
+    assert count(8, 32768, cuda) == split_keys.MOST_SPLITS, "1 sequence x 8 KV heads"
+    assert count(8, 512, cuda) == 2, "no share under SPLIT_KEYS keys"
+    assert count(64, 32768, cuda) == 5, "8 sequences: 264 programs wanted"
+    assert count(512, 32768, cuda) == 1, "64 sequences fill the device alone"
+    assert count(8, 32768, cuda, most=1) == 1, "splitting turned off"
+
+
 def test_the_store_writes_exactly_the_named_slots_and_skips_negative_ones(rng) -> None:
     gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
     kv_heads, head_dim = 2, 12
@@ -215,32 +291,42 @@ import torch, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ringfence.actors.model.kernels import paged_attention as pa
+from ringfence.actors.model.kernels import split_keys as sk
 
 POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64"}
 
-def build(kernel, dtype, constants, tensors, indices):
+def build(kernel, dtype, constants, tensors, indices, accs=()):
     names = list(kernel.arg_names)
+    acc = POINTER[torch.float64 if dtype == torch.float64 else torch.float32]
     signature = {
         n: "constexpr" if n in constants else POINTER[dtype] if n in tensors
-        else "*i32" if n in indices else "i32"
+        else acc if n in accs else "*i32" if n in indices else "i32"
         for n in names
     }
     constexprs = {(names.index(n),): v for n, v in constants.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32))
 
-CASES = ((torch.bfloat16, 4), (torch.bfloat16, 16), (torch.float32, 4), (torch.float64, 4))
-for dtype, block_q in CASES:  # block_q 4: a decode's tile, 16: a prefill chunk's
+CASES = (
+    (torch.bfloat16, 4, 1), (torch.bfloat16, 16, 1), (torch.float32, 4, 1), (torch.float64, 4, 1),
+    (torch.bfloat16, 4, 16), (torch.float64, 4, 16),
+)  # fmt: skip
+for dtype, block_q, splits in CASES:  # block_q 4: a decode's tile, 16: a prefill chunk's
     constants = dict(
         BLOCK_SIZE=16, HEAD_DIM=64, HEAD_P=64, GROUP=4, BLOCK_Q=block_q, BLOCK_M=4 * block_q,
         TILE=32, SCALE=64**-0.5 * math.log2(math.e), UPCAST=False, PRODUCTS=pa._products(dtype),
-        ACC=tl.float64 if dtype == torch.float64 else tl.float32,
+        ACC=tl.float64 if dtype == torch.float64 else tl.float32, SPLITS=splits,
     )
     tensors = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
     indices = ("tables_ptr", "query_start_ptr", "seq_lens_ptr", "program_piece_ptr")
     indices += ("program_first_ptr",)
-    compiled = build(pa._paged_attention, dtype, constants, tensors, indices)
-    print("attention", str(dtype), block_q, len(compiled.asm["cubin"]) > 0)
+    accs = ("part_ptr", "lse_ptr")
+    compiled = build(pa._paged_attention, dtype, constants, tensors, indices, accs)
+    print("attention", str(dtype), block_q, splits, len(compiled.asm["cubin"]) > 0)
+    if splits > 1:
+        constants = dict(SPLITS=splits, SPLITS_P=splits, HEAD_DIM=64, HEAD_P=64)
+        compiled = build(sk._merge_splits, dtype, constants, ("out_ptr",), (), accs)
+        print("merge", str(dtype), block_q, splits, len(compiled.asm["cubin"]) > 0)
     constants = dict(BLOCK_SIZE=16, KV_HEADS=8, HEAD_DIM=64, HEADS_P=8, HEAD_P=64)
     tensors = ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")
     compiled = build(pa._store_kv, dtype, constants, tensors, ("slots_ptr",))
@@ -250,4 +336,4 @@ for dtype, block_q in CASES:  # block_q 4: a decode's tile, 16: a prefill chunk'
 
 def test_the_kernels_compile_for_a_hopper_gpu_even_without_one() -> None:
     lines = compiled_for_hopper(COMPILE_FOR_SM90)
-    assert len(lines) == 8 and all(line.endswith("True") for line in lines), lines
+    assert len(lines) == 14 and all(line.endswith("True") for line in lines), lines
