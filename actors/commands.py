@@ -58,6 +58,10 @@ _BENCHMARKS = {
         module=f"{_TOOLS}.worker",
         help="prefill and decode speed of the paged model against transformers",
     ),
+    "attention": Command(
+        module=f"{_TOOLS}.attention",
+        help="the paged attention kernel alone, each context read whole or split, vs the roofline",
+    ),
     "decode": Command(
         module=f"{_TOOLS}.decode",
         help="a decode step of a launch, split, beside the forward, transformers and the roofline",

@@ -135,7 +135,7 @@ def force_splits(monkeypatch, splits: int) -> None:
 
 @needs_triton
 @pytest.mark.parametrize("window", [None, 5])
-def test_decodes_split_among_programs_give_the_torch_attentions_logits(
+def test_decode_kernels_split_among_programs_give_the_torch_attentions_logits(
     rng: random.Random, monkeypatch, window: int | None
 ) -> None:
     """Decode-only steps with their keys shared out among three programs (a mixed step
@@ -152,10 +152,13 @@ def test_decodes_split_among_programs_give_the_torch_attentions_logits(
     for ours, theirs in zip(run(split, steps, tables, seed), reference, strict=True):
         assert bool(torch.isfinite(ours).all())
         assert (ours - theirs).abs().max().item() < 1e-9
+    from ringfence.actors.model.kernels.backend import TritonStep
+
     decode = [piece([1], 9, tables[0][:3])]
-    assert split.backend.prepare(decode).tensors.splits == 3
     whole = executor(model, attention="triton", attention_splits=1)
-    assert whole.backend.prepare(decode).tensors.splits == 1
+    for ex, splits in ((split, 3), (whole, 1)):
+        step = ex.backend.prepare(decode)
+        assert isinstance(step, TritonStep) and step.tensors.splits == splits
 
 
 @needs_triton

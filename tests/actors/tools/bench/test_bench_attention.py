@@ -1,0 +1,53 @@
+"""``ringfence bench attention``: the kernel alone, whole and split, on the same keys. On the
+CPU it runs in Triton's interpreter: the report's shape and the settings' agreement are
+checked, never a timing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from ringfence.actors.model.kernels import triton_available
+from ringfence.actors.tools.bench import attention as bench_attention
+from ringfence.runtime import cli
+
+needs_triton = pytest.mark.skipif(
+    not triton_available(), reason="Triton is not installed (the test extra installs it)"
+)
+
+
+@needs_triton
+def test_a_quick_attention_bench_reports_each_setting_over_the_same_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "attention.json"
+    argv = ["bench", "attention", "--quick", "--device", "cpu", "--json", str(path)]
+    assert cli.main([*argv, "--seqs", "1,2", "--max-kv-gib", "0.00003"]) == 0
+    report = orjson.loads(path.read_bytes())
+    assert report["device"] == "cpu" and report["shape"] == bench_attention.QUICK_SHAPE
+    one, two = report["points"]
+    assert (one["seqs"], one["context"]) == (1, 40)
+    # 40 keys of 2 layers, 2 KV heads x 16 dims in float32: 20 KiB a sequence; the cap 30 KiB.
+    assert two == {"seqs": 2, "context": 40, "skipped": "KV over 3e-05 GiB"}
+    assert one["kv_bytes"] == 40 * 2 * 2 * 2 * 16 * 4
+    whole, split = one["settings"]
+    assert (whole["setting"], whole["splits"], split["setting"], split["splits"]) == (1, 1, 3, 3)
+    assert whole["speedup"] == 1.0 and whole["max_diff"] == 0.0
+    assert split["max_diff"] < 1e-5, "three shares merged attend as one program does"
+    for r in (whole, split):
+        assert r["us"] > 0
+        assert r["gbps"] == pytest.approx(one["kv_bytes"] / 2 / (r["us"] * 1e-6) / 1e9)
+        assert r["roofline"] == pytest.approx(r["gbps"] / report["copy_gbps"])
+    assert split["speedup"] == pytest.approx(whole["us"] / split["us"])
+    out = capsys.readouterr().out
+    assert "paged attention alone on cpu (interpreted)" in out and "skipped" in out
+
+
+def test_split_settings_are_checked_naming_the_bad_one() -> None:
+    assert bench_attention.parse_splits("1, auto,4") == [1, "auto", 4]
+    with pytest.raises(ValueError, match=r"--splits: '0' is neither auto nor a count"):
+        bench_attention.parse_splits("1,0")
+    with pytest.raises(ValueError, match="names no setting"):
+        bench_attention.parse_splits(" , ")
