@@ -268,12 +268,15 @@ def paged_attention(
     *,
     window: int | None,
     partials: Partials | None = None,
+    tile: int = TILE_N,
 ) -> None:
     """Attend q ``[T, heads, head_dim]`` to each piece's keys through its block table, causal
     by position (and within ``window``), into out ``[T, heads, head_dim]`` (mutated; q's
     dtype). Reads only positions ``0..seq_lens-1`` of each piece's blocks. With
     ``step.splits`` > 1 each piece's keys are shared out among that many programs, whose
-    outputs land in ``partials`` (made here if None; ``split_keys.py``) and are merged."""
+    outputs land in ``partials`` (made here if None; ``split_keys.py``) and are merged.
+    ``tile``: keys a program visits per loop iteration, a power of two of at least 16 (what
+    ``bench attention --tiles`` weighs)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // kv_heads
     block_m = max(16, triton.next_power_of_2(step.block_q * group))
@@ -291,7 +294,7 @@ def paged_attention(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), step.tables.stride(0),
         *part.stride()[:3], *lse.stride()[:2],
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_P=max(16, triton.next_power_of_2(head_dim)),
-        GROUP=group, BLOCK_Q=step.block_q, BLOCK_M=block_m, TILE=TILE_N,
+        GROUP=group, BLOCK_Q=step.block_q, BLOCK_M=block_m, TILE=tile,
         SCALE=head_dim**-0.5 * math.log2(math.e), ACC=acc, UPCAST=INTERPRETED,
         PRODUCTS=_products(dtype), SPLITS=splits,
     )  # fmt: skip

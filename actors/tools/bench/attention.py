@@ -5,10 +5,13 @@ For each batch size N (``--seqs``) and context (``--context``): N decodes, each 
 context of that many keys in shuffled blocks of a block-major KV tensor of every layer
 (the 1.1B Llama's attention by default: 32 heads, 8 KV heads, head_dim 64, 16 layers, block
 size 16, bfloat16), attended layer after layer as a decode step does. Each split setting
-(``--splits``: ``1``, one program a piece and KV head; ``auto``, what a step picks,
-``split_count``; or a fixed count) is timed on the same KV and queries: on CUDA a graph of
-one call per layer is captured and replayed (what a decode step's graph replays; a call
-launched from Python would time Triton's launcher, not the kernel), the median of
+(``--splits``: ``1``, one program a piece and KV head; ``auto``, what an eager step of that
+context picks, ``split_count``; ``graph``, what a CUDA graph's bucket of that batch picks,
+captured for contexts up to ``--graph-context``, 2048, of which a shorter context uses only
+the shares it needs; or a fixed count), at each ``--tiles`` (keys a program visits per loop
+iteration; the kernel's own by default), is timed on the same KV and queries: on CUDA a
+graph of one call per layer is captured and replayed (what a decode step's graph replays; a
+call launched from Python would time Triton's launcher, not the kernel), the median of
 ``--rounds`` replays after one untimed. Reported per setting: microseconds a layer, the KV
 bytes it reads over that time (GB/s) and over the copy bandwidth measured in the same run
 (1.0 is the hardware's pace), its speed against the first setting, and the largest
@@ -50,6 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--splits", help="settings, comma-separated: 1, auto or a count (1,auto; quick 1,3)"
     )
+    parser.add_argument(
+        "--tiles", help="keys a program visits per iteration, comma-separated (the kernel's)"
+    )
+    parser.add_argument(
+        "--graph-context",
+        type=int,
+        default=2048,
+        help="the widest context a graph is captured for: the 'graph' setting's (2048)",
+    )
     parser.add_argument("--rounds", type=int, help="timed replays (20; quick 1)")
     parser.add_argument(
         "--max-kv-gib", type=float, default=24.0, help="skip a point whose KV is larger (24)"
@@ -57,15 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_splits(text: str) -> list[int | str]:
-    """``--splits``: ``1``, ``auto`` or counts of at least 1 (ValueError naming the bad one)."""
+    """``--splits``: ``1``, ``auto``, ``graph`` or counts of at least 1 (ValueError naming the
+    bad one)."""
     out: list[int | str] = []
     for word in (w.strip() for w in text.split(",") if w.strip()):
-        if word == "auto":
+        if word in {"auto", "graph"}:
             out.append(word)
         elif word.isdigit() and int(word) >= 1:
             out.append(int(word))
         else:
-            raise ValueError(f"--splits: {word!r} is neither auto nor a count of at least 1")
+            raise ValueError(f"--splits: {word!r} is not auto, graph or a count of at least 1")
     if not out:
         raise ValueError("--splits names no setting")
     return out
@@ -105,14 +118,20 @@ class Point:
         per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * self.kv.element_size()
         return int(self.seqs * self.context * per_token)
 
-    def splits_of(self, setting: int | str) -> int:
+    def splits_of(self, setting: int | str, graph_context: int) -> int:
+        """``auto``: what an eager decode step of this context picks; ``graph``: what a CUDA
+        graph's bucket of this batch picks, captured for contexts up to ``graph_context``
+        (here the kernel shares this context out among as few as it needs)."""
         from ringfence.actors.model.kernels.split_keys import split_count
 
-        if setting != "auto":
-            return int(setting)
-        return split_count(self.seqs * self.shape["kv_heads"], self.context, self.device)
+        programs = self.seqs * self.shape["kv_heads"]
+        if setting == "auto":
+            return split_count(programs, self.context, self.device)
+        if setting == "graph":
+            return split_count(programs, max(graph_context, self.context), self.device)
+        return int(setting)
 
-    def run(self, splits: int, rounds: int) -> tuple[float, Any]:
+    def run(self, splits: int, rounds: int, tile: int) -> tuple[float, Any]:
         """Seconds a layer (median over ``rounds``) and the last layer's output."""
         from ringfence.actors.model.kernels.backend import step_tensors
         from ringfence.actors.model.kernels.paged_attention import paged_attention
@@ -130,7 +149,7 @@ class Point:
         def step() -> None:
             for layer in range(layers):
                 k, v = kv[:, layer, 0], kv[:, layer, 1]
-                paged_attention(q, k, v, out, tensors, window=None, partials=partials)
+                paged_attention(q, k, v, out, tensors, window=None, partials=partials, tile=tile)
 
         step()  # compiles (on CUDA), or runs once in the interpreter
         if self.device.type != "cuda":
@@ -156,30 +175,29 @@ class Point:
 
 
 def measure(
-    torch: Any,
-    point: Point,
-    settings: list[int | str],
-    rounds: int,
-    bandwidth: float,
+    point: Point, settings: list[int | str], tiles: list[int], options: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    """Each setting's figures at ``point`` (the module docstring)."""
+    """Each setting's figures at ``point`` for each tile (the module docstring); ``options``:
+    rounds, bandwidth (bytes/s) and graph_context."""
     results: list[dict[str, Any]] = []
     first: Any = None
     per_layer = point.kv_bytes() / point.shape["layers"]
     for setting in settings:
-        splits = point.splits_of(setting)
-        seconds, out = point.run(splits, rounds)
-        first = out.clone() if first is None else first
-        gbps = per_layer / seconds / 1e9
-        results.append({
-            "setting": setting,
-            "splits": splits,
-            "us": seconds * 1e6,
-            "gbps": gbps,
-            "roofline": gbps * 1e9 / bandwidth,
-            "speedup": results[0]["us"] / (seconds * 1e6) if results else 1.0,
-            "max_diff": float((out.float() - first.float()).abs().max()),
-        })  # fmt: skip
+        splits = point.splits_of(setting, options["graph_context"])
+        for tile in tiles:
+            seconds, out = point.run(splits, options["rounds"], tile)
+            first = out.clone() if first is None else first
+            gbps = per_layer / seconds / 1e9
+            results.append({
+                "setting": setting,
+                "splits": splits,
+                "tile": tile,
+                "us": seconds * 1e6,
+                "gbps": gbps,
+                "roofline": gbps * 1e9 / options["bandwidth"],
+                "speedup": results[0]["us"] / (seconds * 1e6) if results else 1.0,
+                "max_diff": float((out.float() - first.float()).abs().max()),
+            })  # fmt: skip
     return results
 
 
@@ -202,7 +220,12 @@ def main(args: argparse.Namespace) -> int:
     shape = QUICK_SHAPE if quick else GPU_SHAPE
     seqs = [int(n) for n in (args.seqs or ("1,3" if quick else "1,8,64,256")).split(",")]
     contexts = [int(n) for n in (args.context or ("40" if quick else "512,4096,16384")).split(",")]
-    settings = parse_splits(args.splits or ("1,3" if quick else "1,auto"))
+    from ringfence.actors.model.kernels.paged_attention import TILE_N
+
+    settings = parse_splits(args.splits or ("1,3" if quick else "1,auto,graph"))
+    tiles = [int(n) for n in (args.tiles or str(TILE_N)).split(",")]
+    if any(t < 16 or t & (t - 1) for t in tiles):
+        raise ValueError(f"--tiles: each must be a power of two of at least 16, got {tiles}")
     rounds = args.rounds if args.rounds is not None else 1 if quick else 20
     if min(seqs) < 1 or min(contexts) < 1 or rounds < 1:
         raise ValueError("--seqs, --context and --rounds must be positive")
@@ -216,8 +239,8 @@ def main(args: argparse.Namespace) -> int:
         f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s"
     )
     print(
-        f"{'N':>4} {'context':>8} {'setting':>8} {'splits':>6} {'us/layer':>9} {'GB/s':>8} "
-        f"{'roofline':>8} {'speedup':>8} {'max diff':>9}"
+        f"{'N':>4} {'context':>8} {'setting':>8} {'splits':>6} {'tile':>4} {'us/layer':>9} "
+        f"{'GB/s':>8} {'roofline':>8} {'speedup':>8} {'max diff':>9}"
     )
     points = []
     for n in seqs:
@@ -231,10 +254,16 @@ def main(args: argparse.Namespace) -> int:
                 continue
             point = Point(torch, shape, n, context, device)
             point_report["kv_bytes"] = point.kv_bytes()
-            point_report["settings"] = measure(torch, point, settings, rounds, bandwidth)
+            options = {
+                "rounds": rounds,
+                "bandwidth": bandwidth,
+                "graph_context": args.graph_context,
+            }
+            point_report["settings"] = measure(point, settings, tiles, options)
             for r in point_report["settings"]:
                 print(
-                    f"{n:>4} {context:>8} {r['setting']!s:>8} {r['splits']:>6} {r['us']:>9.1f} "
+                    f"{n:>4} {context:>8} {r['setting']!s:>8} {r['splits']:>6} {r['tile']:>4} "
+                    f"{r['us']:>9.1f} "
                     f"{r['gbps']:>8.1f} {r['roofline']:>8.2f} {r['speedup']:>7.2f}x "
                     f"{r['max_diff']:>9.2g}"
                 )

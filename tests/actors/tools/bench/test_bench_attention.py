@@ -34,6 +34,7 @@ def test_a_quick_attention_bench_reports_each_setting_over_the_same_keys(
     assert one["kv_bytes"] == 40 * 2 * 2 * 2 * 16 * 4
     whole, split = one["settings"]
     assert (whole["setting"], whole["splits"], split["setting"], split["splits"]) == (1, 1, 3, 3)
+    assert whole["tile"] == split["tile"] == 16, "the interpreter's tile"
     assert whole["speedup"] == 1.0 and whole["max_diff"] == 0.0
     assert split["max_diff"] < 1e-5, "three shares merged attend as one program does"
     for r in (whole, split):
@@ -46,8 +47,24 @@ def test_a_quick_attention_bench_reports_each_setting_over_the_same_keys(
 
 
 def test_split_settings_are_checked_naming_the_bad_one() -> None:
-    assert bench_attention.parse_splits("1, auto,4") == [1, "auto", 4]
-    with pytest.raises(ValueError, match=r"--splits: '0' is neither auto nor a count"):
+    assert bench_attention.parse_splits("1, auto,graph,4") == [1, "auto", "graph", 4]
+    with pytest.raises(ValueError, match=r"--splits: '0' is not auto, graph or a count"):
         bench_attention.parse_splits("1,0")
     with pytest.raises(ValueError, match="names no setting"):
         bench_attention.parse_splits(" , ")
+
+
+@needs_triton
+def test_each_tile_is_timed_and_attends_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "attention.json"
+    argv = ["bench", "attention", "--quick", "--device", "cpu", "--seqs", "1", "--json", str(path)]
+    assert cli.main([*argv, "--splits", "1", "--tiles", "16,32"]) == 0
+    (point,) = orjson.loads(path.read_bytes())["points"]
+    assert [r["tile"] for r in point["settings"]] == [16, 32]
+    assert point["settings"][1]["max_diff"] < 1e-5
+    capsys.readouterr()
+    assert cli.main([*argv, "--tiles", "24"]) == 2
+    err = capsys.readouterr().err
+    assert "--tiles: each must be a power of two of at least 16, got [24]" in err
