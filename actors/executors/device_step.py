@@ -116,7 +116,9 @@ class DeviceStep:
             began = time.perf_counter()
             captured = executor.graphs.capture_all()
             took = round(time.perf_counter() - began, 3)
-            log.info("worker.graphs", buckets=captured, capture_s=took)
+            buckets = [v.bucket for v in captured if v.splits == 1]
+            splits = {str(v.bucket): v.splits for v in captured if v.splits > 1}
+            log.info("worker.graphs", buckets=buckets, splits=splits, capture_s=took)
         vocab_size = model.config.vocab_size
         grammars = model_grammars(config.model.path, vocab_size) if rank == 0 else None
         sampler = Sampler(vocab_size, config.model.logprobs_mode, grammars, device=device)

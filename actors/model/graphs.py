@@ -13,6 +13,11 @@ largest first, on padding rows alone), so that no step of a run waits for a capt
 first use of a bucket cost a decode step tens of milliseconds, and a run whose batch shrinks
 meets every bucket below its largest. Prefill and mixed steps run eagerly.
 
+A bucket has two graphs where its batch leaves the GPU's multiprocessors idle: one reads
+each context's keys whole, one splits them among programs (``kernels/split_keys.py``), as
+split as the widest table would be. A step replays the split one when its longest context
+is longer than one share (256 keys): a short context reads fastest whole, with no merge.
+
 Padding rows write nothing and read nothing: their slot is -1 (the store kernel skips it)
 and their context length 0 (the attention kernel visits no key); they run through the
 linear layers on token 0 at position 0, and their logits are dropped.
@@ -50,6 +55,14 @@ class _Captured(NamedTuple):
     logits: Tensor  # [bucket, vocab]: the graph's output, overwritten by each replay
 
 
+class Variant(NamedTuple):
+    """Which graph a step replays: its bucket, and the programs each piece's keys are split
+    among (1: read whole; ``split_keys.py``)."""
+
+    bucket: int
+    splits: int
+
+
 class DecodeGraphs:
     """The graphs of one executor's decode steps, over its KV tensor (on CUDA, one rank;
     :meth:`run_eager` runs anywhere).
@@ -78,7 +91,7 @@ class DecodeGraphs:
         self.program_piece = torch.arange(n, dtype=torch.int32, device=dev)
         self.program_first = torch.zeros(n, dtype=torch.int32, device=dev)
         self.pool: torch.cuda._POOL_HANDLE | None = None  # made at the first capture
-        self.captured: dict[int, _Captured] = {}
+        self.captured: dict[Variant, _Captured] = {}
 
     def fits(self, pieces: Sequence[Piece]) -> bool:
         """Whether a step is decode-only and within the largest bucket."""
@@ -89,9 +102,9 @@ class DecodeGraphs:
         ``PagedExecutor.check``): its inputs copied in (``inputs``: the tokens of those pieces
         that are on the device), its bucket's graph replayed (CUDA)."""
         n = len(pieces)
-        bucket = next(b for b in self.buckets if b >= n)
-        self._fill(pieces, bucket, inputs)
-        captured = self.captured.get(bucket) or self._capture(bucket)
+        variant = self.variant(pieces)
+        self._fill(pieces, variant.bucket, inputs)
+        captured = self.captured.get(variant) or self._capture(variant)
         captured.graph.replay()
         return captured.logits[:n].clone()  # the next replay overwrites the graph's buffer
 
@@ -99,29 +112,53 @@ class DecodeGraphs:
         """What a replay of the step computes, run eagerly on any device: the same padded
         buffers, the same forward (how the padding is checked without a GPU)."""
         n = len(pieces)
-        bucket = next(b for b in self.buckets if b >= n)
-        self._fill(pieces, bucket, inputs)
-        return self._forward(bucket)[:n]
+        variant = self.variant(pieces)
+        self._fill(pieces, variant.bucket, inputs)
+        return self._forward(variant)[:n]
+
+    def variant(self, pieces: Sequence[Piece]) -> Variant:
+        """The graph of a step that :meth:`fits`: its bucket, its keys split where its longest
+        context is longer than one share (else read whole, as a short context reads fastest:
+        no merge)."""
+        bucket = next(b for b in self.buckets if b >= len(pieces))
+        longest = max(p.start + 1 for p in pieces)
+        return Variant(bucket, self.splits_of(bucket) if longest > SPLIT_KEYS else 1)
+
+    def splits_of(self, bucket: int) -> int:
+        """The split of ``bucket``'s graph for long contexts, as the widest table would be
+        split: the kernel shares a shorter context out among fewer programs, so one capture
+        serves every length (split_keys.py)."""
+        programs = bucket * self.model.local.kv_heads
+        longest = self.width * self.block_size
+        return split_count(programs, longest, self.kv.device, self.most_splits)
+
+    def variants(self) -> list[Variant]:
+        """Every graph a step may replay, largest bucket first: each bucket read whole, and
+        split where its split is more than 1."""
+        out = []
+        for bucket in sorted(self.buckets, reverse=True):
+            out += [Variant(bucket, s) for s in sorted({1, self.splits_of(bucket)})]
+        return out
 
     @torch.inference_mode()  # as a step's own capture ran: inside PagedExecutor.step
-    def capture_all(self) -> list[int]:
-        """Capture every bucket not captured yet, largest first (the pool is sized by the
-        first), on inputs of padding rows alone, which write and read no KV; the buckets
-        captured. CUDA only."""
+    def capture_all(self) -> list[Variant]:
+        """Capture every variant not captured yet, largest bucket first (the pool is sized by
+        the first), on inputs of padding rows alone, which write and read no KV; the
+        variants captured. CUDA only."""
         done = []
-        for bucket in sorted(self.buckets, reverse=True):
-            if bucket not in self.captured:
-                self._pad(bucket)
-                self._capture(bucket)
-                done.append(bucket)
+        for variant in self.variants():
+            if variant not in self.captured:
+                self._pad(variant.bucket)
+                self._capture(variant)
+                done.append(variant)
         return done
 
     @torch.inference_mode()
-    def run_padding(self, bucket: int) -> Tensor:
-        """What a capture at start runs, eagerly on any device: ``bucket`` padding rows (how
+    def run_padding(self, variant: Variant) -> Tensor:
+        """What a capture at start runs, eagerly on any device: a bucket of padding rows (how
         it is checked without a GPU that they touch no KV)."""
-        self._pad(bucket)
-        return self._forward(bucket)
+        self._pad(variant.bucket)
+        return self._forward(variant)
 
     def _pad(self, bucket: int) -> None:
         """Every row of ``bucket`` a padding row (see the module docstring)."""
@@ -150,12 +187,9 @@ class DecodeGraphs:
             index = to_device(torch.tensor(inputs.pieces, dtype=torch.long), self.kv.device)
             self.token_ids.index_copy_(0, index, inputs.ids.to(torch.int32))
 
-    def _forward(self, bucket: int) -> Tensor:
-        """The bucket's forward over the static buffers: logits [bucket, vocab]."""
-        # Split as a context of the widest table would be: the kernel shares out a shorter
-        # one among fewer programs, so one capture serves every length (split_keys.py).
-        longest = self.width * self.block_size
-        programs = bucket * self.model.local.kv_heads
+    def _forward(self, variant: Variant) -> Tensor:
+        """The variant's forward over the static buffers: logits [bucket, vocab]."""
+        bucket = variant.bucket
         tensors = StepTensors(
             slots=self.slots[:bucket],
             tables=self.tables[:bucket],
@@ -164,7 +198,7 @@ class DecodeGraphs:
             program_piece=self.program_piece[:bucket],
             program_first=self.program_first[:bucket],
             block_q=self.block_q,
-            splits=split_count(programs, longest, self.kv.device, self.most_splits),
+            splits=variant.splits,
             split_keys=SPLIT_KEYS,
         )
         step = TritonStep(self.kv, tensors, self.model.config.sliding_window)
@@ -173,14 +207,14 @@ class DecodeGraphs:
         x = F.embedding(self.token_ids[:bucket], self.model.model.embed_tokens.weight)
         return self.model.logits(run_layers(self.model, x, self.positions[:bucket], step))
 
-    def _capture(self, bucket: int) -> _Captured:
+    def _capture(self, variant: Variant) -> _Captured:
         device = self.kv.device
         # The warm-up runs the current step (its inputs are in the buffers): it writes the
         # very K/V the replay then writes again.
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self._forward(bucket)
+            self._forward(variant)
         torch.cuda.current_stream(device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -188,6 +222,6 @@ class DecodeGraphs:
         # thread_local: CUDA calls of the process's other threads (a lane hosted beside the
         # Worker, a sampler's helper) must not invalidate this capture, nor it theirs.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self._forward(bucket)
-        self.captured[bucket] = _Captured(graph, logits)
-        return self.captured[bucket]
+            logits = self._forward(variant)
+        self.captured[variant] = _Captured(graph, logits)
+        return self.captured[variant]

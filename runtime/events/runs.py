@@ -140,9 +140,10 @@ RUN_EVENTS: Final[dict[str, Event]] = {
     ),
     "worker.graphs": event(
         "info",
-        "buckets capture_s",
+        "buckets splits capture_s",
         "the decode step's CUDA graphs captured at start, one per batch-size bucket (largest "
-        "first), and the seconds it took",
+        "first) reading each context whole, and a second for long contexts where splits "
+        "(bucket: programs a context's keys are split among) says so; the seconds it took",
     ),
     "worker.group": event(
         "info",

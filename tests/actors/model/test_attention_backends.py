@@ -281,7 +281,7 @@ def test_on_cuda_a_replayed_graph_reads_the_kv_as_it_is_now() -> None:
     for ex in (graphs, eager):
         ex.step([piece(prompt, 0, table)])
     first = graphs.step([piece([7], 9, table)]).last_logits
-    assert graphs.graphs is not None and 1 in graphs.graphs.captured
+    assert graphs.graphs is not None and (1, 1) in graphs.graphs.captured
     # Rewrite the prefix in both caches, then decode at the same position again.
     for ex in (graphs, eager):
         ex.step([piece(list(range(60, 69)), 0, table)])
@@ -354,9 +354,12 @@ def test_the_padding_rows_a_capture_at_start_runs_write_and_read_no_kv(
     kv[::3] = float("nan")  # poisoned blocks: a read of one shows in the logits
     before = kv.clone()
     graphs = DecodeGraphs(model, kv, max_batch=6)
-    for bucket in graphs.buckets:
-        logits = graphs.run_padding(bucket)
-        assert logits.shape[0] == bucket and bool(logits.isfinite().all()), bucket
+    variants = graphs.variants()
+    assert [v.bucket for v in variants if v.splits == splits] == [6, 4, 2, 1]
+    assert len(variants) == (4 if splits == 1 else 8), "a split graph beside each whole one"
+    for variant in variants:
+        logits = graphs.run_padding(variant)
+        assert logits.shape[0] == variant.bucket and bool(logits.isfinite().all()), variant
     assert torch.equal(kv.isnan(), before.isnan()) and torch.equal(
         kv.nan_to_num(), before.nan_to_num()
     ), "a padding row wrote KV"
@@ -371,11 +374,36 @@ def test_on_cuda_every_bucket_is_captured_at_start_and_touches_no_kv() -> None:
     ex.kv.normal_()
     ex.kv[::2] = float("nan")
     before = ex.kv.clone()
-    assert ex.graphs.capture_all() == [6, 4, 2, 1]
-    assert set(ex.graphs.captured) == {1, 2, 4, 6} and ex.graphs.capture_all() == []
+    captured = ex.graphs.capture_all()
+    assert captured == ex.graphs.variants() and [v.bucket for v in captured] == [6, 4, 2, 1]
+    assert set(ex.graphs.captured) == set(captured) and ex.graphs.capture_all() == []
     torch.cuda.synchronize()
     assert torch.equal(ex.kv.isnan(), before.isnan())
     assert torch.equal(ex.kv.nan_to_num(), before.nan_to_num()), "a capture wrote KV"
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_a_split_graph_gives_the_whole_eager_steps_logits(monkeypatch) -> None:
+    """A bucket's split graph, captured at start and replayed for a context longer than a
+    share, against an eager step that reads it whole."""
+    force_splits(monkeypatch, 3)
+    model = cuda_model()
+    graphs = executor(model, "cuda", attention="triton", cuda_graphs=True, max_batch=4)
+    eager = executor(model, "cuda", attention="triton", attention_splits=1)
+    assert graphs.graphs is not None
+    assert (1, 3) in graphs.graphs.capture_all()
+    tables = [[5, 9, 2, 17], [3, 11, 8, 30]]
+    prompts = [list(range(40, 53)), list(range(60, 67))]  # 13 and 7 tokens
+    pairs = list(zip(prompts, tables, strict=True))
+    for ex in (graphs, eager):
+        ex.step([piece(p, 0, t[: -(-len(p) // BLOCK_SIZE)]) for p, t in pairs])
+    decodes = [piece([7], len(p), t[: len(p) // BLOCK_SIZE + 1]) for p, t in pairs]
+    assert graphs.graphs.variant(decodes) == (2, 3)
+    replayed = graphs.step(decodes).last_logits
+    assert (2, 3) in graphs.graphs.captured
+    expected = eager.step(decodes).last_logits
+    assert torch.allclose(replayed, expected, atol=1e-5, rtol=0)
 
 
 @needs_cuda
