@@ -271,8 +271,8 @@ def test_dump_writes_every_key_under_a_doc_comment_with_floats_that_read_back_as
     headers = [line for line in lines if line.startswith("[")]
     assert headers == [f"[{name}]" for name in SECTIONS.split()]
     keys = [i for i, line in enumerate(lines) if " = " in line and not line.startswith("#")]
-    # [model]: 10, [server]: 17
-    assert len(keys) == 10 + 7 + 9 + 6 + 6 + 9 + 1 + 17 + 6 + 11 + 2 + 4 + 7
+    # [model]: 11, [server]: 17
+    assert len(keys) == 11 + 7 + 9 + 6 + 6 + 9 + 1 + 17 + 6 + 11 + 2 + 4 + 7
     assert all(lines[i - 1].startswith("# ") for i in keys)
     assert "spin_us = 50.0" in lines and "chaos_delay_ms = 0.0" in lines
 
