@@ -130,18 +130,19 @@ def _online_softmax(m_i, l_i, acc, scores, v, ACC: tl.constexpr, PRODUCTS: tl.co
     return m_new, l_i, acc
 
 
-# A kernel takes every pointer, stride and size as an argument, and is one loop body.
-@triton.jit
+# A kernel takes every pointer, stride and size as an argument, and is one loop body. The
+# split count and a share's least keys are not specialized on: one compile serves every count.
+@triton.jit(do_not_specialize=["splits", "split_keys"])
 def _paged_attention(  # noqa: PLR0917
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, query_start_ptr, seq_lens_ptr,
-    program_piece_ptr, program_first_ptr, window, part_ptr, lse_ptr, split_keys,
+    program_piece_ptr, program_first_ptr, window, part_ptr, lse_ptr, splits, split_keys,
     stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_table,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     SCALE: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRODUCTS: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(1)
     piece = tl.load(program_piece_ptr + tl.program_id(0))
@@ -168,8 +169,8 @@ def _paged_attention(  # noqa: PLR0917
     # and nothing outside them is loaded: a free block or an unwritten slot may hold NaN.
     hi = tl.minimum(end - q_len + first + BLOCK_Q, end)
     lo = tl.maximum(end - q_len + first - window + 1, 0)
-    if SPLITS > 1:  # this program's share of them (split_keys.py)
-        lo, hi = share_of(lo, hi, split_keys, TILE, SPLITS)
+    if SPLIT:  # this program's share of them (split_keys.py)
+        lo, hi = share_of(lo, hi, splits, split_keys, TILE)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.full([BLOCK_M], 0.0, ACC)
     acc = tl.full([BLOCK_M, HEAD_P], 0.0, ACC)
@@ -200,7 +201,7 @@ def _paged_attention(  # noqa: PLR0917
         scores = tl.where(seen, scores * SCALE, float("-inf"))
         m_i, l_i, acc = _online_softmax(m_i, l_i, acc, scores, v, ACC, PRODUCTS)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if SPLITS > 1:  # the share's output and its log2-sum-exp, for the merge
+    if SPLIT:  # the share's output and its log2-sum-exp, for the merge
         store_share(
             part_ptr, lse_ptr, out, m_i, l_i, q_start + token, head, row_ok, dims, dim_ok,
             stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -290,13 +291,13 @@ def paged_attention(
     _paged_attention[grid](
         q, k_cache, v_cache, out, step.tables, step.query_start, step.seq_lens,
         step.program_piece, step.program_first, NO_WINDOW if window is None else window,
-        part, lse, step.split_keys,
+        part, lse, splits, step.split_keys,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), step.tables.stride(0),
         *part.stride()[:3], *lse.stride()[:2],
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_P=max(16, triton.next_power_of_2(head_dim)),
         GROUP=group, BLOCK_Q=step.block_q, BLOCK_M=block_m, TILE=tile,
         SCALE=head_dim**-0.5 * math.log2(math.e), ACC=acc, UPCAST=INTERPRETED,
-        PRODUCTS=_products(dtype), SPLITS=splits,
+        PRODUCTS=_products(dtype), SPLIT=splits > 1,
     )  # fmt: skip
     if splits > 1:
         assert partials is not None

@@ -82,11 +82,12 @@ def split_count(programs: int, longest: int, device: torch.device, most: int = M
 
 
 @triton.jit
-def share_of(lo, hi, split_keys, TILE: tl.constexpr, SPLITS: tl.constexpr):
-    """Keys ``lo..hi-1`` of this program's share (grid axis 2) of ``lo..hi-1``: whole tiles
-    counted from lo's, at least ``split_keys`` keys a share; empty past the last key."""
+def share_of(lo, hi, splits, split_keys, TILE: tl.constexpr):
+    """Keys ``lo..hi-1`` of this program's share (grid axis 2, of ``splits``) of
+    ``lo..hi-1``: whole tiles counted from lo's, at least ``split_keys`` keys a share; empty
+    past the last key."""
     base = (lo // TILE) * TILE
-    share = tl.cdiv(tl.maximum(tl.cdiv(hi - base, SPLITS), split_keys), TILE) * TILE
+    share = tl.cdiv(tl.maximum(tl.cdiv(hi - base, splits), split_keys), TILE) * TILE
     first = base + tl.program_id(2) * share
     return tl.maximum(first, lo), tl.minimum(first + share, hi)
 
@@ -111,16 +112,16 @@ def store_share(  # noqa: PLR0917
     tl.store(lse_ptr + lse_at, lse.to(lse_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_splits(  # noqa: PLR0917
-    part_ptr, lse_ptr, out_ptr, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    part_ptr, lse_ptr, out_ptr, splits, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_ot, stride_oh, stride_od,
-    SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
+    SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     shares = tl.arange(0, SPLITS_P)
-    share_ok = shares < SPLITS
+    share_ok = shares < splits
     dims = tl.arange(0, HEAD_P)
     dim_ok = dims < HEAD_DIM
     lse = tl.load(
@@ -150,7 +151,8 @@ def merge_splits(partials: Partials, out: Tensor) -> None:
     if not tokens:
         return
     _merge_splits[(tokens, heads)](
-        partials.part, partials.lse, out, *partials.part.stride()[:3], *partials.lse.stride()[:2],
-        *out.stride(), SPLITS=splits, SPLITS_P=max(2, triton.next_power_of_2(splits)),
+        partials.part, partials.lse, out, splits, *partials.part.stride()[:3],
+        *partials.lse.stride()[:2], *out.stride(),
+        SPLITS_P=max(MOST_SPLITS, triton.next_power_of_2(splits)),
         HEAD_DIM=head_dim, HEAD_P=max(16, triton.next_power_of_2(head_dim)),
     )  # fmt: skip

@@ -315,7 +315,7 @@ for dtype, block_q, splits in CASES:  # block_q 4: a decode's tile, 16: a prefil
     constants = dict(
         BLOCK_SIZE=16, HEAD_DIM=64, HEAD_P=64, GROUP=4, BLOCK_Q=block_q, BLOCK_M=4 * block_q,
         TILE=32, SCALE=64**-0.5 * math.log2(math.e), UPCAST=False, PRODUCTS=pa._products(dtype),
-        ACC=tl.float64 if dtype == torch.float64 else tl.float32, SPLITS=splits,
+        ACC=tl.float64 if dtype == torch.float64 else tl.float32, SPLIT=splits > 1,
     )
     tensors = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
     indices = ("tables_ptr", "query_start_ptr", "seq_lens_ptr", "program_piece_ptr")
@@ -324,7 +324,7 @@ for dtype, block_q, splits in CASES:  # block_q 4: a decode's tile, 16: a prefil
     compiled = build(pa._paged_attention, dtype, constants, tensors, indices, accs)
     print("attention", str(dtype), block_q, splits, len(compiled.asm["cubin"]) > 0)
     if splits > 1:
-        constants = dict(SPLITS=splits, SPLITS_P=splits, HEAD_DIM=64, HEAD_P=64)
+        constants = dict(SPLITS_P=splits, HEAD_DIM=64, HEAD_P=64)
         compiled = build(sk._merge_splits, dtype, constants, ("out_ptr",), (), accs)
         print("merge", str(dtype), block_q, splits, len(compiled.asm["cubin"]) > 0)
     constants = dict(BLOCK_SIZE=16, KV_HEADS=8, HEAD_DIM=64, HEADS_P=8, HEAD_P=64)
