@@ -1,13 +1,14 @@
-"""Triton kernels of the paged forward: attention that reads KV blocks where they lie, the
-store of a step's new K/V into their slots, and on a GPU the layer's small ops fused (the
-RMSNorm, alone and after the residual add; the rotary embedding of q and k together; SiLU and
-the product of the gated MLP), :func:`fused`.
+"""Triton kernels of the paged forward: attention that reads KV blocks where they lie (its
+keys split among programs for a step of few sequences), the store of a step's new K/V into
+their slots, and on a GPU the layer's small ops fused (the RMSNorm, alone and after the
+residual add; the rotary embedding of q and k together; SiLU and the product of the gated
+MLP), :func:`fused`.
 
 Importing this package imports nothing heavy: ``triton_available`` looks for Triton without
 importing it, so a plain install (no Triton) keeps the torch attention path. Only the kernel
-modules import Triton: ``paged_attention.py`` through the Triton backend
-(``kernels/backend.py``), ``rms_norm.py``, ``rotary.py`` and ``activation.py`` through the
-paged executor on a GPU.
+modules import Triton: ``paged_attention.py``, ``split_keys.py`` and ``kv_store.py`` through
+the Triton backend (``kernels/backend.py``), ``rms_norm.py``, ``rotary.py`` and
+``activation.py`` through the paged executor on a GPU.
 
 Where no CUDA device is present, importing this package sets Triton's own
 ``TRITON_INTERPRET`` variable (unless the caller set it): the kernels then run in Triton's

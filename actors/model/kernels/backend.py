@@ -17,12 +17,8 @@ from torch import Tensor
 
 from ringfence.actors.model.decoder import Model
 from ringfence.actors.model.host import to_device
-from ringfence.actors.model.kernels.paged_attention import (
-    StepTensors,
-    paged_attention,
-    store_kv,
-    tile_rows,
-)
+from ringfence.actors.model.kernels.kv_store import store_kv
+from ringfence.actors.model.kernels.paged_attention import StepTensors, paged_attention, tile_rows
 from ringfence.actors.model.kernels.split_keys import (
     MOST_SPLITS,
     SPLIT_KEYS,

@@ -26,11 +26,11 @@ pytestmark = pytest.mark.skipif(
 if triton_available():
     from ringfence.actors.model.kernels import split_keys
     from ringfence.actors.model.kernels.backend import step_tensors
+    from ringfence.actors.model.kernels.kv_store import store_kv
     from ringfence.actors.model.kernels.paged_attention import (
         TILE_N,
         StepTensors,
         paged_attention,
-        store_kv,
     )
 
 BLOCK_SIZE = 4
@@ -290,6 +290,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import torch, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from ringfence.actors.model.kernels import kv_store
 from ringfence.actors.model.kernels import paged_attention as pa
 from ringfence.actors.model.kernels import split_keys as sk
 
@@ -329,7 +330,7 @@ for dtype, block_q, splits in CASES:  # block_q 4: a decode's tile, 16: a prefil
         print("merge", str(dtype), block_q, splits, len(compiled.asm["cubin"]) > 0)
     constants = dict(BLOCK_SIZE=16, KV_HEADS=8, HEAD_DIM=64, HEADS_P=8, HEAD_P=64)
     tensors = ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")
-    compiled = build(pa._store_kv, dtype, constants, tensors, ("slots_ptr",))
+    compiled = build(kv_store._store_kv, dtype, constants, tensors, ("slots_ptr",))
     print("store", str(dtype), block_q, len(compiled.asm["cubin"]) > 0)
 """
 
