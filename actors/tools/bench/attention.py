@@ -18,6 +18,10 @@ bytes it reads over that time (GB/s) and over the copy bandwidth measured in the
 difference of its output from the first setting's (they attend the same keys). A point whose
 KV would pass ``--max-kv-gib`` is skipped.
 
+With ``--chunk`` Q > 1 each sequence's last Q tokens are a prefill chunk's queries instead
+(causal among themselves; never split): what a long prompt's step runs, reported in TFLOP/s
+too (every setting reports it: a decode's products are few).
+
 On the CPU the kernels run in Triton's interpreter, a program at a time: ``--quick`` (the
 test) runs a tiny shape there, split in three, to check the report and that the settings
 agree, not to measure. Triton is needed (CUDA builds of torch ship it).
@@ -62,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="the widest context a graph is captured for: the 'graph' setting's (2048)",
     )
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=1,
+        help="query tokens of each sequence, the last of its context: 1 a decode (the "
+        "default), more a prefill chunk (read whole: only decode steps split)",
+    )
     parser.add_argument("--rounds", type=int, help="timed replays (20; quick 1)")
     parser.add_argument(
         "--max-kv-gib", type=float, default=24.0, help="skip a point whose KV is larger (24)"
@@ -85,13 +96,16 @@ def parse_splits(text: str) -> list[int | str]:
 
 
 class Point:
-    """One batch size and context: its KV (random, every layer's), its queries and the
-    step's pieces; each setting attends over the same."""
+    """One batch size and context: its KV (random, every layer's), its queries (``chunk`` a
+    sequence, at the end of its context) and the step's pieces; each setting attends over
+    the same."""
 
-    def __init__(self, torch: Any, shape: dict[str, int], seqs: int, context: int, device: Any):
+    def __init__(
+        self, torch: Any, shape: dict[str, int], seqs: int, context: int, *, device: Any, chunk: int
+    ):
         bs, kv_heads, head_dim = shape["block_size"], shape["kv_heads"], shape["head_dim"]
         self.torch, self.shape, self.device = torch, shape, device
-        self.seqs, self.context = seqs, context
+        self.seqs, self.context, self.chunk = seqs, context, chunk
         per_seq = -(-context // bs)
         blocks = list(range(seqs * per_seq))
         random.Random(SEED).shuffle(blocks)
@@ -99,13 +113,14 @@ class Point:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         gen = torch.Generator(device=device).manual_seed(SEED)
         self.kv = torch.randn(dims, generator=gen, device=device, dtype=dtype)
-        self.q = torch.randn(seqs, shape["heads"], head_dim, generator=gen, device=device)
+        tokens = seqs * chunk
+        self.q = torch.randn(tokens, shape["heads"], head_dim, generator=gen, device=device)
         self.q = self.q.to(dtype)
         self.pieces = [
             Piece(
                 seq_id=i,
-                token_ids=(0,),
-                start=context - 1,
+                token_ids=(0,) * chunk,
+                start=context - chunk,
                 block_table=tuple(blocks[i * per_seq : (i + 1) * per_seq]),
                 sample=False,
             )
@@ -118,6 +133,12 @@ class Point:
         per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * self.kv.element_size()
         return int(self.seqs * self.context * per_token)
 
+    def flops(self) -> int:
+        """The products of one layer's attention: each query token's scores and weighted
+        values (2 x 2 x head_dim a key and head) over the keys it sees (causal)."""
+        seen = sum(self.context - self.chunk + t + 1 for t in range(self.chunk))
+        return 4 * self.shape["heads"] * self.shape["head_dim"] * self.seqs * seen
+
     def splits_of(self, setting: int | str, graph_context: int) -> int:
         """``auto``: what an eager decode step of this context picks; ``graph``: what a CUDA
         graph's bucket of this batch picks, captured for contexts up to ``graph_context``
@@ -125,6 +146,8 @@ class Point:
         from ringfence.actors.model.kernels.split_keys import split_count
 
         programs = self.seqs * self.shape["kv_heads"]
+        if self.chunk > 1:  # a prefill chunk is never split (kernels/backend.py)
+            return 1
         if setting == "auto":
             return split_count(programs, self.context, self.device)
         if setting == "graph":
@@ -189,6 +212,7 @@ def measure(
             first = out.clone() if first is None else first
             gbps = per_layer / seconds / 1e9
             results.append({
+                "tflops": point.flops() / seconds / 1e12,
                 "setting": setting,
                 "splits": splits,
                 "tile": tile,
@@ -213,6 +237,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from ringfence.actors.model.kernels.paged_attention import TILE_N
     from ringfence.actors.tools.bench.decode_inproc import copy_bandwidth
 
     quick = args.quick
@@ -220,15 +245,15 @@ def main(args: argparse.Namespace) -> int:
     shape = QUICK_SHAPE if quick else GPU_SHAPE
     seqs = [int(n) for n in (args.seqs or ("1,3" if quick else "1,8,64,256")).split(",")]
     contexts = [int(n) for n in (args.context or ("40" if quick else "512,4096,16384")).split(",")]
-    from ringfence.actors.model.kernels.paged_attention import TILE_N
-
     settings = parse_splits(args.splits or ("1,3" if quick else "1,auto,graph"))
     tiles = [int(n) for n in (args.tiles or str(TILE_N)).split(",")]
     if any(t < 16 or t & (t - 1) for t in tiles):
         raise ValueError(f"--tiles: each must be a power of two of at least 16, got {tiles}")
     rounds = args.rounds if args.rounds is not None else 1 if quick else 20
-    if min(seqs) < 1 or min(contexts) < 1 or rounds < 1:
-        raise ValueError("--seqs, --context and --rounds must be positive")
+    if min(seqs) < 1 or min(contexts) < 1 or rounds < 1 or args.chunk < 1:
+        raise ValueError("--seqs, --context, --chunk and --rounds must be positive")
+    if args.chunk > min(contexts):
+        raise ValueError(f"--chunk {args.chunk} is longer than a context of {min(contexts)}")
     bandwidth = copy_bandwidth(torch, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreted"
     itemsize = 2 if device.type == "cuda" else 4  # bfloat16 there, float32 in the interpreter
@@ -236,11 +261,12 @@ def main(args: argparse.Namespace) -> int:
         f"paged attention alone on {device} ({name}): "
         f"{shape['heads']} heads, {shape['kv_heads']} KV heads, head_dim {shape['head_dim']}, "
         f"{shape['layers']} layers, block size {shape['block_size']}; "
+        f"{'decodes' if args.chunk == 1 else f'prefill chunks of {args.chunk} tokens'}; "
         f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s"
     )
     print(
         f"{'N':>4} {'context':>8} {'setting':>8} {'splits':>6} {'tile':>4} {'us/layer':>9} "
-        f"{'GB/s':>8} {'roofline':>8} {'speedup':>8} {'max diff':>9}"
+        f"{'GB/s':>8} {'roofline':>8} {'TFLOP/s':>8} {'speedup':>8} {'max diff':>9}"
     )
     points = []
     for n in seqs:
@@ -252,7 +278,7 @@ def main(args: argparse.Namespace) -> int:
                 print(f"{n:>4} {context:>8} skipped: {point_report['skipped']}")
                 points.append(point_report)
                 continue
-            point = Point(torch, shape, n, context, device)
+            point = Point(torch, shape, n, context, device=device, chunk=args.chunk)
             point_report["kv_bytes"] = point.kv_bytes()
             options = {
                 "rounds": rounds,
@@ -264,21 +290,24 @@ def main(args: argparse.Namespace) -> int:
                 print(
                     f"{n:>4} {context:>8} {r['setting']!s:>8} {r['splits']:>6} {r['tile']:>4} "
                     f"{r['us']:>9.1f} "
-                    f"{r['gbps']:>8.1f} {r['roofline']:>8.2f} {r['speedup']:>7.2f}x "
+                    f"{r['gbps']:>8.1f} {r['roofline']:>8.2f} {r['tflops']:>8.2f} "
+                    f"{r['speedup']:>7.2f}x "
                     f"{r['max_diff']:>9.2g}"
                 )
             points.append(point_report)
             del point
     print(
         "us/layer: one layer's attention of the step (a graph of every layer replayed on CUDA); "
-        "GB/s: its KV bytes over that; roofline: over the copy bandwidth; speedup: against "
-        "the first setting; max diff: its output against the first's"
+        "GB/s: its KV bytes over that; roofline: over the copy bandwidth; TFLOP/s: its "
+        "products over that; speedup: against the first setting; max diff: its output "
+        "against the first's"
     )
     if args.json is not None:
         report = {
             "device": str(device),
             "copy_gbps": bandwidth / 1e9,
             "shape": shape,
+            "chunk": args.chunk,
             "rounds": rounds,
             "points": points,
         }

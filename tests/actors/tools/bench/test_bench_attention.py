@@ -68,3 +68,20 @@ def test_each_tile_is_timed_and_attends_alike(
     assert cli.main([*argv, "--tiles", "24"]) == 2
     err = capsys.readouterr().err
     assert "--tiles: each must be a power of two of at least 16, got [24]" in err
+
+
+@needs_triton
+def test_a_prefill_chunk_is_read_whole_and_counted_in_products(tmp_path: Path) -> None:
+    path = tmp_path / "attention.json"
+    argv = ["bench", "attention", "--quick", "--device", "cpu", "--seqs", "2", "--json", str(path)]
+    assert cli.main([*argv, "--chunk", "8"]) == 0
+    report = orjson.loads(path.read_bytes())
+    assert report["chunk"] == 8
+    (point,) = report["points"]
+    assert [r["splits"] for r in point["settings"]] == [1, 1], "a chunk is never split"
+    # 2 sequences x 8 queries at positions 32..39, each seeing every key up to its own.
+    products = 4 * 4 * 16 * 2 * sum(33 + t for t in range(8))
+    for r in point["settings"]:
+        assert r["tflops"] == pytest.approx(products / (r["us"] * 1e-6) / 1e12)
+        assert r["max_diff"] == 0.0
+    assert cli.main([*argv, "--chunk", "41"]) == 2, "a chunk longer than its context"
