@@ -121,8 +121,10 @@ class DecodeGraphs:
         context is longer than one share (else read whole, as a short context reads fastest:
         no merge)."""
         bucket = next(b for b in self.buckets if b >= len(pieces))
-        longest = max(p.start + 1 for p in pieces)
-        return Variant(bucket, self.splits_of(bucket) if longest > SPLIT_KEYS else 1)
+        keys = max(p.start + 1 for p in pieces)  # the most keys a piece sees, within a window
+        window = self.model.config.sliding_window
+        keys = keys if window is None else min(keys, window)
+        return Variant(bucket, self.splits_of(bucket) if keys > SPLIT_KEYS else 1)
 
     def splits_of(self, bucket: int) -> int:
         """The split of ``bucket``'s graph for long contexts, as the widest table would be

@@ -45,9 +45,10 @@ class TritonAttention:
     def prepare(self, pieces: Sequence[Piece]) -> TritonStep:
         tensors = step_tensors(pieces, self.block_size, self.group, self.kv.device)
         if all(len(p.token_ids) == 1 for p in pieces):  # a decode-only step
-            longest = max(p.start + 1 for p in pieces)
+            keys = max(p.start + 1 for p in pieces)  # the most a piece sees, within a window
+            keys = keys if self.window is None else min(keys, self.window)
             programs = len(pieces) * self.kv_heads
-            splits = split_count(programs, longest, self.kv.device, self.splits)
+            splits = split_count(programs, keys, self.kv.device, self.splits)
             tensors = tensors._replace(splits=splits, split_keys=SPLIT_KEYS)
         return TritonStep(self.kv, tensors, self.window)
 

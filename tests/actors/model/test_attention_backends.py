@@ -338,6 +338,21 @@ def test_a_graphs_padded_bucket_computes_the_eager_steps_logits_and_writes_only_
 
 
 @needs_triton
+def test_a_graph_splits_only_a_context_longer_than_a_share_within_its_window(monkeypatch) -> None:
+    from ringfence.actors.model import graphs as graphs_module
+    from ringfence.actors.model.graphs import DecodeGraphs
+
+    force_splits(monkeypatch, 3)
+    monkeypatch.setattr(graphs_module, "SPLIT_KEYS", 4)
+    for window, expected in ((None, 3), (3, 1), (5, 3)):
+        model = model_of("tiny", torch.float64, window)
+        graphs = DecodeGraphs(model, executor(model, attention="triton").kv, max_batch=4)
+        long, short = piece([1], 9, [0, 1, 2]), piece([1], 3, [4])
+        assert graphs.variant([long, short]) == (2, expected), window
+        assert graphs.variant([short]) == (1, 1), "4 keys: one share"
+
+
+@needs_triton
 @pytest.mark.parametrize("splits", [1, 3])
 def test_the_padding_rows_a_capture_at_start_runs_write_and_read_no_kv(
     monkeypatch, splits: int
