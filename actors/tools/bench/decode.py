@@ -12,7 +12,8 @@ For each batch size N of ``--seqs`` (1, 8, 64, 256 on CUDA; 1, 8, 64 on the CPU)
 2. the Worker's forward alone at N sequences of ``--prompt-tokens`` context
    (``bench worker``'s paged decode, ``--forward-steps`` steps);
 3. transformers on a static cache: compiled with ``reduce-overhead`` on CUDA, eager on the
-   CPU (``decode_inproc.py`` says why);
+   CPU (``decode_inproc.py`` says why), at each N of ``--transformers-seqs`` (every N unless
+   given: a compile per batch size is most of the benchmark's time on a GPU);
 4. the roofline: the bytes a decode step reads (weights and the context's KV) over the
    device's measured copy bandwidth, and each step's ratio to it (1.0 is the hardware's pace);
 5. where the forward's time goes: its kernels grouped by class from torch's profiler, per
@@ -106,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="launch again with this override as well, beside the first (repeatable)",
     )
     parser.add_argument("--vs-seqs", help="the batch sizes of the --vs launches (every N)")
+    parser.add_argument(
+        "--transformers-seqs", help="the batch sizes transformers is timed at (every N)"
+    )
 
 
 def seqs_of(args: argparse.Namespace, cuda: bool) -> tuple[int, ...]:
@@ -144,6 +148,7 @@ def bench_decode(
     folder = args.folder or Path(tempfile.mkdtemp(prefix="ringfence-bench-decode-"))
     seqs = seqs_of(args, cuda)
     vs_seqs = _vs_seqs(args, seqs, cuda)
+    hf_seqs = _some_seqs(args.transformers_seqs, "--transformers-seqs", seqs)
     points: list[dict[str, Any]] = []
     report: dict[str, Any] = {
         "environment": environment(),
@@ -179,16 +184,27 @@ def bench_decode(
             )
             points[-1].setdefault("vs", {})[extra] = beside
             save(report)
-    return _in_process(args, transformers, save, report, shape, preset, counts)
+    return _in_process(args, transformers, save, report, shape, preset, counts | {"hf": hf_seqs})
 
 
 def _vs_seqs(args: argparse.Namespace, seqs: tuple[int, ...], cuda: bool) -> tuple[int, ...]:
     """The batch sizes of the ``--vs`` launches; ValueError naming a bad option."""
     if bad := [kv for kv in args.vs if "=" not in kv]:
         raise ValueError(f"--vs: {bad[0]!r} is not KEY=VALUE")
-    if args.vs_seqs is None:
+    return _some_seqs(args.vs_seqs, "--vs-seqs", seqs)
+
+
+def _some_seqs(text: str | None, option: str, seqs: tuple[int, ...]) -> tuple[int, ...]:
+    """The batch sizes of ``seqs`` that ``option`` names (every one when None; a size it
+    names that ``--seqs`` lacks has no point to apply to); ValueError naming it for a list
+    that is not of batch sizes."""
+    if text is None:
         return seqs
-    return seqs_of(argparse.Namespace(seqs=args.vs_seqs, quick=args.quick), cuda)
+    try:
+        some = seqs_of(argparse.Namespace(seqs=text, quick=False), cuda=False)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--seqs", option, 1)) from None
+    return tuple(n for n in seqs if n in some)
 
 
 def _in_process(  # noqa: PLR0917
@@ -198,10 +214,11 @@ def _in_process(  # noqa: PLR0917
     report: dict[str, Any],
     shape: ModelShape,
     preset: str | None,
-    counts: dict[str, int],
+    counts: dict[str, Any],
 ) -> dict[str, Any]:
     """The measurements in this process, after the launches: the forward alone,
-    transformers, the roofline and the kernels, at each point of ``report``."""
+    transformers (at the batch sizes ``counts["hf"]``), the roofline and the kernels, at
+    each point of ``report``."""
     import torch
 
     from ringfence.actors.tools.bench import decode_inproc as inproc
@@ -223,9 +240,11 @@ def _in_process(  # noqa: PLR0917
         n, context, steps = point["seqs"], counts["prompt_tokens"], counts["forward_steps"]
         forward_ms = inproc.forward_alone(model, hf, n, context, steps)
         contexts = [[gen.randrange(shape.vocab_size) for _ in range(context)] for _ in range(n)]
-        theirs = inproc.transformers_static(
-            torch, transformers, hf, contexts, steps=steps, compile=cuda
-        )
+        theirs = None
+        if n in counts["hf"]:
+            theirs = inproc.transformers_static(
+                torch, transformers, hf, contexts, steps=steps, compile=cuda
+            )
         launch_context = context + counts["output_tokens"] / 2  # the mean over the decode
         floor = {
             "forward": inproc.step_bytes(model, n, context + steps / 2) / bandwidth * 1e3,
@@ -262,7 +281,9 @@ def _roofline(floor: dict[str, float], point: dict[str, Any]) -> dict[str, Any]:
         "floor_ms": floor,
         "launch": floor["launch"] / point["launch"]["step"]["step_ms"],
         "forward": floor["forward"] / point["forward"]["step_ms"],
-        "transformers": floor["forward"] / point["transformers"]["step_ms"],
+        "transformers": None
+        if point["transformers"] is None
+        else floor["forward"] / point["transformers"]["step_ms"],
     }
 
 

@@ -22,6 +22,10 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def print_report(report: dict[str, Any]) -> None:
     """The figures of ``report`` as a few lines and one table row per batch size."""
     model, counts = report["model"], report["counts"]
@@ -45,7 +49,7 @@ def print_report(report: dict[str, Any]) -> None:
         parts = step["parts_ms"]
         busy, cycle = step["device_busy"], step["worker_cycle"]["over_exec"]
         turn = step["engine_turn"]["turn_ms"]
-        roof = point["roofline"]
+        roof, hf = point["roofline"], point["transformers"]
         print(
             f"{point['seqs']:>4} {launch['output_tokens_per_s']:>9.1f} "
             f"{_ms(launch['ttft_p50_ms']):>8} {_ms(launch['tpot_p50_ms']):>8} "
@@ -53,17 +57,17 @@ def print_report(report: dict[str, Any]) -> None:
             + " ".join(f"{_ms(parts[p]):>7}" for p in PARTS)
             + f" {'n/a' if busy is None else f'{busy:.0%}':>5}"
             + f" {'n/a' if cycle is None else f'{cycle:.2f}':>5} {_ms(turn):>6} | "
-            f"{point['forward']['step_ms']:>8.2f} {point['transformers']['step_ms']:>7.2f} "
+            f"{point['forward']['step_ms']:>8.2f} {_ms(hf and hf['step_ms']):>7} "
             f"{roof['floor_ms']['forward']:>7.3f} | {roof['launch']:.3f} {roof['forward']:.3f} "
-            f"{roof['transformers']:.3f}"
+            f"{_ratio(roof['transformers'])}"
         )
-    hows = sorted({point["transformers"]["how"] for point in report["points"]})
+    hows = sorted({p["transformers"]["how"] for p in report["points"] if p["transformers"]})
     print(
         "milliseconds per decode step; TTFT/TPOT in ms; busy: the forward's share of the "
         "steady decode; cycle: the Worker's step-to-step time over its execution (1.0: it "
         "never waits); turn: the engine's, from a result to the next step issued (two in "
         "flight hide it while it is under fwd + sample); hf: transformers on a static "
-        f"cache, {', '.join(hows)}; roofline: "
+        f"cache, {', '.join(hows) or 'not timed'}; roofline: "
         "floor / step (1.0 is the hardware's pace)"
     )
     if report["log_level"] == "info":
@@ -135,9 +139,10 @@ def write_plot(path: str | os.PathLike[str], report: dict[str, Any]) -> None:
         steps.bar(left, heights, width, bottom=bottom, label=f"launch: {part}", color=COLORS[part])
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     sides = (("forward alone", "forward", "#8172b3"), ("transformers", "transformers", "#937860"))
-    for offset, (name, key, color) in enumerate(sides):
-        steps.bar([x - (0.5 - offset) * width for x in xs], [p[key]["step_ms"] for p in points],
-                  width, label=name, color=color)  # fmt: skip
+    for offset, (name, key, color) in enumerate(sides):  # an N transformers skipped: no bar
+        heights = [p[key]["step_ms"] if p[key] else 0.0 for p in points]
+        steps.bar([x - (0.5 - offset) * width for x in xs], heights, width, label=name,
+                  color=color)  # fmt: skip
     floor = [p["roofline"]["floor_ms"]["forward"] for p in points]
     steps.bar([x + 1.5 * width for x in xs], floor, width, label="roofline floor", color="black")
     steps.set_yscale("log")
@@ -149,7 +154,9 @@ def write_plot(path: str | os.PathLike[str], report: dict[str, Any]) -> None:
         f"{report['device']}: {model['checkpoint'] or model['preset']}, {model['dtype']}"
     )
     for name, key in (("launch", "launch"), ("forward alone", "forward"), ("hf", "transformers")):
-        roofs.plot(xs, [p["roofline"][key] for p in points], marker="o", label=name)
+        ys = [p["roofline"][key] for p in points]
+        shown = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+        roofs.plot([x for x, _ in shown], [y for _, y in shown], marker="o", label=name)
     roofs.set_yscale("log")
     roofs.set_ylabel("fraction of the roofline")
     roofs.set_xlabel("sequences decoding together (N)")

@@ -11,6 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
+from ringfence.actors.tools.bench import decode as decode_bench
+from ringfence.actors.tools.bench import decode_report
 from ringfence.actors.tools.bench.decode import seqs_of
 from ringfence.actors.tools.bench.decode_launch import Shape, settings, step_split, write_workload
 from ringfence.actors.tools.bench.launcher import RunError
@@ -181,10 +183,13 @@ def check_point(point: dict[str, Any], counts: dict[str, int]) -> None:
     assert roof["forward"] == pytest.approx(
         roof["floor_ms"]["forward"] / point["forward"]["step_ms"]
     )
-    assert roof["transformers"] == pytest.approx(
-        roof["floor_ms"]["forward"] / point["transformers"]["step_ms"]
-    )
-    assert point["transformers"]["how"] == "eager"  # the CPU: no compile
+    if point["transformers"] is None:  # an N not among --transformers-seqs
+        assert roof["transformers"] is None
+    else:
+        assert roof["transformers"] == pytest.approx(
+            roof["floor_ms"]["forward"] / point["transformers"]["step_ms"]
+        )
+        assert point["transformers"]["how"] == "eager"  # the CPU: no compile
     kernels = point["kernels"]  # the forward's CPU ops, grouped (decode_kernels.py)
     assert kernels["device"] == "cpu" and kernels["steps"] >= 1 and kernels["weights_floor_ms"] > 0
     classes = kernels["classes"]
@@ -196,7 +201,8 @@ def check_point(point: dict[str, Any], counts: dict[str, int]) -> None:
 
 # Each batch size is a launch of its own, then the forward alone and transformers' at that
 # size. CI runs the quick form at N = 4 alone (every side, every figure and the plot); the
-# quick form's own sizes (1 and 4: two launches, the table's two lines) run with -m slow.
+# quick form's own sizes (1 and 4: two launches, the table's two lines) run with -m slow,
+# transformers timed at N = 4 alone.
 @pytest.mark.parametrize(
     ("seqs", "sizes"),
     [pytest.param(None, [1, 4], marks=pytest.mark.slow, id="quick-1-4"), ("4", [4])],
@@ -210,12 +216,13 @@ def test_the_quick_decode_bench_reports_every_side_at_each_batch_size(
     argv = ["bench", "decode", "--quick", "--threads", "1", "--folder", str(tmp_path / "runs")]
     argv += ["--seqs", seqs] if seqs else []
     vs = "sched.steps_in_flight=2"
-    argv += ["--vs", vs, "--vs-seqs", "4"]
+    argv += ["--vs", vs, "--vs-seqs", "4", "--transformers-seqs", "4"]
     assert cli.main([*argv, "--json", str(path), "--plot", str(png)]) == 0
     report = orjson.loads(path.read_bytes())
     assert report["model"]["preset"] == "tiny" and report["model"]["dtype"] == "float32"
     assert report["counts"] == {"prompt_tokens": 8, "output_tokens": 4, "forward_steps": 2}
     assert [p["seqs"] for p in report["points"]] == sizes
+    assert [p["transformers"] is not None for p in report["points"]] == [n == 4 for n in sizes]
     assert report["copy_bandwidth_gb_s"] > 0 and report["log_level"] == "trace"
     for point in report["points"]:
         check_point(point, report["counts"])
@@ -269,3 +276,39 @@ def test_a_gpus_kernels_are_grouped_by_class_per_step_and_the_costliest_named():
     costliest = [kernel["name"] for kernel in grouped["costliest"]]
     assert costliest == [rows[0][0], "_paged_attention", rows[1][0], rows[8][0], "_rms_norm_rows"]
     assert grouped["costliest"][0] == pytest.approx({"name": rows[0][0], "count": 64, "ms": 0.9})
+
+
+def test_a_batch_size_transformers_skipped_is_reported_and_drawn_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--transformers-seqs`` picks sizes of ``--seqs`` (a bad list is named); a point
+    without transformers prints n/a and plots without its bar."""
+    seqs = (1, 8, 64)
+    assert decode_bench._some_seqs(None, "--transformers-seqs", seqs) == seqs
+    assert decode_bench._some_seqs("64,4", "--transformers-seqs", seqs) == (64,)
+    with pytest.raises(ValueError, match=r"^--transformers-seqs: '4,x' is not a comma"):
+        decode_bench._some_seqs("4,x", "--transformers-seqs", seqs)
+    pytest.importorskip("matplotlib", reason="--plot draws with matplotlib")
+    step = {
+        "step_ms": 2.0, "device_busy": 0.5, "between_ms": 1.0,
+        "parts_ms": {"forward": 1.0, "sampling": 0.2, "engine": 0.3, "idle": 0.5},
+        "worker_cycle": {"over_exec": 1.1}, "engine_turn": {"turn_ms": 0.4},
+    }  # fmt: skip
+    launch = {"output_tokens_per_s": 100.0, "ttft_p50_ms": 5.0, "tpot_p50_ms": 2.0}
+    launch |= {"tpot_p90_ms": 2.5, "step": step}
+    roof = {"floor_ms": {"forward": 0.1, "launch": 0.1}, "launch": 0.05, "forward": 0.1}
+    point = {"seqs": 1, "launch": launch, "forward": {"step_ms": 1.0}, "transformers": None}
+    point["roofline"] = roof | {"transformers": None}
+    report = {
+        "torch": "t", "transformers": "h", "device": "cpu", "threads": 1, "log_level": "trace",
+        "model": {"checkpoint": None, "preset": "tiny", "parameters": 1, "dtype": "float32"},
+        "counts": {"prompt_tokens": 8, "output_tokens": 4}, "copy_bandwidth_gb_s": 1.0,
+        "points": [point],
+    }  # fmt: skip
+    decode_report.print_report(report)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("   1 "))
+    assert row.split()[-1] == "n/a" and row.split()[-6] == "n/a", "hf's step and its roofline"
+    assert "transformers on a static cache, not timed" in out
+    decode_report.write_plot(tmp_path / "plot.png", report)
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
