@@ -17,7 +17,8 @@ writer from a dead one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from ringfence.shm.doorbell import Doorbell
@@ -136,6 +137,12 @@ class Watermark:
             return None
         return ProcessStamp(pid=pid, start_ticks=self._words[self._base + _TICKS])
 
+    def writer_gone(self) -> bool:
+        """Whether a writer claimed this watermark and its process is gone: the value will
+        not advance until another claims it."""
+        writer = self.writer()
+        return writer is not None and not writer.is_alive()
+
     def wait_for(self, target: int, timeout: float, bell: Doorbell) -> int:
         """Wait until the value reaches ``target``, sleeping on the caller's own ``bell``.
 
@@ -160,3 +167,25 @@ class Watermark:
         return WaitTimeout(
             f"watermark {self.name} at {self.value()} did not reach {target}{suffix}"
         )
+
+
+def wait_or_gone(
+    marks: Sequence[Watermark],
+    target: int,
+    *,
+    timeout: float,
+    wait: Callable[[Callable[[], bool], float], bool],
+    look_every: float,
+) -> list[Watermark]:
+    """Wait until every watermark of ``marks`` reaches ``target``, or until each one short of
+    it has a writer that is gone (it will not advance), or ``timeout`` seconds pass; the ones
+    still short (empty: all reached). ``wait(ready, seconds)`` sleeps on the caller's doorbell,
+    which a live writer rings as it advances; a writer that dies rings nothing, so the wait
+    wakes every ``look_every`` seconds to look at the writers."""
+    deadline = time.monotonic() + timeout
+    while short := [m for m in marks if m.value() < target]:
+        left = deadline - time.monotonic()
+        if left <= 0 or all(m.writer_gone() for m in short):
+            return short
+        wait(lambda: all(m.value() >= target for m in marks), min(left, look_every))
+    return []

@@ -61,6 +61,7 @@ from ringfence.runtime.actor import Actor, handles
 from ringfence.runtime.messages import Tick
 from ringfence.sched.scheduler import Scheduler
 from ringfence.sched.workload import returning_turns
+from ringfence.shm.counter import wait_or_gone
 
 
 class Engine(Actor):
@@ -355,15 +356,23 @@ class Engine(Actor):
         return counters_of(self.scheduler, self.config.transfer.mode, self.bytes)
 
     def _drain_store(self) -> None:
-        """Wait (with a deadline) until every rank's store lane did every op sent to it."""
+        """Wait (with a deadline) until every rank's store lane did every op sent to it, or
+        until each that has not is gone (a run whose supervisor died: its lanes stop too,
+        and a dead lane's watermark never advances, so waiting on would only hold this
+        process to the deadline)."""
         last = self.ledger.last_sent(Lane.STORE)
         if last == 0 or LANES not in self.ctx.counters:
             return
         block = self.ctx.counters[LANES]
         marks = [lane_counter(block, rank, Lane.STORE) for rank in range(self.ranks)]
-        if not self.wait_until(
-            lambda: all(m.value() >= last for m in marks),
+        short = wait_or_gone(
+            marks,
+            last,
             timeout=self.config.engine.drain_timeout_s,
-        ):
+            wait=lambda ready, seconds: self.wait_until(ready, timeout=seconds),
+            look_every=self.ctx.runtime.heartbeat_s,
+        )
+        if short:
             done = min(m.value() for m in marks)
-            self.log.warning("engine.drain_timeout", store_done=done, last_sent=last)
+            gone = [m.name for m in short if m.writer_gone()]
+            self.log.warning("engine.drain_timeout", store_done=done, last_sent=last, gone=gone)

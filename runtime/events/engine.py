@@ -53,7 +53,10 @@ ENGINE_EVENTS: Final[dict[str, Event]] = {
         "error", "error", "a setting does not fit the model the Worker loaded: the run ends"
     ),
     "engine.drain_timeout": event(
-        "warning", "store_done last_sent", "at stop, the store lane's writes were not all done"
+        "warning",
+        "store_done last_sent gone",
+        "at stop, the store lane's writes were not all done: by engine.drain_timeout_s, or "
+        "the lanes not done were gone (gone: their watermarks)",
     ),
     "request.arrive": event(
         "info", "request seq_id prompt_tokens max_tokens arrival_s", "a request was queued"

@@ -13,7 +13,7 @@ import pytest
 
 from ringfence.actors.tools.testing.shm import reap
 from ringfence.shm import names
-from ringfence.shm.counter import CounterBlock
+from ringfence.shm.counter import CounterBlock, wait_or_gone
 from ringfence.shm.doorbell import Doorbell, SpinPolicy
 from ringfence.shm.errors import ActorDead, SegmentLayoutError, WaitTimeout
 from ringfence.shm.segment import Segment
@@ -252,3 +252,32 @@ def test_a_signal_handled_during_a_blocked_wait_is_a_wake_up_not_an_error(run_id
         signal.signal(signal.SIGUSR1, previous)
         bell.close()
         bell.unlink()
+
+
+def test_waiting_on_watermarks_ends_when_each_short_of_the_target_lost_its_writer(block):
+    """A writer that died rings no bell: the wait looks at the writers each ``look_every``
+    and ends with the marks still short, long before its deadline (an engine's drain of a
+    store lane that stopped first: docs/design.md, "Epochs and restarts")."""
+    marks, bell = block
+    proc = SPAWN.Process(target=peers.counter_writer, args=(marks.segment.name, bell.name, 3))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0
+    target = 4 << 32 | 4  # past the writer's last value, 3 << 32 | 3
+    marks[1].advance(target)  # reached: never waited for
+    started = time.monotonic()
+    short = wait_or_gone(
+        [marks[0], marks[1]], target, timeout=30.0, wait=bell.wait_until, look_every=0.05
+    )
+    assert short == [marks[0]] and marks[0].writer_gone()
+    assert time.monotonic() - started < 10.0, "held to the deadline by a dead writer"
+
+
+def test_waiting_on_watermarks_keeps_to_the_deadline_while_a_writer_lives(block):
+    marks, bell = block
+    marks[2].claim()  # this process: alive
+    assert wait_or_gone([marks[2]], 1, timeout=0.1, wait=bell.wait_until, look_every=0.02) == [
+        marks[2]
+    ]
+    marks[2].advance(1)
+    assert wait_or_gone([marks[2]], 1, timeout=0.0, wait=bell.wait_until, look_every=0.02) == []
