@@ -289,15 +289,24 @@ def test_a_batch_size_transformers_skipped_is_reported_and_drawn_without_it(
     with pytest.raises(ValueError, match=r"^--transformers-seqs: '4,x' is not a comma"):
         decode_bench._some_seqs("4,x", "--transformers-seqs", seqs)
     pytest.importorskip("matplotlib", reason="--plot draws with matplotlib")
-    step = {
+    step: dict[str, Any] = {
         "step_ms": 2.0, "device_busy": 0.5, "between_ms": 1.0,
         "parts_ms": {"forward": 1.0, "sampling": 0.2, "engine": 0.3, "idle": 0.5},
         "worker_cycle": {"over_exec": 1.1}, "engine_turn": {"turn_ms": 0.4},
     }  # fmt: skip
-    launch = {"output_tokens_per_s": 100.0, "ttft_p50_ms": 5.0, "tpot_p50_ms": 2.0}
-    launch |= {"tpot_p90_ms": 2.5, "step": step}
-    roof = {"floor_ms": {"forward": 0.1, "launch": 0.1}, "launch": 0.05, "forward": 0.1}
-    point = {"seqs": 1, "launch": launch, "forward": {"step_ms": 1.0}, "transformers": None}
+    launch: dict[str, Any] = {"output_tokens_per_s": 100.0, "ttft_p50_ms": 5.0}
+    launch |= {"tpot_p50_ms": 2.0, "tpot_p90_ms": 2.5, "step": step}
+    roof: dict[str, Any] = {
+        "floor_ms": {"forward": 0.1, "launch": 0.1},
+        "launch": 0.05,
+        "forward": 0.1,
+    }
+    point: dict[str, Any] = {
+        "seqs": 1,
+        "launch": launch,
+        "forward": {"step_ms": 1.0},
+        "transformers": None,
+    }
     point["roofline"] = roof | {"transformers": None}
     report = {
         "torch": "t", "transformers": "h", "device": "cpu", "threads": 1, "log_level": "trace",
