@@ -19,7 +19,8 @@ float64 for float64 KV), so a split step's output equals the unsplit one's to th
 multiprocessor busy, no more than :data:`MOST_SPLITS`, and none for a step that already has
 that many programs (a batch of 64 decodes of 8 KV heads is 512). The kernel itself uses
 fewer shares for a context shorter than ``splits * split_keys``, so a CUDA graph captured
-with its bucket's ``splits`` serves short and long contexts alike.
+with its bucket's ``splits`` serves every context longer than one share (``graphs.py``
+replays the bucket's whole graph for shorter ones: no merge).
 """
 
 # Triton's kernels take untyped pointers and its decorator is untyped.
