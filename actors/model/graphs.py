@@ -41,7 +41,12 @@ from ringfence.actors.model.decoder import Model
 from ringfence.actors.model.host import copy_in, to_device
 from ringfence.actors.model.kernels.backend import TritonStep, table_rows
 from ringfence.actors.model.kernels.paged_attention import StepTensors, tile_rows
-from ringfence.actors.model.kernels.split_keys import MOST_SPLITS, SPLIT_KEYS, split_count
+from ringfence.actors.model.kernels.split_keys import (
+    MOST_SPLITS,
+    SPLIT_KEYS,
+    decode_keys,
+    split_count,
+)
 from ringfence.sched.ops import Piece
 
 if TYPE_CHECKING:
@@ -121,9 +126,7 @@ class DecodeGraphs:
         context is longer than one share (else read whole, as a short context reads fastest:
         no merge)."""
         bucket = next(b for b in self.buckets if b >= len(pieces))
-        keys = max(p.start + 1 for p in pieces)  # the most keys a piece sees, within a window
-        window = self.model.config.sliding_window
-        keys = keys if window is None else min(keys, window)
+        keys = decode_keys((p.start for p in pieces), self.model.config.sliding_window)
         return Variant(bucket, self.splits_of(bucket) if keys > SPLIT_KEYS else 1)
 
     def splits_of(self, bucket: int) -> int:

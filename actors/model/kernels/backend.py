@@ -24,6 +24,7 @@ from ringfence.actors.model.kernels.split_keys import (
     SPLIT_KEYS,
     Partials,
     acc_dtype,
+    decode_keys,
     split_count,
 )
 from ringfence.sched.ops import Piece
@@ -45,8 +46,7 @@ class TritonAttention:
     def prepare(self, pieces: Sequence[Piece]) -> TritonStep:
         tensors = step_tensors(pieces, self.block_size, self.group, self.kv.device)
         if all(len(p.token_ids) == 1 for p in pieces):  # a decode-only step
-            keys = max(p.start + 1 for p in pieces)  # the most a piece sees, within a window
-            keys = keys if self.window is None else min(keys, self.window)
+            keys = decode_keys((p.start for p in pieces), self.window)
             programs = len(pieces) * self.kv_heads
             splits = split_count(programs, keys, self.kv.device, self.splits)
             tensors = tensors._replace(splits=splits, split_keys=SPLIT_KEYS)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -65,6 +66,13 @@ class Partials(NamedTuple):
 def acc_dtype(kv_dtype: torch.dtype) -> torch.dtype:
     """The dtype the kernel accumulates in, and the shares are kept in."""
     return torch.float64 if kv_dtype == torch.float64 else torch.float32
+
+
+def decode_keys(starts: Iterable[int], window: int | None) -> int:
+    """The most keys a decode at one of ``starts`` (its position) sees: its position and all
+    before it, or the last ``window`` of them."""
+    keys = max(start + 1 for start in starts)
+    return keys if window is None else min(keys, window)
 
 
 @functools.cache
